@@ -1,0 +1,32 @@
+# The two commands a new user runs are `make demo` and `make test`; both set themselves up.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard protos/silod/v1/*.proto)
+
+.PHONY: demo test proto venv clean
+
+# A fresh machine needs only Python 3.11; everything else is installed into .venv.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install --quiet --upgrade pip
+	@$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+# Regenerate the Python code and typed stubs from protos/ into silod/v1 (committed).
+proto: $(STAMP)
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m grpc_tools.protoc -Iprotos \
+	  --python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTOS)
+
+demo: $(STAMP)
+	$(BIN)/python -m silod.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

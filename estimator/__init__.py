@@ -1,0 +1,1 @@
+"""Estimator service: the SiloD cache/IO model and Pollux goodput model behind EstimatorService."""

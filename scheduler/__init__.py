@@ -1,0 +1,1 @@
+"""Scheduler: JobService (job front door) and AllocationService (versioned plans)."""

@@ -1,0 +1,1 @@
+"""Server-side runtime shared by every silod process, and the metadata store."""

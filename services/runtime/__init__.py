@@ -1,0 +1,1 @@
+"""What every silod gRPC process shares: settings, server bootstrap, interceptors, clients."""

@@ -1,0 +1,114 @@
+"""Settings shared by every service, read from (highest first) command-line flags,
+``SILOD_*`` environment variables, a YAML or TOML config file, and defaults.
+
+Each service subclasses :class:`ServiceSettings`; its fields become ``--flags`` of its
+``silod`` subcommand and ``SILOD_<FIELD>`` environment variables, so every option is
+described once, in the field's ``description``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+
+class ConfigError(Exception):
+    """A setting is missing or malformed; the message names the setting and its source."""
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SILOD_", extra="forbid")
+
+    listen: str = Field("127.0.0.1:0", description="HOST:PORT the gRPC server binds; port 0 picks a free one")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="TCP port of the Prometheus /metrics endpoint; 0 disables it"
+    )
+    metrics_host: str = Field("127.0.0.1", description="Host the Prometheus endpoint binds")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest log level written")
+    log_format: Literal["json", "text"] = Field("json", description="json: one JSON object per line; text: for humans")
+    auth_token: str = Field(
+        "",
+        description="Shared bearer token; when set, every call except health checks must send "
+        "'authorization: Bearer <token>'",
+    )
+    tls_cert_file: str = Field("", description="PEM server certificate; with tls_key_file enables TLS")
+    tls_key_file: str = Field("", description="PEM private key of tls_cert_file")
+    shutdown_grace_s: float = Field(
+        10.0, ge=0, description="Seconds in-flight calls get to finish after SIGTERM/SIGINT"
+    )
+    ready_file: str = Field(
+        "",
+        description="If set, the bound address (HOST:PORT) is written to this file once serving; "
+        "lets launchers use port 0",
+    )
+
+
+S = TypeVar("S", bound=ServiceSettings)
+
+
+def load_settings(cls: type[S], config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> S:
+    """Build ``cls`` from overrides (flags), the environment, ``config_file`` and defaults.
+
+    ``config_file`` may also come from ``SILOD_CONFIG``. Raises :class:`ConfigError` with a
+    message naming each bad setting.
+    """
+    config_file = config_file or os.environ.get("SILOD_CONFIG") or None
+    file_sources: list[type[PydanticBaseSettingsSource]] = []
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config: file {str(path)!r} does not exist")
+        suffix = path.suffix.lower()
+        if suffix in (".yaml", ".yml"):
+            source = lambda s: YamlConfigSettingsSource(s, yaml_file=path)  # noqa: E731
+        elif suffix == ".toml":
+            source = lambda s: TomlConfigSettingsSource(s, toml_file=path)  # noqa: E731
+        else:
+            raise ConfigError(f"config: {str(path)!r} must end in .yaml, .yml or .toml")
+    else:
+        source = None
+
+    class _Loaded(cls):  # type: ignore[valid-type, misc]
+        @classmethod
+        def settings_customise_sources(
+            cls_,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources = [init_settings, env_settings]
+            if source is not None:
+                sources.append(source(settings_cls))
+            return tuple(sources)
+
+    _Loaded.__name__ = cls.__name__
+    _Loaded.__qualname__ = cls.__qualname__
+    try:
+        return _Loaded(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(problems) from None
+    except Exception as exc:  # malformed YAML/TOML
+        raise ConfigError(f"config: cannot read {config_file}: {exc}") from None
+
+
+def split_host_port(address: str, *, field: str = "listen") -> tuple[str, int]:
+    """Parse ``HOST:PORT`` (IPv6 as ``[::1]:PORT``); raise ConfigError naming ``field``."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{field}: expected HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,5 @@
+import sys
+
+from silod.cli.main import main
+
+sys.exit(main())

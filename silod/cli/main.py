@@ -1,0 +1,88 @@
+"""Entry point of the ``silod`` console script.
+
+Service subcommands are looked up in SERVICES and imported lazily, so that ``silod --help``
+and the client commands stay fast and do not need the server-side dependencies loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+
+from silod.cli.settings_flags import add_settings_flags, settings_overrides
+
+
+@dataclass(frozen=True)
+class ServiceCommand:
+    module: str          # module exposing ``Settings`` and ``definition(settings)``
+    summary: str         # one line for ``silod --help``
+    status: str = ""     # what is not implemented yet, shown in --help
+
+
+SERVICES: dict[str, ServiceCommand] = {
+    "metadata": ServiceCommand(
+        "services.metadata.service",
+        "metadata store: datasets, jobs, nodes, plans, metrics (SQLite or PostgreSQL)",
+    ),
+    "estimator": ServiceCommand(
+        "estimator.service",
+        "performance estimator (SiloD cache/IO model, Pollux goodput model)",
+        status="NOT YET IMPLEMENTED: serves health and reflection; its RPCs answer UNIMPLEMENTED",
+    ),
+    "scheduler": ServiceCommand(
+        "scheduler.service",
+        "job front door (JobService) and allocation service",
+        status="NOT YET IMPLEMENTED: serves health and reflection; its RPCs answer UNIMPLEMENTED",
+    ),
+    "cache-server": ServiceCommand(
+        "cache_server.service",
+        "per-node tiered dataset cache",
+        status="NOT YET IMPLEMENTED: serves health and reflection; its RPCs answer UNIMPLEMENTED",
+    ),
+    "worker-agent": ServiceCommand(
+        "worker_agent.service",
+        "per-node agent that runs job processes",
+        status="NOT YET IMPLEMENTED: serves health and reflection; its RPCs answer UNIMPLEMENTED",
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="silod",
+        description="silod: a GPU cluster manager in which the job scheduler and the dataset cache decide together.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, svc in SERVICES.items():
+        summary = f"{svc.summary} [{svc.status}]" if svc.status else svc.summary
+        description = summary + ". Every flag can also be set as a SILOD_<NAME> environment variable or in --config."
+        p = sub.add_parser(name, help=summary, description=description)
+        p.add_argument("--config", metavar="FILE", help="YAML or TOML file of settings (env SILOD_CONFIG)")
+        settings_cls = importlib.import_module(svc.module).Settings
+        add_settings_flags(p, settings_cls)
+        p.set_defaults(handler=_run_service, service=name)
+    from silod.cli import client_commands
+
+    client_commands.register(sub)
+    return parser
+
+
+def _run_service(args: argparse.Namespace) -> int:
+    from services.runtime.server import run
+    from services.runtime.settings import ConfigError, load_settings
+
+    module = importlib.import_module(SERVICES[args.service].module)
+    try:
+        settings = load_settings(module.Settings, args.config, **settings_overrides(args, module.Settings))
+    except ConfigError as exc:
+        print(f"silod {args.service}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    return run(module.definition(settings), settings)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args) or 0)

@@ -1,0 +1,1 @@
+"""Per-node worker agent: launches, resizes and stops job processes."""
