@@ -1,9 +1,204 @@
-"""Client-side subcommands of ``silod`` (talk to running services)."""
+"""Client-side subcommands of ``silod``: they talk to running services over gRPC."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from collections.abc import Iterator
+
+import grpc
+
+DEFAULT_METADATA_ADDR = "127.0.0.1:7070"
+MANIFEST_CHUNK = 5000  # objects per streamed message: keeps each well under gRPC's 4 MiB limit
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Add the client subcommands to the ``silod`` parser."""
+    health = sub.add_parser("health", help="exit 0 if the service at ADDR reports SERVING (for healthchecks)")
+    health.add_argument("address", metavar="ADDR", help="HOST:PORT of any silod service")
+    health.add_argument("--service", default="", help="service name to check; default: the whole server")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait (default 3)")
+    _add_connection_flags(health)
+    health.set_defaults(handler=_health)
+
+    db = sub.add_parser("db", help="database administration")
+    db_sub = db.add_subparsers(dest="db_command", metavar="ACTION", required=True)
+    upgrade = db_sub.add_parser("upgrade", help="apply the metadata schema migrations (Alembic) and exit")
+    upgrade.add_argument("--db", default=os.environ.get("SILOD_DB", "sqlite:///silod-metadata.db"),
+                         help="database URL (env SILOD_DB; default sqlite:///silod-metadata.db)")
+    upgrade.set_defaults(handler=_db_upgrade)
+
+    dataset = sub.add_parser("dataset", help="register and inspect datasets")
+    ds_sub = dataset.add_subparsers(dest="dataset_command", metavar="ACTION", required=True)
+    reg = ds_sub.add_parser("register", help="list the store at URI and register its manifest under NAME")
+    reg.add_argument("name", help="dataset name ([A-Za-z0-9._-], up to 128 chars)")
+    reg.add_argument("uri", help="file:///path or s3://bucket/prefix")
+    reg.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                     help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 (repeatable)")
+    reg.add_argument("--replace", action="store_true", help="replace the manifest of an existing dataset")
+    reg.add_argument("--description", default="")
+    reg.set_defaults(handler=_dataset_register)
+    lst = ds_sub.add_parser("list", help="list registered datasets")
+    lst.set_defaults(handler=_dataset_list)
+    show = ds_sub.add_parser("show", help="show one dataset and the first objects of its manifest")
+    show.add_argument("name")
+    show.add_argument("--objects", type=int, default=10, help="manifest entries to print (default 10)")
+    show.set_defaults(handler=_dataset_show)
+    for p in (reg, lst, show):
+        _add_connection_flags(p, default_addr=True)
+
+
+def _add_connection_flags(p: argparse.ArgumentParser, default_addr: bool = False) -> None:
+    if default_addr:
+        p.add_argument("--metadata", default=os.environ.get("SILOD_METADATA_ADDR", DEFAULT_METADATA_ADDR),
+                       help=f"metadata service HOST:PORT (env SILOD_METADATA_ADDR; default {DEFAULT_METADATA_ADDR})")
+    p.add_argument("--token", default=os.environ.get("SILOD_AUTH_TOKEN", ""),
+                   help="bearer token when the service requires one (env SILOD_AUTH_TOKEN)")
+    p.add_argument("--tls-ca-file", default=os.environ.get("SILOD_TLS_CA_FILE", ""),
+                   help="PEM CA to verify a TLS server (env SILOD_TLS_CA_FILE)")
+
+
+def _channel(address: str, args: argparse.Namespace) -> grpc.Channel:
+    from services.runtime.client import open_channel
+
+    return open_channel(address, token=args.token, tls_ca_file=args.tls_ca_file)
+
+
+def _fail(message: str) -> int:
+    print(f"silod: {message}", file=sys.stderr)
+    return 1
+
+
+def _rpc_failure(exc: grpc.RpcError) -> int:
+    # Status name plus the server's message (which names the offending field); no traceback.
+    return _fail(f"{exc.code().name}: {exc.details()}")
+
+
+def _health(args: argparse.Namespace) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with _channel(args.address, args) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            return _rpc_failure(exc)
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
+    from services.metadata.migrate import upgrade
+
+    try:
+        upgrade(args.db)
+    except Exception as exc:  # connection refused, bad URL, permissions: report, don't dump a traceback
+        return _fail(f"db upgrade failed for {args.db}: {exc}")
+    print(f"schema of {args.db} is up to date")
+    return 0
+
+
+def _parse_options(pairs: list[str]) -> dict[str, str]:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option: expected KEY=VALUE, got {pair!r}")
+        options[key] = value
+    return options
+
+
+def _registration_stream(args: argparse.Namespace, options: dict[str, str]) -> Iterator[object]:
+    from silod.manifest import list_objects
+    from silod.v1 import common_pb2, metadata_pb2
+
+    spec = common_pb2.DatasetSpec(name=args.name, uri=args.uri, storage_options=options, description=args.description)
+    chunk: list[common_pb2.DatasetObject] = []
+    first = True
+    for obj in list_objects(args.uri, options):
+        chunk.append(obj)
+        if len(chunk) == MANIFEST_CHUNK:
+            yield metadata_pb2.RegisterDatasetRequest(spec=spec if first else None, objects=chunk, replace=args.replace)
+            first, chunk = False, []
+    if first or chunk:
+        yield metadata_pb2.RegisterDatasetRequest(spec=spec if first else None, objects=chunk, replace=args.replace)
+
+
+def _dataset_register(args: argparse.Namespace) -> int:
+    from silod.manifest import ManifestError
+    from silod.v1 import metadata_pb2_grpc
+
+    try:
+        options = _parse_options(args.option)
+        # Fail on a bad URI before opening a stream, so the error names the argument.
+        from silod.manifest import list_objects
+
+        next(iter(list_objects(args.uri, options)), None)
+    except (ValueError, ManifestError) as exc:
+        return _fail(str(exc))
+    with _channel(args.metadata, args) as channel:
+        try:
+            dataset = metadata_pb2_grpc.MetadataServiceStub(channel).RegisterDataset(
+                _registration_stream(args, options), timeout=600
+            )
+        except grpc.RpcError as exc:
+            return _rpc_failure(exc)
+    print(f"registered {dataset.spec.name}: {dataset.num_objects} objects, {_human_bytes(dataset.total_bytes)}, "
+          f"manifest version {dataset.manifest_version}")
+    return 0
+
+
+def _dataset_list(args: argparse.Namespace) -> int:
+    from silod.v1 import metadata_pb2, metadata_pb2_grpc
+
+    rows = []
+    with _channel(args.metadata, args) as channel:
+        stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+        token = ""
+        try:
+            while True:
+                page = stub.ListDatasets(metadata_pb2.ListDatasetsRequest(page_size=100, page_token=token))
+                rows.extend(page.datasets)
+                token = page.next_page_token
+                if not token:
+                    break
+        except grpc.RpcError as exc:
+            return _rpc_failure(exc)
+    print(f"{'NAME':<24} {'OBJECTS':>9} {'SIZE':>10} {'VERSION':>7}  URI")
+    for d in rows:
+        print(f"{d.spec.name:<24} {d.num_objects:>9} {_human_bytes(d.total_bytes):>10} {d.manifest_version:>7}  {d.spec.uri}")
+    return 0
+
+
+def _dataset_show(args: argparse.Namespace) -> int:
+    from silod.v1 import metadata_pb2, metadata_pb2_grpc
+
+    with _channel(args.metadata, args) as channel:
+        stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+        try:
+            d = stub.GetDataset(metadata_pb2.GetDatasetRequest(name=args.name))
+            objects = stub.ListDatasetObjects(
+                metadata_pb2.ListDatasetObjectsRequest(name=args.name, page_size=max(1, min(args.objects, 10000)))
+            ).objects if args.objects > 0 else []
+        except grpc.RpcError as exc:
+            return _rpc_failure(exc)
+    print(f"name:             {d.spec.name}\nuri:              {d.spec.uri}\nobjects:          {d.num_objects}")
+    print(f"size:             {_human_bytes(d.total_bytes)} ({d.total_bytes} bytes)")
+    print(f"manifest version: {d.manifest_version}")
+    for obj in objects:
+        print(f"  {obj.key}  {obj.size_bytes} B  etag {obj.etag}")
+    if d.num_objects > len(objects):
+        print(f"  ... {d.num_objects - len(objects)} more")
+    return 0
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"

@@ -46,7 +46,9 @@ class WatchPlanRequest(_message.Message):
     COMPONENT_FIELD_NUMBER: _builtins.int
     KNOWN_VERSION_FIELD_NUMBER: _builtins.int
     node: _builtins.str
+    """node name"""
     component: Global___PlanComponent.ValueType
+    """which process on the node is watching / acknowledging"""
     known_version: _builtins.int
     """version the watcher already applied; 0 = none"""
     def __init__(
@@ -75,7 +77,9 @@ class AckPlanRequest(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     RELEASED_JOBS_FIELD_NUMBER: _builtins.int
     node: _builtins.str
+    """node name"""
     component: Global___PlanComponent.ValueType
+    """which process on the node is watching / acknowledging"""
     version: _builtins.int
     """plan version applied"""
     ok: _builtins.bool

@@ -30,6 +30,7 @@ class LeaseRequest(_message.Message):
     job_id: _builtins.str
     """reader; quotas and IO limits are per job"""
     dataset: _builtins.str
+    """registered dataset name"""
     lease_s: _builtins.float
     """seconds the paths stay valid; 0 = server default"""
     @_builtins.property
@@ -62,11 +63,13 @@ class LeasedObject(_message.Message):
     ETAG_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
     key: _builtins.str
+    """object key relative to the dataset root"""
     path: _builtins.str
     """absolute local path to read"""
     size_bytes: _builtins.int
     """bytes"""
     etag: _builtins.str
+    """version tag of the object served"""
     tier: _builtins.str
     """"memory", "disk" or "remote" (fetched by this call)"""
     def __init__(
@@ -94,12 +97,15 @@ class LeaseResponse(_message.Message):
     OBJECTS_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
+    """opaque id; pass to ReleaseLease"""
     @_builtins.property
     def objects(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeasedObject]:
         """same order as keys"""
 
     @_builtins.property
-    def expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """UTC time after which the paths may disappear"""
+
     def __init__(
         self,
         *,
@@ -157,7 +163,9 @@ class ReadRequest(_message.Message):
     DATASET_FIELD_NUMBER: _builtins.int
     KEYS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     dataset: _builtins.str
+    """registered dataset name"""
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """1..4096 per call"""
@@ -187,6 +195,7 @@ class ReadChunk(_message.Message):
     LAST_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
     key: _builtins.str
+    """object key relative to the dataset root"""
     offset: _builtins.int
     """bytes into the object"""
     data: _builtins.bytes
@@ -222,6 +231,7 @@ class PrefetchRequest(_message.Message):
     job_id: _builtins.str
     """charge to this job's quota; empty = dataset-wide preload"""
     dataset: _builtins.str
+    """registered dataset name"""
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """empty = whole manifest"""
@@ -248,6 +258,7 @@ class PrefetchResponse(_message.Message):
     OBJECTS_QUEUED_FIELD_NUMBER: _builtins.int
     BYTES_QUEUED_FIELD_NUMBER: _builtins.int
     objects_queued: _builtins.int
+    """objects scheduled for fetching"""
     bytes_queued: _builtins.int
     """bytes"""
     def __init__(
@@ -295,7 +306,9 @@ class TierStats(_message.Message):
     tier: _builtins.str
     """"memory" or "disk" """
     capacity_bytes: _builtins.int
+    """bytes the tier may hold"""
     used_bytes: _builtins.int
+    """bytes the tier holds now"""
     hits: _builtins.int
     """objects served from this tier"""
     misses: _builtins.int
@@ -332,13 +345,17 @@ class JobCacheStats(_message.Message):
     REMOTE_IO_LIMIT_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     REMOTE_IO_RATE_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     dataset: _builtins.str
+    """registered dataset name"""
     quota_bytes: _builtins.int
     """bytes granted by the plan; 0 = best effort"""
     cached_bytes: _builtins.int
     """bytes held for the job's dataset"""
     hits: _builtins.int
+    """objects served from cache"""
     misses: _builtins.int
+    """objects fetched from remote storage"""
     hit_ratio: _builtins.float
     """0..1 over the job's reads so far"""
     remote_bytes: _builtins.int
@@ -378,12 +395,17 @@ class StatsResponse(_message.Message):
     TIERS_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
     node: _builtins.str
+    """node name"""
     plan_version: _builtins.int
     """plan the quotas come from; 0 = none"""
     @_builtins.property
-    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStats]: ...
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStats]:
+        """one entry per cache tier"""
+
     @_builtins.property
-    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobCacheStats]: ...
+    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobCacheStats]:
+        """one entry per job"""
+
     def __init__(
         self,
         *,

@@ -316,6 +316,7 @@ class Job(_message.Message):
     id: _builtins.str
     """server-assigned, e.g. "job-3f9c2a1b7d4e" """
     state: Global___JobState.ValueType
+    """current state"""
     client_request_id: _builtins.str
     """idempotency key given at submission; empty if none"""
     state_version: _builtins.int
@@ -323,11 +324,17 @@ class Job(_message.Message):
     message: _builtins.str
     """last human-readable reason (failure cause, cancel note)"""
     @_builtins.property
-    def spec(self) -> Global___JobSpec: ...
+    def spec(self) -> Global___JobSpec:
+        """what was asked for"""
+
     @_builtins.property
-    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    def created_at(self) -> _timestamp_pb2.Timestamp:
+        """UTC time of creation"""
+
     @_builtins.property
-    def updated_at(self) -> _timestamp_pb2.Timestamp: ...
+    def updated_at(self) -> _timestamp_pb2.Timestamp:
+        """UTC time of the last change"""
+
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp:
         """first RUNNING; unset before"""
@@ -337,7 +344,9 @@ class Job(_message.Message):
         """entered a terminal state; unset before"""
 
     @_builtins.property
-    def progress(self) -> Global___JobProgress: ...
+    def progress(self) -> Global___JobProgress:
+        """latest reported progress"""
+
     @_builtins.property
     def allocated(self) -> Global___ResourceVector:
         """resources held under the latest applied plan"""
@@ -380,6 +389,7 @@ class JobEvent(_message.Message):
     TO_STATE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     sequence: _builtins.int
     """1, 2, 3 ... per job, in order"""
     type: _builtins.str
@@ -391,7 +401,9 @@ class JobEvent(_message.Message):
     message: _builtins.str
     """free text, up to 4096 chars"""
     @_builtins.property
-    def time(self) -> _timestamp_pb2.Timestamp: ...
+    def time(self) -> _timestamp_pb2.Timestamp:
+        """UTC time of the event / measurement"""
+
     def __init__(
         self,
         *,
@@ -448,6 +460,7 @@ class NodeSpec(_message.Message):
     name: _builtins.str
     """unique node name, 1..128 chars of [A-Za-z0-9._-]"""
     pool: Global___NodePool.ValueType
+    """which pool the node serves"""
     gpus: _builtins.int
     """GPUs on the node (from NVML or configured)"""
     gpu_model: _builtins.str
@@ -463,7 +476,9 @@ class NodeSpec(_message.Message):
     cache_address: _builtins.str
     """host:port of the node's CacheService"""
     @_builtins.property
-    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """free-form key/value labels"""
+
     def __init__(
         self,
         *,
@@ -500,11 +515,17 @@ class Node(_message.Message):
     applied_plan_version: _builtins.int
     """latest plan version the node's agent acknowledged"""
     @_builtins.property
-    def spec(self) -> Global___NodeSpec: ...
+    def spec(self) -> Global___NodeSpec:
+        """what was asked for"""
+
     @_builtins.property
-    def registered_at(self) -> _timestamp_pb2.Timestamp: ...
+    def registered_at(self) -> _timestamp_pb2.Timestamp:
+        """UTC time of first registration"""
+
     @_builtins.property
-    def last_heartbeat(self) -> _timestamp_pb2.Timestamp: ...
+    def last_heartbeat(self) -> _timestamp_pb2.Timestamp:
+        """UTC time of the latest heartbeat"""
+
     def __init__(
         self,
         *,
@@ -557,6 +578,7 @@ class DatasetSpec(_message.Message):
     uri: _builtins.str
     """root URI: "file:///data/imagenet" or "s3://bucket/prefix" """
     description: _builtins.str
+    """free text for humans"""
     @_builtins.property
     def storage_options(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """fsspec options without secrets, e.g. endpoint_url"""
@@ -624,11 +646,17 @@ class Dataset(_message.Message):
     manifest_version: _builtins.int
     """1 on first registration, +1 per replacement"""
     @_builtins.property
-    def spec(self) -> Global___DatasetSpec: ...
+    def spec(self) -> Global___DatasetSpec:
+        """what was asked for"""
+
     @_builtins.property
-    def registered_at(self) -> _timestamp_pb2.Timestamp: ...
+    def registered_at(self) -> _timestamp_pb2.Timestamp:
+        """UTC time of first registration"""
+
     @_builtins.property
-    def updated_at(self) -> _timestamp_pb2.Timestamp: ...
+    def updated_at(self) -> _timestamp_pb2.Timestamp:
+        """UTC time of the last change"""
+
     def __init__(
         self,
         *,
@@ -679,12 +707,15 @@ class MetricSample(_message.Message):
     VALUE_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     name: _builtins.str
     """e.g. "step_time_s", "samples_per_s", "cache_hit_ratio"; 1..64 chars"""
     value: _builtins.float
     """unit given by the name's suffix"""
     @_builtins.property
-    def time(self) -> _timestamp_pb2.Timestamp: ...
+    def time(self) -> _timestamp_pb2.Timestamp:
+        """UTC time of the event / measurement"""
+
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """e.g. {"node": "n1", "rank": "0"}"""
@@ -738,7 +769,9 @@ class JobModelParams(_message.Message):
     OBSERVATIONS_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     application: _builtins.str
+    """profile / model name, e.g. "cifar10" """
     observations: _builtins.int
     """observations the fit used"""
     @_builtins.property
@@ -746,7 +779,9 @@ class JobModelParams(_message.Message):
         """model-specific; units named in each key's suffix"""
 
     @_builtins.property
-    def updated_at(self) -> _timestamp_pb2.Timestamp: ...
+    def updated_at(self) -> _timestamp_pb2.Timestamp:
+        """UTC time of the last change"""
+
     def __init__(
         self,
         *,

@@ -75,7 +75,9 @@ class PredictQuery(_message.Message):
     bytes_per_sample: _builtins.int
     """bytes; 0 = the application's dataset figure"""
     @_builtins.property
-    def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___CandidateAllocation]: ...
+    def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___CandidateAllocation]:
+        """allocations to evaluate for this job"""
+
     def __init__(
         self,
         *,
@@ -156,6 +158,7 @@ class PredictResult(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     PREDICTIONS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     @_builtins.property
     def predictions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Prediction]:
         """one per candidate, same order"""
@@ -241,6 +244,7 @@ class StepObservation(_message.Message):
     grad_sqr: _builtins.float
     """gradient noise scale statistics (0 = not measured)"""
     grad_var: _builtins.float
+    """gradient variance of the noise-scale estimate; 0 = not measured"""
     def __init__(
         self,
         *,
@@ -269,10 +273,13 @@ class ObserveRequest(_message.Message):
     APPLICATION_FIELD_NUMBER: _builtins.int
     OBSERVATIONS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     application: _builtins.str
     """needed on the first observation of a job"""
     @_builtins.property
-    def observations(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepObservation]: ...
+    def observations(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepObservation]:
+        """measurements, oldest first"""
+
     def __init__(
         self,
         *,

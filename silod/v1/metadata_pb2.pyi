@@ -110,7 +110,9 @@ class ListDatasetsResponse(_message.Message):
     next_page_token: _builtins.str
     """empty on the last page"""
     @_builtins.property
-    def datasets(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Dataset]: ...
+    def datasets(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Dataset]:
+        """one page of datasets"""
+
     def __init__(
         self,
         *,
@@ -133,9 +135,11 @@ class ListDatasetObjectsRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """dataset name"""
     page_size: _builtins.int
     """1..10000; 0 = 1000"""
     page_token: _builtins.str
+    """from the previous response; empty = first page"""
     def __init__(
         self,
         *,
@@ -159,6 +163,7 @@ class ListDatasetObjectsResponse(_message.Message):
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     MANIFEST_VERSION_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    """empty on the last page"""
     manifest_version: _builtins.int
     """the manifest these objects belong to"""
     @_builtins.property
@@ -189,7 +194,9 @@ class CreateJobRequest(_message.Message):
     client_request_id: _builtins.str
     """optional idempotency key, up to 128 chars"""
     @_builtins.property
-    def spec(self) -> _common_pb2.JobSpec: ...
+    def spec(self) -> _common_pb2.JobSpec:
+        """what was asked for"""
+
     def __init__(
         self,
         *,
@@ -242,6 +249,7 @@ class ListJobsRequest(_message.Message):
     page_size: _builtins.int
     """1..1000; 0 = 100"""
     page_token: _builtins.str
+    """from the previous response; empty = first page"""
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[_common_pb2.JobState.ValueType]:
         """filter; empty = all states"""
@@ -271,6 +279,7 @@ class ListJobsResponse(_message.Message):
     JOBS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    """empty on the last page"""
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Job]:
         """in submission order"""
@@ -298,9 +307,11 @@ class TransitionJobRequest(_message.Message):
     NEW_STATE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     expected_state: _common_pb2.JobState.ValueType
     """required: the state the caller believes the job is in"""
     new_state: _common_pb2.JobState.ValueType
+    """state to move to"""
     message: _builtins.str
     """reason, stored on the job and in its event"""
     def __init__(
@@ -327,8 +338,11 @@ class UpdateJobProgressRequest(_message.Message):
     PROGRESS_FIELD_NUMBER: _builtins.int
     ALLOCATED_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     @_builtins.property
-    def progress(self) -> _common_pb2.JobProgress: ...
+    def progress(self) -> _common_pb2.JobProgress:
+        """latest reported progress"""
+
     @_builtins.property
     def allocated(self) -> _common_pb2.ResourceVector:
         """optional: what the job holds now"""
@@ -356,6 +370,7 @@ class AppendJobEventRequest(_message.Message):
     TYPE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     type: _builtins.str
     """1..64 chars; "state" is reserved for transitions"""
     message: _builtins.str
@@ -383,6 +398,7 @@ class ListJobEventsRequest(_message.Message):
     AFTER_SEQUENCE_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     after_sequence: _builtins.int
     """return events with sequence > this"""
     limit: _builtins.int
@@ -449,6 +465,7 @@ class HeartbeatRequest(_message.Message):
     NODE_FIELD_NUMBER: _builtins.int
     APPLIED_PLAN_VERSION_FIELD_NUMBER: _builtins.int
     node: _builtins.str
+    """node name"""
     applied_plan_version: _builtins.int
     """latest plan version the agent applied; 0 = none yet"""
     def __init__(
@@ -494,6 +511,7 @@ class ListNodesRequest(_message.Message):
     pool: _common_pb2.NodePool.ValueType
     """filter; UNSPECIFIED = all pools"""
     alive_only: _builtins.bool
+    """true = only nodes alive within the liveness window"""
     liveness_window_s: _builtins.float
     """seconds since last heartbeat to count as alive; 0 = server default"""
     def __init__(
@@ -594,6 +612,7 @@ class ListPlansRequest(_message.Message):
     page_size: _builtins.int
     """1..100; 0 = 20"""
     page_token: _builtins.str
+    """from the previous response; empty = first page"""
     def __init__(
         self,
         *,
@@ -615,8 +634,11 @@ class ListPlansResponse(_message.Message):
     PLANS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    """empty on the last page"""
     @_builtins.property
-    def plans(self) -> _containers.RepeatedCompositeFieldContainer[_plan_pb2.AllocationPlan]: ...
+    def plans(self) -> _containers.RepeatedCompositeFieldContainer[_plan_pb2.AllocationPlan]:
+        """one page of plans"""
+
     def __init__(
         self,
         *,
@@ -680,6 +702,7 @@ class QueryMetricsRequest(_message.Message):
     UNTIL_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     name: _builtins.str
     """filter; empty = all names"""
     limit: _builtins.int

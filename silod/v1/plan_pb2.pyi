@@ -120,6 +120,7 @@ class JobAllocation(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     FAST_RESIZE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     batch_size: _builtins.int
     """samples per step, global, chosen by the policy (goodput policies retune it)"""
     cache_policy: _builtins.str
@@ -133,7 +134,9 @@ class JobAllocation(_message.Message):
         """empty = the job holds no GPUs (queued / preempted)"""
 
     @_builtins.property
-    def cache_grants(self) -> _containers.RepeatedCompositeFieldContainer[Global___CacheGrant]: ...
+    def cache_grants(self) -> _containers.RepeatedCompositeFieldContainer[Global___CacheGrant]:
+        """one per node the job reads on"""
+
     def __init__(
         self,
         *,
@@ -168,11 +171,15 @@ class InferenceReplica(_message.Message):
     REUSE_COUNT_FIELD_NUMBER: _builtins.int
     PROTECT_UNTIL_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
+    """unique replica id"""
     application: _builtins.str
     """e.g. "infer-resnet50-1" """
     node: _builtins.str
+    """node name"""
     gpu_index: _builtins.int
+    """device index on the node (0-based)"""
     state: Global___ReplicaState.ValueType
+    """current state"""
     task_id: _builtins.str
     """job id of the task being served; empty when idle"""
     reuse_count: _builtins.int
@@ -211,7 +218,9 @@ class GpuLoan(_message.Message):
     GPU_INDEX_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
     node: _builtins.str
+    """node name"""
     gpu_index: _builtins.int
+    """device index on the node (0-based)"""
     job_id: _builtins.str
     """borrowing training job"""
     def __init__(
@@ -245,6 +254,7 @@ class AllocationPlan(_message.Message):
     STORAGE_BANDWIDTH_BUDGET_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     version: _builtins.int
+    """plan version: 1, 2, 3 ..."""
     policy: _builtins.str
     """policy name that produced it, e.g. "pollux" """
     cache_mode: _builtins.str
@@ -254,13 +264,21 @@ class AllocationPlan(_message.Message):
     reason: _builtins.str
     """why this round ran: "interval", "arrival", "completion", "node-lost" ..."""
     @_builtins.property
-    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    def created_at(self) -> _timestamp_pb2.Timestamp:
+        """UTC time of creation"""
+
     @_builtins.property
-    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobAllocation]: ...
+    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobAllocation]:
+        """one entry per job"""
+
     @_builtins.property
-    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___InferenceReplica]: ...
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___InferenceReplica]:
+        """inference replicas"""
+
     @_builtins.property
-    def loans(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuLoan]: ...
+    def loans(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuLoan]:
+        """inference GPUs lent to training jobs"""
+
     def __init__(
         self,
         *,
@@ -299,6 +317,7 @@ class TaskAssignment(_message.Message):
     FAST_RESIZE_FIELD_NUMBER: _builtins.int
     SPEC_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     rank: _builtins.int
     """0..world_size-1"""
     world_size: _builtins.int
@@ -355,7 +374,9 @@ class JobCacheQuota(_message.Message):
     REMOTE_IO_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     CACHE_POLICY_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     dataset: _builtins.str
+    """registered dataset name"""
     cache_quota_bytes: _builtins.int
     """bytes"""
     remote_io_bytes_per_s: _builtins.int
@@ -394,12 +415,19 @@ class NodePlan(_message.Message):
     version: _builtins.int
     """version of the AllocationPlan this view was cut from"""
     node: _builtins.str
+    """node name"""
     @_builtins.property
-    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAssignment]: ...
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAssignment]:
+        """ranks to run on this node"""
+
     @_builtins.property
-    def cache_quotas(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobCacheQuota]: ...
+    def cache_quotas(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobCacheQuota]:
+        """per-job cache quota and IO rate on this node"""
+
     @_builtins.property
-    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___InferenceReplica]: ...
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___InferenceReplica]:
+        """inference replicas"""
+
     @_builtins.property
     def loans(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuLoan]:
         """this node's GPUs currently lent"""

@@ -26,7 +26,9 @@ class SubmitJobRequest(_message.Message):
     client_request_id: _builtins.str
     """optional idempotency key, up to 128 chars"""
     @_builtins.property
-    def spec(self) -> _common_pb2.JobSpec: ...
+    def spec(self) -> _common_pb2.JobSpec:
+        """what was asked for"""
+
     def __init__(
         self,
         *,
@@ -48,7 +50,9 @@ class CancelJobRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     reason: _builtins.str
+    """why; stored on the job and in its history"""
     def __init__(
         self,
         *,

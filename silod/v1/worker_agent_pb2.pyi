@@ -73,17 +73,23 @@ class TaskStatus(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     rank: _builtins.int
+    """rank of the process, 0..world_size-1"""
     world_size: _builtins.int
+    """ranks in the job"""
     pid: _builtins.int
     """OS process id; 0 when not running"""
     generation: _builtins.int
+    """launch generation (see JobAllocation.generation)"""
     state: _builtins.str
     """"starting", "running", "checkpointing", "exited" """
     exit_code: _builtins.int
     """valid when state == "exited" """
     @_builtins.property
-    def gpu_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def gpu_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """device indices on this node"""
+
     def __init__(
         self,
         *,
@@ -113,10 +119,15 @@ class NodeStatus(_message.Message):
     TASKS_FIELD_NUMBER: _builtins.int
     FREE_GPUS_FIELD_NUMBER: _builtins.int
     applied_plan_version: _builtins.int
+    """latest plan version applied on this node; 0 = none"""
     @_builtins.property
-    def spec(self) -> _common_pb2.NodeSpec: ...
+    def spec(self) -> _common_pb2.NodeSpec:
+        """what was asked for"""
+
     @_builtins.property
-    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskStatus]: ...
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskStatus]:
+        """ranks to run on this node"""
+
     @_builtins.property
     def free_gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """device indices not held by any task"""
@@ -149,7 +160,9 @@ class ReportProgressRequest(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     CACHE_HIT_RATIO_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     rank: _builtins.int
+    """rank of the process, 0..world_size-1"""
     generation: _builtins.int
     """generation the rank was launched with"""
     step_time_s: _builtins.float
@@ -159,7 +172,9 @@ class ReportProgressRequest(_message.Message):
     cache_hit_ratio: _builtins.float
     """0..1 recent"""
     @_builtins.property
-    def progress(self) -> _common_pb2.JobProgress: ...
+    def progress(self) -> _common_pb2.JobProgress:
+        """latest reported progress"""
+
     def __init__(
         self,
         *,
@@ -202,8 +217,11 @@ class GetDirectiveRequest(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     rank: _builtins.int
+    """rank of the process, 0..world_size-1"""
     generation: _builtins.int
+    """launch generation (see JobAllocation.generation)"""
     def __init__(
         self,
         *,
@@ -231,6 +249,7 @@ class Directive(_message.Message):
     MASTER_ADDR_FIELD_NUMBER: _builtins.int
     MASTER_PORT_FIELD_NUMBER: _builtins.int
     action: Global___DirectiveAction.ValueType
+    """what the rank must do"""
     deadline_s: _builtins.float
     """seconds left to comply"""
     new_world_size: _builtins.int
@@ -238,8 +257,11 @@ class Directive(_message.Message):
     new_rank: _builtins.int
     """this process's rank after a REFORM"""
     new_generation: _builtins.int
+    """generation after a REFORM"""
     master_addr: _builtins.str
+    """rendezvous host after a REFORM"""
     master_port: _builtins.int
+    """rendezvous TCP port after a REFORM"""
     def __init__(
         self,
         *,
@@ -268,6 +290,7 @@ class TailLogsRequest(_message.Message):
     FOLLOW_FIELD_NUMBER: _builtins.int
     TAIL_BYTES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """job id, e.g. "job-3f9c2a1b7d4e" """
     rank: _builtins.int
     """-1 = all ranks on this node"""
     follow: _builtins.bool
@@ -297,7 +320,9 @@ class LogChunk(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
+    """rank of the process, 0..world_size-1"""
     data: _builtins.bytes
+    """raw bytes of the captured stdout/stderr"""
     def __init__(
         self,
         *,
