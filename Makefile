@@ -17,10 +17,11 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# Regenerate the Python code and typed stubs from protos/ into silod/v1 (committed).
+# Regenerate the Python code and typed stubs from protos/ into silod/v1, and docs/api.md (all committed).
 proto: $(STAMP)
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m grpc_tools.protoc -Iprotos \
 	  --python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTOS)
+	$(BIN)/python protos/render_api_docs.py
 
 demo: $(STAMP)
 	$(BIN)/python -m silod.demo

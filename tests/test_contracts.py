@@ -34,6 +34,16 @@ def test_committed_generated_code_matches_protos(tmp_path: Path) -> None:
     assert not stale, f"silod/v1 is stale for {stale}; run `make proto` and commit the result"
 
 
+def test_api_reference_matches_protos() -> None:
+    sys.path.insert(0, str(ROOT / "protos"))
+    try:
+        import render_api_docs
+    finally:
+        sys.path.pop(0)
+    expected = render_api_docs.render(render_api_docs.load_descriptors())
+    assert (ROOT / "docs" / "api.md").read_text() == expected, "docs/api.md is stale; run `make proto`"
+
+
 def test_every_proto_field_documents_itself() -> None:
     """Every field carries a comment with its unit or meaning (on its line or the line above)."""
     undocumented = []
