@@ -1,0 +1,179 @@
+"""Tables of the metadata store (SQLAlchemy 2 typed declarative).
+
+Enums are stored as their protobuf numbers, and nested protobuf values as JSON written by
+json_format with the proto field names, so the schema does not change when a message grows.
+Columns that ListJobs filters on are copied out of the JSON spec and indexed.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+from services.metadata.clock import as_utc
+
+# Explicit constraint names keep Alembic batch migrations on SQLite able to find them.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only auto-increments a column declared exactly INTEGER PRIMARY KEY.
+AutoIncrementId = BigInteger().with_variant(Integer(), "sqlite")
+
+# Byte (code point) order on both databases, so paging by key agrees with Python's sorted().
+ObjectKey = String(1024).with_variant(String(1024, collation="C"), "postgresql")
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes in, aware UTC datetimes out, on both databases.
+
+    SQLite stores naive text, so the offset is dropped on the way in (all values are UTC,
+    which keeps the text sortable) and restored on the way out.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return None if value is None else as_utc(value)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Dataset(Base):
+    __tablename__ = "datasets"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    uri: Mapped[str] = mapped_column(Text)
+    storage_options: Mapped[dict[str, str]] = mapped_column(JSON)
+    description: Mapped[str] = mapped_column(Text)
+    manifest_version: Mapped[int] = mapped_column(BigInteger)
+    num_objects: Mapped[int] = mapped_column(BigInteger)
+    total_bytes: Mapped[int] = mapped_column(BigInteger)
+    registered_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class DatasetObject(Base):
+    """One manifest entry. Only rows of the dataset's current manifest_version are live."""
+
+    __tablename__ = "dataset_objects"
+
+    dataset_name: Mapped[str] = mapped_column(
+        String(128), ForeignKey("datasets.name", ondelete="CASCADE"), primary_key=True
+    )
+    manifest_version: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    key: Mapped[str] = mapped_column(ObjectKey, primary_key=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    etag: Mapped[str] = mapped_column(String(256))
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    # Submission order for ListJobs paging; the public id is random so it reveals nothing.
+    seq: Mapped[int] = mapped_column(AutoIncrementId, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(32), unique=True)
+    # NULL when the client gave none: unique constraints ignore NULLs on both databases.
+    client_request_id: Mapped[str | None] = mapped_column(String(128), unique=True)
+    name: Mapped[str] = mapped_column(String(128))
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    application: Mapped[str] = mapped_column(String(128), index=True)
+    kind: Mapped[int] = mapped_column(Integer, index=True)
+    state: Mapped[int] = mapped_column(Integer, index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state_version: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    started_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    progress: Mapped[dict[str, Any]] = mapped_column(JSON)
+    allocated: Mapped[dict[str, Any]] = mapped_column(JSON)
+    message: Mapped[str] = mapped_column(Text)
+    # Bumped with UPDATE ... SET x = x + 1 so concurrent appenders serialize on the job row.
+    last_event_sequence: Mapped[int] = mapped_column(BigInteger)
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+
+    job_id: Mapped[str] = mapped_column(String(32), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    sequence: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    time: Mapped[datetime] = mapped_column(UtcDateTime)
+    type: Mapped[str] = mapped_column(String(64))
+    from_state: Mapped[int] = mapped_column(Integer)
+    to_state: Mapped[int] = mapped_column(Integer)
+    message: Mapped[str] = mapped_column(Text)
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    pool: Mapped[int] = mapped_column(Integer, index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    registered_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    last_heartbeat: Mapped[datetime] = mapped_column(UtcDateTime)
+    applied_plan_version: Mapped[int] = mapped_column(BigInteger)
+
+
+class Plan(Base):
+    __tablename__ = "plans"
+
+    # The primary key is what makes concurrent commits of one version race-free, across
+    # processes and databases: exactly one INSERT wins.
+    version: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    policy: Mapped[str] = mapped_column(String(128))
+    plan: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class MetricSample(Base):
+    __tablename__ = "metric_samples"
+    __table_args__ = (Index("ix_metric_samples_job_id_time", "job_id", "time"),)
+
+    id: Mapped[int] = mapped_column(AutoIncrementId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(32), ForeignKey("jobs.id", ondelete="CASCADE"))
+    time: Mapped[datetime] = mapped_column(UtcDateTime)
+    name: Mapped[str] = mapped_column(String(64))
+    value: Mapped[float] = mapped_column(Double)
+    labels: Mapped[dict[str, str]] = mapped_column(JSON)
+
+
+class JobModel(Base):
+    __tablename__ = "job_models"
+
+    job_id: Mapped[str] = mapped_column(String(32), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    application: Mapped[str] = mapped_column(String(128))
+    params: Mapped[dict[str, float]] = mapped_column(JSON)
+    observations: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
