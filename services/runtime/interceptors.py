@@ -1,0 +1,177 @@
+"""Server interceptors every silod process runs: request log + metrics, and error mapping.
+
+gRPC gives an interceptor only the method name and metadata; to act around the call itself
+it has to return a new method handler. :func:`wrap_handler` does that once for the four
+call shapes, so each interceptor is a single ``around(call, request, context)`` coroutine
+and unary and streaming calls get exactly the same treatment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from services.runtime import metrics
+from services.runtime.errors import ServiceError
+from services.runtime.structured_logging import get_logger, request_id_var
+
+Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+Around = Callable[[Behavior, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+_log = get_logger("silod.rpc")
+
+_HANDLER_FACTORIES = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+def _as_coroutine(behavior: Callable[..., Any], response_streaming: bool) -> Behavior:
+    """Turn any servicer method into ``async (request, context) -> response | None``.
+
+    Streaming responses are sent with ``context.write`` so the caller sees a single await
+    that ends when the stream does (exceptions included). Sync methods are called on the
+    event loop: in silod only the generated base classes have them, and they raise at once.
+    """
+
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        result = behavior(request, context)
+        if not response_streaming:
+            return await result if inspect.isawaitable(result) else result
+        if hasattr(result, "__aiter__"):
+            # aclosing: a cancelled watch must run its generator's cleanup now, not at GC.
+            async with contextlib.aclosing(result) as messages:
+                async for message in messages:
+                    await context.write(message)
+        elif inspect.isawaitable(result):
+            await result  # reader/writer style: the method writes itself
+        elif result is not None:
+            for message in result:
+                await context.write(message)
+        return None
+
+    return call
+
+
+def wrap_handler(handler: grpc.RpcMethodHandler, around: Around) -> grpc.RpcMethodHandler:
+    """A handler of the same shape whose behavior is ``around(original, request, context)``."""
+    attr, factory = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
+    inner = _as_coroutine(getattr(handler, attr), handler.response_streaming)
+
+    async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await around(inner, request, context)
+
+    return factory(
+        behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _request_id(metadata: Any) -> str:
+    for key, value in metadata or ():
+        if key == "x-request-id" and value:
+            text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+            return text[:128]  # it is echoed into logs: bound what a client can make us write
+    return uuid.uuid4().hex[:16]
+
+
+# Codes that mean the server is at fault; they are logged louder than a client's mistake.
+_SERVER_FAULTS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
+
+
+class RequestObserver(grpc.aio.ServerInterceptor):
+    """One log line and the Prometheus series per call; sets the request id for everything inside.
+
+    Must be the outermost interceptor so that auth refusals are logged and counted too.
+    """
+
+    def __init__(self, process: str) -> None:
+        self._process = process
+        self._in_flight = metrics.IN_FLIGHT.labels(service_process=process)
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED itself
+            return None
+        method = handler_call_details.method
+        request_id = _request_id(handler_call_details.invocation_metadata)
+        return wrap_handler(handler, functools.partial(self._observe, method, request_id))
+
+    async def _observe(
+        self, method: str, request_id: str, call: Behavior, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        token = request_id_var.set(request_id)
+        # Echoed so a client holding an INTERNAL error can find the server's traceback.
+        context.set_trailing_metadata((("x-request-id", request_id),))
+        self._in_flight.inc()
+        start = time.perf_counter()
+        code = grpc.StatusCode.UNKNOWN
+        try:
+            result = await call(request, context)
+            code = context.code() or grpc.StatusCode.OK
+            return result
+        except grpc.aio.BaseError:  # context.abort: the status is already on the context
+            code = context.code() or grpc.StatusCode.UNKNOWN
+            raise
+        except asyncio.CancelledError:  # client went away, deadline passed, or server stop
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            elapsed = time.perf_counter() - start
+            self._in_flight.dec()
+            metrics.REQUESTS.labels(service_process=self._process, method=method, code=code.name).inc()
+            metrics.DURATION.labels(service_process=self._process, method=method).observe(elapsed)
+            if method.startswith("/grpc.health.v1.Health/"):
+                level = "debug"  # probes every few seconds would drown the useful lines
+            elif code in _SERVER_FAULTS:
+                level = "warning"
+            else:
+                level = "info"
+            getattr(_log, level)(
+                "rpc finished",
+                extra={
+                    "method": method,
+                    "code": code.name,
+                    "duration_ms": round(elapsed * 1000, 3),
+                    "peer": context.peer(),
+                    "request_id": request_id,
+                },
+            )
+            request_id_var.reset(token)
+
+
+class ErrorMapper(grpc.aio.ServerInterceptor):
+    """Turns exceptions from servicers into statuses, so servicers just raise."""
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        return wrap_handler(handler, functools.partial(_map_errors, handler_call_details.method))
+
+
+async def _map_errors(method: str, call: Behavior, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    try:
+        return await call(request, context)
+    except grpc.aio.BaseError:
+        raise  # an abort already sent its status; re-aborting would be a UsageError
+    except ServiceError as exc:
+        await context.abort(exc.code, str(exc))
+    except NotImplementedError:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented")
+    except Exception:
+        request_id = request_id_var.get()
+        _log.exception("unhandled exception in servicer", extra={"method": method})
+        # The traceback stays in our log: it may hold data the caller must not see.
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error (see server log, request id {request_id})")
