@@ -1,0 +1,183 @@
+"""Channels to silod services with the same defaults everywhere: retries, token, deadline, TLS."""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.runtime.auth import bearer_metadata
+
+# UNAVAILABLE means the call never reached a servicer (restart, connection refused), so any
+# method is safe to retry, not only idempotent ones.
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{}],  # every service and method
+                "retryPolicy": {
+                    "maxAttempts": 4,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+_OPTIONS = [
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", _SERVICE_CONFIG),
+    # gRPC's default reconnect backoff grows to 2 minutes; silod services restart in seconds
+    # and a peer that is back must not look down that long.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 5000),
+]
+
+
+def _metadata_with_token(metadata: Any, token: str) -> list[tuple[str, Any]]:
+    pairs = list(metadata or ())
+    if token and not any(key == "authorization" for key, _ in pairs):
+        pairs.append(bearer_metadata(token))
+    return pairs
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _SyncDefaults(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the token to every call and the default deadline to unary ones.
+
+    Streaming calls get no default deadline: watches and uploads legitimately last long.
+    """
+
+    def __init__(self, token: str, default_timeout_s: float) -> None:
+        self._token = token
+        self._timeout = default_timeout_s
+
+    def _details(self, details: grpc.ClientCallDetails, unary: bool) -> _CallDetails:
+        timeout = details.timeout
+        if timeout is None and unary:
+            timeout = self._timeout
+        return _CallDetails(
+            details.method,
+            timeout,
+            _metadata_with_token(details.metadata, self._token),
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(client_call_details, True), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(client_call_details, False), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return continuation(self._details(client_call_details, False), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return continuation(self._details(client_call_details, False), request_iterator)
+
+
+class _AioDefaults(
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+):
+    """The asyncio twin of :class:`_SyncDefaults` (gRPC has separate interceptor types)."""
+
+    def __init__(self, token: str, default_timeout_s: float) -> None:
+        self._token = token
+        self._timeout = default_timeout_s
+
+    def _details(self, details: grpc.aio.ClientCallDetails, unary: bool) -> grpc.aio.ClientCallDetails:
+        timeout = details.timeout
+        if timeout is None and unary:
+            timeout = self._timeout
+        metadata = grpc.aio.Metadata(*_metadata_with_token(details.metadata, self._token))
+        return details._replace(timeout=timeout, metadata=metadata)
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(client_call_details, True), request)
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(client_call_details, False), request)
+
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(client_call_details, False), request_iterator)
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(client_call_details, False), request_iterator)
+
+
+def open_channel(
+    address: str,
+    *,
+    token: str = "",
+    tls_ca_file: str = "",
+    aio: bool = False,
+    default_timeout_s: float = 10.0,
+) -> Any:
+    """A ``grpc.Channel`` (or ``grpc.aio.Channel`` if ``aio``) to a silod service.
+
+    Unary calls without a timeout get ``default_timeout_s`` so a hung peer cannot hang the
+    caller forever; TLS is used, verified against ``tls_ca_file``, when it is given.
+    """
+    credentials = None
+    if tls_ca_file:
+        credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_file).read_bytes())
+    if aio:
+        interceptors = [_AioDefaults(token, default_timeout_s)]
+        if credentials is not None:
+            return grpc.aio.secure_channel(address, credentials, options=_OPTIONS, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=_OPTIONS, interceptors=interceptors)
+    if credentials is not None:
+        channel = grpc.secure_channel(address, credentials, options=_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(address, options=_OPTIONS)
+    return grpc.intercept_channel(channel, _SyncDefaults(token, default_timeout_s))
+
+
+def wait_for_ready(
+    address: str, timeout_s: float, *, token: str = "", tls_ca_file: str = "", service: str = ""
+) -> None:
+    """Poll the health service until ``service`` ("" = the whole server) is SERVING.
+
+    Raises TimeoutError naming the address and the last answer, so a failing start is
+    diagnosable from the message alone.
+    """
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    with open_channel(address, token=token, tls_ca_file=tls_ca_file) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=min(remaining, 1.0))
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    what = f"service {service!r}" if service else "server"
+    raise TimeoutError(f"{address}: {what} not SERVING after {timeout_s:g}s (last answer: {last})")

@@ -1,0 +1,258 @@
+"""Bootstrap of every silod gRPC process: one place that meets the operational standard.
+
+Health, reflection, auth, error mapping, request logs, metrics, TLS, the ready file and
+graceful shutdown are all here, so a service only supplies its servicers
+(:class:`ServiceDefinition`) and cannot forget any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.runtime import metrics
+from services.runtime.auth import AuthInterceptor
+from services.runtime.interceptors import ErrorMapper, RequestObserver
+from services.runtime.settings import ConfigError, ServiceSettings, split_host_port
+from services.runtime.structured_logging import configure_logging, get_logger
+
+_log = get_logger("silod.server")
+
+
+@dataclass
+class ServiceDefinition:
+    name: str  # short process name, e.g. "metadata"; used in logs and metrics
+    service_names: Sequence[str]  # full gRPC service names, for health and reflection
+    register: Callable[[grpc.aio.Server], None]  # adds the servicers to the server
+    on_start: Callable[[], Awaitable[None]] | None = None  # awaited before the port opens
+    on_stop: Callable[[], Awaitable[None]] | None = None  # awaited after the server stopped
+
+
+class StartupError(Exception):
+    """The process cannot start for an expected reason; the message is all the user needs."""
+
+
+class RunningServer:
+    """A started server; :meth:`stop` is safe to call more than once and from several tasks."""
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        health_servicer: health.aio.HealthServicer,
+        definition: ServiceDefinition,
+        settings: ServiceSettings,
+        address: str,
+        port: int,
+    ) -> None:
+        self._server = server
+        self._health = health_servicer
+        self._definition = definition
+        self._settings = settings
+        self.address = address
+        self.port = port
+        self._stop_task: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop serving; ``grace`` (default ``settings.shutdown_grace_s``) is what in-flight calls get.
+
+        Health turns NOT_SERVING first so load balancers and watchers drain us before the
+        port closes.
+        """
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(
+                self._stop(self._settings.shutdown_grace_s if grace is None else grace)
+            )
+        # shield: a caller cancelled mid-way must not leave the server half-stopped.
+        await asyncio.shield(self._stop_task)
+
+    async def _stop(self, grace: float) -> None:
+        try:
+            await self._health.enter_graceful_shutdown()
+            await self._server.stop(grace)
+            if self._definition.on_stop is not None:
+                await self._definition.on_stop()
+        finally:
+            self._stopped.set()
+
+    async def wait_for_termination(self) -> None:
+        """Return once :meth:`stop` has finished, on_stop included."""
+        await self._stopped.wait()
+
+
+def _server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
+    cert, key = settings.tls_cert_file, settings.tls_key_file
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        missing = "tls_key_file" if cert else "tls_cert_file"
+        raise ConfigError(f"{missing}: must be set together with {'tls_cert_file' if cert else 'tls_key_file'}")
+    pems = []
+    for field, path in (("tls_key_file", key), ("tls_cert_file", cert)):
+        try:
+            pems.append(Path(path).read_bytes())
+        except OSError as exc:
+            raise ConfigError(f"{field}: cannot read {path!r}: {exc.strerror or exc}") from None
+    return grpc.ssl_server_credentials([(pems[0], pems[1])])
+
+
+def _bind_problem(listen: str) -> str:
+    """Why ``listen`` cannot be bound, in the OS's words; gRPC's exception only says that it failed."""
+    host, port = split_host_port(listen)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r}: {exc.strerror}"
+    family, kind, proto, _, sockaddr = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+            sock.bind(sockaddr)
+    except OSError as exc:
+        return str(exc.strerror or exc)
+    return "gRPC refused it (set GRPC_VERBOSITY=debug for details)"
+
+
+def _format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def start_server(definition: ServiceDefinition, settings: ServiceSettings) -> RunningServer:
+    """Run on_start, bind ``settings.listen`` and serve; raise StartupError/ConfigError if that fails."""
+    host, _ = split_host_port(settings.listen)
+    credentials = _server_credentials(settings)  # fail on bad TLS settings before on_start does work
+
+    interceptors: list[grpc.aio.ServerInterceptor] = [RequestObserver(definition.name)]
+    if settings.auth_token:
+        interceptors.append(AuthInterceptor(settings.auth_token))
+    interceptors.append(ErrorMapper())
+    # so_reuseport=0: otherwise a second process could "bind" a port already taken and
+    # silently share its traffic instead of failing.
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+
+    definition.register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*definition.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+
+    if definition.on_start is not None:
+        try:
+            await definition.on_start()
+        except (ConfigError, StartupError):
+            raise
+        except Exception as exc:
+            _log.debug("on_start failed", exc_info=True)
+            raise StartupError(f"on_start failed: {type(exc).__name__}: {exc}") from exc
+
+    try:
+        try:
+            if credentials is None:
+                port = server.add_insecure_port(settings.listen)
+            else:
+                port = server.add_secure_port(settings.listen, credentials)
+        except RuntimeError:
+            port = 0
+        if port == 0:  # older gRPC returned 0, newer raises: treat both alike
+            raise StartupError(f"listen: cannot bind {settings.listen}: {_bind_problem(settings.listen)}")
+        await server.start()
+    except BaseException:
+        if definition.on_stop is not None:
+            await definition.on_stop()  # on_start's resources (DB pools) must not leak
+        raise
+
+    for name in ("", *definition.service_names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server, health_servicer, definition, settings, _format_address(host, port), port)
+
+
+def _write_ready_file(path: str, address: str) -> None:
+    # Write-then-rename so a polling launcher never reads a half-written address.
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(address)
+    os.replace(tmp, target)
+
+
+def _remove_ready_file(path: str) -> None:
+    if path:
+        Path(path).unlink(missing_ok=True)
+
+
+async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> None:
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    received: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig.name)
+        stop_requested.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    # A file left by a killed predecessor would announce an address nobody serves.
+    _remove_ready_file(settings.ready_file)
+    metrics_server = None
+    if settings.metrics_port:
+        try:
+            metrics_server = metrics.start_metrics_server(settings.metrics_host, settings.metrics_port)
+        except OSError as exc:
+            raise StartupError(
+                f"metrics_port: cannot bind {settings.metrics_host}:{settings.metrics_port}: {exc.strerror or exc}"
+            ) from None
+    try:
+        running = await start_server(definition, settings)
+        try:
+            if settings.ready_file:
+                _write_ready_file(settings.ready_file, running.address)
+            _log.info(
+                "serving",
+                extra={
+                    "address": running.address,
+                    "services": list(definition.service_names),
+                    "tls": bool(settings.tls_cert_file),
+                    "auth": bool(settings.auth_token),
+                    "metrics_port": settings.metrics_port or None,
+                    "version": metrics.silod_version(),
+                },
+            )
+            await stop_requested.wait()
+            _log.info("shutting down", extra={"signal": received[0], "grace_s": settings.shutdown_grace_s})
+        finally:
+            await running.stop(settings.shutdown_grace_s)
+            _remove_ready_file(settings.ready_file)
+        _log.info("shutdown complete")
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+
+
+def run(definition: ServiceDefinition, settings: ServiceSettings) -> int:
+    """Serve until SIGTERM/SIGINT; return the process exit code.
+
+    Expected failures print one line on stderr, no traceback (it is logged at debug level):
+    bad settings such as TLS files return 2 like the CLI's other configuration errors; a
+    port that cannot be bound or a failing on_start return 1.
+    """
+    configure_logging(settings, process=definition.name)
+    try:
+        asyncio.run(_serve(definition, settings))
+    except ConfigError as exc:
+        print(f"silod {definition.name}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except StartupError as exc:
+        print(f"silod {definition.name}: cannot start: {exc}", file=sys.stderr)
+        return 1
+    return 0
