@@ -31,14 +31,13 @@ _SERVICE_CONFIG = json.dumps(
         ]
     }
 )
-_OPTIONS = [
-    ("grpc.enable_retries", 1),
-    ("grpc.service_config", _SERVICE_CONFIG),
+_RECONNECT_OPTIONS = [
     # gRPC's default reconnect backoff grows to 2 minutes; silod services restart in seconds
     # and a peer that is back must not look down that long.
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 5000),
 ]
+_OPTIONS = [("grpc.enable_retries", 1), ("grpc.service_config", _SERVICE_CONFIG), *_RECONNECT_OPTIONS]
 
 
 def _metadata_with_token(metadata: Any, token: str) -> list[tuple[str, Any]]:
@@ -98,13 +97,12 @@ class _SyncDefaults(
         return continuation(self._details(client_call_details, False), request_iterator)
 
 
-class _AioDefaults(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """The asyncio twin of :class:`_SyncDefaults` (gRPC has separate interceptor types)."""
+class _AioDefaults:
+    """The asyncio twin of :class:`_SyncDefaults`.
+
+    grpc.aio files each interceptor under the first call shape it implements only, so it
+    takes one object per shape: the four subclasses below.
+    """
 
     def __init__(self, token: str, default_timeout_s: float) -> None:
         self._token = token
@@ -117,15 +115,23 @@ class _AioDefaults(
         metadata = grpc.aio.Metadata(*_metadata_with_token(details.metadata, self._token))
         return details._replace(timeout=timeout, metadata=metadata)
 
+
+class _AioUnaryUnary(_AioDefaults, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         return await continuation(self._details(client_call_details, True), request)
 
+
+class _AioUnaryStream(_AioDefaults, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         return await continuation(self._details(client_call_details, False), request)
 
+
+class _AioStreamUnary(_AioDefaults, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
         return await continuation(self._details(client_call_details, False), request_iterator)
 
+
+class _AioStreamStream(_AioDefaults, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
         return await continuation(self._details(client_call_details, False), request_iterator)
 
@@ -143,18 +149,26 @@ def open_channel(
     Unary calls without a timeout get ``default_timeout_s`` so a hung peer cannot hang the
     caller forever; TLS is used, verified against ``tls_ca_file``, when it is given.
     """
+    return _open(address, token, tls_ca_file, aio, default_timeout_s, _OPTIONS)
+
+
+def _open(
+    address: str, token: str, tls_ca_file: str, aio: bool, default_timeout_s: float, options: list[tuple[str, Any]]
+) -> Any:
     credentials = None
     if tls_ca_file:
         credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_file).read_bytes())
     if aio:
-        interceptors = [_AioDefaults(token, default_timeout_s)]
+        interceptors = [
+            cls(token, default_timeout_s) for cls in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)
+        ]
         if credentials is not None:
-            return grpc.aio.secure_channel(address, credentials, options=_OPTIONS, interceptors=interceptors)
-        return grpc.aio.insecure_channel(address, options=_OPTIONS, interceptors=interceptors)
+            return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     if credentials is not None:
-        channel = grpc.secure_channel(address, credentials, options=_OPTIONS)
+        channel = grpc.secure_channel(address, credentials, options=options)
     else:
-        channel = grpc.insecure_channel(address, options=_OPTIONS)
+        channel = grpc.insecure_channel(address, options=options)
     return grpc.intercept_channel(channel, _SyncDefaults(token, default_timeout_s))
 
 
@@ -168,7 +182,10 @@ def wait_for_ready(
     """
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
-    with open_channel(address, token=token, tls_ca_file=tls_ca_file) as channel:
+    # No channel-level retries: this loop is the retry, and they would turn the informative
+    # "UNAVAILABLE: connection refused" into a bare DEADLINE_EXCEEDED.
+    options = [("grpc.enable_retries", 0), *_RECONNECT_OPTIONS]
+    with _open(address, token, tls_ca_file, False, timeout_s, options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while (remaining := deadline - time.monotonic()) > 0:
             try:
