@@ -1,0 +1,1 @@
+"""Helpers shared by test suites: real service processes and test servicers."""
