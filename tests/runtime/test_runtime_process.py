@@ -1,0 +1,161 @@
+"""``silod estimator`` (a stub: every RPC is UNIMPLEMENTED) as a real process meets the standard."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.runtime.metrics import silod_version
+from tests.support.procs import REPO_ROOT, ServiceProcess, free_port, start_service
+from silod.v1 import estimator_pb2, estimator_pb2_grpc
+
+PREDICT = "/silod.v1.EstimatorService/Predict"
+
+
+@pytest.fixture(scope="module")
+def estimator() -> Iterator[tuple[ServiceProcess, int]]:
+    """One process for the read-only checks; JSON logs are the default format."""
+    metrics_port = free_port()
+    with start_service("estimator", "--metrics-port", str(metrics_port)) as proc:
+        yield proc, metrics_port
+
+
+def _predict(address: str, metadata: tuple = ()) -> grpc.RpcError:
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as failed:
+            estimator_pb2_grpc.EstimatorServiceStub(channel).Predict(
+                estimator_pb2.PredictRequest(), metadata=metadata, timeout=5
+            )
+    return failed.value
+
+
+def _health(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return int(reply.status)
+
+
+def _wait_for_log(proc: ServiceProcess, needle: str, timeout_s: float = 5) -> str:
+    """The client can get its status before the server has written the call's log line."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if needle in (log := proc.log()):
+            return log
+        time.sleep(0.05)
+    raise AssertionError(f"{needle!r} not in log:\n{proc.log()}")
+
+
+def test_health_reports_serving(estimator: tuple[ServiceProcess, int]) -> None:
+    proc, _ = estimator
+    assert _health(proc.address) == health_pb2.HealthCheckResponse.SERVING
+    assert _health(proc.address, "silod.v1.EstimatorService") == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_and_describes_services(estimator: tuple[ServiceProcess, int]) -> None:
+    proc, _ = estimator
+    with grpc.insecure_channel(proc.address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        services = set(database.get_services())
+        assert {
+            "silod.v1.EstimatorService",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+        } <= services
+        # The descriptors themselves come through too: a generic client could call Predict.
+        pool = descriptor_pool.DescriptorPool(database)
+        methods = {m.name for m in pool.FindServiceByName("silod.v1.EstimatorService").methods}
+        assert methods == {"Predict", "Observe", "GetJobModel"}
+
+
+def test_stub_rpc_answers_unimplemented(estimator: tuple[ServiceProcess, int]) -> None:
+    proc, _ = estimator
+    failure = _predict(proc.address)
+    assert failure.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert failure.details() == f"{PREDICT} is not implemented"
+
+
+def test_metrics_endpoint_counts_calls(estimator: tuple[ServiceProcess, int]) -> None:
+    proc, metrics_port = estimator
+    _predict(proc.address)
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    key = (
+        "silod_grpc_requests_total",
+        (("code", "UNIMPLEMENTED"), ("method", PREDICT), ("service_process", "estimator")),
+    )
+    assert samples.get(key, 0) >= 1
+    assert samples[("silod_grpc_request_duration_seconds_count", (("method", PREDICT), ("service_process", "estimator")))] >= 1
+    assert samples[("silod_grpc_in_flight", (("service_process", "estimator"),))] == 0
+    assert samples[("silod_build_info", (("version", silod_version()),))] == 1
+
+
+def test_json_log_has_one_line_per_call(estimator: tuple[ServiceProcess, int]) -> None:
+    proc, _ = estimator
+    _predict(proc.address, metadata=(("x-request-id", "json-log-test"),))
+    log = _wait_for_log(proc, '"json-log-test"')
+    lines = [json.loads(line) for line in log.splitlines() if line.strip()]  # every line is JSON
+    (call,) = [line for line in lines if line.get("request_id") == "json-log-test"]
+    assert call["method"] == PREDICT and call["code"] == "UNIMPLEMENTED"
+    assert call["msg"] == "rpc finished" and call["level"] == "info" and call["logger"] == "silod.rpc"
+    assert call["process"] == "estimator" and call["peer"].startswith("ipv4:127.0.0.1:")
+    assert isinstance(call["duration_ms"], float) and call["ts"].endswith("Z")
+
+
+def test_auth_token_required_except_for_health() -> None:
+    with start_service("estimator", "--auth-token", "secret") as proc:
+        missing = _predict(proc.address)
+        assert (missing.code(), missing.details()) == (grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
+        wrong = _predict(proc.address, metadata=(("authorization", "Bearer nope"),))
+        assert (wrong.code(), wrong.details()) == (grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
+        right = _predict(proc.address, metadata=(("authorization", "Bearer secret"),))
+        assert right.code() == grpc.StatusCode.UNIMPLEMENTED  # got past auth to the servicer
+        assert _health(proc.address) == health_pb2.HealthCheckResponse.SERVING
+        # Reflection reveals the API, so it is not exempt.
+        with grpc.insecure_channel(proc.address) as channel, pytest.raises(grpc.RpcError) as refused:
+            ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_sigterm_shuts_down_cleanly() -> None:
+    with start_service("estimator", "--log-format", "text") as proc:
+        ready_files = list(proc.workdir.glob("*.ready"))
+        assert len(ready_files) == 1
+        assert _predict(proc.address).code() == grpc.StatusCode.UNIMPLEMENTED
+        started = time.monotonic()
+        assert proc.terminate(timeout=10) == 0
+        assert time.monotonic() - started < 5
+        log = proc.log()
+        assert "shutting down signal=SIGTERM" in log and "shutdown complete" in log
+        assert "Traceback" not in log
+        assert not ready_files[0].exists()  # the address is no longer being served
+
+
+def test_taken_port_fails_with_one_clear_line() -> None:
+    with start_service("estimator") as holder:  # keeps the port busy
+        result = subprocess.run(
+            [sys.executable, "-m", "silod.cli", "estimator", "--listen", holder.address],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=REPO_ROOT,
+        )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"silod estimator: cannot start: listen: cannot bind {holder.address}: Address already in use"
