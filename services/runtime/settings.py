@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -22,8 +22,12 @@ from pydantic_settings import (
 )
 
 
-class ConfigError(Exception):
+class ConfigError(ValueError):
     """A setting is missing or malformed; the message names the setting and its source."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail or message
 
 
 class ServiceSettings(BaseSettings):
@@ -46,6 +50,15 @@ class ServiceSettings(BaseSettings):
     shutdown_grace_s: float = Field(
         10.0, ge=0, description="Seconds in-flight calls get to finish after SIGTERM/SIGINT"
     )
+    @field_validator("listen")
+    @classmethod
+    def _listen_is_host_port(cls, value: str) -> str:
+        try:
+            split_host_port(value)
+        except ConfigError as exc:  # pydantic prefixes the field name itself
+            raise ValueError(exc.detail) from None
+        return value
+
     ready_file: str = Field(
         "",
         description="If set, the bound address (HOST:PORT) is written to this file once serving; "
@@ -99,7 +112,8 @@ def load_settings(cls: type[S], config_file: str | os.PathLike[str] | None = Non
         return _Loaded(**overrides)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in exc.errors()
+            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
+            for err in exc.errors()
         )
         raise ConfigError(problems) from None
     except Exception as exc:  # malformed YAML/TOML
@@ -110,5 +124,6 @@ def split_host_port(address: str, *, field: str = "listen") -> tuple[str, int]:
     """Parse ``HOST:PORT`` (IPv6 as ``[::1]:PORT``); raise ConfigError naming ``field``."""
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{field}: expected HOST:PORT, got {address!r}")
+        detail = f"expected HOST:PORT, got {address!r}"
+        raise ConfigError(f"{field}: {detail}", detail)
     return host.strip("[]"), int(port)

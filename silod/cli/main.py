@@ -49,7 +49,13 @@ SERVICES: dict[str, ServiceCommand] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The full parser; only the service named in ``argv`` gets its settings flags loaded.
+
+    Importing a service module pulls in its server-side dependencies, so ``silod --help``
+    and the client commands never import any of them.
+    """
+    chosen = next((a for a in (argv or []) if not a.startswith("-")), None)
     parser = argparse.ArgumentParser(
         prog="silod",
         description="silod: a GPU cluster manager in which the job scheduler and the dataset cache decide together.",
@@ -57,12 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, svc in SERVICES.items():
-        summary = f"{svc.summary} [{svc.status}]" if svc.status else svc.summary
-        description = summary + ". Every flag can also be set as a SILOD_<NAME> environment variable or in --config."
+        summary = f"[not implemented yet] {svc.summary}" if svc.status else svc.summary
+        description = (f"{svc.summary}. {svc.status}." if svc.status else f"{svc.summary}.") + (
+            " Every flag can also be set as a SILOD_<NAME> environment variable or in --config."
+        )
         p = sub.add_parser(name, help=summary, description=description)
         p.add_argument("--config", metavar="FILE", help="YAML or TOML file of settings (env SILOD_CONFIG)")
-        settings_cls = importlib.import_module(svc.module).Settings
-        add_settings_flags(p, settings_cls)
+        if name == chosen:
+            add_settings_flags(p, importlib.import_module(svc.module).Settings)
         p.set_defaults(handler=_run_service, service=name)
     from silod.cli import client_commands
 
@@ -84,5 +92,6 @@ def _run_service(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return int(args.handler(args) or 0)
