@@ -16,6 +16,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session
 
 _READ_ONLY_OPTION = "silod_read_only"
@@ -25,19 +26,22 @@ def normalize_db_url(db: str) -> URL:
     """Accept a SQLAlchemy URL, "postgresql://..." (psycopg2) or a plain SQLite file path."""
     text = db.strip()
     if not text:
-        raise ValueError("db: empty database URL")
+        raise ValueError("empty database URL")
     if "://" not in text:
         text = "sqlite:///" + text
-    url = make_url(text)
+    try:
+        url = make_url(text)
+    except ArgumentError as exc:
+        raise ValueError(f"not a database URL: {exc}") from None
     if url.get_backend_name() == "sqlite":
         if url.database in (None, "", ":memory:") or "mode=memory" in str(url):
             # Every pooled connection would see its own empty database.
-            raise ValueError("db: in-memory SQLite is not supported; give a file, e.g. sqlite:///silod-metadata.db")
+            raise ValueError("in-memory SQLite is not supported; give a file, e.g. sqlite:///silod-metadata.db")
     elif url.get_backend_name() == "postgresql":
         if url.drivername == "postgresql":
             url = url.set(drivername="postgresql+psycopg2")
     else:
-        raise ValueError(f"db: unsupported database {url.get_backend_name()!r}; use sqlite:///FILE or postgresql://...")
+        raise ValueError(f"unsupported database {url.get_backend_name()!r}; use sqlite:///FILE or postgresql://...")
     return url
 
 
@@ -96,7 +100,11 @@ class Database:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._read_engine = engine.execution_options(**{_READ_ONLY_OPTION: True})
+        read_options: dict[str, Any] = {_READ_ONLY_OPTION: True}
+        if engine.dialect.name == "postgresql":
+            # One snapshot for all statements of a read, e.g. a dataset row and its manifest page.
+            read_options["isolation_level"] = "REPEATABLE READ"
+        self._read_engine = engine.execution_options(**read_options)
 
     @property
     def dialect(self) -> str:

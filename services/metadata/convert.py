@@ -1,0 +1,96 @@
+"""Rows to protobuf messages and protobuf messages to JSON columns."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from silod.v1 import common_pb2, plan_pb2
+
+from services.metadata import models
+from services.metadata.clock import as_utc, to_timestamp
+
+M = TypeVar("M", bound=Message)
+
+
+def to_json(message: Message) -> dict[str, Any]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def from_json(data: dict[str, Any], message_type: type[M]) -> M:
+    # Rows written by a newer silod may carry fields this version does not know; keep going.
+    return json_format.ParseDict(data, message_type(), ignore_unknown_fields=True)
+
+
+def job_to_proto(row: models.Job) -> common_pb2.Job:
+    return common_pb2.Job(
+        id=row.id,
+        spec=from_json(row.spec, common_pb2.JobSpec),
+        state=row.state,  # type: ignore[arg-type]
+        client_request_id=row.client_request_id or "",
+        state_version=row.state_version,
+        created_at=to_timestamp(row.created_at),
+        updated_at=to_timestamp(row.updated_at),
+        started_at=to_timestamp(row.started_at),
+        finished_at=to_timestamp(row.finished_at),
+        progress=from_json(row.progress, common_pb2.JobProgress),
+        allocated=from_json(row.allocated, common_pb2.ResourceVector),
+        message=row.message,
+    )
+
+
+def event_to_proto(row: models.JobEvent) -> common_pb2.JobEvent:
+    return common_pb2.JobEvent(
+        job_id=row.job_id,
+        sequence=row.sequence,
+        time=to_timestamp(row.time),
+        type=row.type,
+        from_state=row.from_state,  # type: ignore[arg-type]
+        to_state=row.to_state,  # type: ignore[arg-type]
+        message=row.message,
+    )
+
+
+def dataset_to_proto(row: models.Dataset) -> common_pb2.Dataset:
+    return common_pb2.Dataset(
+        spec=common_pb2.DatasetSpec(
+            name=row.name, uri=row.uri, storage_options=row.storage_options, description=row.description
+        ),
+        num_objects=row.num_objects,
+        total_bytes=row.total_bytes,
+        manifest_version=row.manifest_version,
+        registered_at=to_timestamp(row.registered_at),
+        updated_at=to_timestamp(row.updated_at),
+    )
+
+
+def node_to_proto(row: models.Node, *, now: datetime, liveness_window_s: float) -> common_pb2.Node:
+    return common_pb2.Node(
+        spec=from_json(row.spec, common_pb2.NodeSpec),
+        registered_at=to_timestamp(row.registered_at),
+        last_heartbeat=to_timestamp(row.last_heartbeat),
+        alive=as_utc(row.last_heartbeat) >= now - timedelta(seconds=liveness_window_s),
+        applied_plan_version=row.applied_plan_version,
+    )
+
+
+def plan_to_proto(row: models.Plan) -> plan_pb2.AllocationPlan:
+    return from_json(row.plan, plan_pb2.AllocationPlan)
+
+
+def sample_to_proto(row: models.MetricSample) -> common_pb2.MetricSample:
+    return common_pb2.MetricSample(
+        job_id=row.job_id, time=to_timestamp(row.time), name=row.name, value=row.value, labels=row.labels
+    )
+
+
+def job_model_to_proto(row: models.JobModel) -> common_pb2.JobModelParams:
+    return common_pb2.JobModelParams(
+        job_id=row.job_id,
+        application=row.application,
+        params=row.params,
+        observations=row.observations,
+        updated_at=to_timestamp(row.updated_at),
+    )

@@ -1,0 +1,82 @@
+"""``silod metadata``: the metadata store service (datasets, jobs, nodes, plans, metrics).
+
+The only process that touches the database: SQLite for one machine, PostgreSQL for a cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from pydantic import Field, field_validator
+from silod.v1 import metadata_pb2_grpc
+
+from services.metadata.migrate import current_revision, head_revision, upgrade_engine
+from services.metadata.database import normalize_db_url
+from services.metadata.servicer import MetadataServicer
+from services.metadata.store import MetadataStore
+from services.runtime.server import ServiceDefinition, StartupError
+from services.runtime.settings import ServiceSettings
+from services.runtime.structured_logging import get_logger
+
+_log = get_logger("silod.metadata")
+
+
+class Settings(ServiceSettings):
+    db: str = Field(
+        "sqlite:///silod-metadata.db",
+        description="Database: a SQLite file (sqlite:///PATH, or just a path) or a postgresql://USER@HOST:PORT/DB URL",
+    )
+    auto_migrate: bool = Field(True, description="Apply pending schema migrations (Alembic upgrade head) at start")
+    liveness_window_s: float = Field(
+        15.0, gt=0, le=7 * 24 * 3600, description="Seconds since its last heartbeat within which a node counts as alive"
+    )
+    db_pool_size: int = Field(
+        8, ge=1, le=256, description="Database connections kept open (as many more may be opened under load)"
+    )
+
+    @field_validator("db")
+    @classmethod
+    def _known_database(cls, value: str) -> str:
+        normalize_db_url(value)  # raises ValueError naming the problem
+        return value
+
+
+def definition(settings: Settings) -> ServiceDefinition:
+    # Connects lazily: on_start is the first thing that touches the database.
+    store = MetadataStore.open(
+        settings.db, liveness_window_s=settings.liveness_window_s, pool_size=settings.db_pool_size
+    )
+
+    def register(server: grpc.aio.Server) -> None:
+        metadata_pb2_grpc.add_MetadataServiceServicer_to_server(MetadataServicer(store), server)
+
+    async def on_start() -> None:
+        await asyncio.to_thread(_prepare_schema, store, settings)
+
+    async def on_stop() -> None:
+        await asyncio.to_thread(store.close)
+
+    return ServiceDefinition(
+        name="metadata",
+        service_names=["silod.v1.MetadataService"],
+        register=register,
+        on_start=on_start,
+        on_stop=on_stop,
+    )
+
+
+def _prepare_schema(store: MetadataStore, settings: Settings) -> None:
+    engine = store.db.engine
+    try:
+        if settings.auto_migrate:
+            upgrade_engine(engine)
+        current, head = current_revision(engine), head_revision()
+    except Exception as exc:
+        raise StartupError(f"db: cannot prepare {engine.url.render_as_string(hide_password=True)}: {exc}") from exc
+    if current != head:
+        raise StartupError(
+            f"db: schema is at revision {current or 'none'}, this silod needs {head}; "
+            f"run `silod db upgrade --db URL` or start with --auto-migrate"
+        )
+    _log.info("database ready", extra={"db": engine.url.render_as_string(hide_password=True), "schema_revision": head})

@@ -1,0 +1,190 @@
+"""MetadataService over gRPC: unpacks requests, runs the store in worker threads, packs replies.
+
+Store calls are blocking SQLAlchemy, so each runs in asyncio.to_thread and the event loop
+keeps serving other calls meanwhile. Errors are raised as services.runtime.errors and turned
+into statuses by the server's error-mapping interceptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+from sqlalchemy.exc import OperationalError
+from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
+
+from services.metadata.store import MetadataStore
+from services.metadata.validation.common import reject_nul_characters
+from services.metadata.validation.datasets import Manifest
+from services.runtime.errors import InvalidArgument, Unavailable
+
+T = TypeVar("T")
+Context = grpc.aio.ServicerContext
+
+
+class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
+    def __init__(self, store: MetadataStore) -> None:
+        self._store = store
+
+    async def _run(self, request: Message | None, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if request is not None:
+            reject_nul_characters(request)
+        try:
+            return await asyncio.to_thread(call, *args, **kwargs)
+        except OperationalError as exc:
+            # Connection refused, server restarting, lock wait exhausted: the caller may retry.
+            raise Unavailable(f"database unavailable: {str(exc.orig).strip()[:200]}") from exc
+
+    # -- datasets ------------------------------------------------------------------------
+
+    async def RegisterDataset(
+        self, request_iterator: AsyncIterator[metadata_pb2.RegisterDatasetRequest], context: Context
+    ) -> common_pb2.Dataset:
+        spec: common_pb2.DatasetSpec | None = None
+        replace = False
+        manifest = Manifest()
+        async for request in request_iterator:
+            if spec is None:
+                if not request.HasField("spec"):
+                    raise InvalidArgument("the first message of the stream must carry the dataset spec", field="spec")
+                spec, replace = request.spec, request.replace
+                await self._run(spec, self._store.datasets.check_registrable, spec, replace)
+            if request.objects:
+                await asyncio.to_thread(manifest.add, request.objects)
+        if spec is None:
+            raise InvalidArgument("empty stream: the first message must carry the dataset spec", field="spec")
+        return await self._run(None, self._store.datasets.register, spec, manifest, replace=replace)
+
+    async def GetDataset(self, request: metadata_pb2.GetDatasetRequest, context: Context) -> common_pb2.Dataset:
+        return await self._run(request, self._store.datasets.get, request.name)
+
+    async def ListDatasets(
+        self, request: metadata_pb2.ListDatasetsRequest, context: Context
+    ) -> metadata_pb2.ListDatasetsResponse:
+        datasets, token = await self._run(request, self._store.datasets.list, request.page_size, request.page_token)
+        return metadata_pb2.ListDatasetsResponse(datasets=datasets, next_page_token=token)
+
+    async def ListDatasetObjects(
+        self, request: metadata_pb2.ListDatasetObjectsRequest, context: Context
+    ) -> metadata_pb2.ListDatasetObjectsResponse:
+        objects, token, version = await self._run(
+            request, self._store.datasets.list_objects, request.name, request.page_size, request.page_token
+        )
+        return metadata_pb2.ListDatasetObjectsResponse(objects=objects, next_page_token=token, manifest_version=version)
+
+    # -- jobs ----------------------------------------------------------------------------
+
+    async def CreateJob(self, request: metadata_pb2.CreateJobRequest, context: Context) -> common_pb2.Job:
+        return await self._run(request, self._store.jobs.create, request.spec, request.client_request_id)
+
+    async def GetJob(self, request: metadata_pb2.GetJobRequest, context: Context) -> common_pb2.Job:
+        return await self._run(request, self._store.jobs.get, request.job_id)
+
+    async def ListJobs(self, request: metadata_pb2.ListJobsRequest, context: Context) -> metadata_pb2.ListJobsResponse:
+        jobs, token = await self._run(
+            request,
+            self._store.jobs.list,
+            states=list(request.states),
+            tenant=request.tenant,
+            application=request.application,
+            kind=request.kind,
+            page_size=request.page_size,
+            page_token=request.page_token,
+        )
+        return metadata_pb2.ListJobsResponse(jobs=jobs, next_page_token=token)
+
+    async def TransitionJob(self, request: metadata_pb2.TransitionJobRequest, context: Context) -> common_pb2.Job:
+        return await self._run(
+            request, self._store.jobs.transition, request.job_id, request.expected_state, request.new_state, request.message
+        )
+
+    async def UpdateJobProgress(
+        self, request: metadata_pb2.UpdateJobProgressRequest, context: Context
+    ) -> common_pb2.Job:
+        return await self._run(
+            request,
+            self._store.jobs.update_progress,
+            request.job_id,
+            request.progress if request.HasField("progress") else None,
+            request.allocated if request.HasField("allocated") else None,
+        )
+
+    async def AppendJobEvent(self, request: metadata_pb2.AppendJobEventRequest, context: Context) -> common_pb2.JobEvent:
+        return await self._run(request, self._store.jobs.append_event, request.job_id, request.type, request.message)
+
+    async def ListJobEvents(
+        self, request: metadata_pb2.ListJobEventsRequest, context: Context
+    ) -> metadata_pb2.ListJobEventsResponse:
+        events = await self._run(
+            request, self._store.jobs.list_events, request.job_id, request.after_sequence, request.limit
+        )
+        return metadata_pb2.ListJobEventsResponse(events=events)
+
+    # -- nodes ---------------------------------------------------------------------------
+
+    async def UpsertNode(self, request: metadata_pb2.UpsertNodeRequest, context: Context) -> common_pb2.Node:
+        return await self._run(request, self._store.nodes.upsert, request.spec)
+
+    async def Heartbeat(self, request: metadata_pb2.HeartbeatRequest, context: Context) -> common_pb2.Node:
+        return await self._run(request, self._store.nodes.heartbeat, request.node, request.applied_plan_version)
+
+    async def GetNode(self, request: metadata_pb2.GetNodeRequest, context: Context) -> common_pb2.Node:
+        return await self._run(request, self._store.nodes.get, request.node)
+
+    async def ListNodes(self, request: metadata_pb2.ListNodesRequest, context: Context) -> metadata_pb2.ListNodesResponse:
+        nodes = await self._run(
+            request,
+            self._store.nodes.list,
+            pool=request.pool,
+            alive_only=request.alive_only,
+            liveness_window_s=request.liveness_window_s,
+        )
+        return metadata_pb2.ListNodesResponse(nodes=nodes)
+
+    # -- plans ---------------------------------------------------------------------------
+
+    async def CommitPlan(self, request: metadata_pb2.CommitPlanRequest, context: Context) -> plan_pb2.AllocationPlan:
+        return await self._run(request, self._store.plans.commit, request.plan)
+
+    async def GetLatestPlan(
+        self, request: metadata_pb2.GetLatestPlanRequest, context: Context
+    ) -> plan_pb2.AllocationPlan:
+        return await self._run(request, self._store.plans.latest)
+
+    async def GetPlan(self, request: metadata_pb2.GetPlanRequest, context: Context) -> plan_pb2.AllocationPlan:
+        return await self._run(request, self._store.plans.get, request.version)
+
+    async def ListPlans(self, request: metadata_pb2.ListPlansRequest, context: Context) -> metadata_pb2.ListPlansResponse:
+        plans, token = await self._run(request, self._store.plans.list, request.page_size, request.page_token)
+        return metadata_pb2.ListPlansResponse(plans=plans, next_page_token=token)
+
+    # -- metrics and job models ----------------------------------------------------------
+
+    async def AppendMetrics(
+        self, request: metadata_pb2.AppendMetricsRequest, context: Context
+    ) -> metadata_pb2.AppendMetricsResponse:
+        appended = await self._run(request, self._store.metrics.append, list(request.samples))
+        return metadata_pb2.AppendMetricsResponse(appended=appended)
+
+    async def QueryMetrics(
+        self, request: metadata_pb2.QueryMetricsRequest, context: Context
+    ) -> metadata_pb2.QueryMetricsResponse:
+        samples = await self._run(
+            request,
+            self._store.metrics.query,
+            request.job_id,
+            name=request.name,
+            since=request.since if request.HasField("since") else None,
+            until=request.until if request.HasField("until") else None,
+            limit=request.limit,
+        )
+        return metadata_pb2.QueryMetricsResponse(samples=samples)
+
+    async def PutJobModel(self, request: metadata_pb2.PutJobModelRequest, context: Context) -> common_pb2.JobModelParams:
+        return await self._run(request, self._store.metrics.put_model, request.model)
+
+    async def GetJobModel(self, request: metadata_pb2.GetJobModelRequest, context: Context) -> common_pb2.JobModelParams:
+        return await self._run(request, self._store.metrics.get_model, request.job_id)

@@ -1,0 +1,283 @@
+"""Jobs: creation (idempotent on client_request_id), compare-and-set state moves, progress and events."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+from silod.v1 import common_pb2
+
+from services.metadata import convert, paging
+from services.metadata.clock import utc_now
+from services.metadata.database import Database
+from services.metadata.job_states import RUNNING, TERMINAL_STATES, is_legal_move, state_name
+from services.metadata.models import Job, JobEvent
+from services.metadata.validation.common import check_enum, check_int, check_text
+from services.metadata.validation.jobs import (
+    check_client_request_id,
+    check_event,
+    check_job_id,
+    check_progress,
+    check_resources,
+    check_transition,
+    normalized_job_spec,
+)
+from services.runtime.errors import AlreadyExists, FailedPrecondition, NotFound
+
+STATE_EVENT = "state"
+_ID_ATTEMPTS = 3  # 48 random bits: a second collision in a row would mean a broken RNG
+
+
+def new_job_id() -> str:
+    return "job-" + secrets.token_hex(6)
+
+
+class JobStore:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def create(self, spec: common_pb2.JobSpec, client_request_id: str = "") -> common_pb2.Job:
+        check_client_request_id(client_request_id)
+        spec = normalized_job_spec(spec)
+        for _ in range(_ID_ATTEMPTS):
+            try:
+                with self._db.write() as session:
+                    existing = self._find_by_request_id(session, client_request_id)
+                    if existing is not None:
+                        return self._same_request_or_conflict(existing, spec)
+                    return convert.job_to_proto(self._insert(session, spec, client_request_id))
+            except IntegrityError:
+                # Either another caller inserted the same client_request_id between our read
+                # and our insert (PostgreSQL), or the random id collided: look, then retry.
+                with self._db.read() as session:
+                    winner = self._find_by_request_id(session, client_request_id)
+                    if winner is not None:
+                        return self._same_request_or_conflict(winner, spec)
+        raise RuntimeError("could not allocate a unique job id")
+
+    def get(self, job_id: str) -> common_pb2.Job:
+        check_job_id(job_id)
+        with self._db.read() as session:
+            return convert.job_to_proto(_load(session, job_id))
+
+    def list(
+        self,
+        *,
+        states: Sequence[int] = (),
+        tenant: str = "",
+        application: str = "",
+        kind: int = 0,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> tuple[list[common_pb2.Job], str]:
+        for index, state in enumerate(states):
+            check_enum(state, common_pb2.JobState.DESCRIPTOR, f"states[{index}]")
+        check_text(tenant, "tenant", max_chars=128)
+        check_text(application, "application", max_chars=128)
+        check_enum(kind, common_pb2.JobKind.DESCRIPTOR, "kind")
+        size = paging.JOBS.size(page_size)
+        after = paging.decode_token(page_token, "jobs", int)
+
+        query = select(Job).order_by(Job.seq).limit(size + 1)
+        if after:
+            query = query.where(Job.seq > after[0])
+        if states:
+            query = query.where(Job.state.in_(sorted(set(states))))
+        if tenant:
+            query = query.where(Job.tenant == tenant)
+        if application:
+            query = query.where(Job.application == application)
+        if kind:
+            query = query.where(Job.kind == kind)
+        with self._db.read() as session:
+            rows = list(session.scalars(query))
+        page = rows[:size]
+        next_token = paging.encode_token("jobs", page[-1].seq) if len(rows) > size else ""
+        return [convert.job_to_proto(row) for row in page], next_token
+
+    def transition(self, job_id: str, expected_state: int, new_state: int, message: str = "") -> common_pb2.Job:
+        check_job_id(job_id)
+        check_transition(expected_state, new_state, message)
+        with self._db.write() as session:
+            current = _load(session, job_id).state
+            _check_move(job_id, current, expected_state, new_state)
+            now = utc_now()
+            values: dict[str, object] = {
+                "state": new_state,
+                "state_version": Job.state_version + 1,
+                "updated_at": now,
+                "message": message,
+                "last_event_sequence": Job.last_event_sequence + 1,
+            }
+            if new_state == RUNNING:
+                values["started_at"] = func.coalesce(Job.started_at, now)
+            if new_state in TERMINAL_STATES:
+                values["finished_at"] = now
+            # Compare-and-set: the WHERE on the state is what makes concurrent movers safe.
+            moved = session.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.state == expected_state)
+                .values(**values)
+                .execution_options(synchronize_session=False)
+            )
+            if moved.rowcount != 1:
+                actual = _load(session, job_id, refresh=True).state
+                _check_move(job_id, actual, expected_state, new_state)
+            row = _load(session, job_id, refresh=True)
+            session.add(
+                JobEvent(
+                    job_id=job_id,
+                    sequence=row.last_event_sequence,
+                    time=now,
+                    type=STATE_EVENT,
+                    from_state=expected_state,
+                    to_state=new_state,
+                    message=message,
+                )
+            )
+            return convert.job_to_proto(row)
+
+    def update_progress(
+        self,
+        job_id: str,
+        progress: common_pb2.JobProgress | None,
+        allocated: common_pb2.ResourceVector | None = None,
+    ) -> common_pb2.Job:
+        check_job_id(job_id)
+        if progress is not None:
+            check_progress(progress)
+        if allocated is not None:
+            check_resources(allocated, "allocated")
+        with self._db.write() as session:
+            row = _load(session, job_id)
+            if progress is not None:
+                row.progress = convert.to_json(progress)
+            if allocated is not None:
+                row.allocated = convert.to_json(allocated)
+            row.updated_at = utc_now()
+            session.flush()
+            return convert.job_to_proto(row)
+
+    def append_event(self, job_id: str, event_type: str, message: str = "") -> common_pb2.JobEvent:
+        check_job_id(job_id)
+        check_event(event_type, message)
+        with self._db.write() as session:
+            sequence = _next_event_sequence(session, job_id)
+            event = JobEvent(
+                job_id=job_id,
+                sequence=sequence,
+                time=utc_now(),
+                type=event_type,
+                from_state=common_pb2.JOB_STATE_UNSPECIFIED,
+                to_state=common_pb2.JOB_STATE_UNSPECIFIED,
+                message=message,
+            )
+            session.add(event)
+            return convert.event_to_proto(event)
+
+    def list_events(self, job_id: str, after_sequence: int = 0, limit: int = 0) -> list[common_pb2.JobEvent]:
+        check_job_id(job_id)
+        check_int(after_sequence, "after_sequence", minimum=0, maximum=2**63 - 1)
+        size = paging.JOB_EVENTS.size(limit, field="limit")
+        with self._db.read() as session:
+            _load(session, job_id)
+            rows = session.scalars(
+                select(JobEvent)
+                .where(JobEvent.job_id == job_id, JobEvent.sequence > after_sequence)
+                .order_by(JobEvent.sequence)
+                .limit(size)
+            )
+            return [convert.event_to_proto(row) for row in rows]
+
+    # -- helpers -------------------------------------------------------------------------
+
+    @staticmethod
+    def _find_by_request_id(session: Session, client_request_id: str) -> Job | None:
+        if not client_request_id:
+            return None
+        return session.scalars(select(Job).where(Job.client_request_id == client_request_id)).one_or_none()
+
+    @staticmethod
+    def _same_request_or_conflict(existing: Job, spec: common_pb2.JobSpec) -> common_pb2.Job:
+        job = convert.job_to_proto(existing)
+        if job.spec != spec:
+            raise AlreadyExists(
+                f"{existing.client_request_id!r} was already used for {existing.id} with a different spec",
+                field="client_request_id",
+            )
+        return job
+
+    @staticmethod
+    def _insert(session: Session, spec: common_pb2.JobSpec, client_request_id: str) -> Job:
+        now = utc_now()
+        row = Job(
+            id=new_job_id(),
+            client_request_id=client_request_id or None,
+            name=spec.name,
+            tenant=spec.tenant,
+            application=spec.application,
+            kind=spec.kind,
+            state=common_pb2.JOB_STATE_PENDING,
+            spec=convert.to_json(spec),
+            state_version=1,
+            created_at=now,
+            updated_at=now,
+            started_at=None,
+            finished_at=None,
+            progress={},
+            allocated={},
+            message="",
+            last_event_sequence=1,
+        )
+        session.add(row)
+        session.add(
+            JobEvent(
+                job_id=row.id,
+                sequence=1,
+                time=now,
+                type=STATE_EVENT,
+                from_state=common_pb2.JOB_STATE_UNSPECIFIED,
+                to_state=common_pb2.JOB_STATE_PENDING,
+                message="submitted",
+            )
+        )
+        session.flush()  # surface a unique-constraint violation inside our try
+        return row
+
+
+def _load(session: Session, job_id: str, *, refresh: bool = False) -> Job:
+    query = select(Job).where(Job.id == job_id)
+    if refresh:
+        query = query.execution_options(populate_existing=True)
+    row = session.scalars(query).one_or_none()
+    if row is None:
+        raise NotFound(f"no job {job_id!r}", field="job_id")
+    return row
+
+
+def _check_move(job_id: str, actual: int, expected: int, new: int) -> None:
+    if actual != expected:
+        raise FailedPrecondition(
+            f"{job_id} is {state_name(actual)}, not {state_name(expected)}; re-read the job and retry",
+            field="expected_state",
+        )
+    if not is_legal_move(expected, new):
+        raise FailedPrecondition(
+            f"illegal move from {state_name(expected)} to {state_name(new)}", field="new_state"
+        )
+
+
+def _next_event_sequence(session: Session, job_id: str) -> int:
+    # The UPDATE locks the job row, so concurrent appenders get consecutive sequences.
+    bumped = session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(last_event_sequence=Job.last_event_sequence + 1)
+        .execution_options(synchronize_session=False)
+    )
+    if bumped.rowcount != 1:
+        raise NotFound(f"no job {job_id!r}", field="job_id")
+    return session.scalars(select(Job.last_event_sequence).where(Job.id == job_id)).one()

@@ -1,0 +1,96 @@
+"""Nodes: registration, heartbeats and liveness."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from silod.v1 import common_pb2
+
+from services.metadata import convert
+from services.metadata.clock import utc_now
+from services.metadata.database import Database
+from services.metadata.models import Node
+from services.metadata.validation.nodes import (
+    check_heartbeat,
+    check_list_nodes,
+    check_node_name,
+    normalized_node_spec,
+)
+from services.runtime.errors import FailedPrecondition, NotFound
+
+
+class NodeStore:
+    def __init__(self, db: Database, *, liveness_window_s: float) -> None:
+        self._db = db
+        self._liveness_window_s = liveness_window_s
+
+    def upsert(self, spec: common_pb2.NodeSpec) -> common_pb2.Node:
+        """Register a node or replace its spec; registering also counts as a heartbeat."""
+        spec = normalized_node_spec(spec)
+        try:
+            return self._upsert_once(spec)
+        except IntegrityError:
+            return self._upsert_once(spec)  # lost a race to insert the same name: now update it
+
+    def _upsert_once(self, spec: common_pb2.NodeSpec) -> common_pb2.Node:
+        now = utc_now()
+        with self._db.write() as session:
+            row = session.get(Node, spec.name)
+            if row is None:
+                row = Node(name=spec.name, registered_at=now, applied_plan_version=0)
+                session.add(row)
+            row.pool = spec.pool
+            row.spec = convert.to_json(spec)
+            row.last_heartbeat = now
+            session.flush()
+            return self._to_proto(row)
+
+    def heartbeat(self, node: str, applied_plan_version: int) -> common_pb2.Node:
+        check_heartbeat(node, applied_plan_version)
+        with self._db.write() as session:
+            # Conditional UPDATE: a late heartbeat carrying an older version cannot win a race.
+            updated = session.execute(
+                update(Node)
+                .where(Node.name == node, Node.applied_plan_version <= applied_plan_version)
+                .values(last_heartbeat=utc_now(), applied_plan_version=applied_plan_version)
+                .execution_options(synchronize_session=False)
+            )
+            row = session.scalars(select(Node).where(Node.name == node).execution_options(populate_existing=True)).one_or_none()
+            if row is None:
+                raise NotFound(f"no node {node!r}; register it with UpsertNode first", field="node")
+            if updated.rowcount != 1:
+                raise FailedPrecondition(
+                    f"must not decrease: node {node} already applied plan {row.applied_plan_version}, "
+                    f"got {applied_plan_version}",
+                    field="applied_plan_version",
+                )
+            return self._to_proto(row)
+
+    def get(self, node: str) -> common_pb2.Node:
+        check_node_name(node)
+        with self._db.read() as session:
+            row = session.get(Node, node)
+            if row is None:
+                raise NotFound(f"no node {node!r}", field="node")
+            return self._to_proto(row)
+
+    def list(self, *, pool: int = 0, alive_only: bool = False, liveness_window_s: float = 0.0) -> list[common_pb2.Node]:
+        check_list_nodes(pool, liveness_window_s)
+        window = liveness_window_s or self._liveness_window_s
+        now = utc_now()
+        query = select(Node).order_by(Node.name)
+        if pool:
+            query = query.where(Node.pool == pool)
+        if alive_only:
+            query = query.where(Node.last_heartbeat >= now - timedelta(seconds=window))
+        with self._db.read() as session:
+            return [self._to_proto(row, now=now, window=window) for row in session.scalars(query)]
+
+    def _to_proto(self, row: Node, *, now: datetime | None = None, window: float | None = None) -> common_pb2.Node:
+        return convert.node_to_proto(
+            row,
+            now=now or utc_now(),
+            liveness_window_s=self._liveness_window_s if window is None else window,
+        )

@@ -1,0 +1,123 @@
+"""Checks shared by every kind of request."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from google.protobuf import timestamp_pb2
+from google.protobuf.descriptor import EnumDescriptor, FieldDescriptor
+from google.protobuf.message import Message
+
+from services.runtime.errors import InvalidArgument
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
+MAX_BYTES = 2**60  # far beyond any real disk or link, yet nowhere near int64 overflow when summed
+# google.protobuf.Timestamp's documented range: 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59Z.
+_MIN_TIMESTAMP_S = -62135596800
+_MAX_TIMESTAMP_S = 253402300799
+
+
+def check_name(value: str, field: str) -> str:
+    if not NAME_PATTERN.fullmatch(value):
+        raise InvalidArgument(f"must be 1..128 characters of [A-Za-z0-9._-], got {_show(value)}", field=field)
+    return value
+
+
+def check_text(value: str, field: str, *, max_chars: int, required: bool = False) -> str:
+    if required and not value.strip():
+        raise InvalidArgument("must not be empty", field=field)
+    if len(value) > max_chars:
+        raise InvalidArgument(f"must be at most {max_chars} characters, got {len(value)}", field=field)
+    return value
+
+
+def check_int(value: int, field: str, *, minimum: int, maximum: int) -> int:
+    if not minimum <= value <= maximum:
+        raise InvalidArgument(f"must be in {minimum}..{maximum}, got {value}", field=field)
+    return value
+
+
+def check_float(value: float, field: str, *, minimum: float, maximum: float) -> float:
+    if not math.isfinite(value):
+        raise InvalidArgument(f"must be a finite number, got {value}", field=field)
+    if not minimum <= value <= maximum:
+        raise InvalidArgument(f"must be in {minimum:g}..{maximum:g}, got {value:g}", field=field)
+    return value
+
+
+def check_enum(value: int, enum: EnumDescriptor, field: str, *, allow_unspecified: bool = True) -> int:
+    """proto3 enums are open: a client can send any number, which must not reach the store."""
+    if value not in enum.values_by_number:
+        raise InvalidArgument(f"unknown {enum.name} value {value}", field=field)
+    if value == 0 and not allow_unspecified:
+        raise InvalidArgument(f"required: {enum.name} must not be {enum.values_by_number[0].name}", field=field)
+    return value
+
+
+def check_timestamp(stamp: timestamp_pb2.Timestamp, field: str) -> None:
+    if not _MIN_TIMESTAMP_S <= stamp.seconds <= _MAX_TIMESTAMP_S or not 0 <= stamp.nanos <= 999_999_999:
+        raise InvalidArgument(
+            f"timestamp out of range (seconds={stamp.seconds}, nanos={stamp.nanos})", field=field
+        )
+
+
+def check_string_map(
+    mapping: Mapping[str, str], field: str, *, max_entries: int, max_key_chars: int = 128, max_value_chars: int = 1024
+) -> None:
+    if len(mapping) > max_entries:
+        raise InvalidArgument(f"at most {max_entries} entries, got {len(mapping)}", field=field)
+    for key, value in mapping.items():
+        if not key or len(key) > max_key_chars:
+            raise InvalidArgument(f"keys must be 1..{max_key_chars} characters, got {_show(key)}", field=field)
+        if len(value) > max_value_chars:
+            raise InvalidArgument(f"value of {_show(key)} exceeds {max_value_chars} characters", field=f"{field}[{key!r}]")
+
+
+def reject_nul_characters(message: Message, path: str = "") -> None:
+    """PostgreSQL cannot store NUL in text; refuse it anywhere in a request, naming where."""
+    found = _find_nul(message, path)
+    if found is not None:
+        raise InvalidArgument("must not contain NUL characters", field=found)
+
+
+def _find_nul(message: Message, path: str) -> str | None:
+    for descriptor, value in message.ListFields():
+        name = f"{path}.{descriptor.name}" if path else descriptor.name
+        if descriptor.message_type is not None and descriptor.message_type.GetOptions().map_entry:
+            found = _find_nul_in_map(value, name, descriptor.message_type.fields_by_name["value"])
+        elif descriptor.is_repeated:
+            found = next(
+                (hit for index, item in enumerate(value) if (hit := _find_nul_in_value(item, descriptor, f"{name}[{index}]"))),
+                None,
+            )
+        else:
+            found = _find_nul_in_value(value, descriptor, name)
+        if found is not None:
+            return found
+    return None
+
+
+def _find_nul_in_map(mapping: Mapping[Any, Any], path: str, value_descriptor: FieldDescriptor) -> str | None:
+    for key, value in mapping.items():
+        if isinstance(key, str) and "\x00" in key:
+            return path
+        found = _find_nul_in_value(value, value_descriptor, f"{path}[{key!r}]")
+        if found is not None:
+            return found
+    return None
+
+
+def _find_nul_in_value(value: Any, descriptor: FieldDescriptor, path: str) -> str | None:
+    if descriptor.type == FieldDescriptor.TYPE_STRING:
+        return path if "\x00" in value else None
+    if descriptor.type == FieldDescriptor.TYPE_MESSAGE:
+        return _find_nul(value, path)
+    return None
+
+
+def _show(value: str, limit: int = 40) -> str:
+    """Quote a client string for an error message without echoing megabytes back."""
+    return repr(value if len(value) <= limit else value[:limit] + "...")

@@ -1,0 +1,139 @@
+"""Validation of job specs, progress reports and events."""
+
+from __future__ import annotations
+
+import re
+
+from silod.v1 import common_pb2
+
+from services.metadata.validation.common import (
+    MAX_BYTES,
+    check_enum,
+    check_float,
+    check_int,
+    check_name,
+    check_string_map,
+    check_text,
+)
+from services.runtime.errors import InvalidArgument
+
+MAX_GPUS = 4096
+MAX_BATCH_SIZE = 2**24
+MAX_EPOCHS = 1_000_000
+MAX_SAMPLE_BUDGET = 2**53
+MAX_INFERENCE_DURATION_S = 30 * 24 * 3600.0
+MAX_EMULATED_STEP_S = 3600.0
+MAX_CLIENT_REQUEST_ID_CHARS = 128
+MAX_MESSAGE_CHARS = 4096
+DEFAULT_TENANT = "default"
+RESERVED_EVENT_TYPE = "state"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
+
+TRAINING = common_pb2.JOB_KIND_TRAINING
+INFERENCE = common_pb2.JOB_KIND_INFERENCE
+
+
+def normalized_job_spec(spec: common_pb2.JobSpec, field: str = "spec") -> common_pb2.JobSpec:
+    """A validated copy with the documented defaults filled in (tenant, kind), so that two
+    requests meaning the same job compare equal."""
+    check_text(spec.name, f"{field}.name", max_chars=128, required=True)
+    if spec.tenant:
+        check_name(spec.tenant, f"{field}.tenant")
+    check_enum(spec.kind, common_pb2.JobKind.DESCRIPTOR, f"{field}.kind")
+    check_text(spec.application, f"{field}.application", max_chars=128)
+    if spec.dataset:
+        check_name(spec.dataset, f"{field}.dataset")
+    check_int(spec.priority, f"{field}.priority", minimum=-(2**31), maximum=2**31 - 1)
+    if spec.kind == INFERENCE:
+        _check_inference_shape(spec, field)
+    else:
+        _check_training_shape(spec, field)
+    check_float(spec.emulated_step_compute_s, f"{field}.emulated_step_compute_s", minimum=0.0, maximum=MAX_EMULATED_STEP_S)
+    _check_command(spec, field)
+
+    normalized = common_pb2.JobSpec()
+    normalized.CopyFrom(spec)
+    normalized.tenant = spec.tenant or DEFAULT_TENANT
+    normalized.kind = spec.kind or TRAINING
+    return normalized
+
+
+def _check_training_shape(spec: common_pb2.JobSpec, field: str) -> None:
+    check_int(spec.min_gpus, f"{field}.min_gpus", minimum=1, maximum=MAX_GPUS)
+    check_int(spec.max_gpus, f"{field}.max_gpus", minimum=spec.min_gpus, maximum=MAX_GPUS)
+    check_int(spec.batch_size, f"{field}.batch_size", minimum=1, maximum=MAX_BATCH_SIZE)
+    if spec.max_batch_size != 0:
+        check_int(spec.max_batch_size, f"{field}.max_batch_size", minimum=spec.batch_size, maximum=MAX_BATCH_SIZE)
+    budget = spec.WhichOneof("budget")
+    if budget is None:
+        raise InvalidArgument("a training job needs exactly one of epochs or sample_budget", field=f"{field}.budget")
+    if budget == "epochs":
+        check_int(spec.epochs, f"{field}.epochs", minimum=1, maximum=MAX_EPOCHS)
+    else:
+        check_int(spec.sample_budget, f"{field}.sample_budget", minimum=1, maximum=MAX_SAMPLE_BUDGET)
+    if spec.inference_duration_s != 0:
+        raise InvalidArgument("only inference jobs have a duration", field=f"{field}.inference_duration_s")
+
+
+def _check_inference_shape(spec: common_pb2.JobSpec, field: str) -> None:
+    # DeepBoot inference tasks hold exactly one GPU for a fixed time.
+    check_int(spec.min_gpus, f"{field}.min_gpus", minimum=1, maximum=1)
+    check_int(spec.max_gpus, f"{field}.max_gpus", minimum=1, maximum=1)
+    check_float(spec.inference_duration_s, f"{field}.inference_duration_s", minimum=0.0, maximum=MAX_INFERENCE_DURATION_S)
+    if spec.inference_duration_s <= 0:
+        raise InvalidArgument("an inference job needs a duration > 0", field=f"{field}.inference_duration_s")
+    check_int(spec.batch_size, f"{field}.batch_size", minimum=0, maximum=MAX_BATCH_SIZE)
+    check_int(spec.max_batch_size, f"{field}.max_batch_size", minimum=0, maximum=MAX_BATCH_SIZE)
+    budget = spec.WhichOneof("budget")
+    if budget is not None:
+        raise InvalidArgument("inference jobs run for inference_duration_s, not a budget", field=f"{field}.{budget}")
+
+
+def _check_command(spec: common_pb2.JobSpec, field: str) -> None:
+    if len(spec.command) > 4096:
+        raise InvalidArgument(f"at most 4096 arguments, got {len(spec.command)}", field=f"{field}.command")
+    for index, argument in enumerate(spec.command):
+        check_text(argument, f"{field}.command[{index}]", max_chars=32768)
+    check_string_map(spec.env, f"{field}.env", max_entries=256, max_key_chars=256, max_value_chars=32768)
+    for key in spec.env:
+        if not _ENV_NAME.fullmatch(key):
+            raise InvalidArgument(f"not an environment variable name: {key!r}", field=f"{field}.env")
+
+
+def check_client_request_id(value: str) -> None:
+    check_text(value, "client_request_id", max_chars=MAX_CLIENT_REQUEST_ID_CHARS)
+
+
+def check_job_id(value: str, field: str = "job_id") -> None:
+    """Only the shape; whether the job exists is the store's question."""
+    if not value:
+        raise InvalidArgument("required", field=field)
+    check_text(value, field, max_chars=64)
+
+
+def check_progress(progress: common_pb2.JobProgress, field: str = "progress") -> None:
+    check_int(progress.samples_done, f"{field}.samples_done", minimum=0, maximum=2**62)
+    check_int(progress.steps_done, f"{field}.steps_done", minimum=0, maximum=2**62)
+    check_int(progress.epochs_done, f"{field}.epochs_done", minimum=0, maximum=2**31 - 1)
+    check_float(progress.fraction_done, f"{field}.fraction_done", minimum=0.0, maximum=1.0)
+    check_float(progress.throughput_samples_per_s, f"{field}.throughput_samples_per_s", minimum=0.0, maximum=1e15)
+    check_float(progress.cache_hit_ratio, f"{field}.cache_hit_ratio", minimum=0.0, maximum=1.0)
+
+
+def check_resources(resources: common_pb2.ResourceVector, field: str) -> None:
+    check_int(resources.gpus, f"{field}.gpus", minimum=0, maximum=MAX_GPUS)
+    check_int(resources.cache_bytes, f"{field}.cache_bytes", minimum=0, maximum=MAX_BYTES)
+    check_int(resources.remote_io_bytes_per_s, f"{field}.remote_io_bytes_per_s", minimum=0, maximum=MAX_BYTES)
+
+
+def check_event(event_type: str, message: str) -> None:
+    check_text(event_type, "type", max_chars=64, required=True)
+    if event_type == RESERVED_EVENT_TYPE:
+        raise InvalidArgument('"state" events are written by TransitionJob only', field="type")
+    check_text(message, "message", max_chars=MAX_MESSAGE_CHARS)
+
+
+def check_transition(expected_state: int, new_state: int, message: str) -> None:
+    check_enum(expected_state, common_pb2.JobState.DESCRIPTOR, "expected_state", allow_unspecified=False)
+    check_enum(new_state, common_pb2.JobState.DESCRIPTOR, "new_state", allow_unspecified=False)
+    check_text(message, "message", max_chars=MAX_MESSAGE_CHARS)

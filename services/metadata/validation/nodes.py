@@ -1,0 +1,53 @@
+"""Validation of node registrations, heartbeats and node queries."""
+
+from __future__ import annotations
+
+from silod.v1 import common_pb2
+
+from services.metadata.validation.common import (
+    MAX_BYTES,
+    check_enum,
+    check_float,
+    check_int,
+    check_name,
+    check_string_map,
+    check_text,
+)
+from services.runtime.errors import InvalidArgument
+
+MAX_NODE_GPUS = 1024
+MAX_LIVENESS_WINDOW_S = 7 * 24 * 3600.0
+
+
+def normalized_node_spec(spec: common_pb2.NodeSpec, field: str = "spec") -> common_pb2.NodeSpec:
+    """A validated copy; an UNSPECIFIED pool means TRAINING."""
+    check_name(spec.name, f"{field}.name")
+    check_enum(spec.pool, common_pb2.NodePool.DESCRIPTOR, f"{field}.pool")
+    check_int(spec.gpus, f"{field}.gpus", minimum=0, maximum=MAX_NODE_GPUS)
+    check_text(spec.gpu_model, f"{field}.gpu_model", max_chars=256)
+    for capacity in ("cache_capacity_bytes", "memory_cache_bytes", "network_bandwidth_bytes_per_s"):
+        check_int(getattr(spec, capacity), f"{field}.{capacity}", minimum=0, maximum=MAX_BYTES)
+    for address in ("agent_address", "cache_address"):
+        value = getattr(spec, address)
+        check_text(value, f"{field}.{address}", max_chars=256)
+        if any(ch.isspace() for ch in value):
+            raise InvalidArgument(f"must be HOST:PORT without spaces, got {value[:80]!r}", field=f"{field}.{address}")
+    check_string_map(spec.labels, f"{field}.labels", max_entries=64)
+    normalized = common_pb2.NodeSpec()
+    normalized.CopyFrom(spec)
+    normalized.pool = spec.pool or common_pb2.NODE_POOL_TRAINING
+    return normalized
+
+
+def check_node_name(name: str, field: str = "node") -> None:
+    check_name(name, field)
+
+
+def check_heartbeat(node: str, applied_plan_version: int) -> None:
+    check_node_name(node)
+    check_int(applied_plan_version, "applied_plan_version", minimum=0, maximum=2**63 - 1)
+
+
+def check_list_nodes(pool: int, liveness_window_s: float) -> None:
+    check_enum(pool, common_pb2.NodePool.DESCRIPTOR, "pool")
+    check_float(liveness_window_s, "liveness_window_s", minimum=0.0, maximum=MAX_LIVENESS_WINDOW_S)

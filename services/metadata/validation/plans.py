@@ -1,0 +1,144 @@
+"""Validation of allocation plans: field ranges, and that no GPU has two holders."""
+
+from __future__ import annotations
+
+from silod.v1 import plan_pb2
+
+from services.metadata.validation.common import (
+    MAX_BYTES,
+    check_enum,
+    check_int,
+    check_name,
+    check_text,
+    check_timestamp,
+)
+from services.metadata.validation.jobs import check_job_id
+from services.runtime.errors import InvalidArgument
+
+MAX_GPU_INDEX = 1023
+CACHE_POLICIES = ("", "uniform", "lru", "lrfu-cost")
+CACHE_MODES = ("", "silod", "lru", "static", "none")
+
+Gpu = tuple[str, int]  # (node, device index)
+
+
+def check_plan(plan: plan_pb2.AllocationPlan, field: str = "plan") -> None:
+    check_int(plan.version, f"{field}.version", minimum=1, maximum=2**63 - 1)
+    if plan.HasField("created_at"):
+        check_timestamp(plan.created_at, f"{field}.created_at")
+    check_text(plan.policy, f"{field}.policy", max_chars=128)
+    if plan.cache_mode not in CACHE_MODES:
+        raise InvalidArgument(f"must be one of {CACHE_MODES[1:]} or empty, got {plan.cache_mode[:40]!r}", field=f"{field}.cache_mode")
+    check_text(plan.reason, f"{field}.reason", max_chars=256)
+    check_int(plan.storage_bandwidth_budget_bytes_per_s, f"{field}.storage_bandwidth_budget_bytes_per_s", minimum=0, maximum=MAX_BYTES)
+
+    granted_remote_io = 0
+    seen_jobs: set[str] = set()
+    for index, job in enumerate(plan.jobs):
+        job_field = f"{field}.jobs[{index}]"
+        _check_job_allocation(job, job_field)
+        if job.job_id in seen_jobs:
+            raise InvalidArgument(f"{job.job_id!r} appears twice in the plan", field=f"{job_field}.job_id")
+        seen_jobs.add(job.job_id)
+        granted_remote_io += sum(grant.remote_io_bytes_per_s for grant in job.cache_grants)
+
+    budget = plan.storage_bandwidth_budget_bytes_per_s
+    if budget and granted_remote_io > budget:
+        raise InvalidArgument(
+            f"jobs are granted {granted_remote_io} bytes/s of remote IO in total, more than this budget of {budget}",
+            field=f"{field}.storage_bandwidth_budget_bytes_per_s",
+        )
+    seen_replicas: set[str] = set()
+    for index, replica in enumerate(plan.replicas):
+        replica_field = f"{field}.replicas[{index}]"
+        _check_replica(replica, replica_field)
+        if replica.replica_id in seen_replicas:
+            raise InvalidArgument(f"{replica.replica_id!r} appears twice in the plan", field=f"{replica_field}.replica_id")
+        seen_replicas.add(replica.replica_id)
+    for index, loan in enumerate(plan.loans):
+        loan_field = f"{field}.loans[{index}]"
+        check_name(loan.node, f"{loan_field}.node")
+        check_int(loan.gpu_index, f"{loan_field}.gpu_index", minimum=0, maximum=MAX_GPU_INDEX)
+        check_job_id(loan.job_id, f"{loan_field}.job_id")
+    _check_gpus_held_once(plan, field)
+
+
+def _check_job_allocation(job: plan_pb2.JobAllocation, field: str) -> None:
+    check_job_id(job.job_id, f"{field}.job_id")
+    for index, placement in enumerate(job.placements):
+        check_name(placement.node, f"{field}.placements[{index}].node")
+        for gpu_index in placement.gpu_indices:
+            check_int(gpu_index, f"{field}.placements[{index}].gpu_indices", minimum=0, maximum=MAX_GPU_INDEX)
+    check_int(job.batch_size, f"{field}.batch_size", minimum=0, maximum=2**31 - 1)
+    check_int(job.generation, f"{field}.generation", minimum=0, maximum=2**63 - 1)
+    for index, grant in enumerate(job.cache_grants):
+        grant_field = f"{field}.cache_grants[{index}]"
+        check_name(grant.node, f"{grant_field}.node")
+        check_int(grant.cache_quota_bytes, f"{grant_field}.cache_quota_bytes", minimum=0, maximum=MAX_BYTES)
+        check_int(grant.remote_io_bytes_per_s, f"{grant_field}.remote_io_bytes_per_s", minimum=0, maximum=MAX_BYTES)
+    if job.cache_policy not in CACHE_POLICIES:
+        raise InvalidArgument(
+            f"must be one of {CACHE_POLICIES[1:]} or empty, got {job.cache_policy[:40]!r}", field=f"{field}.cache_policy"
+        )
+
+
+def _check_replica(replica: plan_pb2.InferenceReplica, field: str) -> None:
+    check_text(replica.replica_id, f"{field}.replica_id", max_chars=128, required=True)
+    check_text(replica.application, f"{field}.application", max_chars=128)
+    check_name(replica.node, f"{field}.node")
+    check_int(replica.gpu_index, f"{field}.gpu_index", minimum=0, maximum=MAX_GPU_INDEX)
+    check_enum(replica.state, plan_pb2.ReplicaState.DESCRIPTOR, f"{field}.state")
+    check_text(replica.task_id, f"{field}.task_id", max_chars=64)
+    check_int(replica.reuse_count, f"{field}.reuse_count", minimum=0, maximum=2**31 - 1)
+    if replica.HasField("protect_until"):
+        check_timestamp(replica.protect_until, f"{field}.protect_until")
+
+
+def _check_gpus_held_once(plan: plan_pb2.AllocationPlan, field: str) -> None:
+    """A GPU has one holder: a job placed on it, or a live replica on it.
+
+    Lending is the one sanctioned overlap (DeepBoot): a SLEEP replica's GPU may be lent to a
+    training job, which then also places ranks on it; the loan must name that same job.
+    """
+    holder: dict[Gpu, str] = {}
+    for job_index, job in enumerate(plan.jobs):
+        for placement_index, placement in enumerate(job.placements):
+            for gpu_index in placement.gpu_indices:
+                gpu = (placement.node, gpu_index)
+                if gpu in holder:
+                    raise InvalidArgument(
+                        f"GPU {_show(gpu)} already held by {holder[gpu]}",
+                        field=f"{field}.jobs[{job_index}].placements[{placement_index}].gpu_indices",
+                    )
+                holder[gpu] = job.job_id
+
+    lent_to: dict[Gpu, str] = {}
+    for index, loan in enumerate(plan.loans):
+        gpu = (loan.node, loan.gpu_index)
+        if gpu in lent_to:
+            raise InvalidArgument(f"GPU {_show(gpu)} already lent to {lent_to[gpu]}", field=f"{field}.loans[{index}]")
+        if gpu in holder and holder[gpu] != loan.job_id:
+            raise InvalidArgument(f"GPU {_show(gpu)} already held by {holder[gpu]}", field=f"{field}.loans[{index}]")
+        lent_to[gpu] = loan.job_id
+
+    replica_on: dict[Gpu, str] = {}
+    for index, replica in enumerate(plan.replicas):
+        if replica.state == plan_pb2.REPLICA_STATE_END:
+            continue  # torn down: holds nothing
+        gpu = (replica.node, replica.gpu_index)
+        replica_field = f"{field}.replicas[{index}]"
+        if gpu in replica_on:
+            raise InvalidArgument(f"GPU {_show(gpu)} already held by replica {replica_on[gpu]}", field=replica_field)
+        replica_on[gpu] = replica.replica_id
+        sleeping_and_lent = replica.state == plan_pb2.REPLICA_STATE_SLEEP and gpu in lent_to
+        if gpu in holder and not sleeping_and_lent:
+            raise InvalidArgument(f"GPU {_show(gpu)} already held by {holder[gpu]}", field=replica_field)
+        if gpu in lent_to and not sleeping_and_lent:
+            raise InvalidArgument(
+                f"GPU {_show(gpu)} is lent to {lent_to[gpu]}; only a SLEEP replica may stay on a lent GPU",
+                field=replica_field,
+            )
+
+
+def _show(gpu: Gpu) -> str:
+    return f"{gpu[0]}:{gpu[1]}"
