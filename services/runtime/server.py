@@ -8,6 +8,7 @@ graceful shutdown are all here, so a service only supplies its servicers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -181,8 +182,11 @@ def _write_ready_file(path: str, address: str) -> None:
     # Write-then-rename so a polling launcher never reads a half-written address.
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(address)
-    os.replace(tmp, target)
+    try:
+        tmp.write_text(address)
+        os.replace(tmp, target)
+    except OSError as exc:
+        raise StartupError(f"ready_file: cannot write {path!r}: {exc.strerror or exc}") from None
 
 
 def _remove_ready_file(path: str) -> None:
@@ -213,7 +217,10 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
                 f"metrics_port: cannot bind {settings.metrics_host}:{settings.metrics_port}: {exc.strerror or exc}"
             ) from None
     try:
-        running = await start_server(definition, settings)
+        running = await _start_unless_stopped(definition, settings, stop_requested)
+        if running is None:
+            _log.info("stopped before serving", extra={"signal": received[0]})
+            return
         try:
             if settings.ready_file:
                 _write_ready_file(settings.ready_file, running.address)
@@ -239,12 +246,30 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
             metrics_server.shutdown()
 
 
+async def _start_unless_stopped(
+    definition: ServiceDefinition, settings: ServiceSettings, stop_requested: asyncio.Event
+) -> RunningServer | None:
+    """start_server, abandoned (None) if a signal comes first: an orchestrator that gives up on a
+    service stuck in on_start (say, waiting for its database) must be able to stop it."""
+    starting = asyncio.ensure_future(start_server(definition, settings))
+    stopping = asyncio.ensure_future(stop_requested.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return None
+    return starting.result()
+
+
 def run(definition: ServiceDefinition, settings: ServiceSettings) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code.
 
     Expected failures print one line on stderr, no traceback (it is logged at debug level):
     bad settings such as TLS files return 2 like the CLI's other configuration errors; a
-    port that cannot be bound or a failing on_start return 1.
+    port that cannot be bound or a failing on_start return 1. Anything else is a bug: it is
+    logged with its traceback and returns 1.
     """
     configure_logging(settings, process=definition.name)
     try:
@@ -254,5 +279,8 @@ def run(definition: ServiceDefinition, settings: ServiceSettings) -> int:
         return 2
     except StartupError as exc:
         print(f"silod {definition.name}: cannot start: {exc}", file=sys.stderr)
+        return 1
+    except Exception:
+        _log.exception("fatal error")
         return 1
     return 0

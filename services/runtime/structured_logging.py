@@ -92,6 +92,7 @@ def configure_logging(settings: ServiceSettings, *, process: str = "") -> None:
     else:
         handler.setFormatter(TextFormatter())
     root.addHandler(handler)
+    logging.captureWarnings(True)  # so that warnings, too, arrive as one parseable line
     level = logging.getLevelName(settings.log_level.upper())
     root.setLevel(level)
     # gRPC's debug lines (event-loop plumbing) would bury ours when debugging a service.
