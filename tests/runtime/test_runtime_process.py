@@ -159,3 +159,37 @@ def test_taken_port_fails_with_one_clear_line() -> None:
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last == f"silod estimator: cannot start: listen: cannot bind {holder.address}: Address already in use"
+
+
+def _scripted(on_start: str, *flags: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.support.servicers", on_start, *flags],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+
+
+def test_failing_on_start_exits_with_one_clear_line() -> None:
+    proc = _scripted("fail")
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == (
+        "silod scripted: cannot start: on_start failed: RuntimeError: database unreachable"
+    )
+
+
+def test_sigterm_during_on_start_stops_without_serving(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ready = tmp_path / "ready"
+    proc = _scripted("hang", f"--ready-file={ready}", "--log-format=text")
+    try:
+        assert proc.stderr is not None
+        assert proc.stderr.readline() == "on_start: hanging\n"
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=5)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    assert "stopped before serving signal=SIGTERM" in stderr
+    assert not ready.exists()

@@ -103,3 +103,31 @@ async def serving(definition: ServiceDefinition | None = None, **settings: Any) 
         yield server
     finally:
         await server.stop(0)
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m tests.support.servicers ON_START [SETTINGS...]``: run() the scripted service as a
+    process whose on_start "hangs" or "fails", to test startup paths no real service has yet."""
+    import sys
+
+    from services.runtime.server import run
+
+    behaviour, *flags = argv
+
+    async def on_start() -> None:
+        if behaviour == "fail":
+            raise RuntimeError("database unreachable")
+        if behaviour == "hang":
+            print("on_start: hanging", file=sys.stderr, flush=True)  # lets a test signal us now
+            await asyncio.Event().wait()
+
+    definition = scripted_definition()
+    definition.on_start = on_start
+    settings = ServiceSettings(**dict(flag.removeprefix("--").replace("-", "_").split("=", 1) for flag in flags))
+    return run(definition, settings)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_main(sys.argv[1:]))
