@@ -9,10 +9,13 @@ PROTOS := $(wildcard protos/silod/v1/*.proto)
 .PHONY: demo test proto venv clean
 
 # A fresh machine needs only Python 3.11; everything else is installed into .venv.
+# pip's output goes to a log that is shown only if the install fails.
 $(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "silod needs $(PYTHON) on PATH (set PYTHON=...)"; exit 1; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@$(BIN)/python -m pip install --quiet --upgrade pip
-	@$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@echo "setting up $(VENV): installing silod and its dependencies (log: $(VENV)/install.log)"
+	@{ $(BIN)/python -m pip install --upgrade pip && $(BIN)/python -m pip install -e '.[dev]'; } \
+	  > $(VENV)/install.log 2>&1 || { tail -40 $(VENV)/install.log; echo "install failed; full log: $(VENV)/install.log"; exit 1; }
 	@touch $(STAMP)
 
 venv: $(STAMP)
