@@ -60,8 +60,8 @@ def run_demo(workdir: Path) -> int:
 
     _step(2, 4, f"starting the metadata service on SQLite ({db})")
     try:
-        metadata = start_service("metadata", "--db", f"sqlite:///{db}", "--log-format", "text", log_dir=workdir / "logs")
-    except LaunchError as exc:
+        metadata = start_service("metadata", "--db", f"sqlite:///{db}", "--log-format", "text", workdir=workdir / "logs")
+    except (LaunchError, TimeoutError) as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 1
     print(f"    serving at {metadata.address} (log: {metadata.log_path})")
@@ -74,7 +74,7 @@ def run_demo(workdir: Path) -> int:
         _run("dataset", "show", "sample-images", "--objects", "5", "--metadata", metadata.address)
     finally:
         _step(4, 4, "stopping the metadata service (SIGTERM: graceful shutdown)")
-        code = metadata.terminate()
+        code = metadata.terminate(timeout=30)
         print(f"    exited with code {code}")
     print(f"\ndemo finished in {time.monotonic() - started:.1f} s; state kept in {workdir}")
     return 0 if code == 0 else 1

@@ -1,97 +1,124 @@
-"""Start silod services as child processes on loopback: the demo and `silod up` use it.
+"""Start silod services as child processes on loopback: the demo, `silod up` and the tests use it.
 
-Each service is started with ``--listen HOST:0 --ready-file F`` so the OS picks a free
-port and the service writes the address it actually bound once it is serving; nothing
-has to guess ports or poll with sleeps.
+Each service is started with ``--listen HOST:0 --ready-file F``: the OS picks a free port and
+the service writes the address it bound once it is serving, so nothing guesses ports or
+sleeps. Extra ``args`` come after these flags and argparse keeps the last occurrence, so
+``"--listen", "127.0.0.1:PORT"`` pins a port (to restart a service where clients expect it).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 
 class LaunchError(RuntimeError):
-    """A service exited or did not become ready; the message includes its log tail."""
+    """The service exited before it was ready; the message includes its log."""
 
 
-@dataclass
 class ServiceProcess:
-    command: str
-    proc: subprocess.Popen[bytes]
-    address: str
-    log_path: Path
-    _log_file: object = field(repr=False, default=None)
+    """A running ``silod <command>``; use as a context manager so it never outlives its user."""
 
-    def terminate(self, timeout_s: float = 15.0) -> int:
-        """SIGTERM (graceful shutdown), then SIGKILL if it overstays; returns the exit code."""
-        if self.proc.poll() is None:
+    def __init__(self, command: str, proc: subprocess.Popen[bytes], log_path: Path, workdir: Path, own_workdir: bool):
+        self.command = command
+        self.proc = proc
+        self.log_path = log_path
+        self.workdir = workdir
+        self.address = ""
+        self._own_workdir = own_workdir
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def terminate(self, timeout: float = 15.0) -> int:
+        """SIGTERM (graceful shutdown) and wait; returns the exit code.
+
+        A service that ignores SIGTERM is a bug worth failing on: it is killed and
+        TimeoutError (with the log) raised.
+        """
+        if self.running():
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._close_log()
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        """SIGKILL: no chance to clean up (what durability tests want)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._close_log()
-
-    def log_tail(self, max_bytes: int = 4000) -> str:
         try:
-            return self.log_path.read_bytes()[-max_bytes:].decode(errors="replace")
-        except OSError:
-            return ""
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise TimeoutError(f"silod {self.command} did not exit {timeout:g}s after SIGTERM; log:\n{self.log()}") from None
 
-    def _close_log(self) -> None:
-        if self._log_file is not None:
-            self._log_file.close()  # type: ignore[attr-defined]
-            self._log_file = None
+    def kill(self) -> int:
+        """SIGKILL: no shutdown code runs, as in a crash or an OOM kill. Returns the exit code."""
+        if self.running():
+            self.proc.kill()
+        return self.proc.wait()
 
-    def __enter__(self) -> "ServiceProcess":
+    def close(self) -> None:
+        """Kill if still running and delete the working directory if the launcher made it."""
+        self.kill()
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> ServiceProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.terminate()
+        self.close()
 
 
 def start_service(
     command: str,
     *args: str,
-    host: str = "127.0.0.1",
-    log_dir: str | os.PathLike[str] | None = None,
     env: dict[str, str] | None = None,
-    timeout_s: float = 30.0,
+    timeout_s: float = 30,
+    workdir: str | os.PathLike[str] | None = None,
+    host: str = "127.0.0.1",
 ) -> ServiceProcess:
-    """Run ``silod COMMAND --listen HOST:0 ... ARGS`` and return once it is serving."""
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="silod-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    ready = log_dir / f"{command}.{os.getpid()}.{time.monotonic_ns()}.ready"
-    log_path = log_dir / f"{command}.log"
-    log_file = open(log_path, "ab")
-    argv = [sys.executable, "-m", "silod.cli", command, "--listen", f"{host}:0", "--ready-file", str(ready), *args]
-    proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    service = ServiceProcess(command, proc, "", log_path, log_file)
+    """Start ``python -m silod.cli <command>`` and return once it has written its ready file.
+
+    ``env`` is added to the current environment. The log (stdout and stderr) goes to
+    ``<workdir>/<command>-<n>.log``; ``workdir`` defaults to a fresh temporary directory that
+    :meth:`ServiceProcess.close` removes. Raises LaunchError (the process exited) or
+    TimeoutError, both with the log in the message.
+    """
+    own_workdir = workdir is None
+    wd = Path(tempfile.mkdtemp(prefix=f"silod-{command}-")) if workdir is None else Path(workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+    stem = f"{command}-{time.monotonic_ns()}"  # unique: one workdir can hold a service and its restarts
+    ready_file = wd / f"{stem}.ready"
+    log_path = wd / f"{stem}.log"
+    argv = [sys.executable, "-m", "silod.cli", command, "--listen", f"{host}:0", "--ready-file", str(ready_file), *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    service = ServiceProcess(command, proc, log_path, wd, own_workdir)
+    try:
+        service.address = _wait_for_ready_file(service, ready_file, timeout_s)
+    except BaseException:
+        service.close()
+        raise
+    return service
+
+
+def _wait_for_ready_file(service: ServiceProcess, ready_file: Path, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if ready.exists() and ready.stat().st_size > 0:
-            service.address = ready.read_text().strip()
-            ready.unlink(missing_ok=True)
-            return service
-        if proc.poll() is not None:
-            break
+        if ready_file.exists():  # written by rename, so never seen half-written
+            return ready_file.read_text().strip()
+        if not service.running():
+            raise LaunchError(
+                f"silod {service.command} exited with code {service.proc.returncode} before it was ready; "
+                f"log:\n{service.log()}"
+            )
         time.sleep(0.05)
-    service.kill()
-    state = f"exited with {proc.returncode}" if proc.returncode is not None else f"not ready after {timeout_s:.0f} s"
-    raise LaunchError(f"silod {command} {state}; log {log_path}:\n{service.log_tail()}")
+    raise TimeoutError(f"silod {service.command} not ready after {timeout_s:g}s; log:\n{service.log()}")

@@ -20,5 +20,5 @@ def test_demo_registers_lists_and_shuts_down_cleanly(tmp_path: Path) -> None:
     assert "manifest version: 1" in out
     assert "exited with code 0" in out
     assert (workdir / "metadata.db").exists()
-    log = (workdir / "logs" / "metadata.log").read_text()
+    log = next((workdir / "logs").glob("metadata-*.log")).read_text()
     assert "RegisterDataset" in log  # the request log recorded the call
