@@ -51,7 +51,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 if not request.HasField("spec"):
                     raise InvalidArgument("the first message of the stream must carry the dataset spec", field="spec")
                 spec, replace = request.spec, request.replace
-                await self._run(spec, self._store.datasets.check_registrable, spec, replace)
+                reject_nul_characters(spec, "spec")  # objects are checked by the manifest, with stream-wide indices
+                await self._run(None, self._store.datasets.check_registrable, spec, replace)
             if request.objects:
                 await asyncio.to_thread(manifest.add, request.objects)
         if spec is None:

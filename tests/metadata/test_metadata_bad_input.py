@@ -131,6 +131,8 @@ CASES = [
     ("object size negative", lambda w: register(w, dataset_spec("d"), [obj(size=-1)]), INVALID, "objects[0].size_bytes"),
     ("object size absurd", lambda w: register(w, dataset_spec("d"), [obj(size=2**50 + 1)]), INVALID, "objects[0].size_bytes"),
     ("object etag empty", lambda w: register(w, dataset_spec("d"), [obj(etag="")]), INVALID, "objects[0].etag"),
+    ("dataset description NUL", lambda w: register(w, dataset_spec("d", description="a\x00")), INVALID, "spec.description"),
+    ("object etag NUL", lambda w: register(w, dataset_spec("d"), [obj(etag="e\x00")]), INVALID, "objects[0].etag"),
     ("dataset exists", lambda w: register(w, dataset_spec("known"), [obj()]), EXISTS, "spec.name"),
     ("get dataset unknown", lambda w: w.stub.GetDataset(m.GetDatasetRequest(name="nope")), NOT_FOUND, "name"),
     ("get dataset empty name", lambda w: w.stub.GetDataset(m.GetDatasetRequest(name="")), INVALID, "name"),
