@@ -163,6 +163,24 @@ def fit_perf_params(
             ]
         )
 
+    def jacobian(x: np.ndarray) -> np.ndarray:
+        perf = PerfParams(*params_of(x))
+        predicted_step, step_gradient = step_time_gradient(perf, obs.nodes, obs.replicas, obs.local_bsz, obs.accum_steps)
+        compute_rows = obs.local_bsz[known]
+        compute_gradient = np.zeros((len(compute_rows), 7))
+        compute_gradient[:, 0] = 1.0
+        compute_gradient[:, 1] = compute_rows
+        gamma_row = np.zeros((1, 7))
+        gamma_row[0, 6] = np.sqrt(_GAMMA_PULL)
+        full = np.concatenate(
+            [
+                norm * step_gradient / predicted_step[:, None],
+                (norm * compute_weight / compute_time(perf, compute_rows))[:, None] * compute_gradient,
+                gamma_row,
+            ]
+        )
+        return full[:, free]
+
     lower, upper = _LOWER[free], _UPPER[free]
     best = None
     gamma_starts = _GAMMA_STARTS if free[6] else (base[6],)
@@ -172,7 +190,7 @@ def fit_perf_params(
         # Strictly inside the bounds: least_squares requires a feasible start.
         x0 = np.clip(start[free], lower + 1e-12, np.where(np.isfinite(upper), upper - 1e-9, np.inf))
         x0 = np.maximum(x0, lower * 1.0001 + 1e-12)
-        result = scipy.optimize.least_squares(residuals, x0, bounds=(lower, upper), method="trf", x_scale="jac")
+        result = scipy.optimize.least_squares(residuals, x0, jac=jacobian, bounds=(lower, upper), method="trf", x_scale="jac")
         if best is None or result.cost < best.cost:
             best = result
     fitted = np.clip(params_of(best.x), _LOWER, _UPPER)
@@ -181,6 +199,44 @@ def fit_perf_params(
         fitted[2] = max(fitted[2], fitted[4] * 1.1)
         fitted[3] = max(fitted[3], fitted[5] * 1.1)
     return PerfParams(*map(float, fitted))
+
+
+def step_time_gradient(perf: PerfParams, nodes, replicas, local_bsz, accum_steps) -> tuple[np.ndarray, np.ndarray]:
+    """Step time (seconds) and its derivatives by the 7 parameters, shape ``(N, 7)``.
+
+    With ``O = (T_grad^g + T_sync^g)^(1/g)``: ``dO/dT_grad = (T_grad/O)^(g-1)``,
+    ``dO/dT_sync = (T_sync/O)^(g-1)``, and writing ``O = hi (1 + q^g)^(1/g)`` with
+    ``q = lo/hi``, ``d ln O/dg = -ln(1 + q^g)/g^2 + q^g ln q / (g (1 + q^g))``.
+    """
+    nodes, replicas, bsz, accum = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (nodes, replicas, local_bsz, accum_steps)))
+    gamma = perf.gamma
+    grad = compute_time(perf, bsz)
+    extra = np.maximum(replicas - 2.0, 0.0)
+    across = (replicas > 1) & (nodes > 1)
+    within = (replicas > 1) & (nodes <= 1)
+    sync = np.where(across, perf.alpha_n + perf.beta_n * extra, np.where(within, perf.alpha_r + perf.beta_r * extra, 0.0))
+    high = np.maximum(np.maximum(grad, sync), 1e-300)
+    q = np.minimum(grad, sync) / high
+    q_pow = q**gamma
+    overlapped = high * (1.0 + q_pow) ** (1.0 / gamma)
+    d_grad = accum + (grad / overlapped) ** (gamma - 1.0)
+    d_sync = (sync / overlapped) ** (gamma - 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q_log_term = np.where(q > 0, q_pow * np.log(np.where(q > 0, q, 1.0)), 0.0)
+    d_log_gamma = -np.log1p(q_pow) / gamma**2 + q_log_term / (gamma * (1.0 + q_pow))
+    gradient = np.stack(
+        [
+            d_grad,
+            d_grad * bsz,
+            np.where(across, d_sync, 0.0),
+            np.where(across, d_sync * extra, 0.0),
+            np.where(within, d_sync, 0.0),
+            np.where(within, d_sync * extra, 0.0),
+            overlapped * d_log_gamma,
+        ],
+        axis=1,
+    )
+    return accum * grad + overlapped, gradient
 
 
 # --- Observation log ----------------------------------------------------------------------

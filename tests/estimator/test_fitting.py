@@ -129,3 +129,20 @@ def test_io_observation_helpers():
     assert np.isnan(fitting.bytes_per_sample_from_io(750, 100, 1.0))
     np.testing.assert_array_equal(fitting.is_io_bound([80, 95, 100], 100), [True, False, False])
 
+
+
+def test_analytic_gradient_matches_finite_differences():
+    params = np.array([0.05, 0.002, 0.2, 0.01, 0.02, 0.005, 2.3])
+    nodes = np.array([1, 1, 1, 2, 2, 4, 1])
+    replicas = np.array([1, 2, 4, 2, 8, 16, 1])
+    bsz = np.array([10, 100, 50, 20, 300, 5, 64])
+    accum = np.array([0, 0, 1, 0, 2, 0, 3])
+    value, gradient = fitting.step_time_gradient(PerfParams(*params), nodes, replicas, bsz, accum)
+    np.testing.assert_allclose(value, step_time(PerfParams(*params), nodes, replicas, bsz, accum))
+    for j in range(7):
+        h = 1e-6 * params[j]
+        up, down = params.copy(), params.copy()
+        up[j] += h
+        down[j] -= h
+        numeric = (step_time(PerfParams(*up), nodes, replicas, bsz, accum) - step_time(PerfParams(*down), nodes, replicas, bsz, accum)) / (2 * h)
+        np.testing.assert_allclose(gradient[:, j], numeric, rtol=1e-6, atol=1e-12)
