@@ -318,3 +318,22 @@ def best_batch(
     shape = nodes_b.shape
     result = best_batch_grouped(perf, grad, bounds, nodes_b.ravel(), replicas_b.ravel(), np.arange(nodes_b.size), cap_b.ravel())
     return BestBatch(*(field.reshape(shape) for field in result))
+
+
+def speedup(
+    perf: PerfParams,
+    grad: GradParams,
+    bounds: BatchBounds,
+    nodes: ArrayLike,
+    replicas: ArrayLike,
+    io_cap_samples_per_s: ArrayLike = np.inf,
+    base_nodes: int = 1,
+    base_replicas: int = 1,
+) -> np.ndarray:
+    """Best goodput at (nodes, replicas) over best goodput at the base allocation (Pollux: 1 GPU).
+
+    Both at their own best batch size; the base is not IO-capped, so an IO cap shows up as
+    lost speedup.
+    """
+    base = best_batch(perf, grad, bounds, base_nodes, base_replicas).goodput
+    return best_batch(perf, grad, bounds, nodes, replicas, io_cap_samples_per_s).goodput / base

@@ -155,8 +155,11 @@ def test_best_batch_vectorized_over_job_parameters():
     np.testing.assert_allclose(both.goodput, [first.goodput, second.goodput])
 
 
-def test_speedup_base_is_one_gpu():
-    base = gp.best_batch(PERF, GRAD, BOUNDS, 1, 1).goodput
-    four = gp.best_batch(PERF, GRAD, BOUNDS, 1, 4).goodput
-    assert base / base == 1.0
-    assert 1.0 < four / base <= 4.0
+def test_speedup_of_the_base_allocation_is_one():
+    assert gp.speedup(PERF, GRAD, BOUNDS, 1, 1) == pytest.approx(1.0)
+    assert gp.speedup(PERF, GRAD, BOUNDS, 2, 8, base_nodes=2, base_replicas=8) == pytest.approx(1.0)
+    values = gp.speedup(PERF, GRAD, BOUNDS, np.array([1, 1, 2, 4]), np.array([1, 4, 8, 16]))
+    assert values[0] == pytest.approx(1.0)
+    assert np.all(np.diff(values) > 0) and np.all(values <= np.array([1, 4, 8, 16]))
+    # An IO cap below the 1-GPU rate costs speedup.
+    assert gp.speedup(PERF, GRAD, BOUNDS, 1, 4, io_cap_samples_per_s=100.0) < 1.0
