@@ -4,7 +4,8 @@ isort:skip_file
 MetadataService: the only process that touches the database.
 
 Errors: INVALID_ARGUMENT (message names the field), NOT_FOUND (unknown id or name),
-FAILED_PRECONDITION (illegal state move, stale expected state, replacing without consent),
+ALREADY_EXISTS (dataset name taken and replace not set; request id reused with another spec),
+FAILED_PRECONDITION (illegal state move, stale expected state, page token of a replaced manifest),
 ABORTED (lost a plan-commit race: re-read the latest plan and retry).
 """
 
