@@ -75,7 +75,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from silod.cli import client_commands
 
     client_commands.register(sub)
+    _register_optional(sub, "simulator.cli")
     return parser
+
+
+def _register_optional(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", module: str) -> None:
+    """Add the subcommands of ``module`` (its ``register(sub)``) if it exists in this build."""
+    try:
+        registrar = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and module.startswith(exc.name):
+            return
+        raise
+    registrar.register(sub)
 
 
 def _run_service(args: argparse.Namespace) -> int:

@@ -1,0 +1,144 @@
+"""Turn per-job GPU counts into concrete GPUs: hard filters, scores, then reserve.
+
+Policies decide *how many* GPUs each job gets (and its batch size); this module decides
+*which* ones, the same way for every policy (the Kubernetes scheduler framework's split of
+Filter / Score / Reserve):
+
+- filter: nodes of an allowed pool with enough free GPUs;
+- score: keep a job where it already runs (a move costs a restart and its local cache),
+  then nodes that already cache the job's dataset, then the tightest fit (packing keeps
+  large holes free for large jobs and keeps a job on few nodes, where it syncs fastest);
+- reserve: take the GPU indices, so no GPU is ever handed out twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan, Pool
+
+Placement = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+class FreeGpus:
+    """Free GPU indices per node; ``reserve`` is the only way to take one."""
+
+    def __init__(self, snapshot: ClusterSnapshot, pools: Iterable[Pool] = ("training",)):
+        allowed = set(pools)
+        self._free = {n.name: list(range(n.gpus)) for n in snapshot.nodes if n.pool in allowed}
+
+    def count(self, node: str) -> int:
+        return len(self._free.get(node, ()))
+
+    @property
+    def total(self) -> int:
+        return sum(len(v) for v in self._free.values())
+
+    def nodes(self) -> list[str]:
+        return [name for name, free in self._free.items() if free]
+
+    def has(self, node: str, indices: Iterable[int]) -> bool:
+        free = self._free.get(node)
+        return free is not None and all(i in free for i in indices)
+
+    def reserve(self, node: str, indices: Iterable[int]) -> tuple[int, ...]:
+        taken = tuple(sorted(indices))
+        free = self._free[node]
+        for index in taken:
+            free.remove(index)  # ValueError here would be a double booking: let it surface
+        return taken
+
+    def reserve_any(self, node: str, count: int) -> tuple[int, ...]:
+        return self.reserve(node, self._free[node][:count])
+
+
+@dataclass(frozen=True)
+class PlacementResult:
+    placements: Mapping[str, Placement]   # job id -> where it runs (jobs given 0 GPUs are absent)
+    unplaced: tuple[str, ...]             # jobs whose requested count did not fit
+
+
+def _cached(snapshot: ClusterSnapshot, node: str, dataset: str) -> float:
+    return snapshot.cached_bytes.get((node, dataset), 0.0) if dataset else 0.0
+
+
+def _keep_current(current: Allocation | None, count: int, free: FreeGpus) -> Placement | None:
+    """The job's current GPUs (or a subset when it shrinks), if all are still free."""
+    if current is None or not current.placement or count > current.gpus:
+        return None
+    if not all(free.has(node, indices) for node, indices in current.placement):
+        return None
+    if count == current.gpus:
+        return tuple((node, free.reserve(node, indices)) for node, indices in current.placement)
+    # Shrinking: keep survivors on the nodes where the job has the most GPUs (fewest nodes).
+    kept: list[tuple[str, tuple[int, ...]]] = []
+    remaining = count
+    for node, indices in sorted(current.placement, key=lambda p: (-len(p[1]), p[0])):
+        if remaining == 0:
+            break
+        take = indices[:remaining]
+        kept.append((node, free.reserve(node, take)))
+        remaining -= len(take)
+    return tuple(sorted(kept))
+
+
+def _fresh_placement(snapshot: ClusterSnapshot, job: JobInfo, count: int, free: FreeGpus) -> Placement | None:
+    if free.total < count:
+        return None
+    candidates = free.nodes()
+    fitting = [n for n in candidates if free.count(n) >= count]
+    if fitting:
+        # One node: prefer the dataset's cache, then the tightest fit.
+        best = min(fitting, key=lambda n: (-_cached(snapshot, n, job.dataset), free.count(n), n))
+        return ((best, free.reserve_any(best, count)),)
+    # Several nodes: fewest nodes first (largest holes), cached nodes among equals.
+    chosen: list[tuple[str, tuple[int, ...]]] = []
+    remaining = count
+    for node in sorted(candidates, key=lambda n: (-free.count(n), -_cached(snapshot, n, job.dataset), n)):
+        take = min(free.count(node), remaining)
+        chosen.append((node, free.reserve_any(node, take)))
+        remaining -= take
+        if remaining == 0:
+            break
+    return tuple(sorted(chosen))
+
+
+def place(
+    snapshot: ClusterSnapshot,
+    gpu_counts: Mapping[str, int],
+    order: Sequence[str] | None = None,
+    *,
+    pools: Iterable[Pool] = ("training",),
+) -> PlacementResult:
+    """Place every job with a positive count in ``gpu_counts``.
+
+    Jobs that can stay on (a subset of) their current GPUs are placed first, so running jobs
+    are not moved to make room; the rest follow ``order`` (default: the order of
+    ``gpu_counts``). A job whose count does not fit gets nothing and is listed in
+    ``unplaced``: the policy decides what to do with the room left (often nothing).
+    """
+    free = FreeGpus(snapshot, pools)
+    jobs = {job.job_id: job for job in snapshot.jobs}
+    wanted = {job_id: n for job_id, n in gpu_counts.items() if n > 0}
+    placements: dict[str, Placement] = {}
+    for job_id, count in wanted.items():
+        kept = _keep_current(snapshot.current.get(job_id), count, free)
+        if kept is not None:
+            placements[job_id] = kept
+    unplaced = []
+    for job_id in order if order is not None else list(wanted):
+        if job_id in placements or job_id not in wanted:
+            continue
+        fresh = _fresh_placement(snapshot, jobs[job_id], wanted[job_id], free)
+        if fresh is None:
+            unplaced.append(job_id)
+        else:
+            placements[job_id] = fresh
+    return PlacementResult(placements, tuple(unplaced))
+
+
+def plan_from_placements(placements: Mapping[str, Placement], batch_sizes: Mapping[str, int] | None = None) -> Plan:
+    """A plan holding only GPUs (cache and IO unmanaged) — what GPU-only policies return."""
+    batch_sizes = batch_sizes or {}
+    return Plan({job_id: Allocation(placement=p, batch_size=batch_sizes.get(job_id, 0)) for job_id, p in placements.items()})

@@ -1,0 +1,1 @@
+"""Scheduling policies, one module each; each registers itself in :mod:`scheduler.registry`."""

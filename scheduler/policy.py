@@ -1,0 +1,153 @@
+"""The policy interface: a pure function from a cluster snapshot to a plan.
+
+A policy sees plain, immutable value objects and returns one. It reads no clock (the time
+is ``snapshot.time_s``), does no I/O and keeps no state between calls: whatever it needs
+to remember (attained service, restarts, the current placement) is part of the snapshot.
+That is what lets the simulator and the live scheduler run exactly the same code — the
+mechanism around a policy (watching jobs, committing plans, launching processes, or
+advancing a simulated clock) lives elsewhere.
+
+Units: seconds on the snapshot's clock, bytes, bytes/s, samples, GPUs.
+
+Progress is counted as Pollux does, in *efficiency-weighted samples*: a sample processed at
+statistical efficiency e (see :mod:`estimator.goodput`) counts e, so a job run at a batch
+size larger than its model's initial one needs more samples to reach the same point, and
+the rate of progress is the goodput. A job finishes when ``samples_done`` reaches
+``target_samples`` (epochs x dataset samples, or its sample budget).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, Protocol
+
+from estimator.job_model import JobModel
+
+Pool = Literal["training", "inference"]
+UNLIMITED = math.inf
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A machine the policy may place work on."""
+
+    name: str
+    gpus: int                                   # GPUs on the node (indices 0..gpus-1)
+    pool: Pool = "training"                     # inference-pool GPUs are only lent (DeepBoot)
+    cache_capacity_bytes: float = 0.0           # bytes of dataset cache on the node
+    nic_bytes_per_s: float = UNLIMITED          # bytes/s the node can read from remote storage
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """An active job (arrived, not finished) as the policy sees it."""
+
+    job_id: str
+    model: JobModel                             # estimator view: throughput, efficiency, dataset IO facts
+    submit_time_s: float                        # arrival on the snapshot clock
+    min_gpus: int                               # smallest world size it runs with (>= 1)
+    max_gpus: int                               # largest world size (== min_gpus for rigid jobs)
+    target_samples: float                       # progress needed to finish, in efficiency-weighted samples (below)
+    samples_done: float = 0.0                   # progress so far, efficiency-weighted samples
+    requested_gpus: int = 0                     # what the owner asked for; rigid policies give this; 0 = max_gpus
+    batch_size: int = 0                         # owner's global batch size; 0 = the model's initial batch size
+    attained_gpu_s: float = 0.0                 # GPU-seconds received so far (least-attained-service, fairness)
+    restarts: int = 0                           # times the job was (re)started with a new placement
+    dataset: str = ""                           # dataset name; jobs reading one dataset share its cache
+    priority: int = 0                           # larger first among equals
+    tenant: str = "default"
+
+    @property
+    def remaining_samples(self) -> float:
+        return max(0.0, self.target_samples - self.samples_done)
+
+    @property
+    def requested(self) -> int:
+        return min(max(self.requested_gpus or self.max_gpus, self.min_gpus), self.max_gpus)
+
+    @property
+    def rigid(self) -> bool:
+        return self.min_gpus == self.max_gpus
+
+    @property
+    def initial_batch_size(self) -> int:
+        return self.batch_size or self.model.bounds.init_batch_size
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What one job holds under a plan."""
+
+    placement: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (node, GPU indices) pairs, nodes sorted
+    batch_size: int = 0                         # global samples/step; 0 = the job's own batch size
+    cache_bytes: Mapping[str, float] = field(default_factory=dict)  # node -> bytes of cache quota for the job's dataset
+    remote_io_bytes_per_s: float = UNLIMITED    # bytes/s of remote IO granted; UNLIMITED = not managed
+
+    @property
+    def gpus(self) -> int:
+        return sum(len(indices) for _, indices in self.placement)
+
+    @property
+    def nodes(self) -> int:
+        return len(self.placement)
+
+    @property
+    def gpus_by_node(self) -> dict[str, int]:
+        return {node: len(indices) for node, indices in self.placement}
+
+    @property
+    def total_cache_bytes(self) -> float:
+        return float(sum(self.cache_bytes.values()))
+
+    def same_gpus(self, other: "Allocation | None") -> bool:
+        return other is not None and self.placement == other.placement
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every job's allocation; a job absent from ``allocations`` holds nothing."""
+
+    allocations: Mapping[str, Allocation] = field(default_factory=dict)
+
+    def get(self, job_id: str) -> Allocation | None:
+        return self.allocations.get(job_id)
+
+    def gpus_of(self, job_id: str) -> int:
+        allocation = self.allocations.get(job_id)
+        return allocation.gpus if allocation else 0
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """Everything a policy may look at, at one instant."""
+
+    time_s: float                               # now, on the scheduler's (or simulator's) clock
+    nodes: tuple[NodeInfo, ...]
+    jobs: tuple[JobInfo, ...]                   # active jobs, in arrival order
+    current: Plan = field(default_factory=Plan)  # the plan in force
+    restart_cost_s: float = 30.0                # seconds a job loses when its placement changes
+    interval_s: float = 60.0                    # seconds until the next regular round
+    storage_bandwidth_bytes_per_s: float = UNLIMITED  # cluster-wide remote read budget
+    cached_bytes: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (node, dataset) -> bytes cached now
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(node.gpus for node in self.nodes)
+
+    def node(self, name: str) -> NodeInfo:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+
+class Policy(Protocol):
+    """A scheduling policy. Implementations are plain classes whose constructor takes options."""
+
+    name: ClassVar[str]
+
+    def schedule(self, snapshot: ClusterSnapshot) -> Plan:
+        """Return the plan for ``snapshot``; must not mutate it, read clocks or do I/O."""
+        ...
