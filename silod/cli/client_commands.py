@@ -145,6 +145,8 @@ def _dataset_register(args: argparse.Namespace) -> int:
                 _registration_stream(args, options), timeout=600
             )
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                return _fail(f"{exc.details()} (run again with --replace to register the new manifest)")
             return _rpc_failure(exc)
     print(f"registered {dataset.spec.name}: {dataset.num_objects} objects, {_human_bytes(dataset.total_bytes)}, "
           f"manifest version {dataset.manifest_version}")
