@@ -92,15 +92,22 @@ def _fresh_placement(snapshot: ClusterSnapshot, job: JobInfo, count: int, free: 
         # One node: prefer the dataset's cache, then the tightest fit.
         best = min(fitting, key=lambda n: (-_cached(snapshot, n, job.dataset), free.count(n), n))
         return ((best, free.reserve_any(best, count)),)
-    # Several nodes: fewest nodes first (largest holes), cached nodes among equals.
+    # Several nodes, as few as possible: fill the largest holes (cached nodes among equals)
+    # until the rest fits on one node, then put the rest on the tightest node that holds it
+    # (cached first), which leaves the large holes to large jobs.
+    ranked = sorted(candidates, key=lambda n: (-free.count(n), -_cached(snapshot, n, job.dataset), n))
     chosen: list[tuple[str, tuple[int, ...]]] = []
     remaining = count
-    for node in sorted(candidates, key=lambda n: (-free.count(n), -_cached(snapshot, n, job.dataset), n)):
-        take = min(free.count(node), remaining)
+    for position, node in enumerate(ranked):
+        rest = ranked[position:]
+        if free.count(rest[0]) >= remaining:
+            holding = (n for n in rest if free.count(n) >= remaining)
+            last = min(holding, key=lambda n: (-_cached(snapshot, n, job.dataset), free.count(n), n))
+            chosen.append((last, free.reserve_any(last, remaining)))
+            break
+        take = free.count(node)
         chosen.append((node, free.reserve_any(node, take)))
         remaining -= take
-        if remaining == 0:
-            break
     return tuple(sorted(chosen))
 
 
@@ -115,8 +122,9 @@ def place(
 
     Jobs that can stay on (a subset of) their current GPUs are placed first, so running jobs
     are not moved to make room; the rest follow ``order`` (default: the order of
-    ``gpu_counts``). A job whose count does not fit gets nothing and is listed in
-    ``unplaced``: the policy decides what to do with the room left (often nothing).
+    ``gpu_counts``; jobs that ``order`` omits come after it). A job whose count does not
+    fit gets nothing and is listed in ``unplaced``: the policy decides what to do with the
+    room left (often nothing).
     """
     free = FreeGpus(snapshot, pools)
     jobs = {job.job_id: job for job in snapshot.jobs}
@@ -127,7 +135,9 @@ def place(
         if kept is not None:
             placements[job_id] = kept
     unplaced = []
-    for job_id in order if order is not None else list(wanted):
+    # ``order`` first, then any job it leaves out (in ``gpu_counts`` order): none is dropped silently.
+    sequence = list(order) + list(wanted) if order is not None else list(wanted)
+    for job_id in dict.fromkeys(sequence):
         if job_id in placements or job_id not in wanted:
             continue
         fresh = _fresh_placement(snapshot, jobs[job_id], wanted[job_id], free)
