@@ -1,15 +1,17 @@
-"""FIFO: jobs in arrival order get their maximum GPUs while they fit; nobody is preempted.
+"""FIFO: jobs in arrival order get their requested GPUs while they fit; nobody is preempted.
 
-The reference policy and the simplest baseline. A running job keeps its GPUs until it
-finishes (FIFO never preempts), and a waiting job at the head of the queue blocks the ones
-behind it only if not even its minimum fits (then later, smaller jobs may backfill).
+The reference policy and the simplest baseline, rigid like the other queue-based policies:
+a job gets ``job.requested`` GPUs (its request clamped to ``[min_gpus, max_gpus]``) or
+none. A running job keeps the GPUs it holds until it finishes (FIFO never preempts), and a
+waiting job that does not fit blocks the ones behind it unless ``backfill`` lets later jobs
+use the GPUs it cannot. Only training-pool GPUs are handed out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.placement import place, plan_from_placements
+from scheduler.placement import FreeGpus, place, plan_from_placements
 from scheduler.policy import ClusterSnapshot, Plan
 from scheduler.registry import register
 
@@ -20,23 +22,23 @@ class FifoPolicy:
     backfill: bool = True  # let later jobs use GPUs the head of the queue cannot
 
     def schedule(self, snapshot: ClusterSnapshot) -> Plan:
-        free = snapshot.total_gpus
+        free = FreeGpus(snapshot).total
         counts: dict[str, int] = {}
-        # Running jobs keep what they hold.
+        # Running jobs keep what they hold (within their bounds).
         for job in snapshot.jobs:
             held = snapshot.current.gpus_of(job.job_id)
             if held:
-                counts[job.job_id] = held
-                free -= held
+                counts[job.job_id] = min(max(held, job.min_gpus), job.max_gpus)
+                free -= counts[job.job_id]
         order = sorted(snapshot.jobs, key=lambda j: (j.submit_time_s, j.job_id))
         for job in order:
             if job.job_id in counts:
                 continue
-            if job.min_gpus > free:
+            if job.requested > free:
                 if not self.backfill:
                     break
                 continue
-            counts[job.job_id] = min(job.max_gpus, free)
-            free -= counts[job.job_id]
+            counts[job.job_id] = job.requested
+            free -= job.requested
         result = place(snapshot, counts, [j.job_id for j in order])
         return plan_from_placements(result.placements)
