@@ -1,0 +1,204 @@
+"""Shared helpers for policies: GPU-only time estimates and rigid (gang) admission.
+
+Estimates (what sjf, tiresias and themis rank jobs by):
+
+- A job's *progress rate* is its goodput — efficiency-weighted samples/s, the unit of
+  ``JobInfo.samples_done`` / ``target_samples`` — predicted by :func:`estimator.predict.predict`
+  for ``gpus`` GPUs at the job's own batch size (``JobInfo.initial_batch_size``), with no
+  cache and unlimited remote IO (``remote_io_bytes_per_s = inf``): GPU-only scheduling. The
+  cache/IO-aware variants come later and will pass real grants here.
+- Node count: a job that runs in place keeps its current node count; anything else is
+  assumed packed, ``ceil(gpus / gpus_per_node)`` with ``gpus_per_node`` the largest
+  training node of the snapshot (clusters are homogeneous in practice).
+- *Remaining time* = ``remaining_samples / goodput`` seconds: 0 when nothing remains,
+  ``inf`` when the predicted goodput is 0 (or the job gets no GPUs).
+
+All predictions of a round are one vectorized :func:`~estimator.predict.predict` call;
+job models shared by many jobs (every job of an application starts from the same cached
+profile model) are evaluated once.
+
+Admission (what rigid policies do with their order): :func:`admit_in_order` walks jobs in
+priority order and gives each its whole ``job.requested`` count if that many training GPUs
+are still unclaimed, else nothing (gang scheduling; later, smaller jobs may still fit —
+backfilling). :func:`rigid_plan` turns the admitted counts into GPU indices with
+:func:`scheduler.placement.place`, which keeps running jobs on their GPUs. Because every
+placement may span nodes, a set of counts that fits the pool's total always places.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from estimator.predict import ModelTable, predict
+from scheduler.placement import place, plan_from_placements
+from scheduler.policy import ClusterSnapshot, JobInfo, Plan, Pool
+
+TRAINING: tuple[Pool, ...] = ("training",)
+
+
+def pool_gpus(snapshot: ClusterSnapshot, pools: Iterable[Pool] = TRAINING) -> int:
+    """GPUs on the nodes of ``pools`` (what GPU-only policies may hand out)."""
+    allowed = set(pools)
+    return sum(node.gpus for node in snapshot.nodes if node.pool in allowed)
+
+
+def gpus_per_node(snapshot: ClusterSnapshot, pools: Iterable[Pool] = TRAINING) -> int:
+    """GPUs of the largest node of ``pools`` (at least 1): the packing unit of estimates."""
+    allowed = set(pools)
+    return max([node.gpus for node in snapshot.nodes if node.pool in allowed] + [1])
+
+
+def in_place(
+    snapshot: ClusterSnapshot,
+    jobs: Sequence[JobInfo],
+    gpus: Sequence[int] | np.ndarray | None = None,
+    pools: Iterable[Pool] = TRAINING,
+) -> np.ndarray:
+    """Per job: does it hold exactly ``gpus[k]`` (default ``job.requested``) GPUs that still exist in ``pools``?
+
+    Such a job keeps running without a restart if a policy gives it that count again.
+    """
+    allowed = set(pools)
+    sizes = {node.name: node.gpus for node in snapshot.nodes if node.pool in allowed}
+    result = np.zeros(len(jobs), dtype=bool)
+    for k, job in enumerate(jobs):
+        allocation = snapshot.current.get(job.job_id)
+        want = job.requested if gpus is None else int(gpus[k])
+        if allocation is None or want <= 0 or allocation.gpus != want:
+            continue
+        result[k] = all(
+            name in sizes and all(0 <= i < sizes[name] for i in indices) for name, indices in allocation.placement
+        )
+    return result
+
+
+def _table(jobs: Sequence[JobInfo]) -> tuple[ModelTable, np.ndarray]:
+    """A model table with one row per distinct model object, and each job's row."""
+    rows: dict[int, int] = {}
+    models = []
+    index = np.empty(len(jobs), dtype=np.int64)
+    for k, job in enumerate(jobs):
+        row = rows.get(id(job.model))
+        if row is None:
+            row = rows[id(job.model)] = len(models)
+            models.append(job.model)
+        index[k] = row
+    return ModelTable(models), index
+
+
+def goodput(
+    snapshot: ClusterSnapshot,
+    jobs: Sequence[JobInfo],
+    gpus: Sequence[int] | np.ndarray | None = None,
+    *,
+    packed: bool = False,
+    pools: Iterable[Pool] = TRAINING,
+) -> np.ndarray:
+    """Predicted goodput (efficiency-weighted samples/s) of each job on ``gpus[k]`` GPUs (default: its requested count).
+
+    Batch size: the job's own; nodes: its current node count when it runs in place on that
+    many GPUs (unless ``packed``), else packed; no cache, unlimited remote IO. 0 for 0 GPUs.
+    """
+    if not jobs:
+        return np.zeros(0)
+    pools = tuple(pools)
+    counts = np.array([job.requested for job in jobs] if gpus is None else gpus, dtype=np.int64)
+    if counts.shape != (len(jobs),):
+        raise ValueError("need one GPU count per job")
+    nodes = np.zeros(len(jobs), dtype=np.int64)
+    if not packed:
+        for k in np.flatnonzero(in_place(snapshot, jobs, counts, pools)):
+            placement = snapshot.current.allocations[jobs[k].job_id].placement
+            nodes[k] = sum(1 for _, indices in placement if indices)
+    table, index = _table(jobs)
+    batch = np.array([job.initial_batch_size for job in jobs], dtype=np.int64)
+    predictions = predict(
+        table, index, counts, nodes, 0.0, math.inf, batch, gpus_per_node=gpus_per_node(snapshot, pools)
+    )
+    return predictions.goodput_samples_per_s
+
+
+def remaining_time_s(
+    snapshot: ClusterSnapshot,
+    jobs: Sequence[JobInfo],
+    gpus: Sequence[int] | np.ndarray | None = None,
+    *,
+    pools: Iterable[Pool] = TRAINING,
+) -> np.ndarray:
+    """Seconds each job still needs on ``gpus[k]`` GPUs (default: requested): ``remaining_samples / goodput``.
+
+    0 when nothing remains, ``inf`` when the goodput is 0.
+    """
+    rate = goodput(snapshot, jobs, gpus, pools=pools)
+    remaining = np.array([job.remaining_samples for job in jobs], dtype=np.float64)
+    return _divide(remaining, rate)
+
+
+def _divide(work: np.ndarray, rate: np.ndarray) -> np.ndarray:
+    """``work / rate`` with 0 for no work and inf for work at rate 0."""
+    with np.errstate(all="ignore"):
+        time = np.where(rate > 0, work / np.where(rate > 0, rate, 1.0), np.inf)
+    return np.where(work > 0, time, 0.0)
+
+
+def isolated_time_s(jobs: Sequence[JobInfo], rate: np.ndarray) -> np.ndarray:
+    """Seconds each whole job (``target_samples``) takes at ``rate`` goodput: its dedicated running time."""
+    target = np.array([job.target_samples for job in jobs], dtype=np.float64)
+    return _divide(target, rate)
+
+
+def admit_in_order(
+    snapshot: ClusterSnapshot,
+    order: Sequence[JobInfo],
+    *,
+    pools: Iterable[Pool] = TRAINING,
+    capacity: int | None = None,
+) -> dict[str, int]:
+    """Gang admission: each job in ``order`` gets ``job.requested`` GPUs if that many are unclaimed, else none.
+
+    Jobs that do not fit are skipped, so later (smaller) jobs may use the room (backfill).
+    ``capacity`` defaults to the GPUs of ``pools``.
+    """
+    free = pool_gpus(snapshot, pools) if capacity is None else capacity
+    counts: dict[str, int] = {}
+    for job in order:
+        want = job.requested
+        if job.job_id in counts or want <= 0 or want > free:
+            continue
+        counts[job.job_id] = want
+        free -= want
+        if free == 0:
+            break
+    return counts
+
+
+def rigid_plan(
+    snapshot: ClusterSnapshot,
+    order: Sequence[JobInfo],
+    *,
+    pools: Iterable[Pool] = TRAINING,
+) -> Plan:
+    """The plan giving the jobs :func:`admit_in_order` admits their requested GPUs, at their own batch size."""
+    pools = tuple(pools)
+    counts = admit_in_order(snapshot, order, pools=pools)
+    result = place(snapshot, counts, [job.job_id for job in order if job.job_id in counts], pools=pools)
+    return plan_from_placements(result.placements)
+
+
+def by_priority_then_arrival(job: JobInfo) -> tuple:
+    """Tie-break shared by the policies: larger ``priority`` first, then arrival, then id."""
+    return (-job.priority, job.submit_time_s, job.job_id)
+
+
+def sorted_by(jobs: Sequence[JobInfo], primary: Mapping[str, float] | Sequence[float]) -> list[JobInfo]:
+    """``jobs`` by ascending ``primary`` (per job id or per position), ties by :func:`by_priority_then_arrival`."""
+    if isinstance(primary, Mapping):
+        keys = [float(primary[job.job_id]) for job in jobs]
+    else:
+        keys = [float(v) for v in primary]
+    keys = [math.inf if math.isnan(v) else v for v in keys]  # NaN would break the sort
+    ranked = sorted(range(len(jobs)), key=lambda k: (keys[k], *by_priority_then_arrival(jobs[k])))
+    return [jobs[k] for k in ranked]
