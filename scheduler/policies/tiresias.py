@@ -1,0 +1,68 @@
+"""Tiresias: discretized two-dimensional least-attained-service (2D-LAS), gang-scheduled.
+
+Gu et al., "Tiresias: A GPU Cluster Manager for Distributed Deep Learning", NSDI'19. A job's
+attained service is GPUs x time (``JobInfo.attained_gpu_s``); it needs no estimate of the
+job's length. Service is discretized into K priority queues by K-1 thresholds: a job sits
+in queue ``q`` = the number of thresholds its attained service has reached (queue 0 on
+arrival), so it is *demoted* as it runs. Each round jobs are ranked by queue (lower first),
+then within a queue larger ``priority`` first and FIFO by arrival (then job id), and
+admitted in that order with all their requested GPUs or none (gang scheduling; a job that
+does not fit is skipped, later ones may backfill). A job in a higher queue therefore
+preempts running jobs of lower queues — a new job preempts one that has been demoted.
+
+Defaults follow the Pollux artifact's Tiresias (petuum/adaptdl, ``simulator/tiresias.py``),
+the baseline whose published average JCT on workload-6 is 3,470 s (DESIGN.md): two queues,
+one threshold of 16 GPU-hours (57,600 GPU-seconds), starvation handling off. The Tiresias
+authors' simulator (SymbioticLab/Tiresias, ``dlas-gpu``) uses two queues at 3,250
+GPU-seconds instead: ``TiresiasPolicy(thresholds_gpu_s=(3250.0,))``.
+
+Starvation promotion (``starvation_factor`` = Tiresias's PROMOTEKNOB, > 0 to enable): a job
+out of the top queue that has waited at least ``starvation_factor`` times as long as it has
+run is treated as a top-queue job. The policy keeps no state, so it uses the snapshot's
+totals — run time ``attained_gpu_s / requested GPUs`` and waiting time ``time since
+arrival - run time`` — rather than the reference implementation's counters since the last
+promotion. A promoted job therefore stays on top only until it has run for
+``waiting time / starvation_factor``, after which it drops back to the queue its service
+puts it in.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from scheduler.policies.estimates import rigid_plan, sorted_by
+from scheduler.policy import ClusterSnapshot, JobInfo, Plan
+from scheduler.registry import register
+
+POLLUX_ARTIFACT_THRESHOLD_GPU_S = 3600.0 * 16  # petuum/adaptdl simulator/tiresias.py: _queue_threshold
+
+
+@register("tiresias")
+@dataclass(frozen=True)
+class TiresiasPolicy:
+    thresholds_gpu_s: tuple[float, ...] = (POLLUX_ARTIFACT_THRESHOLD_GPU_S,)  # K-1 ascending queue limits, GPU-seconds
+    starvation_factor: float = 0.0  # promote when waited >= factor x run time; 0 = off
+
+    def __post_init__(self):
+        thresholds = tuple(float(t) for t in self.thresholds_gpu_s)
+        if any(not t > 0 for t in thresholds) or list(thresholds) != sorted(set(thresholds)):
+            raise ValueError(f"thresholds_gpu_s must be positive and strictly increasing, got {self.thresholds_gpu_s}")
+        if not self.starvation_factor >= 0:
+            raise ValueError(f"starvation_factor must be >= 0, got {self.starvation_factor}")
+        object.__setattr__(self, "thresholds_gpu_s", thresholds)
+
+    def queue(self, job: JobInfo, time_s: float) -> int:
+        """The job's priority queue at ``time_s`` (0 = highest)."""
+        level = bisect.bisect_right(self.thresholds_gpu_s, job.attained_gpu_s)
+        if level and self.starvation_factor > 0:
+            ran_s = job.attained_gpu_s / max(job.requested, 1)
+            waited_s = max(0.0, time_s - job.submit_time_s - ran_s)
+            if ran_s > 0 and waited_s >= self.starvation_factor * ran_s:
+                level = 0
+        return level
+
+    def schedule(self, snapshot: ClusterSnapshot) -> Plan:
+        jobs = snapshot.jobs
+        levels = [self.queue(job, snapshot.time_s) for job in jobs]
+        return rigid_plan(snapshot, sorted_by(jobs, levels))
