@@ -42,12 +42,15 @@ def plan_problems(snapshot: ClusterSnapshot, plan: Plan) -> list[str]:
                     problems.append(f"{job_id}: GPU {node_name}:{index} already held by {holder[(node_name, index)]}")
                 else:
                     holder[(node_name, index)] = job_id
+        if allocation.batch_size < 0:
+            problems.append(f"{job_id}: negative batch size {allocation.batch_size}")
         for node_name, quota in allocation.cache_bytes.items():
-            if quota < 0:
-                problems.append(f"{job_id}: negative cache quota on {node_name}")
+            if not quota >= 0:  # also NaN, which every comparison below would let through
+                problems.append(f"{job_id}: negative or NaN cache quota on {node_name}")
+                continue
             cache_use[node_name] = cache_use.get(node_name, 0.0) + quota
-        if allocation.remote_io_bytes_per_s < 0:
-            problems.append(f"{job_id}: negative remote IO rate")
+        if not allocation.remote_io_bytes_per_s >= 0:
+            problems.append(f"{job_id}: negative or NaN remote IO rate")
         elif math.isfinite(allocation.remote_io_bytes_per_s):
             io_total += allocation.remote_io_bytes_per_s
     for node_name, used in cache_use.items():
