@@ -1,0 +1,201 @@
+"""The simulated cluster: nodes, round interval, restart cost (``--cluster`` YAML).
+
+Defaults are the Pollux artifact simulator's: 16 nodes x 4 GPUs, a scheduling round every
+60 s, 30 s lost whenever a job's placement changes. A YAML file may override any field::
+
+    nodes: 16               # identical nodes ...
+    gpus_per_node: 4
+    # ... or a list; "count" repeats an entry, names default to node-00, node-01, ...
+    # nodes:
+    #   - {count: 8, gpus: 4}
+    #   - {name: big, gpus: 8}
+    restart_cost_s: 30      # seconds without progress after every (re)placement
+    interval_s: 60          # seconds between scheduling rounds
+    max_gpus_per_job: 64    # cap on any job's max_gpus (default: every GPU of the cluster)
+    schedule_on_events: false  # also run a round on every arrival and completion
+    stall_timeout_s: 86400  # fail when active jobs make no progress for this long
+
+Every error names the offending field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scheduler.policy import NodeInfo
+from simulator.errors import SimulatorInputError
+
+DEFAULT_NODES = 16
+DEFAULT_GPUS_PER_NODE = 4
+DEFAULT_INTERVAL_S = 60.0
+DEFAULT_RESTART_COST_S = 30.0
+DEFAULT_STALL_TIMEOUT_S = 86400.0
+
+_FIELDS = {"nodes", "gpus_per_node", "restart_cost_s", "interval_s", "max_gpus_per_job", "schedule_on_events", "stall_timeout_s"}
+_NODE_FIELDS = {"name", "gpus", "count"}
+
+
+def _default_nodes() -> tuple[NodeInfo, ...]:
+    return uniform_nodes(DEFAULT_NODES, DEFAULT_GPUS_PER_NODE)
+
+
+def uniform_nodes(count: int, gpus: int) -> tuple[NodeInfo, ...]:
+    width = max(2, len(str(count - 1)))
+    return tuple(NodeInfo(name=f"node-{i:0{width}d}", gpus=gpus) for i in range(count))
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    nodes: tuple[NodeInfo, ...] = field(default_factory=_default_nodes)
+    restart_cost_s: float = DEFAULT_RESTART_COST_S
+    interval_s: float = DEFAULT_INTERVAL_S
+    max_gpus_per_job: int | None = None  # None: every GPU of the cluster
+    schedule_on_events: bool = False
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+
+    def __post_init__(self):
+        if not self.nodes:
+            raise SimulatorInputError("cluster field 'nodes': need at least one node")
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise SimulatorInputError(f"cluster field 'nodes': node name {dup!r} appears twice")
+        if any(n.gpus < 1 for n in self.nodes):
+            raise SimulatorInputError("cluster field 'nodes': every node needs at least 1 GPU")
+        if not (math.isfinite(self.restart_cost_s) and self.restart_cost_s >= 0):
+            raise SimulatorInputError(f"cluster field 'restart_cost_s': must be a number >= 0, got {self.restart_cost_s!r}")
+        if not (math.isfinite(self.interval_s) and self.interval_s > 0):
+            raise SimulatorInputError(f"cluster field 'interval_s': must be a number > 0, got {self.interval_s!r}")
+        if self.max_gpus_per_job is not None and self.max_gpus_per_job < 1:
+            raise SimulatorInputError(f"cluster field 'max_gpus_per_job': must be >= 1, got {self.max_gpus_per_job!r}")
+        if not self.stall_timeout_s > 0:
+            raise SimulatorInputError(f"cluster field 'stall_timeout_s': must be > 0, got {self.stall_timeout_s!r}")
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(n.gpus for n in self.nodes)
+
+    @property
+    def gpus_per_node(self) -> int:
+        """The largest node's GPU count (what ``predict`` packs against)."""
+        return max(n.gpus for n in self.nodes)
+
+    @property
+    def job_gpu_cap(self) -> int:
+        cap = self.total_gpus
+        return min(cap, self.max_gpus_per_job) if self.max_gpus_per_job else cap
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready description (summary.json)."""
+        shapes: dict[int, int] = {}
+        for n in self.nodes:
+            shapes[n.gpus] = shapes.get(n.gpus, 0) + 1
+        return {
+            "nodes": len(self.nodes),
+            "gpus": self.total_gpus,
+            "nodes_by_gpus": {str(g): c for g, c in sorted(shapes.items())},
+            "restart_cost_s": self.restart_cost_s,
+            "interval_s": self.interval_s,
+            "max_gpus_per_job": self.job_gpu_cap,
+            "schedule_on_events": self.schedule_on_events,
+        }
+
+
+def _number(data: dict, key: str, default: float, *, integer: bool = False, where: str = "cluster field") -> Any:
+    value = data.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SimulatorInputError(f"{where} {key!r}: expected a number, got {value!r}")
+    if integer:
+        if float(value) != int(value):
+            raise SimulatorInputError(f"{where} {key!r}: expected a whole number, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def _positive_int(data: dict, key: str, default: int, where: str) -> int:
+    value = _number(data, key, default, integer=True, where=where)
+    if value < 1:
+        raise SimulatorInputError(f"{where} {key!r}: must be >= 1, got {value}")
+    return value
+
+
+def cluster_from_dict(data: dict[str, Any] | None, source: str = "cluster spec") -> ClusterSpec:
+    """Validate a parsed YAML mapping; ``SimulatorInputError`` naming the field on any problem."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SimulatorInputError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
+    unknown = sorted(set(map(str, data)) - _FIELDS)
+    if unknown:
+        raise SimulatorInputError(f"{source}: unknown field {unknown[0]!r}; known: {', '.join(sorted(_FIELDS))}")
+    gpus_per_node = _positive_int(data, "gpus_per_node", DEFAULT_GPUS_PER_NODE, "cluster field")
+    raw_nodes = data.get("nodes", DEFAULT_NODES)
+    if isinstance(raw_nodes, list):
+        if "gpus_per_node" in data:
+            raise SimulatorInputError("cluster field 'gpus_per_node': give GPUs per entry when 'nodes' is a list")
+        nodes: list[NodeInfo] = []
+        for i, entry in enumerate(raw_nodes):
+            where = f"cluster field 'nodes[{i}]'"
+            if not isinstance(entry, dict):
+                raise SimulatorInputError(f"{where}: expected a mapping like {{gpus: 4, count: 2}}, got {entry!r}")
+            bad = sorted(set(map(str, entry)) - _NODE_FIELDS)
+            if bad:
+                raise SimulatorInputError(f"{where}: unknown field {bad[0]!r}; known: {', '.join(sorted(_NODE_FIELDS))}")
+            if "gpus" not in entry:
+                raise SimulatorInputError(f"{where}: field 'gpus' is required")
+            gpus = _positive_int(entry, "gpus", 0, where + " field")
+            count = _positive_int(entry, "count", 1, where + " field")
+            name = entry.get("name")
+            if name is not None and (not isinstance(name, str) or not name):
+                raise SimulatorInputError(f"{where} field 'name': expected a non-empty string, got {name!r}")
+            if name is not None and count > 1:
+                raise SimulatorInputError(f"{where}: 'name' and 'count' > 1 cannot go together")
+            for _ in range(count):
+                nodes.append(NodeInfo(name=name or "", gpus=gpus))
+        width = max(2, len(str(len(nodes) - 1)))
+        nodes = [n if n.name else NodeInfo(name=f"node-{i:0{width}d}", gpus=n.gpus) for i, n in enumerate(nodes)]
+        node_tuple = tuple(nodes)
+    else:
+        count = _positive_int(data, "nodes", DEFAULT_NODES, "cluster field")
+        node_tuple = uniform_nodes(count, gpus_per_node)
+    flag = data.get("schedule_on_events", False)
+    if not isinstance(flag, bool):
+        raise SimulatorInputError(f"cluster field 'schedule_on_events': expected true or false, got {flag!r}")
+    max_gpus = data.get("max_gpus_per_job")
+    if max_gpus is not None:
+        max_gpus = _positive_int(data, "max_gpus_per_job", 1, "cluster field")
+    return ClusterSpec(
+        nodes=node_tuple,
+        restart_cost_s=_number(data, "restart_cost_s", DEFAULT_RESTART_COST_S),
+        interval_s=_number(data, "interval_s", DEFAULT_INTERVAL_S),
+        max_gpus_per_job=max_gpus,
+        schedule_on_events=flag,
+        stall_timeout_s=_number(data, "stall_timeout_s", DEFAULT_STALL_TIMEOUT_S),
+    )
+
+
+def load_cluster(path: str | Path | None) -> ClusterSpec:
+    """The cluster described by the YAML file at ``path``; the defaults when ``path`` is None."""
+    if path is None:
+        return ClusterSpec()
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SimulatorInputError(f"cluster spec {path}: no such file") from None
+    except OSError as exc:
+        raise SimulatorInputError(f"cluster spec {path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise SimulatorInputError(f"cluster spec {path}:{where} not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    return cluster_from_dict(data, f"cluster spec {path}")

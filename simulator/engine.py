@@ -1,0 +1,451 @@
+"""Event-driven cluster simulation that runs the live scheduler's policies unchanged.
+
+The engine owns a :class:`~simulator.clock.SimClock` and jumps it from event to event; it
+never reads wall time or sleeps. Events:
+
+- **arrival** of a job (from the workload);
+- **scheduling round** every ``cluster.interval_s`` (and, with ``schedule_on_events``, also
+  at every arrival and completion): the engine builds a :class:`ClusterSnapshot` of frozen
+  value objects, calls ``policy.schedule``, checks the plan with
+  :func:`scheduler.invariants.check_plan` and applies it;
+- **restart finished**: a job whose GPU set changed (including its first start) makes no
+  progress for ``cluster.restart_cost_s`` (as in the Pollux artifact simulator);
+- **completion**: computed exactly, ``max(now, restart end) + remaining / goodput``.
+
+Between events every running job progresses at the goodput given by the rate model
+(:mod:`simulator.rates`; one vectorized ``estimator.predict`` call per round for all running
+jobs), and holds its GPUs (attained GPU-seconds grow during restarts too). A job that loses
+all its GPUs keeps its progress (checkpointed) and pays the restart cost again when it is
+placed. ``restarts`` counts placements after the first (the artifact's ``num_restarts``).
+
+If active jobs make no progress at all for ``cluster.stall_timeout_s`` of simulated time the
+run stops with :class:`~simulator.errors.SimulationStuck` naming them: every run either
+finishes every job or says why not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from estimator.job_model import JobModel
+from scheduler.invariants import PlanViolation, plan_problems
+from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan, Policy
+from scheduler.registry import get_policy
+from simulator.clock import SimClock
+from simulator.cluster import ClusterSpec
+from simulator.errors import SimulationStuck, SimulatorInputError
+from simulator.rates import GoodputRates, RateModel
+from simulator.workload import JobSpec, Workload, target_samples, workload_from_jobs
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class SimProgress:
+    """What an observer sees after every event."""
+
+    time_s: float
+    finished: int
+    total: int
+    active: int       # arrived and not finished
+    running: int      # holding GPUs
+    rounds: int
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One finished job (a row of jobs.csv)."""
+
+    name: str
+    application: str
+    arrival_s: float
+    start_s: float            # first time it held GPUs
+    finish_s: float
+    jct_s: float              # finish - arrival
+    restarts: int             # placements after the first
+    attained_gpu_s: float     # GPU-seconds held (restarts included)
+    mean_gpus: float          # attained_gpu_s / (finish - start)
+    requested_gpus: int
+    batch_size: int
+    target_samples: float
+    isolated_jct_s: float     # alone on the cluster with its requested GPUs (see docs/evaluation.md)
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    time_s: float
+    allocated_gpus: int
+    active_jobs: int
+    running_jobs: int
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    policy: str
+    workload: str
+    cluster: ClusterSpec
+    jobs: tuple[JobRecord, ...]           # in arrival order
+    timeline: tuple[TimelinePoint, ...]   # after every event that changed allocations or the job set
+    rounds: int
+    events: int
+    plans_checked: int
+    start_s: float                        # the clock's start
+    wall_time_s: float = 0.0              # filled by :func:`simulator.runner.simulate`
+
+
+class _Job:
+    """Mutable per-job state inside the engine."""
+
+    __slots__ = (
+        "spec", "model", "target", "min_gpus", "max_gpus", "requested", "done", "attained", "restarts",
+        "start", "finish", "allocation", "restart_until", "rate", "finish_at",
+    )
+
+    def __init__(self, spec: JobSpec, model: JobModel, target: float, max_gpus: int):
+        self.spec = spec
+        self.model = model
+        self.target = target
+        self.min_gpus = 1
+        self.max_gpus = max_gpus
+        self.requested = min(spec.num_replicas, max_gpus)
+        self.done = 0.0
+        self.attained = 0.0
+        self.restarts = 0
+        self.start: float | None = None
+        self.finish: float | None = None
+        self.allocation: Allocation | None = None
+        self.restart_until = -math.inf
+        self.rate = 0.0
+        self.finish_at = math.inf
+
+    def info(self) -> JobInfo:
+        s = self.spec
+        return JobInfo(
+            job_id=s.name,
+            model=self.model,
+            submit_time_s=s.arrival_s,
+            min_gpus=self.min_gpus,
+            max_gpus=self.max_gpus,
+            target_samples=self.target,
+            samples_done=min(self.done, self.target),
+            requested_gpus=self.requested,
+            batch_size=s.batch_size,
+            attained_gpu_s=self.attained,
+            restarts=self.restarts,
+        )
+
+
+def max_gpus_for(model: JobModel, requested: int, cap: int) -> int:
+    """A job's largest world size: what its batch limits allow (``max_batch // min_local``), at
+    least what its owner asked for, at most ``cap`` (the cluster, or ``max_gpus_per_job``)."""
+    by_batch = max(1, model.bounds.max_batch_size // model.bounds.min_local_bsz)
+    return max(1, min(cap, max(by_batch, requested)))
+
+
+class Simulator:
+    """Run ``policy`` over ``workload`` on ``cluster``; :meth:`run` returns the result.
+
+    ``policy`` is a policy object or a registered name; ``clock`` defaults to a clock at 0
+    (workload arrival times are offsets from the clock's start); ``rate_model`` defaults to
+    :class:`~simulator.rates.GoodputRates`. ``check_invariants`` (default on) checks every
+    plan with :func:`scheduler.invariants.plan_problems` and raises
+    :class:`~scheduler.invariants.PlanViolation` naming the policy, time and problems.
+    ``observer`` is called after every event with a :class:`SimProgress`.
+    """
+
+    def __init__(
+        self,
+        workload: Workload | Sequence[JobSpec],
+        policy: Policy | str,
+        cluster: ClusterSpec | None = None,
+        *,
+        clock: SimClock | None = None,
+        rate_model: RateModel | None = None,
+        check_invariants: bool = True,
+        observer: Callable[[SimProgress], None] | None = None,
+        policy_options: dict[str, Any] | None = None,
+    ):
+        if not isinstance(workload, Workload):
+            workload = workload_from_jobs(tuple(workload))
+        self.workload = workload
+        self.cluster = cluster or ClusterSpec()
+        if isinstance(policy, str):
+            try:
+                policy = get_policy(policy, **(policy_options or {}))
+            except KeyError as exc:
+                raise SimulatorInputError(exc.args[0]) from None
+        self.policy = policy
+        self.policy_name = str(getattr(policy, "name", type(policy).__name__))
+        self.clock = clock or SimClock()
+        self.start_s = self.clock.now()
+        self.check_invariants = check_invariants
+        self.observer = observer
+
+        cap = self.cluster.job_gpu_cap
+        self._jobs: list[_Job] = []
+        models: dict[str, JobModel] = {}
+        for spec in workload.jobs:
+            if spec.application not in models:
+                try:
+                    models[spec.application] = JobModel.from_profile(spec.application)
+                except KeyError as exc:
+                    raise SimulatorInputError(f"job {spec.name}: {exc.args[0]}") from None
+            model = models[spec.application]
+            self._jobs.append(_Job(spec, model, target_samples(spec.application), max_gpus_for(model, spec.num_replicas, cap)))
+        self.rate_model: RateModel = rate_model or GoodputRates(list(models.values()), gpus_per_node=self.cluster.gpus_per_node)
+
+        self._pending = 0                    # index of the next job to arrive
+        self._active: list[_Job] = []        # arrived, unfinished, in arrival order
+        self._finished = 0
+        self._round_index = 0                # next round at start + _round_index * interval
+        self.rounds = 0
+        self.events = 0
+        self.plans_checked = 0
+        self._stalled_since: float | None = None
+        self._timeline: list[TimelinePoint] = []
+
+    # --- public ------------------------------------------------------------------------
+
+    @property
+    def now(self) -> float:
+        return self.clock.now()
+
+    @property
+    def finished(self) -> bool:
+        return self._finished == len(self._jobs)
+
+    def run(self) -> SimulationResult:
+        while self.step():
+            pass
+        return self.result()
+
+    def step(self) -> bool:
+        """Advance to the next event time and handle every event due then; False once all jobs finished."""
+        if self.finished:
+            return False
+        now = self.clock.now()
+        t_next = self._next_event_time()
+        if not math.isfinite(t_next):  # cannot happen while rounds tick; kept as a guard
+            raise SimulationStuck(f"no event left at t={now:.0f}s with {len(self._active)} unfinished jobs")
+        self._advance(now, t_next)
+        self.clock.advance_to(t_next)
+        self.events += 1
+        changed = self._complete(t_next)
+        arrived = self._arrive(t_next)
+        tick = t_next >= self._tick(self._round_index) - _EPS
+        if tick or (self.cluster.schedule_on_events and (changed or arrived)):
+            if self._active:
+                self._round(t_next)
+                changed = True
+            if tick:
+                self._round_index = self._first_tick_after(t_next)
+        if changed or arrived:
+            self._record(t_next)
+        if self.observer is not None:
+            self.observer(self.progress())
+        return not self.finished
+
+    def progress(self) -> SimProgress:
+        return SimProgress(
+            time_s=self.clock.now(),
+            finished=self._finished,
+            total=len(self._jobs),
+            active=len(self._active),
+            running=sum(1 for j in self._active if j.allocation is not None),
+            rounds=self.rounds,
+        )
+
+    def result(self) -> SimulationResult:
+        if not self.finished:
+            raise RuntimeError("the simulation has not finished")
+        isolated = self._isolated_jcts()
+        records = []
+        for job, iso in zip(self._jobs, isolated):
+            s = job.spec
+            assert job.start is not None and job.finish is not None
+            run_time = job.finish - job.start
+            records.append(JobRecord(
+                name=s.name, application=s.application, arrival_s=s.arrival_s + self.start_s,
+                start_s=job.start, finish_s=job.finish, jct_s=job.finish - (s.arrival_s + self.start_s),
+                restarts=job.restarts, attained_gpu_s=job.attained,
+                mean_gpus=job.attained / run_time if run_time > 0 else 0.0,
+                requested_gpus=job.requested, batch_size=s.batch_size, target_samples=job.target,
+                isolated_jct_s=iso,
+            ))
+        return SimulationResult(
+            policy=self.policy_name, workload=self.workload.name, cluster=self.cluster, jobs=tuple(records),
+            timeline=tuple(self._timeline), rounds=self.rounds, events=self.events,
+            plans_checked=self.plans_checked, start_s=self.start_s,
+        )
+
+    # --- time --------------------------------------------------------------------------
+
+    def _tick(self, index: int) -> float:
+        return self.start_s + index * self.cluster.interval_s
+
+    def _first_tick_after(self, t: float) -> int:
+        index = max(self._round_index, int(math.floor((t - self.start_s) / self.cluster.interval_s)))
+        while self._tick(index) <= t + _EPS:
+            index += 1
+        return index
+
+    def _first_tick_at_or_after(self, t: float) -> int:
+        index = max(self._round_index, int(math.floor((t - self.start_s) / self.cluster.interval_s)))
+        while self._tick(index) < t - _EPS:
+            index += 1
+        return index
+
+    def _next_event_time(self) -> float:
+        candidates = []
+        if self._pending < len(self._jobs):
+            candidates.append(self._arrival(self._jobs[self._pending]))
+        if self._active:
+            candidates.append(self._tick(self._round_index))
+            now = self.clock.now()
+            for job in self._active:
+                if job.allocation is not None:
+                    candidates.append(job.finish_at)
+                    if job.restart_until > now:
+                        candidates.append(job.restart_until)
+        return min(candidates, default=math.inf)
+
+    def _arrival(self, job: _Job) -> float:
+        return self.start_s + job.spec.arrival_s
+
+    # --- events ------------------------------------------------------------------------
+
+    def _advance(self, t: float, t_next: float) -> None:
+        """Progress every running job from ``t`` to ``t_next`` (no event in between)."""
+        dt = t_next - t
+        progressed = False
+        for job in self._active:
+            allocation = job.allocation
+            if allocation is None:
+                continue
+            job.attained += allocation.gpus * dt
+            working = t_next - max(t, job.restart_until)
+            if working > 0 and job.rate > 0:
+                job.done += job.rate * working
+                progressed = True
+        if progressed or not self._active:
+            self._stalled_since = None
+        elif dt > 0:
+            if self._stalled_since is None:
+                self._stalled_since = t
+            if t_next - self._stalled_since > self.cluster.stall_timeout_s:
+                self._stuck(t_next)
+
+    def _stuck(self, t: float) -> None:
+        waiting = ", ".join(
+            f"{j.spec.name} (needs {j.min_gpus}-{j.max_gpus} GPUs, holds {j.allocation.gpus if j.allocation else 0}, "
+            f"rate {j.rate:.3g}/s)" for j in self._active[:5]
+        )
+        more = f" and {len(self._active) - 5} more" if len(self._active) > 5 else ""
+        raise SimulationStuck(
+            f"policy {self.policy_name}: no job progressed between t={self._stalled_since:.0f}s and t={t:.0f}s "
+            f"(stall_timeout_s={self.cluster.stall_timeout_s:.0f}); unfinished: {waiting}{more}"
+        )
+
+    def _complete(self, t: float) -> bool:
+        done = [j for j in self._active if j.allocation is not None and j.finish_at <= t + _EPS * max(1.0, abs(t))]
+        for job in done:
+            job.done = job.target
+            job.finish = t
+            job.allocation = None
+            job.finish_at = math.inf
+            self._finished += 1
+        if done:
+            self._active = [j for j in self._active if j.finish is None]
+        return bool(done)
+
+    def _arrive(self, t: float) -> bool:
+        arrived = False
+        while self._pending < len(self._jobs) and self._arrival(self._jobs[self._pending]) <= t + _EPS:
+            if not self._active:  # the cluster was idle: the next round is the first tick from now
+                self._round_index = self._first_tick_at_or_after(t)
+            self._active.append(self._jobs[self._pending])
+            self._pending += 1
+            arrived = True
+        return arrived
+
+    def _round(self, t: float) -> None:
+        self.rounds += 1
+        infos = tuple(job.info() for job in self._active)
+        current = Plan({j.spec.name: j.allocation for j in self._active if j.allocation is not None})
+        snapshot = ClusterSnapshot(
+            time_s=t,
+            nodes=self.cluster.nodes,
+            jobs=infos,
+            current=current,
+            restart_cost_s=self.cluster.restart_cost_s,
+            interval_s=self.cluster.interval_s,
+        )
+        plan = self.policy.schedule(snapshot)
+        if self.check_invariants:
+            self.plans_checked += 1
+            problems = plan_problems(snapshot, plan)
+            if problems:
+                raise PlanViolation(f"policy {self.policy_name} at t={t:.0f}s: " + "; ".join(problems))
+        running_jobs: list[_Job] = []
+        running_infos: list[JobInfo] = []
+        for job, info in zip(self._active, infos):
+            new = plan.get(job.spec.name)
+            if new is None or new.gpus == 0:
+                job.allocation = None
+                job.rate = 0.0
+                job.finish_at = math.inf
+                continue
+            if not new.same_gpus(job.allocation):
+                job.restart_until = t + self.cluster.restart_cost_s
+                if job.start is None:
+                    job.start = t
+                else:
+                    job.restarts += 1
+            job.allocation = new
+            running_jobs.append(job)
+            running_infos.append(info)
+        if running_jobs:
+            rates = np.asarray(self.rate_model.rates(running_infos, [j.allocation for j in running_jobs]), dtype=float)
+            if rates.shape != (len(running_jobs),) or not np.all(np.isfinite(rates)) or np.any(rates < 0):
+                bad = next((j.spec.name for j, r in zip(running_jobs, np.atleast_1d(rates)) if not (r >= 0 and math.isfinite(r))), "?")
+                raise ValueError(f"rate model returned an invalid rate (job {bad}): {rates!r}")
+            for job, rate in zip(running_jobs, rates.tolist()):
+                job.rate = rate
+                begin = max(t, job.restart_until)
+                job.finish_at = begin + (job.target - job.done) / rate if rate > 0 else math.inf
+
+    def _record(self, t: float) -> None:
+        allocated = sum(j.allocation.gpus for j in self._active if j.allocation is not None)
+        running = sum(1 for j in self._active if j.allocation is not None)
+        point = TimelinePoint(t, allocated, len(self._active), running)
+        if self._timeline and self._timeline[-1].time_s == t:
+            self._timeline[-1] = point
+        else:
+            self._timeline.append(point)
+
+    # --- results -----------------------------------------------------------------------
+
+    def _isolated_jcts(self) -> list[float]:
+        """Restart cost + target / goodput of each job alone with its requested GPUs, packed."""
+        nodes = sorted(self.cluster.nodes, key=lambda n: (-n.gpus, n.name))
+        allocations = []
+        for job in self._jobs:
+            placement, remaining = [], job.requested
+            for node in nodes:
+                take = min(node.gpus, remaining)
+                placement.append((node.name, tuple(range(take))))
+                remaining -= take
+                if remaining == 0:
+                    break
+            allocations.append(Allocation(placement=tuple(sorted(placement))))
+        infos = [job.info() for job in self._jobs]
+        rates = np.asarray(self.rate_model.rates(infos, allocations), dtype=float)
+        return [
+            self.cluster.restart_cost_s + job.target / rate if rate > 0 else math.inf
+            for job, rate in zip(self._jobs, rates.tolist())
+        ]

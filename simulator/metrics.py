@@ -1,0 +1,197 @@
+"""Summaries, per-job tables and plots of simulation results (the files in ``--out``).
+
+Definitions (also in docs/evaluation.md):
+
+- JCT = finish - arrival; ``avg``, ``p50``, ``p99`` over all jobs (percentiles by linear
+  interpolation between order statistics, numpy's default).
+- makespan = last finish - first arrival.
+- GPU utilization = GPU-seconds allocated / (cluster GPUs x makespan); a job holds its GPUs
+  during restarts too, so restarts count as allocated (but unproductive) time.
+- finish-time fairness rho = JCT / isolated JCT, where the isolated JCT is the job alone on
+  the cluster with its requested GPUs (packed) at its own batch size, plus one restart cost;
+  ``rho_max`` and ``rho_mean`` over all jobs (Themis reports the maximum).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from simulator.engine import SimulationResult
+
+JOB_COLUMNS = (
+    "name", "application", "arrival_s", "start_s", "finish_s", "jct_s", "restarts", "attained_gpu_s",
+    "mean_gpus", "requested_gpus", "batch_size", "isolated_jct_s", "rho",
+)
+
+
+def _r(value: float, digits: int = 6) -> float:
+    return round(float(value), digits) if math.isfinite(value) else float(value)
+
+
+def summary(result: SimulationResult) -> dict[str, Any]:
+    jobs = result.jobs
+    jct = np.array([j.jct_s for j in jobs])
+    rho = np.array([j.jct_s / j.isolated_jct_s if j.isolated_jct_s > 0 else math.inf for j in jobs])
+    first_arrival = min(j.arrival_s for j in jobs)
+    makespan = max(j.finish_s for j in jobs) - first_arrival
+    gpu_seconds = float(sum(j.attained_gpu_s for j in jobs))
+    gpus = result.cluster.total_gpus
+    return {
+        "policy": result.policy,
+        "workload": result.workload,
+        "jobs": len(jobs),
+        "avg_jct_s": _r(jct.mean(), 3),
+        "p50_jct_s": _r(float(np.percentile(jct, 50)), 3),
+        "p99_jct_s": _r(float(np.percentile(jct, 99)), 3),
+        "max_jct_s": _r(jct.max(), 3),
+        "makespan_s": _r(makespan, 3),
+        "gpu_seconds_allocated": _r(gpu_seconds, 3),
+        "gpu_utilization": _r(gpu_seconds / (gpus * makespan), 6) if makespan > 0 else 0.0,
+        "rho_max": _r(rho.max(), 6),
+        "rho_mean": _r(rho.mean(), 6),
+        "restarts": int(sum(j.restarts for j in jobs)),
+        "cluster": result.cluster.describe(),
+        "rounds": result.rounds,
+        "events": result.events,
+        "plans_checked": result.plans_checked,
+        "wall_time_s": _r(result.wall_time_s, 3),
+        "definitions": {
+            "jct": "finish - arrival (s)",
+            "makespan": "last finish - first arrival (s)",
+            "gpu_utilization": "GPU-seconds allocated (restarts included) / (cluster GPUs x makespan)",
+            "rho": "JCT / isolated JCT; isolated = alone with the requested GPUs (packed) at the job's batch size + one restart cost",
+        },
+    }
+
+
+def write_jobs_csv(result: SimulationResult, path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(JOB_COLUMNS)
+        for j in result.jobs:
+            rho = j.jct_s / j.isolated_jct_s if j.isolated_jct_s > 0 else math.inf
+            writer.writerow((
+                j.name, j.application, _r(j.arrival_s), _r(j.start_s), _r(j.finish_s), _r(j.jct_s), j.restarts,
+                _r(j.attained_gpu_s), _r(j.mean_gpus), j.requested_gpus, j.batch_size, _r(j.isolated_jct_s), _r(rho),
+            ))
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _cdf(values: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    x = np.sort(np.asarray(values, dtype=float))
+    return x, np.arange(1, len(x) + 1) / len(x)
+
+
+def plot_jct_cdf(results: Sequence[SimulationResult], path: Path, title: str | None = None) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for result in results:
+        x, y = _cdf([j.jct_s for j in result.jobs])
+        avg = float(np.mean(x))
+        ax.step(x, y, where="post", label=f"{result.policy} (avg {avg:,.0f} s)")
+    ax.set_xscale("log")
+    ax.set_xlabel("job completion time (s, log scale)")
+    ax.set_ylabel("fraction of jobs")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title or f"JCT CDF: {results[0].workload}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_utilization(result: SimulationResult, path: Path) -> None:
+    plt = _pyplot()
+    gpus = result.cluster.total_gpus
+    t = np.array([p.time_s for p in result.timeline]) / 3600.0
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.step(t, [p.allocated_gpus / gpus for p in result.timeline], where="post", label="GPUs allocated (fraction)")
+    ax.set_xlabel("simulated time (h)")
+    ax.set_ylabel("fraction of GPUs allocated")
+    ax.set_ylim(0, 1.05)
+    ax.grid(True, alpha=0.3)
+    other = ax.twinx()
+    other.step(t, [p.active_jobs for p in result.timeline], where="post", color="tab:orange", alpha=0.7, label="active jobs")
+    other.set_ylabel("active jobs")
+    lines = ax.get_lines() + other.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], loc="upper right")
+    s = summary(result)
+    ax.set_title(f"{result.policy} on {result.workload}: utilization {s['gpu_utilization']:.1%}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(result: SimulationResult, out: str | Path, *, plots: bool = True) -> dict[str, Any]:
+    """summary.json, jobs.csv and (unless ``plots`` is off) jct_cdf.png, utilization.png in ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = summary(result)
+    (out / "summary.json").write_text(json.dumps(data, indent=2) + "\n")
+    write_jobs_csv(result, out / "jobs.csv")
+    if plots:
+        plot_jct_cdf([result], out / "jct_cdf.png")
+        plot_utilization(result, out / "utilization.png")
+    return data
+
+
+_TABLE = (
+    ("policy", "policy", "{}"),
+    ("avg JCT (s)", "avg_jct_s", "{:,.0f}"),
+    ("p50 JCT (s)", "p50_jct_s", "{:,.0f}"),
+    ("p99 JCT (s)", "p99_jct_s", "{:,.0f}"),
+    ("makespan (s)", "makespan_s", "{:,.0f}"),
+    ("GPU util.", "gpu_utilization", "{:.1%}"),
+    ("rho max", "rho_max", "{:.2f}"),
+    ("rho mean", "rho_mean", "{:.2f}"),
+    ("restarts", "restarts", "{}"),
+    ("wall time (s)", "wall_time_s", "{:.1f}"),
+)
+
+
+def compare_table(summaries: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table, one row per policy."""
+    head = "| " + " | ".join(h for h, _, _ in _TABLE) + " |"
+    rule = "|" + "|".join("---" if k == "policy" else "---:" for _, k, _ in _TABLE) + "|"
+    rows = ["| " + " | ".join(fmt.format(s[k]) for _, k, fmt in _TABLE) + " |" for s in summaries]
+    return "\n".join([head, rule, *rows])
+
+
+def write_compare(results: Sequence[SimulationResult], out: str | Path, *, plots: bool = True) -> dict[str, Any]:
+    """Per-policy outputs in ``out/<policy>/`` plus compare.md, compare.json and compare.png in ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = [write_outputs(r, out / r.policy, plots=plots) for r in results]
+    first = results[0]
+    data = {
+        "workload": first.workload,
+        "cluster": first.cluster.describe(),
+        "policies": {s["policy"]: {k: v for k, v in s.items() if k not in ("cluster", "definitions")} for s in summaries},
+    }
+    (out / "compare.json").write_text(json.dumps(data, indent=2) + "\n")
+    c = first.cluster
+    text = (
+        f"# {first.workload}: {', '.join(r.policy for r in results)}\n\n"
+        f"Cluster: {len(c.nodes)} nodes, {c.total_gpus} GPUs, {c.interval_s:g} s rounds, {c.restart_cost_s:g} s restart cost; "
+        f"{len(first.jobs)} jobs.\n\n{compare_table(summaries)}\n"
+    )
+    (out / "compare.md").write_text(text)
+    if plots:
+        plot_jct_cdf(results, out / "compare.png", title=f"JCT CDF: {first.workload}")
+    return data

@@ -1,0 +1,231 @@
+"""Workloads: jobs from Pollux-format CSVs, and what "finished" means for each application.
+
+A workload CSV has the Pollux artifact's columns ``name,time,application,num_replicas,batch_size``
+(extra columns are ignored). ``--workload`` takes a path, or the name of a packaged
+workload (``workload-6``, ``workloads/workload-6.csv``, ``workloads-2.0/workload-6``); the
+packaged ones live in ``simulator/workloads/<dir>/`` (see SOURCE.md there).
+
+A job finishes after a fixed amount of *efficiency-weighted* progress, the Pollux artifact's
+definition: its simulator ends a job when the job's progress, counted in steps at the
+application's initial batch size, reaches the progress the validation runs record at the end
+of epoch ``MAX_EPOCHS[app]`` (the smallest over the runs at different batch sizes). In samples
+that is ``init_batch_size x progress`` — see :func:`target_samples` and docs/evaluation.md.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import io
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from simulator.errors import SimulatorInputError
+
+COLUMNS = ("name", "time", "application", "num_replicas", "batch_size")
+_PACKAGE = "simulator.workloads"
+DEFAULT_DIR = "workloads"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job of a workload, as the CSV gives it."""
+
+    name: str
+    application: str
+    arrival_s: float        # seconds from the start of the workload
+    num_replicas: int       # GPUs the owner asked for (what rigid policies give)
+    batch_size: int         # the owner's global batch size
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str                       # packaged name (``workloads/workload-6``) or the path given
+    jobs: tuple[JobSpec, ...]       # in arrival order (ties: file order)
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def head(self, count: int) -> "Workload":
+        """The first ``count`` jobs by arrival (tests and quick looks)."""
+        return Workload(f"{self.name}[:{count}]", self.jobs[:count])
+
+
+# --- what finishing means ------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def target_samples(application: str) -> float:
+    """Efficiency-weighted samples a job of ``application`` needs to finish.
+
+    ``init_batch_size x min over validation runs of progress[MAX_EPOCHS - 1]`` (progress is
+    in steps at the initial batch size, so this is the samples-at-initial-batch-size
+    equivalent of ``MAX_EPOCHS`` epochs). For cifar10, imagenet and yolov3 it equals
+    ``MAX_EPOCHS x`` the dataset's training samples; for ncf and deepspeech2 the artifact
+    trained on smaller datasets than the public ones listed in ``datasets.csv`` (4.97 M and
+    7,134 samples per epoch), and the trace's own figure is what reproduces its JCTs.
+    """
+    from estimator.profiles import MAX_EPOCHS, load_profile
+
+    profile = load_profile(application)
+    traces = profile.validation.values()
+    epochs = MAX_EPOCHS.get(application) or min(len(t.progress) for t in traces)
+    progress = min(float(t.progress[min(epochs, len(t.progress)) - 1]) for t in traces)
+    return profile.bounds.init_batch_size * progress
+
+
+def known_applications() -> list[str]:
+    from estimator.profiles import application_names
+
+    return list(application_names())
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+def packaged_workloads() -> list[str]:
+    """Names of the packaged workloads, ``<dir>/workload-N``."""
+    names = []
+    root = resources.files(_PACKAGE)
+    for directory in sorted(root.iterdir(), key=lambda e: e.name):
+        if directory.is_dir() and directory.name.startswith("workloads"):
+            for entry in directory.iterdir():
+                if entry.name.endswith(".csv"):
+                    names.append(f"{directory.name}/{entry.name[:-4]}")
+    return sorted(names, key=_natural)
+
+
+def _natural(name: str):
+    head, _, number = name.rpartition("-")
+    return (head, int(number)) if number.isdigit() else (name, 0)
+
+
+def _packaged(name: str):
+    """The packaged resource for ``name``, or None."""
+    key = name.strip().replace("\\", "/")
+    for prefix in ("simulator/workloads/", "workloads:"):
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+    if key.endswith(".csv"):
+        key = key[:-4]
+    if "/" not in key:
+        key = f"{DEFAULT_DIR}/{key}"
+    directory, _, stem = key.partition("/")
+    if not directory.startswith("workloads") or "/" in stem or not stem:
+        return None
+    entry = resources.files(_PACKAGE).joinpath(directory).joinpath(f"{stem}.csv")
+    return (key, entry) if entry.is_file() else None
+
+
+def load_workload(source: str | Path) -> Workload:
+    """Read a workload from a file path or a packaged name (see the module docstring)."""
+    path = Path(source)
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SimulatorInputError(f"workload {path}: cannot read: {exc}") from None
+        return Workload(str(source), parse_workload(text, str(source)))
+    if path.is_dir():
+        raise SimulatorInputError(f"workload {path}: is a directory; give one CSV file")
+    packaged = _packaged(str(source))
+    if packaged is None:
+        raise SimulatorInputError(
+            f"workload {source}: no such file, and not a packaged workload "
+            "(e.g. workload-6, workloads/workload-6.csv, workloads-2.0/workload-3; see 'silod simulate list')"
+        )
+    name, entry = packaged
+    return Workload(name, parse_workload(entry.read_text(encoding="utf-8"), name))
+
+
+def parse_workload(text: str, source: str = "workload") -> tuple[JobSpec, ...]:
+    """Jobs of a workload CSV; ``SimulatorInputError`` naming the row and column on bad input."""
+    reader = csv.reader(io.StringIO(text))
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise SimulatorInputError(f"workload {source}: empty file; expected the header {','.join(COLUMNS)}") from None
+    header = [h.strip() for h in header]
+    missing = [c for c in COLUMNS if c not in header]
+    if missing:
+        raise SimulatorInputError(
+            f"workload {source}: header lacks column {missing[0]!r}; expected {','.join(COLUMNS)} (got {','.join(header)})"
+        )
+    col = {c: header.index(c) for c in COLUMNS}
+    apps = set(known_applications())
+    jobs: list[JobSpec] = []
+    seen: dict[str, int] = {}
+    for line, row in enumerate(reader, start=2):
+        if not row or all(not cell.strip() for cell in row):
+            continue
+        if len(row) < len(header):
+            raise SimulatorInputError(f"workload {source}: row {line}: {len(row)} fields, the header has {len(header)}")
+
+        def cell(column: str) -> str:
+            return row[col[column]].strip()
+
+        def bad(column: str, expected: str) -> SimulatorInputError:
+            return SimulatorInputError(f"workload {source}: row {line}, column {column!r}: expected {expected}, got {cell(column)!r}")
+
+        name = cell("name")
+        if not name:
+            raise bad("name", "a job name")
+        if name in seen:
+            raise SimulatorInputError(f"workload {source}: row {line}, column 'name': job {name!r} already defined in row {seen[name]}")
+        seen[name] = line
+        try:
+            arrival = float(cell("time"))
+        except ValueError:
+            raise bad("time", "seconds (a number >= 0)") from None
+        if not (math.isfinite(arrival) and arrival >= 0):
+            raise bad("time", "seconds (a number >= 0)")
+        application = cell("application")
+        if application not in apps:
+            raise bad("application", f"one of {', '.join(sorted(apps))}")
+        replicas = _whole(cell("num_replicas"))
+        if replicas is None or replicas < 1:
+            raise bad("num_replicas", "a whole number >= 1")
+        batch = _whole(cell("batch_size"))
+        if batch is None or batch < 1:
+            raise bad("batch_size", "a whole number >= 1")
+        jobs.append(JobSpec(name, application, arrival, replicas, batch))
+    if not jobs:
+        raise SimulatorInputError(f"workload {source}: no jobs (only a header)")
+    order = sorted(range(len(jobs)), key=lambda i: (jobs[i].arrival_s, i))
+    return tuple(jobs[i] for i in order)
+
+
+def _whole(text: str) -> int | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    if not math.isfinite(value) or value != int(value):
+        return None
+    return int(value)
+
+
+def write_workload(jobs: Iterable[JobSpec], path: str | Path) -> None:
+    """Write jobs in the Pollux CSV format (times as whole seconds when they are whole)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(COLUMNS)
+        for job in jobs:
+            time = int(job.arrival_s) if float(job.arrival_s).is_integer() else round(job.arrival_s, 3)
+            writer.writerow((job.name, time, job.application, job.num_replicas, job.batch_size))
+
+
+def workload_from_jobs(jobs: Sequence[JobSpec], name: str = "custom") -> Workload:
+    """A workload built in code (tests, generators); jobs are sorted by arrival."""
+    names = [j.name for j in jobs]
+    if len(set(names)) != len(names):
+        raise SimulatorInputError(f"workload {name}: duplicate job names")
+    if not jobs:
+        raise SimulatorInputError(f"workload {name}: no jobs")
+    order = sorted(range(len(jobs)), key=lambda i: (jobs[i].arrival_s, i))
+    return Workload(name, tuple(jobs[i] for i in order))
