@@ -1,0 +1,282 @@
+"""``silod simulate``: run, compare and generate trace-driven simulations.
+
+    silod simulate --workload CSV --policy NAME [--cluster YAML] [--seed N] --out DIR
+    silod simulate run ...                      (the same, spelled out)
+    silod simulate compare --workload CSV --policy A --policy B ... [--cluster YAML] --out DIR
+    silod simulate generate --philly --jobs N --seed S --out CSV
+    silod simulate list                         (packaged workloads and registered policies)
+
+Bad input (unknown policy, missing file, malformed CSV row or YAML field) exits with status 2
+and one message naming the problem; a run that cannot finish (a policy that never places a
+job, a plan that breaks an invariant) exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+USAGE_ERROR = 2
+RUN_ERROR = 1
+
+
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add ``simulate`` and its actions to the ``silod`` parser."""
+    sim = sub.add_parser(
+        "simulate",
+        help="trace-driven cluster simulation of the scheduling policies",
+        description=(
+            "Simulate a workload on a GPU cluster with one of silod's scheduling policies, using the same policy "
+            "and estimator code as the live scheduler. Without an ACTION, runs one simulation "
+            "(same options as 'silod simulate run')."
+        ),
+        epilog="Workloads: a CSV path or a packaged name like workload-6, workloads/workload-6.csv, workloads-2.0/workload-3.",
+    )
+    _add_run_flags(sim, required=False)
+    sim.set_defaults(handler=_run, simulate_parser=sim)
+    actions = sim.add_subparsers(dest="simulate_action", metavar="ACTION")
+
+    run = actions.add_parser("run", help="run one policy on a workload (the default action)",
+                             description="Run one policy on a workload and write summary.json, jobs.csv and plots to --out.")
+    _add_run_flags(run, required=True)
+    run.set_defaults(handler=_run)
+
+    cmp_ = actions.add_parser("compare", help="run several policies on one workload, side by side",
+                              description="Run each --policy on the same workload and cluster; write compare.md, "
+                                          "compare.json, compare.png and one directory per policy to --out.")
+    cmp_.add_argument("--workload", required=True, metavar="CSV", help="workload CSV path or packaged name")
+    cmp_.add_argument("--policy", dest="policies", action="append", required=True, metavar="NAME",
+                      help="policy to run (repeat, or comma-separate: --policy fifo --policy tiresias)")
+    _add_common_flags(cmp_)
+    cmp_.add_argument("--out", required=True, metavar="DIR", help="directory for the results")
+    cmp_.set_defaults(handler=_compare)
+
+    gen = actions.add_parser("generate", help="write a workload CSV sampled from the Philly trace",
+                             description="Sample jobs from the packaged Microsoft Philly trace into a Pollux-format "
+                                         "workload CSV (mapping in docs/evaluation.md).")
+    gen.add_argument("--philly", action="store_true", required=True, help="sample the Philly trace (the only source so far)")
+    gen.add_argument("--jobs", type=int, required=True, metavar="N", help="number of jobs")
+    gen.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    gen.add_argument("--hours", type=float, default=8.0, metavar="H", help="submission window in hours of the day (default 8)")
+    gen.add_argument("--start-hour", type=float, default=0.0, metavar="H", help="hour of day the window starts (default 0)")
+    gen.add_argument("--load", type=float, default=1.0, metavar="X",
+                     help="arrival-rate multiplier: arrival times are divided by X (default 1)")
+    gen.add_argument("--max-gpus", type=int, default=64, metavar="G", help="cap on a job's GPUs (default 64)")
+    gen.add_argument("--out", required=True, metavar="CSV", help="file to write")
+    gen.set_defaults(handler=_generate)
+
+    lst = actions.add_parser("list", help="list packaged workloads and registered policies")
+    lst.set_defaults(handler=_list)
+
+
+def _add_run_flags(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--workload", required=required, metavar="CSV", help="workload CSV path or packaged name")
+    p.add_argument("--policy", required=required, metavar="NAME", help="scheduling policy (see 'silod simulate list')")
+    _add_common_flags(p)
+    p.add_argument("--seed", type=int, default=None, metavar="N", help="seed for policies that take one (others are deterministic)")
+    p.add_argument("--out", required=required, metavar="DIR", help="directory for summary.json, jobs.csv and the plots")
+
+
+def _add_common_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", metavar="YAML", help="cluster spec (default: 16 nodes x 4 GPUs, 60 s rounds, 30 s restarts)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no result lines")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-check", action="store_true", help="skip the per-round plan invariant checks (faster)")
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"silod simulate: error: {message}", file=sys.stderr)
+    return code
+
+
+def _policy(name: str, seed: int | None):
+    """Instantiate policy ``name``, passing ``seed`` when its constructor takes one."""
+    from scheduler.registry import get_policy
+
+    policy = get_policy(name)
+    if seed is not None and "seed" in inspect.signature(type(policy)).parameters:
+        policy = get_policy(name, seed=seed)
+    return policy
+
+
+def _check_policies(names: list[str]) -> str | None:
+    from scheduler.registry import policy_names
+
+    known = policy_names()
+    for name in names:
+        if name not in known:
+            return f"unknown policy {name!r}; known: {', '.join(known)}"
+    return None
+
+
+class _Bar:
+    """A rich progress bar on stderr, or nothing when quiet or not on a terminal."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+        self._progress = None
+        self._task = None
+        self._last = 0.0
+
+    def __enter__(self) -> "_Bar":
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("jobs"),
+                TextColumn("sim {task.fields[sim]}"), TimeElapsedColumn(),
+                console=Console(stderr=True), transient=True,
+            )
+            self._progress.__enter__()
+        return self
+
+    def start(self, label: str, total: int) -> None:
+        if self._progress is not None:
+            if self._task is not None:
+                self._progress.remove_task(self._task)
+            self._task = self._progress.add_task(label, total=total, sim="0:00:00")
+
+    def update(self, progress: Any) -> None:
+        if self._progress is None or self._task is None:
+            return
+        now = time.monotonic()
+        if now - self._last < 0.1 and progress.finished < progress.total:
+            return
+        self._last = now
+        seconds = int(progress.time_s)
+        sim = f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+        self._progress.update(self._task, completed=progress.finished, sim=sim)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+
+
+def _guarded(body):
+    """Map expected failures to exit codes and one-line messages (never a traceback)."""
+    from scheduler.invariants import PlanViolation
+    from simulator.errors import SimulationStuck, SimulatorInputError
+
+    try:
+        return body()
+    except SimulatorInputError as exc:
+        return _fail(str(exc), USAGE_ERROR)
+    except SimulationStuck as exc:
+        return _fail(f"simulation stuck: {exc}", RUN_ERROR)
+    except PlanViolation as exc:
+        return _fail(f"plan broke an invariant: {exc}", RUN_ERROR)
+    except OSError as exc:
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        return _fail(f"cannot write{where}: {exc.strerror or exc}", RUN_ERROR)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+
+
+def _result_line(s: dict[str, Any], out: Path) -> str:
+    return (
+        f"{s['policy']} on {s['workload']}: {s['jobs']} jobs, avg JCT {s['avg_jct_s']:,.0f} s, "
+        f"p99 {s['p99_jct_s']:,.0f} s, makespan {s['makespan_s']:,.0f} s, GPU util {s['gpu_utilization']:.1%}, "
+        f"rho max {s['rho_max']:.2f}, {s['restarts']} restarts, {s['wall_time_s']:.1f} s wall -> {out}"
+    )
+
+
+# --- actions ---------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace) -> int:
+    missing = [flag for flag, value in (("--workload", args.workload), ("--policy", args.policy), ("--out", args.out)) if not value]
+    if missing:
+        return _fail(
+            f"{', '.join(missing)} required: silod simulate --workload CSV --policy NAME --out DIR "
+            "(or one of the actions: run, compare, generate, list)", USAGE_ERROR
+        )
+    problem = _check_policies([args.policy])
+    if problem:
+        return _fail(problem, USAGE_ERROR)
+
+    def body() -> int:
+        from simulator.cluster import load_cluster
+        from simulator.metrics import write_outputs
+        from simulator.runner import simulate
+        from simulator.workload import load_workload
+
+        workload = load_workload(args.workload)
+        cluster = load_cluster(args.cluster)
+        policy = _policy(args.policy, args.seed)
+        with _Bar(not args.quiet) as bar:
+            bar.start(f"{args.policy}", len(workload))
+            result = simulate(workload, policy, cluster, check_invariants=not args.no_check, observer=bar.update)
+        data = write_outputs(result, args.out, plots=not args.no_plots)
+        if not args.quiet:
+            print(_result_line(data, Path(args.out)))
+        return 0
+
+    return _guarded(body)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    names = [n.strip() for value in args.policies for n in value.split(",") if n.strip()]
+    if not names:
+        return _fail("--policy: give at least one policy", USAGE_ERROR)
+    if len(set(names)) != len(names):
+        return _fail("--policy: each policy may appear once", USAGE_ERROR)
+    problem = _check_policies(names)
+    if problem:
+        return _fail(problem, USAGE_ERROR)
+
+    def body() -> int:
+        import dataclasses
+
+        from simulator.cluster import load_cluster
+        from simulator.metrics import write_compare
+        from simulator.runner import simulate
+        from simulator.workload import load_workload
+
+        workload = load_workload(args.workload)
+        cluster = load_cluster(args.cluster)
+        results = []
+        with _Bar(not args.quiet) as bar:
+            for name in names:
+                bar.start(name, len(workload))
+                result = simulate(workload, _policy(name, None), cluster, check_invariants=not args.no_check, observer=bar.update)
+                results.append(dataclasses.replace(result, policy=name))
+        data = write_compare(results, args.out, plots=not args.no_plots)
+        if not args.quiet:
+            print((Path(args.out) / "compare.md").read_text().rstrip())
+            print(f"-> {args.out}")
+        return 0 if data else RUN_ERROR
+
+    return _guarded(body)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    def body() -> int:
+        from simulator.philly import generate_philly
+        from simulator.workload import write_workload
+
+        jobs = generate_philly(args.jobs, args.seed, hours=args.hours, start_hour=args.start_hour,
+                               load=args.load, max_gpus=args.max_gpus)
+        write_workload(jobs, args.out)
+        print(f"wrote {len(jobs)} jobs to {args.out}", file=sys.stderr)
+        return 0
+
+    return _guarded(body)
+
+
+def _list(args: argparse.Namespace) -> int:
+    from scheduler.registry import policy_names
+    from simulator.workload import packaged_workloads
+
+    print("policies: " + ", ".join(policy_names()))
+    print("packaged workloads:")
+    for name in packaged_workloads():
+        print(f"  {name}")
+    return 0
