@@ -1,0 +1,348 @@
+"""Pollux: goodput-optimized elastic GPU allocation (Qiao et al., OSDI'21).
+
+Every round each job gets a GPU count (0, or within ``[min_gpus, max_gpus]``) and a batch
+size. The policy maximizes Pollux's *fitness*, the power mean of per-job speedups::
+
+    FITNESS_p = ( 1/N * sum_j (SPEEDUP_j(A_j) + floor)^p )^(1/p)        (geometric mean for p = 0)
+
+- ``SPEEDUP_j(g) = goodput_j(g GPUs, best batch) / goodput_j(base)``, from
+  :func:`estimator.predict.predict` with ``batch_size=0`` (the goodput-optimal batch). The
+  base is one GPU (the estimator's own ``speedup``, Pollux's definition) or, with
+  ``speedup_base="fair_share"``, ``ceil(total GPUs / jobs)`` GPUs as in the Pollux artifact's
+  simulator. Jobs are priced on the fewest nodes that hold their GPUs (packed); the batch
+  size handed out is recomputed on the nodes the job actually gets.
+- A job given 0 GPUs has speedup 0. ``floor`` (1e-3, as in the artifact) keeps the mean
+  finite, so with ``p < 0`` an unallocated job costs ``floor^p`` (1,000 at p = -1): giving a
+  job its first GPUs beats nearly anything else, which is what makes p = -1 fair.
+- Restart penalty: a job whose GPU count would change (including a start) loses
+  ``restart_cost_s`` of the next ``penalty_horizon_s`` seconds (default: the round interval),
+  so its speedup under any other count is multiplied by ``(H - restart_cost) / H``. A job
+  keeping its count stays on its GPUs (:func:`scheduler.placement.place` keeps running jobs
+  in place), so it pays nothing. Small gains therefore do not move jobs around.
+
+Search. The fitness is separable: maximizing it is maximizing ``sum_j u_j(g_j)`` with
+``u(s) = -(s + floor)^p`` for ``p < 0``, ``(s + floor)^p`` for ``p > 0``, ``log(s + floor)``
+for ``p = 0``, subject to ``sum_j g_j <= total GPUs``. One vectorized ``predict`` call prices
+every job at every count it may get; then
+
+- ``dp`` (default when ``jobs x GPUs x counts`` is small, e.g. the 16 x 4 GPU Pollux
+  cluster): an exact group-knapsack dynamic program over GPU counts (DeepBoot's ATS-T
+  method, here with Pollux's objective);
+- ``greedy`` (large clusters): the multiple-choice-knapsack greedy on each job's upper
+  concave hull of ``u_j`` (take hull segments in decreasing order of gain per GPU while they
+  fit; its fractional relaxation is optimal, the integral result is at most one segment
+  away), then local search: fill spare GPUs and move GPUs from the job that loses least to
+  the job that gains most while the sum improves.
+
+Ties (identical jobs) go to the job with the least attained service, then the earliest.
+
+Placement: :func:`scheduler.placement.place` with jobs that need new GPUs in decreasing
+size (best-fit decreasing keeps small jobs on one node). Inference-pool GPUs are not used.
+Cache and remote IO are not managed yet (IO not limiting in every prediction); the
+estimator call that prices candidates takes per-candidate grants, see
+:mod:`scheduler.policies.pollux_estimates`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from scheduler.placement import place
+from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
+from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
+from scheduler.registry import register
+
+# Tie-break bonus (utility units) for being allocated, spread over the jobs' ranks. Utility
+# differences that matter are >= 1e-3 or so (speedups of order 1); this only orders equals.
+_TIE_BREAK = 1e-6
+# Improvements below this (relative to the total utility scale) end the local search.
+_TOLERANCE = 1e-12
+
+
+@dataclass(frozen=True)
+class SpeedupTable:
+    """Everything the count search needs, one row per job of the snapshot (in snapshot order).
+
+    ``utility[j, g]`` is job j's term of the objective with g GPUs (-inf where g is not
+    allowed); ``speedup[j, g]`` the speedup with the restart penalty applied (0 at g = 0,
+    NaN where not allowed); ``batch_size[j, g]`` the goodput-optimal batch, packed.
+    """
+
+    jobs: tuple[JobInfo, ...]
+    capacity: int                 # GPUs the policy may hand out
+    per_node: int                 # GPUs per node ("packed" means ceil(g / per_node) nodes)
+    current: np.ndarray           # GPUs each job holds now (where it can stay)
+    speedup: np.ndarray
+    utility: np.ndarray
+    batch_size: np.ndarray
+    estimates: JobTable
+
+
+def power_mean(speedups, p: float, floor: float = 1e-3) -> float:
+    """Pollux's fitness of a vector of speedups (0 for jobs without GPUs)."""
+    s = np.asarray(speedups, dtype=np.float64) + floor
+    if s.size == 0:
+        return 0.0
+    if p == 0:
+        return float(np.exp(np.mean(np.log(s))))
+    return float(np.mean(s**p) ** (1.0 / p))
+
+
+@register("pollux")
+@dataclass(frozen=True)
+class PolluxPolicy:
+    p: float = -1.0                         # power-mean exponent; more negative = fairer, 1 = total speedup
+    restart_penalty: bool = True            # discount speedups of count changes by the time a restart loses
+    penalty_horizon_s: float = 0.0          # seconds the restart cost is spread over; 0 = snapshot.interval_s
+    max_gpus_per_job: int = 64              # cap on any job's count (never below its min_gpus)
+    speedup_base: Literal["one_gpu", "fair_share"] = "one_gpu"
+    floor: float = 1e-3                     # added to every speedup in the power mean
+    solver: Literal["auto", "dp", "greedy"] = "auto"
+    dp_limit: int = 5_000_000               # auto: DP when jobs x (GPUs + 1) x (max count + 1) is at most this
+    local_search_moves: int = 200           # greedy: at most this many improving moves
+
+    def __post_init__(self):
+        if not math.isfinite(self.p):
+            raise ValueError("p must be finite")
+        if self.max_gpus_per_job < 1:
+            raise ValueError("max_gpus_per_job must be at least 1")
+        if self.speedup_base not in ("one_gpu", "fair_share"):
+            raise ValueError(f"speedup_base must be 'one_gpu' or 'fair_share', got {self.speedup_base!r}")
+        if self.solver not in ("auto", "dp", "greedy"):
+            raise ValueError(f"solver must be 'auto', 'dp' or 'greedy', got {self.solver!r}")
+        if not self.floor > 0:
+            raise ValueError("floor must be positive")
+        if self.penalty_horizon_s < 0:
+            raise ValueError("penalty_horizon_s must be non-negative")
+
+    # -- the objective -------------------------------------------------------------------
+
+    def utility(self, speedup: np.ndarray) -> np.ndarray:
+        """Each job's term of the separable objective (increasing in the speedup)."""
+        s = np.asarray(speedup, dtype=np.float64) + self.floor
+        if self.p == 0:
+            return np.log(s)
+        return np.sign(self.p) * s**self.p
+
+    def restart_factor(self, snapshot: ClusterSnapshot) -> float:
+        """Share of the next horizon a job keeps when its GPU count changes."""
+        if not self.restart_penalty:
+            return 1.0
+        horizon = self.penalty_horizon_s or snapshot.interval_s
+        if horizon <= 0:
+            return 1.0
+        return max(0.0, (horizon - snapshot.restart_cost_s) / horizon)
+
+    def speedup_table(self, snapshot: ClusterSnapshot) -> SpeedupTable:
+        """Price every job at every GPU count it may get (one vectorized estimator call)."""
+        jobs = snapshot.jobs
+        n = len(jobs)
+        capacity = sum(node.gpus for node in pool_nodes(snapshot))
+        per_node = gpus_per_node(snapshot)
+        low = np.array([job.min_gpus for job in jobs], dtype=np.int64)
+        high = np.array(
+            [min(max(min(job.max_gpus, self.max_gpus_per_job), job.min_gpus), capacity) for job in jobs], dtype=np.int64
+        )
+        high = np.where(high >= low, high, 0)  # a job whose minimum exceeds the cluster gets nothing
+        width = int(high.max(initial=0)) + 1
+        current = held_in_place(snapshot, jobs)
+
+        speedup = np.full((n, width), np.nan)
+        speedup[:, 0] = 0.0
+        batch = np.zeros((n, width), dtype=np.int64)
+        estimates = JobTable(jobs)
+        sizes = np.where(high > 0, high - low + 1, 0)
+        if sizes.sum():
+            rows = np.repeat(np.arange(n), sizes)
+            counts = np.arange(rows.size) - np.repeat(np.cumsum(sizes) - sizes, sizes) + low[rows]
+            pred = estimates.predict(rows, counts, 0, per_node=per_node)
+            if self.speedup_base == "one_gpu":
+                values = pred.speedup
+            else:
+                fair = np.clip(-(-capacity // max(n, 1)), low, np.maximum(high, 1))
+                base = np.zeros(n)
+                at_base = counts == fair[rows]
+                base[rows[at_base]] = pred.goodput_samples_per_s[at_base]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    values = np.where(base[rows] > 0, pred.goodput_samples_per_s / base[rows], 0.0)
+            factor = self.restart_factor(snapshot)
+            values = np.where(counts == current[rows], values, values * factor)
+            speedup[rows, counts] = values
+            batch[rows, counts] = pred.batch_size
+        utility = np.where(np.isnan(speedup), -np.inf, self.utility(np.nan_to_num(speedup)))
+        # Order among equals: least attained service, then arrival.
+        rank = np.empty(n)
+        rank[sorted(range(n), key=lambda i: (jobs[i].attained_gpu_s, jobs[i].submit_time_s, jobs[i].job_id))] = np.arange(n)
+        utility[:, 1:] += _TIE_BREAK * (1.0 - rank / max(n, 1))[:, None]
+        return SpeedupTable(tuple(jobs), capacity, per_node, current, speedup, utility, batch, estimates)
+
+    def fitness(self, table: SpeedupTable, counts) -> float:
+        """Power mean of the (restart-penalized) speedups under ``counts``."""
+        counts = np.asarray(counts, dtype=np.int64)
+        return power_mean(table.speedup[np.arange(len(counts)), counts], self.p, self.floor)
+
+    # -- the search ----------------------------------------------------------------------
+
+    def choose_counts(self, table: SpeedupTable) -> np.ndarray:
+        """GPU count per job maximizing the fitness (see the module docstring)."""
+        n, width = table.utility.shape
+        if n == 0 or table.capacity == 0 or width == 1:
+            return np.zeros(n, dtype=np.int64)
+        solver = self.solver
+        if solver == "auto":
+            solver = "dp" if n * (table.capacity + 1) * width <= self.dp_limit else "greedy"
+        if solver == "dp":
+            return _solve_dp(table.utility, table.capacity)
+        counts = _solve_hull_greedy(table.utility, table.capacity)
+        return _local_search(table.utility, table.capacity, counts, self.local_search_moves)
+
+    # -- the policy ----------------------------------------------------------------------
+
+    def schedule(self, snapshot: ClusterSnapshot) -> Plan:
+        if not snapshot.jobs:
+            return Plan({})
+        table = self.speedup_table(snapshot)
+        counts = self.choose_counts(table)
+        wanted = {job.job_id: int(c) for job, c in zip(table.jobs, counts) if c > 0}
+        # Jobs that need new GPUs, largest first (jobs keeping theirs are placed first anyway).
+        order = sorted(wanted, key=lambda job_id: -wanted[job_id])
+        result = place(snapshot, wanted, order)
+        if not result.placements:
+            return Plan({})
+        index = {job.job_id: i for i, job in enumerate(table.jobs)}
+        placed = list(result.placements)
+        rows = np.array([index[job_id] for job_id in placed])
+        gpus = np.array([sum(len(ix) for _, ix in result.placements[job_id]) for job_id in placed])
+        nodes = np.array([len(result.placements[job_id]) for job_id in placed])
+        batch = table.estimates.predict(rows, gpus, nodes, per_node=table.per_node).batch_size
+        return Plan(
+            {job_id: Allocation(placement=result.placements[job_id], batch_size=int(b)) for job_id, b in zip(placed, batch)}
+        )
+
+
+def _solve_dp(utility: np.ndarray, capacity: int) -> np.ndarray:
+    """Exact: maximize ``sum_j utility[j, g_j]`` subject to ``sum_j g_j <= capacity`` (group knapsack)."""
+    n, width = utility.shape
+    width = min(width, capacity + 1)
+    utility = utility[:, :width]
+    # shift[k, c] = c - k: value[c] of the new row = max_k best[c - k] + utility[j, k].
+    shift = np.arange(capacity + 1)[None, :] - np.arange(width)[:, None]
+    valid = shift >= 0
+    shift = np.where(valid, shift, 0)
+    best = np.zeros(capacity + 1)  # best total using at most c GPUs over the jobs so far
+    choice = np.zeros((n, capacity + 1), dtype=np.int16 if width < 2**15 else np.int32)
+    for j in range(n):
+        options = np.where(valid, best[shift] + utility[j][:, None], -np.inf)
+        pick = np.argmax(options, axis=0)
+        choice[j] = pick
+        best = options[pick, np.arange(capacity + 1)]
+    counts = np.zeros(n, dtype=np.int64)
+    c = capacity
+    for j in range(n - 1, -1, -1):
+        counts[j] = choice[j, c]
+        c -= counts[j]
+    return counts
+
+
+def _hull_segments(utility: np.ndarray):
+    """Edges of each job's upper concave hull of ``(g, utility[j, g])`` from g = 0, with rising utility.
+
+    Returns arrays ``(job, start, end, slope)``; per job the slopes decrease.
+    """
+    n, width = utility.shape
+    columns = np.arange(width)
+    at = np.zeros(n, dtype=np.int64)
+    active = np.isfinite(utility[:, 0])
+    parts = []
+    with np.errstate(invalid="ignore"):
+        while active.any():
+            rows = np.flatnonzero(active)
+            step = columns[None, :] - at[rows, None]
+            slope = (utility[rows] - utility[rows, at[rows]][:, None]) / np.where(step > 0, step, 1)
+            slope = np.where((step > 0) & np.isfinite(slope), slope, -np.inf)
+            # Farthest point among equal slopes: fewer, longer segments.
+            end = width - 1 - np.argmax(slope[:, ::-1], axis=1)
+            rise = slope[np.arange(rows.size), end]
+            good = rise > 0
+            parts.append((rows[good], at[rows[good]], end[good], rise[good]))
+            at[rows[good]] = end[good]
+            active[rows[~good]] = False
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty, np.zeros(0)
+    return tuple(np.concatenate(field) for field in zip(*parts))
+
+
+def _solve_hull_greedy(utility: np.ndarray, capacity: int) -> np.ndarray:
+    """Take hull segments in decreasing gain per GPU while they fit."""
+    n = utility.shape[0]
+    job, start, end, slope = _hull_segments(utility)
+    counts = np.zeros(n, dtype=np.int64)
+    blocked = np.zeros(n, dtype=bool)
+    free = capacity
+    for k in np.lexsort((job, -slope)):  # by slope, then job order
+        j = job[k]
+        if blocked[j] or counts[j] != start[k]:
+            continue
+        need = end[k] - start[k]
+        if need <= free:
+            counts[j] = end[k]
+            free -= need
+        else:
+            blocked[j] = True  # its later segments start where this one ends
+        if free == 0:
+            break
+    return counts
+
+
+def _local_search(utility: np.ndarray, capacity: int, counts: np.ndarray, moves: int) -> np.ndarray:
+    """Improve ``counts``: spend spare GPUs, or move GPUs from the cheapest donor to the best receiver."""
+    n, width = utility.shape
+    counts = counts.copy()
+    # best_upto[j, c] = best utility with at most c GPUs, reached at best_at[j, c] GPUs.
+    best_upto = np.maximum.accumulate(utility, axis=1)
+    best_at = np.zeros((n, width), dtype=np.int64)
+    improved = utility >= best_upto
+    best_at[improved] = np.broadcast_to(np.arange(width), (n, width))[improved]
+    best_at = np.maximum.accumulate(best_at, axis=1)
+    scale = float(np.sum(np.abs(utility[np.arange(n), counts]))) or 1.0
+    rows = np.arange(n)
+    steps = np.arange(1, width)
+    for _ in range(moves):
+        free = capacity - int(counts.sum())
+        now = utility[rows, counts]
+        # Receivers may use the spare GPUs plus `step` given up by a donor.
+        up_at = np.minimum(counts[:, None] + steps[None, :] + free, width - 1)
+        gain = best_upto[rows[:, None], up_at] - now[:, None]
+        if free > 0:
+            spend = best_upto[rows, np.minimum(counts + free, width - 1)] - now
+            j = int(np.argmax(spend))
+            if spend[j] > _TOLERANCE * scale:
+                counts[j] = best_at[j, min(counts[j] + free, width - 1)]
+                continue
+        down_at = counts[:, None] - steps[None, :]
+        loss = np.where(down_at >= 0, now[:, None] - best_upto[rows[:, None], np.maximum(down_at, 0)], np.inf)
+        # Best receiver and donor per step size, with runners-up for when they are the same job.
+        top = np.argsort(-gain, axis=0)[:2]
+        low = np.argsort(loss, axis=0)[:2]
+        cols = np.arange(steps.size)
+        r1, r2 = top[0], top[min(1, n - 1)]
+        d1, d2 = low[0], low[min(1, n - 1)]
+        same = r1 == d1
+        alt_a = gain[r1, cols] - loss[d2, cols]
+        alt_b = gain[r2, cols] - loss[d1, cols]
+        value = np.where(same, np.maximum(alt_a, alt_b), gain[r1, cols] - loss[d1, cols])
+        receiver = np.where(same & (alt_b > alt_a), r2, r1)
+        donor = np.where(same & ~(alt_b > alt_a), d2, d1)
+        value = np.where(receiver == donor, -np.inf, value)
+        s = int(np.argmax(value))
+        if not value[s] > _TOLERANCE * scale:
+            break
+        r, d = int(receiver[s]), int(donor[s])
+        counts[d] = best_at[d, counts[d] - steps[s]]
+        counts[r] = best_at[r, min(counts[r] + steps[s] + free, width - 1)]
+    return counts

@@ -1,0 +1,96 @@
+"""Estimator access shared by the `pollux` and `gavel` policies: one place that builds candidate arrays.
+
+A policy describes the allocations it wants priced as parallel arrays (job position in the
+snapshot, GPUs, nodes, and the cache bytes and remote IO bytes/s granted) and gets back
+:class:`estimator.predict.Predictions`. Today the policies are GPU-only and leave the IO
+grant at ``inf`` (remote IO not limiting) and cache at 0; when cache and IO become
+schedulable resources, a policy passes its per-candidate grants through the same call.
+
+Jobs of one application usually share one :class:`~estimator.job_model.JobModel` value
+until their models are refitted, so the models are deduplicated before building the
+estimator's column table: a round over thousands of jobs then prices a handful of distinct
+(model, shape) groups in the batch-size search instead of one per job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from estimator.predict import ModelTable, Predictions, predict
+from scheduler.policy import ClusterSnapshot, JobInfo, Pool
+
+
+def pool_nodes(snapshot: ClusterSnapshot, pools: Sequence[Pool] = ("training",)):
+    """Nodes of the allowed pools."""
+    allowed = set(pools)
+    return [node for node in snapshot.nodes if node.pool in allowed]
+
+
+def gpus_per_node(snapshot: ClusterSnapshot, pools: Sequence[Pool] = ("training",)) -> int:
+    """GPUs of the largest node of the pools (what "packed" means for a job's node count); at least 1."""
+    return max((node.gpus for node in pool_nodes(snapshot, pools)), default=1) or 1
+
+
+def packed_nodes(gpus: ArrayLike, per_node: int) -> np.ndarray:
+    """Fewest nodes holding ``gpus`` GPUs (0 for 0 GPUs)."""
+    gpus = np.asarray(gpus, dtype=np.int64)
+    return -(-gpus // max(int(per_node), 1))
+
+
+class JobTable:
+    """The estimator's view of a snapshot's jobs, ready for vectorized prediction."""
+
+    def __init__(self, jobs: Sequence[JobInfo]):
+        self.jobs = tuple(jobs)
+        unique: dict = {}
+        self.model_of = np.fromiter(
+            (unique.setdefault(job.model, len(unique)) for job in self.jobs), dtype=np.int64, count=len(self.jobs)
+        )
+        self.table = ModelTable(list(unique)) if unique else None
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def predict(
+        self,
+        job: ArrayLike,
+        gpus: ArrayLike,
+        nodes: ArrayLike = 0,
+        *,
+        per_node: int,
+        batch_size: ArrayLike = 0,
+        cache_bytes: ArrayLike = 0.0,
+        remote_io_bytes_per_s: ArrayLike = np.inf,
+    ) -> Predictions:
+        """Price candidates: job ``jobs[job[k]]`` on ``gpus[k]`` GPUs over ``nodes[k]`` nodes (0 = packed).
+
+        ``batch_size`` 0 asks for the goodput-optimal batch; ``cache_bytes`` and
+        ``remote_io_bytes_per_s`` are the grants of each candidate (defaults: no cache, IO not
+        limiting — GPU-only scheduling).
+        """
+        if self.table is None:
+            raise ValueError("no jobs to price")
+        index = self.model_of[np.asarray(job, dtype=np.int64)]
+        return predict(
+            self.table, index, gpus, nodes, cache_bytes, remote_io_bytes_per_s, batch_size, gpus_per_node=max(int(per_node), 1)
+        )
+
+
+def held_in_place(snapshot: ClusterSnapshot, jobs: Sequence[JobInfo], pools: Sequence[Pool] = ("training",)) -> np.ndarray:
+    """GPUs each job holds now, counting only placements that still exist in the pools (else 0).
+
+    A job keeping exactly that many GPUs stays where it is (no restart); a placement on a
+    lost node or GPU cannot be kept, so any count restarts the job.
+    """
+    sizes = {node.name: node.gpus for node in pool_nodes(snapshot, pools)}
+    held = np.zeros(len(jobs), dtype=np.int64)
+    for k, job in enumerate(jobs):
+        allocation = snapshot.current.get(job.job_id)
+        if allocation is None or not allocation.placement:
+            continue
+        if all(name in sizes and all(0 <= i < sizes[name] for i in indices) for name, indices in allocation.placement):
+            held[k] = allocation.gpus
+    return held
