@@ -1,25 +1,193 @@
-"""Per-node cache server: memory/disk tiers in front of remote dataset storage.
-
-Not implemented yet: the process starts, reports SERVING on the health service and lists its
-services through reflection, but every RPC answers UNIMPLEMENTED (the generated base class).
-The issue that implements it replaces the servicer below.
+"""``silod cache-server``: the per-node dataset cache (memory and disk tiers in front of
+``file://`` / ``s3://`` stores), serving local jobs by lease (file paths, no bytes through
+gRPC) and remote readers by stream. See docs/cache.md.
 """
 
 from __future__ import annotations
 
-import grpc
+import os
+import socket
+from collections.abc import AsyncIterator
+from typing import Any, Literal
 
-from services.runtime.server import ServiceDefinition
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from pydantic import Field
+
+from cache_server.core import CacheConfig, CacheCore
+from cache_server.tiers import TierLocked
+from services.runtime.server import ServiceDefinition, StartupError
 from services.runtime.settings import ServiceSettings
-from silod.v1 import cache_pb2_grpc
+from services.runtime.structured_logging import get_logger
+from silod.data.catalog import load_manifest_async
+from silod.v1 import cache_pb2, cache_pb2_grpc, metadata_pb2, metadata_pb2_grpc
+
+_log = get_logger("silod.cache")
+
+CHUNK_BYTES = 1 << 20  # ReadChunk.data limit
+SHM = "/dev/shm"
 
 
 class Settings(ServiceSettings):
-    pass
+    metadata_address: str = Field("127.0.0.1:7070", description="HOST:PORT of the metadata service (manifests)")
+    metadata_tls_ca_file: str = Field("", description="PEM CA to verify the metadata service's TLS certificate")
+    node: str = Field("", description="Node name reported in Stats; empty = this host's name")
+    memory_cache_bytes: int = Field(
+        512 << 20, ge=0, description="Bytes of the memory tier (files on tmpfs, handed to local jobs by path); 0 = none"
+    )
+    memory_cache_dir: str = Field(
+        "",
+        description="tmpfs directory of the memory tier; empty = /dev/shm/silod-cache-<node> "
+        "(no memory tier if /dev/shm does not exist)",
+    )
+    disk_cache_dir: str = Field("silod-cache", description="Directory of the local-disk tier")
+    disk_cache_bytes: int = Field(10 << 30, ge=0, description="Bytes of the local-disk tier; 0 = none")
+    default_policy: Literal["uniform", "lru", "lrfu-cost"] = Field(
+        "lrfu-cost", description="Policy of the shared best-effort cache and of quotas that name none"
+    )
+    lease_default_s: float = Field(60.0, gt=0, description="Seconds a lease lasts when the caller asks for 0")
+    lease_max_s: float = Field(3600.0, gt=0, description="Longest lease a caller may ask for, seconds")
+    remote_timeout_s: float = Field(30.0, gt=0, description="Seconds one attempt to read a remote object may take")
+    remote_retries: int = Field(3, ge=0, le=20, description="Further attempts after a transient remote-read failure")
+    remote_concurrency: int = Field(16, ge=1, le=256, description="Remote reads in flight at once")
+    manifest_refresh_s: float = Field(
+        30.0, gt=0, description="Seconds between checks of a dataset's manifest version (re-registration)"
+    )
+    prefetch_lookahead_s: float = Field(
+        2.0, gt=0, description="Best-effort prefetch runs this many seconds of a job's measured read rate ahead"
+    )
+    unallocated_io_trickle_bytes_per_s: float = Field(
+        float(1 << 20),
+        ge=0,
+        description="Remote IO rate of a job the plan grants 0 bytes/s while granting IO to others; 0 = unlimited",
+    )
+    fsync: bool = Field(True, description="fsync disk-tier files before they become visible")
+
+
+def cache_config(settings: Settings) -> CacheConfig:
+    node = settings.node or socket.gethostname()
+    memory_dir = settings.memory_cache_dir
+    if not memory_dir and settings.memory_cache_bytes > 0 and os.path.isdir(SHM):
+        memory_dir = os.path.join(SHM, f"silod-cache-{node}")
+    return CacheConfig(
+        node=node,
+        memory_dir=memory_dir if settings.memory_cache_bytes > 0 else "",
+        memory_bytes=settings.memory_cache_bytes if memory_dir else 0,
+        disk_dir=os.path.abspath(settings.disk_cache_dir) if settings.disk_cache_bytes > 0 else "",
+        disk_bytes=settings.disk_cache_bytes,
+        default_policy=settings.default_policy,
+        lease_default_s=settings.lease_default_s,
+        lease_max_s=settings.lease_max_s,
+        remote_timeout_s=settings.remote_timeout_s,
+        remote_retries=settings.remote_retries,
+        remote_concurrency=settings.remote_concurrency,
+        manifest_refresh_s=settings.manifest_refresh_s,
+        prefetch_lookahead_s=settings.prefetch_lookahead_s,
+        unallocated_io_trickle_bytes_per_s=settings.unallocated_io_trickle_bytes_per_s,
+        fsync=settings.fsync,
+    )
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
+    def __init__(self, core: CacheCore) -> None:
+        self.core = core
+
+    async def Lease(self, request: cache_pb2.LeaseRequest, context: Any) -> cache_pb2.LeaseResponse:
+        lease, served = await self.core.lease(request.job_id, request.dataset, request.keys, request.lease_s)
+        return cache_pb2.LeaseResponse(
+            lease_id=lease.lease_id,
+            objects=[
+                cache_pb2.LeasedObject(key=s.key, path=s.path, size_bytes=s.size, etag=s.etag, tier=s.tier)
+                for s in served
+            ],
+            expires_at=_timestamp(lease.expires_wall),
+        )
+
+    async def ReleaseLease(
+        self, request: cache_pb2.ReleaseLeaseRequest, context: Any
+    ) -> cache_pb2.ReleaseLeaseResponse:
+        # Unknown or expired ids are fine: releasing is idempotent.
+        self.core.release(request.lease_id)
+        return cache_pb2.ReleaseLeaseResponse()
+
+    async def Read(self, request: cache_pb2.ReadRequest, context: Any) -> AsyncIterator[cache_pb2.ReadChunk]:
+        async for key, tier, data in self.core.read(request.job_id, request.dataset, request.keys):
+            if not data:
+                yield cache_pb2.ReadChunk(key=key, offset=0, data=b"", last=True, tier=tier)
+                continue
+            view = memoryview(data)
+            for offset in range(0, len(data), CHUNK_BYTES):
+                end = min(len(data), offset + CHUNK_BYTES)
+                yield cache_pb2.ReadChunk(key=key, offset=offset, data=bytes(view[offset:end]),
+                                          last=end == len(data), tier=tier)
+
+    async def Prefetch(self, request: cache_pb2.PrefetchRequest, context: Any) -> cache_pb2.PrefetchResponse:
+        objects, nbytes = await self.core.prefetch(request.job_id, request.dataset, request.keys)
+        return cache_pb2.PrefetchResponse(objects_queued=objects, bytes_queued=nbytes)
+
+    async def Stats(self, request: cache_pb2.StatsRequest, context: Any) -> cache_pb2.StatsResponse:
+        stats = self.core.stats(request.job_id)
+        return cache_pb2.StatsResponse(
+            node=stats["node"],
+            plan_version=stats["plan_version"],
+            tiers=[cache_pb2.TierStats(**t) for t in stats["tiers"]],
+            jobs=[cache_pb2.JobCacheStats(**j) for j in stats["jobs"]],
+        )
 
 
 def definition(settings: Settings) -> ServiceDefinition:
-    def register(server: grpc.aio.Server) -> None:
-        cache_pb2_grpc.add_CacheServiceServicer_to_server(cache_pb2_grpc.CacheServiceServicer(), server)
+    config = cache_config(settings)
+    state: dict[str, Any] = {}
 
-    return ServiceDefinition(name="cache-server", service_names=["silod.v1.CacheService"], register=register)
+    async def load(name: str) -> Any:
+        return await load_manifest_async(state["metadata"], name)
+
+    async def probe(name: str) -> int:
+        dataset = await state["metadata"].GetDataset(metadata_pb2.GetDatasetRequest(name=name))
+        return int(dataset.manifest_version)
+
+    core = CacheCore(config, load, probe)
+    servicer = CacheServicer(core)
+
+    def register(server: grpc.aio.Server) -> None:
+        cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, server)
+
+    async def on_start() -> None:
+        from services.runtime.client import open_channel
+
+        state["channel"] = open_channel(
+            settings.metadata_address, token=settings.auth_token, tls_ca_file=settings.metadata_tls_ca_file, aio=True,
+            default_timeout_s=60.0,
+        )
+        state["metadata"] = metadata_pb2_grpc.MetadataServiceStub(state["channel"])
+        try:
+            await core.start()
+        except TierLocked as exc:
+            raise StartupError(f"{exc}; give each cache server its own --disk-cache-dir/--memory-cache-dir") from None
+        except OSError as exc:
+            raise StartupError(f"cache directories: {exc}") from None
+        _log.info("cache ready", extra={"node": config.node, "capacity_bytes": core.capacity,
+                                        "tiers": [t.name for t in core.tiers], "policy": config.default_policy,
+                                        "metadata": settings.metadata_address})
+
+    async def on_stop() -> None:
+        await core.stop()
+        channel = state.get("channel")
+        if channel is not None:
+            await channel.close()
+
+    definition_ = ServiceDefinition(
+        name="cache-server",
+        service_names=["silod.v1.CacheService"],
+        register=register,
+        on_start=on_start,
+        on_stop=on_stop,
+    )
+    definition_.core = core  # type: ignore[attr-defined]  # the plan watcher (and tests) call core.apply_quotas
+    return definition_

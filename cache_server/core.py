@@ -1,0 +1,1013 @@
+"""The cache server's engine, free of gRPC: manifests, tiers, partitions (quotas and policies),
+remote fetches (single-flight, rate-limited, verified), leases, prefetch and statistics.
+
+All bookkeeping runs on one asyncio event loop (no locks); blocking work (remote reads, file
+writes, hashing) runs in two thread pools: one for remote reads (``remote_concurrency``
+threads) and one for local files, so a slow store never delays local hits.
+
+Entry points besides the RPCs: :meth:`CacheCore.apply_quotas` (the plan watcher calls it with
+a NodePlan's ``cache_quotas`` and version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from cache_server import metrics
+from cache_server.policies import POLICIES, FetchCostModel, Partition, make_partition
+from cache_server.ratelimit import EventRate, RateMeter, TokenBucket
+from cache_server.tiers import Entry, Tier, entry_name, is_no_space
+from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from silod.data.catalog import Manifest, ManifestNotFound
+from silod.data.keys import key_problem
+from silod.data.store import (
+    ObjectChanged,
+    ObjectMissing,
+    ObjectOutsideRoot,
+    ObjectStore,
+    StoreConfigError,
+    StoreError,
+)
+
+_log = logging.getLogger("silod.cache")
+
+MAX_KEYS_PER_CALL = 4096
+MAX_PREFETCH_KEYS = 1 << 20
+
+
+@dataclass
+class CacheConfig:
+    node: str = "node"
+    memory_dir: str = ""  # "" = no memory tier
+    memory_bytes: int = 0
+    disk_dir: str = ""  # "" = no disk tier
+    disk_bytes: int = 0
+    default_policy: str = "lrfu-cost"
+    lease_default_s: float = 60.0
+    lease_max_s: float = 3600.0
+    remote_timeout_s: float = 30.0
+    remote_retries: int = 3
+    remote_concurrency: int = 16
+    manifest_refresh_s: float = 30.0
+    prefetch_lookahead_s: float = 2.0
+    prefetch_min_objects: int = 64
+    prefetch_max_objects: int = 8192
+    prefetch_max_staged_bytes: int = 256 << 20
+    prefetch_concurrency: int = 8
+    lrfu_half_life_s: float = 300.0
+    unallocated_io_trickle_bytes_per_s: float = float(1 << 20)
+    io_burst_s: float = 0.05
+    fsync: bool = True
+    no_space_backoff_s: float = 30.0
+
+
+@dataclass
+class DatasetState:
+    manifest: Manifest
+    store: ObjectStore
+    cost: FetchCostModel
+    checked_at: float
+    refreshing: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+
+@dataclass
+class JobState:
+    job_id: str
+    dataset: str = ""
+    quota: Any = None  # JobCacheQuota from the plan, or None (best effort)
+    partition: Partition | None = None
+    bucket: TokenBucket | None = None
+    limit: float = 0.0  # bytes/s enforced; 0 = unlimited
+    meter: RateMeter = field(default_factory=RateMeter)
+    consumption: EventRate = field(default_factory=EventRate)
+    hits: int = 0
+    misses: int = 0
+    remote_bytes: int = 0
+    # prefetch (DLCache's on-the-fly caching ahead of the job)
+    queue: OrderedDict[tuple[str, str], None] = field(default_factory=OrderedDict)
+    ahead: OrderedDict[tuple[str, str], float] = field(default_factory=OrderedDict)
+    staged: dict[tuple[str, str], bytes] = field(default_factory=dict)
+    staged_bytes: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    worker: asyncio.Task[None] | None = None
+    preload: bool = False  # node-wide preload queue: no consumption window
+
+    def set_limit(self, rate: float, burst_s: float) -> None:
+        self.limit = rate
+        if rate <= 0:
+            self.bucket = None
+        elif self.bucket is None:
+            self.bucket = TokenBucket(rate, burst_s)
+        else:
+            self.bucket.rate = rate
+
+    def consumed(self, dataset: str, key: str) -> bytes | None:
+        """The job read ``key``: forget it from the prefetch bookkeeping; return staged bytes."""
+        item = (dataset, key)
+        self.queue.pop(item, None)
+        if self.ahead.pop(item, None) is not None:
+            self.wake.set()
+        data = self.staged.pop(item, None)
+        if data is not None:
+            self.staged_bytes -= len(data)
+        return data
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    job_id: str
+    entries: list[Entry]
+    transients: list[str]
+    expires: float  # monotonic
+    expires_wall: float
+
+
+@dataclass
+class Served:
+    """One object of a Lease answer."""
+
+    key: str
+    path: str  # "" = could not be materialized locally (no space): read it another way
+    size: int
+    etag: str
+    tier: str  # memory, disk, or remote (fetched by this call)
+
+
+ManifestLoader = Callable[[str], Awaitable[Manifest]]
+VersionProbe = Callable[[str], Awaitable[int]]
+
+
+class CacheCore:
+    def __init__(
+        self, config: CacheConfig, load_manifest: ManifestLoader, probe_version: VersionProbe | None = None
+    ) -> None:
+        self.config = config
+        if config.default_policy not in POLICIES:
+            raise ValueError(f"default_policy: must be one of {', '.join(POLICIES)}, got {config.default_policy!r}")
+        self._load_manifest = load_manifest
+        self._probe_version = probe_version
+        self.tiers: list[Tier] = []
+        if config.memory_dir and config.memory_bytes > 0:
+            # tmpfs: no fsync needed (and none possible that matters)
+            self.tiers.append(Tier("memory", config.memory_dir, config.memory_bytes, fsync=False))
+        if config.disk_dir and config.disk_bytes > 0:
+            self.tiers.append(Tier("disk", config.disk_dir, config.disk_bytes, fsync=config.fsync))
+        self.capacity = sum(t.capacity for t in self.tiers)
+        self.shared: Partition = make_partition(
+            config.default_policy, "shared", self.capacity, half_life_s=config.lrfu_half_life_s
+        )
+        self.plan_version = 0
+        self._quota_only_plan = True
+        self._index: dict[tuple[str, str], Entry] = {}
+        self._datasets: dict[str, DatasetState] = {}
+        self._loading: dict[str, asyncio.Future[DatasetState]] = {}
+        self._inflight: dict[tuple[str, str, str], asyncio.Future[tuple[Entry | None, bytes]]] = {}
+        self._jobs: dict[str, JobState] = {}
+        self._leases: dict[str, Lease] = {}
+        self._lease_seq = itertools.count()
+        self._remote_pool = ThreadPoolExecutor(max(1, config.remote_concurrency), thread_name_prefix="cache-remote")
+        self._file_pool = ThreadPoolExecutor(4, thread_name_prefix="cache-file")
+        self._background: set[asyncio.Task[Any]] = set()
+        self._warned: set[str] = set()
+        transient_base = config.memory_dir or config.disk_dir
+        self._transient_dir = os.path.join(transient_base, "transient") if transient_base else ""
+        self._started = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for tier in self.tiers:
+            entries = await loop.run_in_executor(self._file_pool, tier.open)
+            for entry in entries:
+                old = self._index.get((entry.dataset, entry.key))
+                if old is not None:  # the same object in two tiers after a crash: keep one
+                    self._delete_file(entry)
+                    continue
+                self._index[(entry.dataset, entry.key)] = entry
+                self.shared.add(entry, 0.0)
+            metrics.CAPACITY.labels(tier=tier.name).set(tier.capacity)
+            _log.info(
+                "cache tier ready",
+                extra={"tier": tier.name, "dir": tier.root, "capacity_bytes": tier.capacity,
+                       "reindexed_objects": len(entries), "reindexed_bytes": sum(e.size for e in entries)},
+            )
+        self._enforce(self.shared)
+        if self._transient_dir:
+            shutil.rmtree(self._transient_dir, ignore_errors=True)
+            os.makedirs(self._transient_dir, exist_ok=True)
+        self._spawn(self._sweep_leases())
+        self._spawn(self._scrub())
+        self._started = True
+        self._update_gauges()
+
+    async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        for job in self._jobs.values():
+            if job.worker is not None:
+                job.worker.cancel()
+        for task in list(self._background):
+            with contextlib.suppress(BaseException):
+                await task
+        for lease_id in list(self._leases):
+            self.release(lease_id)
+        self._remote_pool.shutdown(wait=False, cancel_futures=True)
+        self._file_pool.shutdown(wait=True)
+        for tier in self.tiers:
+            tier.close()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def _warn_once(self, what: str, message: str, **extra: Any) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            _log.warning(message, extra=extra)
+
+    # -- plan ----------------------------------------------------------------------------------
+
+    def apply_quotas(self, quotas: Sequence[Any], plan_version: int) -> bool:
+        """Enforce a NodePlan's ``cache_quotas`` (JobCacheQuota messages) of ``plan_version``.
+
+        Returns False (and changes nothing) for a version not newer than the applied one, so
+        a plan is applied at most once. Raises InvalidArgument, naming the field, for a plan
+        that breaks the node's invariants (sum of quotas above the cache capacity, ...); the
+        previous quotas stay in force then.
+
+        Jobs with a quota get their own partition (policy from the quota, else the node
+        default); everything else shares what is left. IO rates: ``remote_io_bytes_per_s > 0``
+        is enforced with a token bucket. 0 means "none granted": in a plan that grants IO to
+        no job on this node (a quota-only plan) it is not limited; in a plan that grants IO to
+        some jobs, a job with 0 gets ``unallocated_io_trickle_bytes_per_s`` (misses still
+        complete, slowly, instead of blocking forever). Jobs absent from the plan are unlimited.
+        """
+        if plan_version <= self.plan_version:
+            return False
+        seen: set[str] = set()
+        for i, q in enumerate(quotas):
+            where = f"cache_quotas[{i}]"
+            if not q.job_id:
+                raise InvalidArgument("must not be empty", field=f"{where}.job_id")
+            if q.job_id in seen:
+                raise InvalidArgument(f"job {q.job_id!r} appears twice", field=f"{where}.job_id")
+            seen.add(q.job_id)
+            if q.cache_quota_bytes < 0:
+                raise InvalidArgument(f"must be >= 0, got {q.cache_quota_bytes}", field=f"{where}.cache_quota_bytes")
+            if q.remote_io_bytes_per_s < 0:
+                raise InvalidArgument(
+                    f"must be >= 0, got {q.remote_io_bytes_per_s}", field=f"{where}.remote_io_bytes_per_s"
+                )
+            if q.cache_policy and q.cache_policy not in POLICIES:
+                raise InvalidArgument(
+                    f"must be one of {', '.join(POLICIES)} or empty, got {q.cache_policy!r}",
+                    field=f"{where}.cache_policy",
+                )
+        total = sum(q.cache_quota_bytes for q in quotas)
+        if total > self.capacity:
+            raise InvalidArgument(
+                f"quotas add up to {total} bytes, more than this node's cache capacity of {self.capacity} bytes",
+                field="cache_quotas",
+            )
+        now = time.monotonic()
+        orphans: list[Entry] = []
+        new_ids = {q.job_id for q in quotas}
+        for job in self._jobs.values():
+            if job.quota is not None and job.job_id not in new_ids:
+                orphans.extend(self._dissolve(job))
+                job.quota = None
+                job.set_limit(0, self.config.io_burst_s)
+        quota_only = all(q.remote_io_bytes_per_s == 0 for q in quotas)
+        for q in quotas:
+            job = self._job(q.job_id)
+            job.quota = q
+            if q.dataset:
+                job.dataset = q.dataset
+            policy = q.cache_policy or self.config.default_policy
+            if q.cache_quota_bytes > 0:
+                old = job.partition
+                if old is None or old.policy != policy:
+                    job.partition = make_partition(
+                        policy, q.job_id, q.cache_quota_bytes, half_life_s=self.config.lrfu_half_life_s
+                    )
+                    if old is not None:
+                        for entry in list(old.entries.values()):
+                            old.remove(entry)
+                            job.partition.add(entry, now)
+                job.partition.capacity = q.cache_quota_bytes
+                self._enforce(job.partition)
+            else:
+                orphans.extend(self._dissolve(job))
+            if q.remote_io_bytes_per_s > 0:
+                rate = float(q.remote_io_bytes_per_s)
+            elif quota_only:
+                rate = 0.0
+            else:
+                rate = self.config.unallocated_io_trickle_bytes_per_s
+            job.set_limit(rate, self.config.io_burst_s)
+        self.shared.capacity = self.capacity - total
+        self._enforce(self.shared)
+        for entry in orphans:  # a departed job's objects stay cached while the shared part has room
+            if entry.size <= self.shared.free():
+                self.shared.add(entry, now)
+            else:
+                self._evict(entry)
+        self._quota_only_plan = quota_only
+        self.plan_version = plan_version
+        metrics.PLAN_VERSION.set(plan_version)
+        _log.info(
+            "plan applied",
+            extra={"plan_version": plan_version, "jobs": len(quotas), "quota_bytes": total,
+                   "shared_bytes": self.shared.capacity},
+        )
+        return True
+
+    def _dissolve(self, job: JobState) -> list[Entry]:
+        part, job.partition = job.partition, None
+        if part is None:
+            return []
+        entries = list(part.entries.values())
+        for entry in entries:
+            part.remove(entry)
+        return entries
+
+    def _enforce(self, part: Partition) -> None:
+        if part.used + part.reserved > part.capacity:
+            for victim in part.shrink_victims():
+                self._evict(victim)
+
+    # -- jobs and datasets --------------------------------------------------------------------------
+
+    def _job(self, job_id: str) -> JobState:
+        job = self._jobs.get(job_id)
+        if job is None:
+            job = self._jobs[job_id] = JobState(job_id)
+        return job
+
+    async def _dataset(self, name: str) -> DatasetState:
+        if not name:
+            raise InvalidArgument("must name a registered dataset", field="dataset")
+        ds = self._datasets.get(name)
+        if ds is None:
+            return await self._load_dataset(name)
+        if time.monotonic() - ds.checked_at > self.config.manifest_refresh_s and not ds.refreshing:
+            ds.refreshing = True
+            self._spawn(self._refresh_in_background(ds))
+        return ds
+
+    async def _refresh_in_background(self, ds: DatasetState) -> None:
+        try:
+            if self._probe_version is not None:
+                version = await self._probe_version(ds.name)
+                if version == ds.manifest.version:
+                    ds.checked_at = time.monotonic()
+                    return
+            await self._load_dataset(ds.name)
+        except Exception as exc:  # metadata down: keep serving the manifest we have
+            _log.warning("manifest refresh failed", extra={"dataset": ds.name, "error": str(exc)})
+            ds.checked_at = time.monotonic()
+        finally:
+            ds.refreshing = False
+
+    async def _load_dataset(self, name: str) -> DatasetState:
+        pending = self._loading.get(name)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[DatasetState] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._loading[name] = future
+        try:
+            try:
+                manifest = await self._load_manifest(name)
+            except ManifestNotFound:
+                raise NotFound(f"no dataset named {name!r} is registered", field="dataset") from None
+            except (InvalidArgument, NotFound):
+                raise
+            except Exception as exc:
+                raise Unavailable(f"cannot load the manifest of {name!r} from the metadata service: {exc}",
+                                  field="dataset") from exc
+            old = self._datasets.get(name)
+            try:
+                store = ObjectStore(
+                    manifest.uri,
+                    manifest.storage_options,
+                    timeout_s=self.config.remote_timeout_s,
+                    retries=self.config.remote_retries,
+                )
+            except StoreConfigError as exc:
+                raise FailedPrecondition(f"dataset {name!r} cannot be read: {exc}", field="dataset") from None
+            ds = DatasetState(manifest, store, old.cost if old else FetchCostModel(), time.monotonic())
+            self._datasets[name] = ds
+            if old is not None and old.manifest.version != manifest.version:
+                _log.info("manifest replaced", extra={"dataset": name, "from_version": old.manifest.version,
+                                                      "to_version": manifest.version})
+            future.set_result(ds)
+            return ds
+        except BaseException as exc:
+            future.set_exception(exc)
+            raise
+        finally:
+            self._loading.pop(name, None)
+
+    def _resolve(self, ds: DatasetState, keys: Sequence[str]) -> list[int]:
+        index = ds.manifest.index
+        positions = []
+        for i, key in enumerate(keys):
+            pos = index.get(key)
+            if pos is None:
+                problem = key_problem(key)
+                if problem is not None:
+                    raise InvalidArgument(problem, field=f"keys[{i}]")
+                raise NotFound(
+                    f"no object {key!r} in the manifest of dataset {ds.name!r} (version {ds.manifest.version})",
+                    field=f"keys[{i}]",
+                )
+            positions.append(pos)
+        return positions
+
+    @staticmethod
+    def _check_batch(keys: Sequence[str], limit: int = MAX_KEYS_PER_CALL, allow_empty: bool = False) -> None:
+        if not keys and not allow_empty:
+            raise InvalidArgument("must name at least one key", field="keys")
+        if len(keys) > limit:
+            raise InvalidArgument(f"at most {limit} keys per call, got {len(keys)}", field="keys")
+
+    # -- cache index ------------------------------------------------------------------------------
+
+    def _lookup(self, dataset: str, key: str, etag: str) -> Entry | None:
+        entry = self._index.get((dataset, key))
+        if entry is None:
+            return None
+        if entry.etag != etag:  # the manifest moved on: that copy is another version
+            self._evict(entry)
+            return None
+        return entry
+
+    def _evict(self, entry: Entry) -> None:
+        """Take ``entry`` out of the cache; its file goes now, or when its last pin goes."""
+        if entry.partition is not None:
+            entry.partition.remove(entry)
+        if self._index.get((entry.dataset, entry.key)) is entry:
+            del self._index[(entry.dataset, entry.key)]
+            metrics.EVICTIONS.labels(tier=entry.tier.name).inc()
+        entry.doomed = True
+        if entry.pins == 0:
+            self._delete_file(entry)
+
+    def _delete_file(self, entry: Entry) -> None:
+        if entry.deleted:
+            return
+        entry.deleted = True
+        entry.doomed = True
+        entry.tier.unlink(entry)
+        entry.tier.used -= entry.size
+        entry.tier.journal_del(entry)
+
+    def _unpin(self, entry: Entry) -> None:
+        entry.pins -= 1
+        if entry.pins == 0 and entry.doomed:
+            self._delete_file(entry)
+
+    def _intact(self, entry: Entry) -> bool:
+        """Cheap check that nobody wrote to the file since it was cached (size and mtime)."""
+        try:
+            st = os.stat(entry.path)
+        except OSError:
+            return False
+        return st.st_size == entry.size and st.st_mtime_ns == entry.mtime_ns
+
+    def _drop_corrupt(self, entry: Entry) -> None:
+        metrics.CORRUPT.labels(tier=entry.tier.name).inc()
+        _log.warning("cached file failed verification; dropped and fetched again",
+                     extra={"tier": entry.tier.name, "dataset": entry.dataset, "key": entry.key, "path": entry.path})
+        self._evict(entry)
+
+    def _count_hit(self, job: JobState, entry: Entry, path: str) -> None:
+        job.hits += 1
+        for tier in self.tiers:
+            if tier is entry.tier:
+                tier.hits += 1
+                break
+            tier.misses += 1
+        label = metrics.job_label(job.job_id)
+        metrics.HITS.labels(tier=entry.tier.name, job=label, path=path).inc()
+        metrics.BYTES.labels(tier=entry.tier.name, job=label, path=path).inc(entry.size)
+
+    def _count_miss(self, job: JobState, size: int, path: str) -> None:
+        job.misses += 1
+        for tier in self.tiers:
+            tier.misses += 1
+        label = metrics.job_label(job.job_id)
+        metrics.MISSES.labels(job=label, path=path).inc()
+        metrics.BYTES.labels(tier="remote", job=label, path=path).inc(size)
+
+    def _touch(self, job: JobState, entry: Entry, now: float) -> None:
+        part = entry.partition
+        if part is not None:
+            part.on_hit(entry, now)
+            # A job with its own quota adopts objects it reads from the shared part while it has room.
+            mine = job.partition
+            if mine is not None and part is self.shared and entry.size <= mine.free():
+                part.remove(entry)
+                mine.add(entry, now)
+
+    # -- fetching and admission ---------------------------------------------------------------------
+
+    async def _obtain(self, job: JobState, ds: DatasetState, key: str, size: int, etag: str) -> tuple[Entry | None, bytes]:
+        """Fetch (once, however many callers ask at the same time) and admit one object version."""
+        flight = (ds.name, key, etag)
+        pending = self._inflight.get(flight)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[tuple[Entry | None, bytes]] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._inflight[flight] = future
+        try:
+            data = await self._fetch(job, ds, key, size, etag)
+            entry = await self._admit(job, ds, key, etag, data)
+            future.set_result((entry, data))
+            return entry, data
+        except BaseException as exc:
+            future.set_exception(exc)
+            raise
+        finally:
+            self._inflight.pop(flight, None)
+
+    async def _fetch(self, job: JobState, ds: DatasetState, key: str, size: int, etag: str) -> bytes:
+        if job.bucket is not None:
+            await job.bucket.acquire(size)
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        # The store bounds each attempt; this bounds the whole retry sequence (a hung mount).
+        overall = self.config.remote_timeout_s * (self.config.remote_retries + 1) + 10.0
+        try:
+            data = await asyncio.wait_for(
+                loop.run_in_executor(self._remote_pool, ds.store.read, key, size, etag), overall
+            )
+        except asyncio.TimeoutError:
+            raise StoreError(f"object {key!r}: no answer from the store within {overall:g}s", key) from None
+        ds.cost.observe(len(data), time.monotonic() - started)
+        job.remote_bytes += len(data)
+        job.meter.add(len(data))
+        label = metrics.job_label(job.job_id)
+        metrics.REMOTE_BYTES.labels(job=label).inc(len(data))
+        metrics.REMOTE_FETCHES.labels(job=label).inc()
+        return data
+
+    def _place(self, size: int, now: float) -> Tier | None:
+        for tier in self.tiers:
+            if tier.free() >= size and tier.full_until <= now:
+                return tier
+        return None
+
+    async def _admit(self, job: JobState, ds: DatasetState, key: str, etag: str, data: bytes) -> Entry | None:
+        size = len(data)
+        now = time.monotonic()
+        part = job.partition or self.shared
+        cost = ds.cost.cost(size)
+        victims = part.plan_admission(size, cost, now)
+        if victims is None:
+            metrics.PASS_THROUGH.labels(job=metrics.job_label(job.job_id), reason="policy").inc()
+            return None
+        for victim in victims:
+            self._evict(victim)
+        tier = self._place(size, now)
+        if tier is None:
+            metrics.PASS_THROUGH.labels(job=metrics.job_label(job.job_id), reason="no-space").inc()
+            return None
+        part.reserved += size
+        tier.used += size
+        name = entry_name(ds.name, key, etag)
+        try:
+            digest, mtime_ns = await asyncio.get_running_loop().run_in_executor(self._file_pool, tier.write, name, data)
+        except OSError as exc:
+            part.reserved -= size
+            tier.used -= size
+            if is_no_space(exc):
+                tier.full_until = time.monotonic() + self.config.no_space_backoff_s
+                self._warn_once(f"enospc-{tier.name}-{int(tier.full_until)}",
+                                "cache tier out of space; serving without caching for a while",
+                                tier=tier.name, dir=tier.root, retry_after_s=self.config.no_space_backoff_s)
+                metrics.PASS_THROUGH.labels(job=metrics.job_label(job.job_id), reason="no-space").inc()
+            else:
+                _log.warning("cannot write a cache file; serving without caching",
+                             extra={"tier": tier.name, "error": str(exc)})
+                metrics.PASS_THROUGH.labels(job=metrics.job_label(job.job_id), reason="write-error").inc()
+            return None
+        part.reserved -= size
+        old = self._index.get((ds.name, key))
+        if old is not None:
+            self._evict(old)
+        entry = Entry(ds.name, key, etag, size, tier, name, digest, mtime_ns, cost_s=cost)
+        self._index[(ds.name, key)] = entry
+        current = job.partition or self.shared  # a plan may have arrived while writing
+        current.add(entry, time.monotonic())
+        tier.journal_put(entry)
+        self._enforce(current)
+        self._update_gauges()
+        if tier.journal_needs_compaction(len(self._index)):
+            snapshot = [e for e in self._index.values() if e.tier is tier]
+            self._spawn(asyncio.get_running_loop().run_in_executor(self._file_pool, tier.compact, snapshot))
+        return entry
+
+    def _store_error(self, exc: StoreError, ds: DatasetState, where: str) -> Exception:
+        if isinstance(exc, ObjectOutsideRoot):
+            return InvalidArgument(str(exc), field=where)
+        if isinstance(exc, ObjectMissing):
+            return FailedPrecondition(
+                f"{exc} although the manifest of {ds.name!r} lists it; re-register the dataset", field=where
+            )
+        if isinstance(exc, ObjectChanged):
+            return FailedPrecondition(
+                f"{exc}; the cache serves only the registered version: re-register the dataset "
+                f"(silod dataset register {ds.name} {ds.manifest.uri} --replace)",
+                field=where,
+            )
+        return Unavailable(f"remote store: {exc}", field=where)
+
+    async def _get_bytes(
+        self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, where: str
+    ) -> tuple[DatasetState, Entry | None, bytes, int, str]:
+        """Obtain a missing object, following a manifest replacement once if the store changed."""
+        staged = job.consumed(ds.name, key)
+        if staged is not None and len(staged) == size:
+            entry = await self._admit(job, ds, key, etag, staged)
+            return ds, entry, staged, size, etag
+        try:
+            entry, data = await self._obtain(job, ds, key, size, etag)
+            return ds, entry, data, size, etag
+        except ObjectChanged as exc:
+            fresh = await self._reload_for_change(ds)
+            pos = fresh.manifest.index.get(key)
+            if pos is None or fresh.manifest.etags[pos] == etag:
+                raise self._store_error(exc, ds, where) from None
+            size, etag = fresh.manifest.sizes[pos], fresh.manifest.etags[pos]
+            try:
+                entry, data = await self._obtain(job, fresh, key, size, etag)
+            except StoreError as again:
+                raise self._store_error(again, fresh, where) from None
+            return fresh, entry, data, size, etag
+        except StoreError as exc:
+            raise self._store_error(exc, ds, where) from None
+
+    async def _reload_for_change(self, ds: DatasetState) -> DatasetState:
+        current = self._datasets.get(ds.name, ds)
+        if current is not ds or time.monotonic() - ds.checked_at < 1.0:
+            return current  # someone reloaded it just now
+        try:
+            return await self._load_dataset(ds.name)
+        except Exception as exc:
+            _log.warning("manifest reload failed", extra={"dataset": ds.name, "error": str(exc)})
+            return ds
+
+    # -- Lease / ReleaseLease ------------------------------------------------------------------------
+
+    async def lease(self, job_id: str, dataset: str, keys: Sequence[str], lease_s: float) -> tuple[Lease, list[Served]]:
+        self._check_batch(keys)
+        if not (lease_s >= 0) or lease_s > self.config.lease_max_s:  # "not >=" also catches NaN
+            raise InvalidArgument(f"must be between 0 and {self.config.lease_max_s:g} seconds, got {lease_s}",
+                                  field="lease_s")
+        ds = await self._dataset(dataset)
+        positions = self._resolve(ds, keys)
+        manifest = ds.manifest
+        job = self._job(job_id)
+        job.dataset = job.dataset or dataset
+        duration = lease_s or self.config.lease_default_s
+        lease = Lease(f"{self.config.node}-{next(self._lease_seq):x}-{secrets.token_hex(4)}", job_id, [], [],
+                      time.monotonic() + duration, time.time() + duration)
+        served: list[Served | None] = [None] * len(keys)
+        missing: list[int] = []
+        now = time.monotonic()
+        for i, pos in enumerate(positions):
+            key = manifest.keys[pos]
+            etag = manifest.etags[pos]
+            entry = self._lookup(dataset, key, etag)
+            if entry is not None and entry.verified and not entry.doomed:
+                if self._intact(entry):
+                    entry.pins += 1
+                    lease.entries.append(entry)
+                    self._touch(job, entry, now)
+                    self._count_hit(job, entry, "lease")
+                    if job.ahead or job.queue or job.staged:
+                        job.consumed(dataset, key)
+                    served[i] = Served(key, entry.path, entry.size, etag, entry.tier.name)
+                    continue
+                self._drop_corrupt(entry)
+            missing.append(i)
+        job.consumption.add(len(keys))
+        if missing:
+            results = await asyncio.gather(
+                *(self._lease_miss(job, ds, lease, keys[i], positions[i], f"keys[{i}]") for i in missing),
+                return_exceptions=True,
+            )
+            failure = next((r for r in results if isinstance(r, BaseException)), None)
+            if failure is not None:
+                self._release(lease)
+                raise failure
+            for i, result in zip(missing, results):
+                served[i] = result  # type: ignore[assignment]
+        self._leases[lease.lease_id] = lease
+        return lease, served  # type: ignore[return-value]
+
+    async def _lease_miss(self, job: JobState, ds: DatasetState, lease: Lease, key: str, pos: int, where: str) -> Served:
+        manifest = ds.manifest
+        size, etag = manifest.sizes[pos], manifest.etags[pos]
+        entry = self._lookup(ds.name, key, etag)
+        if entry is not None and not entry.verified and not entry.doomed:
+            entry.pins += 1  # keep it while it is hashed
+            ok = await asyncio.get_running_loop().run_in_executor(self._file_pool, entry.tier.verify, entry)
+            if ok and not entry.doomed:
+                entry.verified = True
+                lease.entries.append(entry)
+                self._touch(job, entry, time.monotonic())
+                self._count_hit(job, entry, "lease")
+                job.consumed(ds.name, key)
+                return Served(key, entry.path, entry.size, etag, entry.tier.name)
+            self._unpin(entry)
+            if not ok:
+                self._drop_corrupt(entry)
+        ds, entry, data, size, etag = await self._get_bytes(job, ds, key, size, etag, where)
+        self._count_miss(job, size, "lease")
+        if entry is not None and not entry.doomed:
+            entry.pins += 1
+            lease.entries.append(entry)
+            return Served(key, entry.path, size, etag, "remote")
+        path = await self._write_transient(lease, data)
+        return Served(key, path, size, etag, "remote")
+
+    async def _write_transient(self, lease: Lease, data: bytes) -> str:
+        if not self._transient_dir:
+            return ""
+        path = os.path.join(self._transient_dir, f"{lease.lease_id}-{len(lease.transients)}")
+        lease.transients.append(path)
+
+        def write() -> None:
+            with open(path, "wb") as f:
+                f.write(data)
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._file_pool, write)
+        except OSError as exc:
+            self._warn_once("transient-" + str(exc.errno), "cannot write a pass-through file; the reader "
+                            "gets no path for the object and reads it another way", error=str(exc))
+            return ""
+        return path
+
+    def release(self, lease_id: str) -> bool:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self._release(lease)
+        return True
+
+    def _release(self, lease: Lease) -> None:
+        for entry in lease.entries:
+            self._unpin(entry)
+        lease.entries = []
+        for path in lease.transients:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        lease.transients = []
+
+    async def _sweep_leases(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for lease_id in [lid for lid, lease in self._leases.items() if lease.expires <= now]:
+                self.release(lease_id)
+
+    async def _scrub(self) -> None:
+        """Verify, in the background, the entries re-indexed at start (first use verifies too)."""
+        loop = asyncio.get_running_loop()
+        for entry in [e for e in self._index.values() if not e.verified]:
+            if entry.verified or entry.doomed or self._index.get((entry.dataset, entry.key)) is not entry:
+                continue
+            entry.pins += 1
+            try:
+                ok = await loop.run_in_executor(self._file_pool, entry.tier.verify, entry)
+            finally:
+                self._unpin(entry)
+            if ok:
+                entry.verified = True
+            elif not entry.doomed:
+                self._drop_corrupt(entry)
+            await asyncio.sleep(0)
+
+    # -- Read (bytes through gRPC) ---------------------------------------------------------------------
+
+    async def read(self, job_id: str, dataset: str, keys: Sequence[str]) -> AsyncIterator[tuple[str, str, bytes]]:
+        """Yield (key, tier, bytes) in order; misses are fetched up to 16 at a time."""
+        self._check_batch(keys)
+        ds = await self._dataset(dataset)
+        positions = self._resolve(ds, keys)
+        job = self._job(job_id)
+        job.dataset = job.dataset or dataset
+        job.consumption.add(len(keys))
+        window = 16
+        for start in range(0, len(keys), window):
+            batch = range(start, min(len(keys), start + window))
+            results = await asyncio.gather(*(self._read_one(job, ds, keys[i], positions[i], f"keys[{i}]") for i in batch))
+            for i, (tier, data) in zip(batch, results):
+                label = metrics.job_label(job_id)
+                metrics.STREAMED_BYTES.labels(job=label).inc(len(data))
+                yield keys[i], tier, data
+
+    async def _read_one(self, job: JobState, ds: DatasetState, key: str, pos: int, where: str) -> tuple[str, bytes]:
+        manifest = ds.manifest
+        size, etag = manifest.sizes[pos], manifest.etags[pos]
+        entry = self._lookup(ds.name, key, etag)
+        if entry is not None and not entry.doomed:
+            entry.pins += 1
+            try:
+                data = await asyncio.get_running_loop().run_in_executor(self._file_pool, _read_verified, entry)
+            finally:
+                self._unpin(entry)
+            if data is not None:
+                entry.verified = True
+                self._touch(job, entry, time.monotonic())
+                self._count_hit(job, entry, "stream")
+                job.consumed(ds.name, key)
+                return entry.tier.name, data
+            if not entry.doomed:
+                self._drop_corrupt(entry)
+        _, entry, data, size, etag = await self._get_bytes(job, ds, key, size, etag, where)
+        self._count_miss(job, size, "stream")
+        return "remote", data
+
+    # -- Prefetch --------------------------------------------------------------------------------------
+
+    async def prefetch(self, job_id: str, dataset: str, keys: Sequence[str]) -> tuple[int, int]:
+        """Queue objects for background fetching; returns (objects, bytes) newly queued.
+
+        With a job id the queue drains as fast as the job consumes (a window of
+        ``prefetch_lookahead_s`` seconds of its measured read rate, between
+        ``prefetch_min_objects`` and ``prefetch_max_objects``), charged to its IO rate and
+        admitted into its partition; without one (dataset preload) it drains at full speed
+        into the shared partition. Empty ``keys`` = the whole manifest.
+        """
+        self._check_batch(keys, MAX_PREFETCH_KEYS, allow_empty=True)
+        ds = await self._dataset(dataset)
+        manifest = ds.manifest
+        positions = self._resolve(ds, keys) if keys else range(len(manifest))
+        job = self._job(job_id)
+        if job_id:
+            job.dataset = job.dataset or dataset
+        else:
+            job.preload = True
+        objects = nbytes = 0
+        for pos in positions:
+            key = manifest.keys[pos]
+            item = (dataset, key)
+            if item in job.queue or item in job.ahead:
+                continue
+            entry = self._index.get(item)
+            if entry is not None and entry.etag == manifest.etags[pos]:
+                continue
+            job.queue[item] = None
+            objects += 1
+            nbytes += manifest.sizes[pos]
+        if job.queue and job.worker is None:
+            job.worker = asyncio.ensure_future(self._prefetch_worker(job))
+        return objects, nbytes
+
+    def _window(self, job: JobState) -> int:
+        if job.preload:
+            return 1 << 30
+        wanted = job.consumption.rate() * self.config.prefetch_lookahead_s
+        return int(min(self.config.prefetch_max_objects, max(self.config.prefetch_min_objects, wanted)))
+
+    async def _prefetch_worker(self, job: JobState) -> None:
+        slots = asyncio.Semaphore(self.config.prefetch_concurrency if not job.preload
+                                  else max(1, self.config.remote_concurrency // 2))
+        tasks: set[asyncio.Task[None]] = set()
+        stale_after = max(10.0, 4 * self.config.prefetch_lookahead_s)
+        try:
+            while job.queue:
+                now = time.monotonic()
+                while job.ahead and next(iter(job.ahead.values())) < now - stale_after:
+                    job.ahead.popitem(last=False)  # prefetched long ago and never read: stop counting it
+                if len(job.ahead) >= self._window(job) or job.staged_bytes >= self.config.prefetch_max_staged_bytes:
+                    job.wake.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(job.wake.wait(), 0.2)
+                    continue
+                (dataset, key), _ = job.queue.popitem(last=False)
+                ds = self._datasets.get(dataset)
+                pos = ds.manifest.index.get(key) if ds is not None else None
+                if ds is None or pos is None:
+                    continue
+                etag, size = ds.manifest.etags[pos], ds.manifest.sizes[pos]
+                if self._lookup(dataset, key, etag) is not None or (dataset, key, etag) in self._inflight:
+                    continue
+                job.ahead[(dataset, key)] = now
+                await slots.acquire()
+                task = asyncio.ensure_future(self._prefetch_one(job, ds, key, size, etag, slots))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            job.worker = None
+            if job.preload and not job.queue:
+                job.preload = False
+
+    async def _prefetch_one(
+        self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, slots: asyncio.Semaphore
+    ) -> None:
+        try:
+            entry, data = await self._obtain(job, ds, key, size, etag)
+            item = (ds.name, key)
+            if entry is None and item in job.ahead and not job.preload:
+                job.staged[item] = data  # not admitted (quota full): hold it until the job reads it
+                job.staged_bytes += len(data)
+        except Exception as exc:
+            job.ahead.pop((ds.name, key), None)
+            _log.debug("prefetch failed", extra={"dataset": ds.name, "key": key, "error": str(exc)})
+        finally:
+            slots.release()
+
+    # -- Stats -------------------------------------------------------------------------------------------
+
+    def _update_gauges(self) -> None:
+        for tier in self.tiers:
+            metrics.USED.labels(tier=tier.name).set(tier.used)
+
+    def job_stats(self, job: JobState) -> dict[str, Any]:
+        reads = job.hits + job.misses
+        if job.partition is not None:
+            cached = job.partition.used
+        else:
+            cached = sum(e.size for (d, _), e in self._index.items() if d == job.dataset) if job.dataset else 0
+        return {
+            "job_id": job.job_id,
+            "dataset": job.dataset,
+            "quota_bytes": job.quota.cache_quota_bytes if job.quota is not None else 0,
+            "cached_bytes": cached,
+            "hits": job.hits,
+            "misses": job.misses,
+            "hit_ratio": job.hits / reads if reads else 0.0,
+            "remote_bytes": job.remote_bytes,
+            "remote_io_limit_bytes_per_s": job.limit,
+            "remote_io_rate_bytes_per_s": job.meter.rate(),
+        }
+
+    def stats(self, job_id: str = "") -> dict[str, Any]:
+        self._update_gauges()
+        if job_id:
+            job = self._jobs.get(job_id)
+            if job is None:
+                raise NotFound(f"no job {job_id!r} has used this cache server", field="job_id")
+            jobs = [job]
+        else:
+            jobs = list(self._jobs.values())
+        return {
+            "node": self.config.node,
+            "plan_version": self.plan_version,
+            "tiers": [
+                {"tier": t.name, "capacity_bytes": t.capacity, "used_bytes": t.used, "hits": t.hits, "misses": t.misses}
+                for t in self.tiers
+            ],
+            "jobs": [self.job_stats(j) for j in jobs],
+        }
+
+    # -- introspection for tests and tools ------------------------------------------------------------
+
+    def entry(self, dataset: str, key: str) -> Entry | None:
+        return self._index.get((dataset, key))
+
+    def job(self, job_id: str) -> JobState | None:
+        return self._jobs.get(job_id)
+
+
+def _read_verified(entry: Entry) -> bytes | None:
+    """The file's bytes if they still hash to what was cached, else None (blocking)."""
+    import hashlib
+
+    try:
+        with open(entry.path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+        return None
+    return data

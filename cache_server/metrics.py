@@ -1,0 +1,31 @@
+"""Prometheus metrics of the cache server (default registry, exported on --metrics-port).
+
+``job`` is the reader's job id ("-" when the reader gave none); ``tier`` is memory or disk;
+``path`` says how the bytes reached the reader: ``lease`` (the reader opened the file itself,
+no bytes through gRPC) or ``stream`` (Read RPC).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+HITS = Counter("silod_cache_hits_total", "Objects served from a cache tier", ["tier", "job", "path"])
+MISSES = Counter("silod_cache_misses_total", "Objects not in any cache tier when asked for", ["job", "path"])
+BYTES = Counter(
+    "silod_cache_bytes_total", "Bytes of objects served, by where they came from", ["tier", "job", "path"]
+)
+REMOTE_BYTES = Counter("silod_cache_remote_bytes_total", "Bytes fetched from remote storage", ["job"])
+REMOTE_FETCHES = Counter("silod_cache_remote_fetches_total", "Objects fetched from remote storage", ["job"])
+STREAMED_BYTES = Counter("silod_cache_streamed_bytes_total", "Bytes sent through the Read RPC", ["job"])
+PASS_THROUGH = Counter(
+    "silod_cache_pass_through_total", "Objects served without being cached (quota full, no space)", ["job", "reason"]
+)
+CORRUPT = Counter("silod_cache_corrupt_total", "Cached files that failed verification and were dropped", ["tier"])
+EVICTIONS = Counter("silod_cache_evictions_total", "Objects evicted", ["tier"])
+USED = Gauge("silod_cache_used_bytes", "Bytes held by a tier", ["tier"])
+CAPACITY = Gauge("silod_cache_capacity_bytes", "Bytes a tier may hold", ["tier"])
+PLAN_VERSION = Gauge("silod_cache_plan_version", "Version of the plan whose quotas are applied; 0 = none")
+
+
+def job_label(job_id: str) -> str:
+    return job_id or "-"

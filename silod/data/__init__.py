@@ -1,0 +1,32 @@
+"""silod's data API for training scripts: a PyTorch dataset and sampler over a registered dataset.
+
+    from silod.data import SilodDataset, EpochShuffleSampler
+    ds = SilodDataset("imagenet-mini", transform=decode)
+    loader = DataLoader(ds, batch_size=256, sampler=EpochShuffleSampler(ds, seed=0), num_workers=4)
+
+Reads go through the node's cache server (``SILOD_CACHE_ADDR``): one Lease call per batch,
+then the cached files are read directly. Without a cache server (off-cluster) or when it is
+down, the remote store is read directly. See docs/cache.md.
+
+torch is imported only when :class:`SilodDataset` or :class:`EpochShuffleSampler` is used:
+``silod.data.store``, ``silod.data.keys`` and ``silod.data.catalog`` work without it (the cache
+server uses them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["SilodDataset", "EpochShuffleSampler"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SilodDataset":
+        from silod.data.dataset import SilodDataset
+
+        return SilodDataset
+    if name == "EpochShuffleSampler":
+        from silod.data.sampler import EpochShuffleSampler
+
+        return EpochShuffleSampler
+    raise AttributeError(f"module 'silod.data' has no attribute {name!r}")

@@ -1,0 +1,336 @@
+"""Reading dataset objects straight from the remote store (``file://`` or ``s3://``), verified.
+
+Used by the cache server for misses and by the SDK when there is no cache server. Every read
+is checked against the manifest entry it was asked for:
+
+- ``file://``: the version tag is recomputed from the opened file (size and modification time,
+  exactly as :mod:`silod.manifest` computes it) before and after reading; the opened file must
+  lie below the dataset root once symlinks are resolved (checked on the open descriptor, so a
+  path swapped for a symlink between check and open is caught too).
+- ``s3://`` (s3fs, any S3-compatible endpoint): the GET carries ``If-Match: <manifest ETag>``
+  and the ETag of the response itself is compared, so the bytes returned are those of the
+  manifest's version or nothing.
+
+A mismatch raises :class:`ObjectChanged`; it is never retried (the object really changed).
+Transient failures (connection errors, timeouts, 5xx) are retried with exponential backoff.
+Credentials are never part of the dataset spec: s3fs/botocore take them from the standard AWS
+environment (variables, shared config, instance role); options that look like secrets are refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from silod.data.keys import BadKey, check_key
+
+SCHEMES = ("file", "s3")
+# fsspec/s3fs options that carry credentials: the spec is stored in the metadata database, so
+# they must come from the environment instead.
+SECRET_OPTIONS = frozenset(
+    {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
+)
+_BOOL_OPTIONS = frozenset({"anon", "use_ssl", "requester_pays", "version_aware", "asynchronous"})
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class StoreError(Exception):
+    """Reading an object failed; ``key`` names it (empty for whole-store problems)."""
+
+    def __init__(self, message: str, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class ObjectChanged(StoreError):
+    """The store holds another version of the object than the manifest names."""
+
+    def __init__(self, key: str, expected: str, actual: str) -> None:
+        super().__init__(
+            f"object {key!r} changed in the store: manifest version tag {expected!r}, store has {actual!r}", key
+        )
+        self.expected = expected
+        self.actual = actual
+
+
+class ObjectOutsideRoot(StoreError):
+    """The key resolves (through symlinks) to a file outside the dataset root."""
+
+
+class ObjectMissing(StoreError):
+    """The store has no object under the key."""
+
+
+class StoreConfigError(StoreError):
+    """The dataset's URI or storage options cannot be used."""
+
+
+class StoreUnavailable(StoreError):
+    """The store did not answer after all retries."""
+
+
+def file_version_tag(st: os.stat_result) -> str:
+    """The ``file://`` version tag of a file, identical to the one in registered manifests."""
+    from silod.manifest import _version_tag
+
+    return _version_tag({"size": st.st_size, "mtime": st.st_mtime})
+
+
+def _s3_options(options: Mapping[str, str], timeout_s: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    client_kwargs: dict[str, Any] = {}
+    for name, value in options.items():
+        if name.lower() in SECRET_OPTIONS:
+            raise StoreConfigError(
+                f"storage_options.{name}: credentials are not stored with a dataset; "
+                "set them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE ...)"
+            )
+        if name in ("region", "region_name"):
+            client_kwargs["region_name"] = value
+        elif name in _BOOL_OPTIONS:
+            lowered = str(value).strip().lower()
+            if lowered not in _TRUE | _FALSE:
+                raise StoreConfigError(f"storage_options.{name}: expected true or false, got {value!r}")
+            out[name] = lowered in _TRUE
+        else:
+            out[name] = value
+    out["client_kwargs"] = client_kwargs
+    # One attempt per call inside botocore/s3fs: retries and backoff are ours (read()).
+    out["config_kwargs"] = {
+        "connect_timeout": timeout_s,
+        "read_timeout": timeout_s,
+        "retries": {"max_attempts": 1},
+    }
+    out["skip_instance_cache"] = True
+    out["use_listings_cache"] = False
+    return out
+
+
+def parse_uri(uri: str) -> tuple[str, str]:
+    """(scheme, rest): ``file:///data/x`` -> ("file", "/data/x"); ``s3://b/p`` -> ("s3", "b/p")."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme not in SCHEMES:
+        raise StoreConfigError(f"uri: scheme must be one of file://, s3://, got {uri!r}")
+    return scheme, rest
+
+
+class ObjectStore:
+    """Verified reads of one dataset's objects. Thread-safe; safe to use after ``fork``.
+
+    ``timeout_s`` bounds one attempt; ``retries`` more attempts follow a transient failure,
+    ``backoff_s * 2**n`` apart (with jitter, at most ``max_backoff_s``).
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        storage_options: Mapping[str, str] | None = None,
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 0.1,
+        max_backoff_s: float = 5.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.uri = uri
+        self.scheme, rest = parse_uri(uri)
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._sleep = sleep
+        self._options = dict(storage_options or {})
+        self._lock = threading.Lock()
+        self._fs: Any = None
+        self._fs_pid = 0
+        if self.scheme == "file":
+            if not rest.startswith("/"):
+                raise StoreConfigError(f"uri: file:// needs an absolute path, got {uri!r}")
+            self.root = os.path.realpath(rest)
+            self._s3_kwargs: dict[str, Any] = {}
+        else:
+            bucket, _, prefix = rest.partition("/")
+            if not bucket:
+                raise StoreConfigError(f"uri: no bucket in {uri!r}")
+            self.bucket = bucket
+            self.prefix = prefix.strip("/")
+            self.root = f"{bucket}/{self.prefix}" if self.prefix else bucket
+            self._s3_kwargs = _s3_options(self._options, timeout_s)
+
+    # -- public ----------------------------------------------------------------------------
+
+    def read(self, key: str, size: int = -1, etag: str = "") -> bytes:
+        """The bytes of ``key``; if ``etag``/``size`` are given they must match (else ObjectChanged)."""
+        try:
+            check_key(key)
+        except BadKey as exc:
+            raise ObjectOutsideRoot(f"key {key!r} {exc}", key) from None
+        attempt = 0
+        while True:
+            try:
+                data = self._read_file(key, etag) if self.scheme == "file" else self._read_s3(key, etag)
+                if size >= 0 and len(data) != size:
+                    raise ObjectChanged(key, f"{size} bytes", f"{len(data)} bytes")
+                return data
+            except (ObjectChanged, ObjectOutsideRoot, ObjectMissing, StoreConfigError):
+                raise
+            except _ChangedWhileReading:
+                error: Exception = StoreUnavailable(f"object {key!r} kept changing while being read", key)
+            except PermissionError as exc:
+                raise StoreError(f"object {key!r}: permission denied: {exc}", key) from exc
+            except Exception as exc:
+                if not _transient(exc):
+                    raise
+                error = exc
+            if attempt >= self.retries:
+                if isinstance(error, StoreError):
+                    raise error
+                raise StoreUnavailable(
+                    f"object {key!r}: store unavailable after {attempt + 1} attempts: {type(error).__name__}: {error}",
+                    key,
+                ) from error
+            delay = min(self.max_backoff_s, self.backoff_s * (2**attempt)) * random.uniform(0.5, 1.0)
+            attempt += 1
+            self._sleep(delay)
+
+    def current_tag(self, key: str) -> str:
+        """The version tag the store has now for ``key`` (for messages and manifest refresh)."""
+        if self.scheme == "file":
+            return file_version_tag(os.stat(self._file_path(key)))
+        head = self._s3_sync(self._s3_head, key)
+        return str(head.get("ETag", "")).strip('"')
+
+    # -- file:// ---------------------------------------------------------------------------
+
+    def _file_path(self, key: str) -> str:
+        return os.path.join(self.root, key)
+
+    def _inside_root(self, real: str) -> bool:
+        return real == self.root or real.startswith(self.root.rstrip(os.sep) + os.sep)
+
+    def _read_file(self, key: str, etag: str) -> bytes:
+        path = self._file_path(key)
+        if not self._inside_root(os.path.realpath(path)):
+            raise ObjectOutsideRoot(f"key {key!r} resolves outside the dataset root {self.root}", key)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise ObjectMissing(f"object {key!r} does not exist in {self.uri}", key) from None
+        except IsADirectoryError:
+            raise ObjectMissing(f"object {key!r} is a directory in {self.uri}", key) from None
+        try:
+            # The check that counts: what was actually opened (a component may have been swapped
+            # for a symlink after realpath above).
+            try:
+                opened = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                opened = None
+            if opened is not None and not self._inside_root(opened):
+                raise ObjectOutsideRoot(f"key {key!r} resolves outside the dataset root {self.root}", key)
+            before = os.fstat(fd)
+            if etag:
+                actual = file_version_tag(before)
+                if actual != etag:
+                    raise ObjectChanged(key, etag, actual)
+            chunks = []
+            while True:
+                chunk = os.read(fd, max(before.st_size, 1 << 20) + 1)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            after = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+            raise _ChangedWhileReading()
+        return b"".join(chunks)
+
+    # -- s3:// -----------------------------------------------------------------------------
+
+    def _s3_fs(self) -> Any:
+        with self._lock:
+            if self._fs is None or self._fs_pid != os.getpid():  # s3fs sessions do not survive fork
+                import s3fs
+
+                self._fs = s3fs.S3FileSystem(**self._s3_kwargs)
+                self._fs_pid = os.getpid()
+            return self._fs
+
+    def _s3_key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _s3_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
+        import fsspec.asyn
+
+        fs = self._s3_fs()
+        return fsspec.asyn.sync(fs.loop, fn, fs, *args, timeout=self.timeout_s)
+
+    async def _s3_head(self, fs: Any, key: str) -> dict[str, Any]:
+        try:
+            return dict(await fs._call_s3("head_object", Bucket=self.bucket, Key=self._s3_key(key)))
+        except FileNotFoundError:
+            raise ObjectMissing(f"object {key!r} does not exist in {self.uri}", key) from None
+
+    async def _s3_get(self, fs: Any, key: str, etag: str) -> tuple[bytes, str]:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._s3_key(key)}
+        if etag:
+            kwargs["IfMatch"] = f'"{etag}"'
+        try:
+            response = await fs._call_s3("get_object", **kwargs)
+        except FileNotFoundError:
+            raise ObjectMissing(f"object {key!r} does not exist in {self.uri}", key) from None
+        except Exception as exc:
+            if etag and _is_precondition_failed(exc):
+                head = await self._s3_head(fs, key)
+                raise ObjectChanged(key, etag, str(head.get("ETag", "")).strip('"')) from None
+            raise
+        body = response["Body"]
+        try:
+            data = await body.read()
+        finally:
+            body.close()
+        return data, str(response.get("ETag", "")).strip('"')
+
+    def _read_s3(self, key: str, etag: str) -> bytes:
+        data, actual = self._s3_sync(self._s3_get, key, etag)
+        if etag and actual != etag:  # a server that ignores If-Match still reports what it sent
+            raise ObjectChanged(key, etag, actual)
+        return bytes(data)
+
+
+class _ChangedWhileReading(Exception):
+    pass
+
+
+def _transient(exc: BaseException) -> bool:
+    """Worth another attempt: I/O and network trouble, timeouts, the storage backends' own errors
+    (botocore/aiohttp: throttling, 5xx, resets). Programming errors (TypeError ...) are not."""
+    if isinstance(exc, (OSError, TimeoutError)):
+        return True
+    module = type(exc).__module__ or ""
+    return module.split(".", 1)[0] in ("botocore", "aiobotocore", "aiohttp", "fsspec", "s3fs", "urllib3")
+
+
+def _is_precondition_failed(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "412") or status == 412:
+                return True
+        if "PreconditionFailed" in str(current) or "Precondition Failed" in str(current):
+            return True
+        if isinstance(current, OSError) and current.errno == errno.EPERM and "412" in str(current):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
