@@ -27,13 +27,23 @@ class FreeGpus:
     def __init__(self, snapshot: ClusterSnapshot, pools: Iterable[Pool] = ("training",)):
         allowed = set(pools)
         self._free = {n.name: list(range(n.gpus)) for n in snapshot.nodes if n.pool in allowed}
+        self._total = sum(len(v) for v in self._free.values())
+        # Nodes by their number of free GPUs (> 0), for tightest-fit look-ups.
+        self._by_size: dict[int, set[str]] = {}
+        for name, free in self._free.items():
+            if free:
+                self._by_size.setdefault(len(free), set()).add(name)
 
     def count(self, node: str) -> int:
         return len(self._free.get(node, ()))
 
+    def counts(self) -> dict[str, int]:
+        """Free GPUs per node that has any, in node order."""
+        return {name: len(free) for name, free in self._free.items() if free}
+
     @property
     def total(self) -> int:
-        return sum(len(v) for v in self._free.values())
+        return self._total
 
     def nodes(self) -> list[str]:
         return [name for name, free in self._free.items() if free]
@@ -42,11 +52,25 @@ class FreeGpus:
         free = self._free.get(node)
         return free is not None and all(i in free for i in indices)
 
+    def tightest(self, count: int) -> str | None:
+        """The node with the fewest free GPUs that still has ``count`` (ties: smallest name), or None."""
+        for size in sorted(size for size, names in self._by_size.items() if size >= count and names):
+            return min(self._by_size[size])
+        return None
+
     def reserve(self, node: str, indices: Iterable[int]) -> tuple[int, ...]:
         taken = tuple(sorted(indices))
         free = self._free[node]
-        for index in taken:
-            free.remove(index)  # ValueError here would be a double booking: let it surface
+        before = len(free)
+        try:
+            for index in taken:
+                free.remove(index)  # ValueError here would be a double booking: let it surface
+        finally:
+            if len(free) != before:
+                self._total -= before - len(free)
+                self._by_size[before].discard(node)
+                if free:
+                    self._by_size.setdefault(len(free), set()).add(node)
         return taken
 
     def reserve_any(self, node: str, count: int) -> tuple[int, ...]:
@@ -59,8 +83,13 @@ class PlacementResult:
     unplaced: tuple[str, ...]             # jobs whose requested count did not fit
 
 
-def _cached(snapshot: ClusterSnapshot, node: str, dataset: str) -> float:
-    return snapshot.cached_bytes.get((node, dataset), 0.0) if dataset else 0.0
+def _cache_by_dataset(snapshot: ClusterSnapshot) -> dict[str, dict[str, float]]:
+    """dataset -> {node: bytes cached there} (positive amounts only)."""
+    result: dict[str, dict[str, float]] = {}
+    for (node, dataset), cached in snapshot.cached_bytes.items():
+        if dataset and cached > 0:
+            result.setdefault(dataset, {})[node] = cached
+    return result
 
 
 def _keep_current(current: Allocation | None, count: int, free: FreeGpus) -> Placement | None:
@@ -68,6 +97,9 @@ def _keep_current(current: Allocation | None, count: int, free: FreeGpus) -> Pla
     if current is None or not current.placement or count > current.gpus:
         return None
     if not all(free.has(node, indices) for node, indices in current.placement):
+        return None
+    held = [(node, index) for node, indices in current.placement for index in indices]
+    if len(set(held)) != len(held):  # a malformed plan naming a GPU twice: place afresh
         return None
     if count == current.gpus:
         return tuple((node, free.reserve(node, indices)) for node, indices in current.placement)
@@ -83,31 +115,30 @@ def _keep_current(current: Allocation | None, count: int, free: FreeGpus) -> Pla
     return tuple(sorted(kept))
 
 
-def _fresh_placement(snapshot: ClusterSnapshot, job: JobInfo, count: int, free: FreeGpus) -> Placement | None:
+def _fresh_placement(job: JobInfo, count: int, free: FreeGpus, cache: Mapping[str, float]) -> Placement | None:
+    """New GPUs for ``job``; ``cache`` maps nodes to bytes of the job's dataset they hold."""
     if free.total < count:
         return None
-    candidates = free.nodes()
-    fitting = [n for n in candidates if free.count(n) >= count]
-    if fitting:
-        # One node: prefer the dataset's cache, then the tightest fit.
-        best = min(fitting, key=lambda n: (-_cached(snapshot, n, job.dataset), free.count(n), n))
+    # One node if possible: prefer the dataset's cache, then the tightest fit.
+    cached = [n for n in cache if free.count(n) >= count]
+    best = min(cached, key=lambda n: (-cache[n], free.count(n), n)) if cached else free.tightest(count)
+    if best is not None:
         return ((best, free.reserve_any(best, count)),)
+    sizes = free.counts()
     # Several nodes, as few as possible: fill the largest holes (cached nodes among equals)
     # until the rest fits on one node, then put the rest on the tightest node that holds it
     # (cached first), which leaves the large holes to large jobs.
-    ranked = sorted(candidates, key=lambda n: (-free.count(n), -_cached(snapshot, n, job.dataset), n))
+    ranked = sorted(sizes, key=lambda n: (-sizes[n], -cache.get(n, 0.0), n))
     chosen: list[tuple[str, tuple[int, ...]]] = []
     remaining = count
     for position, node in enumerate(ranked):
-        rest = ranked[position:]
-        if free.count(rest[0]) >= remaining:
-            holding = (n for n in rest if free.count(n) >= remaining)
-            last = min(holding, key=lambda n: (-_cached(snapshot, n, job.dataset), free.count(n), n))
+        if sizes[node] >= remaining:
+            holding = (n for n in ranked[position:] if sizes[n] >= remaining)
+            last = min(holding, key=lambda n: (-cache.get(n, 0.0), sizes[n], n))
             chosen.append((last, free.reserve_any(last, remaining)))
             break
-        take = free.count(node)
-        chosen.append((node, free.reserve_any(node, take)))
-        remaining -= take
+        chosen.append((node, free.reserve_any(node, sizes[node])))
+        remaining -= sizes[node]
     return tuple(sorted(chosen))
 
 
@@ -135,12 +166,14 @@ def place(
         if kept is not None:
             placements[job_id] = kept
     unplaced = []
+    cache = _cache_by_dataset(snapshot)
     # ``order`` first, then any job it leaves out (in ``gpu_counts`` order): none is dropped silently.
     sequence = list(order) + list(wanted) if order is not None else list(wanted)
     for job_id in dict.fromkeys(sequence):
         if job_id in placements or job_id not in wanted:
             continue
-        fresh = _fresh_placement(snapshot, jobs[job_id], wanted[job_id], free)
+        job = jobs[job_id]
+        fresh = _fresh_placement(job, wanted[job_id], free, cache.get(job.dataset, {}) if job.dataset else {})
         if fresh is None:
             unplaced.append(job_id)
         else:

@@ -157,3 +157,17 @@ def test_placement_is_deterministic():
     counts = {job.job_id: job.requested for job in snap.jobs}
     assert place(snap, counts) == place(snap, counts)
     assert allocation(("n1", [2, 0])).placement == (("n1", (0, 2)),)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 8), min_size=1, max_size=8), st.lists(st.tuples(st.integers(0, 7), st.integers(1, 8)), max_size=12), st.integers(1, 9))
+def test_tightest_matches_a_brute_force_scan(sizes, takes, count):
+    nodes = tuple(NodeInfo(f"n{k}", gpus) for k, gpus in enumerate(sizes))
+    free = FreeGpus(make_snapshot(nodes, []))
+    for node, n in takes:
+        name = f"n{node % len(sizes)}"
+        free.reserve_any(name, min(n, free.count(name)))
+    assert free.total == sum(free.count(n.name) for n in nodes)
+    holding = [n.name for n in nodes if free.count(n.name) >= count]
+    expected = min(holding, key=lambda n: (free.count(n), n)) if holding else None
+    assert free.tightest(count) == expected
