@@ -89,18 +89,34 @@ def _table(jobs: Sequence[JobInfo]) -> tuple[ModelTable, np.ndarray]:
     return ModelTable(models), index
 
 
+def current_nodes(
+    snapshot: ClusterSnapshot,
+    jobs: Sequence[JobInfo],
+    gpus: Sequence[int] | np.ndarray | None = None,
+    pools: Iterable[Pool] = TRAINING,
+) -> np.ndarray:
+    """Per job: the number of nodes it runs on if it runs in place on ``gpus[k]`` GPUs (see :func:`in_place`), else 0 (= packed)."""
+    nodes = np.zeros(len(jobs), dtype=np.int64)
+    for k in np.flatnonzero(in_place(snapshot, jobs, gpus, pools)):
+        placement = snapshot.current.allocations[jobs[k].job_id].placement
+        nodes[k] = sum(1 for _, indices in placement if indices)
+    return nodes
+
+
 def goodput(
     snapshot: ClusterSnapshot,
     jobs: Sequence[JobInfo],
     gpus: Sequence[int] | np.ndarray | None = None,
     *,
-    packed: bool = False,
+    nodes: Sequence[int] | np.ndarray | None = None,
     pools: Iterable[Pool] = TRAINING,
 ) -> np.ndarray:
     """Predicted goodput (efficiency-weighted samples/s) of each job on ``gpus[k]`` GPUs (default: its requested count).
 
-    Batch size: the job's own; nodes: its current node count when it runs in place on that
-    many GPUs (unless ``packed``), else packed; no cache, unlimited remote IO. 0 for 0 GPUs.
+    Batch size: the job's own; no cache, unlimited remote IO; 0 for 0 GPUs. Nodes:
+    ``nodes[k]`` (0 = packed) when given, else :func:`current_nodes` (a job running in place
+    keeps its node count, anything else is packed). ``jobs`` may repeat a job to evaluate
+    several candidates in the one :func:`~estimator.predict.predict` call.
     """
     if not jobs:
         return np.zeros(0)
@@ -108,15 +124,11 @@ def goodput(
     counts = np.array([job.requested for job in jobs] if gpus is None else gpus, dtype=np.int64)
     if counts.shape != (len(jobs),):
         raise ValueError("need one GPU count per job")
-    nodes = np.zeros(len(jobs), dtype=np.int64)
-    if not packed:
-        for k in np.flatnonzero(in_place(snapshot, jobs, counts, pools)):
-            placement = snapshot.current.allocations[jobs[k].job_id].placement
-            nodes[k] = sum(1 for _, indices in placement if indices)
+    spans = current_nodes(snapshot, jobs, counts, pools) if nodes is None else np.asarray(nodes, dtype=np.int64)
     table, index = _table(jobs)
     batch = np.array([job.initial_batch_size for job in jobs], dtype=np.int64)
     predictions = predict(
-        table, index, counts, nodes, 0.0, math.inf, batch, gpus_per_node=gpus_per_node(snapshot, pools)
+        table, index, counts, spans, 0.0, math.inf, batch, gpus_per_node=gpus_per_node(snapshot, pools)
     )
     return predictions.goodput_samples_per_s
 
@@ -132,7 +144,11 @@ def remaining_time_s(
 
     0 when nothing remains, ``inf`` when the goodput is 0.
     """
-    rate = goodput(snapshot, jobs, gpus, pools=pools)
+    return remaining_time(jobs, goodput(snapshot, jobs, gpus, pools=pools))
+
+
+def remaining_time(jobs: Sequence[JobInfo], rate: np.ndarray) -> np.ndarray:
+    """Seconds each job still needs at ``rate`` goodput (0 when nothing remains, inf at rate 0)."""
     remaining = np.array([job.remaining_samples for job in jobs], dtype=np.float64)
     return _divide(remaining, rate)
 

@@ -7,8 +7,10 @@ cluster than it would on its own share; rho <= 1 is fair, larger is worse.
 Definitions used here (per job; G = GPUs of the training pool, N = active jobs, C =
 ``snapshot.restart_cost_s``, I = ``snapshot.interval_s``):
 
-- ``g``: predicted goodput on its requested GPUs at its own batch size, packed, GPU-only
-  (:mod:`scheduler.policies.estimates`); ``r = remaining_samples / g`` the remaining time.
+- ``g``: predicted goodput on its requested GPUs at its own batch size, packed on the
+  fewest nodes, GPU-only (:mod:`scheduler.policies.estimates`); ``r = remaining_samples /
+  g'`` the remaining time, where ``g'`` is the same prediction on the job's current node
+  count when it runs in place (else ``g' = g``).
 - ``T_ideal = target_samples / g * max(1, requested * N / G)`` with the default
   ``ideal="fair_share"``: the job's whole running time at its requested size, stretched by
   Themis's contention model when its size exceeds its 1/N share of the cluster (time-slicing
@@ -49,11 +51,12 @@ from typing import Literal
 import numpy as np
 
 from scheduler.policies.estimates import (
+    current_nodes,
     goodput,
     in_place,
     isolated_time_s,
     pool_gpus,
-    remaining_time_s,
+    remaining_time,
     rigid_plan,
     sorted_by,
 )
@@ -87,13 +90,16 @@ class ThemisPolicy:
     def estimate(self, snapshot: ClusterSnapshot) -> FairnessEstimate:
         """Finish-time fairness of every active job (the module docstring defines each term)."""
         jobs = snapshot.jobs
-        rate = goodput(snapshot, jobs, packed=True)
-        remaining = remaining_time_s(snapshot, jobs)
-        ideal = isolated_time_s(jobs, rate)
+        n = len(jobs)
+        # One prediction for both: as placed now (remaining time) and packed (the ideal).
+        nodes = np.concatenate([current_nodes(snapshot, jobs), np.zeros(n, dtype=np.int64)])
+        both = goodput(snapshot, jobs + jobs, nodes=nodes)
+        remaining = remaining_time(jobs, both[:n])
+        ideal = isolated_time_s(jobs, both[n:])
         if self.ideal == "fair_share":
             capacity = pool_gpus(snapshot)
             requested = np.array([job.requested for job in jobs], dtype=np.float64)
-            share = capacity / len(jobs) if jobs else 0.0
+            share = capacity / n if n else 0.0
             ideal = ideal * (np.maximum(1.0, requested / share) if share > 0 else np.inf)
         elapsed = np.array([max(0.0, snapshot.time_s - job.submit_time_s) for job in jobs], dtype=np.float64)
         start = np.where(in_place(snapshot, jobs), 0.0, snapshot.restart_cost_s)
