@@ -533,8 +533,14 @@ class CacheCore:
 
     # -- fetching and admission ---------------------------------------------------------------------
 
-    async def _obtain(self, job: JobState, ds: DatasetState, key: str, size: int, etag: str) -> tuple[Entry | None, bytes]:
-        """Fetch (once, however many callers ask at the same time) and admit one object version."""
+    async def _obtain(
+        self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, data: bytes | None = None
+    ) -> tuple[Entry | None, bytes]:
+        """Fetch (once, however many callers ask at the same time) and admit one object version.
+
+        ``data``: bytes already at hand (staged by prefetch); then nothing is fetched.
+        Every admission goes through here, so one version is never written twice at once.
+        """
         flight = (ds.name, key, etag)
         pending = self._inflight.get(flight)
         if pending is not None:
@@ -543,7 +549,17 @@ class CacheCore:
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._inflight[flight] = future
         try:
-            data = await self._fetch(job, ds, key, size, etag)
+            existing = self._index.get((ds.name, key))
+            if data is None and existing is not None and existing.etag == etag and existing.verified \
+                    and not existing.doomed:
+                # Admitted by someone else since the caller looked: a local read beats a remote one.
+                existing.pins += 1
+                try:
+                    data = await asyncio.get_running_loop().run_in_executor(self._file_pool, _read_verified, existing)
+                finally:
+                    self._unpin(existing)
+            if data is None:
+                data = await self._fetch(job, ds, key, size, etag)
             entry = await self._admit(job, ds, key, etag, data)
             future.set_result((entry, data))
             return entry, data
@@ -581,6 +597,9 @@ class CacheCore:
         return None
 
     async def _admit(self, job: JobState, ds: DatasetState, key: str, etag: str, data: bytes) -> Entry | None:
+        existing = self._index.get((ds.name, key))
+        if existing is not None and existing.etag == etag and not existing.doomed:
+            return existing
         size = len(data)
         now = time.monotonic()
         part = job.partition or self.shared
@@ -597,7 +616,9 @@ class CacheCore:
             return None
         part.reserved += size
         tier.used += size
-        name = entry_name(ds.name, key, etag)
+        # Unique per admission: a doomed (evicted, still leased) copy of the same version never
+        # shares a path with its successor.
+        name = f"{entry_name(ds.name, key, etag)}.{secrets.token_hex(4)}"
         try:
             digest, mtime_ns = await asyncio.get_running_loop().run_in_executor(self._file_pool, tier.write, name, data)
         except OSError as exc:
@@ -651,8 +672,8 @@ class CacheCore:
         """Obtain a missing object, following a manifest replacement once if the store changed."""
         staged = job.consumed(ds.name, key)
         if staged is not None and len(staged) == size:
-            entry = await self._admit(job, ds, key, etag, staged)
-            return ds, entry, staged, size, etag
+            entry, data = await self._obtain(job, ds, key, size, etag, staged)
+            return ds, entry, data, size, etag
         try:
             entry, data = await self._obtain(job, ds, key, size, etag)
             return ds, entry, data, size, etag
@@ -733,6 +754,14 @@ class CacheCore:
         manifest = ds.manifest
         size, etag = manifest.sizes[pos], manifest.etags[pos]
         entry = self._lookup(ds.name, key, etag)
+        if entry is not None and entry.verified and not entry.doomed and self._intact(entry):
+            # Admitted (by a prefetch, another reader) since lease() looked.
+            entry.pins += 1
+            lease.entries.append(entry)
+            self._touch(job, entry, time.monotonic())
+            self._count_hit(job, entry, "lease")
+            job.consumed(ds.name, key)
+            return Served(key, entry.path, entry.size, etag, entry.tier.name)
         if entry is not None and not entry.verified and not entry.doomed:
             entry.pins += 1  # keep it while it is hashed
             ok = await asyncio.get_running_loop().run_in_executor(self._file_pool, entry.tier.verify, entry)

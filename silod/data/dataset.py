@@ -1,0 +1,318 @@
+"""``SilodDataset``: a map-style torch Dataset over a registered dataset's manifest.
+
+Path of a batch (``DataLoader`` calls ``__getitems__`` with the batch's indices):
+
+1. one ``Lease`` call to the node's cache server for all keys of the batch (misses are
+   fetched by the server, hits are already local);
+2. the leased files are read directly (the memory tier lives on tmpfs, the disk tier on local
+   disk: both are plain paths) -- no sample bytes pass through gRPC;
+3. the lease is released asynchronously.
+
+If the cache server cannot be reached (down, restarting, never configured) the objects are
+read from the remote store directly, verified against the manifest's version tags exactly as
+the cache server does. The switch is logged once per job run (shared by DataLoader workers);
+the cache server is tried again every ``retry_cache_after_s`` seconds.
+
+Channels are opened lazily in each process (after DataLoader forks its workers).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing
+import multiprocessing.context
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import torch.utils.data
+
+from silod.data.catalog import Manifest, ManifestNotFound, load_manifest
+from silod.data.store import ObjectStore
+
+_log = logging.getLogger("silod.data")
+
+DEFAULT_METADATA_ADDR = "127.0.0.1:7070"
+_DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+class DataError(RuntimeError):
+    """Reading the dataset failed for a reason the cache server or the store reported."""
+
+
+class _CacheDown(Exception):
+    pass
+
+
+def _server_side(exc: grpc.RpcError) -> bool:
+    """An UNAVAILABLE raised by the cache server's own code names a field ("keys[3]: remote store ...")
+    -- the store is down, not the cache server; falling back would not help."""
+    details = exc.details() or ""
+    return details.startswith(("keys[", "dataset:"))
+
+
+class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Samples of a registered dataset as ``bytes`` (or ``transform(bytes)``), in manifest order.
+
+    ``cache_addr`` (default ``$SILOD_CACHE_ADDR``; empty = no cache server, read the store
+    directly), ``metadata_addr`` (default ``$SILOD_METADATA_ADDR``, else 127.0.0.1:7070),
+    ``job_id`` (default ``$SILOD_JOB_ID``): the reader the cache server charges quotas and IO to.
+    The manifest is loaded once, here, and travels with the dataset to DataLoader workers.
+    """
+
+    def __init__(
+        self,
+        dataset_name: str,
+        *,
+        cache_addr: str | None = None,
+        metadata_addr: str | None = None,
+        job_id: str | None = None,
+        transform: Callable[[bytes], Any] | None = None,
+        token: str | None = None,
+        lease_s: float = 0.0,
+        timeout_s: float = 300.0,
+        retry_cache_after_s: float = 30.0,
+        direct_read_threads: int = 8,
+    ) -> None:
+        self.name = dataset_name
+        self.cache_addr = os.environ.get("SILOD_CACHE_ADDR", "") if cache_addr is None else cache_addr
+        self.metadata_addr = metadata_addr or os.environ.get("SILOD_METADATA_ADDR") or DEFAULT_METADATA_ADDR
+        self.job_id = os.environ.get("SILOD_JOB_ID", "") if job_id is None else job_id
+        self.transform = transform
+        self.token = os.environ.get("SILOD_AUTH_TOKEN", "") if token is None else token
+        self.lease_s = lease_s
+        self.timeout_s = timeout_s
+        self.retry_cache_after_s = retry_cache_after_s
+        self.direct_read_threads = direct_read_threads
+        self.manifest: Manifest = self._load_manifest()
+        # Shared with forked/spawned DataLoader workers: the fallback is announced once per run.
+        self._fallback_logged: Any = multiprocessing.Value("b", 0)
+        self._reset_process_state()
+
+    # -- manifest ---------------------------------------------------------------------------------
+
+    def _load_manifest(self) -> Manifest:
+        from services.runtime.client import open_channel
+        from silod.v1 import metadata_pb2_grpc
+
+        with open_channel(self.metadata_addr, token=self.token) as channel:
+            try:
+                return load_manifest(metadata_pb2_grpc.MetadataServiceStub(channel), self.name)
+            except ManifestNotFound:
+                raise DataError(f"dataset {self.name!r} is not registered at {self.metadata_addr}") from None
+            except grpc.RpcError as exc:
+                raise DataError(
+                    f"cannot load the manifest of {self.name!r} from {self.metadata_addr}: "
+                    f"{exc.code().name}: {exc.details()}"
+                ) from None
+
+    @property
+    def keys(self) -> list[str]:
+        return self.manifest.keys
+
+    # -- per-process state (opened lazily, after fork) ---------------------------------------------
+
+    def _reset_process_state(self) -> None:
+        self._pid = 0
+        self._channel: Any = None
+        self._stub: Any = None
+        self._store: ObjectStore | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._fallback_since: float | None = None
+        self._pending_releases: collections.deque[Any] = collections.deque(maxlen=64)
+        self.counters = collections.Counter()
+
+    def _ensure_process(self) -> None:
+        if self._pid == os.getpid():
+            return
+        # Inherited from the parent through fork: never use (or close) its channel here.
+        self._reset_process_state()
+        self._pid = os.getpid()
+
+    def _cache_stub(self) -> Any:
+        if self._stub is None:
+            from services.runtime.client import open_channel
+            from silod.v1 import cache_pb2_grpc
+
+            self._channel = open_channel(self.cache_addr, token=self.token, default_timeout_s=self.timeout_s)
+            self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
+        return self._stub
+
+    def _direct_store(self) -> ObjectStore:
+        if self._store is None:
+            self._store = ObjectStore(self.manifest.uri, self.manifest.storage_options)
+        return self._store
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in ("_channel", "_stub", "_store", "_pool", "_pending_releases"):
+            state[name] = None
+        state["_pid"] = 0
+        if multiprocessing.context.get_spawning_popen() is None:
+            state["_fallback_logged"] = None  # only shareable with processes being spawned
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pending_releases = collections.deque(maxlen=64)
+
+    # -- torch Dataset ---------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.manifest)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        positions = [int(i) for i in indices]
+        n = len(self.manifest)
+        for i in positions:
+            if not -n <= i < n:
+                raise IndexError(f"index {i} out of range for dataset {self.name!r} of {n} objects")
+        positions = [i % n for i in positions]
+        samples = self.read_batch(positions)
+        if self.transform is not None:
+            return [self.transform(s) for s in samples]
+        return samples
+
+    # -- reading ---------------------------------------------------------------------------------------
+
+    def read_batch(self, positions: Sequence[int]) -> list[bytes]:
+        """The bytes of the manifest objects at ``positions`` (one Lease for all of them)."""
+        self._ensure_process()
+        if self._cache_enabled():
+            try:
+                data = self._read_via_cache(positions)
+                if self._fallback_since is not None:
+                    _log.info("cache server reachable again; reading through it", extra={"cache": self.cache_addr})
+                    self._fallback_since = None
+                return data
+            except _CacheDown as exc:
+                self._enter_fallback(str(exc))
+        return self._read_direct(positions, [None] * len(positions))
+
+    def _cache_enabled(self) -> bool:
+        if not self.cache_addr:
+            return False
+        if self._fallback_since is None:
+            return True
+        return time.monotonic() - self._fallback_since >= self.retry_cache_after_s
+
+    def _enter_fallback(self, reason: str) -> None:
+        self._fallback_since = time.monotonic()
+        self.counters["fallbacks"] += 1
+        if self._stub is not None:
+            try:
+                self._channel.close()
+            except Exception:  # noqa: BLE001 -- a broken channel may fail to close; nothing to do
+                pass
+            self._channel = self._stub = None
+        first = True
+        shared = self._fallback_logged
+        if shared is not None:
+            with shared.get_lock():
+                first = not shared.value
+                shared.value = 1
+        level = logging.WARNING if first else logging.DEBUG
+        _log.log(
+            level,
+            "cache server %s unreachable (%s); reading dataset %s directly from %s"
+            " (logged once; retrying the cache every %gs)",
+            self.cache_addr, reason, self.name, self.manifest.uri, self.retry_cache_after_s,
+        )
+
+    def _read_via_cache(self, positions: Sequence[int]) -> list[bytes]:
+        from silod.v1 import cache_pb2
+
+        keys = [self.manifest.keys[p] for p in positions]
+        stub = self._cache_stub()
+        try:
+            response = stub.Lease(
+                cache_pb2.LeaseRequest(job_id=self.job_id, dataset=self.name, keys=keys, lease_s=self.lease_s),
+                timeout=self.timeout_s,
+            )
+        except grpc.RpcError as exc:
+            if exc.code() in _DOWN_CODES and not _server_side(exc):
+                raise _CacheDown(f"{exc.code().name}: {exc.details()}") from None
+            raise DataError(f"cache server: {exc.code().name}: {exc.details()}") from None
+        out: list[bytes | None] = []
+        expected: list[tuple[int, str] | None] = []
+        for obj in response.objects:
+            data = None
+            if obj.path:
+                try:
+                    with open(obj.path, "rb") as f:
+                        data = f.read()
+                except OSError:
+                    data = None
+                if data is not None and len(data) != obj.size_bytes:
+                    data = None
+            if data is None:
+                self.counters["lease_unreadable"] += 1
+            out.append(data)
+            expected.append((obj.size_bytes, obj.etag))
+        self.counters["leased"] += len(keys)
+        self.counters["lease_calls"] += 1
+        try:
+            self._pending_releases.append(
+                stub.ReleaseLease.future(cache_pb2.ReleaseLeaseRequest(lease_id=response.lease_id), timeout=30)
+            )
+        except Exception:  # noqa: BLE001 -- the lease expires on its own
+            pass
+        if any(d is None for d in out):
+            return self._read_direct(positions, out, expected)
+        return out  # type: ignore[return-value]
+
+    def _read_direct(
+        self,
+        positions: Sequence[int],
+        have: list[bytes | None],
+        expected: list[tuple[int, str] | None] | None = None,
+    ) -> list[bytes]:
+        """Fill the holes of ``have`` from the store, verified (size and version tag)."""
+        store = self._direct_store()
+        todo = [i for i, d in enumerate(have) if d is None]
+        if not todo:
+            return have  # type: ignore[return-value]
+
+        def one(i: int) -> bytes:
+            p = positions[i]
+            size, etag = self.manifest.sizes[p], self.manifest.etags[p]
+            if expected is not None and expected[i] is not None:
+                size, etag = expected[i]  # type: ignore[misc]  # the version the cache server served
+            return store.read(self.manifest.keys[p], size, etag)
+
+        if len(todo) == 1 or self.direct_read_threads <= 1:
+            results = [one(i) for i in todo]
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.direct_read_threads, thread_name_prefix="silod-data")
+            results = list(self._pool.map(one, todo))
+        for i, data in zip(todo, results):
+            have[i] = data
+        self.counters["direct"] += len(todo)
+        return have  # type: ignore[return-value]
+
+    def prefetch_hint(self, positions: Sequence[int]) -> None:
+        """Tell the cache server which objects come next (fire and forget; no-op without a cache)."""
+        if not positions:
+            return
+        self._ensure_process()
+        if not self.cache_addr or self._fallback_since is not None:
+            return
+        from silod.v1 import cache_pb2
+
+        keys = [self.manifest.keys[int(p)] for p in positions]
+        try:
+            self._pending_releases.append(
+                self._cache_stub().Prefetch.future(
+                    cache_pb2.PrefetchRequest(job_id=self.job_id, dataset=self.name, keys=keys), timeout=30
+                )
+            )
+        except Exception:  # noqa: BLE001 -- a hint is only a hint
+            pass
