@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler.placement import FreeGpus, place, plan_from_placements
-from scheduler.policy import NodeInfo
+from scheduler.policy import Allocation, NodeInfo
 from tests.scheduler.conftest import allocation, make_job, make_nodes, make_snapshot, snapshots
 
 
@@ -36,6 +36,12 @@ def test_shrinking_job_keeps_a_subset_on_the_fewest_nodes():
 
 def test_job_on_a_lost_node_is_moved():
     snap = make_snapshot(make_nodes(1, 4), [make_job("j", gpus=2)], current={"j": [("gone", (0, 1))]})
+    assert place(snap, {"j": 2}).placements["j"] == (("n0", (0, 1)),)
+
+
+def test_a_malformed_current_placement_is_replaced_not_trusted():
+    twice = Allocation(placement=(("n0", (0,)), ("n0", (0,))))
+    snap = make_snapshot(make_nodes(1, 4), [make_job("j", gpus=2)], current={"j": twice})
     assert place(snap, {"j": 2}).placements["j"] == (("n0", (0, 1)),)
 
 
