@@ -692,10 +692,14 @@ class CacheCore:
             raise self._store_error(exc, ds, where) from None
 
     async def _reload_for_change(self, ds: DatasetState) -> DatasetState:
+        """The store has another version than our manifest: was the dataset re-registered?"""
         current = self._datasets.get(ds.name, ds)
-        if current is not ds or time.monotonic() - ds.checked_at < 1.0:
-            return current  # someone reloaded it just now
+        if current is not ds:
+            return current  # someone reloaded it meanwhile
         try:
+            if self._probe_version is not None and await self._probe_version(ds.name) == ds.manifest.version:
+                ds.checked_at = time.monotonic()
+                return ds
             return await self._load_dataset(ds.name)
         except Exception as exc:
             _log.warning("manifest reload failed", extra={"dataset": ds.name, "error": str(exc)})

@@ -1,0 +1,386 @@
+"""CacheService over real gRPC (in-process server) against a real ``silod metadata`` process:
+leases, streams, bad input, changed objects, corruption, single-flight, leases vs eviction,
+full disks, plans (quotas, policies, IO rates) and best-effort prefetch."""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+
+from services.runtime.errors import InvalidArgument
+from silod.v1 import cache_pb2
+from tests.cache_server.harness import InProcessCache, make_dataset, quota, read_leased, register
+
+
+def _metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def _rpc_error(call) -> grpc.RpcError:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
+
+
+def _assert_error(call, code: grpc.StatusCode, field: str) -> str:  # type: ignore[no-untyped-def]
+    error = _rpc_error(call)
+    assert error.code() == code, error.details()
+    assert error.details().startswith(f"{field}:"), error.details()
+    return error.details()
+
+
+@pytest.fixture
+def small(tmp_path: Path, metadata: str, request: pytest.FixtureRequest) -> tuple[str, dict[str, bytes], Path]:
+    """A 40-object file:// dataset registered under a name unique to the test."""
+    name = "small-" + request.node.name.replace("[", "-").replace("]", "")[:80]
+    root = tmp_path / "store"
+    files = make_dataset(root, 40, 3000, seed=hash(name) % 1000)
+    register(metadata, name, f"file://{root}")
+    return name, files, root
+
+
+def test_lease_hands_out_files_and_hits_need_no_bytes_through_grpc(
+    small: tuple[str, dict[str, bytes], Path], tmp_path: Path, metadata: str
+) -> None:
+    name, files, _ = small
+    keys = sorted(files)
+    with InProcessCache(tmp_path, metadata, memory_cache_bytes=40_000) as cache:
+        first = cache.lease("job-lease", name, keys)
+        assert [o.key for o in first.objects] == keys
+        assert {o.tier for o in first.objects} == {"remote"}
+        assert read_leased(first) == files
+        assert first.expires_at.seconds > time.time() + 30  # default lease 60 s
+        cache.stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=first.lease_id))
+        cache.stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=first.lease_id))  # idempotent
+
+        streamed_before = _metric("silod_cache_streamed_bytes_total", job="job-lease")
+        second = cache.lease("job-lease", name, keys)
+        tiers = [o.tier for o in second.objects]
+        # The memory tier (a tmpfs-like directory) fills first, then disk: both are paths.
+        assert tiers.count("memory") == 13 and tiers.count("disk") == 27
+        assert read_leased(second) == files
+        assert _metric("silod_cache_streamed_bytes_total", job="job-lease") == streamed_before  # hits: no gRPC bytes
+        assert _metric("silod_cache_hits_total", tier="memory", job="job-lease", path="lease") == 13
+        assert _metric("silod_cache_hits_total", tier="disk", job="job-lease", path="lease") == 27
+
+        stats = cache.stats("job-lease")
+        job = stats.jobs[0]
+        assert (job.hits, job.misses, job.hit_ratio, job.remote_bytes) == (40, 40, 0.5, 120_000)
+        assert stats.node == "test-node" and stats.plan_version == 0
+        memory, disk = stats.tiers
+        assert (memory.tier, memory.used_bytes, memory.hits, memory.misses) == ("memory", 39_000, 13, 67)
+        assert (disk.tier, disk.used_bytes, disk.hits, disk.misses) == ("disk", 81_000, 27, 40)
+        _assert_error(lambda: cache.stats("nobody"), grpc.StatusCode.NOT_FOUND, "job_id")
+
+
+def test_read_streams_chunks_of_at_most_one_mib(tmp_path: Path, metadata: str) -> None:
+    root = tmp_path / "big"
+    root.mkdir()
+    payload = os.urandom((5 << 20) // 2)  # 2.5 MiB
+    (root / "big.bin").write_bytes(payload)
+    (root / "empty.bin").write_bytes(b"")
+    register(metadata, "big", f"file://{root}")
+    with InProcessCache(tmp_path, metadata) as cache:
+        for _ in range(2):  # miss, then hit
+            chunks = list(cache.stub.Read(cache_pb2.ReadRequest(job_id="r", dataset="big",
+                                                                keys=["big.bin", "empty.bin"])))
+            big = [c for c in chunks if c.key == "big.bin"]
+            assert all(len(c.data) <= 1 << 20 for c in chunks)
+            assert [c.offset for c in big] == [0, 1 << 20, 2 << 20] and [c.last for c in big] == [False, False, True]
+            assert b"".join(c.data for c in big) == payload
+            assert [(c.data, c.last) for c in chunks if c.key == "empty.bin"] == [(b"", True)]
+        assert chunks[0].tier == "disk"
+
+
+def test_bad_keys_and_unknown_datasets_are_refused_naming_the_field(
+    small: tuple[str, dict[str, bytes], Path], tmp_path: Path, metadata: str
+) -> None:
+    name, files, root = small
+    good = sorted(files)[0]
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret").write_bytes(b"s" * 3000)
+    victim = sorted(files)[1]
+    (root / victim).unlink()
+    (root / victim).symlink_to(tmp_path / "outside" / "secret")  # a manifest key now leads outside
+    with InProcessCache(tmp_path, metadata) as cache:
+        for bad, index in (("../x", 1), ("/etc/passwd", 1), ("a\x00b", 1), ("a/../../etc/passwd", 1)):
+            for call in (
+                lambda: cache.lease("j", name, [good, bad]),
+                lambda: cache.read_all("j", name, [good, bad]),
+                lambda: cache.stub.Prefetch(cache_pb2.PrefetchRequest(job_id="j", dataset=name, keys=[good, bad])),
+            ):
+                _assert_error(call, grpc.StatusCode.INVALID_ARGUMENT, f"keys[{index}]")
+        message = _assert_error(lambda: cache.lease("j", name, [good, victim]), grpc.StatusCode.INVALID_ARGUMENT,
+                                "keys[1]")
+        assert "outside the dataset root" in message
+        _assert_error(lambda: cache.lease("j", "no-such-dataset", [good]), grpc.StatusCode.NOT_FOUND, "dataset")
+        _assert_error(lambda: cache.lease("j", "", [good]), grpc.StatusCode.INVALID_ARGUMENT, "dataset")
+        _assert_error(lambda: cache.lease("j", name, [good, "not/there"]), grpc.StatusCode.NOT_FOUND, "keys[1]")
+        _assert_error(lambda: cache.lease("j", name, []), grpc.StatusCode.INVALID_ARGUMENT, "keys")
+        _assert_error(lambda: cache.lease("j", name, [good] * 4097), grpc.StatusCode.INVALID_ARGUMENT, "keys")
+        for lease_s in (-1.0, math.nan, 1e9):
+            _assert_error(lambda: cache.lease("j", name, [good], lease_s), grpc.StatusCode.INVALID_ARGUMENT, "lease_s")
+        # The good key still works: no failed call left a pin or a file behind.
+        assert read_leased(cache.lease("j", name, [good])) == {good: files[good]}
+        assert all(e.pins == 0 for e in cache.core._index.values() if e.key != good)
+
+
+def test_a_replaced_object_is_never_served_stale(
+    small: tuple[str, dict[str, bytes], Path], tmp_path: Path, metadata: str
+) -> None:
+    name, files, root = small
+    cached, changed = sorted(files)[:2]
+    with InProcessCache(tmp_path, metadata) as cache:
+        assert read_leased(cache.lease("j", name, [cached])) == {cached: files[cached]}
+        # Replaced in the store behind the manifest's back: same size, new bytes, new mtime.
+        new_bytes = os.urandom(3000)
+        (root / changed).write_bytes(new_bytes)
+        os.utime(root / changed, ns=(1, 10**18))
+        message = _assert_error(lambda: cache.lease("j", name, [cached, changed]),
+                                grpc.StatusCode.FAILED_PRECONDITION, "keys[1]")
+        assert "changed in the store" in message and "--replace" in message
+        _assert_error(lambda: cache.read_all("j", name, [changed]), grpc.StatusCode.FAILED_PRECONDITION, "keys[0]")
+        # Re-registered: the manifest now names the new version; the cache follows it at once.
+        register(metadata, name, f"file://{root}", replace=True)
+        response = cache.lease("j", name, [cached, changed])
+        assert read_leased(response) == {cached: files[cached], changed: new_bytes}
+        assert response.objects[1].etag != response.objects[0].etag
+
+        # And a cached object replaced + re-registered: the old copy is dropped, never served.
+        newer = os.urandom(3000)
+        (root / cached).write_bytes(newer)
+        os.utime(root / cached, ns=(1, 2 * 10**18))
+        register(metadata, name, f"file://{root}", replace=True)
+        cache.call(lambda: setattr(cache.core._datasets[name], "checked_at", 0.0))  # as after manifest_refresh_s
+        cache.lease("j", name, [changed])  # notices the new manifest version in the background
+        deadline = time.monotonic() + 10
+        while cache.core._datasets[name].manifest.version < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert read_leased(cache.lease("j", name, [cached])) == {cached: newer}
+
+
+def test_corrupted_cache_files_are_detected_and_fetched_again(
+    small: tuple[str, dict[str, bytes], Path], tmp_path: Path, metadata: str
+) -> None:
+    name, files, _ = small
+    a, b = sorted(files)[:2]
+    with InProcessCache(tmp_path, metadata) as cache:
+        first = cache.lease("j", name, [a, b])
+        cache.stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=first.lease_id))
+        path_a = Path(first.objects[0].path)
+        with open(path_a, "r+b") as f:  # bit rot / a stray writer while the server runs
+            f.seek(100)
+            f.write(b"\xff\xfe")
+        again = cache.lease("j", name, [a, b])
+        assert [o.tier for o in again.objects] == ["remote", "disk"]
+        assert read_leased(again) == {a: files[a], b: files[b]}
+        cache.stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=again.lease_id))
+        path_b = Path(again.objects[1].path)
+    corrupt_before = _metric("silod_cache_corrupt_total", tier="disk")
+    # While the server is down: flip bytes and put the mtime back, so only the checksum tells.
+    st = path_b.stat()
+    data = bytearray(path_b.read_bytes())
+    data[5] ^= 0xFF
+    path_b.write_bytes(bytes(data))
+    os.utime(path_b, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with InProcessCache(tmp_path, metadata) as cache:
+        response = cache.lease("j", name, [a, b])
+        assert read_leased(response) == {a: files[a], b: files[b]}
+        assert [o.tier for o in response.objects] == ["disk", "remote"]  # a survived the restart, b refetched
+    assert _metric("silod_cache_corrupt_total", tier="disk") == corrupt_before + 1
+
+
+def test_concurrent_misses_fetch_each_object_once(
+    small: tuple[str, dict[str, bytes], Path], tmp_path: Path, metadata: str
+) -> None:
+    name, files, _ = small
+    keys = sorted(files)
+    with InProcessCache(tmp_path, metadata) as cache:
+        results: list[dict[str, bytes]] = []
+        threads = [threading.Thread(target=lambda: results.append(read_leased(cache.lease("sf", name, keys))))
+                   for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [files] * 8
+        assert _metric("silod_cache_remote_fetches_total", job="sf") == len(keys)
+
+
+def test_leased_files_outlive_eviction_until_released(
+    small: tuple[str, dict[str, bytes], Path], tmp_path: Path, metadata: str
+) -> None:
+    name, files, _ = small
+    keys = sorted(files)
+    with InProcessCache(tmp_path, metadata) as cache:
+        assert cache.apply_quotas([quota("lr", name, 30_000, policy="lru")], 1)  # room for 10 objects
+        held = cache.lease("lr", name, keys[:10])
+        paths = [Path(o.path) for o in held.objects]
+        others = cache.lease("lr", name, keys[10:30])  # cannot evict the held ten: passes through
+        assert read_leased(others) == {k: files[k] for k in keys[10:30]}
+        assert all(p.exists() for p in paths) and read_leased(held) == {k: files[k] for k in keys[:10]}
+        cache.stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=held.lease_id))
+        cache.stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=others.lease_id))
+        # Pass-through objects got transient files, gone with the lease.
+        assert not any(Path(o.path).exists() for o in others.objects)
+        cache.lease("lr", name, keys[30:40])  # now the ten can be evicted
+        assert sum(p.exists() for p in paths) == 0
+        # An expired lease releases its pins too.
+        short = cache.lease("lr", name, keys[:5], lease_s=0.5)
+        time.sleep(1.7)
+        assert short.lease_id not in cache.core._leases
+
+
+def test_a_full_disk_degrades_to_pass_through(
+    small: tuple[str, dict[str, bytes], Path], tmp_path: Path, metadata: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name, files, _ = small
+    keys = sorted(files)
+    with InProcessCache(tmp_path, metadata) as cache:
+        disk = cache.core.tiers[0]
+
+        def enospc(name: str, data: bytes) -> tuple[str, int]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(disk, "write", enospc)
+        response = cache.lease("full", name, keys[:10])
+        assert read_leased(response) == {k: files[k] for k in keys[:10]}
+        assert disk.used == 0 and disk.full_until > time.monotonic()
+        assert _metric("silod_cache_pass_through_total", job="full", reason="no-space") >= 10
+        assert cache.read_all("full", name, keys[10:20]) == {k: files[k] for k in keys[10:20]}
+        # No transient space either: the object comes back without a path, the call still succeeds.
+        monkeypatch.setattr(cache.core, "_transient_dir", str(tmp_path / "no" / "such" / "dir"))
+        bare = cache.lease("full", name, keys[20:22])
+        assert [o.path for o in bare.objects] == ["", ""] and [o.size_bytes for o in bare.objects] == [3000, 3000]
+
+
+def test_apply_quotas_checks_the_plan_and_applies_each_version_once(tmp_path: Path, metadata: str) -> None:
+    with InProcessCache(tmp_path, metadata, disk_cache_bytes=1000) as cache:
+        with pytest.raises(InvalidArgument, match="^cache_quotas: .*capacity"):
+            cache.apply_quotas([quota("a", "d", 600), quota("b", "d", 600)], 1)
+        with pytest.raises(InvalidArgument, match=r"^cache_quotas\[1\].job_id"):
+            cache.apply_quotas([quota("a", "d", 1), quota("a", "d", 1)], 1)
+        with pytest.raises(InvalidArgument, match=r"^cache_quotas\[0\].cache_policy"):
+            cache.apply_quotas([quota("a", "d", 1, policy="fifo")], 1)
+        with pytest.raises(InvalidArgument, match=r"^cache_quotas\[0\].cache_quota_bytes"):
+            cache.apply_quotas([quota("a", "d", -1)], 1)
+        assert cache.core.plan_version == 0  # refused plans change nothing
+
+        # Quota-only plan: no job has an IO grant, so none is limited.
+        assert cache.apply_quotas([quota("a", "d", 400), quota("b", "d", 0)], 3)
+        assert not cache.apply_quotas([quota("a", "d", 1)], 3)  # same version: applied once
+        assert not cache.apply_quotas([quota("a", "d", 1)], 2)  # older version
+        stats = {j.job_id: j for j in cache.stats().jobs}
+        assert stats["a"].quota_bytes == 400 and stats["a"].remote_io_limit_bytes_per_s == 0
+        assert stats["b"].remote_io_limit_bytes_per_s == 0
+        assert cache.stats().plan_version == 3 and cache.core.shared.capacity == 600
+
+        # IO granted to some: b = 0 means "none granted" -> the trickle rate, never a hard block.
+        assert cache.apply_quotas([quota("a", "d", 400, io_rate=5000, policy="lru"), quota("b", "d", 0)], 4)
+        stats = {j.job_id: j for j in cache.stats().jobs}
+        assert stats["a"].remote_io_limit_bytes_per_s == 5000
+        assert stats["b"].remote_io_limit_bytes_per_s == cache.settings.unallocated_io_trickle_bytes_per_s
+        assert cache.core.job("a").partition.policy == "lru"
+
+        # A job gone from the plan: unlimited, back to best effort.
+        assert cache.apply_quotas([], 5)
+        assert cache.core.job("a").partition is None and cache.core.job("a").limit == 0
+        assert cache.core.shared.capacity == 1000
+
+
+def _epoch_hit_ratios(cache: InProcessCache, job: str, name: str, keys: list[str], epochs: int) -> list[float]:
+    import random
+
+    ratios = []
+    rng = random.Random(7)
+    for _ in range(epochs):
+        order = keys[:]
+        rng.shuffle(order)
+        before = cache.stats(job).jobs[0] if cache.core.job(job) else None
+        hits0 = before.hits if before else 0
+        for start in range(0, len(order), 50):  # batches of 50: leases pin little at a time
+            response = cache.lease(job, name, order[start : start + 50])
+            cache.stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=response.lease_id))
+        ratios.append((cache.stats(job).jobs[0].hits - hits0) / len(order))
+    return ratios
+
+
+def test_uniform_keeps_quota_over_size_hits_and_lru_thrashes(tmp_path: Path, metadata: str) -> None:
+    root = tmp_path / "many"
+    files = make_dataset(root, 2000, 256, seed=3)
+    register(metadata, "many", f"file://{root}")
+    keys = sorted(files)
+    half = 2000 * 256 // 2
+    with InProcessCache(tmp_path, metadata) as cache:
+        cache.apply_quotas([quota("u", "many", half, policy="uniform"), quota("l", "many", half, policy="lru")], 1)
+        # One run after the other, the first run's objects dropped in between.
+        uniform = _epoch_hit_ratios(cache, "u", "many", keys, 3)
+        cache.call(lambda: [cache.core._evict(e) for e in list(cache.core._index.values())])
+        lru = _epoch_hit_ratios(cache, "l", "many", keys, 3)
+    print(f"\nper-epoch hit ratio at quota = dataset/2: uniform {uniform}, lru {lru} "
+          f"(closed form: uniform 0.5, lru 0.5 + 0.5 ln 0.5 = {0.5 + 0.5 * math.log(0.5):.3f})")
+    assert uniform[0] == 0.0
+    for ratio in uniform[1:]:
+        assert ratio == pytest.approx(0.50, abs=0.03)
+    for ratio in lru[1:]:
+        assert ratio < 0.3 and ratio == pytest.approx(0.153, abs=0.05)
+
+
+def test_remote_io_rate_from_the_plan_is_enforced(tmp_path: Path, metadata: str) -> None:
+    root = tmp_path / "rate"
+    files = make_dataset(root, 100, 20_000, seed=4)
+    register(metadata, "rate", f"file://{root}")
+    rate = 1_000_000  # 2 MB at 1 MB/s: ~2 s
+    with InProcessCache(tmp_path, metadata) as cache:
+        cache.apply_quotas([quota("io", "rate", 0, io_rate=rate)], 1)
+        keys = sorted(files)
+        started = time.monotonic()
+        for start in range(0, len(keys), 10):
+            cache.lease("io", "rate", keys[start : start + 10])
+        elapsed = time.monotonic() - started
+        job = cache.stats("io").jobs[0]
+    measured = job.remote_bytes / elapsed
+    print(f"\nremote IO: {job.remote_bytes} bytes in {elapsed:.2f} s = {measured:,.0f} B/s (limit {rate:,} B/s)")
+    assert job.remote_bytes == 2_000_000
+    assert measured == pytest.approx(rate, rel=0.10)
+    assert job.remote_io_limit_bytes_per_s == rate
+
+
+def test_best_effort_prefetch_runs_ahead_no_further_than_the_job_consumes(
+    tmp_path: Path, metadata: str
+) -> None:
+    root = tmp_path / "pf"
+    files = make_dataset(root, 600, 1000, seed=5)
+    register(metadata, "pf", f"file://{root}")
+    keys = sorted(files)
+    with InProcessCache(tmp_path, metadata, prefetch_lookahead_s=0.2) as cache:
+        queued = cache.stub.Prefetch(cache_pb2.PrefetchRequest(job_id="be", dataset="pf", keys=keys))
+        assert (queued.objects_queued, queued.bytes_queued) == (600, 600_000)
+        time.sleep(0.8)
+        # The job has not read anything: only the minimum window (64 objects) was fetched.
+        window = cache.core.config.prefetch_min_objects
+        assert len(cache.core._index) == window
+        # The job consumes: the window slides along and what it reads next is already cached.
+        tiers: list[str] = []
+        for start in range(0, 400, 40):
+            response = cache.lease("be", "pf", keys[start : start + 40])
+            tiers += [o.tier for o in response.objects]
+            cache.stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=response.lease_id))
+            time.sleep(0.05)
+        assert tiers.count("disk") > 300, tiers.count("disk")
+        assert len(cache.core._index) < 600  # still bounded by the window, not the whole queue
+
+        # Dataset preload (no job): everything, as fast as the store allows.
+        cache.stub.Prefetch(cache_pb2.PrefetchRequest(dataset="pf"))
+        deadline = time.monotonic() + 10
+        while len(cache.core._index) < 600 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(cache.core._index) == 600
