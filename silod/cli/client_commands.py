@@ -47,6 +47,15 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     show.set_defaults(handler=_dataset_show)
     for p in (reg, lst, show):
         _add_connection_flags(p, default_addr=True)
+    preload = ds_sub.add_parser("preload", help="ask a node's cache server to fetch a dataset (or some keys) ahead of use")
+    preload.add_argument("name", help="registered dataset name")
+    preload.add_argument("--cache", default=os.environ.get("SILOD_CACHE_ADDR", "127.0.0.1:7071"),
+                         help="cache server HOST:PORT (env SILOD_CACHE_ADDR; default 127.0.0.1:7071)")
+    preload.add_argument("--job", default="", help="charge the fetches to this job's quota and IO rate "
+                         "(default: node-wide preload into the shared cache)")
+    preload.add_argument("--key", action="append", default=[], help="only this object key (repeatable; default all)")
+    _add_connection_flags(preload)
+    preload.set_defaults(handler=_dataset_preload)
 
 
 def _add_connection_flags(p: argparse.ArgumentParser, default_addr: bool = False) -> None:
@@ -194,6 +203,21 @@ def _dataset_show(args: argparse.Namespace) -> int:
         print(f"  {obj.key}  {obj.size_bytes} B  etag {obj.etag}")
     if d.num_objects > len(objects):
         print(f"  ... {d.num_objects - len(objects)} more")
+    return 0
+
+
+def _dataset_preload(args: argparse.Namespace) -> int:
+    from silod.v1 import cache_pb2, cache_pb2_grpc
+
+    with _channel(args.cache, args) as channel:
+        try:
+            reply = cache_pb2_grpc.CacheServiceStub(channel).Prefetch(
+                cache_pb2.PrefetchRequest(job_id=args.job, dataset=args.name, keys=args.key), timeout=120
+            )
+        except grpc.RpcError as exc:
+            return _rpc_failure(exc)
+    print(f"queued {reply.objects_queued} objects ({_human_bytes(reply.bytes_queued)}) of {args.name} "
+          f"at {args.cache}; fetching in the background")
     return 0
 
 

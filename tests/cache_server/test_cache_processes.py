@@ -1,0 +1,145 @@
+"""Real processes end to end: ``silod metadata`` + ``silod cache-server`` + the SDK in a torch
+DataLoader, against an S3-protocol server (moto) on loopback and against a local store while
+the cache server is SIGKILLed mid-epoch."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import pytest
+import torch.utils.data
+
+from silod.data import EpochShuffleSampler, SilodDataset
+from silod.v1 import cache_pb2, cache_pb2_grpc
+from tests.cache_server.harness import aws_test_env, make_dataset, moto_s3, register, silod_cli
+from tests.support.procs import free_port, start_service
+
+
+def _cli(*argv: str, env: dict[str, str]) -> str:
+    result = subprocess.run([sys.executable, "-m", "silod.cli", *argv], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, **env})
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _loader(dataset: SilodDataset, sampler: EpochShuffleSampler, batch: int, workers: int) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers,
+                                       collate_fn=list, multiprocessing_context="fork" if workers else None)
+
+
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("silod_cache_") and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def test_s3_dataset_end_to_end_through_real_processes(tmp_path: Path, metadata: str) -> None:
+    import boto3
+
+    env = aws_test_env()
+    with moto_s3() as endpoint:
+        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        s3.create_bucket(Bucket="silod-e2e")
+        objects = {f"img/{i % 4}/{i:04d}.jpg": os.urandom(4000 + i) for i in range(120)}
+        for key, data in objects.items():
+            s3.put_object(Bucket="silod-e2e", Key=f"train/{key}", Body=data)
+        out = _cli("dataset", "register", "s3-e2e", "s3://silod-e2e/train", "--option", f"endpoint_url={endpoint}",
+                   "--metadata", metadata, env=env)
+        assert "120 objects" in out
+
+        metrics_port = free_port()
+        with start_service(
+            "cache-server", "--metadata-address", metadata, "--disk-cache-dir", str(tmp_path / "disk"),
+            "--memory-cache-dir", str(tmp_path / "mem"), "--memory-cache-bytes", "200000",
+            "--metrics-port", str(metrics_port), "--log-level", "warning", env=env, workdir=tmp_path / "cs",
+        ) as cache:
+            stub = cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(cache.address))
+            # Replaced in the bucket after registration: new ETag, never served stale ...
+            changed = "img/0/0000.jpg"
+            objects[changed] = os.urandom(4000)
+            s3.put_object(Bucket="silod-e2e", Key=f"train/{changed}", Body=objects[changed])
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Lease(cache_pb2.LeaseRequest(job_id="e2e", dataset="s3-e2e", keys=[changed]))
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert info.value.details().startswith("keys[0]:") and "changed in the store" in info.value.details()
+            # ... until the dataset is re-registered.
+            _cli("dataset", "register", "s3-e2e", "s3://silod-e2e/train", "--option", f"endpoint_url={endpoint}",
+                 "--replace", "--metadata", metadata, env=env)
+
+            dataset = SilodDataset("s3-e2e", cache_addr=cache.address, metadata_addr=metadata, job_id="e2e")
+            sampler = EpochShuffleSampler(dataset, seed=1)
+            by_content = Counter(objects.values())
+            for epoch in range(2):
+                sampler.set_epoch(epoch)
+                seen = Counter(b for batch in _loader(dataset, sampler, 16, 2) for b in batch)
+                assert seen == by_content, f"epoch {epoch}: bytes differ from the bucket"
+            job = stub.Stats(cache_pb2.StatsRequest(job_id="e2e")).jobs[0]
+            assert job.hits >= 120 and job.hit_ratio >= 0.5  # the whole second epoch hit
+            metrics = _scrape(metrics_port)
+            lease_hits = sum(v for k, v in metrics.items()
+                             if k.startswith("silod_cache_hits_total{") and 'job="e2e"' in k and 'path="lease"' in k)
+            assert lease_hits == job.hits  # every hit went by lease ...
+            assert not any(v for k, v in metrics.items()
+                           if k.startswith("silod_cache_streamed_bytes_total") and 'job="e2e"' in k)  # ... none by stream
+            assert metrics['silod_cache_remote_bytes_total{job="e2e"}'] == sum(len(b) for b in objects.values())
+
+
+def test_sigkill_of_the_cache_server_mid_epoch_falls_back_to_the_store(tmp_path: Path, metadata: str) -> None:
+    root = tmp_path / "store"
+    files = make_dataset(root, 400, 4000, seed=11)
+    register(metadata, "kill-me", f"file://{root}")
+    log_file = tmp_path / "sdk.log"
+    handler = logging.FileHandler(log_file)  # inherited by the forked DataLoader workers
+    handler.setLevel(logging.WARNING)
+    logger = logging.getLogger("silod.data")
+    logger.addHandler(handler)
+    try:
+        with start_service("cache-server", "--metadata-address", metadata, "--disk-cache-dir", str(tmp_path / "d"),
+                           "--memory-cache-bytes", "0", "--log-level", "warning", workdir=tmp_path / "cs") as cache:
+            dataset = SilodDataset("kill-me", cache_addr=cache.address, metadata_addr=metadata, job_id="k",
+                                   retry_cache_after_s=3600)
+            sampler = EpochShuffleSampler(dataset, seed=3)
+            seen: Counter[bytes] = Counter()
+            for i, batch in enumerate(_loader(dataset, sampler, 20, 2)):
+                seen.update(batch)
+                if i == 4:
+                    cache.kill()  # SIGKILL: no shutdown code runs
+            assert not cache.running()
+        assert seen == Counter(files.values())
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    warnings = [line for line in log_file.read_text().splitlines() if "unreachable" in line]
+    assert len(warnings) == 1, warnings
+    assert "reading dataset kill-me directly" in warnings[0]
+
+
+def test_preload_cli_fills_the_cache(tmp_path: Path, metadata: str) -> None:
+    root = tmp_path / "store"
+    files = make_dataset(root, 50, 2000, seed=12)
+    register(metadata, "preload-me", f"file://{root}")
+    with start_service("cache-server", "--metadata-address", metadata, "--disk-cache-dir", str(tmp_path / "d"),
+                       "--memory-cache-bytes", "0", "--log-level", "warning", workdir=tmp_path / "cs") as cache:
+        code, out = silod_cli("dataset", "preload", "preload-me", "--cache", cache.address)
+        assert code == 0 and "queued 50 objects" in out, out
+        stub = cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(cache.address))
+        deadline = time.monotonic() + 10
+        while stub.Stats(cache_pb2.StatsRequest()).tiers[0].used_bytes < 100_000 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stub.Stats(cache_pb2.StatsRequest()).tiers[0].used_bytes == 100_000
+        response = stub.Lease(cache_pb2.LeaseRequest(job_id="p", dataset="preload-me", keys=sorted(files)))
+        assert {o.tier for o in response.objects} == {"disk"}
+        code, out = silod_cli("dataset", "preload", "nope", "--cache", cache.address)
+        assert code == 1 and "NOT_FOUND: dataset:" in out
