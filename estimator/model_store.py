@@ -1,0 +1,234 @@
+"""Where the estimator keeps fitted job models: in memory, persisted through the metadata service.
+
+A :class:`JobRecord` is everything the estimator knows about one job: its :class:`JobModel`
+(the fitted parameters predictions use), the :class:`ObservationLog` later refits start from
+and how many observations went in. It round-trips through ``silod.v1.JobModelParams``: the
+model's and the log's flat ``params`` side by side, so a restarted estimator resumes where it
+stopped.
+
+:class:`ModelStore` holds the records of this process. With a metadata stub attached every
+change is written through with ``PutJobModel`` and jobs missing from memory are read with
+``GetJobModel``; without one the records live in memory only and die with the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from estimator.fitting import ObservationLog
+from estimator.job_model import JobModel
+from services.runtime.structured_logging import get_logger
+from silod.v1 import common_pb2, metadata_pb2
+
+_log = get_logger("silod.estimator")
+
+# The metadata store accepts at most 256 params per job. The model takes 16 and each log entry
+# (one configuration the job ran in) 7, so the log keeps the 32 most recently observed
+# configurations: 16 + 32 * 7 = 240.
+MAX_LOG_ENTRIES = 32
+# Seconds a "no model stored for this job" answer of the metadata service is trusted by Predict
+# before it asks again (this process writes models itself, so the answer only goes stale when
+# another estimator fits the same job).
+ABSENT_TTL_S = 30.0
+# Seconds Predict stops asking an unreachable metadata service (each attempt costs the channel's
+# retries) and falls back to profiles straight away.
+DOWN_BACKOFF_S = 5.0
+
+# Metadata answers that mean "the metadata service cannot be used right now", as opposed to a
+# bug on either side.
+_UNUSABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+}
+
+
+class MetadataUnavailable(Exception):
+    """The metadata service could not be reached or refused us; the message says which and why."""
+
+
+class UnknownJob(Exception):
+    """The metadata service has no such job (PutJobModel answered NOT_FOUND)."""
+
+
+class UnusableRecord(Exception):
+    """A stored JobModelParams cannot be turned back into a model (missing or out-of-range params)."""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What the estimator knows about one job. Never mutated: changes make a new record."""
+
+    job_id: str
+    model: JobModel
+    log: ObservationLog = field(default_factory=ObservationLog)  # treat as read-only; copy to change
+    observations: int = 0  # StepObservations folded in over the job's life
+    updated_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    # The flat JobModelParams.params of model and log. Computed when left empty; a record read
+    # from the metadata service keeps the stored values exactly (the log's running means do not
+    # survive a round trip bit for bit), so what GetJobModel returns never drifts.
+    params: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.params:
+            object.__setattr__(self, "params", {**self.model.to_params(), **self.log.to_params()})
+
+    def to_proto(self) -> common_pb2.JobModelParams:
+        stamp = Timestamp()
+        stamp.FromDatetime(self.updated_at)
+        return common_pb2.JobModelParams(
+            job_id=self.job_id,
+            application=self.model.application,
+            params=self.params,
+            observations=self.observations,
+            updated_at=stamp,
+        )
+
+    @classmethod
+    def from_proto(cls, proto: common_pb2.JobModelParams) -> JobRecord:
+        """Inverse of :meth:`to_proto`; :class:`UnusableRecord` if the params make no model."""
+        params = dict(proto.params)
+        try:
+            model = JobModel.from_params(proto.application, params)
+            log = ObservationLog.from_params(params)
+        except (ValueError, KeyError, IndexError) as exc:
+            raise UnusableRecord(f"stored model of job {proto.job_id!r} cannot be read: {exc}") from exc
+        updated = proto.updated_at.ToDatetime(tzinfo=UTC) if proto.HasField("updated_at") else datetime.now(UTC)
+        return cls(proto.job_id, model, log, int(proto.observations), updated, params)
+
+
+def copy_log(log: ObservationLog) -> ObservationLog:
+    return ObservationLog(entries={key: list(value) for key, value in log.entries.items()})
+
+
+def trim_log(log: ObservationLog, recent: Iterable[tuple[int, int, int, int]]) -> None:
+    """Move the ``recent`` configurations to the end of ``log`` (mutated), then keep the last MAX_LOG_ENTRIES."""
+    for key in recent:
+        if key in log.entries:
+            log.entries[key] = log.entries.pop(key)
+    while len(log.entries) > MAX_LOG_ENTRIES:
+        del log.entries[next(iter(log.entries))]
+
+
+class ModelStore:
+    """Job records of this process; written through to the metadata service when it has a stub."""
+
+    def __init__(self, metadata_address: str = "") -> None:
+        self.metadata_address = metadata_address
+        self._stub = None  # MetadataServiceStub, attached once the event loop runs
+        self._records: dict[str, JobRecord] = {}
+        self._absent: dict[str, float] = {}  # job id -> monotonic time metadata said "no model"
+        self._dirty: dict[str, bytes] = {}  # job id -> digest of the Observe applied but not persisted
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._down_until = 0.0
+
+    def attach(self, stub: object) -> None:
+        self._stub = stub
+
+    @property
+    def persistent(self) -> bool:
+        return self._stub is not None
+
+    def lock(self, job_id: str) -> asyncio.Lock:
+        """Serializes the read-refit-write of one job's Observe calls."""
+        lock = self._locks.get(job_id)
+        if lock is None:
+            lock = self._locks[job_id] = asyncio.Lock()
+        return lock
+
+    def cached(self, job_id: str) -> JobRecord | None:
+        return self._records.get(job_id)
+
+    def pending_digest(self, job_id: str) -> bytes | None:
+        """Digest of the Observe request applied in memory whose write to metadata failed."""
+        return self._dirty.get(job_id)
+
+    async def lookup(self, job_id: str, *, for_predict: bool = False) -> JobRecord | None:
+        """The job's record from memory, else from the metadata service; None if neither has one.
+
+        ``for_predict`` trusts a recent "no model" answer (:data:`ABSENT_TTL_S`) and gives up at
+        once while the metadata service is known to be down, so a scheduling round does not wait
+        for it. Raises :class:`MetadataUnavailable` and :class:`UnusableRecord`.
+        """
+        record = self._records.get(job_id)
+        if record is not None or self._stub is None:
+            return record
+        now = time.monotonic()
+        if for_predict:
+            seen = self._absent.get(job_id)
+            if seen is not None and now - seen < ABSENT_TTL_S:
+                return None
+            if now < self._down_until:
+                raise MetadataUnavailable(f"metadata service at {self.metadata_address} was unreachable moments ago")
+        try:
+            proto = await self._stub.GetJobModel(common_pb2.GetJobModelRequest(job_id=job_id))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                self._absent[job_id] = time.monotonic()
+                return None
+            raise self._failure("GetJobModel", exc) from None
+        self._down_until = 0.0
+        self._absent.pop(job_id, None)
+        loaded = JobRecord.from_proto(proto)
+        # An Observe may have stored a newer record while we waited for the answer.
+        return self._records.setdefault(job_id, loaded)
+
+    async def save(self, record: JobRecord, digest: bytes = b"") -> JobRecord:
+        """Keep ``record`` and write it to the metadata service; returns it as kept (with the
+        metadata service's ``updated_at`` once persisted).
+
+        Raises :class:`UnknownJob` (record not kept) when metadata has no such job, and
+        :class:`MetadataUnavailable` (record kept in memory, marked dirty with ``digest``) when
+        it cannot be written now; the next successful save or :meth:`flush` persists it.
+        """
+        if self._stub is None:
+            self._records[record.job_id] = record
+            return record
+        try:
+            stored = await self._stub.PutJobModel(metadata_pb2.PutJobModelRequest(model=record.to_proto()))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise UnknownJob(exc.details() or "no such job") from None
+            failure = self._failure("PutJobModel", exc)
+            self._records[record.job_id] = record
+            self._dirty[record.job_id] = digest
+            raise failure from None
+        self._down_until = 0.0
+        if stored.HasField("updated_at"):
+            record = dataclasses.replace(record, updated_at=stored.updated_at.ToDatetime(tzinfo=UTC))
+        self._records[record.job_id] = record
+        self._absent.pop(record.job_id, None)
+        self._dirty.pop(record.job_id, None)
+        return record
+
+    async def flush(self) -> None:
+        """Try once more to persist records whose write failed (called at shutdown)."""
+        for job_id in list(self._dirty):
+            record = self._records.get(job_id)
+            if record is None:
+                continue
+            try:
+                await self.save(record, self._dirty[job_id])
+            except Exception as exc:  # shutting down: report, never raise
+                _log.warning("job model not persisted", extra={"job_id": job_id, "error": str(exc)})
+
+    def _failure(self, method: str, exc: grpc.aio.AioRpcError) -> Exception:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self._down_until = time.monotonic() + DOWN_BACKOFF_S
+        if exc.code() in _UNUSABLE:
+            return MetadataUnavailable(
+                f"metadata service at {self.metadata_address} failed {method}: {exc.code().name}: {exc.details()}"
+            )
+        # INVALID_ARGUMENT and the like: a bug on one side, not a condition the caller can wait out.
+        return RuntimeError(f"metadata {method} answered {exc.code().name}: {exc.details()}")
