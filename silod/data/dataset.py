@@ -40,6 +40,25 @@ DEFAULT_METADATA_ADDR = "127.0.0.1:7070"
 _DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
+# Fire-and-forget calls (ReleaseLease, Prefetch hints) still in flight. gRPC's fork handlers
+# are skipped while calls are active, and a DataLoader forks its workers from this process: so
+# every fork first waits (briefly) for them to finish.
+_IN_FLIGHT: collections.deque[Any] = collections.deque(maxlen=256)
+
+
+def _drain_in_flight() -> None:
+    while _IN_FLIGHT:
+        future = _IN_FLIGHT.popleft()
+        try:
+            future.result(timeout=2)
+        except Exception:  # noqa: BLE001 -- outcome irrelevant: a lease expires, a hint is a hint
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_drain_in_flight)
+
+
 class DataError(RuntimeError):
     """Reading the dataset failed for a reason the cache server or the store reported."""
 
@@ -123,7 +142,6 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self._store: ObjectStore | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._fallback_since: float | None = None
-        self._pending_releases: collections.deque[Any] = collections.deque(maxlen=64)
         self.counters = collections.Counter()
 
     def _ensure_process(self) -> None:
@@ -149,7 +167,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_channel", "_stub", "_store", "_pool", "_pending_releases"):
+        for name in ("_channel", "_stub", "_store", "_pool"):
             state[name] = None
         state["_pid"] = 0
         if multiprocessing.context.get_spawning_popen() is None:
@@ -158,7 +176,6 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._pending_releases = collections.deque(maxlen=64)
 
     # -- torch Dataset ---------------------------------------------------------------------------------
 
@@ -259,7 +276,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self.counters["leased"] += len(keys)
         self.counters["lease_calls"] += 1
         try:
-            self._pending_releases.append(
+            _IN_FLIGHT.append(
                 stub.ReleaseLease.future(cache_pb2.ReleaseLeaseRequest(lease_id=response.lease_id), timeout=30)
             )
         except Exception:  # noqa: BLE001 -- the lease expires on its own
@@ -309,7 +326,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
         keys = [self.manifest.keys[int(p)] for p in positions]
         try:
-            self._pending_releases.append(
+            _IN_FLIGHT.append(
                 self._cache_stub().Prefetch.future(
                     cache_pb2.PrefetchRequest(job_id=self.job_id, dataset=self.name, keys=keys), timeout=30
                 )

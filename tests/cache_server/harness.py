@@ -163,3 +163,34 @@ def moto_s3() -> Iterator[str]:
         yield f"http://{host}:{port}"
     finally:
         server.stop()
+
+
+def digests(values: Any) -> list[str]:
+    import hashlib
+
+    return sorted(hashlib.sha256(v).hexdigest() for v in values)
+
+
+def start_job(*argv: str, env: dict[str, str] | None = None) -> Any:
+    """Start ``python -m tests.sdk.sdk_job ARGV`` (a training job's data loop) from the repo root."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.sdk.sdk_job", *argv],
+        cwd=root,
+        env={**os.environ, **(env or {}), "PYTHONPATH": str(root)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish_job(proc: Any, timeout: float = 120) -> tuple[dict[str, Any], str]:
+    """Wait for a job from :func:`start_job`; returns (its JSON report, its stderr)."""
+    import json
+
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1]), err

@@ -1,25 +1,30 @@
-"""Real processes end to end: ``silod metadata`` + ``silod cache-server`` + the SDK in a torch
-DataLoader, against an S3-protocol server (moto) on loopback and against a local store while
-the cache server is SIGKILLed mid-epoch."""
+"""Real processes end to end: ``silod metadata`` + ``silod cache-server`` + a training job
+(tests/sdk/sdk_job.py: the SDK in a torch DataLoader with forked workers) against an
+S3-protocol server (moto) on loopback, and against a local store while the cache server is
+SIGKILLed mid-epoch."""
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
 import time
 import urllib.request
-from collections import Counter
 from pathlib import Path
 
 import grpc
 import pytest
-import torch.utils.data
-
-from silod.data import EpochShuffleSampler, SilodDataset
 from silod.v1 import cache_pb2, cache_pb2_grpc
-from tests.cache_server.harness import aws_test_env, make_dataset, moto_s3, register, silod_cli
+from tests.cache_server.harness import (
+    aws_test_env,
+    digests,
+    finish_job,
+    make_dataset,
+    moto_s3,
+    register,
+    silod_cli,
+    start_job,
+)
 from tests.support.procs import free_port, start_service
 
 
@@ -28,11 +33,6 @@ def _cli(*argv: str, env: dict[str, str]) -> str:
                             env={**os.environ, **env})
     assert result.returncode == 0, result.stderr
     return result.stdout
-
-
-def _loader(dataset: SilodDataset, sampler: EpochShuffleSampler, batch: int, workers: int) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers,
-                                       collate_fn=list, multiprocessing_context="fork" if workers else None)
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -78,13 +78,10 @@ def test_s3_dataset_end_to_end_through_real_processes(tmp_path: Path, metadata: 
             _cli("dataset", "register", "s3-e2e", "s3://silod-e2e/train", "--option", f"endpoint_url={endpoint}",
                  "--replace", "--metadata", metadata, env=env)
 
-            dataset = SilodDataset("s3-e2e", cache_addr=cache.address, metadata_addr=metadata, job_id="e2e")
-            sampler = EpochShuffleSampler(dataset, seed=1)
-            by_content = Counter(objects.values())
-            for epoch in range(2):
-                sampler.set_epoch(epoch)
-                seen = Counter(b for batch in _loader(dataset, sampler, 16, 2) for b in batch)
-                assert seen == by_content, f"epoch {epoch}: bytes differ from the bucket"
+            # The training job: its own process, DataLoader with two forked workers, two epochs.
+            report, _ = finish_job(start_job("--dataset", "s3-e2e", "--cache", cache.address, "--metadata", metadata,
+                                             "--job", "e2e", "--epochs", "2", "--batch", "16", env=env))
+            assert report["epochs"] == [digests(objects.values())] * 2, "bytes differ from the bucket"
             job = stub.Stats(cache_pb2.StatsRequest(job_id="e2e")).jobs[0]
             assert job.hits >= 120 and job.hit_ratio >= 0.5  # the whole second epoch hit
             metrics = _scrape(metrics_port)
@@ -100,30 +97,22 @@ def test_sigkill_of_the_cache_server_mid_epoch_falls_back_to_the_store(tmp_path:
     root = tmp_path / "store"
     files = make_dataset(root, 400, 4000, seed=11)
     register(metadata, "kill-me", f"file://{root}")
-    log_file = tmp_path / "sdk.log"
-    handler = logging.FileHandler(log_file)  # inherited by the forked DataLoader workers
-    handler.setLevel(logging.WARNING)
-    logger = logging.getLogger("silod.data")
-    logger.addHandler(handler)
-    try:
-        with start_service("cache-server", "--metadata-address", metadata, "--disk-cache-dir", str(tmp_path / "d"),
-                           "--memory-cache-bytes", "0", "--log-level", "warning", workdir=tmp_path / "cs") as cache:
-            dataset = SilodDataset("kill-me", cache_addr=cache.address, metadata_addr=metadata, job_id="k",
-                                   retry_cache_after_s=3600)
-            sampler = EpochShuffleSampler(dataset, seed=3)
-            seen: Counter[bytes] = Counter()
-            for i, batch in enumerate(_loader(dataset, sampler, 20, 2)):
-                seen.update(batch)
-                if i == 4:
-                    cache.kill()  # SIGKILL: no shutdown code runs
-            assert not cache.running()
-        assert seen == Counter(files.values())
-    finally:
-        logger.removeHandler(handler)
-        handler.close()
-    warnings = [line for line in log_file.read_text().splitlines() if "unreachable" in line]
-    assert len(warnings) == 1, warnings
-    assert "reading dataset kill-me directly" in warnings[0]
+    with start_service("cache-server", "--metadata-address", metadata, "--disk-cache-dir", str(tmp_path / "d"),
+                       "--memory-cache-bytes", "0", "--log-level", "warning", workdir=tmp_path / "cs") as cache:
+        job = start_job("--dataset", "kill-me", "--cache", cache.address, "--metadata", metadata, "--job", "k",
+                        "--batch", "20", "--pause-after", "4", "--pause-file", str(tmp_path / "paused"),
+                        "--resume-file", str(tmp_path / "resume"))
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "paused").exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1]
+            time.sleep(0.02)
+        cache.kill()  # SIGKILL mid-epoch: no shutdown code runs
+        (tmp_path / "resume").write_text("go")
+        report, stderr = finish_job(job)
+    assert report["epochs"] == [digests(files.values())]
+    warnings = [line for line in stderr.splitlines() if "unreachable" in line]
+    assert len(warnings) == 1, stderr  # once for the job, not once per worker or per sample
+    assert warnings[0].startswith("WARNING silod.data") and "reading dataset kill-me directly" in warnings[0]
 
 
 def test_preload_cli_fills_the_cache(tmp_path: Path, metadata: str) -> None:
