@@ -29,7 +29,6 @@ SERVICES: dict[str, ServiceCommand] = {
     "estimator": ServiceCommand(
         "estimator.service",
         "performance estimator (SiloD cache/IO model, Pollux goodput model)",
-        status="NOT YET IMPLEMENTED: serves health and reflection; its RPCs answer UNIMPLEMENTED",
     ),
     "scheduler": ServiceCommand(
         "scheduler.service",
