@@ -82,9 +82,9 @@ def test_help_marks_services_not_yet_implemented() -> None:
     for name in ("metadata", "estimator", "scheduler", "cache-server", "worker-agent"):
         assert name in help_text
     assert help_text.count("[not implemented yet]") == 3  # all but metadata and estimator
-    estimator_help = " ".join(build_parser(["estimator"])._subparsers._group_actions[0].choices["estimator"]
+    scheduler_help = " ".join(build_parser(["scheduler"])._subparsers._group_actions[0].choices["scheduler"]
                               .format_help().split())
-    assert "NOT YET IMPLEMENTED" in estimator_help and "UNIMPLEMENTED" in estimator_help
+    assert "NOT YET IMPLEMENTED" in scheduler_help and "UNIMPLEMENTED" in scheduler_help
 
 
 def test_every_setting_is_a_flag() -> None:

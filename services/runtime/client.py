@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.runtime.limits import MESSAGE_SIZE_OPTIONS
 from services.runtime.auth import bearer_metadata
 
 # UNAVAILABLE means the call never reached a servicer (restart, connection refused), so any
@@ -37,7 +38,12 @@ _RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 5000),
 ]
-_OPTIONS = [("grpc.enable_retries", 1), ("grpc.service_config", _SERVICE_CONFIG), *_RECONNECT_OPTIONS]
+_OPTIONS = [
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", _SERVICE_CONFIG),
+    *_RECONNECT_OPTIONS,
+    *MESSAGE_SIZE_OPTIONS,
+]
 
 
 def _metadata_with_token(metadata: Any, token: str) -> list[tuple[str, Any]]:

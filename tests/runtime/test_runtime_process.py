@@ -1,7 +1,12 @@
-"""``silod estimator`` (a stub: every RPC is UNIMPLEMENTED) as a real process meets the standard."""
+"""``silod estimator`` as a real process meets the standard every silod process must meet.
+
+The calls use a deliberately invalid Predict (a query naming no application): a cheap request
+whose answer, INVALID_ARGUMENT naming the field, does not depend on the estimator's models.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -18,9 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.runtime.metrics import silod_version
 from tests.support.procs import REPO_ROOT, ServiceProcess, free_port, start_service
-from silod.v1 import estimator_pb2, estimator_pb2_grpc
+from services.runtime.server import ServiceDefinition, start_server
+from services.runtime.settings import ServiceSettings
+from silod.v1 import estimator_pb2, estimator_pb2_grpc, worker_agent_pb2, worker_agent_pb2_grpc
 
 PREDICT = "/silod.v1.EstimatorService/Predict"
+REJECTED = "INVALID_ARGUMENT"  # what the invalid Predict gets once past authentication
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +43,7 @@ def _predict(address: str, metadata: tuple = ()) -> grpc.RpcError:
     with grpc.insecure_channel(address) as channel:
         with pytest.raises(grpc.RpcError) as failed:
             estimator_pb2_grpc.EstimatorServiceStub(channel).Predict(
-                estimator_pb2.PredictRequest(), metadata=metadata, timeout=5
+                estimator_pb2.PredictRequest(queries=[estimator_pb2.PredictQuery()]), metadata=metadata, timeout=5
             )
     return failed.value
 
@@ -78,11 +86,35 @@ def test_reflection_lists_and_describes_services(estimator: tuple[ServiceProcess
         assert methods == {"Predict", "Observe", "GetJobModel"}
 
 
-def test_stub_rpc_answers_unimplemented(estimator: tuple[ServiceProcess, int]) -> None:
+def test_invalid_request_names_the_field(estimator: tuple[ServiceProcess, int]) -> None:
     proc, _ = estimator
     failure = _predict(proc.address)
+    assert failure.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert failure.details().startswith("queries[0]")
+
+
+def test_generated_base_servicer_answers_unimplemented() -> None:
+    """A service whose RPCs are not written yet (the generated base class) says UNIMPLEMENTED, not UNKNOWN."""
+
+    def register(server: grpc.aio.Server) -> None:
+        worker_agent_pb2_grpc.add_WorkerAgentServiceServicer_to_server(worker_agent_pb2_grpc.WorkerAgentServiceServicer(), server)
+
+    async def scenario() -> grpc.RpcError:
+        definition = ServiceDefinition(name="stub", service_names=["silod.v1.WorkerAgentService"], register=register)
+        running = await start_server(definition, ServiceSettings(log_format="text"))
+        try:
+            async with grpc.aio.insecure_channel(running.address) as channel:
+                with pytest.raises(grpc.RpcError) as failed:
+                    await worker_agent_pb2_grpc.WorkerAgentServiceStub(channel).GetNodeStatus(
+                        worker_agent_pb2.GetNodeStatusRequest(), timeout=5
+                    )
+            return failed.value
+        finally:
+            await running.stop(grace=1)
+
+    failure = asyncio.run(scenario())
     assert failure.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert failure.details() == f"{PREDICT} is not implemented"
+    assert failure.details() == "/silod.v1.WorkerAgentService/GetNodeStatus is not implemented"
 
 
 def test_metrics_endpoint_counts_calls(estimator: tuple[ServiceProcess, int]) -> None:
@@ -97,7 +129,7 @@ def test_metrics_endpoint_counts_calls(estimator: tuple[ServiceProcess, int]) ->
     }
     key = (
         "silod_grpc_requests_total",
-        (("code", "UNIMPLEMENTED"), ("method", PREDICT), ("service_process", "estimator")),
+        (("code", REJECTED), ("method", PREDICT), ("service_process", "estimator")),
     )
     assert samples.get(key, 0) >= 1
     assert samples[("silod_grpc_request_duration_seconds_count", (("method", PREDICT), ("service_process", "estimator")))] >= 1
@@ -111,7 +143,7 @@ def test_json_log_has_one_line_per_call(estimator: tuple[ServiceProcess, int]) -
     log = _wait_for_log(proc, '"json-log-test"')
     lines = [json.loads(line) for line in log.splitlines() if line.strip()]  # every line is JSON
     (call,) = [line for line in lines if line.get("request_id") == "json-log-test"]
-    assert call["method"] == PREDICT and call["code"] == "UNIMPLEMENTED"
+    assert call["method"] == PREDICT and call["code"] == REJECTED
     assert call["msg"] == "rpc finished" and call["level"] == "info" and call["logger"] == "silod.rpc"
     assert call["process"] == "estimator" and call["peer"].startswith("ipv4:127.0.0.1:")
     assert isinstance(call["duration_ms"], float) and call["ts"].endswith("Z")
@@ -124,7 +156,7 @@ def test_auth_token_required_except_for_health() -> None:
         wrong = _predict(proc.address, metadata=(("authorization", "Bearer nope"),))
         assert (wrong.code(), wrong.details()) == (grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
         right = _predict(proc.address, metadata=(("authorization", "Bearer secret"),))
-        assert right.code() == grpc.StatusCode.UNIMPLEMENTED  # got past auth to the servicer
+        assert right.code() == grpc.StatusCode.INVALID_ARGUMENT  # got past auth to the servicer
         assert _health(proc.address) == health_pb2.HealthCheckResponse.SERVING
         # Reflection reveals the API, so it is not exempt.
         with grpc.insecure_channel(proc.address) as channel, pytest.raises(grpc.RpcError) as refused:
@@ -136,7 +168,7 @@ def test_sigterm_shuts_down_cleanly() -> None:
     with start_service("estimator", "--log-format", "text") as proc:
         ready_files = list(proc.workdir.glob("*.ready"))
         assert len(ready_files) == 1
-        assert _predict(proc.address).code() == grpc.StatusCode.UNIMPLEMENTED
+        assert _predict(proc.address).code() == grpc.StatusCode.INVALID_ARGUMENT
         started = time.monotonic()
         assert proc.terminate(timeout=10) == 0
         assert time.monotonic() - started < 5
