@@ -15,6 +15,7 @@ estimator's column table: a round over thousands of jobs then prices a handful o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -74,9 +75,43 @@ class JobTable:
         if self.table is None:
             raise ValueError("no jobs to price")
         index = self.model_of[np.asarray(job, dtype=np.int64)]
-        return predict(
-            self.table, index, gpus, nodes, cache_bytes, remote_io_bytes_per_s, batch_size, gpus_per_node=max(int(per_node), 1)
+        columns = np.broadcast_arrays(
+            *(np.asarray(a, dtype=np.float64) for a in (index, gpus, nodes, cache_bytes, remote_io_bytes_per_s, batch_size))
         )
+        columns = [np.ravel(c) for c in columns]
+        # Identical candidates (same model, shape and grant) are priced once.
+        first, inverse = _distinct_rows(columns)
+        if first is not None:
+            columns = [c[first] for c in columns]
+        model, g, n, cache, io, batch = columns
+        result = predict(
+            self.table, model.astype(np.int64), g.astype(np.int64), n.astype(np.int64), cache, io, batch.astype(np.int64),
+            gpus_per_node=max(int(per_node), 1),
+        )
+        if first is None:
+            return result
+        return Predictions(*(getattr(result, f.name)[inverse] for f in fields(Predictions)))
+
+
+def _distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``(first, inverse)``: an index of one row per distinct row and each row's position among them.
+
+    ``(None, None)`` when every row is distinct or there is nothing to gain.
+    """
+    size = columns[0].size
+    key = np.zeros(size, dtype=np.int64)
+    for column in columns:
+        if size == 0 or column[0] == column[-1] and np.all(column == column[0]):
+            continue  # constant: adds nothing
+        values, codes = np.unique(column, return_inverse=True)
+        key = key * len(values) + codes.ravel()
+        if key.max(initial=0) > 2**40:  # keep the mixed-radix key small
+            _, key = np.unique(key, return_inverse=True)
+            key = key.ravel().astype(np.int64)
+    distinct, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    if distinct.size == size:
+        return None, None
+    return first, inverse.ravel()
 
 
 def held_in_place(snapshot: ClusterSnapshot, jobs: Sequence[JobInfo], pools: Sequence[Pool] = ("training",)) -> np.ndarray:

@@ -58,7 +58,11 @@ def counts_of(table, plan) -> np.ndarray:
 def test_registered_with_options():
     policy = get_policy("pollux", p=-0.5, restart_penalty=False, max_gpus_per_job=8)
     assert isinstance(policy, PolluxPolicy) and policy.p == -0.5 and policy.name == "pollux"
-    for bad in ({"p": float("nan")}, {"max_gpus_per_job": 0}, {"speedup_base": "x"}, {"solver": "x"}, {"floor": 0.0}):
+    bad_options = (
+        {"p": float("nan")}, {"max_gpus_per_job": 0}, {"speedup_base": "x"}, {"solver": "x"}, {"floor": 0.0},
+        {"penalty_model": "x"}, {"penalty_rounds": 0.0},
+    )
+    for bad in bad_options:
         with pytest.raises(ValueError):
             PolluxPolicy(**bad)
 
@@ -123,13 +127,13 @@ def test_restart_penalty_keeps_allocations_when_gains_are_small(application):
     jobs = [elastic("a", application, held=3, high=8), elastic("b", application, held=5, high=8, submit=1.0)]
     current = {"a": [("n0", range(3))], "b": [("n0", range(3, 8))]}
     snapshot = make_snapshot(nodes, jobs, time=100.0, current=current, restart_cost_s=30.0, interval_s=60.0)
-    stable = PolluxPolicy().schedule(snapshot)
+    stable = PolluxPolicy(penalty_rounds=1).schedule(snapshot)  # a restart loses half the next round
     assert stable.allocations["a"].placement == (("n0", (0, 1, 2)),)
     assert stable.allocations["b"].placement == (("n0", (3, 4, 5, 6, 7)),)
     assert PolluxPolicy(restart_penalty=False).schedule(snapshot).gpus_of("a") == 4
     if application == "cifar10":
         # Spreading the cost over a longer horizon makes the same move worth it.
-        assert PolluxPolicy(penalty_horizon_s=600.0).schedule(snapshot).gpus_of("a") == 4
+        assert PolluxPolicy(penalty_rounds=10).schedule(snapshot).gpus_of("a") == 4
 
 
 def test_restart_penalty_allows_large_gains():
@@ -245,3 +249,70 @@ def test_policy_is_pure():
     snapshot = random_snapshot(rng, jobs=30, nodes=4, per_node=4)
     policy = PolluxPolicy()
     assert policy.schedule(snapshot) == policy.schedule(snapshot)
+
+
+def test_age_penalty_model():
+    nodes = make_nodes(1, 8)
+    jobs = [
+        elastic("old", held=3, high=8, submit=0.0),
+        elastic("young", held=5, high=8, submit=9_000.0, restarts=2),
+    ]
+    current = {"old": [("n0", range(3))], "young": [("n0", range(3, 8))]}
+    snapshot = make_snapshot(nodes, jobs, time=10_000.0, current=current)
+    policy = PolluxPolicy(penalty_model="age")
+    factor = policy.restart_factor(snapshot)
+    assert factor == pytest.approx([10_000 / 10_030, (1_000 - 60) / 1_030])
+    assert_sound(snapshot, policy.schedule(snapshot))
+    assert list(PolluxPolicy(restart_penalty=False).restart_factor(snapshot)) == [1.0, 1.0]
+
+
+def test_single_node_jobs_are_placed_before_multi_node_ones():
+    # Free: 2 GPUs on n0, 4 on n1, 4 on n2. Placing the 6-GPU job first (largest first) would
+    # leave the 4-GPU job straddling two nodes; single-node jobs go first.
+    nodes = make_nodes(3, 4)
+    jobs = [make_job("a", gpus=2), make_job("big", "imagenet", gpus=6, submit=1.0), make_job("small", "imagenet", gpus=4, submit=2.0)]
+    snapshot = make_snapshot(nodes, jobs, time=100.0, current={"a": [("n0", [0, 1])]})
+    plan = PolluxPolicy().schedule(snapshot)
+    assert_sound(snapshot, plan)
+    assert plan.gpus_of("big") == 6 and plan.gpus_of("small") == 4
+    assert plan.allocations["small"].nodes == 1
+
+
+def test_a_spread_job_is_priced_as_spread():
+    # Only 4 GPUs straddling two nodes are left for "d": the policy weighs 4 spread GPUs
+    # against 2 on one node using the spread price, and the plan is sound either way.
+    nodes = make_nodes(3, 4)
+    jobs = [
+        make_job("a", gpus=2, submit=0.0),
+        make_job("b", gpus=2, submit=1.0),
+        elastic("c", "imagenet", held=4, high=4, submit=2.0),
+        elastic("d", "imagenet", held=4, high=4, submit=3.0),
+    ]
+    current = {"a": [("n0", [0, 1])], "b": [("n1", [0, 1])]}
+    snapshot = make_snapshot(nodes, jobs, time=100.0, current=current)
+    policy = PolluxPolicy()
+    plan = policy.schedule(snapshot)
+    assert_sound(snapshot, plan)
+    table = policy.speedup_table(snapshot)
+    d = [job.job_id for job in table.jobs].index("d")
+    assert table.raw_split[d, 4] < table.raw[d, 4]
+    chosen = plan.allocations["d"]
+    if chosen.nodes > 1:  # spread 4 GPUs must beat 2 packed ones
+        assert table.raw_split[d, 4] > table.raw[d, 2]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_repacking_never_lowers_the_placed_fitness(seed):
+    rng = np.random.default_rng(200 + seed)
+    snapshot = random_snapshot(rng, jobs=int(rng.integers(5, 30)), nodes=int(rng.integers(2, 8)), per_node=4)
+    # Give it a current plan: what the policy chose a round earlier, with the jobs a little older.
+    earlier = PolluxPolicy().schedule(snapshot)
+    snapshot = make_snapshot(snapshot.nodes, snapshot.jobs, time=snapshot.time_s + 60.0, current=earlier)
+    fitness = {}
+    for rounds in (0, 3):
+        policy = PolluxPolicy(repack_rounds=rounds)
+        plan = policy.schedule(snapshot)
+        assert_sound(snapshot, plan)
+        table = policy.speedup_table(snapshot)
+        fitness[rounds] = power_mean(policy.placed_speedups(table, snapshot, {k: a.placement for k, a in plan.allocations.items()}), policy.p)
+    assert fitness[3] >= fitness[0] * (1 - 1e-9)
