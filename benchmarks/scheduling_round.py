@@ -1,0 +1,121 @@
+"""Time one scheduling round of every registered policy on a large cluster.
+
+Run: ``python benchmarks/scheduling_round.py [--jobs 2000] [--nodes 512] [--gpus-per-node 8] [--runs 3]``.
+
+The snapshot: ``--jobs`` active jobs of the six profiled applications (chosen at random),
+each asking for 1-8 GPUs (``requested_gpus``) and elastic between 1 GPU and what its batch
+limits allow (``max_batch_size // min_local_bsz``, at most 64 GPUs, as the simulator sets
+it), with random arrival times, progress and attained service; the current plan is a FIFO
+one (jobs in arrival order get their requested GPUs while they fit), so about half the
+jobs are running and policies that keep jobs in place have work to do. Rigid policies (fifo,
+sjf, tiresias, themis) give jobs their requested count; elastic ones (gavel's candidates,
+pollux) may choose any count in the bounds.
+
+Each policy is called once to warm up (profile loading, imports), then ``--runs`` timed
+calls; the table shows the median and the slowest call, how many jobs got GPUs and how many
+GPUs were handed out. Targets (issue 4): gavel well under 1 s, pollux under 5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import numpy as np
+
+try:
+    import scheduler  # noqa: F401
+except ImportError:  # run from a clone without installing
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from estimator.job_model import JobModel  # noqa: E402
+from estimator.profiles import application_names  # noqa: E402
+from scheduler.invariants import check_plan  # noqa: E402
+from scheduler.placement import place, plan_from_placements  # noqa: E402
+from scheduler.policy import ClusterSnapshot, JobInfo, NodeInfo  # noqa: E402
+from scheduler.registry import get_policy, policy_names  # noqa: E402
+
+
+def build_snapshot(jobs: int, nodes: int, gpus_per_node: int, seed: int = 0) -> ClusterSnapshot:
+    rng = np.random.default_rng(seed)
+    apps = application_names()
+    models = {app: JobModel.from_profile(app) for app in apps}
+    now = 86_400.0
+    cluster = tuple(NodeInfo(name=f"node-{k:04d}", gpus=gpus_per_node) for k in range(nodes))
+    infos = []
+    arrivals = np.sort(rng.uniform(0.0, now, jobs))
+    for k in range(jobs):
+        model = models[apps[int(rng.integers(len(apps)))]]
+        requested = int(rng.integers(1, 9))
+        by_batch = max(1, model.bounds.max_batch_size // model.bounds.min_local_bsz)
+        target = float(rng.uniform(1e6, 1e8))
+        infos.append(
+            JobInfo(
+                job_id=f"job-{k:05d}",
+                model=model,
+                submit_time_s=float(arrivals[k]),
+                min_gpus=1,
+                max_gpus=max(requested, min(64, by_batch)),
+                target_samples=target,
+                samples_done=float(rng.uniform(0.0, 0.9)) * target,
+                requested_gpus=requested,
+                attained_gpu_s=float(rng.uniform(0.0, 1.0)) * (now - arrivals[k]) * requested,
+                restarts=int(rng.integers(0, 4)),
+            )
+        )
+    bare = ClusterSnapshot(time_s=now, nodes=cluster, jobs=tuple(infos))
+    # Current plan: FIFO by arrival with requested GPUs while they fit.
+    free, counts = nodes * gpus_per_node, {}
+    for job in infos:
+        if job.requested <= free:
+            counts[job.job_id] = job.requested
+            free -= job.requested
+    current = plan_from_placements(place(bare, counts).placements)
+    return ClusterSnapshot(time_s=now, nodes=cluster, jobs=tuple(infos), current=current)
+
+
+def time_policy(name: str, snapshot: ClusterSnapshot, runs: int) -> tuple[float, float, int, int]:
+    policy = get_policy(name)
+    plan = policy.schedule(snapshot)  # warm-up
+    check_plan(snapshot, plan)
+    timings = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        plan = policy.schedule(snapshot)
+        timings.append(time.perf_counter() - start)
+    running = sum(1 for a in plan.allocations.values() if a.gpus)
+    gpus = sum(a.gpus for a in plan.allocations.values())
+    return statistics.median(timings), max(timings), running, gpus
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=2000, help="active jobs (default 2000)")
+    parser.add_argument("--nodes", type=int, default=512, help="training nodes (default 512)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--runs", type=int, default=3, help="timed calls per policy (default 3)")
+    parser.add_argument("--policy", action="append", help="time only these policies (repeat); default: every registered one")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    snapshot = build_snapshot(args.jobs, args.nodes, args.gpus_per_node, args.seed)
+    names = args.policy or policy_names()
+    command = "python benchmarks/scheduling_round.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"$ {command.strip()}")
+    print(
+        f"{args.jobs} active jobs on {args.nodes} nodes x {args.gpus_per_node} GPUs "
+        f"({snapshot.total_gpus} GPUs; {len(snapshot.current.allocations)} jobs running before the round); "
+        f"median of {args.runs} runs after a warm-up"
+    )
+    print(f"{'policy':<12} {'median s':>9} {'max s':>8} {'jobs placed':>12} {'GPUs used':>10}")
+    for name in names:
+        median, worst, running, gpus = time_policy(name, snapshot, args.runs)
+        print(f"{name:<12} {median:>9.3f} {worst:>8.3f} {running:>12d} {gpus:>10d}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
