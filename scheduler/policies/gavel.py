@@ -31,7 +31,15 @@ The LP (max-min fairness, Gavel's ``max_min_fairness`` policy)::
 - ``water_fill`` (default on) solves a second LP that keeps every job at or above the
   max-min level ``t*`` and maximizes the sum of normalized throughputs, so capacity the
   bottleneck jobs cannot use is not left idle (Gavel's plain max-min LP leaves it
-  arbitrary). The LP is sparse (``scipy.sparse``, HiGHS via ``scipy.optimize.linprog``).
+  arbitrary). On one GPU type every job can reach its equal share, so ``t*`` is 1 unless
+  priorities differ; the second LP is what hands out the rest.
+- Size: a candidate below the upper concave hull of its job's ``(gpus, normalized)``
+  points (from ``(0, 0)``) is dominated by mixing two hull candidates, so only hull
+  candidates become LP columns (2-3 per elastic job). The constraint matrix is built with
+  ``scipy.sparse`` and solved by HiGHS' interior-point method through
+  ``scipy.optimize.linprog`` (2,000 jobs: about 0.1 s per LP; the dual simplex stalls on
+  the degenerate max-min LP). Jobs whose minimum exceeds the cluster have no candidate and
+  no fairness row.
 
 Rounds (Gavel's round-based mechanism): the LP gives each job a target GPU share
 ``a_j = sum_c X[j,c] * gpus[c]`` (GPUs on average); the share it has received so far is
@@ -45,7 +53,6 @@ limit preemption churn when rounds are short compared with the restart cost; 0 i
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,7 +60,7 @@ import scipy.sparse as sp
 from scipy.optimize import linprog
 
 from scheduler.placement import place
-from scheduler.policies.pollux import _hull_segments
+from scheduler.policies.pollux import upper_hull_segments
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
@@ -220,7 +227,7 @@ def _undominated(job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, n_jo
     value = np.full((n_jobs, width), -np.inf)
     value[:, 0] = 0.0
     value[job, gpus] = normalized
-    hull_job, _, hull_end, _ = _hull_segments(value)
+    hull_job, _, hull_end, _ = upper_hull_segments(value)
     on_hull = np.zeros((n_jobs, width), dtype=bool)
     on_hull[hull_job, hull_end] = True
     return on_hull[job, gpus]
@@ -233,9 +240,11 @@ def _max_min_lp(
     m = job.size
     cols = np.arange(m)
     # Rows 0..n-1: w_j t - sum_c norm x <= 0; rows n..2n-1: sum_c x <= 1; row 2n: sum g x <= G.
-    rows = np.concatenate([job, n_jobs + job, np.full(m, 2 * n_jobs), np.arange(n_jobs)])
-    columns = np.concatenate([cols, cols, cols, np.full(n_jobs, m)])
-    values = np.concatenate([-normalized, np.ones(m), gpus.astype(np.float64), weight])
+    # Jobs without a candidate (their minimum exceeds the cluster) cannot hold the level down.
+    fair = np.flatnonzero(np.bincount(job, minlength=n_jobs) > 0)
+    rows = np.concatenate([job, n_jobs + job, np.full(m, 2 * n_jobs), fair])
+    columns = np.concatenate([cols, cols, cols, np.full(fair.size, m)])
+    values = np.concatenate([-normalized, np.ones(m), gpus.astype(np.float64), weight[fair]])
     a_ub = sp.csr_matrix((values, (rows, columns)), shape=(2 * n_jobs + 1, m + 1))
     b_ub = np.concatenate([np.zeros(n_jobs), np.ones(n_jobs), [float(capacity)]])
     bounds = np.zeros((m + 1, 2))

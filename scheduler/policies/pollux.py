@@ -346,7 +346,7 @@ def _solve_dp(utility: np.ndarray, capacity: int) -> np.ndarray:
     return counts
 
 
-def _hull_segments(utility: np.ndarray):
+def upper_hull_segments(utility: np.ndarray):
     """Edges of each job's upper concave hull of ``(g, utility[j, g])`` from g = 0, with rising utility.
 
     Returns arrays ``(job, start, end, slope)``; per job the slopes decrease.
@@ -378,7 +378,7 @@ def _hull_segments(utility: np.ndarray):
 def _solve_hull_greedy(utility: np.ndarray, capacity: int) -> np.ndarray:
     """Take hull segments in decreasing gain per GPU while they fit."""
     n = utility.shape[0]
-    job, start, end, slope = _hull_segments(utility)
+    job, start, end, slope = upper_hull_segments(utility)
     counts = np.zeros(n, dtype=np.int64)
     blocked = np.zeros(n, dtype=bool)
     free = capacity

@@ -186,3 +186,14 @@ def test_policy_is_pure():
     jobs = [make_job(f"j{k}", gpus=int(rng.integers(1, 5)), submit=float(k), attained_gpu_s=float(rng.integers(0, 500))) for k in range(30)]
     snapshot = make_snapshot(make_nodes(4, 4), jobs, time=1000.0)
     assert GavelPolicy().schedule(snapshot) == GavelPolicy().schedule(snapshot)
+
+
+def test_a_job_that_cannot_fit_does_not_hold_the_others_back():
+    jobs = [make_job("huge", gpus=16), make_job("a", submit=1.0), make_job("b", submit=2.0)]
+    snapshot = make_snapshot(make_nodes(1, 4), jobs, time=10.0)
+    allocation = GavelPolicy().solve(snapshot)
+    assert allocation.level == pytest.approx(1.0, abs=1e-6)
+    assert fractions_by_job(allocation) == pytest.approx({"huge": 0.0, "a": 1.0, "b": 1.0}, abs=1e-6)
+    plan = GavelPolicy().schedule(snapshot)
+    assert_sound(snapshot, plan)
+    assert plan.gpus_of("a") == plan.gpus_of("b") == 1 and plan.gpus_of("huge") == 0

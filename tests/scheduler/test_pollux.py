@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from estimator.goodput import BatchBounds, GradParams, PerfParams
 from estimator.job_model import JobModel
 from estimator.predict import predict_one
-from scheduler.policies.pollux import PolluxPolicy, _local_search, _solve_dp, _solve_hull_greedy, power_mean
+from scheduler.policies.pollux import PolluxPolicy, _local_search, _solve_dp, _solve_hull_greedy, power_mean, upper_hull_segments
 from scheduler.registry import get_policy
 from tests.scheduler.conftest import APPLICATIONS, assert_sound, make_job, make_nodes, make_snapshot, snapshots
 
@@ -199,6 +199,17 @@ def test_fitness_beats_simple_baselines(seed):
     one_each = np.array([1 if job.min_gpus == 1 else 0 for job in table.jobs])
     one_each[np.cumsum(one_each) > table.capacity] = 0
     assert chosen >= policy.fitness(table, one_each) * (1 - 1e-9)
+
+
+def test_upper_hull_segments():
+    utility = np.array([
+        [0.0, 1.0, 1.5, 3.0, 3.2],        # (0,0)-(3,3) slope 1 (farthest of the ties), then 0.2
+        [0.0, -np.inf, 2.0, 2.0, 1.0],     # a forbidden count, then nothing gained past 2
+        [-5.0, -1.0, -np.inf, -np.inf, -np.inf],
+    ])
+    job, start, end, slope = upper_hull_segments(utility)
+    found = sorted(zip(job.tolist(), start.tolist(), end.tolist(), np.round(slope, 6).tolist()))
+    assert found == [(0, 0, 3, 1.0), (0, 3, 4, 0.2), (1, 0, 2, 1.0), (2, 0, 1, 4.0)]
 
 
 def test_dp_is_exact_on_small_tables():
