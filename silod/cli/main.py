@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -105,4 +106,8 @@ def _run_service(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
+    if getattr(args, "service", None) is None and hasattr(signal, "SIGPIPE"):
+        # Client commands piped into `head` should stop quietly, as Unix tools do. Services
+        # keep Python's default: a closed stdout must not kill a server.
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     return int(args.handler(args) or 0)
