@@ -186,6 +186,7 @@ class CacheCore:
         self._file_pool = ThreadPoolExecutor(4, thread_name_prefix="cache-file")
         self._background: set[asyncio.Task[Any]] = set()
         self._warned: set[str] = set()
+        self._metric_children: dict[tuple[int, tuple[str, ...]], Any] = {}
         transient_base = config.memory_dir or config.disk_dir
         self._transient_dir = os.path.join(transient_base, "transient") if transient_base else ""
         self._started = False
@@ -502,24 +503,35 @@ class CacheCore:
                      extra={"tier": entry.tier.name, "dataset": entry.dataset, "key": entry.key, "path": entry.path})
         self._evict(entry)
 
-    def _count_hit(self, job: JobState, entry: Entry, path: str) -> None:
-        job.hits += 1
-        for tier in self.tiers:
-            if tier is entry.tier:
-                tier.hits += 1
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: prometheus_client's labels() costs microseconds."""
+        key = (id(metric), labels)
+        child = self._metric_children.get(key)
+        if child is None:
+            child = self._metric_children[key] = metric.labels(*labels)
+        return child
+
+    def _count_hits(self, job: JobState, tier: Tier, count: int, nbytes: int, path: str) -> None:
+        job.hits += count
+        for t in self.tiers:
+            if t is tier:
+                t.hits += count
                 break
-            tier.misses += 1
+            t.misses += count
         label = metrics.job_label(job.job_id)
-        metrics.HITS.labels(tier=entry.tier.name, job=label, path=path).inc()
-        metrics.BYTES.labels(tier=entry.tier.name, job=label, path=path).inc(entry.size)
+        self._child(metrics.HITS, tier.name, label, path).inc(count)
+        self._child(metrics.BYTES, tier.name, label, path).inc(nbytes)
+
+    def _count_hit(self, job: JobState, entry: Entry, path: str) -> None:
+        self._count_hits(job, entry.tier, 1, entry.size, path)
 
     def _count_miss(self, job: JobState, size: int, path: str) -> None:
         job.misses += 1
         for tier in self.tiers:
             tier.misses += 1
         label = metrics.job_label(job.job_id)
-        metrics.MISSES.labels(job=label, path=path).inc()
-        metrics.BYTES.labels(tier="remote", job=label, path=path).inc(size)
+        self._child(metrics.MISSES, label, path).inc()
+        self._child(metrics.BYTES, "remote", label, path).inc(size)
 
     def _touch(self, job: JobState, entry: Entry, now: float) -> None:
         part = entry.partition
@@ -723,22 +735,40 @@ class CacheCore:
         served: list[Served | None] = [None] * len(keys)
         missing: list[int] = []
         now = time.monotonic()
+        hits: dict[Tier, list[int]] = {}  # counted once per call: this is the hot path
+        prefetching = bool(job.ahead or job.queue or job.staged)
+        index = self._index
+        stat = os.stat
         for i, pos in enumerate(positions):
             key = manifest.keys[pos]
             etag = manifest.etags[pos]
-            entry = self._lookup(dataset, key, etag)
-            if entry is not None and entry.verified and not entry.doomed:
-                if self._intact(entry):
-                    entry.pins += 1
-                    lease.entries.append(entry)
-                    self._touch(job, entry, now)
-                    self._count_hit(job, entry, "lease")
-                    if job.ahead or job.queue or job.staged:
-                        job.consumed(dataset, key)
-                    served[i] = Served(key, entry.path, entry.size, etag, entry.tier.name)
-                    continue
-                self._drop_corrupt(entry)
+            entry = index.get((dataset, key))
+            if entry is not None:
+                if entry.etag != etag:
+                    self._evict(entry)
+                elif entry.verified and not entry.doomed:
+                    try:
+                        st = stat(entry.path)
+                        intact = st.st_size == entry.size and st.st_mtime_ns == entry.mtime_ns
+                    except OSError:
+                        intact = False
+                    if intact:
+                        entry.pins += 1
+                        lease.entries.append(entry)
+                        self._touch(job, entry, now)
+                        tally = hits.get(entry.tier)
+                        if tally is None:
+                            tally = hits[entry.tier] = [0, 0]
+                        tally[0] += 1
+                        tally[1] += entry.size
+                        if prefetching:
+                            job.consumed(dataset, key)
+                        served[i] = Served(key, entry.path, entry.size, etag, entry.tier.name)
+                        continue
+                    self._drop_corrupt(entry)
             missing.append(i)
+        for tier, (count, nbytes) in hits.items():
+            self._count_hits(job, tier, count, nbytes, "lease")
         job.consumption.add(len(keys))
         if missing:
             results = await asyncio.gather(

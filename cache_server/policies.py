@@ -155,14 +155,29 @@ class LrfuCostPartition(Partition):
         self._push(entry)
 
     def on_hit(self, entry: Entry, now: float) -> None:
+        # No heap work here (hits are the hot path): a hit only raises the rank, so the heap
+        # item keeps a lower bound and is re-ranked lazily when it reaches the top.
         decay = 0.5 ** (max(0.0, now - entry.last_access) / self.half_life_s)
         entry.crf = entry.crf * decay + 1.0
         entry.last_access = now
-        self._push(entry)
 
     def _live(self, item: tuple[float, int, Entry]) -> bool:
         key, _, entry = item
         return id(entry) in self.entries and entry.partition is self and entry.heap_key == key
+
+    def _pop_lowest(self) -> tuple[float, int, Entry] | None:
+        """The member with the lowest current rank (re-ranking stale items on the way)."""
+        while self._heap:
+            item = heapq.heappop(self._heap)
+            if not self._live(item):
+                continue
+            entry = item[2]
+            current = self._rank(entry.crf, entry.cost_s, entry.last_access)
+            if current > item[0]:
+                self._push(entry)
+                continue
+            return item
+        return None
 
     def plan_admission(self, size: int, cost_s: float, now: float) -> list[Entry] | None:
         if size > self.capacity:
@@ -174,10 +189,10 @@ class LrfuCostPartition(Partition):
         victims: list[Entry] = []
         popped: list[tuple[float, int, Entry]] = []
         admitted = False
-        while self._heap:
-            item = heapq.heappop(self._heap)
-            if not self._live(item):
-                continue
+        while True:
+            item = self._pop_lowest()
+            if item is None:
+                break
             popped.append(item)
             entry = item[2]
             if entry.pins:
@@ -195,7 +210,8 @@ class LrfuCostPartition(Partition):
 
     def shrink_victims(self) -> list[Entry]:
         excess = self.used + self.reserved - self.capacity
-        ordered = sorted((e for e in self.entries.values() if e.pins == 0), key=lambda e: e.heap_key)
+        ordered = sorted((e for e in self.entries.values() if e.pins == 0),
+                         key=lambda e: self._rank(e.crf, e.cost_s, e.last_access))
         victims = []
         for entry in ordered:
             if excess <= 0:

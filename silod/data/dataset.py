@@ -23,7 +23,10 @@ import logging
 import multiprocessing
 import multiprocessing.context
 import os
+import queue
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -40,23 +43,51 @@ DEFAULT_METADATA_ADDR = "127.0.0.1:7070"
 _DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
-# Fire-and-forget calls (ReleaseLease, Prefetch hints) still in flight. gRPC's fork handlers
-# are skipped while calls are active, and a DataLoader forks its workers from this process: so
-# every fork first waits (briefly) for them to finish.
-_IN_FLIGHT: collections.deque[Any] = collections.deque(maxlen=256)
+class _Background:
+    """One thread per process for fire-and-forget calls (ReleaseLease, Prefetch hints): they
+    leave the batch's critical path (a grpc ``.future()`` costs more than the call itself).
+
+    gRPC skips its fork handlers while another thread is inside a call, and a DataLoader forks
+    its workers from this process: every fork first waits (up to 2 s) until the queue is empty.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Callable[[], Any] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="silod-data-background", daemon=True)
+        self._thread.start()
+        _BACKGROUND.add(self)
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        self._queue.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()
+            try:
+                if fn is not None:
+                    fn()
+            except Exception:  # noqa: BLE001 -- a lease expires on its own; a hint is only a hint
+                pass
+            finally:
+                self._queue.task_done()
+
+    def drain(self, timeout_s: float = 2.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
-def _drain_in_flight() -> None:
-    while _IN_FLIGHT:
-        future = _IN_FLIGHT.popleft()
-        try:
-            future.result(timeout=2)
-        except Exception:  # noqa: BLE001 -- outcome irrelevant: a lease expires, a hint is a hint
-            pass
+_BACKGROUND: weakref.WeakSet[_Background] = weakref.WeakSet()
+
+
+def _drain_background() -> None:
+    for worker in list(_BACKGROUND):
+        if worker._thread.is_alive():
+            worker.drain()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_drain_in_flight)
+    os.register_at_fork(before=_drain_background)
 
 
 class DataError(RuntimeError):
@@ -142,6 +173,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self._store: ObjectStore | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._fallback_since: float | None = None
+        self._background: _Background | None = None
         self.counters = collections.Counter()
 
     def _ensure_process(self) -> None:
@@ -167,7 +199,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_channel", "_stub", "_store", "_pool"):
+        for name in ("_channel", "_stub", "_store", "_pool", "_background"):
             state[name] = None
         state["_pid"] = 0
         if multiprocessing.context.get_spawning_popen() is None:
@@ -275,12 +307,8 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             expected.append((obj.size_bytes, obj.etag))
         self.counters["leased"] += len(keys)
         self.counters["lease_calls"] += 1
-        try:
-            _IN_FLIGHT.append(
-                stub.ReleaseLease.future(cache_pb2.ReleaseLeaseRequest(lease_id=response.lease_id), timeout=30)
-            )
-        except Exception:  # noqa: BLE001 -- the lease expires on its own
-            pass
+        request = cache_pb2.ReleaseLeaseRequest(lease_id=response.lease_id)
+        self._in_background(lambda: stub.ReleaseLease(request, timeout=30))
         if any(d is None for d in out):
             return self._read_direct(positions, out, expected)
         return out  # type: ignore[return-value]
@@ -325,11 +353,16 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         from silod.v1 import cache_pb2
 
         keys = [self.manifest.keys[int(p)] for p in positions]
+        request = cache_pb2.PrefetchRequest(job_id=self.job_id, dataset=self.name, keys=keys)
+        # Inline, not in the background thread: the sampler runs in the process that forks the
+        # DataLoader workers, and no thread of a forking process should be inside a gRPC call.
+        # One short call per prefetch_ahead samples.
         try:
-            _IN_FLIGHT.append(
-                self._cache_stub().Prefetch.future(
-                    cache_pb2.PrefetchRequest(job_id=self.job_id, dataset=self.name, keys=keys), timeout=30
-                )
-            )
-        except Exception:  # noqa: BLE001 -- a hint is only a hint
-            pass
+            self._cache_stub().Prefetch(request, timeout=5)
+        except grpc.RpcError:
+            pass  # a hint is only a hint
+
+    def _in_background(self, fn: Callable[[], Any]) -> None:
+        if self._background is None:
+            self._background = _Background()
+        self._background.submit(fn)

@@ -1,0 +1,388 @@
+"""Data-loading throughput, DLCache's method on a small scale: a plain PyTorch DataLoader reading
+the remote store vs silod (cold and warm cache), with GPU compute emulated by a sleep per batch.
+
+Run: ``python benchmarks/data_loading.py`` (about 2-3 minutes on 2 cores; ``--quick`` for a
+smaller run). Prints the command, a table and the targets:
+
+- warm silod >= 3x the plain DataLoader when IO-bound (compute 0);
+- within 3% of the compute bound when compute-bound (here: 1 s per batch);
+- the local hit path (Lease + read the files + release, one process) >= 70% of reading the same
+  files straight from local disk.
+
+The remote store is an emulator on loopback: a minimal S3 API (ListObjectsV2, HEAD, GET with
+If-Match) in aiohttp, in its own process, with a shared bandwidth limit and a per-request
+latency. Both the plain DataLoader (s3fs, like a user's ``fsspec.open``) and the cache server
+(the dataset's ``s3://`` URI with ``endpoint_url``) read through it, so the emulated limits
+apply to both. Samples are ~114 KB (ImageNet's mean), batch 256, 4 DataLoader workers.
+
+Page cache: the emulator throttles every byte it sends, so whether its files are in the page
+cache does not matter; for the local comparison the source files are re-created just before
+(both sides then read page-cached files: the cache's tmpfs copies vs the fresh sources).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from typing import Any
+from xml.sax.saxutils import escape
+
+try:
+    import silod  # noqa: F401
+except ImportError:  # run from a clone without installing
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+BUCKET = "bench"
+PREFIX = "train"
+
+
+# -- the remote-store emulator (its own process) ---------------------------------------------------
+
+
+def serve_emulator(root: str, port_file: str, bandwidth: float, latency: float) -> None:
+    from aiohttp import web
+
+    objects: dict[str, tuple[str, int, str]] = {}  # key -> (path, size, etag)
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            key = os.path.relpath(path, root)
+            with open(path, "rb") as f:
+                etag = hashlib.md5(f.read()).hexdigest()  # noqa: S324 -- S3's ETag is an MD5
+            objects[f"{PREFIX}/{key}"] = (path, os.path.getsize(path), etag)
+    ordered = sorted(objects)
+    modified = datetime(2024, 1, 1, tzinfo=timezone.utc)
+    state = {"next_free": 0.0}
+
+    async def throttle(nbytes: int) -> None:  # one link shared by every connection
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        start = max(state["next_free"], now)
+        state["next_free"] = start + nbytes / bandwidth
+        if start > now:
+            await asyncio.sleep(start - now)
+
+    def error(status: int, code: str) -> web.Response:
+        body = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{code}</Message></Error>'
+        return web.Response(status=status, body=body.encode(), content_type="application/xml")
+
+    async def list_bucket(request: web.Request) -> web.Response:
+        q = request.query
+        prefix = q.get("prefix", "")
+        delimiter = q.get("delimiter", "")
+        max_keys = int(q.get("max-keys", "1000"))
+        after = q.get("continuation-token") or q.get("start-after") or ""
+        contents, prefixes = [], []
+        for key in ordered:
+            if not key.startswith(prefix) or key <= after:
+                continue
+            rest = key[len(prefix):]
+            if delimiter and delimiter in rest:
+                common = prefix + rest.split(delimiter, 1)[0] + delimiter
+                if common not in prefixes:
+                    prefixes.append(common)
+                continue
+            contents.append(key)
+            if len(contents) >= max_keys:
+                break
+        truncated = len(contents) >= max_keys and contents[-1] != ordered[-1]
+        xml = ['<?xml version="1.0" encoding="UTF-8"?>',
+               '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">',
+               f"<Name>{BUCKET}</Name><Prefix>{escape(prefix)}</Prefix><KeyCount>{len(contents)}</KeyCount>",
+               f"<MaxKeys>{max_keys}</MaxKeys><IsTruncated>{'true' if truncated else 'false'}</IsTruncated>"]
+        for key in contents:
+            _, size, etag = objects[key]
+            xml.append(f"<Contents><Key>{escape(key)}</Key><LastModified>2024-01-01T00:00:00.000Z</LastModified>"
+                       f"<ETag>&quot;{etag}&quot;</ETag><Size>{size}</Size><StorageClass>STANDARD</StorageClass></Contents>")
+        for common in prefixes:
+            xml.append(f"<CommonPrefixes><Prefix>{escape(common)}</Prefix></CommonPrefixes>")
+        if truncated:
+            xml.append(f"<NextContinuationToken>{escape(contents[-1])}</NextContinuationToken>")
+        xml.append("</ListBucketResult>")
+        await asyncio.sleep(latency)
+        return web.Response(body="".join(xml).encode(), content_type="application/xml")
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        bucket, _, key = request.path.lstrip("/").partition("/")
+        if bucket != BUCKET:
+            return error(404, "NoSuchBucket")
+        if not key:
+            if request.method == "HEAD":
+                return web.Response(status=200)
+            return await list_bucket(request)
+        await asyncio.sleep(latency)
+        found = objects.get(key)
+        if found is None:
+            return web.Response(status=404) if request.method == "HEAD" else error(404, "NoSuchKey")
+        path, size, etag = found
+        headers = {"ETag": f'"{etag}"', "Last-Modified": modified.strftime("%a, %d %b %Y %H:%M:%S GMT"),
+                   "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        if_match = request.headers.get("If-Match")
+        if if_match and if_match.strip('"') != etag:
+            return error(412, "PreconditionFailed")
+        if request.method == "HEAD":
+            return web.Response(status=200, headers={**headers, "Content-Length": str(size)})
+        start, end, status = 0, size - 1, 200
+        if "Range" in request.headers:
+            first, _, last = request.headers["Range"].removeprefix("bytes=").partition("-")
+            start, end, status = int(first), min(size - 1, int(last) if last else size - 1), 206
+            headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(end - start + 1)
+        response = web.StreamResponse(status=status, headers={**headers, "Content-Length": str(len(data))})
+        await response.prepare(request)
+        for offset in range(0, len(data), 65536):
+            chunk = data[offset : offset + 65536]
+            await throttle(len(chunk))
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        tmp = port_file + ".tmp"
+        pathlib.Path(tmp).write_text(str(port))
+        os.replace(tmp, port_file)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+# -- the benchmark ------------------------------------------------------------------------------------
+
+
+class PlainS3Dataset:
+    """What a user writes without silod: one fsspec read per sample, in DataLoader workers."""
+
+    def __init__(self, endpoint: str, keys: list[str]) -> None:
+        self.endpoint = endpoint
+        self.keys = keys
+        self._fs: Any = None
+        self._pid = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: int) -> bytes:
+        if self._pid != os.getpid():
+            import s3fs
+
+            self._fs = s3fs.S3FileSystem(endpoint_url=self.endpoint, skip_instance_cache=True)
+            self._pid = os.getpid()
+        return self._fs.cat_file(f"{BUCKET}/{PREFIX}/{self.keys[index]}")
+
+
+def run_epoch(loader: Any, compute_s: float, sampler: Any = None, epoch: int = 0) -> tuple[int, float, float]:
+    """(samples, seconds, seconds blocked waiting for the loader), counted from the arrival of the
+    first batch: worker start-up and the first fetch are paid once by every loader alike and
+    would otherwise dominate a short epoch."""
+    if sampler is not None:
+        sampler.set_epoch(epoch)
+    samples, blocked = 0, 0.0
+    iterator = iter(loader)
+    first = next(iterator)
+    started = time.perf_counter()
+    samples += len(first)
+    if compute_s:
+        time.sleep(compute_s)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            break
+        blocked += time.perf_counter() - t0
+        samples += len(batch)
+        if compute_s:
+            time.sleep(compute_s)
+    del first
+    return samples, time.perf_counter() - started, blocked
+
+
+def make_files(root: pathlib.Path, count: int, size: int) -> list[str]:
+    keys = []
+    for i in range(count):
+        key = f"c{i % 16:02d}/{i:06d}.jpg"
+        path = root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(size))
+        keys.append(key)
+    return keys
+
+
+def recreate(root: pathlib.Path, keys: list[str]) -> None:
+    """Rewrite every file with its own bytes: fresh files, as hot in the page cache as the cache's copies."""
+    for key in keys:
+        path = root / key
+        data = path.read_bytes()
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+
+def local_comparison(root: pathlib.Path, dataset: Any, batch: int, rounds: int) -> tuple[float, float]:
+    """files/s of raw local reads vs the silod hit path, one process, same batches."""
+    import random
+
+    recreate(root, dataset.keys)
+    n = len(dataset)
+    order = list(range(n))
+    random.Random(0).shuffle(order)
+    batches = [order[i : i + batch] for i in range(0, n - batch + 1, batch)]
+    dataset.read_batch(batches[0])  # warm the channel
+    raw_best = silod_best = 0.0
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for b in batches:
+            for i in b:
+                with open(root / dataset.keys[i], "rb") as f:
+                    f.read()
+        raw_best = max(raw_best, len(batches) * batch / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        for b in batches:
+            dataset.read_batch(b)
+        silod_best = max(silod_best, len(batches) * batch / (time.perf_counter() - t0))
+    return raw_best, silod_best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, default=12, help="batches per epoch (default 12)")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--sample-bytes", type=int, default=114_000)
+    parser.add_argument("--compute", default="0,0.25,1", help="seconds of emulated GPU compute per batch, comma-separated")
+    parser.add_argument("--bandwidth-mb", type=float, default=100.0, help="store bandwidth, MB/s (default 100)")
+    parser.add_argument("--latency-ms", type=float, default=20.0, help="store latency per request, ms (default 20)")
+    parser.add_argument("--workers", type=int, default=4, help="DataLoader workers (default 4)")
+    parser.add_argument("--quick", action="store_true", help="6 batches of 128, compute 0 and 0.5 s")
+    parser.add_argument("--serve-emulator", nargs=4, metavar=("ROOT", "PORT_FILE", "BYTES_PER_S", "LATENCY_S"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_emulator:
+        root, port_file, bandwidth, latency = args.serve_emulator
+        serve_emulator(root, port_file, float(bandwidth), float(latency))
+        return 0
+    if args.quick:
+        args.batches, args.batch_size, args.compute = 6, 128, "0,0.5"
+    computes = [float(c) for c in args.compute.split(",")]
+    print("command: python benchmarks/data_loading.py " + " ".join(sys.argv[1:]))
+
+    import torch.utils.data
+
+    from silod.data import EpochShuffleSampler, SilodDataset
+    from silod.launcher import start_service
+    from silod.cli.main import main as silod_main
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        os.environ.setdefault(name, value)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="silod-bench-"))
+    shm = pathlib.Path(tempfile.mkdtemp(prefix="silod-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    procs: list[Any] = []
+    try:
+        count = args.batches * args.batch_size
+        store = work / "store"
+        keys = make_files(store, count, args.sample_bytes)
+        dataset_bytes = count * args.sample_bytes
+        port_file = work / "emulator.port"
+        emulator = subprocess.Popen([sys.executable, __file__, "--serve-emulator", str(store), str(port_file),
+                                     str(args.bandwidth_mb * 1e6), str(args.latency_ms / 1000)])
+        procs.append(emulator)
+        while not port_file.exists():
+            if emulator.poll() is not None:
+                raise SystemExit("the store emulator did not start")
+            time.sleep(0.05)
+        endpoint = f"http://127.0.0.1:{port_file.read_text()}"
+        metadata = start_service("metadata", "--db", f"sqlite:///{work / 'meta.db'}", "--log-level", "warning",
+                                 workdir=work / "metadata")
+        procs.append(metadata)
+        code = silod_main(["dataset", "register", "bench", f"s3://{BUCKET}/{PREFIX}", "--option",
+                           f"endpoint_url={endpoint}", "--metadata", metadata.address])
+        if code:
+            raise SystemExit("registration failed")
+        print(f"store emulator: {args.bandwidth_mb:g} MB/s shared, {args.latency_ms:g} ms per request; "
+              f"{count} samples of {args.sample_bytes} B ({dataset_bytes / 1e6:.0f} MB), batch {args.batch_size}, "
+              f"{args.workers} workers")
+
+        def loader(dataset: Any, sampler: Any = None) -> Any:
+            return torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
+                                               shuffle=sampler is None, num_workers=args.workers, collate_fn=list,
+                                               multiprocessing_context="fork", prefetch_factor=2)
+
+        rows = []
+        local: tuple[float, float] | None = None
+        for compute in computes:
+            plain = run_epoch(loader(PlainS3Dataset(endpoint, sorted(keys))), compute)
+            run = shm / f"run-{compute}"
+            cache = start_service(
+                "cache-server", "--metadata-address", metadata.address, "--memory-cache-dir", str(run / "mem"),
+                "--memory-cache-bytes", str(2 * dataset_bytes), "--disk-cache-dir", str(work / f"disk-{compute}"),
+                "--disk-cache-bytes", str(dataset_bytes), "--log-level", "warning", workdir=work / f"cache-{compute}",
+            )
+            procs.append(cache)
+            dataset = SilodDataset("bench", cache_addr=cache.address, metadata_addr=metadata.address, job_id="bench")
+            sampler = EpochShuffleSampler(dataset, seed=0, prefetch_ahead=2 * args.batch_size)
+            cold = run_epoch(loader(dataset, sampler), compute, sampler, 0)
+            warm = run_epoch(loader(dataset, sampler), compute, sampler, 1)
+            if local is None:
+                local = local_comparison(store, dataset, args.batch_size, 3)
+            cache.terminate()
+            procs.remove(cache)
+            rows.append((compute, plain, cold, warm))
+
+        print()
+        print(f"{'compute s/batch':>15} {'bound':>8} | {'plain':>8} {'silod cold':>11} {'silod warm':>11} | "
+              f"{'warm/plain':>10} {'warm/bound':>10}   (samples/s; loader-blocked s: plain/cold/warm)")
+        for compute, plain, cold, warm in rows:
+            rate = [s / t for s, t, _ in (plain, cold, warm)]
+            bound = args.batch_size / compute if compute else float("inf")
+            print(f"{compute:>15g} {bound:>8.0f} | {rate[0]:>8.0f} {rate[1]:>11.0f} {rate[2]:>11.0f} | "
+                  f"{rate[2] / rate[0]:>9.1f}x {rate[2] / bound if compute else float('nan'):>10.1%}   "
+                  f"({plain[2]:.1f}/{cold[2]:.1f}/{warm[2]:.1f})")
+        assert local is not None
+        raw, hit = local
+        print(f"\nlocal hit path, one process, batches of {args.batch_size}: raw local reads {raw:,.0f} files/s, "
+              f"silod lease + read {hit:,.0f} files/s = {hit / raw:.0%} of raw")
+        io_rows = [r for r in rows if r[0] == 0]
+        cb_rows = [r for r in rows if r[0] >= 1 or (args.quick and r[0] > 0)]
+        print("\ntargets:")
+        if io_rows:
+            _, plain, _, warm = io_rows[0]
+            ratio = (warm[0] / warm[1]) / (plain[0] / plain[1])
+            print(f"  IO-bound warm >= 3x plain: {ratio:.1f}x  {'ok' if ratio >= 3 else 'MISSED'}")
+        for compute, _, _, warm in cb_rows:
+            share = (warm[0] / warm[1]) / (args.batch_size / compute)
+            print(f"  compute-bound ({compute:g} s) warm within 3% of the bound: {share:.1%}  "
+                  f"{'ok' if share >= 0.97 else 'MISSED'}")
+        print(f"  local hit path >= 70% of raw reads: {hit / raw:.0%}  {'ok' if hit / raw >= 0.7 else 'MISSED'}")
+        return 0
+    finally:
+        for proc in reversed(procs):
+            if hasattr(proc, "close"):
+                proc.close()
+            else:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
