@@ -83,6 +83,9 @@ def _add_run_flags(p: argparse.ArgumentParser, required: bool) -> None:
 
 def _add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", metavar="YAML", help="cluster spec (default: 16 nodes x 4 GPUs, 60 s rounds, 30 s restarts)")
+    p.add_argument("--set", dest="options", action="append", default=[], metavar="POLICY.OPTION=VALUE",
+                   help="policy option, e.g. pollux.p=-0.5 or tiresias.thresholds_gpu_s=(3200,) (repeatable; "
+                        "the POLICY. prefix may be left out with a single policy)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no result lines")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-check", action="store_true", help="skip the per-round plan invariant checks (faster)")
@@ -96,14 +99,53 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _policy(name: str, seed: int | None):
-    """Instantiate policy ``name``, passing ``seed`` when its constructor takes one."""
+def _policy(name: str, seed: int | None, options: dict[str, dict[str, Any]] | None = None):
+    """Instantiate policy ``name`` with its ``--set`` options, and ``seed`` when its constructor takes one."""
     from scheduler.registry import get_policy
 
-    policy = get_policy(name)
-    if seed is not None and "seed" in inspect.signature(type(policy)).parameters:
-        policy = get_policy(name, seed=seed)
-    return policy
+    chosen = dict((options or {}).get(name, {}))
+    if seed is not None and "seed" in inspect.signature(type(get_policy(name))).parameters:
+        chosen["seed"] = seed
+    return get_policy(name, **chosen)
+
+
+def _parse_options(values: list[str], names: list[str]) -> dict[str, dict[str, Any]]:
+    """``["pollux.p=-0.5", ...]`` -> ``{"pollux": {"p": -0.5}}``, checked against each policy's fields.
+
+    Raises SimulatorInputError naming the bad ``--set`` value.
+    """
+    import ast
+    import dataclasses
+
+    from scheduler.registry import get_policy
+    from simulator.errors import SimulatorInputError
+
+    parsed: dict[str, dict[str, Any]] = {}
+    for value in values:
+        target, sep, raw = value.partition("=")
+        policy, dot, key = target.rpartition(".")
+        if not sep or not key:
+            raise SimulatorInputError(f"--set {value!r}: expected POLICY.OPTION=VALUE")
+        if not dot:
+            if len(names) != 1:
+                raise SimulatorInputError(f"--set {value!r}: name the policy (one of {', '.join(names)}), e.g. pollux.{key}")
+            policy = names[0]
+        if policy not in names:
+            raise SimulatorInputError(f"--set {value!r}: policy {policy!r} is not being run ({', '.join(names)})")
+        fields = {f.name for f in dataclasses.fields(type(get_policy(policy)))}
+        if key not in fields:
+            raise SimulatorInputError(f"--set {value!r}: {policy} has no option {key!r}; options: {', '.join(sorted(fields))}")
+        try:
+            parsed_value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            parsed_value = raw  # plain words, e.g. penalty_model=age
+        parsed.setdefault(policy, {})[key] = parsed_value
+    for policy, options in parsed.items():
+        try:
+            get_policy(policy, **options)
+        except (TypeError, ValueError) as exc:
+            raise SimulatorInputError(f"--set: bad options for {policy}: {exc}") from None
+    return parsed
 
 
 def _check_policies(names: list[str]) -> str | None:
@@ -208,9 +250,10 @@ def _run(args: argparse.Namespace) -> int:
         from simulator.runner import simulate
         from simulator.workload import load_workload
 
+        options = _parse_options(args.options, [args.policy])
         workload = load_workload(args.workload)
         cluster = load_cluster(args.cluster)
-        policy = _policy(args.policy, args.seed)
+        policy = _policy(args.policy, args.seed, options)
         with _Bar(not args.quiet) as bar:
             bar.start(f"{args.policy}", len(workload))
             result = simulate(workload, policy, cluster, check_invariants=not args.no_check, observer=bar.update)
@@ -240,13 +283,14 @@ def _compare(args: argparse.Namespace) -> int:
         from simulator.runner import simulate
         from simulator.workload import load_workload
 
+        options = _parse_options(args.options, names)
         workload = load_workload(args.workload)
         cluster = load_cluster(args.cluster)
         results = []
         with _Bar(not args.quiet) as bar:
             for name in names:
                 bar.start(name, len(workload))
-                result = simulate(workload, _policy(name, None), cluster, check_invariants=not args.no_check, observer=bar.update)
+                result = simulate(workload, _policy(name, None, options), cluster, check_invariants=not args.no_check, observer=bar.update)
                 results.append(dataclasses.replace(result, policy=name))
         data = write_compare(results, args.out, plots=not args.no_plots)
         if not args.quiet:

@@ -25,9 +25,11 @@ finishes every job or says why not.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -96,6 +98,7 @@ class SimulationResult:
     plans_checked: int
     start_s: float                        # the clock's start
     wall_time_s: float = 0.0              # filled by :func:`simulator.runner.simulate`
+    policy_options: dict = field(default_factory=dict)  # the policy's constructor options, for reproducibility
 
 
 class _Job:
@@ -279,6 +282,7 @@ class Simulator:
             ))
         return SimulationResult(
             policy=self.policy_name, workload=self.workload.name, cluster=self.cluster, jobs=tuple(records),
+            policy_options=_options_of(self.policy),
             timeline=tuple(self._timeline), rounds=self.rounds, events=self.events,
             plans_checked=self.plans_checked, start_s=self.start_s,
         )
@@ -449,3 +453,10 @@ class Simulator:
             self.cluster.restart_cost_s + job.target / rate if rate > 0 else math.inf
             for job, rate in zip(self._jobs, rates.tolist())
         ]
+
+
+def _options_of(policy: object) -> dict:
+    """A dataclass policy's options as plain values (what summary.json records)."""
+    if not dataclasses.is_dataclass(policy):
+        return {}
+    return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}

@@ -45,6 +45,7 @@ def summary(result: SimulationResult) -> dict[str, Any]:
     gpus = result.cluster.total_gpus
     return {
         "policy": result.policy,
+        "policy_options": {k: list(v) if isinstance(v, tuple) else v for k, v in result.policy_options.items()},
         "workload": result.workload,
         "jobs": len(jobs),
         "avg_jct_s": _r(jct.mean(), 3),
