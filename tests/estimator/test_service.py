@@ -8,7 +8,6 @@ robustness against random and garbage requests.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import threading
 import time
@@ -28,8 +27,8 @@ from estimator.job_model import JobModel
 from estimator.model_store import MAX_LOG_ENTRIES
 from estimator.predict import ModelTable, predict
 from services.metadata import service as metadata_service
-from services.runtime.server import RunningServer, ServiceDefinition, start_server
 from silod.v1 import common_pb2, estimator_pb2, estimator_pb2_grpc, metadata_pb2, metadata_pb2_grpc
+from tests.support.inprocess import InProcessServer
 from tests.support.procs import free_port
 
 OK = grpc.StatusCode.OK
@@ -38,41 +37,7 @@ NOT_FOUND = grpc.StatusCode.NOT_FOUND
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
-class Served:
-    """A silod service started with start_server on a private event loop thread."""
-
-    def __init__(self, definition: ServiceDefinition, settings: object) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        try:
-            self.running: RunningServer = self._submit(start_server(definition, settings))
-        except BaseException:
-            self._close_loop()
-            raise
-        self.address = self.running.address
-        self.channel = grpc.insecure_channel(self.address, options=[("grpc.max_receive_message_length", 64 * 2**20)])
-
-    def _submit(self, coroutine: object) -> RunningServer:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(60)  # type: ignore[arg-type]
-
-    def stop(self) -> None:
-        self.channel.close()
-        try:
-            self._submit(self.running.stop(0))
-        finally:
-            self._close_loop()
-
-    def _close_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
-
-    def __enter__(self) -> Served:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+Served = InProcessServer
 
 
 def estimator_server(**settings: object) -> Served:

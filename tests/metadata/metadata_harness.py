@@ -3,10 +3,8 @@ that runs on its own event loop thread, so tests can use plain synchronous gRPC 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
-import threading
 from collections.abc import Callable
 
 import grpc
@@ -15,7 +13,7 @@ import pytest
 from psycopg2 import sql
 
 from services.metadata.service import Settings, definition
-from services.runtime.server import RunningServer, start_server
+from tests.support.inprocess import InProcessServer as BaseInProcessServer
 from silod.v1 import metadata_pb2_grpc
 
 POSTGRES_HOST = os.environ.get("SILOD_TEST_PG_HOST", "127.0.0.1")
@@ -64,42 +62,12 @@ class PostgresScratch:
         self._created.clear()
 
 
-class InProcessServer:
-    """``silod metadata`` started with start_server on a private event loop thread."""
+class InProcessServer(BaseInProcessServer):
+    """``silod metadata`` served in-process, with a MetadataService stub."""
 
     def __init__(self, settings: Settings) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="metadata-server", daemon=True)
-        self._thread.start()
-        try:
-            self.running: RunningServer = self._submit(start_server(definition(settings), settings))
-        except BaseException:
-            self._shutdown_loop()
-            raise
-        self.address = self.running.address
-        self.channel = grpc.insecure_channel(self.address)
+        super().__init__(definition(settings), settings, thread_name="metadata-server")
         self.stub = metadata_pb2_grpc.MetadataServiceStub(self.channel)
-
-    def _submit(self, coroutine: object, timeout: float = 60) -> RunningServer:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)  # type: ignore[arg-type]
-
-    def stop(self) -> None:
-        self.channel.close()
-        try:
-            self._submit(self.running.stop(0))
-        finally:
-            self._shutdown_loop()
-
-    def _shutdown_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
-
-    def __enter__(self) -> InProcessServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
