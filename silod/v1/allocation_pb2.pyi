@@ -10,6 +10,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from silod.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -37,6 +38,35 @@ PLAN_COMPONENT_UNSPECIFIED: PlanComponent.ValueType  # 0
 PLAN_COMPONENT_WORKER_AGENT: PlanComponent.ValueType  # 1
 PLAN_COMPONENT_CACHE_SERVER: PlanComponent.ValueType  # 2
 Global___PlanComponent: _TypeAlias = PlanComponent  # noqa: Y015
+
+class _TaskPhase:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TaskPhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskPhase.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TASK_PHASE_UNSPECIFIED: _TaskPhase.ValueType  # 0
+    TASK_PHASE_STARTING: _TaskPhase.ValueType  # 1
+    """process launched, not yet reporting progress"""
+    TASK_PHASE_RUNNING: _TaskPhase.ValueType  # 2
+    """reporting progress"""
+    TASK_PHASE_CHECKPOINTING: _TaskPhase.ValueType  # 3
+    """asked to checkpoint before a resize or preemption"""
+    TASK_PHASE_EXITED: _TaskPhase.ValueType  # 4
+    """process ended; see exit_code"""
+
+class TaskPhase(_TaskPhase, metaclass=_TaskPhaseEnumTypeWrapper): ...
+
+TASK_PHASE_UNSPECIFIED: TaskPhase.ValueType  # 0
+TASK_PHASE_STARTING: TaskPhase.ValueType  # 1
+"""process launched, not yet reporting progress"""
+TASK_PHASE_RUNNING: TaskPhase.ValueType  # 2
+"""reporting progress"""
+TASK_PHASE_CHECKPOINTING: TaskPhase.ValueType  # 3
+"""asked to checkpoint before a resize or preemption"""
+TASK_PHASE_EXITED: TaskPhase.ValueType  # 4
+"""process ended; see exit_code"""
+Global___TaskPhase: _TypeAlias = TaskPhase  # noqa: Y015
 
 @_typing.final
 class WatchPlanRequest(_message.Message):
@@ -127,3 +157,111 @@ class AckPlanResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AckPlanResponse: _TypeAlias = AckPlanResponse  # noqa: Y015
+
+@_typing.final
+class TaskReport(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    GPU_INDICES_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    STEP_TIME_S_FIELD_NUMBER: _builtins.int
+    BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """job id"""
+    rank: _builtins.int
+    """rank of the process, 0..world_size-1"""
+    generation: _builtins.int
+    """launch generation the process belongs to"""
+    phase: Global___TaskPhase.ValueType
+    """what the process is doing now"""
+    exit_code: _builtins.int
+    """process exit status when phase == EXITED (0 = success)"""
+    step_time_s: _builtins.float
+    """seconds per step, recent mean; 0 = not measured yet"""
+    batch_size: _builtins.int
+    """samples per step, global, that step_time_s was measured at"""
+    @_builtins.property
+    def gpu_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """device indices the process holds right now"""
+
+    @_builtins.property
+    def progress(self) -> _common_pb2.JobProgress:
+        """latest progress reported by the job's SDK (rank 0 is authoritative)"""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        generation: _builtins.int = ...,
+        phase: Global___TaskPhase.ValueType = ...,
+        exit_code: _builtins.int = ...,
+        gpu_indices: _abc.Iterable[_builtins.int] | None = ...,
+        progress: _common_pb2.JobProgress | None = ...,
+        step_time_s: _builtins.float = ...,
+        batch_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "exit_code", b"exit_code", "generation", b"generation", "gpu_indices", b"gpu_indices", "job_id", b"job_id", "phase", b"phase", "progress", b"progress", "rank", b"rank", "step_time_s", b"step_time_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskReport: _TypeAlias = TaskReport  # noqa: Y015
+
+@_typing.final
+class ReportTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    APPLIED_PLAN_VERSION_FIELD_NUMBER: _builtins.int
+    TASKS_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """reporting node"""
+    applied_plan_version: _builtins.int
+    """latest plan version the agent applied"""
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskReport]:
+        """every task on the node, exited ones until acknowledged"""
+
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        applied_plan_version: _builtins.int = ...,
+        tasks: _abc.Iterable[Global___TaskReport] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_plan_version", b"applied_plan_version", "node", b"node", "tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportTasksRequest: _TypeAlias = ReportTasksRequest  # noqa: Y015
+
+@_typing.final
+class ReportTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACKNOWLEDGED_EXITS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def acknowledged_exits(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"job_id/rank/generation" of EXITED reports now persisted; the agent may forget them"""
+
+    def __init__(
+        self,
+        *,
+        acknowledged_exits: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledged_exits", b"acknowledged_exits"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportTasksResponse: _TypeAlias = ReportTasksResponse  # noqa: Y015

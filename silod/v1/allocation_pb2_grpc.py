@@ -56,6 +56,11 @@ class AllocationServiceStub:
                 request_serializer=silod_dot_v1_dot_allocation__pb2.AckPlanRequest.SerializeToString,
                 response_deserializer=silod_dot_v1_dot_allocation__pb2.AckPlanResponse.FromString,
                 _registered_method=True)
+        self.ReportTasks = channel.unary_unary(
+                '/silod.v1.AllocationService/ReportTasks',
+                request_serializer=silod_dot_v1_dot_allocation__pb2.ReportTasksRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_allocation__pb2.ReportTasksResponse.FromString,
+                _registered_method=True)
 
 
 class AllocationServiceServicer:
@@ -88,6 +93,15 @@ class AllocationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportTasks(self, request, context):
+        """Worker agents report what actually runs on their node: task phases, exit codes, progress
+        and the GPUs each task holds. The scheduler turns these into job state changes (it is the
+        only writer of job state) and checks GPU exclusivity against what agents observe.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllocationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +124,11 @@ def add_AllocationServiceServicer_to_server(servicer, server):
                     servicer.Ack,
                     request_deserializer=silod_dot_v1_dot_allocation__pb2.AckPlanRequest.FromString,
                     response_serializer=silod_dot_v1_dot_allocation__pb2.AckPlanResponse.SerializeToString,
+            ),
+            'ReportTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportTasks,
+                    request_deserializer=silod_dot_v1_dot_allocation__pb2.ReportTasksRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_allocation__pb2.ReportTasksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +239,33 @@ class AllocationService:
             '/silod.v1.AllocationService/Ack',
             silod_dot_v1_dot_allocation__pb2.AckPlanRequest.SerializeToString,
             silod_dot_v1_dot_allocation__pb2.AckPlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.AllocationService/ReportTasks',
+            silod_dot_v1_dot_allocation__pb2.ReportTasksRequest.SerializeToString,
+            silod_dot_v1_dot_allocation__pb2.ReportTasksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,11 @@ class AllocationServiceStub:
     A reconnecting watcher always starts from the latest plan, never a stale one.
     """
     Ack: _grpc.UnaryUnaryMultiCallable[_allocation_pb2.AckPlanRequest, _allocation_pb2.AckPlanResponse]
+    ReportTasks: _grpc.UnaryUnaryMultiCallable[_allocation_pb2.ReportTasksRequest, _allocation_pb2.ReportTasksResponse]
+    """Worker agents report what actually runs on their node: task phases, exit codes, progress
+    and the GPUs each task holds. The scheduler turns these into job state changes (it is the
+    only writer of job state) and checks GPU exclusivity against what agents observe.
+    """
 
 @_typing.type_check_only
 class AllocationServiceAsyncStub(AllocationServiceStub):
@@ -55,6 +60,11 @@ class AllocationServiceAsyncStub(AllocationServiceStub):
     A reconnecting watcher always starts from the latest plan, never a stale one.
     """
     Ack: _aio.UnaryUnaryMultiCallable[_allocation_pb2.AckPlanRequest, _allocation_pb2.AckPlanResponse]  # type: ignore[assignment]
+    ReportTasks: _aio.UnaryUnaryMultiCallable[_allocation_pb2.ReportTasksRequest, _allocation_pb2.ReportTasksResponse]  # type: ignore[assignment]
+    """Worker agents report what actually runs on their node: task phases, exit codes, progress
+    and the GPUs each task holds. The scheduler turns these into job state changes (it is the
+    only writer of job state) and checks GPU exclusivity against what agents observe.
+    """
 
 class AllocationServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -88,5 +98,16 @@ class AllocationServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _allocation_pb2.AckPlanRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_allocation_pb2.AckPlanResponse, _abc.Awaitable[_allocation_pb2.AckPlanResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ReportTasks(
+        self,
+        request: _allocation_pb2.ReportTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_allocation_pb2.ReportTasksResponse, _abc.Awaitable[_allocation_pb2.ReportTasksResponse]]:
+        """Worker agents report what actually runs on their node: task phases, exit codes, progress
+        and the GPUs each task holds. The scheduler turns these into job state changes (it is the
+        only writer of job state) and checks GPU exclusivity against what agents observe.
+        """
 
 def add_AllocationServiceServicer_to_server(servicer: AllocationServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
