@@ -13,7 +13,13 @@ read from the remote store directly, verified against the manifest's version tag
 the cache server does. The switch is logged once per job run (shared by DataLoader workers);
 the cache server is tried again every ``retry_cache_after_s`` seconds.
 
-Channels are opened lazily in each process (after DataLoader forks its workers).
+fork safety: gRPC is not fork-safe once it has been used (threads and locks are copied
+mid-flight; forked DataLoader workers can deadlock). The process that builds the dataset and
+forks the workers therefore never opens a channel: the manifest is loaded by a helper process,
+prefetch hints from the sampler ride along with the indices to the workers, and each worker
+opens its own channel lazily. Reading samples in that process itself (``num_workers=0`` or
+``dataset[i]`` by hand) opens a channel there: create DataLoaders with workers afterwards with
+``multiprocessing_context="forkserver"`` (or "spawn") in that case.
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ import logging
 import multiprocessing
 import multiprocessing.context
 import os
+import pickle
 import queue
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -34,7 +43,7 @@ from typing import Any
 import grpc
 import torch.utils.data
 
-from silod.data.catalog import Manifest, ManifestNotFound, load_manifest
+from silod.data.catalog import Manifest
 from silod.data.store import ObjectStore
 
 _log = logging.getLogger("silod.data")
@@ -146,19 +155,19 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     # -- manifest ---------------------------------------------------------------------------------
 
     def _load_manifest(self) -> Manifest:
-        from services.runtime.client import open_channel
-        from silod.v1 import metadata_pb2_grpc
-
-        with open_channel(self.metadata_addr, token=self.token) as channel:
-            try:
-                return load_manifest(metadata_pb2_grpc.MetadataServiceStub(channel), self.name)
-            except ManifestNotFound:
-                raise DataError(f"dataset {self.name!r} is not registered at {self.metadata_addr}") from None
-            except grpc.RpcError as exc:
-                raise DataError(
-                    f"cannot load the manifest of {self.name!r} from {self.metadata_addr}: "
-                    f"{exc.code().name}: {exc.details()}"
-                ) from None
+        # In a helper process: this process must stay free of gRPC until it has forked its
+        # DataLoader workers (see _manifest_helper).
+        result = subprocess.run(
+            [sys.executable, "-m", "silod.data._manifest_helper", self.name, self.metadata_addr],
+            capture_output=True,
+            env={**os.environ, "SILOD_AUTH_TOKEN": self.token},
+            timeout=600,
+        )
+        if result.returncode != 0:
+            raise DataError(result.stderr.decode(errors="replace").strip().splitlines()[-1]
+                            if result.stderr.strip() else f"manifest helper exited with {result.returncode}")
+        manifest: Manifest = pickle.loads(result.stdout)
+        return manifest
 
     @property
     def keys(self) -> list[str]:
@@ -218,6 +227,10 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        for index in indices:
+            hint = getattr(index, "prefetch_hint", None)  # set by EpochShuffleSampler
+            if hint:
+                self.prefetch_hint(hint)
         positions = [int(i) for i in indices]
         n = len(self.manifest)
         for i in positions:
@@ -250,17 +263,21 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             return False
         if self._fallback_since is None:
             return True
-        return time.monotonic() - self._fallback_since >= self.retry_cache_after_s
+        if time.monotonic() - self._fallback_since < self.retry_cache_after_s:
+            return False
+        if self._channel is not None:
+            # A fresh channel: the old one may sit in reconnect backoff. Open before closing, so
+            # gRPC never drops to zero channels (that starts its background shutdown).
+            old = self._channel
+            self._channel = self._stub = None
+            self._cache_stub()
+            old.close()
+        return True
 
     def _enter_fallback(self, reason: str) -> None:
         self._fallback_since = time.monotonic()
         self.counters["fallbacks"] += 1
-        if self._stub is not None:
-            try:
-                self._channel.close()
-            except Exception:  # noqa: BLE001 -- a broken channel may fail to close; nothing to do
-                pass
-            self._channel = self._stub = None
+        # The channel stays open: gRPC reconnects it when the cache is tried again.
         first = True
         shared = self._fallback_logged
         if shared is not None:
@@ -344,7 +361,12 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return have  # type: ignore[return-value]
 
     def prefetch_hint(self, positions: Sequence[int]) -> None:
-        """Tell the cache server which objects come next (fire and forget; no-op without a cache)."""
+        """Tell the cache server which objects come next (fire and forget; no-op without a cache).
+
+        EpochShuffleSampler does not call this itself: it attaches the upcoming positions to an
+        index (``index.prefetch_hint``), so the hint is sent by whichever process reads that
+        index -- a DataLoader worker -- and the process that forks the workers stays free of gRPC.
+        """
         if not positions:
             return
         self._ensure_process()
@@ -353,14 +375,9 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         from silod.v1 import cache_pb2
 
         keys = [self.manifest.keys[int(p)] for p in positions]
+        stub = self._cache_stub()
         request = cache_pb2.PrefetchRequest(job_id=self.job_id, dataset=self.name, keys=keys)
-        # Inline, not in the background thread: the sampler runs in the process that forks the
-        # DataLoader workers, and no thread of a forking process should be inside a gRPC call.
-        # One short call per prefetch_ahead samples.
-        try:
-            self._cache_stub().Prefetch(request, timeout=5)
-        except grpc.RpcError:
-            pass  # a hint is only a hint
+        self._in_background(lambda: stub.Prefetch(request, timeout=30))
 
     def _in_background(self, fn: Callable[[], Any]) -> None:
         if self._background is None:

@@ -10,6 +10,21 @@ import numpy as np
 import torch.utils.data
 
 
+class HintedIndex(int):
+    """An index that carries the positions the job will read next (a prefetch hint). It pickles
+    with its hint, so the hint reaches the DataLoader worker that reads the index."""
+
+    prefetch_hint: list[int]
+
+    def __new__(cls, value: int, hint: list[int]) -> HintedIndex:
+        obj = super().__new__(cls, value)
+        obj.prefetch_hint = hint
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (HintedIndex, (int(self), self.prefetch_hint))
+
+
 class EpochShuffleSampler(torch.utils.data.Sampler[int]):
     """Yields a permutation of the dataset's indices, seeded by ``(seed, epoch)``.
 
@@ -18,9 +33,11 @@ class EpochShuffleSampler(torch.utils.data.Sampler[int]):
     permutation (padded by wrapping around unless ``drop_last``).
 
     When the dataset reads through a cache server (a :class:`SilodDataset` with a cache
-    address) the sampler sends Prefetch hints: the next ``prefetch_ahead`` indices beyond the
-    ones already handed out, in chunks of ``prefetch_ahead``. The server fetches them in the
-    background no faster than the job consumes (docs/cache.md, best-effort mode).
+    address) the sampler hints what comes next: every ``prefetch_ahead`` indices, one index is
+    a :class:`HintedIndex` carrying the following ``prefetch_ahead`` positions (the first one
+    carries two chunks); the dataset sends them as a Prefetch call from the process that reads
+    that index. The server fetches them in the background no faster than the job consumes
+    (docs/cache.md, best-effort mode).
     """
 
     def __init__(
@@ -78,11 +95,14 @@ class EpochShuffleSampler(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         order = self.order()
-        hint = getattr(self.dataset, "prefetch_hint", None) if self.prefetch else None
+        hinting = self.prefetch and getattr(self.dataset, "cache_addr", "") != ""
+        hinting = hinting and hasattr(self.dataset, "prefetch_hint")
         ahead = self.prefetch_ahead
-        if hint is not None:
-            hint(order[:ahead].tolist())
         for i, index in enumerate(order):
-            if hint is not None and i % ahead == 0:
-                hint(order[i + ahead : i + 2 * ahead].tolist())
+            if hinting and i % ahead == 0:
+                start = i if i == 0 else i + ahead
+                hint = order[start : i + 2 * ahead].tolist()
+                if hint:
+                    yield HintedIndex(int(index), hint)
+                    continue
             yield int(index)

@@ -172,25 +172,50 @@ def digests(values: Any) -> list[str]:
 
 
 def start_job(*argv: str, env: dict[str, str] | None = None) -> Any:
-    """Start ``python -m tests.sdk.sdk_job ARGV`` (a training job's data loop) from the repo root."""
+    """Start ``python -m tests.sdk.sdk_job ARGV`` (a training job's data loop) from the repo root,
+    in its own process group; its output goes to files (forked DataLoader workers may outlive it)."""
     import subprocess
     import sys
+    import tempfile
 
     root = Path(__file__).resolve().parents[2]
-    return subprocess.Popen(
+    out = tempfile.NamedTemporaryFile("w+", prefix="sdk-job-", suffix=".out", delete=False)  # noqa: SIM115
+    err = tempfile.NamedTemporaryFile("w+", prefix="sdk-job-", suffix=".err", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(
         [sys.executable, "-m", "tests.sdk.sdk_job", *argv],
         cwd=root,
         env={**os.environ, **(env or {}), "PYTHONPATH": str(root)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=out,
+        stderr=err,
         text=True,
+        start_new_session=True,
     )
+    proc.out_path, proc.err_path = out.name, err.name  # type: ignore[attr-defined]
+    out.close()
+    err.close()
+    return proc
+
+
+def stop_job(proc: Any) -> str:
+    """Kill a job and its workers; returns its stderr."""
+    import signal
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    return Path(proc.err_path).read_text(errors="replace")
 
 
 def finish_job(proc: Any, timeout: float = 120) -> tuple[dict[str, Any], str]:
     """Wait for a job from :func:`start_job`; returns (its JSON report, its stderr)."""
     import json
+    import subprocess
 
-    out, err = proc.communicate(timeout=timeout)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"job still running after {timeout:g}s; stderr:\n{stop_job(proc)}") from None
+    err = Path(proc.err_path).read_text(errors="replace")
+    out = Path(proc.out_path).read_text(errors="replace")
     assert proc.returncode == 0, err
     return json.loads(out.strip().splitlines()[-1]), err

@@ -12,6 +12,7 @@ waits for R (the test kills the cache server in between). Logs go to stderr.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import logging
@@ -33,23 +34,30 @@ def main() -> int:
     parser.add_argument("--pause-file", default="")
     parser.add_argument("--resume-file", default="")
     args = parser.parse_args()
+    # Never hang a test run; show where it is stuck. (Only here: calling it again in a forked
+    # worker deadlocks on the watchdog lock the fork copied.)
+    faulthandler.dump_traceback_later(55, exit=True)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
 
+    print("job: starting", file=sys.stderr, flush=True)
     import torch.utils.data
 
     from silod.data import EpochShuffleSampler, SilodDataset
 
     dataset = SilodDataset(args.dataset, cache_addr=args.cache, metadata_addr=args.metadata, job_id=args.job,
                            retry_cache_after_s=3600)
+    print(f"job: manifest of {len(dataset)} objects loaded", file=sys.stderr, flush=True)
     sampler = EpochShuffleSampler(dataset, seed=1)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=args.workers,
-                                         collate_fn=list, multiprocessing_context="fork" if args.workers else None)
+                                         collate_fn=list, multiprocessing_context="fork" if args.workers else None,
+                                         timeout=60 if args.workers else 0)
     epochs = []
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         digests = []
         for i, batch in enumerate(loader):
             digests.extend(hashlib.sha256(sample).hexdigest() for sample in batch)
+            print(f"job: epoch {epoch} batch {i}", file=sys.stderr, flush=True)
             if epoch == 0 and i == args.pause_after:
                 with open(args.pause_file, "w") as f:
                     f.write("paused")

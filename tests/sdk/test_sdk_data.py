@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY
 
 from silod.data import EpochShuffleSampler, SilodDataset
 from silod.data.dataset import DataError
+from silod.data.sampler import HintedIndex
 from silod.v1 import cache_pb2, cache_pb2_grpc
 from tests.cache_server.harness import InProcessCache, digests, finish_job, make_dataset, register, start_job
 from tests.support.procs import free_port, start_service
@@ -143,15 +144,16 @@ def test_unknown_dataset(metadata: str) -> None:
 
 
 class _Hints:
+    cache_addr = "127.0.0.1:1"
+
     def __init__(self, n: int) -> None:
         self.n = n
-        self.hints: list[list[int]] = []
 
     def __len__(self) -> int:
         return self.n
 
     def prefetch_hint(self, positions: list[int]) -> None:
-        self.hints.append(positions)
+        raise AssertionError("the sampler must not call the cache itself (it runs where workers are forked)")
 
 
 def test_sampler_orders_epochs_shards_and_hints() -> None:
@@ -163,10 +165,13 @@ def test_sampler_orders_epochs_shards_and_hints() -> None:
     sampler.set_epoch(1)
     second = list(sampler)
     assert sorted(second) == list(range(1000)) and second != first
-    # Hints: the first two chunks up front, then one chunk ahead of every chunk boundary.
-    hinted = [i for chunk in data.hints[-11:] for i in chunk]
-    assert hinted == second
-    assert [len(h) for h in data.hints[-11:]] == [100] * 10 + [0]
+    # Hints ride on the indices (to the worker that reads them): the first index carries two
+    # chunks, then every chunk boundary carries the chunk after the next.
+    hinted = [(i, index.prefetch_hint) for i, index in enumerate(second) if isinstance(index, HintedIndex)]
+    assert [i for i, _ in hinted] == list(range(0, 900, 100))
+    assert [p for _, hint in hinted for p in hint] == second
+    assert pickle.loads(pickle.dumps(second[100])).prefetch_hint == second[200:300]
+    assert not any(isinstance(i, HintedIndex) for i in EpochShuffleSampler(data, prefetch=False))
     assert list(EpochShuffleSampler(data, seed=3, epoch=1)) == second
 
     shards = [list(EpochShuffleSampler(_Hints(10), seed=1, num_replicas=3, rank=r, prefetch=False)) for r in range(3)]
