@@ -81,7 +81,7 @@ def test_help_marks_services_not_yet_implemented() -> None:
     help_text = " ".join(build_parser().format_help().split())
     for name in ("metadata", "estimator", "scheduler", "cache-server", "worker-agent"):
         assert name in help_text
-    assert help_text.count("[not implemented yet]") == 3  # all but metadata and estimator
+    assert help_text.count("[not implemented yet]") == 2  # all but metadata, estimator and cache-server
     scheduler_help = " ".join(build_parser(["scheduler"])._subparsers._group_actions[0].choices["scheduler"]
                               .format_help().split())
     assert "NOT YET IMPLEMENTED" in scheduler_help and "UNIMPLEMENTED" in scheduler_help

@@ -38,8 +38,7 @@ SERVICES: dict[str, ServiceCommand] = {
     ),
     "cache-server": ServiceCommand(
         "cache_server.service",
-        "per-node tiered dataset cache",
-        status="NOT YET IMPLEMENTED: serves health and reflection; its RPCs answer UNIMPLEMENTED",
+        "per-node tiered dataset cache (memory and disk tiers, quotas, IO rates, leases)",
     ),
     "worker-agent": ServiceCommand(
         "worker_agent.service",
