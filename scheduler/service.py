@@ -1,27 +1,87 @@
-"""Scheduler: JobService (job front door) and AllocationService (versioned plans).
-
-Not implemented yet: the process starts, reports SERVING on the health service and lists its
-services through reflection, but every RPC answers UNIMPLEMENTED (the generated base class).
-The issue that implements it replaces the servicer below.
-"""
+"""``silod scheduler``: JobService (job front door) and AllocationService (versioned plans),
+plus the scheduling rounds that run the configured policy (see scheduler/live/)."""
 
 from __future__ import annotations
 
 import grpc
+from pydantic import Field, field_validator
 
+from services.runtime.client import open_channel
 from services.runtime.server import ServiceDefinition
 from services.runtime.settings import ServiceSettings
-from silod.v1 import scheduler_pb2_grpc
-from silod.v1 import allocation_pb2_grpc
+from silod.v1 import allocation_pb2_grpc, metadata_pb2_grpc, scheduler_pb2_grpc
 
 
 class Settings(ServiceSettings):
-    pass
+    metadata_address: str = Field(
+        "", validate_default=True, description="HOST:PORT of the metadata service (required)")
+    estimator_address: str = Field(
+        "", description="HOST:PORT of the estimator service; empty = job models from the packaged profiles "
+        "(the estimator is not consulted yet in this version)")
+    policy: str = Field("fifo", description="Scheduling policy: fifo, sjf, tiresias, gavel, themis or pollux")
+    interval_s: float = Field(10.0, gt=0, le=3600, description="Seconds between regular scheduling rounds")
+    restart_cost_s: float = Field(30.0, ge=0, description="Seconds a job loses when its placement changes")
+    node_timeout_s: float = Field(
+        15.0, gt=0, description="Seconds since its last heartbeat after which a node's jobs are requeued")
+    cache_mode: str = Field("silod", description="Cache mode recorded on plans: silod, lru, static or none")
+    metadata_timeout_s: float = Field(10.0, gt=0, description="Seconds a unary call to the metadata service may take")
+
+    @field_validator("metadata_address")
+    @classmethod
+    def _metadata_required(cls, value: str) -> str:
+        if not value:
+            raise ValueError("required: HOST:PORT of silod metadata")
+        return value
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        from scheduler.registry import policy_names
+
+        names = policy_names()
+        if value not in names:
+            raise ValueError(f"unknown policy {value!r}; known: {', '.join(names)}")
+        return value
+
+    @field_validator("cache_mode")
+    @classmethod
+    def _known_cache_mode(cls, value: str) -> str:
+        if value not in ("silod", "lru", "static", "none"):
+            raise ValueError(f"unknown cache mode {value!r}; known: silod, lru, static, none")
+        return value
 
 
 def definition(settings: Settings) -> ServiceDefinition:
-    def register(server: grpc.aio.Server) -> None:
-        scheduler_pb2_grpc.add_JobServiceServicer_to_server(scheduler_pb2_grpc.JobServiceServicer(), server)
-        allocation_pb2_grpc.add_AllocationServiceServicer_to_server(allocation_pb2_grpc.AllocationServiceServicer(), server)
+    from scheduler.live.core import SchedulerCore
+    from scheduler.live.servicers import AllocationService, JobService
 
-    return ServiceDefinition(name="scheduler", service_names=["silod.v1.JobService", "silod.v1.AllocationService"], register=register)
+    core = SchedulerCore(
+        None, policy=settings.policy, interval_s=settings.interval_s,
+        restart_cost_s=settings.restart_cost_s, node_timeout_s=settings.node_timeout_s, cache_mode=settings.cache_mode,
+    )
+
+    def register(server: grpc.aio.Server) -> None:
+        scheduler_pb2_grpc.add_JobServiceServicer_to_server(JobService(core), server)
+        allocation_pb2_grpc.add_AllocationServiceServicer_to_server(AllocationService(core), server)
+
+    channels = []
+
+    async def on_start() -> None:
+        # Created here: an aio channel belongs to the event loop that serves.
+        channel = open_channel(settings.metadata_address, token=settings.auth_token, aio=True,
+                               default_timeout_s=settings.metadata_timeout_s)
+        channels.append(channel)
+        core.md = metadata_pb2_grpc.MetadataServiceStub(channel)
+        await core.start()
+
+    async def on_stop() -> None:
+        await core.stop()
+        for channel in channels:
+            await channel.close()
+
+    service = ServiceDefinition(
+        name="scheduler", service_names=["silod.v1.JobService", "silod.v1.AllocationService"],
+        register=register, on_start=on_start, on_stop=on_stop,
+    )
+    service.core = core  # type: ignore[attr-defined]  # for in-process tests
+    return service

@@ -1,0 +1,93 @@
+"""Conversions between the policy's value objects and the plan protos, and per-node plan views."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+
+from scheduler.policy import Allocation, NodeInfo, Plan
+from silod.v1 import common_pb2, plan_pb2
+
+MASTER_PORT_BASE = 29500
+MASTER_PORT_RANGE = 1000
+
+
+def node_info(node: common_pb2.Node) -> NodeInfo:
+    spec = node.spec
+    pool = "inference" if spec.pool == common_pb2.NODE_POOL_INFERENCE else "training"
+    nic = float(spec.network_bandwidth_bytes_per_s) if spec.network_bandwidth_bytes_per_s > 0 else math.inf
+    return NodeInfo(name=spec.name, gpus=spec.gpus, pool=pool,
+                    cache_capacity_bytes=float(spec.cache_capacity_bytes), nic_bytes_per_s=nic)
+
+
+def placement_of(allocation: plan_pb2.JobAllocation) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple(sorted((p.node, tuple(sorted(p.gpu_indices))) for p in allocation.placements if p.gpu_indices))
+
+
+def plan_from_proto(plan: plan_pb2.AllocationPlan | None) -> Plan:
+    if plan is None:
+        return Plan()
+    allocations: dict[str, Allocation] = {}
+    for job in plan.jobs:
+        placement = placement_of(job)
+        if not placement:
+            continue
+        grants = {g.node: float(g.cache_quota_bytes) for g in job.cache_grants if g.cache_quota_bytes > 0}
+        io = sum(g.remote_io_bytes_per_s for g in job.cache_grants)
+        allocations[job.job_id] = Allocation(
+            placement=placement, batch_size=job.batch_size, cache_bytes=grants,
+            remote_io_bytes_per_s=float(io) if io > 0 else math.inf,
+        )
+    return Plan(allocations)
+
+
+def master_port(job_id: str, generation: int) -> int:
+    """Deterministic rendezvous port per (job, generation): a restarted group never meets a stale one."""
+    return MASTER_PORT_BASE + zlib.crc32(f"{job_id}/{generation}".encode()) % MASTER_PORT_RANGE
+
+
+def ranks_of(allocation: plan_pb2.JobAllocation) -> list[tuple[str, int]]:
+    """(node, gpu index) of every rank, in rank order: nodes by name, then GPU indices ascending."""
+    return [(node, index) for node, indices in placement_of(allocation) for index in indices]
+
+
+def host_of(address: str) -> str:
+    host, sep, _ = address.rpartition(":")
+    return host.strip("[]") if sep else address
+
+
+def node_plan(
+    plan: plan_pb2.AllocationPlan,
+    node: str,
+    specs: Mapping[str, common_pb2.JobSpec],
+    agent_addresses: Mapping[str, str],
+) -> plan_pb2.NodePlan:
+    """The part of ``plan`` that concerns ``node``: one TaskAssignment per rank placed there."""
+    view = plan_pb2.NodePlan(version=plan.version, node=node)
+    for job in plan.jobs:
+        ranks = ranks_of(job)
+        spec = specs.get(job.job_id)
+        if ranks and any(n == node for n, _ in ranks):
+            master_node = ranks[0][0]
+            master_addr = host_of(agent_addresses.get(master_node, "")) or master_node
+            for rank, (rank_node, index) in enumerate(ranks):
+                if rank_node != node:
+                    continue
+                task = view.tasks.add(
+                    job_id=job.job_id, rank=rank, world_size=len(ranks), gpu_indices=[index],
+                    master_addr=master_addr, master_port=master_port(job.job_id, job.generation),
+                    batch_size=job.batch_size, generation=job.generation, fast_resize=job.fast_resize,
+                )
+                if spec is not None:
+                    task.spec.CopyFrom(spec)
+        for grant in job.cache_grants:
+            if grant.node == node:
+                view.cache_quotas.add(
+                    job_id=job.job_id, dataset=spec.dataset if spec is not None else "",
+                    cache_quota_bytes=grant.cache_quota_bytes, remote_io_bytes_per_s=grant.remote_io_bytes_per_s,
+                    cache_policy=job.cache_policy,
+                )
+    view.replicas.extend(r for r in plan.replicas if r.node == node)
+    view.loans.extend(loan for loan in plan.loans if loan.node == node)
+    return view

@@ -1,0 +1,454 @@
+"""The scheduler's mechanism: scheduling rounds, plan commits, task reports, release tracking.
+
+Release-before-reuse: when a committed plan takes GPUs away from a job (resize, preemption,
+completion, cancel), those (node, GPU) pairs are recorded as *pending release* for that job.
+Until the node acknowledges the release (AckPlan.released_jobs naming the job, or a
+ReportTasks at or after the releasing plan version that shows no live task of the job on the
+GPU), the policy's output is filtered: an allocation that uses a GPU pending release by
+*another* job is replaced by the job's current allocation if that one is conflict-free, else
+dropped (the job waits). The policy stays a pure function; the filter runs after check_plan.
+The pending set lives in memory: after a scheduler restart it starts empty (agents still stop
+old tasks before starting new ones on their node).
+
+Generations: a job's generation increments whenever its GPU set changes (including to none);
+it stays when the placement is unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Iterable
+
+import grpc
+from prometheus_client import Counter
+
+from estimator.job_model import JobModel
+from scheduler.invariants import check_plan
+from scheduler.live import convert
+from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
+from scheduler.registry import get_policy
+from silod.v1 import allocation_pb2, common_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
+
+_log = logging.getLogger("silod.scheduler")
+
+GPU_DOUBLE_HELD = Counter(
+    "silod_scheduler_gpu_double_held_total", "Reports of one (node, GPU) held by tasks of two different jobs"
+)
+
+ACTIVE_STATES = (common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED,
+                 common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_RESIZING)
+PLACED_STATES = (common_pb2.JOB_STATE_SCHEDULED, common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_RESIZING)
+TERMINAL_STATES = (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
+FALLBACK_APPLICATION = "cifar10"  # performance model of jobs whose application has no profile (command jobs)
+
+
+def known_applications() -> set[str]:
+    from estimator.profiles.loading import application_names
+
+    return set(application_names())
+
+
+class SchedulerCore:
+    def __init__(self, metadata: metadata_pb2_grpc.MetadataServiceStub, *, policy: str, interval_s: float,
+                 restart_cost_s: float, node_timeout_s: float, cache_mode: str) -> None:
+        self.md = metadata
+        self.policy_name = policy
+        self.policy = get_policy(policy)
+        self.interval_s = interval_s
+        self.restart_cost_s = restart_cost_s
+        self.node_timeout_s = node_timeout_s
+        self.cache_mode = cache_mode
+        self.latest: plan_pb2.AllocationPlan | None = None
+        self.specs: dict[str, common_pb2.JobSpec] = {}
+        self.agent_addresses: dict[str, str] = {}
+        self.pending_release: dict[tuple[str, int], tuple[str, int]] = {}  # (node, gpu) -> (job, releasing version)
+        self.tasks: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}  # (job, generation) -> rank -> (phase, exit)
+        self._models: dict[str, tuple[JobModel, float]] = {}
+        self._round_lock = asyncio.Lock()
+        self._plan_changed = asyncio.Condition()
+        self._wake = asyncio.Event()
+        self._reasons: list[str] = []
+        self._loop_task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.refresh_latest()
+        self._loop_task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    def trigger(self, reason: str) -> None:
+        self._reasons.append(reason)
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                await asyncio.sleep(0.05)  # coalesce bursts of events into one round
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            reasons, self._reasons = self._reasons, []
+            reason = ",".join(dict.fromkeys(reasons)) or "interval"
+            try:
+                await self.run_round(reason)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                _log.exception("scheduling round failed")
+
+    # ---- plans -----------------------------------------------------------------------------
+    async def refresh_latest(self) -> plan_pb2.AllocationPlan | None:
+        try:
+            plan = await self.md.GetLatestPlan(metadata_pb2.GetLatestPlanRequest())
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            return self.latest
+        await self._set_latest(plan)
+        return self.latest
+
+    async def _set_latest(self, plan: plan_pb2.AllocationPlan) -> None:
+        if self.latest is None or plan.version > self.latest.version:
+            self.latest = plan
+            async with self._plan_changed:
+                self._plan_changed.notify_all()
+
+    async def wait_newer(self, version: int, timeout: float) -> None:
+        async with self._plan_changed:
+            try:
+                await asyncio.wait_for(
+                    self._plan_changed.wait_for(lambda: self.latest is not None and self.latest.version > version), timeout
+                )
+            except asyncio.TimeoutError:
+                pass
+
+    @property
+    def latest_version(self) -> int:
+        return self.latest.version if self.latest is not None else 0
+
+    def allocation(self, job_id: str) -> plan_pb2.JobAllocation | None:
+        if self.latest is None:
+            return None
+        for job in self.latest.jobs:
+            if job.job_id == job_id:
+                return job
+        return None
+
+    async def spec_of(self, job_id: str) -> common_pb2.JobSpec | None:
+        if job_id not in self.specs:
+            try:
+                job = await self.md.GetJob(metadata_pb2.GetJobRequest(job_id=job_id))
+            except grpc.aio.AioRpcError:
+                return None
+            self.specs[job_id] = job.spec
+        return self.specs[job_id]
+
+    async def node_plan(self, plan: plan_pb2.AllocationPlan, node: str) -> plan_pb2.NodePlan:
+        for job in plan.jobs:
+            await self.spec_of(job.job_id)
+            for placement in job.placements:
+                if placement.node not in self.agent_addresses:
+                    try:
+                        n = await self.md.GetNode(metadata_pb2.GetNodeRequest(node=placement.node))
+                        self.agent_addresses[placement.node] = n.spec.agent_address
+                    except grpc.aio.AioRpcError:
+                        pass
+        return convert.node_plan(plan, node, self.specs, self.agent_addresses)
+
+    # ---- snapshot --------------------------------------------------------------------------
+    async def _active_jobs(self) -> list[common_pb2.Job]:
+        jobs: list[common_pb2.Job] = []
+        token = ""
+        while True:
+            page = await self.md.ListJobs(metadata_pb2.ListJobsRequest(states=ACTIVE_STATES, page_size=1000, page_token=token))
+            jobs.extend(page.jobs)
+            token = page.next_page_token
+            if not token:
+                return jobs
+
+    async def model_of(self, job: common_pb2.Job) -> tuple[JobModel, float]:
+        """(performance model, samples to finish) of ``job``; cached per job id."""
+        if job.id in self._models:
+            return self._models[job.id]
+        spec = job.spec
+        application = spec.application if spec.application in known_applications() else FALLBACK_APPLICATION
+        model = JobModel.from_profile(application)
+        samples_per_epoch = model.dataset_bytes / model.bytes_per_sample if model.bytes_per_sample else 1.0
+        if spec.dataset:
+            try:
+                ds = await self.md.GetDataset(metadata_pb2.GetDatasetRequest(name=spec.dataset))
+                if ds.total_bytes > 0 and ds.num_objects > 0:
+                    model = model.with_dataset(ds.total_bytes, ds.total_bytes / ds.num_objects)
+                    samples_per_epoch = float(ds.num_objects)
+            except grpc.aio.AioRpcError:
+                pass
+        budget = spec.WhichOneof("budget")
+        if budget == "sample_budget":
+            target = float(spec.sample_budget)
+        elif budget == "epochs":
+            target = spec.epochs * samples_per_epoch
+        else:
+            target = samples_per_epoch
+        self._models[job.id] = (model, max(target, 1.0))
+        return self._models[job.id]
+
+    async def snapshot(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
+        nodes_resp = await self.md.ListNodes(
+            metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self.node_timeout_s)
+        )
+        nodes = [n for n in nodes_resp.nodes if n.spec.gpus > 0]
+        for n in nodes:
+            self.agent_addresses[n.spec.name] = n.spec.agent_address
+        infos = tuple(convert.node_info(n) for n in sorted(nodes, key=lambda n: n.spec.name))
+        alive = {n.name: n for n in infos}
+        jobs = await self._active_jobs()
+        job_infos = []
+        for job in jobs:
+            self.specs[job.id] = job.spec
+            model, target = await self.model_of(job)
+            spec = job.spec
+            job_infos.append(JobInfo(
+                job_id=job.id, model=model, submit_time_s=job.created_at.ToDatetime().timestamp(),
+                min_gpus=spec.min_gpus, max_gpus=spec.max_gpus, target_samples=target,
+                samples_done=min(float(job.progress.samples_done), target * 0.999), requested_gpus=spec.max_gpus,
+                batch_size=spec.batch_size, dataset=spec.dataset, priority=spec.priority,
+                tenant=spec.tenant or "default",
+            ))
+        active = {j.id for j in jobs}
+        current: dict[str, Allocation] = {}
+        for job_id, alloc in convert.plan_from_proto(self.latest).allocations.items():
+            # A job that lost a node (or finished) holds nothing any more.
+            if job_id in active and all(
+                node in alive and all(i < alive[node].gpus for i in idx) for node, idx in alloc.placement
+            ):
+                current[job_id] = alloc
+        snap = ClusterSnapshot(
+            time_s=time.time(), nodes=infos, jobs=tuple(job_infos), current=Plan(current),
+            restart_cost_s=self.restart_cost_s, interval_s=self.interval_s,
+        )
+        return snap, jobs
+
+    def _hold_releases(self, plan: Plan, current: Plan) -> Plan:
+        """Drop allocations that would use a GPU another job has not released yet."""
+
+        def conflicts(job_id: str, alloc: Allocation | None) -> bool:
+            if alloc is None:
+                return False
+            return any(
+                (node, i) in self.pending_release and self.pending_release[(node, i)][0] != job_id
+                for node, idx in alloc.placement for i in idx
+            )
+
+        result: dict[str, Allocation] = {}
+        kept_old: set[str] = set()
+        for job_id, alloc in plan.allocations.items():
+            if not alloc.gpus:
+                continue
+            if conflicts(job_id, alloc):
+                old = current.get(job_id)
+                if old is not None and old.gpus and not conflicts(job_id, old):
+                    result[job_id] = old
+                    kept_old.add(job_id)
+                continue
+            result[job_id] = alloc
+        # A kept (running) allocation wins over a new one of another job on the same GPU.
+        used: set[tuple[str, int]] = set()
+        for job_id in sorted(result, key=lambda j: j not in kept_old):
+            gpus = {(node, i) for node, idx in result[job_id].placement for i in idx}
+            if gpus & used:
+                del result[job_id]
+            else:
+                used |= gpus
+        return Plan(result)
+
+    # ---- rounds ----------------------------------------------------------------------------
+    async def run_round(self, reason: str = "interval") -> plan_pb2.AllocationPlan | None:
+        async with self._round_lock:
+            await self.refresh_latest()
+            snap, jobs = await self.snapshot()
+            plan = self.policy.schedule(snap)
+            check_plan(snap, plan)
+            plan = self._hold_releases(plan, snap.current)
+            check_plan(snap, plan)
+            old = {a.job_id: a for a in (self.latest.jobs if self.latest is not None else [])}
+            proto = plan_pb2.AllocationPlan(
+                version=self.latest_version + 1, policy=self.policy_name, cache_mode=self.cache_mode, reason=reason
+            )
+            proto.created_at.GetCurrentTime()
+            for job in jobs:
+                alloc = plan.get(job.id)
+                entry = proto.jobs.add(job_id=job.id)
+                if alloc is not None:
+                    for node, idx in alloc.placement:
+                        entry.placements.add(node=node, gpu_indices=list(idx))
+                    entry.batch_size = alloc.batch_size or job.spec.batch_size
+                    for node, quota in sorted(alloc.cache_bytes.items()):
+                        io = alloc.remote_io_bytes_per_s
+                        entry.cache_grants.add(
+                            node=node, cache_quota_bytes=int(quota),
+                            remote_io_bytes_per_s=int(io / max(1, alloc.nodes)) if math.isfinite(io) else 0,
+                        )
+                else:
+                    entry.batch_size = job.spec.batch_size
+                previous = old.get(job.id)
+                generation = previous.generation if previous is not None else 0
+                if convert.placement_of(entry) != (convert.placement_of(previous) if previous is not None else ()):
+                    generation += 1
+                entry.generation = generation
+            if self.latest is not None and _same_allocations(self.latest, proto):
+                return None  # nothing changed: no new version
+            try:
+                committed = await self.md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=proto))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.ABORTED:
+                    _log.warning("plan commit lost a race; retrying next round", extra={"version": proto.version})
+                    await self.refresh_latest()
+                    self.trigger("retry")
+                    return None
+                raise
+            # GPUs taken from a job are pending release until the node acknowledges them.
+            for job_id, previous in old.items():
+                new_entry = next((e for e in committed.jobs if e.job_id == job_id), None)
+                kept = set(convert.ranks_of(new_entry)) if new_entry is not None else set()
+                for gpu in convert.ranks_of(previous):
+                    if gpu not in kept:
+                        self.pending_release[gpu] = (job_id, committed.version)
+            await self._set_latest(committed)
+            await self._transitions(committed, old, {j.id: j for j in jobs})
+            return committed
+
+    async def _transitions(self, plan: plan_pb2.AllocationPlan, old: dict, jobs: dict[str, common_pb2.Job]) -> None:
+        for entry in plan.jobs:
+            job = jobs.get(entry.job_id)
+            if job is None:
+                continue
+            placed = bool(convert.ranks_of(entry))
+            if placed and job.state == common_pb2.JOB_STATE_PENDING:
+                await self.transition(job.id, job.state, common_pb2.JOB_STATE_SCHEDULED,
+                                      f"placed by plan {plan.version} (generation {entry.generation})")
+            elif placed and job.state == common_pb2.JOB_STATE_RUNNING and entry.job_id in old \
+                    and entry.generation != old[entry.job_id].generation:
+                await self.transition(job.id, job.state, common_pb2.JOB_STATE_RESIZING,
+                                      f"resized by plan {plan.version} (generation {entry.generation})")
+            elif not placed and job.state in PLACED_STATES:
+                await self.transition(job.id, job.state, common_pb2.JOB_STATE_PENDING,
+                                      f"preempted by plan {plan.version}; requeued")
+
+    async def transition(self, job_id: str, expected: int, new: int, message: str) -> common_pb2.Job | None:
+        try:
+            return await self.md.TransitionJob(metadata_pb2.TransitionJobRequest(
+                job_id=job_id, expected_state=expected, new_state=new, message=message))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                _log.info("transition skipped", extra={"job_id": job_id, "reason": exc.details()})
+                return None
+            raise
+
+    # ---- node feedback ---------------------------------------------------------------------
+    def release(self, node: str, jobs: Iterable[str]) -> bool:
+        jobs = set(jobs)
+        freed = [gpu for gpu, (job, _) in self.pending_release.items() if gpu[0] == node and job in jobs]
+        for gpu in freed:
+            del self.pending_release[gpu]
+        return bool(freed)
+
+    async def report_tasks(self, request: allocation_pb2.ReportTasksRequest) -> list[str]:
+        node = request.node
+        holders: dict[int, str] = {}
+        live_held: set[tuple[str, int]] = set()
+        for t in request.tasks:
+            self.tasks.setdefault((t.job_id, t.generation), {})[t.rank] = (t.phase, t.exit_code)
+            if t.phase != allocation_pb2.TASK_PHASE_EXITED:
+                for i in t.gpu_indices:
+                    live_held.add((t.job_id, i))
+                    if i in holders and holders[i] != t.job_id:
+                        GPU_DOUBLE_HELD.inc()
+                        _log.error("GPU held by two jobs", extra={"node": node, "gpu": i, "jobs": [holders[i], t.job_id]})
+                    holders.setdefault(i, t.job_id)
+        # Releases proven by the report: no live task of the job on the GPU, at or after the releasing plan.
+        freed = [gpu for gpu, (job, version) in self.pending_release.items()
+                 if gpu[0] == node and request.applied_plan_version >= version and (job, gpu[1]) not in live_held]
+        for gpu in freed:
+            del self.pending_release[gpu]
+        if freed:
+            self.trigger("release")
+
+        acknowledged: list[str] = []
+        finished = False
+        for job_id in dict.fromkeys(t.job_id for t in request.tasks):
+            mine = [t for t in request.tasks if t.job_id == job_id]
+            entry = self.allocation(job_id)
+            generation = entry.generation if entry is not None else -1
+            current = [t for t in mine if t.generation == generation]
+            if current:
+                finished |= await self._apply_reports(job_id, entry, current, node)
+            acknowledged.extend(f"{t.job_id}/{t.rank}/{t.generation}" for t in mine
+                                if t.phase == allocation_pb2.TASK_PHASE_EXITED)
+        if finished:
+            self.trigger("completion")
+        return acknowledged
+
+    async def _apply_reports(self, job_id: str, entry: plan_pb2.JobAllocation, reports: list, node: str) -> bool:
+        try:
+            job = await self.md.GetJob(metadata_pb2.GetJobRequest(job_id=job_id))
+        except grpc.aio.AioRpcError:
+            return False
+        if job.state in TERMINAL_STATES:
+            return False
+        rank0 = next((t for t in reports if t.rank == 0), None)
+        if rank0 is not None and (rank0.progress.ByteSize() or rank0.step_time_s):
+            if rank0.progress.ByteSize():
+                await self.md.UpdateJobProgress(metadata_pb2.UpdateJobProgressRequest(
+                    job_id=job_id, progress=rank0.progress,
+                    allocated=common_pb2.ResourceVector(gpus=len(convert.ranks_of(entry)))))
+            samples = []
+            for name, value in (("step_time_s", rank0.step_time_s),
+                                ("samples_per_s", rank0.progress.throughput_samples_per_s)):
+                if value > 0:
+                    sample = common_pb2.MetricSample(job_id=job_id, name=name, value=value,
+                                                     labels={"node": node, "rank": "0"})
+                    sample.time.GetCurrentTime()
+                    samples.append(sample)
+            if samples:
+                await self.md.AppendMetrics(metadata_pb2.AppendMetricsRequest(samples=samples))
+        failed = next((t for t in reports if t.phase == allocation_pb2.TASK_PHASE_EXITED and t.exit_code != 0), None)
+        if failed is not None:
+            await self.transition(job_id, job.state, common_pb2.JOB_STATE_FAILED,
+                                  f"rank {failed.rank} (generation {failed.generation}) on {node} exited with code {failed.exit_code}")
+            return True
+        world = len(convert.ranks_of(entry))
+        seen = self.tasks.get((job_id, entry.generation), {})
+        all_up = world > 0 and all(
+            r in seen and (seen[r][0] == allocation_pb2.TASK_PHASE_RUNNING
+                           or (seen[r][0] == allocation_pb2.TASK_PHASE_EXITED and seen[r][1] == 0))
+            for r in range(world))
+        all_done = world > 0 and all(seen.get(r, (0, 1)) == (allocation_pb2.TASK_PHASE_EXITED, 0) for r in range(world))
+        rank0_done = seen.get(0) == (allocation_pb2.TASK_PHASE_EXITED, 0)
+        state = job.state
+        if state in (common_pb2.JOB_STATE_SCHEDULED, common_pb2.JOB_STATE_RESIZING) and (all_up or rank0_done):
+            updated = await self.transition(job_id, state, common_pb2.JOB_STATE_RUNNING,
+                                            f"all {world} ranks of generation {entry.generation} running")
+            state = updated.state if updated is not None else state
+        if state == common_pb2.JOB_STATE_RUNNING and (all_done or rank0_done):
+            await self.transition(job_id, state, common_pb2.JOB_STATE_SUCCEEDED,
+                                  f"generation {entry.generation} finished")
+            return True
+        return False
+
+
+def _same_allocations(a: plan_pb2.AllocationPlan, b: plan_pb2.AllocationPlan) -> bool:
+    def key(plan: plan_pb2.AllocationPlan) -> list[bytes]:
+        return sorted(job.SerializeToString(deterministic=True) for job in plan.jobs)
+
+    return key(a) == key(b)

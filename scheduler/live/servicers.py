@@ -1,0 +1,192 @@
+"""JobService and AllocationService servicers: validation and forwarding to the metadata store,
+state-driving calls handed to :class:`SchedulerCore`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import grpc
+
+from scheduler.live.core import ACTIVE_STATES, TERMINAL_STATES, SchedulerCore, known_applications
+from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError
+from silod.v1 import (
+    allocation_pb2,
+    allocation_pb2_grpc,
+    common_pb2,
+    metadata_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+
+T = TypeVar("T")
+WATCH_POLL_S = 0.5
+
+
+class ForwardedError(ServiceError):
+    """An error answered by the metadata service, passed on with its code and message."""
+
+    def __init__(self, exc: grpc.aio.AioRpcError) -> None:
+        super().__init__(exc.details() or exc.code().name)
+        self.code = exc.code()
+
+
+async def forward(call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        raise ForwardedError(exc) from None
+
+
+class JobService(scheduler_pb2_grpc.JobServiceServicer):
+    @property
+    def md(self):  # the metadata stub exists once the server started
+        return self.core.md
+
+    def __init__(self, core: SchedulerCore) -> None:
+        self.core = core
+
+    async def SubmitJob(self, request, context):  # noqa: N802
+        spec = request.spec
+        if spec.dataset:
+            try:
+                await self.md.GetDataset(metadata_pb2.GetDatasetRequest(name=spec.dataset))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    raise NotFound(f"no dataset named {spec.dataset!r} is registered", field="spec.dataset") from None
+                raise ForwardedError(exc) from None
+        if (spec.application and not spec.command and spec.kind != common_pb2.JOB_KIND_INFERENCE
+                and spec.application not in known_applications()):
+            raise InvalidArgument(
+                f"no profile for application {spec.application!r} (known: {', '.join(sorted(known_applications()))}); "
+                "set command to run your own program", field="spec.application")
+        if 1 <= spec.min_gpus <= spec.max_gpus:
+            nodes = await forward(self.md.ListNodes(metadata_pb2.ListNodesRequest(pool=common_pb2.NODE_POOL_UNSPECIFIED)))
+            total = sum(n.spec.gpus for n in nodes.nodes if n.spec.pool != common_pb2.NODE_POOL_INFERENCE)
+            if total and spec.min_gpus > total:
+                raise FailedPrecondition(
+                    f"{spec.min_gpus} GPUs can never be granted: the cluster has {total} training GPUs",
+                    field="spec.min_gpus")
+        job = await forward(self.md.CreateJob(
+            metadata_pb2.CreateJobRequest(spec=spec, client_request_id=request.client_request_id)))
+        self.core.specs[job.id] = job.spec
+        self.core.trigger("arrival")
+        return job
+
+    async def GetJob(self, request, context):  # noqa: N802
+        return await forward(self.md.GetJob(request))
+
+    async def ListJobs(self, request, context):  # noqa: N802
+        return await forward(self.md.ListJobs(request))
+
+    async def CancelJob(self, request, context):  # noqa: N802
+        if not request.job_id:
+            raise InvalidArgument("required", field="job_id")
+        for _ in range(5):
+            job = await forward(self.md.GetJob(metadata_pb2.GetJobRequest(job_id=request.job_id)))
+            if job.state in TERMINAL_STATES:
+                raise FailedPrecondition(
+                    f"job {job.id} is already {common_pb2.JobState.Name(job.state)}", field="job_id")
+            try:
+                job = await self.md.TransitionJob(metadata_pb2.TransitionJobRequest(
+                    job_id=job.id, expected_state=job.state, new_state=common_pb2.JOB_STATE_CANCELLED,
+                    message=request.reason or "cancelled"))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    continue  # the state moved under us: re-read
+                raise ForwardedError(exc) from None
+            self.core.trigger("cancel")
+            return job
+        raise FailedPrecondition("job state keeps changing; retry", field="job_id")
+
+    async def WatchJob(self, request, context) -> AsyncIterator[scheduler_pb2.JobUpdate]:  # noqa: N802
+        if not request.job_id:
+            raise InvalidArgument("required", field="job_id")
+        job = await forward(self.md.GetJob(metadata_pb2.GetJobRequest(job_id=request.job_id)))
+        events = await forward(self.md.ListJobEvents(metadata_pb2.ListJobEventsRequest(job_id=job.id)))
+        last_seq = max((e.sequence for e in events.events), default=0)
+        yield scheduler_pb2.JobUpdate(job=job)
+        last = job
+        while job.state not in TERMINAL_STATES:
+            await asyncio.sleep(WATCH_POLL_S)
+            events = await forward(self.md.ListJobEvents(
+                metadata_pb2.ListJobEventsRequest(job_id=job.id, after_sequence=last_seq)))
+            job = await forward(self.md.GetJob(metadata_pb2.GetJobRequest(job_id=job.id)))
+            for event in events.events:
+                last_seq = event.sequence
+                yield scheduler_pb2.JobUpdate(job=job, event=event)
+            if not events.events and (job.progress != last.progress or job.state_version != last.state_version):
+                yield scheduler_pb2.JobUpdate(job=job)
+            last = job
+
+    async def RegisterDataset(self, request_iterator, context):  # noqa: N802
+        return await forward(self.md.RegisterDataset(request_iterator))
+
+    async def GetDataset(self, request, context):  # noqa: N802
+        return await forward(self.md.GetDataset(request))
+
+    async def ListDatasets(self, request, context):  # noqa: N802
+        return await forward(self.md.ListDatasets(request))
+
+
+class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
+    @property
+    def md(self):
+        return self.core.md
+
+    def __init__(self, core: SchedulerCore, *, refresh_s: float = 5.0) -> None:
+        self.core = core
+        self.refresh_s = refresh_s
+
+    async def CommitPlan(self, request, context):  # noqa: N802
+        plan = await forward(self.md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=request.plan)))
+        await self.core.refresh_latest()
+        return plan
+
+    async def GetLatestPlan(self, request, context):  # noqa: N802
+        return await forward(self.md.GetLatestPlan(metadata_pb2.GetLatestPlanRequest()))
+
+    async def Watch(self, request, context):  # noqa: N802
+        if not request.node:
+            raise InvalidArgument("required", field="node")
+        await forward(self.core.refresh_latest())
+        sent = 0
+        while True:
+            plan = self.core.latest
+            if plan is not None and plan.version > sent:
+                yield await self.core.node_plan(plan, request.node)
+                sent = plan.version
+            await self.core.wait_newer(sent, self.refresh_s)
+            if self.core.latest is None or self.core.latest.version <= sent:
+                await forward(self.core.refresh_latest())  # plans committed by someone else
+
+    async def Ack(self, request, context):  # noqa: N802
+        if not request.node:
+            raise InvalidArgument("required", field="node")
+        if request.version < 0:
+            raise InvalidArgument("must be >= 0", field="version")
+        if request.component in (allocation_pb2.PLAN_COMPONENT_WORKER_AGENT, allocation_pb2.PLAN_COMPONENT_UNSPECIFIED) \
+                and request.ok and request.version > 0:
+            await forward(self.md.Heartbeat(
+                metadata_pb2.HeartbeatRequest(node=request.node, applied_plan_version=request.version)))
+        if request.released_jobs and self.core.release(request.node, request.released_jobs):
+            self.core.trigger("release")
+        return allocation_pb2.AckPlanResponse(latest_version=self.core.latest_version)
+
+    async def ReportTasks(self, request, context):  # noqa: N802
+        if not request.node:
+            raise InvalidArgument("required", field="node")
+        for i, t in enumerate(request.tasks):
+            if not t.job_id:
+                raise InvalidArgument("required", field=f"tasks[{i}].job_id")
+            if t.rank < 0 or t.generation < 0:
+                raise InvalidArgument("rank and generation must be >= 0", field=f"tasks[{i}]")
+        try:
+            acknowledged = await self.core.report_tasks(request)
+        except grpc.aio.AioRpcError as exc:
+            raise ForwardedError(exc) from None
+        return allocation_pb2.ReportTasksResponse(acknowledged_exits=acknowledged)
+
+
+__all__ = ["JobService", "AllocationService", "ACTIVE_STATES"]
