@@ -242,13 +242,18 @@ class SchedulerCore:
     def _hold_releases(self, plan: Plan, current: Plan) -> Plan:
         """Drop allocations that would use a GPU another job has not released yet."""
 
+        # GPUs held under the plan in force count as busy for every other job: handing one over
+        # means its holder releases it in this plan, and it is reusable only once that is acked.
+        busy = {gpu: job for gpu, (job, _) in self.pending_release.items()}
+        if self.latest is not None:
+            for entry in self.latest.jobs:
+                for gpu in convert.ranks_of(entry):
+                    busy.setdefault(gpu, entry.job_id)
+
         def conflicts(job_id: str, alloc: Allocation | None) -> bool:
             if alloc is None:
                 return False
-            return any(
-                (node, i) in self.pending_release and self.pending_release[(node, i)][0] != job_id
-                for node, idx in alloc.placement for i in idx
-            )
+            return any(busy.get((node, i), job_id) != job_id for node, idx in alloc.placement for i in idx)
 
         result: dict[str, Allocation] = {}
         kept_old: set[str] = set()

@@ -1,0 +1,176 @@
+"""Rounds, AllocationService.Watch/Ack/ReportTasks, release-before-reuse, node loss."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import grpc
+
+from silod.v1 import allocation_pb2, common_pb2, plan_pb2
+from tests.scheduler_live.harness import wait_for
+
+RUNNING = allocation_pb2.TASK_PHASE_RUNNING
+EXITED = allocation_pb2.TASK_PHASE_EXITED
+WORKER = allocation_pb2.PLAN_COMPONENT_WORKER_AGENT
+
+
+def _entry(plan: plan_pb2.AllocationPlan, job_id: str) -> plan_pb2.JobAllocation:
+    return next(j for j in plan.jobs if j.job_id == job_id)
+
+
+def _gpus(plan: plan_pb2.AllocationPlan, job_id: str) -> set[tuple[str, int]]:
+    return {(p.node, i) for p in _entry(plan, job_id).placements for i in p.gpu_indices}
+
+
+class Watcher:
+    def __init__(self, cluster, node: str, known_version: int = 0) -> None:
+        self.plans: queue.Queue[plan_pb2.NodePlan] = queue.Queue()
+        self.call = cluster.alloc.Watch(allocation_pb2.WatchPlanRequest(node=node, component=WORKER,
+                                                                         known_version=known_version))
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for plan in self.call:
+                self.plans.put(plan)
+        except grpc.RpcError:
+            pass
+
+    def next(self, timeout: float = 10.0) -> plan_pb2.NodePlan:
+        return self.plans.get(timeout=timeout)
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.thread.join(5)
+
+
+def test_round_places_jobs_and_watch_streams_latest_then_newer(cluster) -> None:
+    cluster.add_node("n1", gpus=2)
+    cluster.add_node("n2", gpus=2)
+    a = cluster.submit("a", min_gpus=3, max_gpus=3)
+    plan = cluster.round()
+    assert plan is not None and plan.version == 1 and len(_gpus(plan, a.id)) == 3
+    assert cluster.state(a.id) == common_pb2.JOB_STATE_SCHEDULED
+    assert _entry(plan, a.id).generation == 1
+
+    watcher = Watcher(cluster, "n1")
+    first = watcher.next()
+    assert first.version == 1
+    ranks = sorted(t.rank for t in first.tasks)
+    n2_ranks = 3 - len(ranks)
+    assert all(t.world_size == 3 and t.generation == 1 and t.spec.name == "a" for t in first.tasks)
+    assert {t.master_addr for t in first.tasks} == {"n1.local"} and len({t.master_port for t in first.tasks}) == 1
+    assert 29500 <= first.tasks[0].master_port < 30500 and ranks == list(range(len(ranks))) and n2_ranks >= 1
+
+    b = cluster.submit("b", min_gpus=1, max_gpus=1)
+    newer = cluster.round()
+    assert newer.version == 2 and len(_gpus(newer, b.id)) == 1
+    second = watcher.next()
+    assert second.version == 2
+    watcher.close()
+
+    # A reconnecting watcher starts from the latest plan, whatever it says it knows.
+    again = Watcher(cluster, "n2", known_version=1)
+    assert again.next().version == 2
+    again.close()
+    assert cluster.round() is None  # nothing changed: no new version
+
+
+def test_report_tasks_drive_running_then_succeeded(cluster_any_db) -> None:
+    cluster = cluster_any_db
+    cluster.add_node("n1", gpus=2)
+    job = cluster.submit("r", min_gpus=2, max_gpus=2)
+    plan = cluster.round()
+    gen = _entry(plan, job.id).generation
+    ack = cluster.alloc.Ack(allocation_pb2.AckPlanRequest(node="n1", component=WORKER, version=plan.version, ok=True))
+    assert ack.latest_version == plan.version
+    cluster.report(plan.version and "n1", plan.version,
+                   allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=gen, phase=RUNNING, gpu_indices=[0]))
+    assert cluster.state(job.id) == common_pb2.JOB_STATE_SCHEDULED  # rank 1 not running yet
+    progress = common_pb2.JobProgress(samples_done=640, steps_done=5, throughput_samples_per_s=100.0)
+    cluster.report("n1", plan.version,
+                   allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=gen, phase=RUNNING, gpu_indices=[0],
+                                             progress=progress, step_time_s=1.28, batch_size=128),
+                   allocation_pb2.TaskReport(job_id=job.id, rank=1, generation=gen, phase=RUNNING, gpu_indices=[1]))
+    assert cluster.state(job.id) == common_pb2.JOB_STATE_RUNNING
+    from silod.v1 import metadata_pb2
+    stored = cluster.md.GetJob(metadata_pb2.GetJobRequest(job_id=job.id))
+    assert stored.progress.samples_done == 640
+    names = {s.name for s in cluster.md.QueryMetrics(metadata_pb2.QueryMetricsRequest(job_id=job.id)).samples}
+    assert {"step_time_s", "samples_per_s"} <= names
+    # Exits of a stale generation are ignored but acknowledged.
+    stale = cluster.report("n1", plan.version, allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=gen - 1,
+                                                                        phase=EXITED, exit_code=1))
+    assert list(stale.acknowledged_exits) == [f"{job.id}/0/{gen - 1}"]
+    assert cluster.state(job.id) == common_pb2.JOB_STATE_RUNNING
+    done = cluster.report("n1", plan.version,
+                          allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=gen, phase=EXITED, exit_code=0),
+                          allocation_pb2.TaskReport(job_id=job.id, rank=1, generation=gen, phase=EXITED, exit_code=0))
+    assert set(done.acknowledged_exits) == {f"{job.id}/0/{gen}", f"{job.id}/1/{gen}"}
+    assert cluster.state(job.id) == common_pb2.JOB_STATE_SUCCEEDED
+
+
+def test_nonzero_exit_fails_the_job(cluster) -> None:
+    cluster.add_node("n1", gpus=1)
+    job = cluster.submit("f")
+    plan = cluster.round()
+    gen = _entry(plan, job.id).generation
+    cluster.report("n1", plan.version, allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=gen, phase=EXITED,
+                                                                exit_code=3))
+    from silod.v1 import metadata_pb2
+    failed = cluster.md.GetJob(metadata_pb2.GetJobRequest(job_id=job.id))
+    assert failed.state == common_pb2.JOB_STATE_FAILED and "code 3" in failed.message
+
+
+def test_released_gpu_not_reused_before_ack(cluster) -> None:
+    cluster.add_node("n1", gpus=1)
+    a = cluster.submit("a")
+    b = cluster.submit("b")
+    plan = cluster.round()
+    assert _gpus(plan, a.id) == {("n1", 0)} and not _gpus(plan, b.id)
+    cluster.jobs.CancelJob(__import__("silod.v1.scheduler_pb2", fromlist=["x"]).CancelJobRequest(job_id=a.id))
+    released = wait_for(lambda: (p := cluster.latest()).version > plan.version and p, what="plan after cancel")
+    assert not _gpus(released, b.id), "GPU handed to b before a's release was acknowledged"
+    cluster.round()
+    assert not _gpus(cluster.latest(), b.id)
+    # The agent still reports a's task on GPU 0: not released.
+    cluster.report("n1", released.version, allocation_pb2.TaskReport(job_id=a.id, rank=0, generation=1,
+                                                                    phase=RUNNING, gpu_indices=[0]))
+    cluster.round()
+    assert not _gpus(cluster.latest(), b.id)
+    cluster.alloc.Ack(allocation_pb2.AckPlanRequest(node="n1", component=WORKER, version=released.version, ok=True,
+                                                    released_jobs=[a.id]))
+    wait_for(lambda: _gpus(cluster.latest(), b.id) == {("n1", 0)}, what="b placed after the release ack")
+
+
+def test_release_proven_by_report_without_the_task(cluster) -> None:
+    cluster.add_node("n1", gpus=1)
+    a = cluster.submit("a")
+    b = cluster.submit("b")
+    plan = cluster.round()
+    from silod.v1 import scheduler_pb2
+    cluster.jobs.CancelJob(scheduler_pb2.CancelJobRequest(job_id=a.id))
+    released = wait_for(lambda: (p := cluster.latest()).version > plan.version and p, what="plan after cancel")
+    cluster.report("n1", released.version, allocation_pb2.TaskReport(job_id=a.id, rank=0, generation=1,
+                                                                    phase=EXITED, exit_code=143))
+    wait_for(lambda: _gpus(cluster.latest(), b.id) == {("n1", 0)}, what="b placed after a's task exited")
+    assert cluster.state(a.id) == common_pb2.JOB_STATE_CANCELLED
+
+
+def test_node_timeout_requeues_jobs(make_cluster) -> None:
+    cluster = make_cluster(node_timeout_s=1.0)
+    cluster.add_node("n1", gpus=1)
+    cluster.add_node("n2", gpus=1)
+    a = cluster.submit("a", min_gpus=2, max_gpus=2)
+    plan = cluster.round()
+    assert len(_gpus(plan, a.id)) == 2 and cluster.state(a.id) == common_pb2.JOB_STATE_SCHEDULED
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        cluster.heartbeat("n1")  # n2 goes silent
+        time.sleep(0.2)
+    lost = cluster.round("node-lost")
+    assert lost is not None and not _gpus(lost, a.id)
+    assert cluster.state(a.id) == common_pb2.JOB_STATE_PENDING
