@@ -33,8 +33,7 @@ SERVICES: dict[str, ServiceCommand] = {
     ),
     "scheduler": ServiceCommand(
         "scheduler.service",
-        "job front door (JobService) and allocation service",
-        status="NOT YET IMPLEMENTED: serves health and reflection; its RPCs answer UNIMPLEMENTED",
+        "job front door (JobService), allocation service and scheduling rounds",
     ),
     "cache-server": ServiceCommand(
         "cache_server.service",
