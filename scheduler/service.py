@@ -9,15 +9,15 @@ from pydantic import Field, field_validator
 from services.runtime.client import open_channel
 from services.runtime.server import ServiceDefinition
 from services.runtime.settings import ServiceSettings
-from silod.v1 import allocation_pb2_grpc, metadata_pb2_grpc, scheduler_pb2_grpc
+from silod.v1 import allocation_pb2_grpc, estimator_pb2_grpc, metadata_pb2_grpc, scheduler_pb2_grpc
 
 
 class Settings(ServiceSettings):
     metadata_address: str = Field(
         "", validate_default=True, description="HOST:PORT of the metadata service (required)")
     estimator_address: str = Field(
-        "", description="HOST:PORT of the estimator service; empty = job models from the packaged profiles "
-        "(the estimator is not consulted yet in this version)")
+        "", description="HOST:PORT of the estimator service (fitted job models, GetJobModel); "
+        "empty = job models from the packaged application profiles")
     policy: str = Field("fifo", description="Scheduling policy: fifo, sjf, tiresias, gavel, themis or pollux")
     interval_s: float = Field(10.0, gt=0, le=3600, description="Seconds between regular scheduling rounds")
     restart_cost_s: float = Field(30.0, ge=0, description="Seconds a job loses when its placement changes")
@@ -72,6 +72,11 @@ def definition(settings: Settings) -> ServiceDefinition:
                                default_timeout_s=settings.metadata_timeout_s)
         channels.append(channel)
         core.md = metadata_pb2_grpc.MetadataServiceStub(channel)
+        if settings.estimator_address:
+            estimator = open_channel(settings.estimator_address, token=settings.auth_token, aio=True,
+                                     default_timeout_s=settings.metadata_timeout_s)
+            channels.append(estimator)
+            core.estimator = estimator_pb2_grpc.EstimatorServiceStub(estimator)
         await core.start()
 
     async def on_stop() -> None:

@@ -53,8 +53,13 @@ def known_applications() -> set[str]:
 
 class SchedulerCore:
     def __init__(self, metadata: metadata_pb2_grpc.MetadataServiceStub, *, policy: str, interval_s: float,
-                 restart_cost_s: float, node_timeout_s: float, cache_mode: str) -> None:
+                 restart_cost_s: float, node_timeout_s: float, cache_mode: str,
+                 node_poll_s: float = 1.0) -> None:
         self.md = metadata
+        self.estimator = None  # EstimatorServiceStub when an estimator address is configured
+        self.node_poll_s = node_poll_s
+        self._known_nodes: frozenset[str] | None = None
+        self._node_task: asyncio.Task[None] | None = None
         self.policy_name = policy
         self.policy = get_policy(policy)
         self.interval_s = interval_s
@@ -77,14 +82,30 @@ class SchedulerCore:
     async def start(self) -> None:
         await self.refresh_latest()
         self._loop_task = asyncio.create_task(self._loop())
+        self._node_task = asyncio.create_task(self._watch_nodes())
 
     async def stop(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        for task in (self._loop_task, self._node_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+
+    async def _watch_nodes(self) -> None:
+        """Trigger a round when the set of live nodes changes (arrival, or loss by heartbeat timeout)."""
+        while True:
+            await asyncio.sleep(self.node_poll_s)
             try:
-                await self._loop_task
-            except (asyncio.CancelledError, Exception):
-                pass
+                nodes = await self.md.ListNodes(
+                    metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self.node_timeout_s))
+            except grpc.aio.AioRpcError:
+                continue
+            names = frozenset(n.spec.name for n in nodes.nodes)
+            if self._known_nodes is not None and names != self._known_nodes:
+                self.trigger("node-lost" if self._known_nodes - names else "node-joined")
+            self._known_nodes = names
 
     def trigger(self, reason: str) -> None:
         self._reasons.append(reason)
@@ -178,9 +199,11 @@ class SchedulerCore:
                 return jobs
 
     async def model_of(self, job: common_pb2.Job) -> tuple[JobModel, float]:
-        """(performance model, samples to finish) of ``job``; cached per job id."""
+        """(performance model, samples to finish) of ``job``; the profile's model is cached per job,
+        the estimator's fitted one (when configured) is fetched every round."""
         if job.id in self._models:
-            return self._models[job.id]
+            model, target = self._models[job.id]
+            return (await self._estimated(job, model)), target
         spec = job.spec
         application = spec.application if spec.application in known_applications() else FALLBACK_APPLICATION
         model = JobModel.from_profile(application)
@@ -201,7 +224,20 @@ class SchedulerCore:
         else:
             target = samples_per_epoch
         self._models[job.id] = (model, max(target, 1.0))
-        return self._models[job.id]
+        return (await self._estimated(job, model)), max(target, 1.0)
+
+    async def _estimated(self, job: common_pb2.Job, fallback: JobModel) -> JobModel:
+        if self.estimator is None:
+            return fallback
+        try:
+            params = await self.estimator.GetJobModel(common_pb2.GetJobModelRequest(job_id=job.id))
+            return JobModel.from_params(fallback.application, dict(params.params))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                _log.warning("estimator unavailable; using the profile model", extra={"job_id": job.id})
+        except (ValueError, KeyError):
+            _log.warning("estimator returned an unusable model; using the profile model", extra={"job_id": job.id})
+        return fallback
 
     async def snapshot(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
         nodes_resp = await self.md.ListNodes(

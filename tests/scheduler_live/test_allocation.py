@@ -174,3 +174,30 @@ def test_node_timeout_requeues_jobs(make_cluster) -> None:
     lost = cluster.round("node-lost")
     assert lost is not None and not _gpus(lost, a.id)
     assert cluster.state(a.id) == common_pb2.JOB_STATE_PENDING
+
+
+def test_gpu_held_by_two_jobs_is_counted(cluster) -> None:
+    from scheduler.live.core import GPU_DOUBLE_HELD
+
+    cluster.add_node("n1", gpus=2)
+    before = GPU_DOUBLE_HELD._value.get()
+    cluster.report("n1", 0,
+                   allocation_pb2.TaskReport(job_id="job-aaaaaaaaaaaa", rank=0, generation=1, phase=RUNNING, gpu_indices=[1]),
+                   allocation_pb2.TaskReport(job_id="job-bbbbbbbbbbbb", rank=0, generation=1, phase=RUNNING, gpu_indices=[1]))
+    assert GPU_DOUBLE_HELD._value.get() == before + 1
+
+
+def test_bad_allocation_requests_name_the_field(cluster) -> None:
+    from tests.metadata.metadata_harness import assert_rpc_error
+
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    assert_rpc_error(lambda: cluster.alloc.Ack(allocation_pb2.AckPlanRequest(version=1)), bad, "node")
+    assert_rpc_error(lambda: cluster.report("", 0), bad, "node")
+    assert_rpc_error(lambda: cluster.report("n1", 0, allocation_pb2.TaskReport(rank=0)), bad, "tasks[0].job_id")
+    assert_rpc_error(lambda: next(iter(cluster.alloc.Watch(allocation_pb2.WatchPlanRequest(), timeout=5))), bad, "node")
+
+
+def test_node_arrival_triggers_a_round_without_waiting_for_the_interval(cluster) -> None:
+    job = cluster.submit("waiting")  # no nodes yet: stays pending
+    cluster.add_node("late", gpus=1)
+    wait_for(lambda: cluster.state(job.id) == common_pb2.JOB_STATE_SCHEDULED, timeout=10, what="round on node arrival")
