@@ -55,8 +55,10 @@ class Cluster:
         self.alloc = allocation_pb2_grpc.AllocationServiceStub(self.scheduler.channel)
 
     def close(self) -> None:
-        self.scheduler.stop()
-        self.metadata.stop()
+        if not getattr(self, "_closed", False):
+            self._closed = True
+            self.scheduler.stop()
+            self.metadata.stop()
 
     # -- agent side --
     def add_node(self, name: str, gpus: int = 4, pool: int = common_pb2.NODE_POOL_TRAINING) -> None:

@@ -201,3 +201,18 @@ def test_node_arrival_triggers_a_round_without_waiting_for_the_interval(cluster)
     job = cluster.submit("waiting")  # no nodes yet: stays pending
     cluster.add_node("late", gpus=1)
     wait_for(lambda: cluster.state(job.id) == common_pb2.JOB_STATE_SCHEDULED, timeout=10, what="round on node arrival")
+
+
+def test_round_with_estimator_models(make_cluster) -> None:
+    from estimator.service import Settings as EstimatorSettings
+    from estimator.service import definition as estimator_definition
+    from tests.support.inprocess import InProcessServer
+
+    settings = EstimatorSettings()
+    with InProcessServer(estimator_definition(settings), settings, thread_name="estimator") as estimator:
+        cluster = make_cluster(estimator_address=estimator.address)
+        cluster.add_node("n1", gpus=2)
+        job = cluster.submit("e", min_gpus=1, max_gpus=2)
+        plan = cluster.round()
+        assert plan is not None and 1 <= len(_gpus(plan, job.id)) <= 2
+        cluster.close()
