@@ -81,6 +81,7 @@ class SchedulerCore:
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         await self.refresh_latest()
+        await self._recover_releases()
         self._loop_task = asyncio.create_task(self._loop())
         self._node_task = asyncio.create_task(self._watch_nodes())
 
@@ -106,6 +107,25 @@ class SchedulerCore:
             if self._known_nodes is not None and names != self._known_nodes:
                 self.trigger("node-lost" if self._known_nodes - names else "node-joined")
             self._known_nodes = names
+
+    async def _recover_releases(self) -> None:
+        """After a restart: GPUs the latest plan took from a job are pending release again
+        (conservative: a release acked before the crash is re-proven by the agent's next report)."""
+        if self.latest is None or self.latest.version < 2:
+            return
+        try:
+            previous = await self.md.GetPlan(metadata_pb2.GetPlanRequest(version=self.latest.version - 1))
+        except grpc.aio.AioRpcError:
+            return
+        self._record_releases(previous, self.latest)
+
+    def _record_releases(self, previous: plan_pb2.AllocationPlan, new: plan_pb2.AllocationPlan) -> None:
+        entries = {e.job_id: e for e in new.jobs}
+        for entry in previous.jobs:
+            kept = set(convert.ranks_of(entries[entry.job_id])) if entry.job_id in entries else set()
+            for gpu in convert.ranks_of(entry):
+                if gpu not in kept:
+                    self.pending_release[gpu] = (entry.job_id, new.version)
 
     def trigger(self, reason: str) -> None:
         self._reasons.append(reason)
@@ -359,12 +379,8 @@ class SchedulerCore:
                     return None
                 raise
             # GPUs taken from a job are pending release until the node acknowledges them.
-            for job_id, previous in old.items():
-                new_entry = next((e for e in committed.jobs if e.job_id == job_id), None)
-                kept = set(convert.ranks_of(new_entry)) if new_entry is not None else set()
-                for gpu in convert.ranks_of(previous):
-                    if gpu not in kept:
-                        self.pending_release[gpu] = (job_id, committed.version)
+            if self.latest is not None:
+                self._record_releases(self.latest, committed)
             await self._set_latest(committed)
             await self._transitions(committed, old, {j.id: j for j in jobs})
             return committed

@@ -47,12 +47,22 @@ class Cluster:
     def __init__(self, db_url: str, **scheduler_settings: object) -> None:
         self.metadata = MetadataServer(MetadataSettings(db=db_url, auto_migrate=True))
         self.md = self.metadata.stub
-        settings = SchedulerSettings(metadata_address=self.metadata.address, **{"interval_s": 60.0, **scheduler_settings})
+        self._settings = SchedulerSettings(metadata_address=self.metadata.address,
+                                           **{"interval_s": 60.0, **scheduler_settings})
+        self._start_scheduler()
+
+    def _start_scheduler(self) -> None:
+        settings = self._settings
         self.definition = scheduler_definition(settings)
         self.core = self.definition.core  # type: ignore[attr-defined]
         self.scheduler = InProcessServer(self.definition, settings, thread_name="scheduler-server")
         self.jobs = scheduler_pb2_grpc.JobServiceStub(self.scheduler.channel)
         self.alloc = allocation_pb2_grpc.AllocationServiceStub(self.scheduler.channel)
+
+    def restart_scheduler(self) -> None:
+        """A new scheduler process on the same metadata store (in-memory state gone)."""
+        self.scheduler.stop()
+        self._start_scheduler()
 
     def close(self) -> None:
         if not getattr(self, "_closed", False):

@@ -216,3 +216,20 @@ def test_round_with_estimator_models(make_cluster) -> None:
         plan = cluster.round()
         assert plan is not None and 1 <= len(_gpus(plan, job.id)) <= 2
         cluster.close()
+
+
+def test_unacked_release_survives_a_scheduler_restart(cluster) -> None:
+    from silod.v1 import scheduler_pb2
+
+    cluster.add_node("n1", gpus=1)
+    a = cluster.submit("a")
+    plan = cluster.round()
+    cluster.jobs.CancelJob(scheduler_pb2.CancelJobRequest(job_id=a.id))
+    released = wait_for(lambda: (p := cluster.latest()).version > plan.version and p, what="plan after cancel")
+    cluster.restart_scheduler()
+    b = cluster.submit("b")
+    cluster.round()
+    assert not _gpus(cluster.latest(), b.id), "restarted scheduler reused a GPU whose release was never acked"
+    cluster.alloc.Ack(allocation_pb2.AckPlanRequest(node="n1", component=WORKER, version=released.version, ok=True,
+                                                    released_jobs=[a.id]))
+    wait_for(lambda: _gpus(cluster.latest(), b.id) == {("n1", 0)}, what="b placed after the ack")
