@@ -281,14 +281,18 @@ class SchedulerCore:
                 batch_size=spec.batch_size, dataset=spec.dataset, priority=spec.priority,
                 tenant=spec.tenant or "default",
             ))
-        active = {j.id for j in jobs}
+        min_gpus = {j.id: j.spec.min_gpus for j in jobs}
         current: dict[str, Allocation] = {}
         for job_id, alloc in convert.plan_from_proto(self.latest).allocations.items():
-            # A job that lost a node (or finished) holds nothing any more.
-            if job_id in active and all(
-                node in alive and all(i < alive[node].gpus for i in idx) for node, idx in alloc.placement
-            ):
-                current[job_id] = alloc
+            if job_id not in min_gpus:
+                continue  # finished or cancelled: holds nothing any more
+            # Placements on lost nodes are gone; the survivors stay if the job can still run on them.
+            survivors = tuple((node, idx) for node, idx in alloc.placement
+                              if node in alive and all(i < alive[node].gpus for i in idx))
+            if sum(len(idx) for _, idx in survivors) >= max(1, min_gpus[job_id]):
+                current[job_id] = Allocation(placement=survivors, batch_size=alloc.batch_size,
+                                             cache_bytes={n: b for n, b in alloc.cache_bytes.items() if n in alive},
+                                             remote_io_bytes_per_s=alloc.remote_io_bytes_per_s)
         snap = ClusterSnapshot(
             time_s=time.time(), nodes=infos, jobs=tuple(job_infos), current=Plan(current),
             restart_cost_s=self.restart_cost_s, interval_s=self.interval_s,

@@ -233,3 +233,31 @@ def test_unacked_release_survives_a_scheduler_restart(cluster) -> None:
     cluster.alloc.Ack(allocation_pb2.AckPlanRequest(node="n1", component=WORKER, version=released.version, ok=True,
                                                     released_jobs=[a.id]))
     wait_for(lambda: _gpus(cluster.latest(), b.id) == {("n1", 0)}, what="b placed after the ack")
+
+
+def test_losing_a_node_resizes_a_running_elastic_job(make_cluster) -> None:
+    cluster = make_cluster(node_timeout_s=1.0)
+    cluster.add_node("n1", gpus=1)
+    cluster.add_node("n2", gpus=1)
+    job = cluster.submit("elastic", min_gpus=1, max_gpus=2)
+    plan = cluster.round()
+    gen = _entry(plan, job.id).generation
+    assert len(_gpus(plan, job.id)) == 2
+    cluster.report("n1", plan.version, allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=gen, phase=RUNNING,
+                                                                gpu_indices=[0]))
+    cluster.report("n2", plan.version, allocation_pb2.TaskReport(job_id=job.id, rank=1, generation=gen, phase=RUNNING,
+                                                                gpu_indices=[0]))
+    assert cluster.state(job.id) == common_pb2.JOB_STATE_RUNNING
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        cluster.heartbeat("n1")
+        time.sleep(0.2)
+    resized = wait_for(lambda: (p := cluster.latest()).version > plan.version and p, what="plan without n2")
+    assert _gpus(resized, job.id) == {("n1", 0)}
+    new_gen = _entry(resized, job.id).generation
+    assert new_gen == gen + 1
+    assert cluster.state(job.id) == common_pb2.JOB_STATE_RESIZING
+    cluster.report("n1", resized.version,
+                   allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=gen, phase=EXITED, exit_code=143),
+                   allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=new_gen, phase=RUNNING, gpu_indices=[0]))
+    assert cluster.state(job.id) == common_pb2.JOB_STATE_RUNNING  # the stale generation's exit is ignored
