@@ -1,25 +1,153 @@
-"""Per-node worker agent: launches, resizes and stops job processes.
+"""Per-node worker agent (``silod worker-agent``): launches, resizes and stops job processes.
 
-Not implemented yet: the process starts, reports SERVING on the health service and lists its
-services through reflection, but every RPC answers UNIMPLEMENTED (the generated base class).
-The issue that implements it replaces the servicer below.
+It registers its node with the metadata service (UpsertNode, then Heartbeat every
+``heartbeat_s``), watches its node's part of the allocation plan on the scheduler's
+AllocationService, runs one subprocess per assigned rank, reports task phases with
+ReportTasks, and serves WorkerAgentService to the SDK inside the jobs (silod.job). The
+protocol is described in worker_agent/agent.py.
 """
 
 from __future__ import annotations
 
-import grpc
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Literal
 
+import grpc
+from pydantic import Field
+
+from services.runtime import errors
 from services.runtime.server import ServiceDefinition
-from services.runtime.settings import ServiceSettings
-from silod.v1 import worker_agent_pb2_grpc
+from services.runtime.settings import ConfigError, ServiceSettings, split_host_port
+from silod.v1 import worker_agent_pb2, worker_agent_pb2_grpc
+from worker_agent.agent import Agent
 
 
 class Settings(ServiceSettings):
-    pass
+    node_name: str = Field("", description="Node name registered with the metadata service; empty = hostname")
+    pool: Literal["training", "inference"] = Field("training", description="Pool the node serves")
+    gpus: int = Field(4, ge=0, le=1024, description="GPUs on the node when NVML (pynvml) is absent or finds none")
+    cache_capacity_bytes: int = Field(0, ge=0, description="Bytes of the node's local-disk cache tier (advertised)")
+    memory_cache_bytes: int = Field(0, ge=0, description="Bytes of the node's memory cache tier (advertised)")
+    metadata_address: str = Field("", description="HOST:PORT of the metadata service (required)")
+    scheduler_address: str = Field(
+        "", description="HOST:PORT of the scheduler's AllocationService; empty = register only, run no tasks"
+    )
+    cache_address: str = Field("", description="HOST:PORT of this node's cache server, given to tasks as SILOD_CACHE_ADDR")
+    advertise_address: str = Field(
+        "", description="HOST:PORT other processes reach this agent at; empty = the bound listen address"
+    )
+    work_dir: str = Field("silod-agent", description="Directory of task logs (jobs/<job>/rank-<r>.log) and checkpoints")
+    heartbeat_s: float = Field(5.0, gt=0, description="Seconds between heartbeats to the metadata service")
+    report_s: float = Field(2.0, gt=0, description="Seconds between ReportTasks calls (also sent on every phase change)")
+    checkpoint_deadline_s: float = Field(
+        30.0, ge=0, description="Seconds a task asked to checkpoint and exit gets before SIGKILL"
+    )
+    stop_grace_s: float = Field(10.0, ge=0, description="Seconds tasks get to checkpoint when the agent shuts down")
+
+
+class WorkerAgentServicer(worker_agent_pb2_grpc.WorkerAgentServiceServicer):
+    def __init__(self, holder: dict[str, Agent]) -> None:
+        self._holder = holder
+
+    @property
+    def agent(self) -> Agent:
+        agent = self._holder.get("agent")
+        if agent is None:
+            raise errors.Unavailable("agent is starting")
+        return agent
+
+    async def GetNodeStatus(self, request, context):  # type: ignore[no-untyped-def]
+        return self.agent.node_status()
+
+    async def ReportProgress(self, request, context):  # type: ignore[no-untyped-def]
+        self.agent.record_progress(request)
+        return worker_agent_pb2.ReportProgressResponse()
+
+    async def GetDirective(self, request, context):  # type: ignore[no-untyped-def]
+        return self.agent.directive(request)
+
+    async def TailLogs(self, request, context) -> AsyncIterator[worker_agent_pb2.LogChunk]:  # type: ignore[no-untyped-def,override]
+        agent = self.agent
+        if not request.job_id:
+            raise errors.InvalidArgument("must not be empty", field="job_id")
+        job_dir = agent.work_dir / "jobs" / request.job_id
+        if request.rank >= 0:
+            paths = {request.rank: job_dir / f"rank-{request.rank}.log"}
+        else:
+            paths = {int(p.stem.split("-", 1)[1]): p for p in sorted(job_dir.glob("rank-*.log"))}
+        paths = {r: p for r, p in paths.items() if p.is_file()}
+        if not paths:
+            field = "job_id" if not job_dir.is_dir() else "rank"
+            raise errors.NotFound(f"no log of job {request.job_id!r} rank {request.rank} on this node", field=field)
+        offsets: dict[int, int] = {}
+        for r, p in paths.items():
+            size = p.stat().st_size
+            offsets[r] = max(0, size - request.tail_bytes) if request.tail_bytes > 0 else 0
+        while True:
+            running = any(
+                t.job_id == request.job_id and (request.rank < 0 or t.rank == request.rank) and not t.exited.is_set()
+                for t in agent.tasks.values()
+            )
+            for r, p in paths.items():
+                with open(p, "rb") as f:
+                    f.seek(offsets[r])
+                    while data := f.read(64 * 1024):
+                        offsets[r] += len(data)
+                        yield worker_agent_pb2.LogChunk(rank=r, data=data)
+            if not request.follow or not running:
+                return
+            await asyncio.sleep(0.2)
+
+
+def _reserve_port(listen: str) -> str:
+    """Resolve port 0 to a concrete free port now: the agent must advertise its address to the
+    metadata service and to its tasks, and start_server reveals the bound port only to its caller.
+    (Another process could take the port in between; the bind would then fail loudly.)"""
+    host, port = split_host_port(listen)
+    if port != 0:
+        return listen
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        port = sock.getsockname()[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _advertised(settings: Settings) -> str:
+    if settings.advertise_address:
+        return settings.advertise_address
+    host, port = split_host_port(settings.listen)
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def definition(settings: Settings) -> ServiceDefinition:
-    def register(server: grpc.aio.Server) -> None:
-        worker_agent_pb2_grpc.add_WorkerAgentServiceServicer_to_server(worker_agent_pb2_grpc.WorkerAgentServiceServicer(), server)
+    settings.listen = _reserve_port(settings.listen)
+    holder: dict[str, Agent] = {}
 
-    return ServiceDefinition(name="worker-agent", service_names=["silod.v1.WorkerAgentService"], register=register)
+    def register(server: grpc.aio.Server) -> None:
+        worker_agent_pb2_grpc.add_WorkerAgentServiceServicer_to_server(WorkerAgentServicer(holder), server)
+
+    async def on_start() -> None:
+        if not settings.metadata_address:  # raised here so `silod worker-agent` exits 2 with one line
+            raise ConfigError("metadata_address: required (HOST:PORT of the metadata service)")
+        Path(settings.work_dir).mkdir(parents=True, exist_ok=True)
+        agent = Agent(settings, _advertised(settings))
+        holder["agent"] = agent
+        await agent.start()  # background tasks; registration retries until metadata answers
+
+    async def on_stop() -> None:
+        agent = holder.get("agent")
+        if agent is not None:
+            await agent.shutdown()
+
+    return ServiceDefinition(
+        name="worker-agent",
+        service_names=["silod.v1.WorkerAgentService"],
+        register=register,
+        on_start=on_start,
+        on_stop=on_stop,
+    )

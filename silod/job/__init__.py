@@ -1,0 +1,28 @@
+"""Job SDK: what a training script uses to cooperate with silod.
+
+    import silod.job
+    ctx = silod.job.init()
+    state = ctx.load_checkpoint() or {"step": 0}
+    while not done:
+        ...train one step...
+        ctx.report(samples=n, steps=1, step_time_s=dt)      # increments, batched to the agent
+        if ctx.should_checkpoint():
+            ctx.save_checkpoint(state); ctx.done(); sys.exit(0)
+    ctx.done()
+
+On the cluster (``SILOD_JOB_ID`` set by the worker agent) progress goes to the node's agent
+(``SILOD_AGENT_ADDR``) at most once a second, ``should_checkpoint()`` polls the agent's
+directive at most once a second and is also true once SIGTERM was received, and checkpoints
+live in ``SILOD_CHECKPOINT_DIR``. Off the cluster, :func:`init` returns a twin with the same
+API: rank 0 of 1, checkpoints in ``./checkpoints``, progress logged to stderr.
+
+Checkpoints are written atomically (temp file + rename) with ``torch.save`` when the job has
+imported torch, else pickle; only rank 0 writes (the checkpoint is the job's, shared by ranks),
+every rank can load.
+"""
+
+from __future__ import annotations
+
+from silod.job.context import ClusterContext, JobContext, LocalContext, init
+
+__all__ = ["ClusterContext", "JobContext", "LocalContext", "init"]

@@ -1,0 +1,281 @@
+"""silod.job contexts: ClusterContext (under a worker agent) and LocalContext (off-cluster twin)."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+CHECKPOINT_FILE = "checkpoint.pt"
+REPORT_INTERVAL_S = 1.0
+DIRECTIVE_INTERVAL_S = 1.0
+CALL_TIMEOUT_S = 1.0  # a training step must never wait long for the agent
+UNAVAILABLE_BACKOFF_S = 5.0  # after the agent was unreachable, skip calls this long
+
+
+def _serialize(state: dict[str, Any]) -> bytes:
+    """torch.save when the job already imported torch (tensors, state dicts), else pickle.
+
+    Importing torch only to save a dict of ints costs seconds, which a rank asked to checkpoint
+    before a deadline does not have; so the SDK never imports torch itself for saving.
+    """
+    buf = io.BytesIO()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.save(state, buf)
+    else:
+        pickle.dump(state, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    return buf.getvalue()
+
+
+def _deserialize(data: bytes) -> dict[str, Any]:
+    if data[:2] == b"PK":  # torch.save's zip format
+        import torch
+
+        return torch.load(io.BytesIO(data), weights_only=False)
+    return pickle.loads(data)
+
+
+class JobContext:
+    """Common API of both contexts."""
+
+    def __init__(self, job_id: str, rank: int, world_size: int, generation: int, checkpoint_dir: Path) -> None:
+        self.job_id = job_id
+        self.rank = rank
+        self.world_size = world_size
+        self.generation = generation
+        self.checkpoint_dir = checkpoint_dir
+        self.samples_done = 0
+        self.steps_done = 0
+        self.epochs_done = 0
+        self.fraction_done = 0.0
+        self.step_time_s = 0.0
+        self.batch_size = 0
+        self._sigterm = threading.Event()
+        self._last_report = 0.0
+        self._started = time.monotonic()
+        self._install_sigterm_handler()
+
+    # -- signals
+    def _install_sigterm_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            self._sigterm.set()
+
+        signal.signal(signal.SIGTERM, handler)
+
+    @property
+    def sigterm_received(self) -> bool:
+        return self._sigterm.is_set()
+
+    # -- progress
+    def set_progress(self, *, samples: int | None = None, steps: int | None = None, epoch: int | None = None) -> None:
+        """Set absolute totals (e.g. after loading a checkpoint)."""
+        if samples is not None:
+            self.samples_done = int(samples)
+        if steps is not None:
+            self.steps_done = int(steps)
+        if epoch is not None:
+            self.epochs_done = int(epoch)
+
+    def report(
+        self,
+        samples: int = 0,
+        steps: int = 0,
+        epoch: int | None = None,
+        step_time_s: float | None = None,
+        fraction_done: float | None = None,
+        batch_size: int | None = None,
+    ) -> None:
+        """Add ``samples``/``steps`` done since the last call; set epoch, step time, fraction if given."""
+        self.samples_done += int(samples)
+        self.steps_done += int(steps)
+        if epoch is not None:
+            self.epochs_done = int(epoch)
+        if step_time_s is not None and step_time_s > 0:
+            self.step_time_s = float(step_time_s)
+        if fraction_done is not None:
+            self.fraction_done = min(1.0, max(0.0, float(fraction_done)))
+        if batch_size is not None:
+            self.batch_size = int(batch_size)
+        now = time.monotonic()
+        if self._last_report == 0.0 or now - self._last_report >= REPORT_INTERVAL_S:
+            self._last_report = now
+            self._flush()
+
+    def _flush(self) -> None:
+        raise NotImplementedError
+
+    def should_checkpoint(self) -> bool:
+        raise NotImplementedError
+
+    # -- checkpoints
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.checkpoint_dir / CHECKPOINT_FILE
+
+    def save_checkpoint(self, state: dict[str, Any]) -> bool:
+        """Write ``state`` atomically; returns False on ranks other than 0 (they do not write)."""
+        if self.rank != 0:
+            return False
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.checkpoint_dir / f".{CHECKPOINT_FILE}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(_serialize(state))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.checkpoint_path)
+        return True
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        try:
+            data = self.checkpoint_path.read_bytes()
+        except FileNotFoundError:
+            return None
+        return _deserialize(data)
+
+    def done(self) -> None:
+        """Send the final progress; call before exiting."""
+        self._flush()
+        self.close()
+
+    def close(self) -> None:
+        pass
+
+
+class LocalContext(JobContext):
+    """Off-cluster twin: rank 0 of 1, checkpoints in ./checkpoints (or SILOD_CHECKPOINT_DIR), progress to stderr."""
+
+    def __init__(self, checkpoint_dir: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(
+            job_id="local",
+            rank=0,
+            world_size=1,
+            generation=0,
+            checkpoint_dir=Path(checkpoint_dir or os.environ.get("SILOD_CHECKPOINT_DIR") or "checkpoints"),
+        )
+
+    def _flush(self) -> None:
+        print(
+            f"silod.job[local]: samples={self.samples_done} steps={self.steps_done} epoch={self.epochs_done} "
+            f"step_time_s={self.step_time_s:.4f} fraction_done={self.fraction_done:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def should_checkpoint(self) -> bool:
+        return self.sigterm_received
+
+
+class ClusterContext(JobContext):
+    """Under a worker agent: progress and directives over gRPC to SILOD_AGENT_ADDR."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ if env is None else env)
+        super().__init__(
+            job_id=env["SILOD_JOB_ID"],
+            rank=int(env.get("SILOD_RANK", "0")),
+            world_size=int(env.get("SILOD_WORLD_SIZE", "1")),
+            generation=int(env.get("SILOD_GENERATION", "0")),
+            checkpoint_dir=Path(env.get("SILOD_CHECKPOINT_DIR") or "checkpoints"),
+        )
+        self.batch_size = int(env.get("SILOD_BATCH_SIZE", "0") or 0)
+        self.agent_addr = env.get("SILOD_AGENT_ADDR", "")
+        self._checkpoint_asked = False
+        self.deadline_s = 0.0
+        self._last_poll = 0.0
+        self._quiet_until = 0.0
+        self._channel = None
+        self._stub = None
+        if self.agent_addr:
+            from services.runtime.client import open_channel
+            from silod.v1 import worker_agent_pb2_grpc
+
+            self._channel = open_channel(self.agent_addr, token=env.get("SILOD_AUTH_TOKEN", ""), default_timeout_s=5)
+            self._stub = worker_agent_pb2_grpc.WorkerAgentServiceStub(self._channel)
+
+    def _agent_down(self, exc: Any) -> None:
+        import grpc
+
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self._quiet_until = time.monotonic() + UNAVAILABLE_BACKOFF_S
+
+    def _flush(self) -> None:
+        if self._stub is None or time.monotonic() < self._quiet_until:
+            return
+        import grpc
+
+        from silod.v1 import common_pb2, worker_agent_pb2
+
+        try:
+            self._stub.ReportProgress(
+                worker_agent_pb2.ReportProgressRequest(
+                    job_id=self.job_id,
+                    rank=self.rank,
+                    generation=self.generation,
+                    progress=common_pb2.JobProgress(
+                        samples_done=self.samples_done,
+                        steps_done=self.steps_done,
+                        epochs_done=self.epochs_done,
+                        fraction_done=self.fraction_done,
+                        throughput_samples_per_s=(self.batch_size / self.step_time_s) if self.step_time_s else 0.0,
+                    ),
+                    step_time_s=self.step_time_s,
+                    batch_size=self.batch_size,
+                ),
+                timeout=CALL_TIMEOUT_S,
+            )
+        except grpc.RpcError as exc:
+            self._agent_down(exc)
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # our generation was superseded
+                self._checkpoint_asked = True
+            print(f"silod.job: progress report failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+
+    def should_checkpoint(self) -> bool:
+        if self._checkpoint_asked or self.sigterm_received:
+            return True
+        now = time.monotonic()
+        if self._stub is None or now < self._quiet_until or (
+            self._last_poll and now - self._last_poll < DIRECTIVE_INTERVAL_S
+        ):
+            return False
+        self._last_poll = now
+        import grpc
+
+        from silod.v1 import worker_agent_pb2
+
+        try:
+            directive = self._stub.GetDirective(
+                worker_agent_pb2.GetDirectiveRequest(job_id=self.job_id, rank=self.rank, generation=self.generation),
+                timeout=CALL_TIMEOUT_S,
+            )
+        except grpc.RpcError as exc:
+            self._agent_down(exc)
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._checkpoint_asked = True
+            return self._checkpoint_asked
+        if directive.action == worker_agent_pb2.DIRECTIVE_ACTION_CHECKPOINT_AND_EXIT:
+            self._checkpoint_asked = True
+            self.deadline_s = directive.deadline_s
+        return self._checkpoint_asked
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+            self._stub = None
+
+
+def init(checkpoint_dir: str | os.PathLike[str] | None = None) -> JobContext:
+    """A ClusterContext when launched by a worker agent (SILOD_JOB_ID set), else a LocalContext."""
+    if os.environ.get("SILOD_JOB_ID"):
+        return ClusterContext()
+    return LocalContext(checkpoint_dir)

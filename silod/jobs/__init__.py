@@ -1,0 +1,1 @@
+"""Built-in jobs the worker agent can run."""

@@ -1,0 +1,75 @@
+"""Emulated training job: what the worker agent runs when a JobSpec has no command.
+
+It "trains" without a GPU: each step sleeps ``SILOD_STEP_COMPUTE_S`` seconds (the spec's
+emulated_step_compute_s; default 0.01) and counts ``SILOD_BATCH_SIZE`` samples (global per
+step). The budget is ``SILOD_SAMPLE_BUDGET`` samples, or ``SILOD_EPOCHS`` x
+``SILOD_EPOCH_SAMPLES`` (default 1000 samples per epoch), or 10000 samples by default. It
+resumes from the job's checkpoint, reports progress through silod.job, checkpoints and exits 0
+when asked (directive or SIGTERM), also checkpoints every ``SILOD_CHECKPOINT_EVERY_S`` seconds
+(default 30), and exits 0 when the budget is done. Its first output line is its environment
+(``silod-env: {...}``), so the launch can be checked from the log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import silod.job
+
+_ENV_PREFIXES = ("SILOD_", "CUDA_VISIBLE_DEVICES", "MASTER_")
+
+
+def _budget() -> int:
+    if os.environ.get("SILOD_SAMPLE_BUDGET"):
+        return int(os.environ["SILOD_SAMPLE_BUDGET"])
+    if os.environ.get("SILOD_EPOCHS"):
+        return int(os.environ["SILOD_EPOCHS"]) * int(os.environ.get("SILOD_EPOCH_SAMPLES", "1000"))
+    return 10000
+
+
+def main() -> int:
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES) and k != "SILOD_AUTH_TOKEN"}
+    print("silod-env: " + json.dumps(env), flush=True)
+    ctx = silod.job.init()
+    step_s = float(os.environ.get("SILOD_STEP_COMPUTE_S") or 0) or 0.01
+    batch = int(os.environ.get("SILOD_BATCH_SIZE") or 0) or 32
+    epoch_samples = int(os.environ.get("SILOD_EPOCH_SAMPLES", "1000"))
+    checkpoint_every = float(os.environ.get("SILOD_CHECKPOINT_EVERY_S", "30"))
+    budget = _budget()
+    state = ctx.load_checkpoint() or {"samples": 0, "steps": 0}
+    print(f"emulated: resumed at samples={state['samples']} steps={state['steps']} budget={budget}", flush=True)
+    ctx.set_progress(samples=state["samples"], steps=state["steps"], epoch=state["samples"] // epoch_samples)
+    ctx.report(step_time_s=step_s, batch_size=batch, fraction_done=state["samples"] / budget)
+    last_checkpoint = time.monotonic()
+    while state["samples"] < budget:
+        if ctx.should_checkpoint():
+            ctx.save_checkpoint(state)
+            print(f"emulated: checkpointed at samples={state['samples']}; exiting", flush=True)
+            ctx.done()
+            return 0
+        t0 = time.monotonic()
+        time.sleep(step_s)
+        n = min(batch, budget - state["samples"])
+        state["samples"] += n
+        state["steps"] += 1
+        ctx.report(
+            samples=n,
+            steps=1,
+            epoch=state["samples"] // epoch_samples,
+            step_time_s=time.monotonic() - t0,
+            fraction_done=state["samples"] / budget,
+        )
+        if time.monotonic() - last_checkpoint >= checkpoint_every:
+            ctx.save_checkpoint(state)
+            last_checkpoint = time.monotonic()
+    ctx.save_checkpoint(state)
+    print(f"emulated: done samples={state['samples']} steps={state['steps']}", flush=True)
+    ctx.done()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

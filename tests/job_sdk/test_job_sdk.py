@@ -1,0 +1,85 @@
+"""silod.job off the cluster (the twin) and the example script, as real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import silod.job
+from silod.job import LocalContext
+from tests.support.procs import REPO_ROOT
+
+EXAMPLE = REPO_ROOT / "examples" / "train_cifar_like.py"
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SILOD_")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def test_init_off_cluster_returns_the_twin(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("SILOD_JOB_ID", raising=False)
+    monkeypatch.chdir(tmp_path)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        _check_twin(tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # init() installed the SDK's handler in pytest
+
+
+def _check_twin(tmp_path: Path) -> None:
+    ctx = silod.job.init()
+    assert isinstance(ctx, LocalContext)
+    assert (ctx.rank, ctx.world_size) == (0, 1) and ctx.checkpoint_dir == Path("checkpoints")
+    assert ctx.load_checkpoint() is None and not ctx.should_checkpoint()
+    assert ctx.save_checkpoint({"step": 3, "weights": [1.0, 2.0]})
+    assert ctx.load_checkpoint() == {"step": 3, "weights": [1.0, 2.0]}
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["checkpoint.pt"]  # no temp file left
+    ctx.report(samples=10, steps=1, epoch=0, step_time_s=0.1, fraction_done=0.5)
+    assert (ctx.samples_done, ctx.steps_done) == (10, 1)
+    ctx.done()
+
+
+def test_example_runs_standalone_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    run = lambda steps: subprocess.run(  # noqa: E731
+        [sys.executable, str(EXAMPLE), "--steps", str(steps)], cwd=tmp_path, env=_env(),
+        capture_output=True, text=True, timeout=60,
+    )
+    first = run(20)
+    assert first.returncode == 0, first.stderr
+    assert "done at step 20" in first.stdout and "resumed" not in first.stdout
+    assert (tmp_path / "checkpoints" / "checkpoint.pt").is_file()
+    second = run(30)
+    assert second.returncode == 0, second.stderr
+    assert "resumed from checkpoint at step 20" in second.stdout and "done at step 30" in second.stdout
+    assert "silod.job[local]: samples=" in second.stderr  # the twin logs progress
+
+
+def test_sigterm_makes_the_example_checkpoint_and_exit_zero(tmp_path: Path) -> None:
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(EXAMPLE), "--steps", "100000", "--emulated-gpu-s", "0.01"],
+            cwd=tmp_path, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "step 10 " not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert "checkpointed at step" in text
+    saved = int(text.split("checkpointed at step ")[1].split(";")[0])
+    assert saved >= 10
+    again = subprocess.run([sys.executable, str(EXAMPLE), "--steps", str(saved + 5)], cwd=tmp_path, env=_env(),
+                           capture_output=True, text=True, timeout=60)
+    assert f"resumed from checkpoint at step {saved}" in again.stdout and again.returncode == 0

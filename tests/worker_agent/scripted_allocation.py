@@ -1,0 +1,86 @@
+"""Test double of a peer service: a minimal AllocationService that serves NodePlans the test
+scripts and records what agents send (Acks, ReportTasks). The scheduler's real AllocationService
+is written elsewhere; this one follows the contract in protos/silod/v1/allocation.proto:
+
+* Watch streams the node's latest plan at once (if any), then every newer one pushed;
+* Ack and ReportTasks are recorded; ReportTasks acknowledges every EXITED report it receives
+  ("job_id/rank/generation") unless ``ack_exits`` is False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from services.runtime.server import ServiceDefinition
+from services.runtime.settings import ServiceSettings
+from silod.v1 import allocation_pb2, allocation_pb2_grpc, plan_pb2
+from tests.support.inprocess import InProcessServer
+
+
+class ScriptedAllocation(allocation_pb2_grpc.AllocationServiceServicer):
+    def __init__(self) -> None:
+        self.plans: dict[str, list[plan_pb2.NodePlan]] = {}
+        self.watch_requests: list[allocation_pb2.WatchPlanRequest] = []
+        self.acks: list[allocation_pb2.AckPlanRequest] = []
+        self.reports: list[tuple[float, allocation_pb2.ReportTasksRequest]] = []
+        self.ack_exits = True
+        self._changed: asyncio.Condition | None = None
+
+    def _cond(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def push(self, plan: plan_pb2.NodePlan, *, repeat: bool = False) -> None:
+        """Make ``plan`` the node's latest (``repeat``: deliver it again even if not newer)."""
+        async with self._cond():
+            self.plans.setdefault(plan.node, []).append(plan)
+            self._cond().notify_all()
+
+    async def Watch(self, request, context):  # type: ignore[no-untyped-def]
+        self.watch_requests.append(request)
+        sent = 0
+        cond = self._cond()
+        while True:
+            async with cond:
+                await cond.wait_for(lambda: len(self.plans.get(request.node, [])) > sent)
+                pending = self.plans[request.node][sent:]
+                if sent == 0:
+                    pending = pending[-1:]  # a (re)connecting watcher starts from the latest plan
+                sent = len(self.plans[request.node])
+            for plan in pending:
+                yield plan
+
+    async def Ack(self, request, context):  # type: ignore[no-untyped-def]
+        self.acks.append(request)
+        latest = max((p.version for p in self.plans.get(request.node, [])), default=0)
+        return allocation_pb2.AckPlanResponse(latest_version=latest)
+
+    async def ReportTasks(self, request, context):  # type: ignore[no-untyped-def]
+        self.reports.append((time.time(), request))
+        exits = [
+            f"{t.job_id}/{t.rank}/{t.generation}" for t in request.tasks if t.phase == allocation_pb2.TASK_PHASE_EXITED
+        ]
+        return allocation_pb2.ReportTasksResponse(acknowledged_exits=exits if self.ack_exits else [])
+
+
+class AllocationServer(InProcessServer):
+    def __init__(self) -> None:
+        self.servicer = ScriptedAllocation()
+
+        def register(server: Any) -> None:
+            allocation_pb2_grpc.add_AllocationServiceServicer_to_server(self.servicer, server)
+
+        super().__init__(
+            ServiceDefinition(name="allocation-double", service_names=["silod.v1.AllocationService"], register=register),
+            ServiceSettings(log_level="warning"),
+            thread_name="allocation-double",
+        )
+
+    def push(self, plan: plan_pb2.NodePlan) -> None:
+        self.submit(self.servicer.push(plan))
+
+    def task_reports(self) -> list[allocation_pb2.TaskReport]:
+        return [t for _, r in list(self.servicer.reports) for t in r.tasks]

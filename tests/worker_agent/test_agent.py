@@ -1,0 +1,160 @@
+"""The worker agent as a real process against in-process metadata and a scripted AllocationService."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+
+import grpc
+import pytest
+
+from silod.v1 import allocation_pb2, common_pb2, metadata_pb2, worker_agent_pb2
+from tests.worker_agent.conftest import assignment, node_plan, wait_until
+from worker_agent.gpus import check_exclusive
+
+EXITED = allocation_pb2.TASK_PHASE_EXITED
+RUNNING = allocation_pb2.TASK_PHASE_RUNNING
+STARTING = allocation_pb2.TASK_PHASE_STARTING
+
+
+def _node(metadata, name):  # type: ignore[no-untyped-def]
+    nodes = metadata.stub.ListNodes(metadata_pb2.ListNodesRequest(), timeout=5).nodes
+    return next((n for n in nodes if n.spec.name == name), None)
+
+
+def _phases(allocation, job, rank, generation=1):  # type: ignore[no-untyped-def]
+    seq = []
+    for t in allocation.task_reports():
+        if (t.job_id, t.rank, t.generation) == (job, rank, generation) and (not seq or seq[-1] != t.phase):
+            seq.append(t.phase)
+    return seq
+
+
+def _latest(allocation, job, rank, generation):  # type: ignore[no-untyped-def]
+    found = [t for t in allocation.task_reports() if (t.job_id, t.rank, t.generation) == (job, rank, generation)]
+    return found[-1] if found else None
+
+
+def test_registers_with_metadata_and_heartbeats(metadata, start_agent) -> None:  # type: ignore[no-untyped-def]
+    agent = start_agent()
+    node = wait_until(lambda: _node(metadata, agent.node), what="node registered")
+    assert node.spec.agent_address == agent.address
+    assert (node.spec.gpus, node.spec.gpu_model, node.spec.pool) == (4, "emulated", common_pb2.NODE_POOL_TRAINING)
+    first = node.last_heartbeat.ToMicroseconds()
+    wait_until(lambda: _node(metadata, agent.node).last_heartbeat.ToMicroseconds() > first, what="a later heartbeat")
+    assert _node(metadata, agent.node).alive
+    status = agent.status()
+    assert status.spec.name == agent.node and list(status.free_gpus) == [0, 1, 2, 3]
+
+
+def test_two_ranks_launch_with_env_report_phases_and_exit(metadata, allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
+    agent = start_agent()
+    plan = node_plan(agent.node, 1, assignment("job-two", 0, 2, [0], budget=160, step_s=0.05),
+                     assignment("job-two", 1, 2, [2, 3], budget=160, step_s=0.05))
+    allocation.push(plan)
+    wait_until(lambda: all(_phases(allocation, "job-two", r)[-1:] == [EXITED] for r in (0, 1)), what="both ranks exited")
+    for rank in (0, 1):
+        assert _phases(allocation, "job-two", rank) == [STARTING, RUNNING, EXITED]
+        final = _latest(allocation, "job-two", rank, 1)
+        assert final.exit_code == 0 and list(final.gpu_indices) == []
+        assert final.progress.samples_done == 160 and final.progress.fraction_done == 1.0
+    running = [t for t in allocation.task_reports() if t.job_id == "job-two" and t.rank == 1 and t.phase == RUNNING]
+    assert list(running[0].gpu_indices) == [2, 3]
+    env = json.loads(re.search(r"silod-env: (.*)", agent.log("job-two", 1)).group(1))
+    assert env["SILOD_JOB_ID"] == "job-two" and env["SILOD_RANK"] == "1" and env["SILOD_WORLD_SIZE"] == "2"
+    assert env["SILOD_GENERATION"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["SILOD_AGENT_ADDR"] == agent.address and env["SILOD_METADATA_ADDR"] == metadata.address
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["SILOD_BATCH_SIZE"]) == ("127.0.0.1", "29511", "8")
+    assert env["SILOD_CHECKPOINT_DIR"] == str((agent.work_dir / "checkpoints" / "job-two").resolve())
+    assert env["SILOD_TEST_MARK"] == "yes" and env["SILOD_SAMPLE_BUDGET"] == "160"
+    # Acked once, and acknowledged exits are forgotten by the agent.
+    wait_until(lambda: [a.version for a in allocation.servicer.acks] == [1], what="ack of v1")
+    assert allocation.servicer.acks[0].ok
+    wait_until(lambda: not agent.status().tasks, what="acknowledged exits forgotten")
+    # The same plan version delivered again is not applied again (nothing relaunched, no second ack).
+    allocation.push(plan)
+    time.sleep(1.0)
+    assert [a.version for a in allocation.servicer.acks] == [1]
+    assert agent.log("job-two", 0).count("--- silod: generation") == 1
+    assert agent.status().applied_plan_version == 1
+    # TailLogs returns the captured output.
+    chunks = list(agent.stub.TailLogs(worker_agent_pb2.TailLogsRequest(job_id="job-two", rank=0), timeout=5))
+    assert b"emulated: done samples=160" in b"".join(c.data for c in chunks)
+    wait_until(lambda: _node(metadata, agent.node).applied_plan_version == 1, what="heartbeat with applied version")
+
+
+def test_resize_checkpoints_relaunches_and_resumes(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
+    agent = start_agent()
+    allocation.push(node_plan(agent.node, 1, *(assignment("job-rs", r, 4, [r]) for r in range(4))))
+    wait_until(lambda: (_latest(allocation, "job-rs", 0, 1) or allocation_pb2.TaskReport()).progress.samples_done >= 80,
+               what="generation 1 making progress")
+    # Follow the log of rank 3, which the resize removes: the stream ends when the task exits.
+    follow = agent.stub.TailLogs(worker_agent_pb2.TailLogsRequest(job_id="job-rs", rank=3, follow=True), timeout=30)
+    allocation.push(node_plan(agent.node, 2, assignment("job-rs", 0, 2, [0], 2), assignment("job-rs", 1, 2, [1], 2)))
+    assert b"checkpointed at samples=" in b"".join(c.data for c in follow)
+    wait_until(lambda: _phases(allocation, "job-rs", 0, 2)[-1:] == [RUNNING], what="generation 2 running")
+    log = agent.log("job-rs", 0)
+    saved = int(re.search(r"checkpointed at samples=(\d+)", log).group(1))
+    resumed = int(re.findall(r"resumed at samples=(\d+)", log)[-1])
+    assert resumed == saved > 0
+    for rank in range(4):
+        assert _latest(allocation, "job-rs", rank, 1).phase == EXITED
+        assert _latest(allocation, "job-rs", rank, 1).exit_code == 0
+    assert _latest(allocation, "job-rs", 0, 2).progress.samples_done >= saved  # did not restart from 0
+    assert sorted(allocation.servicer.acks[-1].released_jobs) == ["job-rs"]
+    status = agent.status()
+    assert sorted((t.rank, t.generation) for t in status.tasks if t.state != "exited") == [(0, 2), (1, 2)]
+    assert list(status.free_gpus) == [2, 3]
+    # The SDK of a superseded generation is told so.
+    with pytest.raises(grpc.RpcError) as stale:
+        agent.stub.ReportProgress(worker_agent_pb2.ReportProgressRequest(job_id="job-rs", rank=0, generation=1), timeout=5)
+    assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "generation" in stale.value.details()
+    with pytest.raises(grpc.RpcError) as unknown:
+        agent.stub.ReportProgress(worker_agent_pb2.ReportProgressRequest(job_id="job-nope", rank=0, generation=1), timeout=5)
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and unknown.value.details().startswith("job_id")
+    # Tasks removed from the plan are stopped.
+    allocation.push(node_plan(agent.node, 3))
+    wait_until(lambda: all((_latest(allocation, "job-rs", r, 2) or allocation_pb2.TaskReport()).phase == EXITED
+                           for r in (0, 1)), what="generation 2 stopped")
+    wait_until(lambda: [a.version for a in allocation.servicer.acks] == [1, 2, 3], what="acks")
+    check_exclusive(agent.gpu_history())
+
+
+def test_new_task_never_starts_on_a_gpu_held_by_an_exiting_task(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
+    agent = start_agent(checkpoint_deadline_s=1.5)
+    stubborn = [sys.executable, "-c",
+                "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"]
+    allocation.push(node_plan(agent.node, 1, assignment("job-old", 0, 1, [0, 1], command=stubborn)))
+    wait_until(lambda: "up" in agent.log("job-old", 0), what="stubborn task up")
+    allocation.push(node_plan(agent.node, 2, assignment("job-new", 0, 1, [1, 2])))
+    wait_until(lambda: any(t.state == "checkpointing" for t in agent.status().tasks), what="old task asked to stop")
+    assert not any(t.job_id == "job-new" for t in agent.status().tasks)  # waits: GPU 1 still held
+    wait_until(lambda: _phases(allocation, "job-new", 0)[-1:] == [RUNNING], what="new task running")
+    old = _latest(allocation, "job-old", 0, 1)
+    assert old.phase == EXITED and old.exit_code == 128 + signal.SIGKILL  # killed after the deadline
+    history = agent.gpu_history()
+    check_exclusive(history)
+    release_old = next(e for e in history if e["event"] == "release" and e["task"] == "job-old/0/1")
+    acquire_new = next(e for e in history if e["event"] == "acquire" and e["task"] == "job-new/0/1")
+    assert history.index(release_old) < history.index(acquire_new)
+    assert acquire_new["t"] - release_old["t"] >= 0
+    assert [e["event"] for e in history].count("acquire") == 2
+
+
+def test_sigterm_stops_tasks_and_exits_zero(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
+    agent = start_agent()
+    allocation.push(node_plan(agent.node, 1, assignment("job-term", 0, 1, [3])))
+    wait_until(lambda: _phases(allocation, "job-term", 0)[-1:] == [RUNNING], what="task running")
+    pid = next(t.pid for t in agent.status().tasks)
+    assert pid > 0
+    code = agent.proc.terminate(timeout=20)
+    assert code == 0, agent.log("job-term", 0)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert "checkpointed at samples=" in agent.log("job-term", 0), agent.log("job-term", 0)
+    final = _latest(allocation, "job-term", 0, 1)
+    assert final.phase == EXITED and final.exit_code == 0

@@ -1,0 +1,466 @@
+"""The worker agent's state machine: plan application, task processes, reports, heartbeats.
+
+Protocol decisions (see also service.py):
+
+* Plans: ``AllocationService.Watch`` is consumed by one task; only the newest NodePlan is kept
+  pending and an applier applies each version at most once (versions <= applied are ignored),
+  then Acks it. Applying diffs the desired tasks (job_id, rank, generation, gpus) against the
+  local ones: tasks no longer desired (or of another generation, or on other GPUs) are stopped
+  first, and only once they have exited are their GPUs released and new tasks launched.
+* Stopping a task: its directive becomes CHECKPOINT_AND_EXIT (GetDirective reports the seconds
+  left), SIGTERM goes to its process group at once (the SDK's handler turns it into
+  ``should_checkpoint()``), and SIGKILL follows when the deadline passes.
+* GPUs: :class:`GpuTable` refuses to give a device to a task while another local task holds it.
+  A task holds its GPUs from launch until its process has exited.
+* Reports: ``ReportTasks`` every ``report_s`` and right after any phase change; EXITED tasks
+  are repeated until the response lists them in ``acknowledged_exits`` ("job_id/rank/generation").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from services.runtime.client import open_channel
+from services.runtime.structured_logging import get_logger
+from silod.v1 import (
+    allocation_pb2,
+    allocation_pb2_grpc,
+    common_pb2,
+    metadata_pb2,
+    metadata_pb2_grpc,
+    plan_pb2,
+    worker_agent_pb2,
+)
+from worker_agent.gpus import GpuTable, detect_gpus
+
+_log = get_logger("silod.worker_agent")
+
+Phase = allocation_pb2.TaskPhase
+_STATE_NAMES = {
+    allocation_pb2.TASK_PHASE_STARTING: "starting",
+    allocation_pb2.TASK_PHASE_RUNNING: "running",
+    allocation_pb2.TASK_PHASE_CHECKPOINTING: "checkpointing",
+    allocation_pb2.TASK_PHASE_EXITED: "exited",
+}
+
+
+def task_key(job_id: str, rank: int, generation: int) -> str:
+    return f"{job_id}/{rank}/{generation}"
+
+
+@dataclass
+class Task:
+    assignment: plan_pb2.TaskAssignment
+    log_path: Path
+    proc: asyncio.subprocess.Process | None = None
+    phase: int = allocation_pb2.TASK_PHASE_STARTING
+    exit_code: int = 0
+    progress: common_pb2.JobProgress = field(default_factory=common_pb2.JobProgress)
+    step_time_s: float = 0.0
+    batch_size: int = 0
+    stop_deadline: float = 0.0  # monotonic; 0 = not asked to stop
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def job_id(self) -> str:
+        return self.assignment.job_id
+
+    @property
+    def rank(self) -> int:
+        return self.assignment.rank
+
+    @property
+    def generation(self) -> int:
+        return self.assignment.generation
+
+    @property
+    def key(self) -> str:
+        return task_key(self.job_id, self.rank, self.generation)
+
+    @property
+    def gpus(self) -> list[int]:
+        return list(self.assignment.gpu_indices)
+
+    def report(self) -> allocation_pb2.TaskReport:
+        return allocation_pb2.TaskReport(
+            job_id=self.job_id,
+            rank=self.rank,
+            generation=self.generation,
+            phase=self.phase,
+            exit_code=self.exit_code,
+            gpu_indices=[] if self.phase == allocation_pb2.TASK_PHASE_EXITED else self.gpus,
+            progress=self.progress,
+            step_time_s=self.step_time_s,
+            batch_size=self.batch_size or self.assignment.batch_size,
+        )
+
+    def status(self) -> worker_agent_pb2.TaskStatus:
+        return worker_agent_pb2.TaskStatus(
+            job_id=self.job_id,
+            rank=self.rank,
+            world_size=self.assignment.world_size,
+            pid=self.proc.pid if self.proc is not None and not self.exited.is_set() else 0,
+            gpu_indices=self.gpus,
+            generation=self.generation,
+            state=_STATE_NAMES.get(self.phase, "starting"),
+            exit_code=self.exit_code,
+        )
+
+
+class Agent:
+    def __init__(self, settings: Any, agent_address: str) -> None:
+        self.settings = settings
+        self.agent_address = agent_address
+        gpus, model = detect_gpus(settings.gpus)
+        self.work_dir = Path(settings.work_dir).resolve()
+        (self.work_dir / "jobs").mkdir(parents=True, exist_ok=True)
+        (self.work_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        self.spec = common_pb2.NodeSpec(
+            name=settings.node_name or socket.gethostname(),
+            pool=common_pb2.NODE_POOL_INFERENCE if settings.pool == "inference" else common_pb2.NODE_POOL_TRAINING,
+            gpus=gpus,
+            gpu_model=model,
+            cache_capacity_bytes=settings.cache_capacity_bytes,
+            memory_cache_bytes=settings.memory_cache_bytes,
+            agent_address=agent_address,
+            cache_address=settings.cache_address,
+        )
+        self.gpu_table = GpuTable(gpus, self.work_dir / "gpu-table.jsonl")
+        self.tasks: dict[str, Task] = {}  # live tasks and exited ones not yet acknowledged
+        self.finished: set[str] = set()  # keys of tasks that exited; never relaunched for the same generation
+        self.applied_version = 0
+        self.applied_versions: list[int] = []
+        self._pending: plan_pb2.NodePlan | None = None
+        self._plan_ready = asyncio.Event()
+        self._report_now = asyncio.Event()
+        self._bg: list[asyncio.Task[None]] = []  # heartbeat first, then watch, apply, report
+        self._reapers: set[asyncio.Task[None]] = set()  # one per process; never cancelled before it exits
+        self._stopping = False
+        self._apply_lock = asyncio.Lock()
+        token = getattr(settings, "auth_token", "")
+        self._meta_channel = open_channel(settings.metadata_address, token=token, aio=True)
+        self._metadata = metadata_pb2_grpc.MetadataServiceStub(self._meta_channel)
+        self._alloc_channel = None
+        self._alloc = None
+        if settings.scheduler_address:
+            self._alloc_channel = open_channel(settings.scheduler_address, token=token, aio=True)
+            self._alloc = allocation_pb2_grpc.AllocationServiceStub(self._alloc_channel)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._bg.append(asyncio.ensure_future(self._register_and_heartbeat()))
+        if self._alloc is not None:
+            self._bg.append(asyncio.ensure_future(self._watch_loop()))
+            self._bg.append(asyncio.ensure_future(self._apply_loop()))
+            self._bg.append(asyncio.ensure_future(self._report_loop()))
+
+    async def shutdown(self) -> None:
+        """Stop every task (checkpoint directive + SIGTERM, SIGKILL after the grace), report, close."""
+        self._stopping = True
+        for t in self._bg[1:]:  # keep heartbeating while tasks stop
+            t.cancel()
+        async with self._apply_lock:
+            await asyncio.gather(*(self._stop_task(t, self.settings.stop_grace_s) for t in self._live()))
+        with contextlib.suppress(Exception):
+            await self._report_once(timeout=3)
+        for t in self._bg:
+            t.cancel()
+        for t in self._bg:
+            with contextlib.suppress(BaseException):
+                await t
+        await self._meta_channel.close()
+        if self._alloc_channel is not None:
+            await self._alloc_channel.close()
+
+    def _live(self) -> list[Task]:
+        return [t for t in self.tasks.values() if not t.exited.is_set()]
+
+    # ---- registration ----------------------------------------------------------------------
+    async def _register_and_heartbeat(self) -> None:
+        registered = False
+        while True:
+            try:
+                if not registered:
+                    await self._metadata.UpsertNode(metadata_pb2.UpsertNodeRequest(spec=self.spec), timeout=5)
+                    registered = True
+                    _log.info("registered", extra={"node": self.spec.name, "agent_address": self.agent_address})
+                await self._metadata.Heartbeat(
+                    metadata_pb2.HeartbeatRequest(node=self.spec.name, applied_plan_version=self.applied_version),
+                    timeout=5,
+                )
+            except grpc.aio.AioRpcError as exc:
+                _log.warning("metadata unreachable", extra={"code": exc.code().name, "detail": exc.details()})
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    registered = False
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    # ---- plans -----------------------------------------------------------------------------
+    async def _watch_loop(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                call = self._alloc.Watch(  # type: ignore[union-attr]
+                    allocation_pb2.WatchPlanRequest(
+                        node=self.spec.name,
+                        component=allocation_pb2.PLAN_COMPONENT_WORKER_AGENT,
+                        known_version=self.applied_version,
+                    )
+                )
+                async for plan in call:
+                    backoff = 0.2
+                    self.offer_plan(plan)
+            except grpc.aio.AioRpcError as exc:
+                _log.info("plan watch interrupted", extra={"code": exc.code().name, "detail": exc.details()})
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    def offer_plan(self, plan: plan_pb2.NodePlan) -> None:
+        """Keep ``plan`` as the next to apply if it is newer than what is applied or pending."""
+        newest = max(self.applied_version, self._pending.version if self._pending is not None else 0)
+        if plan.version <= newest:
+            return
+        self._pending = plan
+        self._plan_ready.set()
+
+    async def _apply_loop(self) -> None:
+        while True:
+            await self._plan_ready.wait()
+            self._plan_ready.clear()
+            plan, self._pending = self._pending, None
+            if plan is None or plan.version <= self.applied_version:
+                continue
+            ok, message, released = True, "", []
+            try:
+                async with self._apply_lock:
+                    released = await self.apply(plan)
+            except Exception as exc:  # noqa: BLE001 - reported to the scheduler in the Ack
+                _log.exception("applying plan failed", extra={"version": plan.version})
+                ok, message = False, f"{type(exc).__name__}: {exc}"
+            self.applied_version = plan.version
+            self.applied_versions.append(plan.version)
+            self._report_now.set()
+            try:
+                await self._alloc.Ack(  # type: ignore[union-attr]
+                    allocation_pb2.AckPlanRequest(
+                        node=self.spec.name,
+                        component=allocation_pb2.PLAN_COMPONENT_WORKER_AGENT,
+                        version=plan.version,
+                        ok=ok,
+                        message=message,
+                        released_jobs=sorted(set(released)),
+                    ),
+                    timeout=10,
+                )
+            except grpc.aio.AioRpcError as exc:
+                _log.warning("ack failed", extra={"version": plan.version, "code": exc.code().name})
+
+    async def apply(self, plan: plan_pb2.NodePlan) -> list[str]:
+        """Make the local tasks match ``plan``; return jobs whose GPUs here were released."""
+        desired = {task_key(a.job_id, a.rank, a.generation): a for a in plan.tasks}
+        to_stop = []
+        for t in self._live():
+            want = desired.get(t.key)
+            if want is None or sorted(want.gpu_indices) != sorted(t.gpus):
+                to_stop.append(t)
+        released = [t.job_id for t in to_stop]
+        if to_stop:
+            _log.info("stopping tasks", extra={"version": plan.version, "tasks": [t.key for t in to_stop]})
+            await asyncio.gather(*(self._stop_task(t, self.settings.checkpoint_deadline_s) for t in to_stop))
+            for t in to_stop:  # moved to other GPUs within one generation (not expected): relaunch it
+                if t.key in desired:
+                    self.finished.discard(t.key)
+                    del self.tasks[t.key]
+        running = {t.key for t in self._live()}
+        for key, a in desired.items():
+            if key in running or key in self.finished:
+                continue
+            await self._launch(a)
+        return released
+
+    async def _stop_task(self, task: Task, deadline_s: float) -> None:
+        if task.exited.is_set():
+            return
+        if task.stop_deadline == 0.0:
+            task.stop_deadline = time.monotonic() + deadline_s
+            task.phase = allocation_pb2.TASK_PHASE_CHECKPOINTING
+            self._report_now.set()
+            self._signal(task, signal.SIGTERM)
+        remaining = max(0.0, task.stop_deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(task.exited.wait(), remaining)
+        except asyncio.TimeoutError:
+            _log.warning("task missed its checkpoint deadline; killing", extra={"task": task.key})
+            self._signal(task, signal.SIGKILL)
+            await task.exited.wait()
+
+    @staticmethod
+    def _signal(task: Task, sig: signal.Signals) -> None:
+        if task.proc is None or task.proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(task.proc.pid, sig)
+
+    # ---- launching -------------------------------------------------------------------------
+    def env_for(self, a: plan_pb2.TaskAssignment) -> dict[str, str]:
+        spec = a.spec
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "SILOD_JOB_ID": a.job_id,
+            "SILOD_RANK": str(a.rank),
+            "SILOD_WORLD_SIZE": str(max(a.world_size, 1)),
+            "SILOD_GENERATION": str(a.generation),
+            "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in a.gpu_indices),
+            "SILOD_CACHE_ADDR": self.settings.cache_address,
+            "SILOD_AGENT_ADDR": self.agent_address,
+            "SILOD_METADATA_ADDR": self.settings.metadata_address,
+            "SILOD_CHECKPOINT_DIR": str(self.work_dir / "checkpoints" / a.job_id),
+            "MASTER_ADDR": a.master_addr or "127.0.0.1",
+            "MASTER_PORT": str(a.master_port or 29500),
+            "SILOD_BATCH_SIZE": str(a.batch_size or spec.batch_size),
+            "SILOD_STEP_COMPUTE_S": repr(spec.emulated_step_compute_s),
+        }
+        budget = spec.WhichOneof("budget")
+        if budget == "sample_budget":
+            env["SILOD_SAMPLE_BUDGET"] = str(spec.sample_budget)
+        elif budget == "epochs":
+            env["SILOD_EPOCHS"] = str(spec.epochs)
+        # The agent's own service settings must not leak into the job (SILOD_LISTEN etc.).
+        for name in ("SILOD_LISTEN", "SILOD_READY_FILE", "SILOD_CONFIG", "SILOD_METRICS_PORT"):
+            env.pop(name, None)
+        env.update(spec.env)
+        return env
+
+    async def _launch(self, a: plan_pb2.TaskAssignment) -> None:
+        key = task_key(a.job_id, a.rank, a.generation)
+        self.gpu_table.acquire(key, list(a.gpu_indices))  # raises GpuConflict: never double-book
+        log_dir = self.work_dir / "jobs" / a.job_id
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (self.work_dir / "checkpoints" / a.job_id).mkdir(parents=True, exist_ok=True)
+        task = Task(assignment=a, log_path=log_dir / f"rank-{a.rank}.log", batch_size=a.batch_size)
+        self.tasks[key] = task
+        command = list(a.spec.command) or [sys.executable, "-m", "silod.jobs.emulated"]
+        try:
+            with open(task.log_path, "ab") as log:
+                log.write(f"--- silod: generation {a.generation} rank {a.rank} gpus {list(a.gpu_indices)}\n".encode())
+                log.flush()
+                task.proc = await asyncio.create_subprocess_exec(
+                    *command,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env=self.env_for(a),
+                    cwd=str(log_dir),
+                    start_new_session=True,
+                )
+        except OSError as exc:
+            with open(task.log_path, "ab") as log:
+                log.write(f"--- silod: cannot launch {command!r}: {exc}\n".encode())
+            self._mark_exited(task, 127)
+            return
+        _log.info("task launched", extra={"task": key, "pid": task.proc.pid, "gpus": list(a.gpu_indices)})
+        self._report_now.set()
+        self._reapers.add(asyncio.ensure_future(self._reap(task)))
+
+    async def _reap(self, task: Task) -> None:
+        assert task.proc is not None
+        try:
+            code = await task.proc.wait()
+            self._mark_exited(task, code if code >= 0 else 128 - code)
+        finally:
+            self._reapers.discard(asyncio.current_task())  # type: ignore[arg-type]
+
+    def _mark_exited(self, task: Task, code: int) -> None:
+        task.exit_code = code
+        task.phase = allocation_pb2.TASK_PHASE_EXITED
+        self.gpu_table.release(task.key)
+        self.finished.add(task.key)
+        task.exited.set()
+        _log.info("task exited", extra={"task": task.key, "exit_code": code})
+        self._report_now.set()
+
+    # ---- reports ---------------------------------------------------------------------------
+    async def _report_loop(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._report_now.wait(), self.settings.report_s)
+            self._report_now.clear()
+            try:
+                await self._report_once()
+            except grpc.aio.AioRpcError as exc:
+                _log.info("report failed", extra={"code": exc.code().name, "detail": exc.details()})
+                await asyncio.sleep(min(self.settings.report_s, 1.0))
+
+    async def _report_once(self, timeout: float = 10) -> None:
+        if self._alloc is None:
+            return
+        reports = [t.report() for t in self.tasks.values()]
+        response = await self._alloc.ReportTasks(
+            allocation_pb2.ReportTasksRequest(
+                node=self.spec.name, applied_plan_version=self.applied_version, tasks=reports
+            ),
+            timeout=timeout,
+        )
+        for key in response.acknowledged_exits:
+            t = self.tasks.get(key)
+            if t is not None and t.exited.is_set():
+                del self.tasks[key]
+
+    # ---- SDK-facing ------------------------------------------------------------------------
+    def find(self, job_id: str, rank: int, generation: int) -> Task:
+        from services.runtime import errors
+
+        if not job_id:
+            raise errors.InvalidArgument("must not be empty", field="job_id")
+        same_job = [t for t in self.tasks.values() if t.job_id == job_id]
+        if not same_job:
+            raise errors.NotFound(f"no task of job {job_id!r} on node {self.spec.name}", field="job_id")
+        same_rank = [t for t in same_job if t.rank == rank]
+        if not same_rank:
+            raise errors.NotFound(f"job {job_id!r} has no rank {rank} on node {self.spec.name}", field="rank")
+        for t in same_rank:
+            if t.generation == generation:
+                return t
+        current = max(t.generation for t in same_rank)
+        raise errors.FailedPrecondition(
+            f"generation {generation} is stale; rank {rank} of {job_id!r} runs generation {current}", field="generation"
+        )
+
+    def record_progress(self, request: worker_agent_pb2.ReportProgressRequest) -> None:
+        task = self.find(request.job_id, request.rank, request.generation)
+        task.progress.CopyFrom(request.progress)
+        if request.step_time_s > 0:
+            task.step_time_s = request.step_time_s
+        if request.batch_size > 0:
+            task.batch_size = request.batch_size
+        if task.phase == allocation_pb2.TASK_PHASE_STARTING:
+            task.phase = allocation_pb2.TASK_PHASE_RUNNING
+            self._report_now.set()
+
+    def directive(self, request: worker_agent_pb2.GetDirectiveRequest) -> worker_agent_pb2.Directive:
+        task = self.find(request.job_id, request.rank, request.generation)
+        if task.stop_deadline:
+            return worker_agent_pb2.Directive(
+                action=worker_agent_pb2.DIRECTIVE_ACTION_CHECKPOINT_AND_EXIT,
+                deadline_s=max(0.0, task.stop_deadline - time.monotonic()),
+            )
+        return worker_agent_pb2.Directive(action=worker_agent_pb2.DIRECTIVE_ACTION_CONTINUE)
+
+    def node_status(self) -> worker_agent_pb2.NodeStatus:
+        return worker_agent_pb2.NodeStatus(
+            spec=self.spec,
+            applied_plan_version=self.applied_version,
+            tasks=[t.status() for t in self.tasks.values()],
+            free_gpus=self.gpu_table.free(),
+        )

@@ -1,0 +1,95 @@
+"""GPU discovery and the node's GPU table: which local task holds which device right now.
+
+The table enforces the invariant "a GPU is held by at most one task at any instant": acquiring
+a device that another task still holds raises :class:`GpuConflict` (a bug in the caller, never
+a wait). Every acquire/release is appended to ``history`` and, when a path is given, to a JSON
+lines audit file, so tests and operators can check the invariant after the fact.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+class GpuConflict(RuntimeError):
+    pass
+
+
+def detect_gpus(configured: int) -> tuple[int, str]:
+    """(count, model) from NVML when ``pynvml`` is importable and finds devices, else (configured, "emulated")."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return configured, "emulated"
+    try:
+        pynvml.nvmlInit()
+        try:
+            count = int(pynvml.nvmlDeviceGetCount())
+            if count <= 0:
+                return configured, "emulated"
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+            return count, name.decode() if isinstance(name, bytes) else str(name)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no driver / no devices
+        return configured, "emulated"
+
+
+class GpuTable:
+    def __init__(self, count: int, audit_path: Path | None = None) -> None:
+        self.count = count
+        self._holder: dict[int, str] = {}
+        self.history: list[dict[str, Any]] = []
+        self._audit = audit_path
+
+    def holder(self, index: int) -> str | None:
+        return self._holder.get(index)
+
+    def free(self) -> list[int]:
+        return [i for i in range(self.count) if i not in self._holder]
+
+    def busy(self, indices: list[int], task: str) -> list[int]:
+        """Indices in ``indices`` held by a task other than ``task``."""
+        return [i for i in indices if self._holder.get(i, task) != task]
+
+    def acquire(self, task: str, indices: list[int]) -> None:
+        bad = [i for i in indices if not 0 <= i < self.count]
+        if bad:
+            raise GpuConflict(f"gpu_indices: {bad} outside 0..{self.count - 1}")
+        held = {i: self._holder[i] for i in indices if i in self._holder and self._holder[i] != task}
+        if held:
+            raise GpuConflict(f"gpu_indices: {sorted(held)} still held by {sorted(set(held.values()))}")
+        for i in indices:
+            self._holder[i] = task
+        self._record("acquire", task, indices)
+
+    def release(self, task: str) -> list[int]:
+        freed = sorted(i for i, t in self._holder.items() if t == task)
+        for i in freed:
+            del self._holder[i]
+        if freed:
+            self._record("release", task, freed)
+        return freed
+
+    def _record(self, event: str, task: str, indices: list[int]) -> None:
+        entry = {"t": time.time(), "event": event, "task": task, "gpus": sorted(indices)}
+        self.history.append(entry)
+        if self._audit is not None:
+            with open(self._audit, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+
+def check_exclusive(history: list[dict[str, Any]]) -> None:
+    """Replay a GPU table history; raise AssertionError if a GPU was ever held by two tasks."""
+    holder: dict[int, str] = {}
+    for e in history:
+        for i in e["gpus"]:
+            if e["event"] == "acquire":
+                if i in holder and holder[i] != e["task"]:
+                    raise AssertionError(f"gpu {i} acquired by {e['task']} while held by {holder[i]}")
+                holder[i] = e["task"]
+            elif holder.get(i) == e["task"]:
+                del holder[i]
