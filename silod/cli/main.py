@@ -41,8 +41,7 @@ SERVICES: dict[str, ServiceCommand] = {
     ),
     "worker-agent": ServiceCommand(
         "worker_agent.service",
-        "per-node agent that runs job processes",
-        status="NOT YET IMPLEMENTED: serves health and reflection; its RPCs answer UNIMPLEMENTED",
+        "per-node agent that runs job processes (plan watch, checkpoint/resize, progress, logs)",
     ),
 }
 
