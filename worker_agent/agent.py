@@ -14,6 +14,9 @@ Protocol decisions (see also service.py):
   A task holds its GPUs from launch until its process has exited.
 * Reports: ``ReportTasks`` every ``report_s`` and right after any phase change; EXITED tasks
   are repeated until the response lists them in ``acknowledged_exits`` ("job_id/rank/generation").
+* Agent shutdown (SIGTERM): every task gets the checkpoint directive + SIGTERM, SIGKILL after
+  ``stop_grace_s``; tasks stopped this way are not reported EXITED (exit 0 after a checkpoint
+  would read as job completion); the node's heartbeats stop and the scheduler treats it as lost.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Task:
     step_time_s: float = 0.0
     batch_size: int = 0
     stop_deadline: float = 0.0  # monotonic; 0 = not asked to stop
+    stopped_by_shutdown: bool = False  # the agent, not the plan, stopped it: never report it EXITED
     exited: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -171,7 +175,10 @@ class Agent:
         for t in self._bg[1:]:  # keep heartbeating while tasks stop
             t.cancel()
         async with self._apply_lock:
-            await asyncio.gather(*(self._stop_task(t, self.settings.stop_grace_s) for t in self._live()))
+            live = self._live()
+            for t in live:
+                t.stopped_by_shutdown = True
+            await asyncio.gather(*(self._stop_task(t, self.settings.stop_grace_s) for t in live))
         with contextlib.suppress(Exception):
             await self._report_once(timeout=3)
         for t in self._bg:
@@ -405,7 +412,10 @@ class Agent:
     async def _report_once(self, timeout: float = 10) -> None:
         if self._alloc is None:
             return
-        reports = [t.report() for t in self.tasks.values()]
+        # A task the agent stopped because it is shutting down exits 0 after its checkpoint, which
+        # the scheduler would read as "finished": it is left out, so the scheduler's last view of
+        # it is RUNNING/CHECKPOINTING and the node's lost heartbeats decide what happens to the job.
+        reports = [t.report() for t in self.tasks.values() if not t.stopped_by_shutdown]
         response = await self._alloc.ReportTasks(
             allocation_pb2.ReportTasksRequest(
                 node=self.spec.name, applied_plan_version=self.applied_version, tasks=reports
