@@ -26,6 +26,7 @@ class ScriptedAllocation(allocation_pb2_grpc.AllocationServiceServicer):
         self.acks: list[allocation_pb2.AckPlanRequest] = []
         self.reports: list[tuple[float, allocation_pb2.ReportTasksRequest]] = []
         self.ack_exits = True
+        self.epoch = 0  # bumping it ends every open Watch stream (as a scheduler restart would)
         self._changed: asyncio.Condition | None = None
 
     def _cond(self) -> asyncio.Condition:
@@ -33,8 +34,13 @@ class ScriptedAllocation(allocation_pb2_grpc.AllocationServiceServicer):
             self._changed = asyncio.Condition()
         return self._changed
 
-    async def push(self, plan: plan_pb2.NodePlan, *, repeat: bool = False) -> None:
-        """Make ``plan`` the node's latest (``repeat``: deliver it again even if not newer)."""
+    async def drop_watchers(self) -> None:
+        async with self._cond():
+            self.epoch += 1
+            self._cond().notify_all()
+
+    async def push(self, plan: plan_pb2.NodePlan) -> None:
+        """Make ``plan`` the node's latest; pushing one again delivers it again to open streams."""
         async with self._cond():
             self.plans.setdefault(plan.node, []).append(plan)
             self._cond().notify_all()
@@ -43,9 +49,12 @@ class ScriptedAllocation(allocation_pb2_grpc.AllocationServiceServicer):
         self.watch_requests.append(request)
         sent = 0
         cond = self._cond()
+        epoch = self.epoch
         while True:
             async with cond:
-                await cond.wait_for(lambda: len(self.plans.get(request.node, [])) > sent)
+                await cond.wait_for(lambda: len(self.plans.get(request.node, [])) > sent or self.epoch != epoch)
+                if self.epoch != epoch:
+                    return
                 pending = self.plans[request.node][sent:]
                 if sent == 0:
                     pending = pending[-1:]  # a (re)connecting watcher starts from the latest plan
@@ -81,6 +90,9 @@ class AllocationServer(InProcessServer):
 
     def push(self, plan: plan_pb2.NodePlan) -> None:
         self.submit(self.servicer.push(plan))
+
+    def drop_watchers(self) -> None:
+        self.submit(self.servicer.drop_watchers())
 
     def task_reports(self) -> list[allocation_pb2.TaskReport]:
         return [t for _, r in list(self.servicer.reports) for t in r.tasks]

@@ -133,6 +133,9 @@ def test_new_task_never_starts_on_a_gpu_held_by_an_exiting_task(allocation, star
     allocation.push(node_plan(agent.node, 2, assignment("job-new", 0, 1, [1, 2])))
     wait_until(lambda: any(t.state == "checkpointing" for t in agent.status().tasks), what="old task asked to stop")
     assert not any(t.job_id == "job-new" for t in agent.status().tasks)  # waits: GPU 1 still held
+    directive = agent.stub.GetDirective(worker_agent_pb2.GetDirectiveRequest(job_id="job-old", rank=0, generation=1))
+    assert directive.action == worker_agent_pb2.DIRECTIVE_ACTION_CHECKPOINT_AND_EXIT and 0 < directive.deadline_s <= 1.5
+    assert list(agent.status().free_gpus) == [2, 3]
     wait_until(lambda: _phases(allocation, "job-new", 0)[-1:] == [RUNNING], what="new task running")
     old = _latest(allocation, "job-old", 0, 1)
     assert old.phase == EXITED and old.exit_code == 128 + signal.SIGKILL  # killed after the deadline
@@ -159,3 +162,23 @@ def test_sigterm_stops_tasks_and_exits_zero(allocation, start_agent) -> None:  #
     # Exit 0 after a shutdown checkpoint must not read as completion: never reported EXITED.
     assert EXITED not in _phases(allocation, "job-term", 0)
     assert [line for line in agent.proc.log().splitlines() if '"shutdown complete"' in line]
+
+
+def test_watch_reconnects_with_its_applied_version(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
+    agent = start_agent()
+    allocation.push(node_plan(agent.node, 1, assignment("job-w", 0, 1, [0], budget=40, step_s=0.01)))
+    wait_until(lambda: [a.version for a in allocation.servicer.acks] == [1], what="ack of v1")
+    directive = agent.stub.GetDirective(worker_agent_pb2.GetDirectiveRequest(job_id="job-w", rank=0, generation=1))
+    assert directive.action == worker_agent_pb2.DIRECTIVE_ACTION_CONTINUE
+    allocation.drop_watchers()
+    wait_until(lambda: len(allocation.servicer.watch_requests) >= 2, what="re-watch")
+    again = allocation.servicer.watch_requests[-1]
+    assert (again.node, again.known_version) == (agent.node, 1)
+    assert again.component == allocation_pb2.PLAN_COMPONENT_WORKER_AGENT
+    # The reconnect delivered v1 again: not re-applied, not re-acked. v2 still applies.
+    allocation.push(node_plan(agent.node, 2))
+    wait_until(lambda: [a.version for a in allocation.servicer.acks] == [1, 2], what="ack of v2 only")
+    assert agent.log("job-w", 0).count("--- silod: generation") == 1
+    with pytest.raises(grpc.RpcError) as missing:
+        agent.stub.TailLogs(worker_agent_pb2.TailLogsRequest(job_id="job-none", rank=0)).next()
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND and missing.value.details().startswith("job_id")
