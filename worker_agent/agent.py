@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -163,6 +164,7 @@ class Agent:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        await self._stop_leftovers()
         self._bg.append(asyncio.ensure_future(self._register_and_heartbeat()))
         if self._alloc is not None:
             self._bg.append(asyncio.ensure_future(self._watch_loop()))
@@ -189,6 +191,62 @@ class Agent:
         await self._meta_channel.close()
         if self._alloc_channel is not None:
             await self._alloc_channel.close()
+
+    # ---- processes of a previous incarnation ------------------------------------------------
+    @property
+    def _run_dir(self) -> Path:
+        return self.work_dir / "run"
+
+    @staticmethod
+    def _start_time(pid: int) -> str:
+        """The process's start time (Linux /proc), to tell it from a later process reusing the pid."""
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return ""
+        return stat.rsplit(")", 1)[1].split()[19]
+
+    async def _stop_leftovers(self) -> None:
+        """Stop tasks a previous agent on this work_dir left running (it was killed, not stopped):
+        their GPUs are not in our table, so they must be gone before any plan is applied.
+        They get SIGTERM (the SDK checkpoints) and SIGKILL after ``stop_grace_s``."""
+        self._run_dir.mkdir(parents=True, exist_ok=True)
+        leftovers = []
+        for path in self._run_dir.glob("*.json"):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                path.unlink(missing_ok=True)
+                continue
+            pid = int(record.get("pid", 0))
+            if pid > 0 and record.get("start_time") and self._start_time(pid) == record["start_time"]:
+                leftovers.append((pid, record))
+            else:
+                path.unlink(missing_ok=True)
+        for pid, record in leftovers:
+            _log.warning("stopping a task left by a previous agent", extra={"task": record.get("task"), "pid": pid})
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.settings.stop_grace_s
+        for pid, record in leftovers:
+            while self._start_time(pid) == record["start_time"] and not self._is_zombie(pid):
+                if time.monotonic() >= deadline:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
+                    break
+                await asyncio.sleep(0.05)
+        for path in self._run_dir.glob("*.json"):
+            path.unlink(missing_ok=True)
+
+    @staticmethod
+    def _is_zombie(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            return True
+
+    def _run_file(self, task: Task) -> Path:
+        return self._run_dir / (task.key.replace("/", "_") + ".json")
 
     def _live(self) -> list[Task]:
         return [t for t in self.tasks.values() if not t.exited.is_set()]
@@ -321,8 +379,12 @@ class Agent:
     # ---- launching -------------------------------------------------------------------------
     def env_for(self, a: plan_pb2.TaskAssignment) -> dict[str, str]:
         spec = a.spec
+        # The agent's own settings (SILOD_LISTEN, SILOD_GPUS, ...) must not leak into the job;
+        # the auth token is kept on purpose (the SDK uses it to call this agent and the cache).
+        own = {f"SILOD_{name.upper()}" for name in type(self.settings).model_fields} | {"SILOD_CONFIG"}
+        own.discard("SILOD_AUTH_TOKEN")
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k not in own},
             "PYTHONUNBUFFERED": "1",
             "SILOD_JOB_ID": a.job_id,
             "SILOD_RANK": str(a.rank),
@@ -343,9 +405,6 @@ class Agent:
             env["SILOD_SAMPLE_BUDGET"] = str(spec.sample_budget)
         elif budget == "epochs":
             env["SILOD_EPOCHS"] = str(spec.epochs)
-        # The agent's own service settings must not leak into the job (SILOD_LISTEN etc.).
-        for name in ("SILOD_LISTEN", "SILOD_READY_FILE", "SILOD_CONFIG", "SILOD_METRICS_PORT"):
-            env.pop(name, None)
         env.update(spec.env)
         return env
 
@@ -376,6 +435,9 @@ class Agent:
                 log.write(f"--- silod: cannot launch {command!r}: {exc}\n".encode())
             self._mark_exited(task, 127)
             return
+        self._run_file(task).write_text(
+            json.dumps({"task": key, "pid": task.proc.pid, "start_time": self._start_time(task.proc.pid)})
+        )
         _log.info("task launched", extra={"task": key, "pid": task.proc.pid, "gpus": list(a.gpu_indices)})
         self._report_now.set()
         self._reapers.add(asyncio.ensure_future(self._reap(task)))
@@ -391,6 +453,7 @@ class Agent:
     def _mark_exited(self, task: Task, code: int) -> None:
         task.exit_code = code
         task.phase = allocation_pb2.TASK_PHASE_EXITED
+        self._run_file(task).unlink(missing_ok=True)
         self.gpu_table.release(task.key)
         self.finished.add(task.key)
         task.exited.set()

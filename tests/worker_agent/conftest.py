@@ -67,9 +67,10 @@ def start_agent(
 ) -> Iterator[Callable[..., AgentHandle]]:
     handles: list[AgentHandle] = []
 
-    def start(*extra: str, gpus: int = 4, checkpoint_deadline_s: float = 10) -> AgentHandle:
-        node = f"node-{request.node.name[:40].replace('_', '-')}-{len(handles)}"
-        work_dir = tmp_path / f"agent-{len(handles)}"
+    def start(*extra: str, gpus: int = 4, checkpoint_deadline_s: float = 10, node: str = "",
+              work_dir: Path | None = None) -> AgentHandle:
+        node = node or f"node-{request.node.name[:40].replace('_', '-')}-{len(handles)}"
+        work_dir = work_dir or tmp_path / f"agent-{len(handles)}"
         proc = start_service(
             "worker-agent",
             "--metadata-address", metadata.address,

@@ -21,6 +21,15 @@ RUNNING = allocation_pb2.TASK_PHASE_RUNNING
 STARTING = allocation_pb2.TASK_PHASE_STARTING
 
 
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for whoever inherited it does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _node(metadata, name):  # type: ignore[no-untyped-def]
     nodes = metadata.stub.ListNodes(metadata_pb2.ListNodesRequest(), timeout=5).nodes
     return next((n for n in nodes if n.spec.name == name), None)
@@ -156,8 +165,7 @@ def test_sigterm_stops_tasks_and_exits_zero(allocation, start_agent) -> None:  #
     assert pid > 0
     code = agent.proc.terminate(timeout=20)
     assert code == 0, agent.log("job-term", 0)
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    assert not _alive(pid)
     assert "checkpointed at samples=" in agent.log("job-term", 0), agent.log("job-term", 0)
     # Exit 0 after a shutdown checkpoint must not read as completion: never reported EXITED.
     assert EXITED not in _phases(allocation, "job-term", 0)
@@ -182,3 +190,26 @@ def test_watch_reconnects_with_its_applied_version(allocation, start_agent) -> N
     with pytest.raises(grpc.RpcError) as missing:
         agent.stub.TailLogs(worker_agent_pb2.TailLogsRequest(job_id="job-none", rank=0)).next()
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND and missing.value.details().startswith("job_id")
+
+
+def test_restarted_agent_stops_tasks_its_killed_predecessor_left_then_resumes_them(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
+    first = start_agent()
+    plan = node_plan(first.node, 1, assignment("job-orphan", 0, 1, [1]))
+    allocation.push(plan)
+    wait_until(lambda: (_latest(allocation, "job-orphan", 0, 1) or allocation_pb2.TaskReport()).progress.samples_done >= 40,
+               what="task making progress")
+    pid = next(t.pid for t in first.status().tasks)
+    first.proc.kill()  # no graceful shutdown: the task survives in its own session
+    os.kill(pid, 0)
+    env = json.loads(re.search(r"silod-env: (.*)", first.log("job-orphan", 0)).group(1))
+    assert "SILOD_GPUS" not in env and "SILOD_NODE_NAME" not in env  # agent settings do not leak into jobs
+    second = start_agent(node=first.node, work_dir=first.work_dir)
+    assert not _alive(pid)  # stopped before the new agent served
+    log = second.log("job-orphan", 0)
+    saved = int(re.search(r"checkpointed at samples=(\d+)", log).group(1))
+    wait_until(lambda: second.log("job-orphan", 0).count("--- silod: generation 1") == 2, what="relaunch")
+    wait_until(lambda: "resumed at samples=" in second.log("job-orphan", 0).split("--- silod: generation 1")[-1],
+               what="resume")
+    resumed = int(re.findall(r"resumed at samples=(\d+)", second.log("job-orphan", 0))[-1])
+    assert resumed == saved > 0
+    check_exclusive(second.gpu_history())
