@@ -213,3 +213,24 @@ def test_restarted_agent_stops_tasks_its_killed_predecessor_left_then_resumes_th
     resumed = int(re.findall(r"resumed at samples=(\d+)", second.log("job-orphan", 0))[-1])
     assert resumed == saved > 0
     check_exclusive(second.gpu_history())
+
+
+def test_pytorch_example_under_the_agent_checkpoints_on_resize_and_finishes(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
+    from tests.support.procs import REPO_ROOT
+
+    agent = start_agent()
+    command = [sys.executable, str(REPO_ROOT / "examples" / "train_cifar_like.py"), "--steps", "60",
+               "--emulated-gpu-s", "0.05", "--batch-size", "16"]
+    allocation.push(node_plan(agent.node, 1, assignment("job-torch", 0, 1, [0, 1], command=command)))
+    wait_until(lambda: (_latest(allocation, "job-torch", 0, 1) or allocation_pb2.TaskReport()).progress.steps_done >= 5,
+               timeout=40, what="example training")
+    allocation.push(node_plan(agent.node, 2, assignment("job-torch", 0, 1, [2], generation=2, command=command)))
+    wait_until(lambda: (_latest(allocation, "job-torch", 0, 2) or allocation_pb2.TaskReport()).phase == EXITED,
+               timeout=60, what="generation 2 finished")
+    assert _latest(allocation, "job-torch", 0, 1).exit_code == 0
+    final = _latest(allocation, "job-torch", 0, 2)
+    assert final.exit_code == 0 and final.progress.steps_done == 60
+    log = agent.log("job-torch", 0)
+    saved = int(re.search(r"checkpointed at step (\d+)", log).group(1))
+    assert f"resumed from checkpoint at step {saved}" in log and "done at step 60" in log
+    check_exclusive(agent.gpu_history())
