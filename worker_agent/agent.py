@@ -50,7 +50,6 @@ from worker_agent.gpus import GpuTable, detect_gpus
 
 _log = get_logger("silod.worker_agent")
 
-Phase = allocation_pb2.TaskPhase
 _STATE_NAMES = {
     allocation_pb2.TASK_PHASE_STARTING: "starting",
     allocation_pb2.TASK_PHASE_RUNNING: "running",

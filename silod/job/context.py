@@ -67,8 +67,12 @@ class JobContext:
         if threading.current_thread() is not threading.main_thread():
             return
 
+        previous = signal.getsignal(signal.SIGTERM)
+
         def handler(signum: int, frame: Any) -> None:
             self._sigterm.set()
+            if callable(previous):  # a handler the script installed before init() still runs
+                previous(signum, frame)
 
         signal.signal(signal.SIGTERM, handler)
 
