@@ -399,6 +399,9 @@ class Agent:
             "SILOD_BATCH_SIZE": str(a.batch_size or spec.batch_size),
             "SILOD_STEP_COMPUTE_S": repr(spec.emulated_step_compute_s),
         }
+        if spec.kind == common_pb2.JOB_KIND_INFERENCE:
+            env["SILOD_JOB_KIND"] = "inference"
+            env["SILOD_INFERENCE_DURATION_S"] = repr(spec.inference_duration_s)
         budget = spec.WhichOneof("budget")
         if budget == "sample_budget":
             env["SILOD_SAMPLE_BUDGET"] = str(spec.sample_budget)

@@ -8,6 +8,10 @@ resumes from the job's checkpoint, reports progress through silod.job, checkpoin
 when asked (directive or SIGTERM), also checkpoints every ``SILOD_CHECKPOINT_EVERY_S`` seconds
 (default 30), and exits 0 when the budget is done. Its first output line is its environment
 (``silod-env: {...}``), so the launch can be checked from the log.
+
+With ``SILOD_JOB_KIND=inference`` it is an inference task instead: it holds its GPU for
+``SILOD_INFERENCE_DURATION_S`` seconds (default 1) of emulated work, reporting the fraction
+done, and exits 0; asked to stop early, it exits 0 at once (inference keeps no state).
 """
 
 from __future__ import annotations
@@ -30,10 +34,28 @@ def _budget() -> int:
     return 10000
 
 
+def _inference(ctx: silod.job.JobContext) -> int:
+    duration = float(os.environ.get("SILOD_INFERENCE_DURATION_S") or 0) or 1.0
+    start = time.monotonic()
+    while (elapsed := time.monotonic() - start) < duration:
+        if ctx.should_checkpoint():
+            print(f"emulated inference: stopped after {elapsed:.2f}s of {duration:g}s", flush=True)
+            ctx.done()
+            return 0
+        time.sleep(min(0.05, duration - elapsed))
+        ctx.report(steps=1, fraction_done=min(1.0, (time.monotonic() - start) / duration))
+    ctx.report(fraction_done=1.0)
+    print(f"emulated inference: done after {duration:g}s", flush=True)
+    ctx.done()
+    return 0
+
+
 def main() -> int:
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES) and k != "SILOD_AUTH_TOKEN"}
     print("silod-env: " + json.dumps(env), flush=True)
     ctx = silod.job.init()
+    if os.environ.get("SILOD_JOB_KIND") == "inference":
+        return _inference(ctx)
     step_s = float(os.environ.get("SILOD_STEP_COMPUTE_S") or 0) or 0.01
     batch = int(os.environ.get("SILOD_BATCH_SIZE") or 0) or 32
     epoch_samples = int(os.environ.get("SILOD_EPOCH_SAMPLES", "1000"))

@@ -234,3 +234,17 @@ def test_pytorch_example_under_the_agent_checkpoints_on_resize_and_finishes(allo
     saved = int(re.search(r"checkpointed at step (\d+)", log).group(1))
     assert f"resumed from checkpoint at step {saved}" in log and "done at step 60" in log
     check_exclusive(agent.gpu_history())
+
+
+def test_emulated_inference_task_holds_its_gpu_for_its_duration(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
+    agent = start_agent()
+    task = assignment("job-inf", 0, 1, [2])
+    task.spec.kind = common_pb2.JOB_KIND_INFERENCE
+    task.spec.inference_duration_s = 1.0
+    allocation.push(node_plan(agent.node, 1, task))
+    wait_until(lambda: _phases(allocation, "job-inf", 0)[-1:] == [EXITED], what="inference task done")
+    final = _latest(allocation, "job-inf", 0, 1)
+    assert final.exit_code == 0 and final.progress.fraction_done == 1.0
+    assert "emulated inference: done after 1s" in agent.log("job-inf", 0)
+    acquire, release = agent.gpu_history()
+    assert (acquire["gpus"], release["gpus"]) == ([2], [2]) and release["t"] - acquire["t"] >= 1.0
