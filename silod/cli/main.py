@@ -73,6 +73,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     client_commands.register(sub)
     _register_optional(sub, "simulator.cli")
+    _register_optional(sub, "silod.cli.up")
+    _register_optional(sub, "silod.cli.jobs")
     return parser
 
 

@@ -1,0 +1,334 @@
+"""Job commands of ``silod``: submit, jobs, watch, cancel, logs (JobService and the agents' TailLogs).
+
+The scheduler address comes from --scheduler, else SILOD_SCHEDULER_ADDR, else the
+cluster.json that `silod up` writes in its state dir (--state-dir / SILOD_STATE_DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shlex
+import sys
+import time
+from typing import Any
+
+import grpc
+
+from silod.cli.client_commands import _add_connection_flags, _channel, _fail, _rpc_failure
+from silod.cli.up import default_state_dir, read_cluster_file
+
+INT_KEYS = ("min_gpus", "max_gpus", "batch_size", "max_batch_size", "epochs", "priority")
+FLOAT_KEYS = ("emulated_step_compute_s", "inference_duration_s")
+STR_KEYS = ("name", "application", "dataset", "tenant")
+ALLOWED_KEYS = frozenset((*INT_KEYS, *FLOAT_KEYS, *STR_KEYS, "sample_budget", "command", "env", "kind"))
+
+
+class JobFileError(ValueError):
+    """The job YAML is not a valid JobSpec; the message names the key."""
+
+
+def parse_job_yaml(text: str, source: str = "job file") -> Any:
+    """YAML mapping with JobSpec field names -> common_pb2.JobSpec. Raises JobFileError."""
+    import yaml
+
+    from silod.v1 import common_pb2
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise JobFileError(f"{source}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise JobFileError(f"{source}: expected a mapping of JobSpec fields, got {type(data).__name__}")
+    unknown = sorted(str(k) for k in data if k not in ALLOWED_KEYS)
+    if unknown:
+        raise JobFileError(f"{source}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(ALLOWED_KEYS))})")
+    if "epochs" in data and "sample_budget" in data:
+        raise JobFileError(f"{source}: give either 'epochs' or 'sample_budget', not both")
+    spec = common_pb2.JobSpec()
+    for key, value in data.items():
+        if key in INT_KEYS or key == "sample_budget":
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise JobFileError(f"{source}: key {key!r} must be an integer, got {value!r}")
+            setattr(spec, key, value)
+        elif key in FLOAT_KEYS:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise JobFileError(f"{source}: key {key!r} must be a number, got {value!r}")
+            setattr(spec, key, float(value))
+        elif key in STR_KEYS:
+            if not isinstance(value, str):
+                raise JobFileError(f"{source}: key {key!r} must be a string, got {value!r}")
+            setattr(spec, key, value)
+        elif key == "command":
+            if isinstance(value, str):
+                value = shlex.split(value)
+            if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
+                raise JobFileError(f"{source}: key 'command' must be a list of strings or a string")
+            spec.command.extend(str(v) for v in value)
+        elif key == "env":
+            if not isinstance(value, dict):
+                raise JobFileError(f"{source}: key 'env' must be a mapping of NAME: value")
+            for k, v in value.items():
+                if isinstance(v, (dict, list)) or v is None:
+                    raise JobFileError(f"{source}: env {k!r} must be a scalar, got {v!r}")
+                spec.env[str(k)] = str(v).lower() if isinstance(v, bool) else str(v)
+        elif key == "kind":
+            name = str(value).upper()
+            name = name if name.startswith("JOB_KIND_") else f"JOB_KIND_{name}"
+            if name not in common_pb2.JobKind.keys():
+                raise JobFileError(f"{source}: key 'kind' must be 'training' or 'inference', got {value!r}")
+            spec.kind = common_pb2.JobKind.Value(name)
+    return spec
+
+
+def request_id_for(content: bytes) -> str:
+    return "yaml-" + hashlib.sha256(content).hexdigest()[:40]
+
+
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    submit = sub.add_parser("submit", help="submit a job described by a YAML file of JobSpec fields")
+    submit.add_argument("file", help="YAML job file (keys: JobSpec fields, e.g. name, application, min_gpus, ...)")
+    submit.add_argument("--request-id", default="",
+                        help="idempotency key; default: derived from the file's content (resubmitting is a no-op)")
+    submit.set_defaults(handler=_submit)
+
+    jobs = sub.add_parser("jobs", help="list jobs: id, name, state, GPUs, progress, age")
+    jobs.set_defaults(handler=_jobs)
+
+    watch = sub.add_parser("watch", help="follow a job's state and progress until it ends")
+    watch.add_argument("job_id", metavar="JOB")
+    watch.set_defaults(handler=_watch)
+
+    cancel = sub.add_parser("cancel", help="cancel a job")
+    cancel.add_argument("job_id", metavar="JOB")
+    cancel.add_argument("--reason", default="cancelled from the CLI")
+    cancel.set_defaults(handler=_cancel)
+
+    logs = sub.add_parser("logs", help="print a job's output from the nodes that ran it")
+    logs.add_argument("job_id", metavar="JOB")
+    logs.add_argument("--rank", type=int, default=-1, help="only this rank (default: all)")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the job's tasks exit")
+    logs.add_argument("--metadata", default="", help="metadata HOST:PORT (env SILOD_METADATA_ADDR; default: from cluster.json)")
+    logs.set_defaults(handler=_logs)
+
+    for p in (submit, jobs, watch, cancel, logs):
+        p.add_argument("--scheduler", default="", help="scheduler HOST:PORT (env SILOD_SCHEDULER_ADDR; default: from cluster.json)")
+        p.add_argument("--state-dir", default=default_state_dir(),
+                       help="where `silod up` wrote cluster.json (env SILOD_STATE_DIR)")
+        _add_connection_flags(p)
+
+
+class _NoCluster(Exception):
+    pass
+
+
+def _address(args: argparse.Namespace, key: str, flag: str, env: str) -> str:
+    explicit = getattr(args, flag, "") or os.environ.get(env, "")
+    if explicit:
+        return str(explicit)
+    info = read_cluster_file(args.state_dir)
+    if info and info.get(key):
+        return str(info[key])
+    raise _NoCluster(f"no silod cluster found (no {os.path.join(args.state_dir, 'cluster.json')}, "
+                     f"no --{flag} or {env}); start one with `silod up`")
+
+
+def _unreachable(address: str) -> int:
+    return _fail(f"cannot reach the silod cluster at {address}; is it running? start one with `silod up`")
+
+
+def _run(args: argparse.Namespace, body: Any) -> int:
+    try:
+        address = _address(args, "scheduler", "scheduler", "SILOD_SCHEDULER_ADDR")
+    except _NoCluster as exc:
+        return _fail(str(exc))
+    from silod.v1 import scheduler_pb2_grpc
+
+    with _channel(address, args) as channel:
+        try:
+            return int(body(scheduler_pb2_grpc.JobServiceStub(channel)) or 0)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                return _unreachable(address)
+            return _rpc_failure(exc)
+        except KeyboardInterrupt:
+            return 130
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from silod.v1 import scheduler_pb2
+
+    try:
+        with open(args.file, "rb") as f:
+            content = f.read()
+    except OSError as exc:
+        return _fail(f"cannot read {args.file}: {exc.strerror}")
+    try:
+        spec = parse_job_yaml(content.decode("utf-8", errors="replace"), args.file)
+    except JobFileError as exc:
+        print(f"silod: {exc}", file=sys.stderr)
+        return 2
+    request_id = args.request_id or request_id_for(content)
+
+    def body(stub: Any) -> int:
+        job = stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec, client_request_id=request_id), timeout=15)
+        print(job.id)
+        return 0
+
+    return _run(args, body)
+
+
+def _state_name(state: int) -> str:
+    from silod.v1 import common_pb2
+
+    return common_pb2.JobState.Name(state).removeprefix("JOB_STATE_")
+
+
+def _age(ts: Any) -> str:
+    if not ts.seconds:
+        return "-"
+    s = max(0, int(time.time() - ts.seconds))
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    if s < 172800:
+        return f"{s // 3600}h"
+    return f"{s // 86400}d"
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    from silod.v1 import metadata_pb2
+
+    def body(stub: Any) -> int:
+        rows, token = [], ""
+        while True:
+            page = stub.ListJobs(metadata_pb2.ListJobsRequest(page_size=500, page_token=token), timeout=15)
+            rows.extend(page.jobs)
+            token = page.next_page_token
+            if not token:
+                break
+        print(f"{'ID':<20} {'NAME':<20} {'STATE':<10} {'GPUS':>5} {'PROGRESS':>9} {'AGE':>5}")
+        for j in rows:
+            gpus = str(j.allocated.gpus) if j.allocated.gpus else "-"
+            print(f"{j.id:<20} {j.spec.name[:20]:<20} {_state_name(j.state):<10} {gpus:>5} "
+                  f"{100 * j.progress.fraction_done:>8.1f}% {_age(j.created_at):>5}")
+        return 0
+
+    return _run(args, body)
+
+
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from silod.v1 import scheduler_pb2
+
+    def body(stub: Any) -> int:
+        stream = stub.WatchJob(scheduler_pb2.WatchJobRequest(job_id=args.job_id))
+        last = None
+        if sys.stdout.isatty():
+            last = _watch_rich(stream, args.job_id)
+        else:
+            shown: tuple[str, int] | None = None
+            for update in stream:
+                last = update.job
+                key = (_state_name(last.state), int(10 * last.progress.fraction_done))
+                if key != shown:
+                    shown = key
+                    print(f"{last.id} {key[0]} {100 * last.progress.fraction_done:.1f}% "
+                          f"samples={last.progress.samples_done} gpus={last.allocated.gpus}", flush=True)
+                if key[0] in TERMINAL:
+                    break
+        if last is None:
+            return _fail(f"no update for job {args.job_id}")
+        state = _state_name(last.state)
+        if state in TERMINAL:
+            msg = f" ({last.message})" if last.message and state != "SUCCEEDED" else ""
+            print(f"{last.id} {state}{msg}")
+        return 0 if state == "SUCCEEDED" else 1
+
+    return _run(args, body)
+
+
+def _watch_rich(stream: Any, job_id: str) -> Any:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    last = None
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
+                  TimeElapsedColumn()) as progress:
+        task = progress.add_task(job_id, total=1.0)
+        for update in stream:
+            last = update.job
+            state = _state_name(last.state)
+            progress.update(task, completed=last.progress.fraction_done,
+                            description=f"{last.id} {last.spec.name} [{state}] gpus={last.allocated.gpus}")
+            if state in TERMINAL:
+                break
+    return last
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    from silod.v1 import scheduler_pb2
+
+    def body(stub: Any) -> int:
+        job = stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=args.job_id, reason=args.reason), timeout=15)
+        print(f"{job.id} {_state_name(job.state)}")
+        return 0
+
+    return _run(args, body)
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from silod.v1 import metadata_pb2, metadata_pb2_grpc, worker_agent_pb2, worker_agent_pb2_grpc
+
+    try:
+        md_addr = _address(args, "metadata", "metadata", "SILOD_METADATA_ADDR")
+    except _NoCluster as exc:
+        return _fail(str(exc))
+    with _channel(md_addr, args) as channel:
+        stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+        try:
+            stub.GetJob(metadata_pb2.GetJobRequest(job_id=args.job_id), timeout=10)
+            nodes = list(stub.ListNodes(metadata_pb2.ListNodesRequest(), timeout=10).nodes)
+            try:
+                plan = stub.GetLatestPlan(metadata_pb2.GetLatestPlanRequest(), timeout=10)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                plan = None
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                return _unreachable(md_addr)
+            return _rpc_failure(exc)
+    # Nodes of the job's current placement first; then every other node (a finished job is no
+    # longer in the plan, but its logs stay on the nodes that ran it).
+    placed = [p.node for a in (plan.jobs if plan else []) if a.job_id == args.job_id for p in a.placements]
+    by_name = {n.spec.name: n.spec.agent_address for n in nodes if n.spec.agent_address}
+    order = [n for n in dict.fromkeys(placed) if n in by_name] + sorted(n for n in by_name if n not in placed)
+    found = False
+    multi = len(order) > 1
+    try:
+        for name in order:
+            with _channel(by_name[name], args) as channel:
+                agent = worker_agent_pb2_grpc.WorkerAgentServiceStub(channel)
+                try:
+                    for chunk in agent.TailLogs(worker_agent_pb2.TailLogsRequest(
+                            job_id=args.job_id, rank=args.rank, follow=args.follow)):
+                        found = True
+                        text = chunk.data.decode("utf-8", errors="replace")
+                        if multi or args.rank < 0:
+                            prefix = f"[{name} rank {chunk.rank}] "
+                            text = "".join(prefix + line for line in text.splitlines(keepends=True))
+                        sys.stdout.write(text)
+                        sys.stdout.flush()
+                except grpc.RpcError as exc:
+                    if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+                        continue
+                    return _rpc_failure(exc)
+    except KeyboardInterrupt:
+        return 130
+    if not found:
+        return _fail(f"NOT_FOUND: no logs of job {args.job_id} on any node (not started yet?)")
+    return 0

@@ -1,0 +1,182 @@
+"""`silod up`: a whole silod cluster on this machine, as supervised child processes.
+
+Metadata (SQLite under --state-dir unless --db), estimator, scheduler and N emulated nodes
+(a worker agent, plus a cache server unless --no-cache), all on loopback with OS-chosen
+ports. The addresses are printed and written to ``<state-dir>/cluster.json``, which the job
+commands (`silod submit`, `silod jobs`, ...) read. If a child dies, `silod up` says which
+and shows its log tail, then stops the rest (exit 1). SIGINT/SIGTERM stop everything
+cleanly (agents first, then cache servers, scheduler, estimator, metadata) and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_STATE_DIR = ".silod/cluster"
+CLUSTER_FILE = "cluster.json"
+
+
+def default_state_dir() -> str:
+    return os.environ.get("SILOD_STATE_DIR", DEFAULT_STATE_DIR)
+
+
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = sub.add_parser("up", help="run a whole silod cluster on this machine (emulated nodes) until Ctrl-C",
+                       description=__doc__)
+    p.add_argument("--state-dir", default=default_state_dir(),
+                   help=f"database, logs, node work dirs and cluster.json (env SILOD_STATE_DIR; default {DEFAULT_STATE_DIR})")
+    p.add_argument("--db", default="", help="metadata database URL; default sqlite:///<state-dir>/metadata.db")
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
+    p.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per emulated node (default 4)")
+    p.add_argument("--policy", default="", help="scheduling policy (fifo, sjf, tiresias, gavel, themis); default: the scheduler's")
+    p.add_argument("--interval-s", type=float, default=0.0, help="seconds between scheduling rounds; default: the scheduler's")
+    p.add_argument("--no-cache", action="store_true", help="do not start a cache server per node")
+    p.add_argument("--log-level", default="warning", help="log level of the services (default warning)")
+    p.set_defaults(handler=_up)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _up(args: argparse.Namespace) -> int:
+    from silod.launcher import LaunchError, ServiceProcess, start_service
+
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        print("silod up: --nodes and --gpus-per-node must be >= 1", file=sys.stderr)
+        return 2
+    state = Path(args.state_dir).resolve()
+    logs = state / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    cluster_file = state / CLUSTER_FILE
+    cluster_file.unlink(missing_ok=True)
+    db = args.db or f"sqlite:///{state / 'metadata.db'}"
+    common = ("--log-level", args.log_level)
+
+    stop: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # (name, process) in start order; shutdown goes in the reverse order of tiers.
+    children: list[tuple[str, ServiceProcess]] = []
+    agents: list[tuple[str, ServiceProcess]] = []
+    caches: list[tuple[str, ServiceProcess]] = []
+    core: list[tuple[str, ServiceProcess]] = []
+
+    def start(name: str, command: str, *flags: str, tier: list[tuple[str, ServiceProcess]]) -> ServiceProcess:
+        if stop:
+            raise _Stop
+        proc = start_service(command, *flags, *common, workdir=logs, timeout_s=60)
+        children.append((name, proc))
+        tier.append((name, proc))
+        return proc
+
+    code = 0
+    try:
+        md = start("metadata", "metadata", "--db", db, tier=core)
+        est = start("estimator", "estimator", "--metadata-address", md.address,
+                    "--gpus-per-node", str(args.gpus_per_node), tier=core)
+        sched_flags = ["--metadata-address", md.address, "--estimator-address", est.address]
+        if args.policy:
+            sched_flags += ["--policy", args.policy]
+        if args.interval_s > 0:
+            sched_flags += ["--interval-s", f"{args.interval_s:g}"]
+        sch = start("scheduler", "scheduler", *sched_flags, tier=core)
+        nodes: list[dict[str, Any]] = []
+        for i in range(args.nodes):
+            name = f"node-{i}"
+            node_dir = state / "nodes" / name
+            node: dict[str, Any] = {"name": name, "gpus": args.gpus_per_node, "work_dir": str(node_dir / "work")}
+            agent_flags = ["--node-name", name, "--gpus", str(args.gpus_per_node), "--work-dir", str(node_dir / "work"),
+                           "--metadata-address", md.address, "--scheduler-address", sch.address]
+            if not args.no_cache:
+                cache = start(f"cache-server {name}", "cache-server", "--metadata-address", md.address, "--node", name,
+                              "--disk-cache-dir", str(node_dir / "cache-disk"),
+                              "--memory-cache-dir", str(node_dir / "cache-mem"), tier=caches)
+                node["cache"] = cache.address
+                agent_flags += ["--cache-address", cache.address]
+            agent = start(f"worker-agent {name}", "worker-agent", *agent_flags, tier=agents)
+            node["agent"] = agent.address
+            nodes.append(node)
+        info = {"pid": os.getpid(), "state_dir": str(state), "db": db, "metadata": md.address,
+                "estimator": est.address, "scheduler": sch.address, "nodes": nodes}
+        tmp = cluster_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        tmp.replace(cluster_file)
+        _print_table(info, logs)
+        died = _supervise(children, stop)
+        if died is not None:
+            name, proc = died
+            print(f"\nsilod up: {name} exited unexpectedly with code {proc.proc.returncode}; log tail "
+                  f"({proc.log_path}):", file=sys.stderr)
+            print(_tail(proc.log()), file=sys.stderr)
+            print("silod up: stopping the rest of the cluster", file=sys.stderr)
+            code = 1
+    except _Stop:
+        pass
+    except (LaunchError, TimeoutError) as exc:
+        print(f"silod up: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        cluster_file.unlink(missing_ok=True)
+        print("silod up: stopping the cluster", flush=True)
+        for tier in (agents, caches, list(reversed(core))):
+            for name, proc in tier:
+                try:
+                    rc = proc.terminate(timeout=20)
+                except TimeoutError as exc:
+                    print(f"silod up: {name}: {exc}", file=sys.stderr)
+                    code = 1
+                    continue
+                if rc not in (0, -signal.SIGTERM) and code == 0 and proc is not None and not stop:
+                    code = 1
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if code == 0:
+        print("silod up: all services stopped", flush=True)
+    return code
+
+
+def _supervise(children: list[tuple[str, Any]], stop: list[int]) -> tuple[str, Any] | None:
+    while not stop:
+        for name, proc in children:
+            if not proc.running():
+                return name, proc
+        time.sleep(0.2)
+    return None
+
+
+def _tail(text: str, lines: int = 30) -> str:
+    return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+
+def _print_table(info: dict[str, Any], logs: Path) -> None:
+    rows = [("metadata", info["metadata"]), ("estimator", info["estimator"]), ("scheduler", info["scheduler"])]
+    for node in info["nodes"]:
+        rows.append((f"{node['name']} worker-agent", node["agent"]))
+        if "cache" in node:
+            rows.append((f"{node['name']} cache-server", node["cache"]))
+    width = max(len(r[0]) for r in rows)
+    print(f"silod cluster is up ({len(info['nodes'])} nodes x {info['nodes'][0]['gpus']} GPUs)")
+    print(f"  {'SERVICE':<{width}}  ADDRESS")
+    for name, addr in rows:
+        print(f"  {name:<{width}}  {addr}")
+    print(f"addresses: {Path(info['state_dir']) / CLUSTER_FILE}   logs: {logs}")
+    print("submit jobs with `silod submit job.yaml`; Ctrl-C stops the cluster", flush=True)
+
+
+def read_cluster_file(state_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    path = Path(state_dir) / CLUSTER_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
