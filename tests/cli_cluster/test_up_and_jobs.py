@@ -1,0 +1,151 @@
+"""`silod up` as a real subprocess, driven by the job CLI as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SMALL = "application: cifar10\nmin_gpus: 1\nmax_gpus: 2\nbatch_size: 16\nsample_budget: 480\nemulated_step_compute_s: 0.02\n"
+LONG = "name: long\napplication: cifar10\nmin_gpus: 1\nmax_gpus: 1\nbatch_size: 16\nsample_budget: 100000000\nemulated_step_compute_s: 0.05\n"
+
+
+def _silod(state: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("SILOD_SCHEDULER_ADDR", "SILOD_METADATA_ADDR")}
+    env["SILOD_STATE_DIR"] = str(state)
+    return subprocess.run([sys.executable, "-m", "silod.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); it has exited
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_up_submit_watch_logs_cancel_and_shutdown(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    up = subprocess.Popen([sys.executable, "-m", "silod.cli", "up", "--nodes", "2", "--gpus-per-node", "2",
+                           "--state-dir", str(state), "--interval-s", "1"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (state / "cluster.json").exists():
+            assert up.poll() is None, up.stdout.read() if up.stdout else ""
+            assert time.monotonic() < deadline, "cluster.json not written"
+            time.sleep(0.1)
+        info = json.loads((state / "cluster.json").read_text())
+        assert len(info["nodes"]) == 2 and all(n["agent"] and n["cache"] for n in info["nodes"])
+        children = _children(up.pid)
+        assert len(children) == 3 + 2 * 2
+
+        ids = []
+        for i in range(3):
+            f = tmp_path / f"job{i}.yaml"
+            f.write_text(f"name: small-{i}\n" + SMALL)
+            r = _silod(state, "submit", str(f))
+            assert r.returncode == 0, r.stderr
+            ids.append(r.stdout.strip())
+        assert len(set(ids)) == 3 and all(j.startswith("job-") for j in ids)
+
+        again = _silod(state, "submit", str(tmp_path / "job0.yaml"))
+        assert again.returncode == 0 and again.stdout.strip() == ids[0]
+
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("name: bad\ngpus: 2\n")
+        r = _silod(state, "submit", str(bad))
+        assert r.returncode == 2 and "unknown key 'gpus'" in r.stderr
+
+        listing = _silod(state, "jobs")
+        assert listing.returncode == 0, listing.stderr
+        assert listing.stdout.splitlines()[0].split() == ["ID", "NAME", "STATE", "GPUS", "PROGRESS", "AGE"]
+        for i, job_id in enumerate(ids):
+            assert job_id in listing.stdout and f"small-{i}" in listing.stdout
+
+        w = _silod(state, "watch", ids[0], timeout=60)
+        assert w.returncode == 0, w.stdout + w.stderr
+        assert w.stdout.strip().splitlines()[-1] == f"{ids[0]} SUCCEEDED"
+
+        logs = _silod(state, "logs", ids[0])
+        assert logs.returncode == 0, logs.stderr
+        assert "emulated: done samples=480" in logs.stdout
+
+        (tmp_path / "long.yaml").write_text(LONG)
+        long_id = _silod(state, "submit", str(tmp_path / "long.yaml")).stdout.strip()
+        deadline = time.monotonic() + 40
+        while "RUNNING" not in next(l for l in _silod(state, "jobs").stdout.splitlines() if l.startswith(long_id)):
+            assert time.monotonic() < deadline, "long job never ran"
+            time.sleep(0.5)
+        c = _silod(state, "cancel", long_id, "--reason", "test")
+        assert c.returncode == 0, c.stderr
+        w = _silod(state, "watch", long_id, timeout=60)
+        assert w.stdout.strip().splitlines()[-1].startswith(f"{long_id} CANCELLED") and w.returncode == 1
+        again = _silod(state, "cancel", long_id)
+        assert again.returncode == 1 and again.stderr.startswith("silod: FAILED_PRECONDITION:")
+        assert "Traceback" not in again.stderr
+
+        for job_id in ids[1:]:
+            assert _silod(state, "watch", job_id, timeout=60).returncode == 0
+
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0, up.stdout.read() if up.stdout else ""
+        assert not any(_alive(p) for p in children)
+        assert not (state / "cluster.json").exists()
+        r = _silod(state, "jobs")
+        assert r.returncode == 1 and "silod up" in r.stderr
+    finally:
+        _cleanup(up, children)
+
+
+def _cleanup(up: subprocess.Popen[str], children: list[int]) -> None:
+    if up.poll() is None:
+        up.kill()
+        up.wait()
+    for pid in children:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _wait_up(up: subprocess.Popen[str], state: Path) -> dict:  # type: ignore[type-arg]
+    deadline = time.monotonic() + 60
+    while not (state / "cluster.json").exists():
+        assert up.poll() is None, up.stdout.read() if up.stdout else ""
+        assert time.monotonic() < deadline, "cluster.json not written"
+        time.sleep(0.1)
+    return json.loads((state / "cluster.json").read_text())
+
+
+def test_a_dying_child_is_named_with_its_log_and_the_rest_stopped(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    up = subprocess.Popen([sys.executable, "-m", "silod.cli", "up", "--nodes", "1", "--gpus-per-node", "1",
+                           "--no-cache", "--state-dir", str(state)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children: list[int] = []
+    try:
+        _wait_up(up, state)
+        children = _children(up.pid)
+        assert len(children) == 4
+        ps = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(up.pid)], capture_output=True, text=True).stdout
+        agent = next(int(line.split()[0]) for line in ps.splitlines() if " worker-agent " in line)
+        os.kill(agent, signal.SIGKILL)
+        assert up.wait(60) == 1
+        out = up.stdout.read() if up.stdout else ""
+        assert "worker-agent node-0 exited unexpectedly" in out and "log tail" in out
+        assert not any(_alive(p) for p in children)
+    finally:
+        _cleanup(up, children)
