@@ -52,6 +52,10 @@ def _up(args: argparse.Namespace) -> int:
     if args.nodes < 1 or args.gpus_per_node < 1:
         print("silod up: --nodes and --gpus-per-node must be >= 1", file=sys.stderr)
         return 2
+    if hasattr(signal, "SIGPIPE"):
+        # main() gives client commands the Unix default (die on a closed stdout); a supervisor
+        # must outlive its terminal or pipe, or its children are orphaned.
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     state = Path(args.state_dir).resolve()
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -112,29 +116,30 @@ def _up(args: argparse.Namespace) -> int:
         tmp = cluster_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(info, indent=2) + "\n")
         tmp.replace(cluster_file)
-        _print_table(info, logs)
+        try:
+            _print_table(info, logs)
+        except (OSError, ValueError):
+            pass
         died = _supervise(children, stop)
         if died is not None:
             name, proc = died
-            print(f"\nsilod up: {name} exited unexpectedly with code {proc.proc.returncode}; log tail "
-                  f"({proc.log_path}):", file=sys.stderr)
-            print(_tail(proc.log()), file=sys.stderr)
-            print("silod up: stopping the rest of the cluster", file=sys.stderr)
+            _say(f"\nsilod up: {name} exited unexpectedly with code {proc.proc.returncode}; log tail "
+                 f"({proc.log_path}):\n{_tail(proc.log())}\nsilod up: stopping the rest of the cluster", err=True)
             code = 1
     except _Stop:
         pass
     except (LaunchError, TimeoutError) as exc:
-        print(f"silod up: {exc}", file=sys.stderr)
+        _say(f"silod up: {exc}", err=True)
         code = 1
     finally:
         cluster_file.unlink(missing_ok=True)
-        print("silod up: stopping the cluster", flush=True)
+        _say("silod up: stopping the cluster")
         for tier in (agents, caches, list(reversed(core))):
             for name, proc in tier:
                 try:
                     rc = proc.terminate(timeout=20)
                 except TimeoutError as exc:
-                    print(f"silod up: {name}: {exc}", file=sys.stderr)
+                    _say(f"silod up: {name}: {exc}", err=True)
                     code = 1
                     continue
                 if rc not in (0, -signal.SIGTERM) and code == 0 and proc is not None and not stop:
@@ -142,8 +147,16 @@ def _up(args: argparse.Namespace) -> int:
         for s, handler in old.items():
             signal.signal(s, handler)
     if code == 0:
-        print("silod up: all services stopped", flush=True)
+        _say("silod up: all services stopped")
     return code
+
+
+def _say(text: str, err: bool = False) -> None:
+    """Print, ignoring a closed stdout/stderr (the cluster must still be shut down)."""
+    try:
+        print(text, file=sys.stderr if err else sys.stdout, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def _supervise(children: list[tuple[str, Any]], stop: list[int]) -> tuple[str, Any] | None:
