@@ -66,7 +66,7 @@ def _start_cluster(workdir: Path) -> tuple[subprocess.Popen[bytes], dict]:  # ty
     argv = [sys.executable, "-m", "silod.cli", "up", "--nodes", str(NODES), "--gpus-per-node", str(GPUS_PER_NODE),
             "--state-dir", str(workdir), "--interval-s", "1", "--log-level", "info"]
     print("    $ silod " + " ".join(argv[3:]), flush=True)
-    up = subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    up = subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_stop_with_parent)
     deadline = time.monotonic() + 120
     while not (cluster_file := workdir / "cluster.json").exists():
         if up.poll() is not None:
@@ -77,6 +77,15 @@ def _start_cluster(workdir: Path) -> tuple[subprocess.Popen[bytes], dict]:  # ty
             raise RuntimeError("`silod up` not ready after 120 s")
         time.sleep(0.1)
     return up, json.loads(cluster_file.read_text())
+
+
+def _stop_with_parent() -> None:
+    """Linux: SIGTERM `silod up` (a clean shutdown) if the demo dies, e.g. piped into `head`."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _watch_all(scheduler: str, job_ids: list[str]) -> list:  # type: ignore[type-arg]
