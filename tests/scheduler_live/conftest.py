@@ -84,7 +84,13 @@ class Cluster:
 
     # -- scheduler side --
     def round(self, reason: str = "test"):
-        return self.scheduler.submit(self.core.run_round(reason))
+        """Run a round now; the plan in force after it.
+
+        Submissions and node changes also trigger rounds in the background, so on a busy
+        machine one of those may already have committed this plan, and the explicit round
+        then has nothing to change (it returns None): fall back to the latest plan.
+        """
+        return self.scheduler.submit(self.core.run_round(reason)) or self.latest()
 
     def submit(self, name: str = "j", min_gpus: int = 1, max_gpus: int = 1, **spec: object) -> common_pb2.Job:
         spec = {"application": "cifar10", "batch_size": 128, "epochs": 1, **spec}
