@@ -6,7 +6,6 @@ per session, PostgreSQL by truncating the tables of a database migrated once per
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from services.metadata.models import Base
 from services.metadata.service import Settings
 from services.metadata.store import MetadataStore
 from silod.v1 import metadata_pb2_grpc
+from tests.support.fixtures import postgres_scratch
 from tests.metadata.metadata_harness import InProcessServer, PostgresScratch
 
 DATABASES = ["sqlite", "postgresql"]
@@ -27,16 +27,7 @@ DATABASES = ["sqlite", "postgresql"]
 
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresScratch]:
-    reason = PostgresScratch.unreachable_reason()
-    if reason is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{reason}; CI must test the PostgreSQL backend (start PostgreSQL or fix SILOD_TEST_PG_*)")
-        pytest.skip(reason)
-    scratch = PostgresScratch()
-    try:
-        yield scratch
-    finally:
-        scratch.drop_all()
+    yield from postgres_scratch()
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@ both served in-process; tests act as job clients and as worker agents."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from scheduler.service import definition as scheduler_definition
 from services.metadata.migrate import upgrade
 from services.metadata.service import Settings as MetadataSettings
 from silod.v1 import allocation_pb2, allocation_pb2_grpc, common_pb2, metadata_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.support.fixtures import postgres_scratch
 from tests.metadata.metadata_harness import InProcessServer as MetadataServer
 from tests.metadata.metadata_harness import PostgresScratch
 from tests.support.inprocess import InProcessServer
@@ -29,16 +29,7 @@ def sched_sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def sched_postgres() -> Iterator[PostgresScratch]:
-    reason = PostgresScratch.unreachable_reason()
-    if reason is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{reason}; CI must test the PostgreSQL backend")
-        pytest.skip(reason)
-    scratch = PostgresScratch()
-    try:
-        yield scratch
-    finally:
-        scratch.drop_all()
+    yield from postgres_scratch()
 
 
 class Cluster:
