@@ -62,6 +62,10 @@ class Settings(ServiceSettings):
         description="Remote IO rate of a job the plan grants 0 bytes/s while granting IO to others; 0 = unlimited",
     )
     fsync: bool = Field(True, description="fsync disk-tier files before they become visible")
+    scheduler_address: str = Field(
+        "",
+        description="HOST:PORT of the AllocationService to follow (plan cache quotas); empty = best-effort mode, no watch",
+    )
 
 
 def cache_config(settings: Settings) -> CacheConfig:
@@ -172,15 +176,26 @@ def definition(settings: Settings) -> ServiceDefinition:
             raise StartupError(f"{exc}; give each cache server its own --disk-cache-dir/--memory-cache-dir") from None
         except OSError as exc:
             raise StartupError(f"cache directories: {exc}") from None
+        if settings.scheduler_address:
+            from cache_server.plan_watch import PlanWatcher
+
+            state["alloc_channel"] = open_channel(settings.scheduler_address, token=settings.auth_token, aio=True)
+            state["watcher"] = PlanWatcher(core, config.node, state["alloc_channel"])
+            state["watcher"].start()
         _log.info("cache ready", extra={"node": config.node, "capacity_bytes": core.capacity,
                                         "tiers": [t.name for t in core.tiers], "policy": config.default_policy,
-                                        "metadata": settings.metadata_address})
+                                        "metadata": settings.metadata_address,
+                                        "scheduler": settings.scheduler_address or "(none: best-effort)"})
 
     async def on_stop() -> None:
+        watcher = state.pop("watcher", None)
+        if watcher is not None:
+            await watcher.stop()
         await core.stop()
-        channel = state.get("channel")
-        if channel is not None:
-            await channel.close()
+        for key in ("alloc_channel", "channel"):
+            channel = state.pop(key, None)
+            if channel is not None:
+                await channel.close()
 
     definition_ = ServiceDefinition(
         name="cache-server",
@@ -190,4 +205,5 @@ def definition(settings: Settings) -> ServiceDefinition:
         on_stop=on_stop,
     )
     definition_.core = core  # type: ignore[attr-defined]  # the plan watcher (and tests) call core.apply_quotas
+    definition_.state = state  # type: ignore[attr-defined]  # state["watcher"]: the PlanWatcher, if any
     return definition_

@@ -104,6 +104,7 @@ def _up(args: argparse.Namespace) -> int:
                            "--metadata-address", md.address, "--scheduler-address", sch.address]
             if not args.no_cache:
                 cache = start(f"cache-server {name}", "cache-server", "--metadata-address", md.address, "--node", name,
+                              "--scheduler-address", sch.address,
                               "--disk-cache-dir", str(node_dir / "cache-disk"),
                               "--memory-cache-dir", str(node_dir / "cache-mem"), tier=caches)
                 node["cache"] = cache.address

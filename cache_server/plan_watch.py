@@ -1,0 +1,111 @@
+"""The cache server's plan watcher: follows ``AllocationService.Watch`` for this node
+(component CACHE_SERVER), applies each new NodePlan's ``cache_quotas`` to the core once, and
+Acks it (``ok=False`` with the reason if the core refuses the plan, e.g. quotas above the
+node's capacity; the previous quotas then stay in force).
+
+Mirrors the worker agent's watch loop (worker_agent/agent.py ``_watch_loop``/``_apply_loop``):
+reconnect with backoff 0.2 s doubling to 5 s (reset once a plan arrives), ``known_version`` =
+the newest version handled, versions not newer than that are ignored. A watch error never
+stops the server; each distinct error is logged once.
+
+``apply_quotas`` runs on the server's event loop: the core is single-threaded (not thread-safe)
+and applying is in-memory bookkeeping plus evictions, so it is not handed to a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import grpc
+
+from services.runtime.errors import ServiceError
+from services.runtime.structured_logging import get_logger
+from silod.v1 import allocation_pb2, allocation_pb2_grpc, plan_pb2
+
+_log = get_logger("silod.cache.plan")
+
+BACKOFF_INITIAL_S = 0.2
+BACKOFF_MAX_S = 5.0
+ACK_TIMEOUT_S = 10.0
+COMPONENT = allocation_pb2.PLAN_COMPONENT_CACHE_SERVER
+
+
+class PlanWatcher:
+    """Owns one asyncio task; ``start()`` on the server's loop, ``await stop()`` before the core stops."""
+
+    def __init__(self, core: Any, node: str, channel: Any) -> None:
+        self.core = core
+        self.node = node
+        self.stub = allocation_pb2_grpc.AllocationServiceStub(channel)
+        self.handled_version = int(getattr(core, "plan_version", 0) or 0)  # applied or refused
+        self.applied_versions: list[int] = []
+        self.refused_versions: list[int] = []
+        self._last_error = ""
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+    def _log_error(self, what: str, error: str) -> None:
+        text = f"{what}: {error}"
+        if text != self._last_error:
+            self._last_error = text
+            _log.warning(what, extra={"node": self.node, "error": error})
+
+    async def _run(self) -> None:
+        backoff = BACKOFF_INITIAL_S
+        while True:
+            try:
+                call = self.stub.Watch(
+                    allocation_pb2.WatchPlanRequest(node=self.node, component=COMPONENT,
+                                                    known_version=self.handled_version)
+                )
+                async for plan in call:
+                    backoff = BACKOFF_INITIAL_S
+                    self._last_error = ""
+                    await self.handle(plan)
+                self._log_error("plan watch ended", "stream closed by the allocation service")
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                self._log_error("plan watch interrupted", f"{exc.code().name}: {exc.details()}")
+            except Exception as exc:  # noqa: BLE001 - never let the watcher kill the server
+                self._log_error("plan watch failed", f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def handle(self, plan: plan_pb2.NodePlan) -> None:
+        """Apply ``plan`` if it is newer than anything handled, then Ack it."""
+        if plan.version <= self.handled_version:
+            return
+        ok, message = True, ""
+        try:
+            applied = self.core.apply_quotas(list(plan.cache_quotas), plan.version)
+            if not applied:  # the core already holds this version or a newer one
+                ok, message = True, f"version {plan.version} not newer than applied {self.core.plan_version}"
+        except ServiceError as exc:
+            ok, message = False, exc.message
+        except Exception as exc:  # noqa: BLE001 - reported to the scheduler in the Ack
+            _log.exception("applying plan failed", extra={"version": plan.version})
+            ok, message = False, f"{type(exc).__name__}: {exc}"
+        self.handled_version = plan.version
+        (self.applied_versions if ok else self.refused_versions).append(plan.version)
+        if not ok:
+            _log.warning("plan refused", extra={"version": plan.version, "reason": message})
+        try:
+            await self.stub.Ack(
+                allocation_pb2.AckPlanRequest(node=self.node, component=COMPONENT, version=plan.version,
+                                              ok=ok, message=message),
+                timeout=ACK_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as exc:
+            self._log_error("plan ack failed", f"{exc.code().name}: {exc.details()}")
