@@ -62,6 +62,33 @@ def _build(dataset: Any, pages: list[Any]) -> Manifest:
     )
 
 
+def _page_request(name: str, token: str) -> Any:
+    from silod.v1 import metadata_pb2
+
+    return metadata_pb2.ListDatasetObjectsRequest(name=name, page_size=PAGE_SIZE, page_token=token)
+
+
+def _add_page(pages: list[Any], page: Any) -> str:
+    """Keep ``page``; the next page token ("" when done). _Replaced if the manifest changed mid-read."""
+    if pages and page.manifest_version != pages[0].manifest_version:
+        raise _Replaced()
+    pages.append(page)
+    return page.next_page_token
+
+
+def _should_restart(exc: grpc.RpcError, name: str) -> bool:
+    """True if the read must start over (manifest replaced while paging); raise otherwise."""
+    if exc.code() == grpc.StatusCode.NOT_FOUND:
+        raise ManifestNotFound(exc.details() or name) from None
+    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        raise exc
+    return True
+
+
+def _kept_being_replaced(name: str) -> RuntimeError:
+    return RuntimeError(f"dataset {name!r}: manifest kept being replaced while it was read")
+
+
 def load_manifest(stub: Any, name: str, timeout_s: float = 60.0) -> Manifest:
     """Load ``name`` with a sync MetadataServiceStub; raises ManifestNotFound or grpc.RpcError."""
     from silod.v1 import metadata_pb2
@@ -69,26 +96,16 @@ def load_manifest(stub: Any, name: str, timeout_s: float = 60.0) -> Manifest:
     for _ in range(_MAX_RESTARTS):
         try:
             dataset = stub.GetDataset(metadata_pb2.GetDatasetRequest(name=name), timeout=timeout_s)
-            pages, token = [], ""
-            while True:
-                page = stub.ListDatasetObjects(
-                    metadata_pb2.ListDatasetObjectsRequest(name=name, page_size=PAGE_SIZE, page_token=token),
-                    timeout=timeout_s,
-                )
-                if pages and page.manifest_version != pages[0].manifest_version:
-                    raise _Replaced()
-                pages.append(page)
-                token = page.next_page_token
-                if not token:
-                    return _build(dataset, pages)
+            pages: list[Any] = []
+            token = _add_page(pages, stub.ListDatasetObjects(_page_request(name, ""), timeout=timeout_s))
+            while token:
+                token = _add_page(pages, stub.ListDatasetObjects(_page_request(name, token), timeout=timeout_s))
+            return _build(dataset, pages)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise ManifestNotFound(exc.details() or name) from None
-            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # replaced while paging: restart
-                raise
+            _should_restart(exc, name)
         except _Replaced:
             pass
-    raise RuntimeError(f"dataset {name!r}: manifest kept being replaced while it was read")
+    raise _kept_being_replaced(name)
 
 
 async def load_manifest_async(stub: Any, name: str, timeout_s: float = 60.0) -> Manifest:
@@ -98,26 +115,16 @@ async def load_manifest_async(stub: Any, name: str, timeout_s: float = 60.0) -> 
     for _ in range(_MAX_RESTARTS):
         try:
             dataset = await stub.GetDataset(metadata_pb2.GetDatasetRequest(name=name), timeout=timeout_s)
-            pages, token = [], ""
-            while True:
-                page = await stub.ListDatasetObjects(
-                    metadata_pb2.ListDatasetObjectsRequest(name=name, page_size=PAGE_SIZE, page_token=token),
-                    timeout=timeout_s,
-                )
-                if pages and page.manifest_version != pages[0].manifest_version:
-                    raise _Replaced()
-                pages.append(page)
-                token = page.next_page_token
-                if not token:
-                    return _build(dataset, pages)
+            pages: list[Any] = []
+            token = _add_page(pages, await stub.ListDatasetObjects(_page_request(name, ""), timeout=timeout_s))
+            while token:
+                token = _add_page(pages, await stub.ListDatasetObjects(_page_request(name, token), timeout=timeout_s))
+            return _build(dataset, pages)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise ManifestNotFound(exc.details() or name) from None
-            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
+            _should_restart(exc, name)
         except _Replaced:
             pass
-    raise RuntimeError(f"dataset {name!r}: manifest kept being replaced while it was read")
+    raise _kept_being_replaced(name)
 
 
 class _Replaced(Exception):
