@@ -18,6 +18,7 @@ _POLICY_MODULES = (
     "scheduler.policies.gavel",
     "scheduler.policies.themis",
     "scheduler.policies.pollux",
+    "scheduler.policies.deepboot",
 )
 
 P = TypeVar("P", bound=type)

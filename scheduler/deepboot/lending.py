@@ -1,0 +1,114 @@
+"""Which GPUs training may use under DeepBoot, and how jobs are placed on them.
+
+Training may use every training-pool GPU and every inference-pool GPU that no RUNNING or
+PROTECT replica holds (``ClusterSnapshot.inference_busy``): free ones and those of SLEEP
+replicas. :func:`place_lending` is :func:`scheduler.placement.place` over both pools with
+the busy GPUs taken out, and it tries the training pool first for every job that needs new
+GPUs: a job on lent GPUs is the one ATS-I shrinks when inference load returns, so lent GPUs
+are used only when the training pool cannot hold the job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from scheduler.placement import FreeGpus, Placement, PlacementResult, _cache_by_dataset, _fresh_placement, _keep_current
+from scheduler.policies.pollux_estimates import held_in_place
+from scheduler.policy import ClusterSnapshot, JobInfo
+
+BOTH_POOLS = ("training", "inference")
+
+
+def busy_gpus(snapshot: ClusterSnapshot) -> dict[str, tuple[int, ...]]:
+    """Inference-pool GPUs held by RUNNING/PROTECT replicas (entries naming unknown nodes or GPUs dropped)."""
+    sizes = {node.name: node.gpus for node in snapshot.nodes if node.pool == "inference"}
+    result = {}
+    for node, indices in snapshot.inference_busy.items():
+        valid = sorted({i for i in indices if node in sizes and 0 <= i < sizes[node]})
+        if valid:
+            result[node] = tuple(valid)
+    return result
+
+
+def lendable_gpus(snapshot: ClusterSnapshot) -> dict[str, tuple[int, ...]]:
+    """Inference-pool GPUs training may use: node -> indices not busy."""
+    busy = busy_gpus(snapshot)
+    result = {}
+    for node in snapshot.nodes:
+        if node.pool == "inference":
+            free = tuple(i for i in range(node.gpus) if i not in set(busy.get(node.name, ())))
+            if free:
+                result[node.name] = free
+    return result
+
+
+def training_capacity(snapshot: ClusterSnapshot, *, lend: bool = True) -> int:
+    """GPUs ATS-T may hand out: the training pool, plus the lendable inference GPUs when ``lend``."""
+    own = sum(node.gpus for node in snapshot.nodes if node.pool == "training")
+    return own + (sum(map(len, lendable_gpus(snapshot).values())) if lend else 0)
+
+
+def held_lendable(snapshot: ClusterSnapshot, jobs: Sequence[JobInfo]) -> np.ndarray:
+    """GPUs each job holds now where it may stay (0 if its placement lost a node or touches a busy GPU)."""
+    held = held_in_place(snapshot, jobs, BOTH_POOLS)
+    busy = busy_gpus(snapshot)
+    for k, job in enumerate(jobs):
+        allocation = snapshot.current.get(job.job_id)
+        if held[k] and any(set(indices) & set(busy.get(node, ())) for node, indices in allocation.placement):
+            held[k] = 0
+    return held
+
+
+def place_lending(
+    snapshot: ClusterSnapshot, gpu_counts: Mapping[str, int], order: Sequence[str] | None = None, *, lend: bool = True
+) -> PlacementResult:
+    """Place every job with a positive count: stay in place first, then the training pool, then lent GPUs.
+
+    Same contract as :func:`scheduler.placement.place` (jobs that do not fit are ``unplaced``);
+    busy inference GPUs are never handed out. Without ``lend`` only the training pool is used.
+    """
+    pools = BOTH_POOLS if lend else ("training",)
+    anywhere = FreeGpus(snapshot, pools)
+    training = FreeGpus(snapshot, ("training",))
+    if lend:
+        for node, indices in busy_gpus(snapshot).items():
+            anywhere.reserve(node, indices)
+    training_nodes = {node.name for node in snapshot.nodes if node.pool == "training"}
+
+    def mirror(placement: Placement, into: FreeGpus, nodes) -> None:
+        # Both views must agree on what is taken, or a GPU could be handed out twice.
+        for node, indices in placement:
+            if node in nodes:
+                into.reserve(node, indices)
+
+    jobs = {job.job_id: job for job in snapshot.jobs}
+    wanted = {job_id: n for job_id, n in gpu_counts.items() if n > 0}
+    placements: dict[str, Placement] = {}
+    for job_id, count in wanted.items():
+        kept = _keep_current(snapshot.current.get(job_id), count, anywhere)
+        if kept is not None:
+            mirror(kept, training, training_nodes)
+            placements[job_id] = kept
+    cache = _cache_by_dataset(snapshot)
+    everything = {node.name for node in snapshot.nodes}
+    unplaced = []
+    sequence = list(order) + list(wanted) if order is not None else list(wanted)
+    for job_id in dict.fromkeys(sequence):
+        if job_id in placements or job_id not in wanted:
+            continue
+        job = jobs[job_id]
+        cached = cache.get(job.dataset, {}) if job.dataset else {}
+        fresh = _fresh_placement(job, wanted[job_id], training, cached)
+        if fresh is not None:
+            mirror(fresh, anywhere, everything)
+        elif lend:
+            fresh = _fresh_placement(job, wanted[job_id], anywhere, cached)
+            if fresh is not None:
+                mirror(fresh, training, training_nodes)
+        if fresh is None:
+            unplaced.append(job_id)
+        else:
+            placements[job_id] = fresh
+    return PlacementResult(placements, tuple(unplaced))

@@ -1,0 +1,138 @@
+"""DeepBoot ATS-T: elastic training on the training pool plus lent inference GPUs (Chen et al., TPDS'23).
+
+Every round each training job gets a GPU count (0, or within ``[min_gpus, max_gpus]``) that
+maximizes the **sum** of per-job speedups (DeepBoot's objective; Pollux's power mean with
+p = 1)::
+
+    maximize  sum_j  SPEEDUP_j(g_j) x kept_j(g_j)      subject to  sum_j g_j <= capacity
+
+- ``SPEEDUP_j(g)``: goodput at the best batch on ``g`` GPUs packed on the fewest nodes, over
+  goodput on one GPU — the Pollux goodput model through
+  :class:`scheduler.policies.pollux_estimates.JobTable`, the same estimate the ``pollux``
+  policy uses.
+- ``kept_j(g)``: 1 when ``g`` is the count the job holds in place now (it stays where it
+  is); otherwise the share of the next ``penalty_rounds x interval_s`` seconds left after
+  the job's resize cost (:mod:`scheduler.deepboot.costs`: a full restart of 18-103 s per
+  application when it holds nothing or without AFE, an AFE resize of 1-5 s when it does).
+- ``capacity``: training-pool GPUs plus the inference-pool GPUs no RUNNING or PROTECT replica
+  holds (``ClusterSnapshot.inference_busy``; :mod:`scheduler.deepboot.lending`).
+
+The search is exact: a group knapsack over GPU counts, dynamic programming over jobs x GPUs
+(the ``pollux`` policy's ``_solve_dp``, shared). Placement keeps jobs where they run, then
+tries the training pool, and only then lent GPUs; busy inference GPUs are never used.
+Counts are priced packed; a job that had to be spread over nodes simply runs slower (no
+re-pricing round as in ``pollux``). Ties go to the job with the least attained service.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scheduler.deepboot.costs import ResizeCosts, kept_share
+from scheduler.deepboot.lending import BOTH_POOLS, held_lendable, place_lending, training_capacity
+from scheduler.policies.pollux import _solve_dp
+from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place
+from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
+from scheduler.registry import register
+
+# Utility bonus for being allocated, spread over the jobs' ranks: only orders equal jobs
+# (speedup differences that matter are >= 1e-3).
+_TIE_BREAK = 1e-6
+
+
+@dataclass(frozen=True)
+class CountTable:
+    """Per job (snapshot order) and GPU count: the penalized speedup, -inf where the count is not allowed."""
+
+    jobs: tuple[JobInfo, ...]
+    capacity: int                 # GPUs ATS-T may hand out
+    per_node: int                 # GPUs of the largest usable node ("packed")
+    held: np.ndarray              # GPUs each job holds where it may stay
+    utility: np.ndarray           # (jobs, width): penalized speedup + tie-break, -inf = not allowed
+    estimates: JobTable
+
+
+@register("deepboot")
+@dataclass(frozen=True)
+class DeepBootPolicy:
+    afe: bool = True                                  # resizes take the AFE fast path (seconds, not a restart)
+    full_restart_s: Mapping[str, float] = field(default_factory=dict)  # job id / application -> s (overrides)
+    afe_resize_s: Mapping[str, float] = field(default_factory=dict)    # job id / application -> s (overrides)
+    penalty_rounds: float = 2.0                       # the resize cost is spread over this many rounds
+    lend: bool = True                                 # False: training pool only (the no-lending baseline)
+    max_gpus_per_job: int = 64
+
+    def __post_init__(self):
+        if not (math.isfinite(self.penalty_rounds) and self.penalty_rounds > 0):
+            raise ValueError("penalty_rounds must be a positive number")
+        if self.max_gpus_per_job < 1:
+            raise ValueError("max_gpus_per_job must be at least 1")
+        ResizeCosts(self.afe, self.full_restart_s, self.afe_resize_s)  # validates the overrides
+
+    @property
+    def costs(self) -> ResizeCosts:
+        return ResizeCosts(self.afe, self.full_restart_s, self.afe_resize_s)
+
+    def kept(self, snapshot: ClusterSnapshot, job: JobInfo, held: int) -> float:
+        """Share of its speedup ``job`` keeps when its placement changes (it holds ``held`` GPUs in place)."""
+        starting = held == 0
+        cost = self.costs.cost_s(job, starting=starting, default_s=snapshot.restart_cost_s)
+        return kept_share(cost, self.penalty_rounds * snapshot.interval_s, starting=starting)
+
+    def count_table(self, snapshot: ClusterSnapshot) -> CountTable:
+        """Price every job at every count it may get (one vectorized estimator call)."""
+        jobs = snapshot.jobs
+        n = len(jobs)
+        pools = BOTH_POOLS if self.lend else ("training",)
+        capacity = training_capacity(snapshot, lend=self.lend)
+        per_node = gpus_per_node(snapshot, pools)
+        held = held_lendable(snapshot, jobs) if self.lend else held_in_place(snapshot, jobs)
+        low = np.array([job.min_gpus for job in jobs], dtype=np.int64)
+        high = np.array([min(job.max_gpus, max(self.max_gpus_per_job, job.min_gpus), capacity) for job in jobs], dtype=np.int64)
+        high = np.where(high >= low, high, 0)  # a minimum above the capacity: nothing allowed
+        width = int(high.max(initial=0)) + 1
+        utility = np.full((n, width), -np.inf)
+        utility[:, 0] = 0.0
+        estimates = JobTable(jobs)
+        sizes = np.where(high > 0, high - low + 1, 0)
+        if sizes.sum():
+            rows = np.repeat(np.arange(n), sizes)
+            counts = np.arange(rows.size) - np.repeat(np.cumsum(sizes) - sizes, sizes) + low[rows]
+            speedup = estimates.predict(rows, counts, 0, per_node=per_node).speedup
+            kept = np.array([self.kept(snapshot, job, int(h)) for job, h in zip(jobs, held)])
+            utility[rows, counts] = np.where(counts == held[rows], speedup, speedup * kept[rows])
+        rank = np.empty(n)
+        rank[sorted(range(n), key=lambda i: (jobs[i].attained_gpu_s, jobs[i].submit_time_s, jobs[i].job_id))] = np.arange(n)
+        utility[:, 1:] += (_TIE_BREAK * (1.0 - rank / max(n, 1)))[:, None]
+        return CountTable(tuple(jobs), capacity, per_node, held, utility, estimates)
+
+    def choose_counts(self, table: CountTable) -> np.ndarray:
+        """GPU count per job maximizing the summed penalized speedup (exact group knapsack)."""
+        n, width = table.utility.shape
+        if n == 0 or table.capacity == 0 or width == 1:
+            return np.zeros(n, dtype=np.int64)
+        return _solve_dp(table.utility, table.capacity)
+
+    def schedule(self, snapshot: ClusterSnapshot) -> Plan:
+        if not snapshot.jobs:
+            return Plan({})
+        table = self.count_table(snapshot)
+        counts = self.choose_counts(table)
+        wanted = {job.job_id: int(c) for job, c in zip(table.jobs, counts) if c > 0}
+        # New placements: jobs that fit on one node first, largest first (best-fit decreasing).
+        order = sorted(wanted, key=lambda job_id: (wanted[job_id] > table.per_node, -wanted[job_id]))
+        placements = place_lending(snapshot, wanted, order, lend=self.lend).placements
+        if not placements:
+            return Plan({})
+        index = {job.job_id: k for k, job in enumerate(table.jobs)}
+        placed = list(placements)
+        rows = np.array([index[job_id] for job_id in placed])
+        gpus = np.array([sum(len(ix) for _, ix in placements[job_id]) for job_id in placed])
+        nodes = np.array([len(placements[job_id]) for job_id in placed])
+        batch = table.estimates.predict(rows, gpus, nodes, per_node=table.per_node).batch_size
+        return Plan({job_id: Allocation(placement=placements[job_id], batch_size=int(b)) for job_id, b in zip(placed, batch)})
+
