@@ -1,7 +1,8 @@
 """Real processes end to end: ``silod metadata`` + ``silod cache-server`` + a training job
 (tests/sdk/sdk_job.py: the SDK in a torch DataLoader with forked workers) against an
-S3-protocol server (moto) on loopback, and against a local store while the cache server is
-SIGKILLed mid-epoch."""
+S3-protocol server (moto) on loopback, against a local store while the cache server is
+SIGKILLed mid-epoch, and under a plan (cache quota and remote IO rate) the cache server
+follows from an AllocationService through ``--scheduler-address``."""
 
 from __future__ import annotations
 
@@ -14,19 +15,21 @@ from pathlib import Path
 
 import grpc
 import pytest
-from silod.v1 import cache_pb2, cache_pb2_grpc
+from silod.v1 import cache_pb2, cache_pb2_grpc, plan_pb2
 from tests.cache_server.harness import (
     aws_test_env,
     digests,
     finish_job,
     make_dataset,
     moto_s3,
+    quota,
     register,
     silod_cli,
     start_job,
     stop_job,
 )
 from tests.support.procs import free_port, start_service
+from tests.worker_agent.scripted_allocation import AllocationServer
 
 
 def _cli(*argv: str, env: dict[str, str]) -> str:
@@ -134,3 +137,61 @@ def test_preload_cli_fills_the_cache(tmp_path: Path, metadata: str) -> None:
         assert {o.tier for o in response.objects} == {"disk"}
         code, out = silod_cli("dataset", "preload", "nope", "--cache", cache.address)
         assert code == 1 and "NOT_FOUND: dataset:" in out
+
+
+def test_quota_and_io_rate_from_a_watched_plan_are_enforced(tmp_path: Path, metadata: str) -> None:
+    """The plan reaches the cache server the way it does in a cluster: ``--scheduler-address``,
+    AllocationService.Watch, Ack. The real ``silod scheduler`` cannot serve it yet (no policy
+    grants cache or IO: scheduler/policies never set ``cache_bytes``), so the scripted
+    AllocationService (tests/worker_agent/scripted_allocation.py) serves the NodePlan a
+    SiloD-style policy would: the job's dataset, its cache quota and its remote IO rate."""
+    size, count = 25_000, 120  # 3 MB: 3 s of cold reads at the planned rate
+    rate, quota_bytes = 1_000_000, count * size // 2
+    root = tmp_path / "store"
+    files = make_dataset(root, count, size, seed=13)
+    register(metadata, "planned", f"file://{root}")
+    alloc = AllocationServer()
+    try:
+        alloc.push(plan_pb2.NodePlan(node="plan-node", version=7,
+                                     cache_quotas=[quota("pj", "planned", quota_bytes, rate, "uniform")]))
+        with start_service("cache-server", "--metadata-address", metadata, "--scheduler-address", alloc.address,
+                           "--node", "plan-node", "--disk-cache-dir", str(tmp_path / "d"), "--memory-cache-bytes", "0",
+                           "--log-level", "warning", workdir=tmp_path / "cs") as cache:
+            stub = cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(cache.address))
+            deadline = time.monotonic() + 15
+            while [(a.version, a.ok) for a in list(alloc.servicer.acks)] != [(7, True)]:
+                assert time.monotonic() < deadline, f"no ack of the plan: {list(alloc.servicer.acks)}"
+                time.sleep(0.05)
+            assert stub.Stats(cache_pb2.StatsRequest()).plan_version == 7
+
+            job = start_job("--dataset", "planned", "--cache", cache.address, "--metadata", metadata, "--job", "pj",
+                            "--epochs", "2", "--batch", "10")
+            # (seconds, remote bytes, the job's cached bytes, bytes in the node's tiers), sampled
+            # from outside while the job runs: the rate is measured on the test's clock.
+            samples: list[tuple[float, int, int, int]] = []
+            while job.poll() is None:
+                stats = stub.Stats(cache_pb2.StatsRequest(job_id="pj"))
+                samples.append((time.monotonic(), stats.jobs[0].remote_bytes, stats.jobs[0].cached_bytes,
+                                sum(t.used_bytes for t in stats.tiers)))
+                time.sleep(0.05)
+            report, _ = finish_job(job)
+            final = stub.Stats(cache_pb2.StatsRequest(job_id="pj")).jobs[0]
+    finally:
+        alloc.stop()
+
+    assert report["epochs"] == [digests(files.values())] * 2, "bytes differ from the store"
+    # The cold epoch reads every object remotely, paced by the plan's rate. Measure between 10%
+    # and 90% of the dataset's bytes: the first object goes out within the bucket's burst, and
+    # past the first epoch the job reads hits too.
+    dataset_bytes = count * size
+    t10, b10 = next((t, b) for t, b, _, _ in samples if b >= 0.1 * dataset_bytes)
+    t90, b90 = next((t, b) for t, b, _, _ in samples if b >= 0.9 * dataset_bytes)
+    measured = (b90 - b10) / (t90 - t10)
+    print(f"\nplanned remote IO {rate:,} B/s, measured {measured:,.0f} B/s ({b90 - b10:,} B in {t90 - t10:.2f} s); "
+          f"quota {quota_bytes:,} B, cached at most {max(c for _, _, c, _ in samples):,} B")
+    assert measured == pytest.approx(rate, rel=0.10)
+    assert final.remote_io_limit_bytes_per_s == rate
+    # The quota bounds the job's cache at every moment, and nothing else was cached for it.
+    assert all(cached <= quota_bytes and used <= quota_bytes for _, _, cached, used in samples)
+    assert quota_bytes - size < final.cached_bytes <= quota_bytes  # uniform filled it and kept it
+    assert final.quota_bytes == quota_bytes

@@ -384,3 +384,45 @@ def test_best_effort_prefetch_runs_ahead_no_further_than_the_job_consumes(
         while len(cache.core._index) < 600 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(cache.core._index) == 600
+
+
+def _prefetched_ahead(cache: InProcessCache, job: str, name: str, keys: list[str], per_s: float,
+                      seconds: float) -> tuple[int, float]:
+    """A best-effort job that hints its whole order, then reads it at ``per_s`` objects/s in
+    batches of 10; returns (objects cached beyond what it has read, fraction of its reads that
+    hit), taken at the end."""
+    cache.stub.Prefetch(cache_pb2.PrefetchRequest(job_id=job, dataset=name, keys=keys))
+    tiers: list[str] = []
+    started, read = time.monotonic(), 0
+    while time.monotonic() - started < seconds:
+        response = cache.lease(job, name, keys[read : read + 10])
+        cache.stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=response.lease_id))
+        tiers += [o.tier for o in response.objects]
+        read += 10
+        time.sleep(max(0.0, started + read / per_s - time.monotonic()))
+    cached = cache.stats(job).jobs[0].cached_bytes // 100  # objects of 100 bytes
+    return cached - read, tiers.count("disk") / len(tiers)
+
+
+def test_best_effort_prefetch_window_follows_the_rate_the_job_consumes(tmp_path: Path, metadata: str) -> None:
+    """No plan: how far the server prefetches ahead of a job is its measured read rate times
+    --prefetch-lookahead-s, so a job reading four times as fast is prefetched for about four
+    times as far ahead (and both find what they read next already cached)."""
+    lookahead = 2.0
+    with InProcessCache(tmp_path, metadata, prefetch_lookahead_s=lookahead) as cache:
+        results = {}
+        for job, per_s in (("slow", 50.0), ("fast", 200.0)):
+            root = tmp_path / job
+            keys = sorted(make_dataset(root, 2500, 100, seed=6, prefix=job))
+            register(metadata, f"pf-{job}", f"file://{root}")
+            results[job] = (per_s, *_prefetched_ahead(cache, job, f"pf-{job}", keys, per_s, 5.0))
+    print(f"\nprefetched ahead after 5 s (lookahead {lookahead:g} s): "
+          + ", ".join(f"{job} reader at {r[0]:g}/s: {r[1]} objects, {r[2]:.0%} hits" for job, r in results.items()))
+    (slow_rate, slow_ahead, slow_hits), (fast_rate, fast_ahead, fast_hits) = results["slow"], results["fast"]
+    # The window is the smoothed rate (half-life 2 s: ~80% of the true rate after 5 s) times the
+    # lookahead; never more than the full rate's worth plus the fetches in flight. On a loaded
+    # machine the prefetcher may trail its window (seen: 214 of ~320 for the fast reader).
+    for rate, ahead in ((slow_rate, slow_ahead), (fast_rate, fast_ahead)):
+        assert 0.4 * rate * lookahead <= ahead <= rate * lookahead + 16
+    assert 2.0 <= fast_ahead / slow_ahead <= 5.5
+    assert slow_hits > 0.9 and fast_hits > 0.9
