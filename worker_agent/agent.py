@@ -14,6 +14,13 @@ Protocol decisions (see also service.py):
   A task holds its GPUs from launch until its process has exited.
 * Reports: ``ReportTasks`` every ``report_s`` and right after any phase change; EXITED tasks
   are repeated until the response lists them in ``acknowledged_exits`` ("job_id/rank/generation").
+* Agent death (SIGKILL, OOM kill, crash): every task's process is started with
+  PR_SET_PDEATHSIG=SIGKILL (see :data:`_DIE_WITH_AGENT`), so it dies with its agent as it would
+  with the machine. The scheduler requeues the job once the node's heartbeats stop; a task
+  orphaned instead would keep running unsupervised and write the job's checkpoint directory
+  concurrently with the requeued generation. Processes a task started itself (same process
+  group) do not inherit the death signal: the next agent on the same work_dir stops whole
+  process groups it finds recorded in ``run/`` before applying any plan.
 * Agent shutdown (SIGTERM): every task gets the checkpoint directive + SIGTERM, SIGKILL after
   ``stop_grace_s``; tasks stopped this way are not reported EXITED (exit 0 after a checkpoint
   would read as job completion); the node's heartbeats stop and the scheduler treats it as lost.
@@ -56,6 +63,25 @@ _STATE_NAMES = {
     allocation_pb2.TASK_PHASE_CHECKPOINTING: "checkpointing",
     allocation_pb2.TASK_PHASE_EXITED: "exited",
 }
+
+
+# Run as ``python -S -c _DIE_WITH_AGENT AGENT_PID COMMAND...``: sets PR_SET_PDEATHSIG and execs
+# the task's command (the death signal survives exec). A separate exec rather than Popen's
+# preexec_fn because the agent has gRPC threads, and code run between fork and exec in a
+# threaded process can deadlock. If the agent died before prctl took effect, exit at once.
+_DIE_WITH_AGENT = (
+    "import ctypes, os, signal, sys\n"
+    "PR_SET_PDEATHSIG = 1\n"
+    "if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:\n"
+    "    sys.exit('silod: prctl(PR_SET_PDEATHSIG) failed: ' + os.strerror(ctypes.get_errno()))\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(137)\n"
+    "try:\n"
+    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "except OSError as exc:\n"
+    "    print(f'--- silod: cannot launch {sys.argv[2:]!r}: {exc}', flush=True)\n"
+    "    os._exit(127)\n"
+)
 
 
 def task_key(job_id: str, rank: int, generation: int) -> str:
@@ -129,7 +155,8 @@ class Agent:
         gpus, model = detect_gpus(settings.gpus)
         self.work_dir = Path(settings.work_dir).resolve()
         (self.work_dir / "jobs").mkdir(parents=True, exist_ok=True)
-        (self.work_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        self.checkpoint_root = Path(settings.checkpoint_root or self.work_dir / "checkpoints").resolve()
+        self.checkpoint_root.mkdir(parents=True, exist_ok=True)
         self.spec = common_pb2.NodeSpec(
             name=settings.node_name or socket.gethostname(),
             pool=common_pb2.NODE_POOL_INFERENCE if settings.pool == "inference" else common_pb2.NODE_POOL_TRAINING,
@@ -205,10 +232,40 @@ class Agent:
             return ""
         return stat.rsplit(")", 1)[1].split()[19]
 
+    @staticmethod
+    def _group_members(pgid: int) -> list[int]:
+        """Live (non-zombie) processes of process group ``pgid`` (Linux /proc)."""
+        members = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                members.append(int(entry.name))
+        return members
+
+    def _leftover_group(self, record: dict[str, Any]) -> bool:
+        """Is the process group of a recorded task still there?
+
+        Each task leads its own session and group (pgid == its pid). The leader itself dies with
+        the agent that started it (PR_SET_PDEATHSIG), but processes it started stay in its group.
+        The pid of a dead leader cannot be reused while its group has members, so members of that
+        group are the task's. A live process with that pid but another start time is a stranger."""
+        pid = int(record.get("pid", 0))
+        if pid <= 0:
+            return False
+        start = self._start_time(pid)
+        if start and start != record.get("start_time"):
+            return False
+        return bool(self._group_members(pid))
+
     async def _stop_leftovers(self) -> None:
         """Stop tasks a previous agent on this work_dir left running (it was killed, not stopped):
         their GPUs are not in our table, so they must be gone before any plan is applied.
-        They get SIGTERM (the SDK checkpoints) and SIGKILL after ``stop_grace_s``."""
+        Their process groups get SIGTERM (the SDK checkpoints) and SIGKILL after ``stop_grace_s``."""
         self._run_dir.mkdir(parents=True, exist_ok=True)
         leftovers = []
         for path in self._run_dir.glob("*.json"):
@@ -217,32 +274,29 @@ class Agent:
             except (OSError, ValueError):
                 path.unlink(missing_ok=True)
                 continue
-            pid = int(record.get("pid", 0))
-            if pid > 0 and record.get("start_time") and self._start_time(pid) == record["start_time"]:
-                leftovers.append((pid, record))
+            if self._leftover_group(record):
+                leftovers.append((int(record["pid"]), record))
             else:
                 path.unlink(missing_ok=True)
         for pid, record in leftovers:
-            _log.warning("stopping a task left by a previous agent", extra={"task": record.get("task"), "pid": pid})
+            _log.warning("stopping a task left by a previous agent", extra={"task": record.get("task"), "pgid": pid})
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + self.settings.stop_grace_s
         for pid, record in leftovers:
-            while self._start_time(pid) == record["start_time"] and not self._is_zombie(pid):
-                if time.monotonic() >= deadline:
+            killed_at = 0.0
+            while self._group_members(pid):
+                now = time.monotonic()
+                if not killed_at and now >= deadline:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(pid, signal.SIGKILL)
+                    killed_at = now
+                elif killed_at and now - killed_at > 10.0:  # unkillable (stuck in the kernel): nothing more to do
+                    _log.error("a task left by a previous agent survives SIGKILL", extra={"pgid": pid})
                     break
                 await asyncio.sleep(0.05)
         for path in self._run_dir.glob("*.json"):
             path.unlink(missing_ok=True)
-
-    @staticmethod
-    def _is_zombie(pid: int) -> bool:
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            return True
 
     def _run_file(self, task: Task) -> Path:
         return self._run_dir / (task.key.replace("/", "_") + ".json")
@@ -393,7 +447,7 @@ class Agent:
             "SILOD_CACHE_ADDR": self.settings.cache_address,
             "SILOD_AGENT_ADDR": self.agent_address,
             "SILOD_METADATA_ADDR": self.settings.metadata_address,
-            "SILOD_CHECKPOINT_DIR": str(self.work_dir / "checkpoints" / a.job_id),
+            "SILOD_CHECKPOINT_DIR": str(self.checkpoint_root / a.job_id),
             "MASTER_ADDR": a.master_addr or "127.0.0.1",
             "MASTER_PORT": str(a.master_port or 29500),
             "SILOD_BATCH_SIZE": str(a.batch_size or spec.batch_size),
@@ -415,7 +469,7 @@ class Agent:
         self.gpu_table.acquire(key, list(a.gpu_indices))  # raises GpuConflict: never double-book
         log_dir = self.work_dir / "jobs" / a.job_id
         log_dir.mkdir(parents=True, exist_ok=True)
-        (self.work_dir / "checkpoints" / a.job_id).mkdir(parents=True, exist_ok=True)
+        (self.checkpoint_root / a.job_id).mkdir(parents=True, exist_ok=True)
         task = Task(assignment=a, log_path=log_dir / f"rank-{a.rank}.log", batch_size=a.batch_size)
         self.tasks[key] = task
         command = list(a.spec.command) or [sys.executable, "-m", "silod.jobs.emulated"]
@@ -424,7 +478,7 @@ class Agent:
                 log.write(f"--- silod: generation {a.generation} rank {a.rank} gpus {list(a.gpu_indices)}\n".encode())
                 log.flush()
                 task.proc = await asyncio.create_subprocess_exec(
-                    *command,
+                    sys.executable, "-S", "-c", _DIE_WITH_AGENT, str(os.getpid()), *command,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=log,
                     stderr=asyncio.subprocess.STDOUT,

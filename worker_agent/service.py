@@ -40,6 +40,10 @@ class Settings(ServiceSettings):
         "", description="HOST:PORT other processes reach this agent at; empty = the bound listen address"
     )
     work_dir: str = Field("silod-agent", description="Directory of task logs (jobs/<job>/rank-<r>.log) and checkpoints")
+    checkpoint_root: str = Field(
+        "", description="Directory of job checkpoints (<root>/<job_id>, given to tasks as SILOD_CHECKPOINT_DIR); "
+        "empty = <work_dir>/checkpoints. Shared storage on every node lets a job moved to another node resume"
+    )
     heartbeat_s: float = Field(5.0, gt=0, description="Seconds between heartbeats to the metadata service")
     report_s: float = Field(2.0, gt=0, description="Seconds between ReportTasks calls (also sent on every phase change)")
     checkpoint_deadline_s: float = Field(

@@ -192,19 +192,53 @@ def test_watch_reconnects_with_its_applied_version(allocation, start_agent) -> N
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND and missing.value.details().startswith("job_id")
 
 
+def _group(pgid: int) -> list[int]:
+    """Running members of process group ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except FileNotFoundError:
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                members.append(int(entry))
+    return members
+
+
+def test_task_dies_with_its_killed_agent(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
+    # A killed agent's task would otherwise run on unsupervised and, once the scheduler requeues
+    # the job elsewhere, write the job's checkpoints concurrently with its successor.
+    agent = start_agent()
+    allocation.push(node_plan(agent.node, 1, assignment("job-pdeath", 0, 1, [0])))
+    wait_until(lambda: (_latest(allocation, "job-pdeath", 0, 1) or allocation_pb2.TaskReport()).phase == RUNNING,
+               what="task running")
+    pid = next(t.pid for t in agent.status().tasks)
+    assert _alive(pid)
+    agent.proc.kill()
+    wait_until(lambda: not _group(pid), timeout=10, what="task gone with its agent")
+    assert "checkpointed at" not in agent.log("job-pdeath", 0)  # killed like on a crashed machine, not asked
+
+
 def test_restarted_agent_stops_tasks_its_killed_predecessor_left_then_resumes_them(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
+    # The task's leader (a shell) dies with the agent; the training process it started stays in
+    # its process group without the death signal, and the next agent must stop that group.
     first = start_agent()
-    plan = node_plan(first.node, 1, assignment("job-orphan", 0, 1, [1]))
+    command = ["/bin/sh", "-c", f"'{sys.executable}' -m silod.jobs.emulated & wait"]
+    plan = node_plan(first.node, 1, assignment("job-orphan", 0, 1, [1], command=command))
     allocation.push(plan)
     wait_until(lambda: (_latest(allocation, "job-orphan", 0, 1) or allocation_pb2.TaskReport()).progress.samples_done >= 40,
                what="task making progress")
-    pid = next(t.pid for t in first.status().tasks)
-    first.proc.kill()  # no graceful shutdown: the task survives in its own session
-    os.kill(pid, 0)
+    leader = next(t.pid for t in first.status().tasks)
+    first.proc.kill()  # no graceful shutdown
+    wait_until(lambda: not _alive(leader), timeout=10, what="leader gone with its agent")
+    orphans = _group(leader)
+    assert orphans, "the training process survives its shell"
     env = json.loads(re.search(r"silod-env: (.*)", first.log("job-orphan", 0)).group(1))
     assert "SILOD_GPUS" not in env and "SILOD_NODE_NAME" not in env  # agent settings do not leak into jobs
     second = start_agent(node=first.node, work_dir=first.work_dir)
-    assert not _alive(pid)  # stopped before the new agent served
+    assert not _group(leader) and not any(_alive(p) for p in orphans)  # stopped before the new agent served
     log = second.log("job-orphan", 0)
     saved = int(re.search(r"checkpointed at samples=(\d+)", log).group(1))
     wait_until(lambda: second.log("job-orphan", 0).count("--- silod: generation 1") == 2, what="relaunch")
