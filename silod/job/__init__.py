@@ -18,7 +18,9 @@ API: rank 0 of 1, checkpoints in ``./checkpoints``, progress logged to stderr.
 
 Checkpoints are written atomically (temp file + rename) with ``torch.save`` when the job has
 imported torch, else pickle; only rank 0 writes (the checkpoint is the job's, shared by ranks),
-every rank can load.
+every rank can load. Each save also appends a line to ``checkpoints.jsonl`` next to the
+checkpoint (time, generation, rank, pid and the progress counters at the save), so which
+generation wrote the checkpoint in place, and what a resume starts from, can be checked later.
 """
 
 from __future__ import annotations

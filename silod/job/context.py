@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_LOG = "checkpoints.jsonl"  # one line per save: who wrote it and the progress it holds
 REPORT_INTERVAL_S = 1.0
 DIRECTIVE_INTERVAL_S = 1.0
 CALL_TIMEOUT_S = 1.0  # a training step must never wait long for the agent
@@ -137,7 +139,31 @@ class JobContext:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.checkpoint_path)
+        self._log_checkpoint()
         return True
+
+    def _log_checkpoint(self) -> None:
+        """Append who saved and the progress counters at the save, so that operators and tests
+        can tell which generation wrote the checkpoint in place and how far a resume goes back.
+        One short O_APPEND write per line: concurrent writers never interleave within a line."""
+        record = {
+            "t": time.time(), "job_id": self.job_id, "generation": self.generation, "rank": self.rank,
+            "world_size": self.world_size, "pid": os.getpid(), "samples_done": self.samples_done,
+            "steps_done": self.steps_done, "epochs_done": self.epochs_done,
+        }
+        fd = os.open(self.checkpoint_dir / CHECKPOINT_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)
+
+    def checkpoint_history(self) -> list[dict[str, Any]]:
+        """The save records of this job's checkpoint directory, oldest first."""
+        try:
+            lines = (self.checkpoint_dir / CHECKPOINT_LOG).read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in lines if line.strip()]
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         try:
