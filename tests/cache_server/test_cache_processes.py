@@ -22,7 +22,6 @@ from tests.cache_server.harness import (
     finish_job,
     make_dataset,
     moto_s3,
-    quota,
     register,
     silod_cli,
     start_job,
@@ -139,12 +138,28 @@ def test_preload_cli_fills_the_cache(tmp_path: Path, metadata: str) -> None:
         assert code == 1 and "NOT_FOUND: dataset:" in out
 
 
+def _node_plan(node: str, version: int, job: str, dataset: str, quota_bytes: int, rate: int) -> plan_pb2.NodePlan:
+    """What the scheduler's AllocationService sends ``node`` for a plan placing ``job`` there
+    with a cache grant (one GPU, policy uniform)."""
+    from scheduler.live.convert import node_plan
+    from silod.v1 import common_pb2
+
+    plan = plan_pb2.AllocationPlan(version=version, policy="silod-test", cache_mode="silod")
+    entry = plan.jobs.add(job_id=job, batch_size=10, cache_policy="uniform", generation=1)
+    entry.placements.add(node=node, gpu_indices=[0])
+    entry.cache_grants.add(node=node, cache_quota_bytes=quota_bytes, remote_io_bytes_per_s=rate)
+    view = node_plan(plan, node, {job: common_pb2.JobSpec(name=job, dataset=dataset, batch_size=10)}, {})
+    assert [(q.job_id, q.dataset) for q in view.cache_quotas] == [(job, dataset)]
+    return view
+
+
 def test_quota_and_io_rate_from_a_watched_plan_are_enforced(tmp_path: Path, metadata: str) -> None:
     """The plan reaches the cache server the way it does in a cluster: ``--scheduler-address``,
     AllocationService.Watch, Ack. The real ``silod scheduler`` cannot serve it yet (no policy
     grants cache or IO: scheduler/policies never set ``cache_bytes``), so the scripted
     AllocationService (tests/worker_agent/scripted_allocation.py) serves the NodePlan a
-    SiloD-style policy would: the job's dataset, its cache quota and its remote IO rate."""
+    SiloD-style policy would: the job's dataset, its cache quota and its remote IO rate, cut
+    from an AllocationPlan by the scheduler's own conversion (scheduler.live.convert.node_plan)."""
     size, count = 25_000, 120  # 3 MB: 3 s of cold reads at the planned rate
     rate, quota_bytes = 1_000_000, count * size // 2
     root = tmp_path / "store"
@@ -152,8 +167,7 @@ def test_quota_and_io_rate_from_a_watched_plan_are_enforced(tmp_path: Path, meta
     register(metadata, "planned", f"file://{root}")
     alloc = AllocationServer()
     try:
-        alloc.push(plan_pb2.NodePlan(node="plan-node", version=7,
-                                     cache_quotas=[quota("pj", "planned", quota_bytes, rate, "uniform")]))
+        alloc.push(_node_plan("plan-node", 7, "pj", "planned", quota_bytes, rate))
         with start_service("cache-server", "--metadata-address", metadata, "--scheduler-address", alloc.address,
                            "--node", "plan-node", "--disk-cache-dir", str(tmp_path / "d"), "--memory-cache-bytes", "0",
                            "--log-level", "warning", workdir=tmp_path / "cs") as cache:
