@@ -14,12 +14,18 @@ Defaults are the Pollux artifact simulator's: 16 nodes x 4 GPUs, a scheduling ro
     max_gpus_per_job: 64    # cap on any job's max_gpus (default: every GPU of the cluster)
     schedule_on_events: false  # also run a round on every arrival and completion
     stall_timeout_s: 86400  # fail when active jobs make no progress for this long
+    # Cache and remote IO (issue 7). The defaults model today's GPU-only cluster: no cache
+    # and unlimited storage bandwidth, which reproduces the GPU-only results exactly.
+    cache_bytes_per_node: 0              # dataset cache on every node (a list entry may set cache_bytes)
+    storage_bandwidth_bytes_per_s: .inf  # cluster-wide remote read budget
+    nic_bytes_per_s: .inf                # per-node cap on remote reads (a list entry may set its own)
 
 Every error names the offending field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,17 +40,23 @@ DEFAULT_INTERVAL_S = 60.0
 DEFAULT_RESTART_COST_S = 30.0
 DEFAULT_STALL_TIMEOUT_S = 86400.0
 
-_FIELDS = {"nodes", "gpus_per_node", "restart_cost_s", "interval_s", "max_gpus_per_job", "schedule_on_events", "stall_timeout_s"}
-_NODE_FIELDS = {"name", "gpus", "count"}
+_FIELDS = {
+    "nodes", "gpus_per_node", "restart_cost_s", "interval_s", "max_gpus_per_job", "schedule_on_events", "stall_timeout_s",
+    "cache_bytes_per_node", "storage_bandwidth_bytes_per_s", "nic_bytes_per_s",
+}
+_NODE_FIELDS = {"name", "gpus", "count", "cache_bytes", "nic_bytes_per_s"}
 
 
 def _default_nodes() -> tuple[NodeInfo, ...]:
     return uniform_nodes(DEFAULT_NODES, DEFAULT_GPUS_PER_NODE)
 
 
-def uniform_nodes(count: int, gpus: int) -> tuple[NodeInfo, ...]:
+def uniform_nodes(count: int, gpus: int, cache_bytes: float = 0.0, nic_bytes_per_s: float = math.inf) -> tuple[NodeInfo, ...]:
     width = max(2, len(str(count - 1)))
-    return tuple(NodeInfo(name=f"node-{i:0{width}d}", gpus=gpus) for i in range(count))
+    return tuple(
+        NodeInfo(name=f"node-{i:0{width}d}", gpus=gpus, cache_capacity_bytes=cache_bytes, nic_bytes_per_s=nic_bytes_per_s)
+        for i in range(count)
+    )
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,7 @@ class ClusterSpec:
     max_gpus_per_job: int | None = None  # None: every GPU of the cluster
     schedule_on_events: bool = False
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    storage_bandwidth_bytes_per_s: float = math.inf  # cluster-wide remote read budget; inf = not limiting
 
     def __post_init__(self):
         if not self.nodes:
@@ -73,6 +86,15 @@ class ClusterSpec:
             raise SimulatorInputError(f"cluster field 'max_gpus_per_job': must be >= 1, got {self.max_gpus_per_job!r}")
         if not self.stall_timeout_s > 0:
             raise SimulatorInputError(f"cluster field 'stall_timeout_s': must be > 0, got {self.stall_timeout_s!r}")
+        if not self.storage_bandwidth_bytes_per_s > 0:
+            raise SimulatorInputError(
+                f"cluster field 'storage_bandwidth_bytes_per_s': must be > 0 (.inf = unlimited), got {self.storage_bandwidth_bytes_per_s!r}"
+            )
+        for n in self.nodes:
+            if not (math.isfinite(n.cache_capacity_bytes) and n.cache_capacity_bytes >= 0):
+                raise SimulatorInputError(f"cluster field 'cache_bytes_per_node': node {n.name} needs a finite number >= 0, got {n.cache_capacity_bytes!r}")
+            if not n.nic_bytes_per_s > 0:
+                raise SimulatorInputError(f"cluster field 'nic_bytes_per_s': node {n.name} needs a number > 0 (.inf = unlimited), got {n.nic_bytes_per_s!r}")
 
     @property
     def total_gpus(self) -> int:
@@ -82,6 +104,15 @@ class ClusterSpec:
     def gpus_per_node(self) -> int:
         """The largest node's GPU count (what ``predict`` packs against)."""
         return max(n.gpus for n in self.nodes)
+
+    @property
+    def total_cache_bytes(self) -> float:
+        return float(sum(n.cache_capacity_bytes for n in self.nodes))
+
+    @property
+    def io_limited(self) -> bool:
+        """Whether remote IO can ever limit a job (a finite budget or NIC)."""
+        return math.isfinite(self.storage_bandwidth_bytes_per_s) or any(math.isfinite(n.nic_bytes_per_s) for n in self.nodes)
 
     @property
     def job_gpu_cap(self) -> int:
@@ -101,6 +132,8 @@ class ClusterSpec:
             "interval_s": self.interval_s,
             "max_gpus_per_job": self.job_gpu_cap,
             "schedule_on_events": self.schedule_on_events,
+            "cache_bytes": self.total_cache_bytes,
+            "storage_bandwidth_bytes_per_s": self.storage_bandwidth_bytes_per_s,
         }
 
 
@@ -108,13 +141,24 @@ def _number(data: dict, key: str, default: float, *, integer: bool = False, wher
     value = data.get(key, default)
     if value is None:
         return default
+    if isinstance(value, str) and value.strip().lower() in ("inf", ".inf", "infinity", "unlimited"):
+        value = math.inf  # YAML's .inf is a float already; the words are accepted for readability
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SimulatorInputError(f"{where} {key!r}: expected a number, got {value!r}")
+    if math.isnan(value):
+        raise SimulatorInputError(f"{where} {key!r}: expected a number, got NaN")
     if integer:
         if float(value) != int(value):
             raise SimulatorInputError(f"{where} {key!r}: expected a whole number, got {value!r}")
         return int(value)
     return float(value)
+
+
+def _non_negative(data: dict, key: str, default: float, where: str) -> float:
+    value = _number(data, key, default, where=where)
+    if not (math.isfinite(value) and value >= 0):
+        raise SimulatorInputError(f"{where} {key!r}: must be a finite number >= 0, got {value!r}")
+    return value
 
 
 def _positive_int(data: dict, key: str, default: int, where: str) -> int:
@@ -134,6 +178,8 @@ def cluster_from_dict(data: dict[str, Any] | None, source: str = "cluster spec")
     if unknown:
         raise SimulatorInputError(f"{source}: unknown field {unknown[0]!r}; known: {', '.join(sorted(_FIELDS))}")
     gpus_per_node = _positive_int(data, "gpus_per_node", DEFAULT_GPUS_PER_NODE, "cluster field")
+    cache = _non_negative(data, "cache_bytes_per_node", 0.0, "cluster field")
+    nic = _number(data, "nic_bytes_per_s", math.inf)
     raw_nodes = data.get("nodes", DEFAULT_NODES)
     if isinstance(raw_nodes, list):
         if "gpus_per_node" in data:
@@ -155,14 +201,16 @@ def cluster_from_dict(data: dict[str, Any] | None, source: str = "cluster spec")
                 raise SimulatorInputError(f"{where} field 'name': expected a non-empty string, got {name!r}")
             if name is not None and count > 1:
                 raise SimulatorInputError(f"{where}: 'name' and 'count' > 1 cannot go together")
+            node_cache = _non_negative(entry, "cache_bytes", cache, where + " field")
+            node_nic = _number(entry, "nic_bytes_per_s", nic, where=where + " field")
             for _ in range(count):
-                nodes.append(NodeInfo(name=name or "", gpus=gpus))
+                nodes.append(NodeInfo(name=name or "", gpus=gpus, cache_capacity_bytes=node_cache, nic_bytes_per_s=node_nic))
         width = max(2, len(str(len(nodes) - 1)))
-        nodes = [n if n.name else NodeInfo(name=f"node-{i:0{width}d}", gpus=n.gpus) for i, n in enumerate(nodes)]
+        nodes = [n if n.name else dataclasses.replace(n, name=f"node-{i:0{width}d}") for i, n in enumerate(nodes)]
         node_tuple = tuple(nodes)
     else:
         count = _positive_int(data, "nodes", DEFAULT_NODES, "cluster field")
-        node_tuple = uniform_nodes(count, gpus_per_node)
+        node_tuple = uniform_nodes(count, gpus_per_node, cache, nic)
     flag = data.get("schedule_on_events", False)
     if not isinstance(flag, bool):
         raise SimulatorInputError(f"cluster field 'schedule_on_events': expected true or false, got {flag!r}")
@@ -176,6 +224,7 @@ def cluster_from_dict(data: dict[str, Any] | None, source: str = "cluster spec")
         max_gpus_per_job=max_gpus,
         schedule_on_events=flag,
         stall_timeout_s=_number(data, "stall_timeout_s", DEFAULT_STALL_TIMEOUT_S),
+        storage_bandwidth_bytes_per_s=_number(data, "storage_bandwidth_bytes_per_s", math.inf),
     )
 
 

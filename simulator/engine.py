@@ -41,6 +41,7 @@ from scheduler.registry import get_policy
 from simulator.clock import SimClock
 from simulator.cluster import ClusterSpec
 from simulator.errors import SimulationStuck, SimulatorInputError
+from simulator.cacheio import CACHE_MODES, CacheIoRates
 from simulator.rates import GoodputRates, RateModel
 from simulator.workload import JobSpec, Workload, target_samples, workload_from_jobs
 
@@ -99,19 +100,22 @@ class SimulationResult:
     start_s: float                        # the clock's start
     wall_time_s: float = 0.0              # filled by :func:`simulator.runner.simulate`
     policy_options: dict = field(default_factory=dict)  # the policy's constructor options, for reproducibility
+    cache_mode: str = "none"              # see simulator.cacheio
+    remote_bytes_read: float = 0.0        # bytes read from remote storage by all jobs (IO utilization)
 
 
 class _Job:
     """Mutable per-job state inside the engine."""
 
     __slots__ = (
-        "spec", "model", "target", "min_gpus", "max_gpus", "requested", "done", "attained", "restarts",
+        "spec", "model", "dataset", "target", "min_gpus", "max_gpus", "requested", "done", "attained", "restarts",
         "start", "finish", "allocation", "restart_until", "rate", "finish_at",
     )
 
-    def __init__(self, spec: JobSpec, model: JobModel, target: float, max_gpus: int):
+    def __init__(self, spec: JobSpec, model: JobModel, target: float, max_gpus: int, dataset: str = ""):
         self.spec = spec
         self.model = model
+        self.dataset = dataset
         self.target = target
         self.min_gpus = 1
         self.max_gpus = max_gpus
@@ -140,6 +144,7 @@ class _Job:
             batch_size=s.batch_size,
             attained_gpu_s=self.attained,
             restarts=self.restarts,
+            dataset=self.dataset,
         )
 
 
@@ -172,7 +177,11 @@ class Simulator:
         check_invariants: bool = True,
         observer: Callable[[SimProgress], None] | None = None,
         policy_options: dict[str, Any] | None = None,
+        cache_mode: str = "none",
     ):
+        if cache_mode not in CACHE_MODES:
+            raise SimulatorInputError(f"--cache: unknown cache mode {cache_mode!r}; known: {', '.join(CACHE_MODES)}")
+        self.cache_mode = cache_mode
         if not isinstance(workload, Workload):
             workload = workload_from_jobs(tuple(workload))
         self.workload = workload
@@ -182,6 +191,8 @@ class Simulator:
                 policy = get_policy(policy, **(policy_options or {}))
             except KeyError as exc:
                 raise SimulatorInputError(exc.args[0]) from None
+        if cache_mode == "silod":
+            policy = _co_designing(policy)
         self.policy = policy
         self.policy_name = str(getattr(policy, "name", type(policy).__name__))
         self.clock = clock or SimClock()
@@ -199,7 +210,12 @@ class Simulator:
                 except KeyError as exc:
                     raise SimulatorInputError(f"job {spec.name}: {exc.args[0]}") from None
             model = models[spec.application]
-            self._jobs.append(_Job(spec, model, target_samples(spec.application), max_gpus_for(model, spec.num_replicas, cap)))
+            target = target_samples(spec.application)
+            self._jobs.append(_Job(spec, model, target, max_gpus_for(model, spec.num_replicas, cap), _dataset_of(spec.application)))
+        if rate_model is None and (cache_mode != "none" or self.cluster.io_limited):
+            rate_model = CacheIoRates(cache_mode, self.cluster.nodes, self.cluster.storage_bandwidth_bytes_per_s,
+                                      gpus_per_node=self.cluster.gpus_per_node)
+        # GPU-only (no cache, unlimited IO) keeps the original rate model: the same numbers as before issue 7.
         self.rate_model: RateModel = rate_model or GoodputRates(list(models.values()), gpus_per_node=self.cluster.gpus_per_node)
 
         self._pending = 0                    # index of the next job to arrive
@@ -285,6 +301,7 @@ class Simulator:
             policy_options=_options_of(self.policy),
             timeline=tuple(self._timeline), rounds=self.rounds, events=self.events,
             plans_checked=self.plans_checked, start_s=self.start_s,
+            cache_mode=self.cache_mode, remote_bytes_read=float(getattr(self.rate_model, "bytes_read", 0.0)),
         )
 
     # --- time --------------------------------------------------------------------------
@@ -327,15 +344,20 @@ class Simulator:
         """Progress every running job from ``t`` to ``t_next`` (no event in between)."""
         dt = t_next - t
         progressed = False
+        working_s: dict[str, float] = {}  # job id -> seconds it worked (not restarting) in this interval
         for job in self._active:
             allocation = job.allocation
             if allocation is None:
                 continue
             job.attained += allocation.gpus * dt
             working = t_next - max(t, job.restart_until)
+            working_s[job.spec.name] = max(working, 0.0)
             if working > 0 and job.rate > 0:
                 job.done += job.rate * working
                 progressed = True
+        advance = getattr(self.rate_model, "advance", None)
+        if advance is not None and working_s:
+            advance(working_s)
         if progressed or not self._active:
             self._stalled_since = None
         elif dt > 0:
@@ -381,6 +403,9 @@ class Simulator:
         self.rounds += 1
         infos = tuple(job.info() for job in self._active)
         current = Plan({j.spec.name: j.allocation for j in self._active if j.allocation is not None})
+        # Only a co-designing scheduler (--cache silod) is told about the storage budget and
+        # what is cached; with an independent cache the scheduler is GPU-only.
+        silod = self.cache_mode == "silod"
         snapshot = ClusterSnapshot(
             time_s=t,
             nodes=self.cluster.nodes,
@@ -388,6 +413,8 @@ class Simulator:
             current=current,
             restart_cost_s=self.cluster.restart_cost_s,
             interval_s=self.cluster.interval_s,
+            storage_bandwidth_bytes_per_s=self.cluster.storage_bandwidth_bytes_per_s if silod else math.inf,
+            cached_bytes=self.rate_model.cached_bytes() if silod and hasattr(self.rate_model, "cached_bytes") else {},
         )
         plan = self.policy.schedule(snapshot)
         if self.check_invariants:
@@ -448,11 +475,27 @@ class Simulator:
                     break
             allocations.append(Allocation(placement=tuple(sorted(placement))))
         infos = [job.info() for job in self._jobs]
-        rates = np.asarray(self.rate_model.rates(infos, allocations), dtype=float)
+        isolated = getattr(self.rate_model, "isolated_rates", self.rate_model.rates)
+        rates = np.asarray(isolated(infos, allocations), dtype=float)
         return [
             self.cluster.restart_cost_s + job.target / rate if rate > 0 else math.inf
             for job, rate in zip(self._jobs, rates.tolist())
         ]
+
+
+def _dataset_of(application: str) -> str:
+    """The dataset a job of ``application`` reads (``datasets.csv``), or ""."""
+    from estimator.profiles import dataset_for
+
+    facts = dataset_for(application)
+    return facts.name if facts else ""
+
+
+def _co_designing(policy: Policy) -> Policy:
+    """``policy`` with SiloD co-design on (its ``codesign`` option), or an error if it has none."""
+    if not dataclasses.is_dataclass(policy) or "codesign" not in {f.name for f in dataclasses.fields(policy)}:
+        raise SimulatorInputError(f"--cache silod: policy {getattr(policy, 'name', policy)!r} has no codesign option")
+    return dataclasses.replace(policy, codesign=True)
 
 
 def _options_of(policy: object) -> dict:

@@ -1,0 +1,214 @@
+"""SiloD co-design: grant cache quotas and remote IO with the GPUs a policy chose.
+
+A policy decides GPUs (and batch sizes) with its own objective; :func:`co_allocate` then
+hands out the two data resources the same way for every policy (DESIGN.md, "The SiloD
+model"):
+
+1. **Cache**, per ``(node, dataset)``, in decreasing *cache efficiency* ``T(g) s / d`` — the
+   remote bytes/s one cached byte saves at compute speed — within each node's
+   ``cache_capacity_bytes``. A (node, dataset) pair serves every placed job reading that
+   dataset with GPUs on the node, so its efficiency is the sum over those jobs, weighted
+   by the share of the job's GPUs there. A job never gets more than ``d`` in total over its
+   nodes. The quota is written on the first such job in the policy's order (so per-node
+   quotas add up to what the node holds, never more).
+2. **Remote IO** up to each job's demand ``b* = T(g) s (1 - h)``, within the storage budget
+   and each node's NIC (a job reads through its nodes' NICs in proportion to its GPUs).
+   ``h`` is the hit ratio the job has *now* — the cached bytes the snapshot reports, up to
+   its quota — so a cold cache gets the IO to fill it. ``io="priority"`` serves jobs in the
+   policy's order (its objective decides who runs at full speed); ``io="max_min"`` is
+   water-filling (progressive filling) over the demands.
+
+Policies that estimate time or speed price jobs through the estimator's ``T(g, c, b)`` with
+:func:`expected_grants`: the cache the job could get (a fixed subset, capped by its
+dataset and what one node holds, or what it holds now) and the IO it would need, capped
+by the budget.
+
+Everything here is a pure function of the snapshot, like the policies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import numpy as np
+
+from estimator.predict import ModelTable, predict
+from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
+
+Placement = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def is_active(snapshot: ClusterSnapshot) -> bool:
+    """Whether the snapshot has data resources to manage (cache somewhere or a finite IO budget)."""
+    return math.isfinite(snapshot.storage_bandwidth_bytes_per_s) or any(n.cache_capacity_bytes > 0 for n in snapshot.nodes)
+
+
+def node_shares(placement: Placement) -> dict[str, float]:
+    """Node -> fraction of the job's GPUs there (also the fraction of its reads)."""
+    total = sum(len(ix) for _, ix in placement)
+    return {node: len(ix) / total for node, ix in placement if ix} if total else {}
+
+
+def max_min_share(
+    demand: Sequence[float] | np.ndarray,
+    shares: Sequence[Mapping[str, float]],
+    budget: float,
+    nic: Mapping[str, float],
+) -> np.ndarray:
+    """Max-min fair IO rates (progressive filling): every unsatisfied job's rate rises equally
+    until it reaches its ``demand`` or a resource it uses — the ``budget`` (all jobs) or a
+    NIC (job k uses ``shares[k][node]`` of its rate on ``node``) — is full."""
+    demand = np.asarray(demand, dtype=float)
+    rate = np.zeros(demand.size)
+    active = demand > 0
+    left_budget = float(budget)
+    left_nic = {n: float(v) for n, v in nic.items()}
+    for _ in range(demand.size + len(left_nic) + 1):  # each pass freezes a job or fills a resource
+        if not active.any():
+            break
+        ks = np.flatnonzero(active)
+        step = np.min(demand[ks] - rate[ks])
+        if math.isfinite(left_budget):
+            step = min(step, left_budget / ks.size)
+        load: dict[str, float] = {}
+        for k in ks:
+            for node, f in shares[k].items():
+                load[node] = load.get(node, 0.0) + f
+        for node, weight in load.items():
+            cap = left_nic.get(node, math.inf)
+            if math.isfinite(cap) and weight > 0:
+                step = min(step, cap / weight)
+        step = max(step, 0.0)
+        rate[ks] += step
+        left_budget -= step * ks.size
+        full = set()
+        for node, weight in load.items():
+            if math.isfinite(left_nic.get(node, math.inf)):
+                left_nic[node] -= step * weight
+                if left_nic[node] <= 1e-9 * max(1.0, nic[node]):
+                    full.add(node)
+        budget_full = math.isfinite(budget) and left_budget <= 1e-9 * max(1.0, budget)
+        for k in ks:
+            if rate[k] >= demand[k] * (1 - 1e-12) or budget_full or any(n in full for n in shares[k]):
+                active[k] = False
+    return np.minimum(rate, demand)
+
+
+def _compute_rates(jobs: Sequence[JobInfo], gpus, nodes, batch, per_node: int) -> np.ndarray:
+    models: dict[int, object] = {}
+    for job in jobs:
+        models.setdefault(id(job.model), job.model)
+    row = {key: i for i, key in enumerate(models)}
+    table = ModelTable(list(models.values()))
+    index = np.array([row[id(job.model)] for job in jobs])
+    return predict(table, index, gpus, nodes, 0.0, math.inf, batch, gpus_per_node=per_node).compute_samples_per_s
+
+
+def _per_node(snapshot: ClusterSnapshot) -> int:
+    return max([n.gpus for n in snapshot.nodes if n.pool == "training"] + [1])
+
+
+def co_allocate(
+    snapshot: ClusterSnapshot,
+    placements: Mapping[str, Placement],
+    order: Sequence[str] | None = None,
+    batch_sizes: Mapping[str, int] | None = None,
+    *,
+    io: Literal["priority", "max_min"] = "priority",
+) -> Plan:
+    """The plan giving each placed job its GPUs plus cache quotas and an IO rate (module docstring)."""
+    batch_sizes = batch_sizes or {}
+    jobs_by_id = {job.job_id: job for job in snapshot.jobs}
+    sequence = [j for j in dict.fromkeys(list(order or []) + list(placements)) if j in placements and placements[j]]
+    if not sequence:
+        return Plan({})
+    jobs = [jobs_by_id[j] for j in sequence]
+    shares = [node_shares(placements[j]) for j in sequence]
+    gpus = np.array([sum(len(ix) for _, ix in placements[j]) for j in sequence])
+    nodes = np.array([len(placements[j]) for j in sequence])
+    batch = np.array([batch_sizes.get(j, 0) or jobs_by_id[j].batch_size for j in sequence])
+    compute = _compute_rates(jobs, gpus, nodes, batch, _per_node(snapshot))
+    d = np.array([job.model.dataset_bytes for job in jobs])
+    s = np.array([job.model.bytes_per_sample for job in jobs])
+
+    # 1. cache, in decreasing efficiency per (node, dataset)
+    efficiency: dict[tuple[str, str], float] = {}
+    readers: dict[tuple[str, str], list[int]] = {}
+    for k, job in enumerate(jobs):
+        if not job.dataset or d[k] <= 0 or s[k] <= 0:
+            continue
+        for node, f in shares[k].items():
+            key = (node, job.dataset)
+            efficiency[key] = efficiency.get(key, 0.0) + compute[k] * s[k] / d[k] * f
+            readers.setdefault(key, []).append(k)
+    room = {n.name: n.cache_capacity_bytes for n in snapshot.nodes}
+    covered = np.zeros(len(jobs))
+    quotas: list[dict[str, float]] = [{} for _ in jobs]
+    for key in sorted(efficiency, key=lambda key: (-efficiency[key], key)):
+        node = key[0]
+        want = max(d[k] - covered[k] for k in readers[key])
+        grant = min(want, room.get(node, 0.0))
+        if grant <= 0:
+            continue
+        room[node] -= grant
+        quotas[readers[key][0]][node] = grant
+        for k in readers[key]:
+            covered[k] += grant
+
+    # 2. remote IO up to b* at the hit ratio the job has now
+    cached = snapshot.cached_bytes
+    held = np.array([
+        sum(min(cached.get((n, job.dataset), 0.0), sum(quotas[r].get(n, 0.0) for r in readers.get((n, job.dataset), [k])))
+            for n in shares[k])
+        for k, job in enumerate(jobs)
+    ])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        miss = np.where(d > 0, 1.0 - np.clip(held / np.where(d > 0, d, 1.0), 0.0, 1.0), 0.0)
+    demand = compute * s * miss
+    nic = {n.name: n.nic_bytes_per_s for n in snapshot.nodes}
+    budget = snapshot.storage_bandwidth_bytes_per_s
+    if io == "max_min":
+        rates = max_min_share(demand, shares, budget, nic)
+    else:
+        rates = np.zeros(len(jobs))
+        left = budget
+        left_nic = dict(nic)
+        for k in range(len(jobs)):
+            cap = min([left] + [left_nic.get(n, math.inf) / f for n, f in shares[k].items() if f > 0])
+            rates[k] = max(0.0, min(demand[k], cap))
+            left -= rates[k]
+            for n, f in shares[k].items():
+                left_nic[n] = left_nic.get(n, math.inf) - rates[k] * f
+    return Plan({
+        j: Allocation(
+            placement=placements[j], batch_size=batch_sizes.get(j, 0), cache_bytes=quotas[k],
+            remote_io_bytes_per_s=float(rates[k]) if math.isfinite(rates[k]) else math.inf,
+        )
+        for k, j in enumerate(sequence)
+    })
+
+
+def expected_grants(snapshot: ClusterSnapshot, jobs: Sequence[JobInfo], compute: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per job, the ``(cache bytes, remote IO bytes/s)`` to price it with in ``T(g, c, b)``.
+
+    Cache: what the job's dataset holds now on any one node (placement prefers such nodes),
+    or what one node could hold for it, whichever is larger, capped at ``d``. The cache split
+    among jobs is decided later (:func:`co_allocate`); this is the job's prospect, used to
+    tell IO-bound jobs from compute-bound ones. IO: the storage budget (the job may be
+    served first); with ``compute`` (T(g) per job) capped at its demand ``b*``.
+    """
+    best_node = max((n.cache_capacity_bytes for n in snapshot.nodes), default=0.0)
+    held: dict[str, float] = {}
+    for (node, dataset), value in snapshot.cached_bytes.items():
+        held[dataset] = max(held.get(dataset, 0.0), value)
+    cache = np.array([min(job.model.dataset_bytes, max(best_node, held.get(job.dataset, 0.0))) for job in jobs], dtype=float)
+    io = np.full(len(jobs), float(snapshot.storage_bandwidth_bytes_per_s))
+    if compute is not None:
+        d = np.array([job.model.dataset_bytes for job in jobs])
+        s = np.array([job.model.bytes_per_sample for job in jobs])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            miss = np.where(d > 0, 1.0 - np.clip(cache / np.where(d > 0, d, 1.0), 0.0, 1.0), 0.0)
+        io = np.minimum(io, compute * s * miss)
+    return cache, io
