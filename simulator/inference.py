@@ -342,7 +342,7 @@ class Replica:
     def _expect(self, now: float, allowed, action: str) -> None:
         state = self.state(now)
         if state not in allowed:
-            raise ReplicaError(f"{self.replica_id}: cannot {action} a {state.value} replica")
+            raise ReplicaError(f"{self.replica_id}: cannot {action} a replica in state {state.value}")
 
     def _enter(self, state: ReplicaState, since: float, until: float) -> None:
         self._state, self._since, self._until = state, since, until
