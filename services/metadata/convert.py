@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
@@ -24,10 +25,44 @@ def from_json(data: dict[str, Any], message_type: type[M]) -> M:
     return json_format.ParseDict(data, message_type(), ignore_unknown_fields=True)
 
 
-def job_to_proto(row: models.Job) -> common_pb2.Job:
+class _ParseMemo(Generic[M]):
+    """Remembers the message parsed from a row's JSON column, per row.
+
+    json_format parses in pure Python, tens of microseconds a message: listing 1,000 jobs would
+    spend most of its time re-parsing specs that never change. A hit costs one dict comparison;
+    a changed value (progress moves on) is simply parsed again. Callers must copy the returned
+    message (a message-typed constructor argument does), since it is shared.
+    """
+
+    def __init__(self, message_type: type[M], max_entries: int = 50_000) -> None:
+        self._type = message_type
+        self._max = max_entries
+        self._entries: dict[str, tuple[dict[str, Any], M]] = {}
+        self._lock = threading.Lock()  # store calls run in several worker threads
+
+    def parse(self, key: str, data: dict[str, Any]) -> M:
+        if not data:
+            return self._type()
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] == data:
+            return hit[1]
+        message = from_json(data, self._type)
+        with self._lock:
+            if len(self._entries) >= self._max:
+                self._entries.clear()  # crude but bounded; a later listing refills it
+            self._entries[key] = (data, message)
+        return message
+
+
+_JOB_SPECS = _ParseMemo(common_pb2.JobSpec)
+_JOB_PROGRESS = _ParseMemo(common_pb2.JobProgress)
+_JOB_ALLOCATED = _ParseMemo(common_pb2.ResourceVector)
+
+
+def job_to_proto(row: models.Job | Any) -> common_pb2.Job:
     return common_pb2.Job(
         id=row.id,
-        spec=from_json(row.spec, common_pb2.JobSpec),
+        spec=_JOB_SPECS.parse(row.id, row.spec),
         state=row.state,  # type: ignore[arg-type]
         client_request_id=row.client_request_id or "",
         state_version=row.state_version,
@@ -35,8 +70,8 @@ def job_to_proto(row: models.Job) -> common_pb2.Job:
         updated_at=to_timestamp(row.updated_at),
         started_at=to_timestamp(row.started_at),
         finished_at=to_timestamp(row.finished_at),
-        progress=from_json(row.progress, common_pb2.JobProgress),
-        allocated=from_json(row.allocated, common_pb2.ResourceVector),
+        progress=_JOB_PROGRESS.parse(row.id, row.progress),
+        allocated=_JOB_ALLOCATED.parse(row.id, row.allocated),
         message=row.message,
     )
 
