@@ -179,7 +179,7 @@ async def start_server(definition: ServiceDefinition, settings: ServiceSettings)
     return RunningServer(server, health_servicer, definition, settings, _format_address(host, port), port)
 
 
-def _write_ready_file(path: str, address: str) -> None:
+def write_ready_file(path: str, address: str) -> None:
     # Write-then-rename so a polling launcher never reads a half-written address.
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -190,7 +190,7 @@ def _write_ready_file(path: str, address: str) -> None:
         raise StartupError(f"ready_file: cannot write {path!r}: {exc.strerror or exc}") from None
 
 
-def _remove_ready_file(path: str) -> None:
+def remove_ready_file(path: str) -> None:
     if path:
         Path(path).unlink(missing_ok=True)
 
@@ -208,7 +208,7 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
         loop.add_signal_handler(sig, on_signal, sig)
 
     # A file left by a killed predecessor would announce an address nobody serves.
-    _remove_ready_file(settings.ready_file)
+    remove_ready_file(settings.ready_file)
     metrics_server = None
     if settings.metrics_port:
         try:
@@ -224,7 +224,7 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
             return
         try:
             if settings.ready_file:
-                _write_ready_file(settings.ready_file, running.address)
+                write_ready_file(settings.ready_file, running.address)
             _log.info(
                 "serving",
                 extra={
@@ -240,7 +240,7 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
             _log.info("shutting down", extra={"signal": received[0], "grace_s": settings.shutdown_grace_s})
         finally:
             await running.stop(settings.shutdown_grace_s)
-            _remove_ready_file(settings.ready_file)
+            remove_ready_file(settings.ready_file)
         _log.info("shutdown complete")
     finally:
         if metrics_server is not None:

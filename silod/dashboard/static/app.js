@@ -1,0 +1,122 @@
+// Polls /api/overview and fills the tables. Text goes in through textContent only, so job
+// names and messages can never inject markup.
+"use strict";
+
+const bytes = (n) => {
+  if (n === null || n === undefined) return "–";
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (n >= 1000 && i < units.length - 1) { n /= 1000; i++; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+};
+const rate = (n) => (n ? `${bytes(n)}/s` : "–");
+const pct = (x) => (x === null || x === undefined ? "–" : `${(100 * x).toFixed(1)}%`);
+const when = (t) => (t ? new Date(t * 1000).toLocaleTimeString() : "–");
+
+function cell(row, content, className) {
+  const td = document.createElement("td");
+  if (content instanceof Node) td.appendChild(content); else td.textContent = String(content);
+  if (className) td.className = className;
+  row.appendChild(td);
+  return td;
+}
+
+function fill(tableId, items, render) {
+  const body = document.querySelector(`#${tableId} tbody`);
+  const rows = items.map((item) => { const tr = document.createElement("tr"); render(tr, item); return tr; });
+  if (!rows.length) {
+    const tr = document.createElement("tr");
+    const td = cell(tr, "none yet", "empty");
+    td.colSpan = document.querySelectorAll(`#${tableId} thead th`).length;
+    rows.push(tr);
+  }
+  body.replaceChildren(...rows);
+}
+
+function gpuStrip(node) {
+  const strip = document.createElement("span");
+  strip.className = "gpus";
+  for (const g of node.gpus) {
+    const box = document.createElement("span");
+    box.className = `gpu ${g.use}`;
+    box.title = `GPU ${g.index}: ${g.use}${g.holder ? " — " + (g.job_name || g.holder) : ""}`;
+    box.textContent = g.index;
+    strip.appendChild(box);
+  }
+  return strip;
+}
+
+function render(data) {
+  const t = data.gpu_totals;
+  document.getElementById("gpu-totals").textContent =
+    `${t.training} training · ${t.lent} lent to training · ${t.inference} inference · ${t.idle} idle` +
+    ` — plan version ${data.latest_plan_version}`;
+  fill("nodes", data.nodes, (tr, n) => {
+    cell(tr, n.name);
+    cell(tr, n.pool);
+    cell(tr, n.alive ? "up" : "down", n.alive ? "ok" : "bad");
+    cell(tr, gpuStrip(n));
+    cell(tr, n.applied_plan_version);
+    cell(tr, n.cache.reachable ? pct(n.cache.hit_ratio) : (n.cache.error || "unreachable"));
+    const used = n.cache.reachable ? n.cache.tiers.reduce((s, x) => s + x.used_bytes, 0) : null;
+    const cap = n.cache.reachable ? n.cache.tiers.reduce((s, x) => s + x.capacity_bytes, 0) : null;
+    cell(tr, used === null ? "–" : `${bytes(used)} / ${bytes(cap)}`);
+    cell(tr, n.cache.reachable ? rate(n.cache.remote_rate_bytes_per_s) : "–");
+  });
+  fill("jobs", data.jobs.slice().reverse(), (tr, j) => {
+    cell(tr, j.id);
+    cell(tr, j.name);
+    cell(tr, j.state, `state-${j.state}`);
+    cell(tr, j.min_gpus === j.max_gpus ? `${j.gpus} (${j.max_gpus})` : `${j.gpus} (${j.min_gpus}–${j.max_gpus})`);
+    const bar = document.createElement("progress");
+    bar.max = 1; bar.value = j.fraction_done;
+    const progress = document.createElement("span");
+    progress.append(bar, ` ${pct(j.fraction_done)}`);
+    cell(tr, progress);
+    cell(tr, j.throughput_samples_per_s ? j.throughput_samples_per_s.toFixed(1) : "–");
+    cell(tr, j.cache_hit_ratio ? pct(j.cache_hit_ratio) : "–");
+    cell(tr, j.dataset || "–");
+  });
+  const cacheJobs = data.nodes.flatMap((n) => (n.cache.reachable ? n.cache.jobs.map((j) => ({ node: n.name, ...j })) : []));
+  fill("cache-jobs", cacheJobs, (tr, j) => {
+    cell(tr, j.node);
+    cell(tr, j.job_id);
+    cell(tr, j.dataset);
+    cell(tr, j.quota_bytes ? bytes(j.quota_bytes) : "best effort");
+    cell(tr, bytes(j.cached_bytes));
+    cell(tr, pct(j.hit_ratio));
+    cell(tr, rate(j.remote_io_rate_bytes_per_s));
+    cell(tr, j.remote_io_limit_bytes_per_s ? rate(j.remote_io_limit_bytes_per_s) : "unlimited");
+  });
+  fill("plans", data.plans, (tr, p) => {
+    cell(tr, p.version);
+    cell(tr, when(p.created_at));
+    cell(tr, p.policy);
+    cell(tr, p.cache_mode);
+    cell(tr, p.reason);
+    cell(tr, p.jobs_placed);
+    cell(tr, p.gpus_used);
+    cell(tr, p.loans);
+  });
+}
+
+async function refresh() {
+  const status = document.getElementById("status");
+  let delay = 2000;
+  try {
+    const reply = await fetch("/api/overview", { credentials: "same-origin" });
+    const data = await reply.json();
+    if (!reply.ok) throw new Error(data.error || reply.statusText);
+    render(data);
+    delay = 1000 * (data.refresh_s || 2);
+    status.textContent = `updated ${new Date().toLocaleTimeString()}`;
+    status.className = "status ok";
+    document.body.dataset.loaded = "true";
+  } catch (err) {
+    status.textContent = `cannot load: ${err.message}`;
+    status.className = "status bad";
+  }
+  setTimeout(refresh, delay);
+}
+
+refresh();
