@@ -1,0 +1,118 @@
+"""deploy/systemd: one unit per service, whose command lines and EnvironmentFiles are exactly
+what the real CLI parser and settings classes accept, and whose addresses fit together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deploy_checks import ADDRESS_TARGETS, DEPLOY, addresses, check_client_command, load_service, port_of
+from silod.cli.main import SERVICES
+
+SYSTEMD = DEPLOY / "systemd"
+SILOD = "/opt/silod/bin/silod"
+
+
+def _unit(path: Path) -> dict[str, dict[str, list[str]]]:
+    """section -> key -> values (keys such as EnvironmentFile repeat)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current = None
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        assert not line.endswith("\\"), f"{path.name}: keep each directive on one line"
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), {})
+            continue
+        key, sep, value = line.partition("=")
+        assert sep and current is not None, f"{path.name}: cannot read {raw!r}"
+        current.setdefault(key, []).append(value)
+    return sections
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    env = {}
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            key, sep, value = line.partition("=")
+            assert sep, f"{path.name}: {raw!r} is not KEY=VALUE"
+            env[key] = value
+    return env
+
+
+def _environment(unit: dict[str, dict[str, list[str]]]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for name in unit["Service"]["EnvironmentFile"]:
+        local = SYSTEMD / Path(name.lstrip("-")).name
+        assert local.is_file(), f"EnvironmentFile {name}: no example {local.name} in deploy/systemd"
+        env.update(_env_file(local))  # later files override earlier ones, as in systemd
+    return env
+
+
+def _argv(command: str) -> list[str]:
+    exe, *argv = command.split()
+    assert exe == SILOD, f"{command!r} does not run {SILOD}"
+    return argv
+
+
+@pytest.fixture(scope="module")
+def units() -> dict[str, tuple[str, Any, dict[str, dict[str, list[str]]]]]:
+    """unit file name -> (silod service, settings, parsed unit); module-scoped because building
+    the parser imports each service module."""
+    out = {}
+    for path in sorted(SYSTEMD.glob("*.service")):
+        unit = _unit(path)
+        (start,) = unit["Service"]["ExecStart"]
+        service, settings = load_service(_argv(start), _environment(unit), where=path.name)
+        out[path.name] = (service, settings, unit)
+    return out
+
+
+def test_one_unit_per_service(units: dict[str, Any]) -> None:
+    assert sorted(service for service, _, _ in units.values()) == sorted(SERVICES)
+    for name, (service, _, _) in units.items():
+        assert name == f"silod-{service}.service"
+
+
+def test_units_restart_on_failure_but_not_on_configuration_errors(units: dict[str, Any]) -> None:
+    for name, (_, _, unit) in units.items():
+        service = unit["Service"]
+        assert service["Restart"] == ["on-failure"], name
+        # silod exits 2 on a configuration error (services/runtime/server.py, silod/cli/main.py).
+        assert service["RestartPreventExitStatus"] == ["2"], name
+        assert service["User"] == ["silod"], name
+        assert unit["Install"]["WantedBy"] == ["multi-user.target"], name
+
+
+def test_metadata_migrates_before_it_starts(units: dict[str, Any]) -> None:
+    _, metadata, unit = units["silod-metadata.service"]
+    (pre,) = unit["Service"]["ExecStartPre"]
+    env = _environment(unit)
+    args = check_client_command(_argv(pre), {"SILOD_DB": env["SILOD_DB"]}, where="ExecStartPre")
+    assert (args.command, args.db_command) == ("db", "upgrade")
+    assert metadata.auto_migrate is False
+    assert metadata.db.startswith("postgresql")
+
+
+def test_addresses_point_at_the_ports_the_services_listen_on(units: dict[str, Any]) -> None:
+    listen = {service: port_of(settings.listen) for service, settings, _ in units.values()}
+    metrics = [settings.metrics_port for _, settings, _ in units.values()]
+    # On one machine every service needs its own metrics port.
+    assert len(set(metrics)) == len(metrics) and 0 not in metrics
+    checked = 0
+    for name, (_, settings, _) in units.items():
+        for key, address in addresses(settings).items():
+            assert port_of(address) == listen[ADDRESS_TARGETS[key]], f"{name}: {key}={address}"
+            checked += 1
+    assert checked >= 6
+
+
+def test_agent_and_cache_server_agree_on_the_node_name(units: dict[str, Any]) -> None:
+    _, cache, _ = units["silod-cache-server.service"]
+    _, agent, _ = units["silod-worker-agent.service"]
+    # Both default to the hostname when empty; a name set on one only would split the node.
+    assert cache.node == agent.node_name
