@@ -130,8 +130,8 @@ def reclaim_candidates(
             choice[(job_id, node)] = max(gpu, choice.get((job_id, node), -1))
     if not choice:
         return []
-    order = list(jobs)
-    table = JobTable([jobs[job_id] for job_id in order])
+    position = {job_id: k for k, job_id in enumerate(jobs)}
+    table = JobTable(list(jobs.values()))
     per_node = gpus_per_node(snapshot, BOTH_POOLS)
     keys = sorted(choice)
     rows, now_gpus, now_nodes, new_gpus, new_nodes, remaining = [], [], [], [], [], []
@@ -139,7 +139,7 @@ def reclaim_candidates(
         placement = snapshot.current.get(job_id).placement
         kept = tuple((n, tuple(i for i in ix if (n, i) != (node, choice[(job_id, node)]))) for n, ix in placement)
         kept = tuple((n, ix) for n, ix in kept if ix)
-        rows.append(order.index(job_id))
+        rows.append(position[job_id])
         now_gpus.append(sum(len(ix) for _, ix in placement))
         now_nodes.append(len(placement))
         new_gpus.append(sum(len(ix) for _, ix in kept))

@@ -18,7 +18,9 @@ p = 1)::
   holds (``ClusterSnapshot.inference_busy``; :mod:`scheduler.deepboot.lending`).
 
 The search is exact: a group knapsack over GPU counts, dynamic programming over jobs x GPUs
-(the ``pollux`` policy's ``_solve_dp``, shared). Placement keeps jobs where they run, then
+(the ``pollux`` policy's ``_solve_dp``, shared). Only when ``jobs x (GPUs + 1) x (largest
+count + 1)`` exceeds ``dp_limit`` (thousands of jobs on thousands of GPUs) does ``solver="auto"``
+fall back to ``pollux``'s concave-hull greedy with local search. Placement keeps jobs where they run, then
 tries the training pool, and only then lent GPUs; busy inference GPUs are never used.
 Counts are priced packed; a job that had to be spread over nodes simply runs slower (no
 re-pricing round as in ``pollux``). Ties go to the job with the least attained service.
@@ -34,7 +36,7 @@ import numpy as np
 
 from scheduler.deepboot.costs import ResizeCosts, kept_share
 from scheduler.deepboot.lending import BOTH_POOLS, held_lendable, place_lending, training_capacity
-from scheduler.policies.pollux import _solve_dp
+from scheduler.policies.pollux import _local_search, _solve_dp, _solve_hull_greedy
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
@@ -65,8 +67,13 @@ class DeepBootPolicy:
     penalty_rounds: float = 2.0                       # the resize cost is spread over this many rounds
     lend: bool = True                                 # False: training pool only (the no-lending baseline)
     max_gpus_per_job: int = 64
+    solver: str = "auto"                              # "dp" (exact), "greedy", or "auto": dp within dp_limit
+    dp_limit: int = 5_000_000
+    local_search_moves: int = 200                     # greedy: at most this many improving moves
 
     def __post_init__(self):
+        if self.solver not in ("auto", "dp", "greedy"):
+            raise ValueError(f"solver must be 'auto', 'dp' or 'greedy', got {self.solver!r}")
         if not (math.isfinite(self.penalty_rounds) and self.penalty_rounds > 0):
             raise ValueError("penalty_rounds must be a positive number")
         if self.max_gpus_per_job < 1:
@@ -111,11 +118,17 @@ class DeepBootPolicy:
         return CountTable(tuple(jobs), capacity, per_node, held, utility, estimates)
 
     def choose_counts(self, table: CountTable) -> np.ndarray:
-        """GPU count per job maximizing the summed penalized speedup (exact group knapsack)."""
+        """GPU count per job maximizing the summed penalized speedup (exact group knapsack unless too large)."""
         n, width = table.utility.shape
         if n == 0 or table.capacity == 0 or width == 1:
             return np.zeros(n, dtype=np.int64)
-        return _solve_dp(table.utility, table.capacity)
+        solver = self.solver
+        if solver == "auto":
+            solver = "dp" if n * (table.capacity + 1) * width <= self.dp_limit else "greedy"
+        if solver == "dp":
+            return _solve_dp(table.utility, table.capacity)
+        start = _solve_hull_greedy(table.utility, table.capacity)
+        return _local_search(table.utility, table.capacity, start, self.local_search_moves)
 
     def schedule(self, snapshot: ClusterSnapshot) -> Plan:
         if not snapshot.jobs:

@@ -30,7 +30,7 @@ def mixed_cluster(training=1, inference=1, gpus=4):
 def test_registered_and_options_checked():
     policy = get_policy("deepboot", afe=False, full_restart_s={"bert": 50.0})
     assert isinstance(policy, DeepBootPolicy) and policy.name == "deepboot" and not policy.afe
-    for bad in ({"penalty_rounds": 0.0}, {"max_gpus_per_job": 0}, {"full_restart_s": {"bert": -1.0}}):
+    for bad in ({"penalty_rounds": 0.0}, {"max_gpus_per_job": 0}, {"full_restart_s": {"bert": -1.0}}, {"solver": "x"}):
         with pytest.raises(ValueError):
             DeepBootPolicy(**bad)
 
@@ -142,6 +142,10 @@ def test_group_knapsack_matches_brute_force(data):
     )
     assert sum(counts) <= capacity
     assert sum(table.utility[j, c] for j, c in enumerate(counts)) == pytest.approx(best, abs=1e-12)
+    # The large-cluster fallback is feasible and never beats the exact answer.
+    greedy = DeepBootPolicy(solver="greedy").choose_counts(table)
+    assert sum(greedy) <= capacity
+    assert sum(table.utility[j, c] for j, c in enumerate(greedy)) <= best + 1e-12
 
 
 def test_lent_gpus_serve_training_only_when_lending_is_on():
