@@ -111,6 +111,7 @@ class Cluster:
             "--node-timeout-s", str(node_timeout_s), "--log-level", "warning",
         )
         self.agents: dict[str, Agent] = {}
+        self.killed: dict[str, Agent] = {}
         self.scheduler: ServiceProcess | None = None
         self._channels: list[grpc.Channel] = []
         self.metadata = start_service("metadata", "--db", db_url, "--log-level", "warning",
@@ -140,8 +141,16 @@ class Cluster:
             "--metrics-port", str(self.metrics_port), *self._scheduler_args, workdir=self.root / "scheduler", timeout_s=60,
         )
 
+    def kill_agent(self, name: str) -> float:
+        """SIGKILL node ``name``'s agent (as a machine crash would); returns the wall time of the kill."""
+        agent = self.agents.pop(name)
+        self.killed[name] = agent
+        at = time.time()
+        agent.proc.kill()
+        return at
+
     def close(self) -> None:
-        for agent in self.agents.values():
+        for agent in [*self.agents.values(), *self.killed.values()]:
             agent.close()
         if self.scheduler is not None:
             self.scheduler.close()
@@ -174,6 +183,20 @@ class Cluster:
         except AssertionError:
             states = {j.name: common_pb2.JobState.Name(j.state) for j in self.all_jobs()}
             raise AssertionError(f"jobs not finished after {timeout:g}s: {states}") from None
+
+    def resumes(self, job_id: str) -> list[tuple[int, int, float]]:
+        """(generation, samples resumed at, launch time) of every rank-0 process of the job, by launch
+        time, from the agents' GPU tables (when) and the job's rank-0 logs (where it resumed)."""
+        found = []
+        for agent in [*self.agents.values(), *self.killed.values()]:
+            launched = {e["task"]: e["t"] for e in agent.gpu_history() if e["event"] == "acquire"}
+            segments = LAUNCH_MARK.split(agent.log(job_id, 0))[1:]  # (generation, rank, gpus, text) per launch
+            for i in range(0, len(segments), 4):
+                generation, text = int(segments[i]), segments[i + 3]
+                m = re.search(r"emulated: resumed at samples=(\d+)", text)
+                if m:
+                    found.append((generation, int(m.group(1)), launched[f"{job_id}/0/{generation}"]))
+        return sorted(found, key=lambda r: r[2])
 
     def checkpoint_history(self, job_id: str) -> list[dict[str, Any]]:
         path = self.checkpoints / job_id / "checkpoints.jsonl"

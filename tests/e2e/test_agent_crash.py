@@ -1,0 +1,78 @@
+"""kill -9 of a worker agent mid-run: its task processes die with it (as on a crashed machine,
+never orphaned to write the job's checkpoints next to their successors), the scheduler
+requeues its jobs once the node's heartbeats stop, and they resume from their last checkpoint
+on the other nodes and succeed."""
+
+from __future__ import annotations
+
+import time
+
+from silod.v1 import common_pb2
+from tests.e2e.harness import wait_until
+from worker_agent.gpus import check_exclusive
+
+NODE_TIMEOUT_S = 4.0
+CHECKPOINT_EVERY_S = 1.0
+# 4 + 2 + 2 + 2 = 10 GPUs: all run on 12; the 8 left after the crash run them in turn.
+# 1,600 samples/s each: 6 s of work for the big ones.
+JOBS = [("a", 4, 9600), ("b", 2, 9600), ("c", 2, 8000), ("d", 2, 8000)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_killed_agent_takes_its_tasks_down_and_its_jobs_finish_elsewhere(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster("sqlite", node_timeout_s=NODE_TIMEOUT_S)
+    env = {"SILOD_CHECKPOINT_EVERY_S": str(CHECKPOINT_EVERY_S)}
+    ids = {name: cluster.submit(name, gpus, gpus, samples=samples, env=env) for name, gpus, samples in JOBS}
+
+    # Crash once every job runs and has checkpointed at least once.
+    def all_checkpointed() -> bool:
+        jobs = cluster.all_jobs()
+        return all(j.state == common_pb2.JOB_STATE_RUNNING for j in jobs) and \
+            all(cluster.checkpoint_history(j) for j in ids.values())
+
+    wait_until(all_checkpointed, timeout=120, what="every job running and checkpointed")
+    tasks = {name: agent.tasks() for name, agent in cluster.agents.items()}
+    victim = max(tasks, key=lambda n: sum(len(t.gpu_indices) for t in tasks[n] if t.pid))
+    victim_tasks = [t for t in tasks[victim] if t.pid]
+    victim_jobs = {t.job_id for t in victim_tasks}
+    killed_at = cluster.kill_agent(victim)
+
+    # The tasks die with their agent, long before the node counts as lost.
+    wait_until(lambda: not any(_running(t.pid) for t in victim_tasks), timeout=NODE_TIMEOUT_S,
+               what="the killed agent's tasks to die")
+    dead_at = time.time()
+    victim_pids = {t.pid for t in victim_tasks}
+
+    finished = cluster.wait_terminal(list(ids.values()), timeout=240)
+    for name, job_id in ids.items():
+        assert finished[job_id].state == common_pb2.JOB_STATE_SUCCEEDED, f"{name}: {finished[job_id].message}"
+        assert finished[job_id].progress.samples_done == dict((n, s) for n, _, s in JOBS)[name]
+
+    for job_id in victim_jobs:
+        resumes = cluster.resumes(job_id)
+        after = [r for r in resumes if r[2] > killed_at]
+        assert after, f"{job_id} relaunched after the crash"
+        generation, resumed_at, relaunched_at = after[0]
+        # Requeued once the node's heartbeats had stopped for the node timeout (the last one may
+        # have been up to a heartbeat interval before the kill), and then promptly; by then the
+        # old processes were gone, so the job never ran twice at once.
+        assert NODE_TIMEOUT_S - 1.0 <= relaunched_at - killed_at <= NODE_TIMEOUT_S + 60
+        assert relaunched_at > dead_at
+        assert generation > max(r[0] for r in resumes if r[2] <= killed_at)
+        # Resumed from the last checkpoint its killed processes wrote (the shared checkpoint
+        # directory), which nobody overwrote in between: the dead wrote nothing more.
+        saves = cluster.checkpoint_history(job_id)
+        before = [s for s in saves if s["t"] <= dead_at]
+        assert before and all(s["pid"] in victim_pids for s in before[-1:])
+        assert resumed_at == before[-1]["samples_done"] > 0
+        assert not [s for s in saves if s["pid"] in victim_pids and s["t"] > dead_at]
+    cluster.assert_gpus_never_double_held()  # the surviving agents
+    check_exclusive(cluster.killed[victim].gpu_history())
+    assert cluster.double_held_total() == 0
