@@ -83,10 +83,11 @@ def start_service(
     timeout_s: float = 30,
     workdir: str | os.PathLike[str] | None = None,
     host: str = "127.0.0.1",
+    port: int = 0,
 ) -> ServiceProcess:
     """Start ``python -m silod.cli <command>`` and return once it has written its ready file.
 
-    ``env`` is added to the current environment. The log (stdout and stderr) goes to
+    ``port`` 0 lets the OS pick a free one. ``env`` is added to the current environment. The log (stdout and stderr) goes to
     ``<workdir>/<command>-<n>.log``; ``workdir`` defaults to a fresh temporary directory that
     :meth:`ServiceProcess.close` removes. Raises LaunchError (the process exited) or
     TimeoutError, both with the log in the message.
@@ -97,7 +98,7 @@ def start_service(
     stem = f"{command}-{time.monotonic_ns()}"  # unique: one workdir can hold a service and its restarts
     ready_file = wd / f"{stem}.ready"
     log_path = wd / f"{stem}.log"
-    argv = [sys.executable, "-m", "silod.cli", command, "--listen", f"{host}:0", "--ready-file", str(ready_file), *args]
+    argv = [sys.executable, "-m", "silod.cli", command, "--listen", f"{host}:{port}", "--ready-file", str(ready_file), *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env)

@@ -1,7 +1,8 @@
 """`silod up`: a whole silod cluster on this machine, as supervised child processes.
 
-Metadata (SQLite under --state-dir unless --db), estimator, scheduler and N emulated nodes
-(a worker agent, plus a cache server unless --no-cache), all on loopback with OS-chosen
+Metadata (SQLite under --state-dir unless --db), estimator, scheduler, the web dashboard
+(unless --no-dashboard; its URL is printed) and N emulated nodes (a worker agent, plus a
+cache server unless --no-cache), all on loopback with OS-chosen
 ports. The addresses are printed and written to ``<state-dir>/cluster.json``, which the job
 commands (`silod submit`, `silod jobs`, ...) read. If a child dies, `silod up` says which
 and shows its log tail, then stops the rest (exit 1). SIGINT/SIGTERM stop everything
@@ -38,6 +39,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--policy", default="", help="scheduling policy (fifo, sjf, tiresias, gavel, themis); default: the scheduler's")
     p.add_argument("--interval-s", type=float, default=0.0, help="seconds between scheduling rounds; default: the scheduler's")
     p.add_argument("--no-cache", action="store_true", help="do not start a cache server per node")
+    p.add_argument("--dashboard-port", type=int, default=0,
+                   help="port of the web dashboard on 127.0.0.1 (default 0: a free port, printed)")
+    p.add_argument("--no-dashboard", action="store_true", help="do not start the web dashboard")
     p.add_argument("--log-level", default="warning", help="log level of the services (default warning)")
     p.set_defaults(handler=_up)
 
@@ -76,10 +80,11 @@ def _up(args: argparse.Namespace) -> int:
     caches: list[tuple[str, ServiceProcess]] = []
     core: list[tuple[str, ServiceProcess]] = []
 
-    def start(name: str, command: str, *flags: str, tier: list[tuple[str, ServiceProcess]]) -> ServiceProcess:
+    def start(name: str, command: str, *flags: str, tier: list[tuple[str, ServiceProcess]],
+              port: int = 0) -> ServiceProcess:
         if stop:
             raise _Stop
-        proc = start_service(command, *flags, *common, workdir=logs, timeout_s=60)
+        proc = start_service(command, *flags, *common, workdir=logs, timeout_s=60, port=port)
         children.append((name, proc))
         tier.append((name, proc))
         return proc
@@ -95,6 +100,11 @@ def _up(args: argparse.Namespace) -> int:
         if args.interval_s > 0:
             sched_flags += ["--interval-s", f"{args.interval_s:g}"]
         sch = start("scheduler", "scheduler", *sched_flags, tier=core)
+        dashboard = ""
+        if not args.no_dashboard:
+            dash = start("dashboard", "dashboard", "--metadata-address", md.address, tier=core,
+                         port=args.dashboard_port)
+            dashboard = f"http://{dash.address}/"
         nodes: list[dict[str, Any]] = []
         for i in range(args.nodes):
             name = f"node-{i}"
@@ -113,7 +123,7 @@ def _up(args: argparse.Namespace) -> int:
             node["agent"] = agent.address
             nodes.append(node)
         info = {"pid": os.getpid(), "state_dir": str(state), "db": db, "metadata": md.address,
-                "estimator": est.address, "scheduler": sch.address, "nodes": nodes}
+                "estimator": est.address, "scheduler": sch.address, "dashboard": dashboard, "nodes": nodes}
         tmp = cluster_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(info, indent=2) + "\n")
         tmp.replace(cluster_file)
@@ -184,6 +194,8 @@ def _print_table(info: dict[str, Any], logs: Path) -> None:
     print(f"  {'SERVICE':<{width}}  ADDRESS")
     for name, addr in rows:
         print(f"  {name:<{width}}  {addr}")
+    if info.get("dashboard"):
+        print(f"dashboard: {info['dashboard']}")
     print(f"addresses: {Path(info['state_dir']) / CLUSTER_FILE}   logs: {logs}")
     print("submit jobs with `silod submit job.yaml`; Ctrl-C stops the cluster", flush=True)
 

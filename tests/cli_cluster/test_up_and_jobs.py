@@ -52,7 +52,8 @@ def test_up_submit_watch_logs_cancel_and_shutdown(tmp_path: Path) -> None:
         info = json.loads((state / "cluster.json").read_text())
         assert len(info["nodes"]) == 2 and all(n["agent"] and n["cache"] for n in info["nodes"])
         children = _children(up.pid)
-        assert len(children) == 3 + 2 * 2
+        assert len(children) == 4 + 2 * 2  # metadata, estimator, scheduler, dashboard; agent + cache per node
+        assert info["dashboard"].startswith("http://127.0.0.1:")
 
         ids = []
         for i in range(3):
@@ -133,7 +134,7 @@ def _wait_up(up: subprocess.Popen[str], state: Path) -> dict:  # type: ignore[ty
 def test_a_dying_child_is_named_with_its_log_and_the_rest_stopped(tmp_path: Path) -> None:
     state = tmp_path / "state"
     up = subprocess.Popen([sys.executable, "-m", "silod.cli", "up", "--nodes", "1", "--gpus-per-node", "1",
-                           "--no-cache", "--state-dir", str(state)],
+                           "--no-cache", "--no-dashboard", "--state-dir", str(state)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     children: list[int] = []
     try:
