@@ -3,9 +3,10 @@
 Training may use every training-pool GPU and every inference-pool GPU that no RUNNING or
 PROTECT replica holds (``ClusterSnapshot.inference_busy``): free ones and those of SLEEP
 replicas. :func:`place_lending` is :func:`scheduler.placement.place` over both pools with
-the busy GPUs taken out, and it tries the training pool first for every job that needs new
-GPUs: a job on lent GPUs is the one ATS-I shrinks when inference load returns, so lent GPUs
-are used only when the training pool cannot hold the job.
+the busy GPUs taken out, and it prefers the training pool: a job that needs new GPUs tries
+the training pool before lent ones, and a job that shrinks gives its lent GPUs back first.
+A job on lent GPUs is the one ATS-I shrinks when inference load returns, so lent GPUs are
+used only when the training pool cannot hold the job.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from scheduler.placement import FreeGpus, Placement, PlacementResult, _cache_by_dataset, _fresh_placement, _keep_current
+from scheduler.placement import FreeGpus, Placement, PlacementResult, _cache_by_dataset, _fresh_placement
 from scheduler.policies.pollux_estimates import held_in_place
-from scheduler.policy import ClusterSnapshot, JobInfo
+from scheduler.policy import Allocation, ClusterSnapshot, JobInfo
 
 BOTH_POOLS = ("training", "inference")
 
@@ -87,7 +88,7 @@ def place_lending(
     wanted = {job_id: n for job_id, n in gpu_counts.items() if n > 0}
     placements: dict[str, Placement] = {}
     for job_id, count in wanted.items():
-        kept = _keep_current(snapshot.current.get(job_id), count, anywhere)
+        kept = _keep(snapshot.current.get(job_id), count, anywhere, training_nodes)
         if kept is not None:
             mirror(kept, training, training_nodes)
             placements[job_id] = kept
@@ -112,3 +113,27 @@ def place_lending(
         else:
             placements[job_id] = fresh
     return PlacementResult(placements, tuple(unplaced))
+
+
+def _keep(current: Allocation | None, count: int, free: FreeGpus, training_nodes) -> Placement | None:
+    """The job's current GPUs (a subset when it shrinks) if all are still free, else None.
+
+    Shrinking keeps training-pool GPUs before lent ones, then the nodes where the job has the
+    most GPUs (fewest nodes): like :func:`scheduler.placement.place`, but lent GPUs go back first.
+    """
+    if current is None or not current.placement or count > current.gpus:
+        return None
+    if not all(free.has(node, indices) for node, indices in current.placement):
+        return None
+    held = [(node, i) for node, indices in current.placement for i in indices]
+    if len(set(held)) != len(held):  # a malformed plan naming a GPU twice: place afresh
+        return None
+    kept = []
+    remaining = count
+    for node, indices in sorted(current.placement, key=lambda p: (p[0] not in training_nodes, -len(p[1]), p[0])):
+        if remaining == 0:
+            break
+        take = indices[:remaining]
+        kept.append((node, free.reserve(node, take)))
+        remaining -= len(take)
+    return tuple(sorted(kept))

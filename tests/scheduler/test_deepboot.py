@@ -81,6 +81,15 @@ def test_placement_prefers_the_training_pool_and_avoids_busy_gpus():
     assert place_lending(snap, {"big": 5}, lend=False).unplaced == ("big",)
 
 
+def test_a_shrinking_job_gives_lent_gpus_back_first():
+    nodes = mixed_cluster(1, 1)
+    job = elastic("a", high=8)
+    # a holds 1 GPU of n0 and 3 lent GPUs of i0; shrunk to 2 it keeps n0:0 and one of i0.
+    snap = make_snapshot(nodes, [job], current={"a": [("n0", (0,)), ("i0", (0, 1, 2))]})
+    assert place_lending(snap, {"a": 2}).placements["a"] == (("i0", (0,)), ("n0", (0,)))
+    assert place_lending(snap, {"a": 1}).placements["a"] == (("n0", (0,)),)
+
+
 def test_a_job_on_a_now_busy_gpu_cannot_stay():
     nodes = mixed_cluster(1, 1)
     job = elastic("a", high=4)
