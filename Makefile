@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/silod/v1/*.proto)
 
-.PHONY: demo test proto venv clean
+.PHONY: demo test proto venv clean config-docs
 
 # A fresh machine needs only Python 3.11; everything else is installed into .venv.
 # pip's output goes to a log that is shown only if the install fails.
@@ -25,6 +25,11 @@ proto: $(STAMP)
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m grpc_tools.protoc -Iprotos \
 	  --python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTOS)
 	$(BIN)/python protos/render_api_docs.py
+
+# Regenerate docs/configuration-reference.md from the services' settings classes (committed;
+# tests/deploy fail when it is stale).
+config-docs: $(STAMP)
+	$(BIN)/python -m services.runtime.config_reference --write
 
 demo: $(STAMP)
 	$(BIN)/python -m silod.demo
