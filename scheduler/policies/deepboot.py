@@ -29,13 +29,15 @@ re-pricing round as in ``pollux``). Ties go to the job with the least attained s
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from scheduler.deepboot.ats_i import InferenceRound, place_inference_tasks
 from scheduler.deepboot.costs import ResizeCosts, kept_share
 from scheduler.deepboot.lending import BOTH_POOLS, held_lendable, place_lending, training_capacity
+from scheduler.deepboot.state import ReplicaView
 from scheduler.policies.pollux import _local_search, _solve_dp, _solve_hull_greedy
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
@@ -129,6 +131,10 @@ class DeepBootPolicy:
             return _solve_dp(table.utility, table.capacity)
         start = _solve_hull_greedy(table.utility, table.capacity)
         return _local_search(table.utility, table.capacity, start, self.local_search_moves)
+
+    def place_inference(self, snapshot: ClusterSnapshot, applications: Sequence[str], replicas: Sequence[ReplicaView]) -> InferenceRound:
+        """ATS-I for pending tasks (their applications, in queue order), pricing reclaims with this policy's costs."""
+        return place_inference_tasks(snapshot, applications, replicas, costs=self.costs, penalty_rounds=self.penalty_rounds)
 
     def schedule(self, snapshot: ClusterSnapshot) -> Plan:
         if not snapshot.jobs:

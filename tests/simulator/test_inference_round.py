@@ -11,7 +11,6 @@ import dataclasses
 
 import pytest
 
-from scheduler.deepboot.ats_i import place_inference_tasks
 from scheduler.deepboot.state import ReplicaState
 from scheduler.invariants import check_plan
 from scheduler.policy import Plan
@@ -58,7 +57,7 @@ def test_training_and_inference_share_gpus_without_double_booking(kind):
             snapshot = dataclasses.replace(snapshot, current=plan, inference_busy=pool.busy(now))
             lent_peak = max(lent_peak, sum(1 for a in plan.allocations.values() for n, ix in a.placement if n.startswith("i") for _ in ix))
         if queue:
-            result = place_inference_tasks(snapshot, [t.application for t in queue], pool.views(now))
+            result = policy.place_inference(snapshot, [t.application for t in queue], pool.views(now))
             waiting = []
             for task, decision in zip(queue, result.decisions):
                 if decision.kind == "wait":
