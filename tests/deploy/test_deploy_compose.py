@@ -27,6 +27,7 @@ from deploy_checks import (
     load_service,
     parse_cli,
     port_of,
+    shutdown_needs_s,
 )
 
 COMPOSE = DEPLOY / "compose.yaml"
@@ -193,3 +194,11 @@ def test_host_ports_are_published_on_loopback_only(compose: dict[str, Any], serv
     # not be open to the network.
     for mapping in compose["services"][service]["ports"]:
         assert mapping.startswith("127.0.0.1:"), mapping
+
+
+def test_stop_grace_period_covers_the_services_own_shutdown(compose: dict[str, Any],
+                                                            loaded: dict[str, tuple[str, Any]]) -> None:
+    for name, (service, settings) in loaded.items():
+        period = compose["services"][name].get("stop_grace_period", "10s")  # Docker's default
+        assert period.endswith("s") and period[:-1].isdigit(), f"{name}: write stop_grace_period in seconds"
+        assert int(period[:-1]) > shutdown_needs_s(service, settings), f"{name}: killed during its shutdown grace"

@@ -17,7 +17,16 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy_checks import ADDRESS_TARGETS, DEPLOY, addresses, check_client_command, host_port, load_service, port_of
+from deploy_checks import (
+    ADDRESS_TARGETS,
+    DEPLOY,
+    addresses,
+    check_client_command,
+    host_port,
+    load_service,
+    port_of,
+    shutdown_needs_s,
+)
 
 K8S = DEPLOY / "k8s"
 # A recent release whose schemas kubernetes-validate ships (>= 1.34 in pyproject's dev extra).
@@ -215,3 +224,9 @@ def test_auth_token_comes_from_the_secret_in_every_silod_container(loaded: dict[
         (token,) = [v for v in container["env"] if v["name"] == "SILOD_AUTH_TOKEN"]
         ref = token["valueFrom"]["secretKeyRef"]
         assert (ref["name"], ref["key"], ref.get("optional")) == ("silod", "auth-token", True), name
+
+
+def test_termination_grace_covers_the_services_own_shutdown(loaded: dict[str, Any]) -> None:
+    for name, (service, settings, workload, _) in loaded.items():
+        period = workload["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)  # k8s default
+        assert period > shutdown_needs_s(service, settings), f"{name}: killed during its shutdown grace"
