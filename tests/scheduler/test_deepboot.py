@@ -118,6 +118,10 @@ def test_speedups_are_penalized_by_the_resize_cost_except_where_the_job_stays():
     others = [c for c in range(8) if c != 1]
     assert run[others] == pytest.approx(117 / 120 * speedup[others], rel=1e-9)
     assert speedup[0] == pytest.approx(1.0)  # speedup is relative to one GPU
+    # Without AFE a resize is a full cifar10 restart, 24 s: kept 96 / 120; staying is still free.
+    slow = DeepBootPolicy(afe=False).count_table(snap).utility[1, 1:] - 0.5e-6
+    assert slow[1] == pytest.approx(speedup[1], rel=1e-9)
+    assert slow[others] == pytest.approx(96 / 120 * speedup[others], rel=1e-9)
 
 
 def test_group_knapsack_by_hand():
