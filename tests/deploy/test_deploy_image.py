@@ -1,0 +1,94 @@
+"""deploy/Dockerfile and .dockerignore, checked without a Docker engine: the runtime image is
+python:3.11-slim, runs as a non-root user with `silod` as entrypoint, installs the wheel
+without the dev extra (no torch), and has the directories the deployments mount volumes on."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import tomllib
+from typing import Any
+
+import yaml
+
+from deploy_checks import DEPLOY, ROOT, compose_interpolate
+
+DOCKERFILE = DEPLOY / "Dockerfile"
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            out.append((keyword.upper(), rest.strip()))
+    return out
+
+
+def _final_stage() -> list[tuple[str, str]]:
+    instructions = _instructions()
+    last_from = max(i for i, (k, _) in enumerate(instructions) if k == "FROM")
+    return instructions[last_from:]
+
+
+def test_every_stage_is_python_3_11_slim() -> None:
+    bases = [args.split()[0] for keyword, args in _instructions() if keyword == "FROM"]
+    assert bases and all(base == "python:3.11-slim" for base in bases), bases
+    # pyproject pins the interpreter the image must match.
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert ">=3.11" in requires and "<3.12" in requires
+
+
+def test_runtime_stage_runs_silod_as_non_root() -> None:
+    final = _final_stage()
+    users = [args for keyword, args in final if keyword == "USER"]
+    assert users and users[-1] not in ("root", "0"), users
+    (entrypoint,) = [json.loads(args) for keyword, args in final if keyword == "ENTRYPOINT"]
+    assert entrypoint == ["silod"]
+    # The user is created in this stage with the uid the Kubernetes manifests run as.
+    created = " ".join(args for keyword, args in final if keyword == "RUN")
+    assert re.search(rf"useradd .*--uid 10001 .*{users[-1]}\b", created)
+
+
+def test_installs_do_not_pull_the_dev_extra_or_keep_a_pip_cache() -> None:
+    pip_runs = [args for keyword, args in _instructions() if keyword == "RUN" and "pip " in args]
+    assert pip_runs
+    for args in pip_runs:
+        assert "--no-cache-dir" in args, args
+        # torch, test tools and protoc live in [dev]; services never import them.
+        assert "[dev]" not in args and "torch" not in args, args
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    assert any(d.startswith("torch") for d in dev), "torch moved out of [dev]: recheck the image size"
+    runtime = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not any(d.startswith("torch") for d in runtime)
+
+
+def test_build_context_keeps_the_packages_and_drops_the_venv() -> None:
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    assert ".venv" in ignored and ".git" in ignored
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    needed = ["pyproject.toml", project["project"]["readme"]]
+    needed += [p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and any(
+        fnmatch.fnmatch(p.name, pattern) for pattern in project["tool"]["setuptools"]["packages"]["find"]["include"])]
+    assert len(needed) > 5
+    for path in needed:
+        assert not any(fnmatch.fnmatch(path, pattern) for pattern in ignored), f".dockerignore drops {path}"
+
+
+def test_directories_the_deployments_mount_exist_in_the_image() -> None:
+    # Docker gives a new named volume the owner of the directory it covers; a directory the
+    # image lacks would be root-owned and unwritable for the silod user.
+    created = " ".join(args for keyword, args in _final_stage() if keyword == "RUN")
+    compose: dict[str, Any] = compose_interpolate(yaml.safe_load((DEPLOY / "compose.yaml").read_text()))
+    targets = set()
+    for svc in compose["services"].values():
+        if svc.get("image", "").startswith("silod:"):
+            targets |= {spec.split(":")[1] for spec in svc.get("volumes", [])}
+    assert targets
+    for target in sorted(targets):
+        assert re.search(rf"mkdir -p [^&]*{re.escape(target)}\b", created), f"image does not create {target}"
