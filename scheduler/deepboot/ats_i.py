@@ -79,8 +79,8 @@ def place_inference_task(
     for job_id, allocation in sorted(snapshot.current.allocations.items()):
         if job_id in active:
             for node, indices in allocation.placement:
-                if node in sizes:
-                    lent.update({(node, i): job_id for i in indices})
+                if node in sizes:  # indices beyond the node (a stale plan) are nobody's to give back
+                    lent.update({(node, i): job_id for i in indices if 0 <= i < sizes[node]})
     training_on = {name: 0 for name in sizes}
     for node, _ in lent:
         training_on[node] += 1
