@@ -129,3 +129,12 @@ def shutdown_needs_s(service: str, settings: ServiceSettings) -> float:
     the server's grace for calls in flight, plus for an agent the time its tasks get to
     checkpoint (worker_agent/agent.py stops tasks first)."""
     return settings.shutdown_grace_s + (getattr(settings, "stop_grace_s", 0.0) if service == "worker-agent" else 0.0)
+
+
+def check_advertised_cache(agent: ServiceSettings, cache: ServiceSettings, where: str) -> None:
+    """The agent advertises its node's cache to the scheduler (NodeSpec), which bounds cache
+    quotas by it (scheduler/invariants.py); it must be what the cache server really has."""
+    assert (agent.cache_capacity_bytes, agent.memory_cache_bytes) == (cache.disk_cache_bytes, cache.memory_cache_bytes), (
+        f"{where}: agent advertises disk {agent.cache_capacity_bytes} / memory {agent.memory_cache_bytes} B, "
+        f"cache server has {cache.disk_cache_bytes} / {cache.memory_cache_bytes} B"
+    )

@@ -21,6 +21,7 @@ from deploy_checks import (
     CLIENT_ADDRESS_TARGETS,
     DEPLOY,
     addresses,
+    check_advertised_cache,
     check_client_command,
     compose_interpolate,
     host_port,
@@ -162,6 +163,7 @@ def test_each_agent_pairs_with_its_nodes_cache_server_and_sees_its_files(compose
         kind, cache = loaded[cache_host]
         assert kind == "cache-server"
         assert cache.node == agent.node_name, f"{name} is node {agent.node_name}, its cache server says {cache.node}"
+        check_advertised_cache(agent, cache, where=name)
         node_names.add(agent.node_name)
         # Jobs open leased files by path: the tiers must be the same volumes at the same paths.
         cache_mounts = _mounts(compose["services"][cache_host])

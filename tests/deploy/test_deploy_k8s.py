@@ -21,6 +21,7 @@ from deploy_checks import (
     ADDRESS_TARGETS,
     DEPLOY,
     addresses,
+    check_advertised_cache,
     check_client_command,
     host_port,
     load_service,
@@ -182,6 +183,7 @@ def test_agent_advertises_its_pod_ip_and_shares_the_cache_servers_host_paths(loa
     assert agent.advertise_address == f"{FIELD_REFS['status.podIP']}:{port_of(agent.listen)}"
     # Both name the node after the Kubernetes node, so the plan's node names agree.
     assert cache.node == agent.node_name == FIELD_REFS["spec.nodeName"]
+    check_advertised_cache(agent, cache, where="worker-agent DaemonSet")
 
     def host_paths(workload: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
         volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}

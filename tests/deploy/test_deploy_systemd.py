@@ -8,7 +8,16 @@ from typing import Any
 
 import pytest
 
-from deploy_checks import ADDRESS_TARGETS, DEPLOY, addresses, check_client_command, load_service, port_of, shutdown_needs_s
+from deploy_checks import (
+    ADDRESS_TARGETS,
+    DEPLOY,
+    addresses,
+    check_advertised_cache,
+    check_client_command,
+    load_service,
+    port_of,
+    shutdown_needs_s,
+)
 from silod.cli.main import SERVICES
 
 SYSTEMD = DEPLOY / "systemd"
@@ -116,6 +125,7 @@ def test_agent_and_cache_server_agree_on_the_node_name(units: dict[str, Any]) ->
     _, agent, _ = units["silod-worker-agent.service"]
     # Both default to the hostname when empty; a name set on one only would split the node.
     assert cache.node == agent.node_name
+    check_advertised_cache(agent, cache, where="worker-agent.env")
 
 
 def test_stop_timeout_covers_the_services_own_shutdown(units: dict[str, Any]) -> None:
