@@ -73,6 +73,7 @@ async def time_round(metadata_addr: str, policy: str) -> tuple[float, int]:
     channel = open_channel(metadata_addr, aio=True, default_timeout_s=120)
     core.md = metadata_pb2_grpc.MetadataServiceStub(channel)
     try:
+        await core.warm_up()  # what `silod scheduler` does at start, before it serves
         started = time.perf_counter()
         plan = await core.run_round("benchmark")
         elapsed = time.perf_counter() - started

@@ -12,6 +12,13 @@ old tasks before starting new ones on their node).
 
 Generations: a job's generation increments whenever its GPU set changes (including to none);
 it stays when the placement is unchanged.
+
+Cost of a round: one ListJobs of the active jobs, one ListNodes, one GetDataset per dataset
+new to the scheduler, one GetJobModel per job whose fitted model is older than
+ESTIMATE_TTL_S (the estimator's answers to our own Observe calls refresh it in between), one
+CommitPlan and one TransitionJob per job whose state the plan changes, sent concurrently.
+Event-triggered rounds are spaced by at least the last round's duration, so a stream of
+submissions cannot keep the scheduler (and the metadata store) busy with back-to-back rounds.
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
+from typing import TypeVar
 
 import grpc
 from prometheus_client import Counter
@@ -33,6 +42,7 @@ from scheduler.registry import get_policy
 from silod.v1 import allocation_pb2, common_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
 
 _log = logging.getLogger("silod.scheduler")
+T = TypeVar("T")
 
 GPU_DOUBLE_HELD = Counter(
     "silod_scheduler_gpu_double_held_total", "Reports of one (node, GPU) held by tasks of two different jobs"
@@ -43,6 +53,11 @@ ACTIVE_STATES = (common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED,
 PLACED_STATES = (common_pb2.JOB_STATE_SCHEDULED, common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_RESIZING)
 TERMINAL_STATES = (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
 FALLBACK_APPLICATION = "cifar10"  # performance model of jobs whose application has no profile (command jobs)
+EVENT_COALESCE_S = 0.05  # an event waits this long before its round, so a burst of events makes one round
+ROUND_GAP_FACTOR = 1.0  # an event round waits this many times the last round's duration after it
+MAX_ROUND_GAP_S = 5.0
+ESTIMATE_TTL_S = 30.0  # a job's fitted model is re-read from the estimator at most this often ...
+RPC_CONCURRENCY = 16  # ... and per-job calls of a round are sent this many at a time
 
 
 def known_applications() -> set[str]:
@@ -71,7 +86,14 @@ class SchedulerCore:
         self.agent_addresses: dict[str, str] = {}
         self.pending_release: dict[tuple[str, int], tuple[str, int]] = {}  # (node, gpu) -> (job, releasing version)
         self.tasks: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}  # (job, generation) -> rank -> (phase, exit)
-        self._models: dict[str, tuple[JobModel, float]] = {}
+        self._models: dict[str, tuple[JobModel, float]] = {}  # job -> (profile model, samples to finish)
+        self._fitted: dict[str, tuple[dict[str, float] | None, float]] = {}  # job -> (estimator params, monotonic read time)
+        self._estimator_down = False  # logged once per outage, not once per job
+        self._observing: set[str] = set()  # jobs with an Observe call in flight
+        self._observed: dict[str, tuple] = {}  # job -> key of the last observation sent
+        self._background: set[asyncio.Task[None]] = set()
+        self._last_round_s = 0.0
+        self._last_round_end = -math.inf
         self._round_lock = asyncio.Lock()
         self._plan_changed = asyncio.Condition()
         self._wake = asyncio.Event()
@@ -79,14 +101,30 @@ class SchedulerCore:
         self._loop_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
+    async def warm_up(self, applications: Iterable[str] | None = None) -> None:
+        """Fit the packaged profiles of ``applications`` (default: all), in a worker thread:
+        seconds of CPU for all of them, which must not stall the event loop."""
+        names = sorted(known_applications() if applications is None else set(applications))
+        missing = [a for a in names if a not in _fitted_profiles]
+        if missing:
+            await asyncio.to_thread(_fit_profiles, missing)
+
     async def start(self) -> None:
+        # In the background: serving starts at once, and a round fits only what its jobs need.
+        self._spawn(self.warm_up())
         await self.refresh_latest()
         await self._recover_releases()
         self._loop_task = asyncio.create_task(self._loop())
         self._node_task = asyncio.create_task(self._watch_nodes())
 
+    def _spawn(self, call: Awaitable[None]) -> None:
+        """Run ``call`` in the background, cancelled by stop()."""
+        task = asyncio.ensure_future(call)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def stop(self) -> None:
-        for task in (self._loop_task, self._node_task):
+        for task in (self._loop_task, self._node_task, *self._background):
             if task is not None:
                 task.cancel()
                 try:
@@ -131,11 +169,18 @@ class SchedulerCore:
         self._reasons.append(reason)
         self._wake.set()
 
+    def _event_delay(self) -> float:
+        """Seconds an event waits for its round: EVENT_COALESCE_S when the scheduler was idle;
+        right after a round of d seconds, until ROUND_GAP_FACTOR * d has passed since it ended."""
+        since = time.monotonic() - self._last_round_end
+        gap = min(ROUND_GAP_FACTOR * self._last_round_s, MAX_ROUND_GAP_S, self.interval_s)
+        return max(EVENT_COALESCE_S, gap - since)
+
     async def _loop(self) -> None:
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)
-                await asyncio.sleep(0.05)  # coalesce bursts of events into one round
+                await asyncio.sleep(self._event_delay())
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
@@ -218,24 +263,17 @@ class SchedulerCore:
             if not token:
                 return jobs
 
-    async def model_of(self, job: common_pb2.Job) -> tuple[JobModel, float]:
-        """(performance model, samples to finish) of ``job``; the profile's model is cached per job,
-        the estimator's fitted one (when configured) is fetched every round."""
+    def _profile_model(self, job: common_pb2.Job, datasets: dict[str, common_pb2.Dataset | None]) -> tuple[JobModel, float]:
+        """(profile model, samples to finish) of ``job``, cached per job: neither changes once submitted."""
         if job.id in self._models:
-            model, target = self._models[job.id]
-            return (await self._estimated(job, model)), target
+            return self._models[job.id]
         spec = job.spec
-        application = spec.application if spec.application in known_applications() else FALLBACK_APPLICATION
-        model = JobModel.from_profile(application)
+        model = JobModel.from_profile(_application(spec))
         samples_per_epoch = model.dataset_bytes / model.bytes_per_sample if model.bytes_per_sample else 1.0
-        if spec.dataset:
-            try:
-                ds = await self.md.GetDataset(metadata_pb2.GetDatasetRequest(name=spec.dataset))
-                if ds.total_bytes > 0 and ds.num_objects > 0:
-                    model = model.with_dataset(ds.total_bytes, ds.total_bytes / ds.num_objects)
-                    samples_per_epoch = float(ds.num_objects)
-            except grpc.aio.AioRpcError:
-                pass
+        ds = datasets.get(spec.dataset) if spec.dataset else None
+        if ds is not None and ds.total_bytes > 0 and ds.num_objects > 0:
+            model = model.with_dataset(ds.total_bytes, ds.total_bytes / ds.num_objects)
+            samples_per_epoch = float(ds.num_objects)
         budget = spec.WhichOneof("budget")
         if budget == "sample_budget":
             target = float(spec.sample_budget)
@@ -244,20 +282,65 @@ class SchedulerCore:
         else:
             target = samples_per_epoch
         self._models[job.id] = (model, max(target, 1.0))
-        return (await self._estimated(job, model)), max(target, 1.0)
+        return self._models[job.id]
 
-    async def _estimated(self, job: common_pb2.Job, fallback: JobModel) -> JobModel:
+    async def _datasets_of(self, jobs: list[common_pb2.Job]) -> dict[str, common_pb2.Dataset | None]:
+        """One GetDataset per dataset named by a job the scheduler has no model of yet."""
+        names = {j.spec.dataset for j in jobs if j.spec.dataset and j.id not in self._models}
+
+        async def get(name: str) -> common_pb2.Dataset | None:
+            try:
+                return await self.md.GetDataset(metadata_pb2.GetDatasetRequest(name=name))
+            except grpc.aio.AioRpcError:
+                return None
+
+        found = await _bounded_gather([get(name) for name in sorted(names)])
+        return dict(zip(sorted(names), found))
+
+    async def _refresh_fitted(self, jobs: list[common_pb2.Job]) -> None:
+        """Re-read from the estimator the fitted models older than ESTIMATE_TTL_S."""
         if self.estimator is None:
-            return fallback
+            return
+        now = time.monotonic()
+        stale = [j.id for j in jobs if now - self._fitted.get(j.id, (None, -math.inf))[1] >= ESTIMATE_TTL_S]
+
+        async def get(job_id: str) -> None:
+            try:
+                params = await self.estimator.GetJobModel(common_pb2.GetJobModelRequest(job_id=job_id))
+                self._fitted[job_id] = (dict(params.params), now)
+                self._estimator_down = False
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    self._fitted[job_id] = (None, now)  # not observed yet: the profile's model
+                    return
+                # Remembered too, so that an estimator outage costs one timeout per job per TTL, not per round.
+                self._fitted[job_id] = (self._fitted.get(job_id, (None, 0.0))[0], now)
+                if not self._estimator_down:
+                    self._estimator_down = True
+                    _log.warning("estimator unavailable; using the profile models",
+                                 extra={"job_id": job_id, "code": exc.code().name})
+
+        await _bounded_gather([get(job_id) for job_id in stale])
+
+    async def model_of(self, job: common_pb2.Job) -> tuple[JobModel, float]:
+        """(performance model, samples to finish) of ``job``: the estimator's fitted model when
+        one is known, else the application profile's."""
+        await self.warm_up([_application(job.spec)])
+        datasets = await self._datasets_of([job])
+        await self._refresh_fitted([job])
+        return self._model_now(job, datasets)
+
+    def _model_now(self, job: common_pb2.Job, datasets: dict[str, common_pb2.Dataset | None]) -> tuple[JobModel, float]:
+        profile, target = self._profile_model(job, datasets)
+        params = self._fitted.get(job.id, (None, 0.0))[0]
+        if params is None:
+            return profile, target
         try:
-            params = await self.estimator.GetJobModel(common_pb2.GetJobModelRequest(job_id=job.id))
-            return JobModel.from_params(fallback.application, dict(params.params))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                _log.warning("estimator unavailable; using the profile model", extra={"job_id": job.id})
+            return JobModel.from_params(profile.application, params), target
         except (ValueError, KeyError):
             _log.warning("estimator returned an unusable model; using the profile model", extra={"job_id": job.id})
-        return fallback
+            self._fitted[job.id] = (None, self._fitted[job.id][1])
+            return profile, target
 
     async def snapshot(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
         nodes_resp = await self.md.ListNodes(
@@ -269,10 +352,13 @@ class SchedulerCore:
         infos = tuple(convert.node_info(n) for n in sorted(nodes, key=lambda n: n.spec.name))
         alive = {n.name: n for n in infos}
         jobs = await self._active_jobs()
+        await self.warm_up({_application(j.spec) for j in jobs if j.id not in self._models})
+        datasets = await self._datasets_of(jobs)
+        await self._refresh_fitted(jobs)
         job_infos = []
         for job in jobs:
             self.specs[job.id] = job.spec
-            model, target = await self.model_of(job)
+            model, target = self._model_now(job, datasets)
             spec = job.spec
             job_infos.append(JobInfo(
                 job_id=job.id, model=model, submit_time_s=job.created_at.ToDatetime().timestamp(),
@@ -340,71 +426,83 @@ class SchedulerCore:
     # ---- rounds ----------------------------------------------------------------------------
     async def run_round(self, reason: str = "interval") -> plan_pb2.AllocationPlan | None:
         async with self._round_lock:
-            await self.refresh_latest()
-            snap, jobs = await self.snapshot()
-            plan = self.policy.schedule(snap)
-            check_plan(snap, plan)
-            plan = self._hold_releases(plan, snap.current)
-            check_plan(snap, plan)
-            old = {a.job_id: a for a in (self.latest.jobs if self.latest is not None else [])}
-            proto = plan_pb2.AllocationPlan(
-                version=self.latest_version + 1, policy=self.policy_name, cache_mode=self.cache_mode, reason=reason
-            )
-            proto.created_at.GetCurrentTime()
-            for job in jobs:
-                alloc = plan.get(job.id)
-                entry = proto.jobs.add(job_id=job.id)
-                if alloc is not None:
-                    for node, idx in alloc.placement:
-                        entry.placements.add(node=node, gpu_indices=list(idx))
-                    entry.batch_size = alloc.batch_size or job.spec.batch_size
-                    for node, quota in sorted(alloc.cache_bytes.items()):
-                        io = alloc.remote_io_bytes_per_s
-                        entry.cache_grants.add(
-                            node=node, cache_quota_bytes=int(quota),
-                            remote_io_bytes_per_s=int(io / max(1, alloc.nodes)) if math.isfinite(io) else 0,
-                        )
-                else:
-                    entry.batch_size = job.spec.batch_size
-                previous = old.get(job.id)
-                generation = previous.generation if previous is not None else 0
-                if convert.placement_of(entry) != (convert.placement_of(previous) if previous is not None else ()):
-                    generation += 1
-                entry.generation = generation
-            if self.latest is not None and _same_allocations(self.latest, proto):
-                return None  # nothing changed: no new version
+            started = time.monotonic()
             try:
-                committed = await self.md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=proto))
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.ABORTED:
-                    _log.warning("plan commit lost a race; retrying next round", extra={"version": proto.version})
-                    await self.refresh_latest()
-                    self.trigger("retry")
-                    return None
-                raise
-            # GPUs taken from a job are pending release until the node acknowledges them.
-            if self.latest is not None:
-                self._record_releases(self.latest, committed)
-            await self._set_latest(committed)
-            await self._transitions(committed, old, {j.id: j for j in jobs})
-            return committed
+                return await self._round(reason)
+            finally:
+                self._last_round_end = time.monotonic()
+                self._last_round_s = self._last_round_end - started
+
+    async def _round(self, reason: str) -> plan_pb2.AllocationPlan | None:
+        await self.refresh_latest()
+        snap, jobs = await self.snapshot()
+        plan = self.policy.schedule(snap)
+        check_plan(snap, plan)
+        plan = self._hold_releases(plan, snap.current)
+        check_plan(snap, plan)
+        old = {a.job_id: a for a in (self.latest.jobs if self.latest is not None else [])}
+        proto = plan_pb2.AllocationPlan(
+            version=self.latest_version + 1, policy=self.policy_name, cache_mode=self.cache_mode, reason=reason
+        )
+        proto.created_at.GetCurrentTime()
+        for job in jobs:
+            alloc = plan.get(job.id)
+            entry = proto.jobs.add(job_id=job.id)
+            if alloc is not None:
+                for node, idx in alloc.placement:
+                    entry.placements.add(node=node, gpu_indices=list(idx))
+                entry.batch_size = alloc.batch_size or job.spec.batch_size
+                for node, quota in sorted(alloc.cache_bytes.items()):
+                    io = alloc.remote_io_bytes_per_s
+                    entry.cache_grants.add(
+                        node=node, cache_quota_bytes=int(quota),
+                        remote_io_bytes_per_s=int(io / max(1, alloc.nodes)) if math.isfinite(io) else 0,
+                    )
+            else:
+                entry.batch_size = job.spec.batch_size
+            previous = old.get(job.id)
+            generation = previous.generation if previous is not None else 0
+            if convert.placement_of(entry) != (convert.placement_of(previous) if previous is not None else ()):
+                generation += 1
+            entry.generation = generation
+        if self.latest is not None and _same_allocations(self.latest, proto):
+            return None  # nothing changed: no new version
+        try:
+            committed = await self.md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=proto))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.ABORTED:
+                _log.warning("plan commit lost a race; retrying next round", extra={"version": proto.version})
+                await self.refresh_latest()
+                self.trigger("retry")
+                return None
+            raise
+        # GPUs taken from a job are pending release until the node acknowledges them.
+        if self.latest is not None:
+            self._record_releases(self.latest, committed)
+        await self._set_latest(committed)
+        await self._transitions(committed, old, {j.id: j for j in jobs})
+        return committed
 
     async def _transitions(self, plan: plan_pb2.AllocationPlan, old: dict, jobs: dict[str, common_pb2.Job]) -> None:
+        # Each job moves independently (a compare-and-set of its own), so the moves go out
+        # together: a round that places hundreds of jobs waits for the slowest batch, not the sum.
+        moves = []
         for entry in plan.jobs:
             job = jobs.get(entry.job_id)
             if job is None:
                 continue
             placed = bool(convert.ranks_of(entry))
             if placed and job.state == common_pb2.JOB_STATE_PENDING:
-                await self.transition(job.id, job.state, common_pb2.JOB_STATE_SCHEDULED,
-                                      f"placed by plan {plan.version} (generation {entry.generation})")
+                moves.append(self.transition(job.id, job.state, common_pb2.JOB_STATE_SCHEDULED,
+                                             f"placed by plan {plan.version} (generation {entry.generation})"))
             elif placed and job.state == common_pb2.JOB_STATE_RUNNING and entry.job_id in old \
                     and entry.generation != old[entry.job_id].generation:
-                await self.transition(job.id, job.state, common_pb2.JOB_STATE_RESIZING,
-                                      f"resized by plan {plan.version} (generation {entry.generation})")
+                moves.append(self.transition(job.id, job.state, common_pb2.JOB_STATE_RESIZING,
+                                             f"resized by plan {plan.version} (generation {entry.generation})"))
             elif not placed and job.state in PLACED_STATES:
-                await self.transition(job.id, job.state, common_pb2.JOB_STATE_PENDING,
-                                      f"preempted by plan {plan.version}; requeued")
+                moves.append(self.transition(job.id, job.state, common_pb2.JOB_STATE_PENDING,
+                                             f"preempted by plan {plan.version}; requeued"))
+        await _bounded_gather(moves)
 
     async def transition(self, job_id: str, expected: int, new: int, message: str) -> common_pb2.Job | None:
         try:
@@ -506,6 +604,40 @@ class SchedulerCore:
                                   f"generation {entry.generation} finished")
             return True
         return False
+
+
+_fitted_profiles: set[str] = set()
+_profile_lock = threading.Lock()
+
+
+def _fit_profiles(applications: list[str]) -> None:
+    """JobModel.from_profile caches its result; the lock keeps two threads from fitting one
+    profile twice, and is taken per application so a round waits for at most one foreign fit."""
+    for application in applications:
+        with _profile_lock:
+            if application not in _fitted_profiles:
+                JobModel.from_profile(application)
+                _fitted_profiles.add(application)
+
+
+def _application(spec: common_pb2.JobSpec) -> str:
+    return spec.application if spec.application in known_applications() else FALLBACK_APPLICATION
+
+
+async def _bounded_gather(calls: list[Awaitable[T]], limit: int = RPC_CONCURRENCY) -> list[T]:
+    """Await ``calls`` with at most ``limit`` in flight; results in order, first exception raised
+    once all have finished (none is left running unobserved)."""
+    gate = asyncio.Semaphore(limit)
+
+    async def one(call: Awaitable[T]) -> T:
+        async with gate:
+            return await call
+
+    results = await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]
 
 
 def _same_allocations(a: plan_pb2.AllocationPlan, b: plan_pb2.AllocationPlan) -> bool:

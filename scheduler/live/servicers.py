@@ -4,6 +4,8 @@ state-driving calls handed to :class:`SchedulerCore`."""
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
@@ -22,6 +24,7 @@ from silod.v1 import (
 
 T = TypeVar("T")
 WATCH_POLL_S = 0.5
+ADMISSION_CACHE_S = 5.0
 
 
 class ForwardedError(ServiceError):
@@ -46,24 +49,39 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
 
     def __init__(self, core: SchedulerCore) -> None:
         self.core = core
+        # Admission checks that need not hit the metadata store on every submission: datasets
+        # are not deleted and clusters rarely shrink, so a positive answer is reused briefly.
+        self._datasets_seen: dict[str, float] = {}
+        self._gpu_count: dict[str, float] = {}
+        self._training_gpus = 0
+
+    @staticmethod
+    def _recently_seen(seen: dict[str, float], key: str) -> bool:
+        return time.monotonic() - seen.get(key, -math.inf) < ADMISSION_CACHE_S
 
     async def SubmitJob(self, request, context):  # noqa: N802
         spec = request.spec
-        if spec.dataset:
+        if spec.dataset and not self._recently_seen(self._datasets_seen, spec.dataset):
             try:
                 await self.md.GetDataset(metadata_pb2.GetDatasetRequest(name=spec.dataset))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     raise NotFound(f"no dataset named {spec.dataset!r} is registered", field="spec.dataset") from None
                 raise ForwardedError(exc) from None
+            self._datasets_seen[spec.dataset] = time.monotonic()
         if (spec.application and not spec.command and spec.kind != common_pb2.JOB_KIND_INFERENCE
                 and spec.application not in known_applications()):
             raise InvalidArgument(
                 f"no profile for application {spec.application!r} (known: {', '.join(sorted(known_applications()))}); "
                 "set command to run your own program", field="spec.application")
-        if 1 <= spec.min_gpus <= spec.max_gpus:
+        # A recent count that already admits the job saves listing every node per submission;
+        # a rejection is always decided on a fresh count.
+        if 1 <= spec.min_gpus <= spec.max_gpus and not (
+                self._recently_seen(self._gpu_count, "total") and spec.min_gpus <= self._training_gpus):
             nodes = await forward(self.md.ListNodes(metadata_pb2.ListNodesRequest(pool=common_pb2.NODE_POOL_UNSPECIFIED)))
             total = sum(n.spec.gpus for n in nodes.nodes if n.spec.pool != common_pb2.NODE_POOL_INFERENCE)
+            if total:
+                self._training_gpus, self._gpu_count["total"] = total, time.monotonic()
             if total and spec.min_gpus > total:
                 raise FailedPrecondition(
                     f"{spec.min_gpus} GPUs can never be granted: the cluster has {total} training GPUs",
