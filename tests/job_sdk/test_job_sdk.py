@@ -40,7 +40,10 @@ def _check_twin(tmp_path: Path) -> None:
     assert ctx.load_checkpoint() is None and not ctx.should_checkpoint()
     assert ctx.save_checkpoint({"step": 3, "weights": [1.0, 2.0]})
     assert ctx.load_checkpoint() == {"step": 3, "weights": [1.0, 2.0]}
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["checkpoint.pt"]  # no temp file left
+    # no temp file left; the save is recorded next to the checkpoint
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint.pt", "checkpoints.jsonl"]
+    [record] = ctx.checkpoint_history()
+    assert (record["generation"], record["rank"], record["pid"]) == (0, 0, os.getpid())
     ctx.report(samples=10, steps=1, epoch=0, step_time_s=0.1, fraction_done=0.5)
     assert (ctx.samples_done, ctx.steps_done) == (10, 1)
     ctx.done()
