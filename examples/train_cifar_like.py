@@ -50,14 +50,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resumed from checkpoint at step {step}", flush=True)
     ctx.set_progress(samples=step * args.batch_size, steps=step)
 
-    def checkpoint() -> None:
-        ctx.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step})
+    def checkpoint() -> bool:
+        return ctx.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step})
 
     loss_fn = nn.CrossEntropyLoss()
     while step < args.steps:
         if ctx.should_checkpoint():
-            checkpoint()
-            print(f"checkpointed at step {step}; exiting", flush=True)
+            if checkpoint():
+                print(f"checkpointed at step {step}; exiting", flush=True)
+            else:  # another rank writes, or the agent is gone (the job restarts from its last checkpoint)
+                print(f"stopping at step {step}; exiting", flush=True)
             ctx.done()
             return 0
         t0 = time.monotonic()

@@ -19,8 +19,10 @@ Protocol decisions (see also service.py):
   with the machine. The scheduler requeues the job once the node's heartbeats stop; a task
   orphaned instead would keep running unsupervised and write the job's checkpoint directory
   concurrently with the requeued generation. Processes a task started itself (same process
-  group) do not inherit the death signal: the next agent on the same work_dir stops whole
-  process groups it finds recorded in ``run/`` before applying any plan.
+  group) do not inherit the death signal: the SDK in them sees its agent gone
+  (``SILOD_AGENT_PID``), writes no more checkpoints and asks the job to exit; and the next agent
+  on the same work_dir stops whole process groups it finds recorded in ``run/`` before applying
+  any plan.
 * Agent shutdown (SIGTERM): every task gets the checkpoint directive + SIGTERM, SIGKILL after
   ``stop_grace_s``; tasks stopped this way are not reported EXITED (exit 0 after a checkpoint
   would read as job completion); the node's heartbeats stop and the scheduler treats it as lost.
@@ -446,6 +448,10 @@ class Agent:
             "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in a.gpu_indices),
             "SILOD_CACHE_ADDR": self.settings.cache_address,
             "SILOD_AGENT_ADDR": self.agent_address,
+            # Lets the SDK in processes that do not die with the agent (a task's own children)
+            # notice it is gone: see silod.job.ClusterContext.agent_lost.
+            "SILOD_AGENT_PID": str(os.getpid()),
+            "SILOD_AGENT_START_TIME": self._start_time(os.getpid()),
             "SILOD_METADATA_ADDR": self.settings.metadata_address,
             "SILOD_CHECKPOINT_DIR": str(self.checkpoint_root / a.job_id),
             "MASTER_ADDR": a.master_addr or "127.0.0.1",

@@ -13,7 +13,9 @@
 On the cluster (``SILOD_JOB_ID`` set by the worker agent) progress goes to the node's agent
 (``SILOD_AGENT_ADDR``) at most once a second, ``should_checkpoint()`` polls the agent's
 directive at most once a second and is also true once SIGTERM was received, and checkpoints
-live in ``SILOD_CHECKPOINT_DIR``. Off the cluster, :func:`init` returns a twin with the same
+live in ``SILOD_CHECKPOINT_DIR``. If the agent dies (its node counts as lost and the job is
+requeued), ``should_checkpoint()`` turns true and ``save_checkpoint()`` stops writing, so a
+rank that outlived its agent exits without overwriting its successor's checkpoints. Off the cluster, :func:`init` returns a twin with the same
 API: rank 0 of 1, checkpoints in ``./checkpoints``, progress logged to stderr.
 
 Checkpoints are written atomically (temp file + rename) with ``torch.save`` when the job has

@@ -19,6 +19,7 @@ REPORT_INTERVAL_S = 1.0
 DIRECTIVE_INTERVAL_S = 1.0
 CALL_TIMEOUT_S = 1.0  # a training step must never wait long for the agent
 UNAVAILABLE_BACKOFF_S = 5.0  # after the agent was unreachable, skip calls this long
+AGENT_CHECK_INTERVAL_S = 0.5  # how often a rank looks whether its agent process still exists
 
 
 def _serialize(state: dict[str, Any]) -> bytes:
@@ -129,7 +130,8 @@ class JobContext:
         return self.checkpoint_dir / CHECKPOINT_FILE
 
     def save_checkpoint(self, state: dict[str, Any]) -> bool:
-        """Write ``state`` atomically; returns False on ranks other than 0 (they do not write)."""
+        """Write ``state`` atomically; returns False on ranks other than 0 (they do not write) and,
+        on the cluster, once the rank's agent is gone (see :attr:`ClusterContext.agent_lost`)."""
         if self.rank != 0:
             return False
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -219,6 +221,10 @@ class ClusterContext(JobContext):
         )
         self.batch_size = int(env.get("SILOD_BATCH_SIZE", "0") or 0)
         self.agent_addr = env.get("SILOD_AGENT_ADDR", "")
+        self._agent_pid = int(env.get("SILOD_AGENT_PID", "0") or 0)
+        self._agent_start_time = env.get("SILOD_AGENT_START_TIME", "")
+        self._agent_lost = False
+        self._last_agent_check = 0.0
         self._checkpoint_asked = False
         self.deadline_s = 0.0
         self._last_poll = 0.0
@@ -232,6 +238,38 @@ class ClusterContext(JobContext):
             self._channel = open_channel(self.agent_addr, token=env.get("SILOD_AUTH_TOKEN", ""), default_timeout_s=5)
             self._stub = worker_agent_pb2_grpc.WorkerAgentServiceStub(self._channel)
 
+    @property
+    def agent_lost(self) -> bool:
+        """True once the worker agent that launched this rank has died.
+
+        Its node then counts as lost: the scheduler requeues the job from its last checkpoint,
+        possibly on another node writing the same checkpoint directory. So from then on
+        ``should_checkpoint()`` is true (the rank should exit) and ``save_checkpoint()`` writes
+        nothing: work since the last checkpoint is lost, as if the machine had crashed. The
+        agent's own child processes die with it; this covers the processes they started
+        (launchers' workers, shells' children). Checked from /proc (the agent runs on this host).
+        """
+        if self._agent_lost or not self._agent_pid:
+            return self._agent_lost
+        now = time.monotonic()
+        if self._last_agent_check and now - self._last_agent_check < AGENT_CHECK_INTERVAL_S:
+            return False
+        self._last_agent_check = now
+        try:
+            fields = Path(f"/proc/{self._agent_pid}/stat").read_text().rsplit(")", 1)[1].split()
+            alive = fields[0] not in ("Z", "X") and (not self._agent_start_time or fields[19] == self._agent_start_time)
+        except (OSError, IndexError):
+            alive = not Path("/proc/self/stat").exists()  # no /proc at all: cannot tell, assume alive
+        if not alive:
+            self._agent_lost = True
+            print("silod.job: the worker agent is gone; no more checkpoints, exit as asked", file=sys.stderr, flush=True)
+        return self._agent_lost
+
+    def save_checkpoint(self, state: dict[str, Any]) -> bool:
+        if self.agent_lost:
+            return False
+        return super().save_checkpoint(state)
+
     def _agent_down(self, exc: Any) -> None:
         import grpc
 
@@ -239,7 +277,7 @@ class ClusterContext(JobContext):
             self._quiet_until = time.monotonic() + UNAVAILABLE_BACKOFF_S
 
     def _flush(self) -> None:
-        if self._stub is None or time.monotonic() < self._quiet_until:
+        if self._stub is None or time.monotonic() < self._quiet_until or self.agent_lost:
             return
         import grpc
 
@@ -270,7 +308,7 @@ class ClusterContext(JobContext):
             print(f"silod.job: progress report failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
 
     def should_checkpoint(self) -> bool:
-        if self._checkpoint_asked or self.sigterm_received:
+        if self._checkpoint_asked or self.sigterm_received or self.agent_lost:
             return True
         now = time.monotonic()
         if self._stub is None or now < self._quiet_until or (

@@ -5,7 +5,7 @@ emulated_step_compute_s; default 0.01) and counts ``SILOD_BATCH_SIZE`` samples (
 step). The budget is ``SILOD_SAMPLE_BUDGET`` samples, or ``SILOD_EPOCHS`` x
 ``SILOD_EPOCH_SAMPLES`` (default 1000 samples per epoch), or 10000 samples by default. It
 resumes from the job's checkpoint, reports progress through silod.job, checkpoints and exits 0
-when asked (directive or SIGTERM), also checkpoints every ``SILOD_CHECKPOINT_EVERY_S`` seconds
+when asked (directive or SIGTERM; without a checkpoint if its agent is gone), also checkpoints every ``SILOD_CHECKPOINT_EVERY_S`` seconds
 (default 30), and exits 0 when the budget is done. Its first output line is its environment
 (``silod-env: {...}``), so the launch can be checked from the log.
 
@@ -68,6 +68,9 @@ def main() -> int:
     last_checkpoint = time.monotonic()
     while state["samples"] < budget:
         if ctx.should_checkpoint():
+            if getattr(ctx, "agent_lost", False):
+                print(f"emulated: agent gone at samples={state['samples']}; exiting without a checkpoint", flush=True)
+                return 0
             ctx.save_checkpoint(state)
             print(f"emulated: checkpointed at samples={state['samples']}; exiting", flush=True)
             ctx.done()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -221,32 +222,55 @@ def test_task_dies_with_its_killed_agent(allocation, start_agent) -> None:  # ty
     assert "checkpointed at" not in agent.log("job-pdeath", 0)  # killed like on a crashed machine, not asked
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
 def test_restarted_agent_stops_tasks_its_killed_predecessor_left_then_resumes_them(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
-    # The task's leader (a shell) dies with the agent; the training process it started stays in
-    # its process group without the death signal, and the next agent must stop that group.
+    # The task is a shell (its leader, which dies with the agent) that started the training
+    # process and a helper in its process group; neither inherits the death signal. Training
+    # uses the SDK, which sees the agent gone and exits without checkpointing; the helper does
+    # not, and the next agent must stop the group before it relaunches the job.
     first = start_agent()
-    command = ["/bin/sh", "-c", f"'{sys.executable}' -m silod.jobs.emulated & wait"]
-    plan = node_plan(first.node, 1, assignment("job-orphan", 0, 1, [1], command=command))
-    allocation.push(plan)
-    wait_until(lambda: (_latest(allocation, "job-orphan", 0, 1) or allocation_pb2.TaskReport()).progress.samples_done >= 40,
-               what="task making progress")
+    command = ["/bin/sh", "-c", f"SILOD_CHECKPOINT_EVERY_S=0.2 '{sys.executable}' -m silod.jobs.emulated & sleep 120 & wait"]
+    allocation.push(node_plan(first.node, 1, assignment("job-orphan", 0, 1, [1], command=command)))
+    saves = first.work_dir / "checkpoints" / "job-orphan" / "checkpoints.jsonl"
+    wait_until(lambda: saves.exists(), what="a periodic checkpoint")
     leader = next(t.pid for t in first.status().tasks)
-    first.proc.kill()  # no graceful shutdown
-    wait_until(lambda: not _alive(leader), timeout=10, what="leader gone with its agent")
-    orphans = _group(leader)
-    assert orphans, "the training process survives its shell"
-    env = json.loads(re.search(r"silod-env: (.*)", first.log("job-orphan", 0)).group(1))
-    assert "SILOD_GPUS" not in env and "SILOD_NODE_NAME" not in env  # agent settings do not leak into jobs
-    second = start_agent(node=first.node, work_dir=first.work_dir)
-    assert not _group(leader) and not any(_alive(p) for p in orphans)  # stopped before the new agent served
-    log = second.log("job-orphan", 0)
-    saved = int(re.search(r"checkpointed at samples=(\d+)", log).group(1))
-    wait_until(lambda: second.log("job-orphan", 0).count("--- silod: generation 1") == 2, what="relaunch")
-    wait_until(lambda: "resumed at samples=" in second.log("job-orphan", 0).split("--- silod: generation 1")[-1],
-               what="resume")
-    resumed = int(re.findall(r"resumed at samples=(\d+)", second.log("job-orphan", 0))[-1])
-    assert resumed == saved > 0
-    check_exclusive(second.gpu_history())
+    second = None
+    try:
+        first.proc.kill()  # no graceful shutdown
+        wait_until(lambda: not _alive(leader), timeout=10, what="leader gone with its agent")
+        wait_until(lambda: not [p for p in _group(leader) if "silod.jobs.emulated" in _cmdline(p)], timeout=10,
+                   what="training exits once it sees its agent gone")
+        helpers = _group(leader)
+        assert helpers, "the helper outlives its shell"
+        gone_at = int(re.search(r"agent gone at samples=(\d+); exiting without a checkpoint",
+                                first.log("job-orphan", 0)).group(1))
+        env = json.loads(re.search(r"silod-env: (.*)", first.log("job-orphan", 0)).group(1))
+        assert "SILOD_GPUS" not in env and "SILOD_NODE_NAME" not in env  # agent settings do not leak into jobs
+        last_saved = json.loads(saves.read_text().splitlines()[-1])["samples_done"]
+        assert 0 < last_saved <= gone_at
+
+        second = start_agent(node=first.node, work_dir=first.work_dir)
+        assert not _group(leader) and not any(_alive(p) for p in helpers)  # stopped before the new agent served
+        wait_until(lambda: second.log("job-orphan", 0).count("--- silod: generation 1") == 2, what="relaunch")
+        wait_until(lambda: "resumed at samples=" in second.log("job-orphan", 0).split("--- silod: generation 1")[-1],
+                   what="resume")
+        resumed = int(re.findall(r"resumed at samples=(\d+)", second.log("job-orphan", 0))[-1])
+        assert resumed == last_saved  # the dead generation wrote nothing after its agent died
+        check_exclusive(second.gpu_history())
+    finally:
+        # The helpers (the first one if the test failed early, the relaunched shell's) do not die
+        # with their agent and would outlive the test.
+        groups = [leader] + ([t.pid for t in second.status().tasks if t.pid] if second is not None else [])
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
 
 
 def test_pytorch_example_under_the_agent_checkpoints_on_resize_and_finishes(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
