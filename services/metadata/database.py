@@ -4,17 +4,21 @@
 * concurrent writers wait for each other instead of failing with "database is locked"
   (SQLite: every write transaction starts with BEGIN IMMEDIATE, so it takes the write lock
   up front and waits on busy_timeout, rather than upgrading a read lock and deadlocking);
-* readers never block writers (SQLite WAL; PostgreSQL MVCC).
+* readers never block writers (SQLite WAL; PostgreSQL MVCC);
+* concurrent SQLite writers of this process share commits (group commit, :class:`_GroupCommit`):
+  each fsync'd commit costs milliseconds, and SQLite runs one writer at a time anyway.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session
@@ -95,11 +99,103 @@ def _sqlite_engine(url: URL, options: EngineOptions) -> Engine:
     return engine
 
 
+GROUP_COMMIT_MAX_OPS = 64  # operations sharing one SQLite commit, at most ...
+GROUP_COMMIT_MAX_S = 0.05  # ... and seconds since the first of them ran, so none waits long
+
+
+@dataclass
+class _Batch:
+    ops: int = 0
+    started: float = field(default_factory=time.monotonic)
+    committed: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class _GroupCommit:
+    """Write transactions of many threads on one SQLite connection, several per COMMIT.
+
+    Each operation runs inside a SAVEPOINT of a shared transaction (its failure rolls back only
+    its own work). When it is done and other writers are queued, it leaves the COMMIT to them
+    and waits; the last writer of a batch commits for all. Nobody returns before the COMMIT that
+    holds its work succeeded, so durability is what one commit per operation gave: with 8
+    concurrent writers, one fsync instead of 8. A lone writer commits at once.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._mutex = threading.Lock()  # owns the connection and the open transaction
+        self._count_lock = threading.Lock()
+        self._queued = 0
+        self._conn: Connection | None = None
+        self._batch: _Batch | None = None
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        with self._count_lock:
+            self._queued += 1
+        self._mutex.acquire()
+        with self._count_lock:
+            self._queued -= 1
+        batch: _Batch | None = None
+        try:
+            if self._batch is None:
+                if self._conn is None:
+                    self._conn = self._engine.connect()
+                self._conn.begin()  # BEGIN IMMEDIATE (see the "begin" listener)
+                self._batch = _Batch()
+            batch = self._batch
+            batch.ops += 1
+            with Session(bind=self._conn, join_transaction_mode="create_savepoint", expire_on_commit=False) as session, \
+                    session.begin():
+                yield session
+        finally:
+            if batch is None:  # could not open a transaction: nothing of ours to commit
+                self._drop_connection()
+                self._mutex.release()
+            else:
+                self._finish(batch)
+        # Only reached when the operation itself succeeded: it returns once its work is durable.
+        if batch.error is not None:
+            raise batch.error
+
+    def _finish(self, batch: _Batch) -> None:
+        """Commit now, or leave it to a queued writer; either way, wait until it happened."""
+        with self._count_lock:
+            others = self._queued
+        if others and batch.ops < GROUP_COMMIT_MAX_OPS and time.monotonic() - batch.started < GROUP_COMMIT_MAX_S:
+            self._mutex.release()
+            batch.committed.wait()
+            return
+        try:
+            assert self._conn is not None
+            self._conn.commit()
+        except BaseException as exc:  # noqa: BLE001  # every member of the batch must hear it
+            batch.error = exc
+            self._drop_connection()
+        finally:
+            self._batch = None
+            batch.committed.set()
+            self._mutex.release()
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()  # rolls back whatever is open
+            except Exception:  # noqa: BLE001  # a broken connection is being thrown away anyway
+                pass
+            self._conn = None
+
+    def close(self) -> None:
+        with self._mutex:
+            self._drop_connection()
+
+
 class Database:
     """Hands out one transaction per store operation."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._group = _GroupCommit(engine) if engine.dialect.name == "sqlite" else None
         read_options: dict[str, Any] = {_READ_ONLY_OPTION: True}
         if engine.dialect.name == "postgresql":
             # One snapshot for all statements of a read, e.g. a dataset row and its manifest page.
@@ -112,7 +208,12 @@ class Database:
 
     @contextmanager
     def write(self) -> Iterator[Session]:
-        """A transaction that commits on success and rolls back on any exception."""
+        """A transaction that commits on success and rolls back on any exception; durable
+        (committed) by the time the block has exited without an exception."""
+        if self._group is not None:
+            with self._group.write() as session:
+                yield session
+            return
         with Session(self.engine, expire_on_commit=False) as session, session.begin():
             yield session
 
@@ -123,4 +224,6 @@ class Database:
             yield session
 
     def dispose(self) -> None:
+        if self._group is not None:
+            self._group.close()
         self.engine.dispose()

@@ -1,0 +1,96 @@
+"""SQLite group commit: concurrent writes of one process share a COMMIT, each stays atomic on
+its own, and none returns before its COMMIT."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import event
+
+from services.metadata import database
+from services.metadata.store import MetadataStore
+from silod.v1 import common_pb2
+from tests.metadata.metadata_samples import training_spec
+
+
+@pytest.fixture
+def sqlite_store(sqlite_template: Path, tmp_path: Path):
+    path = tmp_path / "metadata.db"
+    shutil.copyfile(sqlite_template, path)
+    store = MetadataStore.open(f"sqlite:///{path}")
+    yield store, f"sqlite:///{path}"
+    store.close()
+
+
+def _wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def test_queued_writers_share_one_commit_and_a_failure_stays_its_own(sqlite_store, monkeypatch) -> None:
+    # The first writer holds the batch open while the others queue, longer than a batch may last.
+    monkeypatch.setattr(database, "GROUP_COMMIT_MAX_S", 60.0)
+    store, url = sqlite_store
+    group = store.db._group
+    commits: list[float] = []
+    event.listen(store.db.engine, "commit", lambda conn: commits.append(time.monotonic()))
+    first_inside = threading.Event()
+    release_first = threading.Event()
+    results: dict[str, object] = {}
+
+    def first() -> None:
+        # Holds the shared transaction open until the two others are queued behind it.
+        with store.db.write() as session:
+            store.jobs._insert(session, training_spec(name="first"), "first")
+            first_inside.set()
+            release_first.wait(10)
+        results["first"] = time.monotonic()
+
+    def failing() -> None:
+        try:
+            with store.db.write() as session:
+                store.jobs._insert(session, training_spec(name="failing"), "failing")
+                raise RuntimeError("this operation fails after writing")
+        except RuntimeError as exc:
+            results["failing"] = exc
+
+    def last() -> None:
+        results["last"] = store.jobs.create(training_spec(name="last"), "last")
+
+    threads = [threading.Thread(target=first)]
+    threads[0].start()
+    assert first_inside.wait(10)
+    for target in (failing, last):
+        threads.append(threading.Thread(target=target))
+        threads[-1].start()
+    _wait_until(lambda: group._queued == 2, "two writers queued behind the first")
+    release_first.set()
+    for t in threads:
+        t.join(10)
+
+    assert len(commits) == 1, "three operations queued together should share one COMMIT"
+    assert results["first"] >= commits[0], "a writer returned before the COMMIT that holds its work"
+    assert isinstance(results["failing"], RuntimeError)
+    fresh = MetadataStore.open(url)  # another connection sees only what was committed
+    try:
+        names = sorted(j.spec.name for j in fresh.jobs.list()[0])
+    finally:
+        fresh.close()
+    assert names == ["first", "last"]
+    assert results["last"].state == common_pb2.JOB_STATE_PENDING
+
+
+def test_a_lone_writer_commits_at_once(sqlite_store) -> None:
+    store, _ = sqlite_store
+    commits: list[int] = []
+    event.listen(store.db.engine, "commit", lambda conn: commits.append(1))
+    for i in range(3):
+        store.jobs.create(training_spec(name=f"j{i}"), f"r{i}")
+        assert len(commits) == i + 1
