@@ -187,7 +187,8 @@ def test_agent_advertises_its_pod_ip_and_shares_the_cache_servers_host_paths(loa
 
     def host_paths(workload: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
         volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
-        return {m["mountPath"]: volumes[m["name"]]["hostPath"]["path"] for m in container["volumeMounts"]}
+        return {m["mountPath"]: volumes[m["name"]]["hostPath"]["path"] for m in container["volumeMounts"]
+                if "hostPath" in volumes[m["name"]]}
 
     cache_paths = host_paths(cache_workload, cache_container)
     agent_paths = host_paths(agent_workload, agent_container)
