@@ -138,3 +138,12 @@ def check_advertised_cache(agent: ServiceSettings, cache: ServiceSettings, where
         f"{where}: agent advertises disk {agent.cache_capacity_bytes} / memory {agent.memory_cache_bytes} B, "
         f"cache server has {cache.disk_cache_bytes} / {cache.memory_cache_bytes} B"
     )
+
+
+def check_gpus_per_node(loaded: list[tuple[str, ServiceSettings]], where: str) -> None:
+    """The estimator packs jobs onto nodes of ``gpus_per_node`` GPUs; the example nodes
+    (emulated: no NVML in the image) report ``gpus``; the two must agree."""
+    estimators = [s for kind, s in loaded if kind == "estimator"]
+    agents = [s for kind, s in loaded if kind == "worker-agent"]
+    assert estimators and agents
+    assert {s.gpus_per_node for s in estimators} == {a.gpus for a in agents}, f"{where}: GPUs per node disagree"

@@ -23,6 +23,7 @@ from deploy_checks import (
     addresses,
     check_advertised_cache,
     check_client_command,
+    check_gpus_per_node,
     compose_interpolate,
     host_port,
     load_service,
@@ -204,3 +205,7 @@ def test_stop_grace_period_covers_the_services_own_shutdown(compose: dict[str, A
         period = compose["services"][name].get("stop_grace_period", "10s")  # Docker's default
         assert period.endswith("s") and period[:-1].isdigit(), f"{name}: write stop_grace_period in seconds"
         assert int(period[:-1]) > shutdown_needs_s(service, settings), f"{name}: killed during its shutdown grace"
+
+
+def test_estimator_assumes_the_nodes_gpu_count(loaded: dict[str, tuple[str, Any]]) -> None:
+    check_gpus_per_node(list(loaded.values()), where="compose.yaml")

@@ -23,6 +23,7 @@ from deploy_checks import (
     addresses,
     check_advertised_cache,
     check_client_command,
+    check_gpus_per_node,
     host_port,
     load_service,
     port_of,
@@ -233,3 +234,7 @@ def test_termination_grace_covers_the_services_own_shutdown(loaded: dict[str, An
     for name, (service, settings, workload, _) in loaded.items():
         period = workload["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)  # k8s default
         assert period > shutdown_needs_s(service, settings), f"{name}: killed during its shutdown grace"
+
+
+def test_estimator_assumes_the_nodes_gpu_count(loaded: dict[str, Any]) -> None:
+    check_gpus_per_node([(kind, settings) for kind, settings, _, _ in loaded.values()], where="deploy/k8s")

@@ -14,6 +14,7 @@ from deploy_checks import (
     addresses,
     check_advertised_cache,
     check_client_command,
+    check_gpus_per_node,
     load_service,
     port_of,
     shutdown_needs_s,
@@ -132,3 +133,7 @@ def test_stop_timeout_covers_the_services_own_shutdown(units: dict[str, Any]) ->
     for name, (service, settings, unit) in units.items():
         (timeout,) = unit["Service"]["TimeoutStopSec"]
         assert int(timeout) > shutdown_needs_s(service, settings), f"{name}: killed during its shutdown grace"
+
+
+def test_estimator_assumes_the_nodes_gpu_count(units: dict[str, Any]) -> None:
+    check_gpus_per_node([(kind, settings) for kind, settings, _ in units.values()], where="deploy/systemd")
