@@ -86,3 +86,34 @@ def test_sigterm_makes_the_example_checkpoint_and_exit_zero(tmp_path: Path) -> N
     again = subprocess.run([sys.executable, str(EXAMPLE), "--steps", str(saved + 5)], cwd=tmp_path, env=_env(),
                            capture_output=True, text=True, timeout=60)
     assert f"resumed from checkpoint at step {saved}" in again.stdout and again.returncode == 0
+
+
+def test_rank_whose_agent_died_stops_checkpointing_and_is_asked_to_exit(tmp_path: Path) -> None:
+    from silod.job import ClusterContext
+
+    # A stand-in for the agent: only its process's existence (pid and start time) matters here.
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        start_time = Path(f"/proc/{agent.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        previous = signal.getsignal(signal.SIGTERM)
+        try:
+            ctx = ClusterContext({"SILOD_JOB_ID": "job-x", "SILOD_RANK": "0", "SILOD_GENERATION": "3",
+                                  "SILOD_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "SILOD_AGENT_PID": str(agent.pid),
+                                  "SILOD_AGENT_START_TIME": start_time})
+        finally:
+            signal.signal(signal.SIGTERM, previous)  # ClusterContext installed the SDK's handler in pytest
+        assert not ctx.agent_lost and not ctx.should_checkpoint()
+        ctx.report(samples=64, steps=2)
+        assert ctx.save_checkpoint({"samples": 64})
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 10
+        while not ctx.agent_lost and time.monotonic() < deadline:  # looked at every AGENT_CHECK_INTERVAL_S
+            time.sleep(0.05)
+        assert ctx.agent_lost and ctx.should_checkpoint()
+        assert not ctx.save_checkpoint({"samples": 128})
+        assert ctx.load_checkpoint() == {"samples": 64}
+        assert [(r["generation"], r["samples_done"]) for r in ctx.checkpoint_history()] == [(3, 64)]
+    finally:
+        agent.kill()
+        agent.wait()
