@@ -60,10 +60,10 @@ def test_killed_agent_takes_its_tasks_down_and_its_jobs_finish_elsewhere(make_cl
         after = [r for r in resumes if r[2] > killed_at]
         assert after, f"{job_id} relaunched after the crash"
         generation, resumed_at, relaunched_at = after[0]
-        # Requeued once the node's heartbeats had stopped for the node timeout (the last one may
-        # have been up to a heartbeat interval before the kill), and then promptly; by then the
-        # old processes were gone, so the job never ran twice at once.
-        assert NODE_TIMEOUT_S - 1.0 <= relaunched_at - killed_at <= NODE_TIMEOUT_S + 60
+        # Requeued once the node's heartbeats had stopped for the node timeout (the last one came
+        # up to a heartbeat interval before the kill, later on a loaded machine), and then within
+        # a generous bound; by then the old processes were gone: the job never ran twice at once.
+        assert NODE_TIMEOUT_S - 2.0 <= relaunched_at - killed_at <= NODE_TIMEOUT_S + 60
         assert relaunched_at > dead_at
         assert generation > max(r[0] for r in resumes if r[2] <= killed_at)
         # Resumed from the last checkpoint its killed processes wrote (the shared checkpoint
