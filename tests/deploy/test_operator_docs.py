@@ -34,6 +34,10 @@ def _silod_argvs(path: Path) -> list[list[str]]:
         words = shlex.split(line.rstrip("&").strip())
         if words[0] in ("silod", "/opt/silod/bin/silod"):
             out.append(words[1:])
+        elif words[:2] == ["docker", "run"]:
+            # `docker run [options] silod:TAG ARGS`: ARGS go to the image's entrypoint, silod.
+            image = next(i for i, w in enumerate(words) if w.startswith("silod:"))
+            out.append(words[image + 1:])
         elif line.startswith(COMPOSE_CLI):
             # `run --rm [-v X] cli ARGS`: ARGS go to the image's entrypoint, silod.
             rest = words[len(COMPOSE_CLI.split()):]
