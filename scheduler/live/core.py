@@ -24,6 +24,7 @@ submissions cannot keep the scheduler (and the metadata store) busy with back-to
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import threading
@@ -60,10 +61,12 @@ ESTIMATE_TTL_S = 30.0  # a job's fitted model is re-read from the estimator at m
 RPC_CONCURRENCY = 16  # ... and per-job calls of a round are sent this many at a time
 
 
-def known_applications() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def known_applications() -> frozenset[str]:
+    """The packaged profiles: read once (a directory listing), asked for every job of a round."""
     from estimator.profiles.loading import application_names
 
-    return set(application_names())
+    return frozenset(application_names())
 
 
 class SchedulerCore:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from silod.v1 import common_pb2
@@ -103,9 +103,11 @@ class JobStore:
     def transition(self, job_id: str, expected_state: int, new_state: int, message: str = "") -> common_pb2.Job:
         check_job_id(job_id)
         check_transition(expected_state, new_state, message)
+        # Core statements rather than ORM objects: a scheduling round moves hundreds of jobs,
+        # and UPDATE ... RETURNING does the compare-and-set and the read in one statement.
         with self._db.write() as session:
-            current = _load(session, job_id).state
-            _check_move(job_id, current, expected_state, new_state)
+            if not is_legal_move(expected_state, new_state):
+                _check_move(job_id, _load(session, job_id).state, expected_state, new_state)
             now = utc_now()
             values: dict[str, object] = {
                 "state": new_state,
@@ -119,18 +121,20 @@ class JobStore:
             if new_state in TERMINAL_STATES:
                 values["finished_at"] = now
             # Compare-and-set: the WHERE on the state is what makes concurrent movers safe.
-            moved = session.execute(
+            row = session.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.state == expected_state)
                 .values(**values)
+                .returning(*Job.__table__.columns)
                 .execution_options(synchronize_session=False)
-            )
-            if moved.rowcount != 1:
-                actual = _load(session, job_id, refresh=True).state
-                _check_move(job_id, actual, expected_state, new_state)
-            row = _load(session, job_id, refresh=True)
-            session.add(
-                JobEvent(
+            ).one_or_none()
+            if row is None:
+                _check_move(job_id, _load(session, job_id).state, expected_state, new_state)
+                # Moved away and back between our UPDATE and this read (PostgreSQL, READ COMMITTED).
+                raise FailedPrecondition(f"{job_id} changed state concurrently; re-read the job and retry",
+                                         field="expected_state")
+            session.execute(
+                insert(JobEvent).values(
                     job_id=job_id,
                     sequence=row.last_event_sequence,
                     time=now,
