@@ -34,6 +34,9 @@ def _silod_argvs(path: Path) -> list[list[str]]:
         words = shlex.split(line.rstrip("&").strip())
         if words[0] in ("silod", "/opt/silod/bin/silod"):
             out.append(words[1:])
+        elif "--" in words and words[words.index("--") + 1:][:1] == ["silod"]:
+            # `kubectl exec POD -- silod ARGS`
+            out.append(words[words.index("--") + 2:])
         elif words[:2] == ["docker", "run"]:
             # `docker run [options] silod:TAG ARGS`: ARGS go to the image's entrypoint, silod.
             image = next(i for i, w in enumerate(words) if w.startswith("silod:"))
