@@ -14,9 +14,17 @@ model"):
 2. **Remote IO** up to each job's demand ``b* = T(g) s (1 - h)``, within the storage budget
    and each node's NIC (a job reads through its nodes' NICs in proportion to its GPUs).
    ``h`` is the hit ratio the job has *now* — the cached bytes the snapshot reports, up to
-   its quota — so a cold cache gets the IO to fill it. ``io="priority"`` serves jobs in the
-   policy's order (its objective decides who runs at full speed); ``io="max_min"`` is
-   water-filling (progressive filling) over the demands.
+   its quota — so a cold cache gets the IO to fill it. ``io="srpt"`` (default) serves jobs
+   with the fewest remote bytes still to read first (the rest of their epochs' misses plus
+   the cache fill), the policy's order breaking ties: storage is the shared bottleneck, and
+   shortest-remaining-work-first is what minimizes the average time jobs spend waiting on
+   it (a cold cifar10 needs 0.16 GB to become compute-bound, a 1-GPU imagenet 13 TB).
+   ``io="priority"`` serves jobs in the policy's order; ``io="max_min"`` is water-filling
+   (progressive filling) over the demands.
+
+A job granted less than ``STARVED`` of its demand cannot use its GPUs; :func:`starved`
+names such jobs so a policy can give their GPUs to others (the policies re-admit without
+them, up to ``REDRAWS`` times).
 
 Policies that estimate time or speed price jobs through the estimator's ``T(g, c, b)`` with
 :func:`expected_grants`: the cache the job could get (a fixed subset, capped by its
@@ -29,7 +37,7 @@ Everything here is a pure function of the snapshot, like the policies.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -38,6 +46,9 @@ from estimator.predict import ModelTable, predict
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 
 Placement = tuple[tuple[str, tuple[int, ...]], ...]
+IoOrder = Literal["srpt", "priority", "max_min"]
+STARVED = 0.05   # a grant below this share of the demand leaves the job's GPUs (nearly) idle
+REDRAWS = 3      # re-admissions without starved jobs per round
 
 
 def is_active(snapshot: ClusterSnapshot) -> bool:
@@ -116,14 +127,19 @@ def co_allocate(
     order: Sequence[str] | None = None,
     batch_sizes: Mapping[str, int] | None = None,
     *,
-    io: Literal["priority", "max_min"] = "priority",
+    io: IoOrder = "srpt",
 ) -> Plan:
     """The plan giving each placed job its GPUs plus cache quotas and an IO rate (module docstring)."""
+    return _grant(snapshot, placements, order, batch_sizes, io)[0]
+
+
+def _grant(snapshot, placements, order, batch_sizes, io) -> tuple[Plan, dict[str, float]]:
+    """:func:`co_allocate`'s plan and each job's IO demand ``b*`` at its current hit ratio."""
     batch_sizes = batch_sizes or {}
     jobs_by_id = {job.job_id: job for job in snapshot.jobs}
     sequence = [j for j in dict.fromkeys(list(order or []) + list(placements)) if j in placements and placements[j]]
     if not sequence:
-        return Plan({})
+        return Plan({}), {}
     jobs = [jobs_by_id[j] for j in sequence]
     shares = [node_shares(placements[j]) for j in sequence]
     gpus = np.array([sum(len(ix) for _, ix in placements[j]) for j in sequence])
@@ -175,26 +191,57 @@ def co_allocate(
         rates = np.zeros(len(jobs))
         left = budget
         left_nic = dict(nic)
-        for k in range(len(jobs)):
+        ranked = range(len(jobs))
+        if io == "srpt":
+            steady = np.where(d > 0, 1.0 - np.clip(covered / np.where(d > 0, d, 1.0), 0.0, 1.0), 0.0)
+            fill = np.maximum(np.minimum(covered, d) - held, 0.0)
+            work = np.array([job.remaining_samples for job in jobs]) * s * steady + fill
+            ranked = sorted(range(len(jobs)), key=lambda k: (work[k], k))
+        for k in ranked:
             cap = min([left] + [left_nic.get(n, math.inf) / f for n, f in shares[k].items() if f > 0])
             rates[k] = max(0.0, min(demand[k], cap))
             left -= rates[k]
             for n, f in shares[k].items():
                 left_nic[n] = left_nic.get(n, math.inf) - rates[k] * f
-    return Plan({
+    plan = Plan({
         j: Allocation(
             placement=placements[j], batch_size=batch_sizes.get(j, 0), cache_bytes=quotas[k],
             remote_io_bytes_per_s=float(rates[k]) if math.isfinite(rates[k]) else math.inf,
         )
         for k, j in enumerate(sequence)
     })
+    return plan, {j: float(demand[k]) for k, j in enumerate(sequence)}
 
 
-def expected_grants(snapshot: ClusterSnapshot, jobs: Sequence[JobInfo], compute: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def without_starved(
+    snapshot: ClusterSnapshot,
+    admit: Callable[[frozenset[str]], tuple[Mapping[str, Placement], Sequence[str]]],
+    batch_sizes: Mapping[str, int] | None = None,
+    *,
+    io: IoOrder = "srpt",
+) -> Plan:
+    """Co-allocate what ``admit(excluded)`` places (placements, order), re-admitting without the
+    jobs the IO grants starve (below ``STARVED`` of their demand), at most ``REDRAWS`` times:
+    a job that cannot read its data should not hold GPUs another job could use."""
+    excluded: frozenset[str] = frozenset()
+    for attempt in range(REDRAWS + 1):
+        placements, order = admit(excluded)
+        plan, demand = _grant(snapshot, placements, order, batch_sizes, io)
+        hungry = {j for j, a in plan.allocations.items() if demand[j] > 0 and a.remote_io_bytes_per_s < STARVED * demand[j]}
+        if not hungry or attempt == REDRAWS:
+            return plan
+        excluded = excluded | hungry
+    raise AssertionError("unreachable")
+
+
+def expected_grants(
+    snapshot: ClusterSnapshot, jobs: Sequence[JobInfo], compute: np.ndarray | None = None, gpus: Sequence[int] | np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Per job, the ``(cache bytes, remote IO bytes/s)`` to price it with in ``T(g, c, b)``.
 
     Cache: what the job's dataset holds now on any one node (placement prefers such nodes),
-    or what one node could hold for it, whichever is larger, capped at ``d``. The cache split
+    or what the nodes it would span could hold for it (``ceil(gpus / GPUs per node)`` nodes,
+    ``gpus`` defaulting to the job's requested count), whichever is larger, capped at ``d``. The cache split
     among jobs is decided later (:func:`co_allocate`); this is the job's prospect, used to
     tell IO-bound jobs from compute-bound ones. IO: the storage budget (the job may be
     served first); with ``compute`` (T(g) per job) capped at its demand ``b*``.
@@ -203,7 +250,12 @@ def expected_grants(snapshot: ClusterSnapshot, jobs: Sequence[JobInfo], compute:
     held: dict[str, float] = {}
     for (node, dataset), value in snapshot.cached_bytes.items():
         held[dataset] = max(held.get(dataset, 0.0), value)
-    cache = np.array([min(job.model.dataset_bytes, max(best_node, held.get(job.dataset, 0.0))) for job in jobs], dtype=float)
+    counts = np.array([job.requested for job in jobs] if gpus is None else gpus, dtype=np.int64)
+    spans = np.maximum(-(-counts // _per_node(snapshot)), 1)
+    cache = np.array(
+        [min(job.model.dataset_bytes, max(best_node * spans[k], held.get(job.dataset, 0.0))) for k, job in enumerate(jobs)],
+        dtype=float,
+    )
     io = np.full(len(jobs), float(snapshot.storage_bandwidth_bytes_per_s))
     if compute is not None:
         d = np.array([job.model.dataset_bytes for job in jobs])

@@ -2,7 +2,7 @@
 
     silod simulate --workload CSV --policy NAME [--cluster YAML] [--seed N] --out DIR
     silod simulate run ...                      (the same, spelled out)
-    silod simulate compare --workload CSV --policy A --policy B ... [--cluster YAML] --out DIR
+    silod simulate compare --workload CSV --policy A --policy B ... [--cluster YAML] [--cache all] --out DIR
     silod simulate generate --philly --jobs N --seed S --out CSV
     silod simulate list                         (packaged workloads and registered policies)
 
@@ -83,6 +83,9 @@ def _add_run_flags(p: argparse.ArgumentParser, required: bool) -> None:
 
 def _add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", metavar="YAML", help="cluster spec (default: 16 nodes x 4 GPUs, 60 s rounds, 30 s restarts)")
+    p.add_argument("--cache", default="none", metavar="MODE",
+                   help="dataset cache and remote IO: none (default), lru, static, quiver (independent of the scheduler) "
+                        "or silod (co-designed with the policy); compare also takes a comma list or 'all'")
     p.add_argument("--set", dest="options", action="append", default=[], metavar="POLICY.OPTION=VALUE",
                    help="policy option, e.g. pollux.p=-0.5 or tiresias.thresholds_gpu_s=(3200,) (repeatable; "
                         "the POLICY. prefix may be left out with a single policy)")
@@ -146,6 +149,20 @@ def _parse_options(values: list[str], names: list[str]) -> dict[str, dict[str, A
         except (TypeError, ValueError) as exc:
             raise SimulatorInputError(f"--set: bad options for {policy}: {exc}") from None
     return parsed
+
+
+def _cache_modes(value: str) -> list[str]:
+    """``--cache`` as a list of modes (``all`` = every mode, independent ones first)."""
+    from simulator.cacheio import CACHE_MODES
+    from simulator.errors import SimulatorInputError
+
+    modes = list(CACHE_MODES) if value.strip() == "all" else [m.strip() for m in value.split(",") if m.strip()]
+    for mode in modes:
+        if mode not in CACHE_MODES:
+            raise SimulatorInputError(f"--cache: unknown cache mode {mode!r}; known: {', '.join(CACHE_MODES)}, all")
+    if not modes or len(set(modes)) != len(modes):
+        raise SimulatorInputError(f"--cache {value!r}: give each mode once")
+    return modes
 
 
 def _check_policies(names: list[str]) -> str | None:
@@ -226,7 +243,9 @@ def _result_line(s: dict[str, Any], out: Path) -> str:
     return (
         f"{s['policy']} on {s['workload']}: {s['jobs']} jobs, avg JCT {s['avg_jct_s']:,.0f} s, "
         f"p99 {s['p99_jct_s']:,.0f} s, makespan {s['makespan_s']:,.0f} s, GPU util {s['gpu_utilization']:.1%}, "
-        f"rho max {s['rho_max']:.2f}, {s['restarts']} restarts, {s['wall_time_s']:.1f} s wall -> {out}"
+        f"rho max {s['rho_max']:.2f}, {s['restarts']} restarts, {s['wall_time_s']:.1f} s wall"
+        + (f", cache {s['cache_mode']}, IO util {s['io_utilization']:.1%}" if s.get("cache_mode", "none") != "none" or s.get("io_utilization") else "")
+        + f" -> {out}"
     )
 
 
@@ -246,6 +265,7 @@ def _run(args: argparse.Namespace) -> int:
 
     def body() -> int:
         from simulator.cluster import load_cluster
+        from simulator.errors import SimulatorInputError
         from simulator.metrics import write_outputs
         from simulator.runner import simulate
         from simulator.workload import load_workload
@@ -254,9 +274,13 @@ def _run(args: argparse.Namespace) -> int:
         workload = load_workload(args.workload)
         cluster = load_cluster(args.cluster)
         policy = _policy(args.policy, args.seed, options)
+        modes = _cache_modes(args.cache)
+        if len(modes) != 1:
+            raise SimulatorInputError(f"--cache {args.cache!r}: run takes one mode; use 'silod simulate compare' for several")
         with _Bar(not args.quiet) as bar:
             bar.start(f"{args.policy}", len(workload))
-            result = simulate(workload, policy, cluster, check_invariants=not args.no_check, observer=bar.update)
+            result = simulate(workload, policy, cluster, check_invariants=not args.no_check, observer=bar.update,
+                              cache_mode=modes[0])
         data = write_outputs(result, args.out, plots=not args.no_plots)
         if not args.quiet:
             print(_result_line(data, Path(args.out)))
@@ -286,12 +310,16 @@ def _compare(args: argparse.Namespace) -> int:
         options = _parse_options(args.options, names)
         workload = load_workload(args.workload)
         cluster = load_cluster(args.cluster)
+        modes = _cache_modes(args.cache)
         results = []
         with _Bar(not args.quiet) as bar:
             for name in names:
-                bar.start(name, len(workload))
-                result = simulate(workload, _policy(name, None, options), cluster, check_invariants=not args.no_check, observer=bar.update)
-                results.append(dataclasses.replace(result, policy=name))
+                for mode in modes:
+                    label = name if len(modes) == 1 else f"{name}/{mode}"  # also the output directory
+                    bar.start(label, len(workload))
+                    result = simulate(workload, _policy(name, None, options), cluster, check_invariants=not args.no_check,
+                                      observer=bar.update, cache_mode=mode)
+                    results.append(dataclasses.replace(result, policy=label))
         data = write_compare(results, args.out, plots=not args.no_plots)
         if not args.quiet:
             print((Path(args.out) / "compare.md").read_text().rstrip())

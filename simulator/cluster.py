@@ -16,6 +16,7 @@ Defaults are the Pollux artifact simulator's: 16 nodes x 4 GPUs, a scheduling ro
     stall_timeout_s: 86400  # fail when active jobs make no progress for this long
     # Cache and remote IO (issue 7). The defaults model today's GPU-only cluster: no cache
     # and unlimited storage bandwidth, which reproduces the GPU-only results exactly.
+    # Numbers or strings with decimal units: 8e9, "8 GB", "100 MB/s", .inf.
     cache_bytes_per_node: 0              # dataset cache on every node (a list entry may set cache_bytes)
     storage_bandwidth_bytes_per_s: .inf  # cluster-wide remote read budget
     nic_bytes_per_s: .inf                # per-node cap on remote reads (a list entry may set its own)
@@ -141,8 +142,8 @@ def _number(data: dict, key: str, default: float, *, integer: bool = False, wher
     value = data.get(key, default)
     if value is None:
         return default
-    if isinstance(value, str) and value.strip().lower() in ("inf", ".inf", "infinity", "unlimited"):
-        value = math.inf  # YAML's .inf is a float already; the words are accepted for readability
+    if isinstance(value, str):
+        value = _quantity(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SimulatorInputError(f"{where} {key!r}: expected a number, got {value!r}")
     if math.isnan(value):
@@ -152,6 +153,28 @@ def _number(data: dict, key: str, default: float, *, integer: bool = False, wher
             raise SimulatorInputError(f"{where} {key!r}: expected a whole number, got {value!r}")
         return int(value)
     return float(value)
+
+
+_UNITS = {"": 1.0, "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+
+
+def _quantity(text: str) -> float | str:
+    """``"8e9"``, ``"8 GB"``, ``"100 MB/s"``, ``"inf"`` -> a number (decimal units); other text unchanged.
+
+    YAML 1.1 reads ``8e9`` (no sign in the exponent) as a string, hence the plain numbers too.
+    """
+    word = text.strip().lower().replace(" ", "")
+    if word in ("inf", ".inf", "infinity", "unlimited"):
+        return math.inf
+    if word.endswith("/s"):
+        word = word[:-2]
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if unit and word.endswith(unit) or not unit:
+            try:
+                return float(word[: len(word) - len(unit)] if unit else word) * _UNITS[unit]
+            except ValueError:
+                continue
+    return text
 
 
 def _non_negative(data: dict, key: str, default: float, where: str) -> float:

@@ -9,7 +9,11 @@ Definitions (also in docs/evaluation.md):
   during restarts too, so restarts count as allocated (but unproductive) time.
 - finish-time fairness rho = JCT / isolated JCT, where the isolated JCT is the job alone on
   the cluster with its requested GPUs (packed) at its own batch size, plus one restart cost;
-  ``rho_max`` and ``rho_mean`` over all jobs (Themis reports the maximum).
+  ``rho_max`` and ``rho_mean`` over all jobs (Themis reports the maximum). With cache and IO
+  the isolated job also has the whole storage budget and its nodes' cache (steady state),
+  the same for every cache mode.
+- remote IO utilization = bytes read from remote storage / (storage budget x makespan); 0
+  when the budget is unlimited.
 """
 
 from __future__ import annotations
@@ -43,8 +47,11 @@ def summary(result: SimulationResult) -> dict[str, Any]:
     makespan = max(j.finish_s for j in jobs) - first_arrival
     gpu_seconds = float(sum(j.attained_gpu_s for j in jobs))
     gpus = result.cluster.total_gpus
+    budget = result.cluster.storage_bandwidth_bytes_per_s
+    io_util = result.remote_bytes_read / (budget * makespan) if math.isfinite(budget) and makespan > 0 else 0.0
     return {
         "policy": result.policy,
+        "cache_mode": result.cache_mode,
         "policy_options": {k: list(v) if isinstance(v, tuple) else v for k, v in result.policy_options.items()},
         "workload": result.workload,
         "jobs": len(jobs),
@@ -55,6 +62,8 @@ def summary(result: SimulationResult) -> dict[str, Any]:
         "makespan_s": _r(makespan, 3),
         "gpu_seconds_allocated": _r(gpu_seconds, 3),
         "gpu_utilization": _r(gpu_seconds / (gpus * makespan), 6) if makespan > 0 else 0.0,
+        "remote_bytes_read": _r(result.remote_bytes_read, 0),
+        "io_utilization": _r(io_util, 6),
         "rho_max": _r(rho.max(), 6),
         "rho_mean": _r(rho.mean(), 6),
         "restarts": int(sum(j.restarts for j in jobs)),
@@ -68,6 +77,7 @@ def summary(result: SimulationResult) -> dict[str, Any]:
             "makespan": "last finish - first arrival (s)",
             "gpu_utilization": "GPU-seconds allocated (restarts included) / (cluster GPUs x makespan)",
             "rho": "JCT / isolated JCT; isolated = alone with the requested GPUs (packed) at the job's batch size + one restart cost",
+            "io_utilization": "remote bytes read / (storage budget x makespan); 0 when the budget is unlimited",
         },
     }
 
@@ -154,11 +164,13 @@ def write_outputs(result: SimulationResult, out: str | Path, *, plots: bool = Tr
 
 _TABLE = (
     ("policy", "policy", "{}"),
+    ("cache", "cache_mode", "{}"),
     ("avg JCT (s)", "avg_jct_s", "{:,.0f}"),
     ("p50 JCT (s)", "p50_jct_s", "{:,.0f}"),
     ("p99 JCT (s)", "p99_jct_s", "{:,.0f}"),
     ("makespan (s)", "makespan_s", "{:,.0f}"),
     ("GPU util.", "gpu_utilization", "{:.1%}"),
+    ("IO util.", "io_utilization", "{:.1%}"),
     ("rho max", "rho_max", "{:.2f}"),
     ("rho mean", "rho_mean", "{:.2f}"),
     ("restarts", "restarts", "{}"),
@@ -167,10 +179,12 @@ _TABLE = (
 
 
 def compare_table(summaries: Sequence[dict[str, Any]]) -> str:
-    """A Markdown table, one row per policy."""
-    head = "| " + " | ".join(h for h, _, _ in _TABLE) + " |"
-    rule = "|" + "|".join("---" if k == "policy" else "---:" for _, k, _ in _TABLE) + "|"
-    rows = ["| " + " | ".join(fmt.format(s[k]) for _, k, fmt in _TABLE) + " |" for s in summaries]
+    """A Markdown table, one row per policy (and cache mode; those columns only when a run had cache or an IO budget)."""
+    data_aware = any(s.get("cache_mode", "none") != "none" or s.get("io_utilization", 0.0) > 0 for s in summaries)
+    table = [c for c in _TABLE if data_aware or c[1] not in ("cache_mode", "io_utilization")]
+    head = "| " + " | ".join(h for h, _, _ in table) + " |"
+    rule = "|" + "|".join("---" if k in ("policy", "cache_mode") else "---:" for _, k, _ in table) + "|"
+    rows = ["| " + " | ".join(fmt.format(s.get(k, "")) for _, k, fmt in table) + " |" for s in summaries]
     return "\n".join([head, rule, *rows])
 
 

@@ -26,15 +26,20 @@ def simulate(
     check_invariants: bool = True,
     observer: Callable[[SimProgress], None] | None = None,
     policy_options: dict[str, Any] | None = None,
+    cache_mode: str = "none",
 ) -> SimulationResult:
-    """Run one simulation to the end; the result carries the wall time it took."""
+    """Run one simulation to the end; the result carries the wall time it took.
+
+    ``cache_mode``: ``none``, ``lru``, ``static``, ``quiver`` or ``silod`` (:mod:`simulator.cacheio`).
+    """
     if isinstance(workload, (str, Path)):
         workload = load_workload(workload)
     if not isinstance(cluster, ClusterSpec):
         cluster = load_cluster(cluster)
     started = time.perf_counter()
     simulator = Simulator(
-        workload, policy, cluster, check_invariants=check_invariants, observer=observer, policy_options=policy_options
+        workload, policy, cluster, check_invariants=check_invariants, observer=observer, policy_options=policy_options,
+        cache_mode=cache_mode,
     )
     result = simulator.run()
     return dataclasses.replace(result, wall_time_s=time.perf_counter() - started)
@@ -47,6 +52,7 @@ def compare(
     *,
     check_invariants: bool = True,
     observer: Callable[[str, SimProgress], None] | None = None,
+    cache_mode: str = "none",
 ) -> list[SimulationResult]:
     """Run every policy on the same workload and cluster, in the order given."""
     if isinstance(workload, (str, Path)):
@@ -56,5 +62,5 @@ def compare(
     results = []
     for name in policies:
         watch = (lambda p, _n=name: observer(_n, p)) if observer else None
-        results.append(simulate(workload, name, cluster, check_invariants=check_invariants, observer=watch))
+        results.append(simulate(workload, name, cluster, check_invariants=check_invariants, observer=watch, cache_mode=cache_mode))
     return results

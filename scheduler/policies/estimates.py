@@ -13,6 +13,11 @@ Estimates (what sjf, tiresias and themis rank jobs by):
 - *Remaining time* = ``remaining_samples / goodput`` seconds: 0 when nothing remains,
   ``inf`` when the predicted goodput is 0 (or the job gets no GPUs).
 
+With ``codesign=True`` (SiloD, :mod:`scheduler.codesign`) and a snapshot that has cache or a
+finite storage budget, the goodput is the estimator's ``T(g, c, b)`` at the grants
+:func:`scheduler.codesign.expected_grants` gives the job, and :func:`rigid_plan` grants cache
+and IO with the GPUs, passing over jobs the IO grants would starve.
+
 All predictions of a round are one vectorized :func:`~estimator.predict.predict` call;
 job models shared by many jobs (every job of an application starts from the same cached
 profile model) are evaluated once.
@@ -33,6 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from estimator.predict import ModelTable, predict
+from scheduler import codesign as co
 from scheduler.placement import place, plan_from_placements
 from scheduler.policy import ClusterSnapshot, JobInfo, Plan, Pool
 
@@ -110,6 +116,7 @@ def goodput(
     *,
     nodes: Sequence[int] | np.ndarray | None = None,
     pools: Iterable[Pool] = TRAINING,
+    codesign: bool = False,
 ) -> np.ndarray:
     """Predicted goodput (efficiency-weighted samples/s) of each job on ``gpus[k]`` GPUs (default: its requested count).
 
@@ -127,8 +134,9 @@ def goodput(
     spans = current_nodes(snapshot, jobs, counts, pools) if nodes is None else np.asarray(nodes, dtype=np.int64)
     table, index = _table(jobs)
     batch = np.array([job.initial_batch_size for job in jobs], dtype=np.int64)
+    cache, io = co.expected_grants(snapshot, jobs, gpus=counts) if codesign and co.is_active(snapshot) else (0.0, math.inf)
     predictions = predict(
-        table, index, counts, spans, 0.0, math.inf, batch, gpus_per_node=gpus_per_node(snapshot, pools)
+        table, index, counts, spans, cache, io, batch, gpus_per_node=gpus_per_node(snapshot, pools)
     )
     return predictions.goodput_samples_per_s
 
@@ -139,12 +147,13 @@ def remaining_time_s(
     gpus: Sequence[int] | np.ndarray | None = None,
     *,
     pools: Iterable[Pool] = TRAINING,
+    codesign: bool = False,
 ) -> np.ndarray:
     """Seconds each job still needs on ``gpus[k]`` GPUs (default: requested): ``remaining_samples / goodput``.
 
     0 when nothing remains, ``inf`` when the goodput is 0.
     """
-    return remaining_time(jobs, goodput(snapshot, jobs, gpus, pools=pools))
+    return remaining_time(jobs, goodput(snapshot, jobs, gpus, pools=pools, codesign=codesign))
 
 
 def remaining_time(jobs: Sequence[JobInfo], rate: np.ndarray) -> np.ndarray:
@@ -196,12 +205,40 @@ def rigid_plan(
     order: Sequence[JobInfo],
     *,
     pools: Iterable[Pool] = TRAINING,
+    codesign: bool = False,
 ) -> Plan:
-    """The plan giving the jobs :func:`admit_in_order` admits their requested GPUs, at their own batch size."""
+    """The plan giving the jobs :func:`admit_in_order` admits their requested GPUs, at their own batch size.
+
+    With ``codesign`` (and data resources in the snapshot) :func:`scheduler.codesign.co_allocate`
+    grants cache and IO, and jobs the IO grants would starve are left out so their GPUs go to
+    the next jobs in ``order`` (:func:`scheduler.codesign.without_starved`).
+    """
     pools = tuple(pools)
+    if codesign and co.is_active(snapshot):
+        def admit(excluded: frozenset[str]):
+            kept = [job for job in order if job.job_id not in excluded]
+            counts = admit_in_order(snapshot, kept, pools=pools)
+            ranked = [job.job_id for job in kept if job.job_id in counts]
+            return place(snapshot, counts, ranked, pools=pools).placements, ranked
+
+        return co.without_starved(snapshot, admit)
     counts = admit_in_order(snapshot, order, pools=pools)
     result = place(snapshot, counts, [job.job_id for job in order if job.job_id in counts], pools=pools)
     return plan_from_placements(result.placements)
+
+
+def io_demand(snapshot: ClusterSnapshot, jobs: Sequence[JobInfo], pools: Iterable[Pool] = TRAINING) -> dict[str, float]:
+    """Remote bytes/s each job needs to run at compute speed on its requested GPUs, with the
+    cache :func:`scheduler.codesign.expected_grants` expects for it."""
+    if not jobs:
+        return {}
+    jobs = list(jobs)
+    table, index = _table(jobs)
+    counts = np.array([job.requested for job in jobs], dtype=np.int64)
+    batch = np.array([job.initial_batch_size for job in jobs], dtype=np.int64)
+    cache, _ = co.expected_grants(snapshot, jobs)
+    pred = predict(table, index, counts, 0, cache, math.inf, batch, gpus_per_node=gpus_per_node(snapshot, pools))
+    return {job.job_id: float(b) for job, b in zip(jobs, pred.io_demand_bytes_per_s)}
 
 
 def by_priority_then_arrival(job: JobInfo) -> tuple:

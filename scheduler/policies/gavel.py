@@ -41,6 +41,15 @@ The LP (max-min fairness, Gavel's ``max_min_fairness`` policy)::
   the degenerate max-min LP). Jobs whose minimum exceeds the cluster have no candidate and
   no fairness row.
 
+Cache and remote IO (``codesign``, SiloD; off by default). The cache split is fixed first:
+each job is priced at the cache :func:`scheduler.codesign.expected_grants` expects for it,
+and with the whole storage budget, so ``thr[j, c] = T(g, c, b)`` and a candidate uses
+``io[j, c] = min(b*, budget)`` bytes/s while it runs. Remote IO is then one more capacity
+row of the LP, ``sum_j sum_c X[j,c] * io[j,c] <= storage budget``, as DESIGN.md suggests.
+The plan's cache and IO come from :func:`scheduler.codesign.co_allocate`, and jobs its IO
+grants would starve are left out of the round so their GPUs go to the next jobs
+(:func:`scheduler.codesign.without_starved`).
+
 Rounds (Gavel's round-based mechanism): the LP gives each job a target GPU share
 ``a_j = sum_c X[j,c] * gpus[c]`` (GPUs on average); the share it has received so far is
 ``attained_gpu_s / (time since arrival)``. Jobs are taken in decreasing ``a_j / received``
@@ -59,7 +68,8 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
-from scheduler.placement import place
+from scheduler import codesign as co
+from scheduler.placement import PlacementResult, place
 from scheduler.policies.pollux import upper_hull_segments
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
@@ -84,6 +94,7 @@ class GavelAllocation:
     weight: np.ndarray            # per job: priority weight
     fraction: np.ndarray          # per candidate: share of time (the LP's X)
     level: float                  # the max-min normalized throughput t*
+    io: np.ndarray | None = None  # per candidate: remote bytes/s it uses while running (codesign only)
 
     def time_fraction(self) -> np.ndarray:
         """Per job: share of time it should run (sum over its candidates)."""
@@ -109,6 +120,7 @@ class GavelPolicy:
     priority_base: float = 2.0      # weight = priority_base ** job.priority
     water_fill: bool = True         # second LP: use capacity the max-min bottleneck leaves over
     running_bonus: float = 0.0      # priority x (1 + bonus) for jobs running now; 0 = Gavel
+    codesign: bool = False          # SiloD: price with T(g, c, b), IO as an LP constraint, grant cache and IO
 
     def __post_init__(self):
         if self.max_gpus_per_job < 1:
@@ -150,7 +162,16 @@ class GavelPolicy:
             empty = np.zeros(0)
             return GavelAllocation(jobs, job, gpus, empty, np.zeros(len(jobs)), weight, empty, 0.0)
         batch = 0 if self.adapt_batch else np.array([jobs[j].initial_batch_size for j in job], dtype=np.int64)
-        throughput = JobTable(jobs).predict(job, gpus, 0, per_node=per_node, batch_size=batch).goodput_samples_per_s
+        io_row = None
+        if self.codesign and co.is_active(snapshot):
+            cache, _ = co.expected_grants(snapshot, [jobs[j] for j in job], gpus=gpus)
+            budget = snapshot.storage_bandwidth_bytes_per_s
+            pred = JobTable(jobs).predict(job, gpus, 0, per_node=per_node, batch_size=batch, cache_bytes=cache,
+                                          remote_io_bytes_per_s=budget)
+            throughput = pred.goodput_samples_per_s
+            io_row = np.minimum(pred.io_demand_bytes_per_s, budget)
+        else:
+            throughput = JobTable(jobs).predict(job, gpus, 0, per_node=per_node, batch_size=batch).goodput_samples_per_s
         share = capacity / len(jobs)
         reference = np.zeros(len(jobs))
         np.maximum.at(reference, job, throughput * np.minimum(1.0, share / gpus))
@@ -158,8 +179,14 @@ class GavelPolicy:
             normalized = np.where(reference[job] > 0, throughput / reference[job], 0.0)
         keep = _undominated(job, gpus, normalized, len(jobs))
         job, gpus, throughput, normalized = job[keep], gpus[keep], throughput[keep], normalized[keep]
-        fraction, level = _max_min_lp(job, gpus, normalized, weight, len(jobs), capacity, self.water_fill)
-        return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level)
+        if io_row is not None:
+            io_row = io_row[keep]
+            budget = snapshot.storage_bandwidth_bytes_per_s
+            fraction, level = _max_min_lp(job, gpus, normalized, weight, len(jobs), capacity, self.water_fill,
+                                          io_row if np.isfinite(budget) else None, budget)
+        else:
+            fraction, level = _max_min_lp(job, gpus, normalized, weight, len(jobs), capacity, self.water_fill)
+        return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level, io_row)
 
     # -- the round -----------------------------------------------------------------------
 
@@ -189,20 +216,26 @@ class GavelPolicy:
         ranked = np.lexsort((allocation.gpus, -np.round(allocation.fraction / 1e-6), allocation.job))
         first = ranked[np.r_[True, allocation.job[ranked][1:] != allocation.job[ranked][:-1]]] if ranked.size else ranked
         preferred[allocation.job[first]] = allocation.gpus[first]
-        free = sum(node.gpus for node in pool_nodes(snapshot))
-        counts: dict[str, int] = {}
-        for j in order:
-            if free == 0:
-                break
-            want, job = int(preferred[j]), jobs[j]
-            if want == 0:
-                continue
-            if want > free and self.elastic and not job.rigid:
-                want = free if free >= job.min_gpus else 0  # an elastic job takes what is left
-            if 0 < want <= free:
-                counts[job.job_id] = want
-                free -= want
-        result = place(snapshot, counts, list(counts))
+        def admit(excluded: frozenset[str]):
+            free = sum(node.gpus for node in pool_nodes(snapshot))
+            counts: dict[str, int] = {}
+            for j in order:
+                if free == 0:
+                    break
+                want, job = int(preferred[j]), jobs[j]
+                if want == 0 or job.job_id in excluded:
+                    continue
+                if want > free and self.elastic and not job.rigid:
+                    want = free if free >= job.min_gpus else 0  # an elastic job takes what is left
+                if 0 < want <= free:
+                    counts[job.job_id] = want
+                    free -= want
+            return place(snapshot, counts, list(counts)).placements, list(counts)
+
+        if allocation.io is not None:
+            return co.without_starved(snapshot, admit)
+        placements, _ = admit(frozenset())
+        result = PlacementResult(placements, ())
         batch = self._batch_sizes(snapshot, result.placements)
         return Plan({job_id: Allocation(placement=p, batch_size=batch.get(job_id, 0)) for job_id, p in result.placements.items()})
 
@@ -234,9 +267,13 @@ def _undominated(job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, n_jo
 
 
 def _max_min_lp(
-    job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int, capacity: int, water_fill: bool
+    job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int, capacity: int, water_fill: bool,
+    io: np.ndarray | None = None, io_budget: float = np.inf,
 ) -> tuple[np.ndarray, float]:
-    """Solve the max-min LP (and optionally the water-filling LP); return ``(X, t*)``."""
+    """Solve the max-min LP (and optionally the water-filling LP); return ``(X, t*)``.
+
+    With ``io`` (bytes/s each candidate reads) the LP gets one more row: ``sum io x <= io_budget``.
+    """
     m = job.size
     cols = np.arange(m)
     # Rows 0..n-1: w_j t - sum_c norm x <= 0; rows n..2n-1: sum_c x <= 1; row 2n: sum g x <= G.
@@ -245,8 +282,14 @@ def _max_min_lp(
     rows = np.concatenate([job, n_jobs + job, np.full(m, 2 * n_jobs), fair])
     columns = np.concatenate([cols, cols, cols, np.full(fair.size, m)])
     values = np.concatenate([-normalized, np.ones(m), gpus.astype(np.float64), weight[fair]])
-    a_ub = sp.csr_matrix((values, (rows, columns)), shape=(2 * n_jobs + 1, m + 1))
-    b_ub = np.concatenate([np.zeros(n_jobs), np.ones(n_jobs), [float(capacity)]])
+    extra = []
+    if io is not None:  # row 2n+1: the storage budget
+        rows = np.concatenate([rows, np.full(m, 2 * n_jobs + 1)])
+        columns = np.concatenate([columns, cols])
+        values = np.concatenate([values, io.astype(np.float64)])
+        extra = [float(io_budget)]
+    a_ub = sp.csr_matrix((values, (rows, columns)), shape=(2 * n_jobs + 1 + len(extra), m + 1))
+    b_ub = np.concatenate([np.zeros(n_jobs), np.ones(n_jobs), [float(capacity)], extra])
     bounds = np.zeros((m + 1, 2))
     bounds[:m, 1] = 1.0
     bounds[m, 1] = np.inf

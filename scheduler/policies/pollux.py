@@ -52,9 +52,13 @@ and the search re-run (``repack_rounds`` times); the plan with the best fitness 
 wins. Inference-pool GPUs are not used. Interference avoidance (no two distributed jobs
 sharing a node) is not implemented.
 
-Cache and remote IO are not managed yet (IO not limiting in every prediction); the
-estimator call that prices candidates takes per-candidate grants, see
-:mod:`scheduler.policies.pollux_estimates`.
+Cache and remote IO: GPU-only by default (IO not limiting in every prediction). With
+``codesign`` (SiloD) and data resources in the snapshot, every candidate is priced with the
+estimator's ``T(g, c, b)`` at the job's expected cache (:func:`scheduler.codesign.expected_grants`)
+and its max-min fair share of the storage budget (demands at the requested GPUs), so an
+IO-bound job is not given GPUs it cannot feed and gets a batch size for its IO; the plan's
+cache and IO then come from :func:`scheduler.codesign.co_allocate` (IO max-min fair, the
+share the speedups assumed).
 """
 
 from __future__ import annotations
@@ -65,7 +69,9 @@ from typing import Literal
 
 import numpy as np
 
+from scheduler import codesign as co
 from scheduler.placement import place
+from scheduler.policies.estimates import io_demand
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
@@ -128,6 +134,7 @@ class PolluxPolicy:
     dp_limit: int = 5_000_000               # auto: DP when jobs x (GPUs + 1) x (max count + 1) is at most this
     local_search_moves: int = 200           # greedy: at most this many improving moves
     repack_rounds: int = 3                  # re-solve when single-node-sized jobs had to be split (see schedule)
+    codesign: bool = False                  # SiloD: price with T(g, c, b), grant cache and IO (scheduler.codesign)
 
     def __post_init__(self):
         if not math.isfinite(self.p):
@@ -207,7 +214,9 @@ class PolluxPolicy:
             all_rows = np.concatenate([rows, rows[spread]])
             all_counts = np.concatenate([counts, counts[spread]])
             nodes = np.concatenate([np.zeros(rows.size, dtype=np.int64), np.full(int(spread.sum()), 2)])
-            pred = estimates.predict(all_rows, all_counts, nodes, per_node=per_node)
+            cache, io = self.grants(snapshot, all_rows, all_counts)
+            pred = estimates.predict(all_rows, all_counts, nodes, per_node=per_node, cache_bytes=cache,
+                                     remote_io_bytes_per_s=io)
             if self.speedup_base == "one_gpu":
                 values = pred.speedup
             else:
@@ -238,6 +247,21 @@ class PolluxPolicy:
         return SpeedupTable(
             tuple(jobs), capacity, per_node, current, speedup, split, raw, raw_split, utility, factor, tie_break, estimates
         )
+
+    def grants(self, snapshot: ClusterSnapshot, rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Cache and IO each candidate (job ``rows[k]`` on ``counts[k]`` GPUs) is priced with
+        (no cache, unlimited IO unless co-designing)."""
+        n = len(snapshot.jobs)
+        if not (self.codesign and co.is_active(snapshot)):
+            return np.zeros(len(rows)), np.full(len(rows), np.inf)
+        cache, _ = co.expected_grants(snapshot, [snapshot.jobs[r] for r in rows], gpus=counts)
+        demand = io_demand(snapshot, snapshot.jobs)
+        share = co.max_min_share([demand[job.job_id] for job in snapshot.jobs], [{}] * n, snapshot.storage_bandwidth_bytes_per_s, {})
+        # A job that needs no IO at its requested size may need some at a larger one: give it the
+        # share an unsatisfied job gets (at least), so its larger candidates are not priced at b = 0.
+        unmet = [share[k] for k, job in enumerate(snapshot.jobs) if share[k] < demand[job.job_id] - 1e-9]
+        level = max(unmet, default=snapshot.storage_bandwidth_bytes_per_s)
+        return cache, np.maximum(share, level)[rows]
 
     def placed_speedups(self, table: SpeedupTable, snapshot: ClusterSnapshot, placements) -> np.ndarray:
         """Per job: its (penalized) speedup under ``placements`` — on the nodes it actually gets."""
@@ -310,7 +334,12 @@ class PolluxPolicy:
         rows = np.array([index[job_id] for job_id in placed])
         gpus = np.array([sum(len(ix) for _, ix in best[job_id]) for job_id in placed])
         nodes = np.array([len(best[job_id]) for job_id in placed])
-        batch = table.estimates.predict(rows, gpus, nodes, per_node=table.per_node).batch_size
+        cache, io = self.grants(snapshot, rows, gpus)
+        batch = table.estimates.predict(rows, gpus, nodes, per_node=table.per_node, cache_bytes=cache,
+                                        remote_io_bytes_per_s=io).batch_size
+        if self.codesign and co.is_active(snapshot):
+            sizes = {job_id: int(b) for job_id, b in zip(placed, batch)}
+            return co.co_allocate(snapshot, best, placed, sizes, io="max_min")
         return Plan({job_id: Allocation(placement=best[job_id], batch_size=int(b)) for job_id, b in zip(placed, batch)})
 
     def _place(self, snapshot: ClusterSnapshot, table: SpeedupTable, counts: np.ndarray):

@@ -38,17 +38,18 @@ from scheduler.registry import register
 @dataclass(frozen=True)
 class SjfPolicy:
     preemptive: bool = True  # a shorter job may take a running job's GPUs (gain must beat the restart cost)
+    codesign: bool = False  # SiloD: price jobs with T(g, c, b), grant cache and IO with the GPUs (scheduler.codesign)
 
     def schedule(self, snapshot: ClusterSnapshot) -> Plan:
         jobs = snapshot.jobs
         if not jobs:
             return Plan()
-        remaining = remaining_time_s(snapshot, jobs)
+        remaining = remaining_time_s(snapshot, jobs, codesign=self.codesign)
         if self.preemptive:
             key = remaining + np.where(in_place(snapshot, jobs), 0.0, snapshot.restart_cost_s)
-            return rigid_plan(snapshot, sorted_by(jobs, key))
+            return rigid_plan(snapshot, sorted_by(jobs, key), codesign=self.codesign)
         # Running jobs first (in SJF order among themselves), then the waiting ones.
         order = sorted_by(jobs, remaining)
         running = [job for job in order if snapshot.current.gpus_of(job.job_id) > 0]
         waiting = [job for job in order if snapshot.current.gpus_of(job.job_id) == 0]
-        return rigid_plan(snapshot, running + waiting)
+        return rigid_plan(snapshot, running + waiting, codesign=self.codesign)

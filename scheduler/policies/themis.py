@@ -80,6 +80,7 @@ class FairnessEstimate:
 class ThemisPolicy:
     fairness_knob: float = 0.8  # f in [0, 1]: the worst ceil((1 - f) N) jobs (at least one) bid in the auction
     ideal: Literal["fair_share", "dedicated"] = "fair_share"  # T_ideal contention model (see module docstring)
+    codesign: bool = False  # SiloD: price jobs with T(g, c, b), grant cache and IO with the GPUs (scheduler.codesign)
 
     def __post_init__(self):
         if not 0.0 <= self.fairness_knob <= 1.0:
@@ -93,7 +94,7 @@ class ThemisPolicy:
         n = len(jobs)
         # One prediction for both: as placed now (remaining time) and packed (the ideal).
         nodes = np.concatenate([current_nodes(snapshot, jobs), np.zeros(n, dtype=np.int64)])
-        both = goodput(snapshot, jobs + jobs, nodes=nodes)
+        both = goodput(snapshot, jobs + jobs, nodes=nodes, codesign=self.codesign)
         remaining = remaining_time(jobs, both[:n])
         ideal = isolated_time_s(jobs, both[n:])
         if self.ideal == "fair_share":
@@ -124,7 +125,7 @@ class ThemisPolicy:
         auction = sorted_by(bidders, [-d for d in density])
         taken = {job.job_id for job in bidders}
         order = auction + [job for job in by_rho if job.job_id not in taken]
-        return rigid_plan(snapshot, order)
+        return rigid_plan(snapshot, order, codesign=self.codesign)
 
 
 def _ratio(time_s: np.ndarray, ideal_s: np.ndarray) -> np.ndarray:

@@ -43,6 +43,7 @@ POLLUX_ARTIFACT_THRESHOLD_GPU_S = 3600.0 * 16  # petuum/adaptdl simulator/tiresi
 class TiresiasPolicy:
     thresholds_gpu_s: tuple[float, ...] = (POLLUX_ARTIFACT_THRESHOLD_GPU_S,)  # K-1 ascending queue limits, GPU-seconds
     starvation_factor: float = 0.0  # promote when waited >= factor x run time; 0 = off
+    codesign: bool = False  # SiloD: price jobs with T(g, c, b), grant cache and IO with the GPUs (scheduler.codesign)
 
     def __post_init__(self):
         thresholds = tuple(float(t) for t in self.thresholds_gpu_s)
@@ -65,4 +66,4 @@ class TiresiasPolicy:
     def schedule(self, snapshot: ClusterSnapshot) -> Plan:
         jobs = snapshot.jobs
         levels = [self.queue(job, snapshot.time_s) for job in jobs]
-        return rigid_plan(snapshot, sorted_by(jobs, levels))
+        return rigid_plan(snapshot, sorted_by(jobs, levels), codesign=self.codesign)
