@@ -48,4 +48,7 @@ def test_every_subcommand_with_settings_flags_is_in_the_reference() -> None:
         if marker in sub._option_string_actions:
             configured.add(name)
     assert configured >= set(SERVICES)
-    assert configured == documented
+    assert configured == documented, (
+        f"subcommands with settings flags {sorted(configured)} != documented {sorted(documented)}: list new ones in "
+        "OTHER_SETTINGS (services/runtime/config_reference.py) and run `make config-docs`"
+    )
