@@ -31,17 +31,15 @@ def test_killed_agent_takes_its_tasks_down_and_its_jobs_finish_elsewhere(make_cl
     env = {"SILOD_CHECKPOINT_EVERY_S": str(CHECKPOINT_EVERY_S)}
     ids = {name: cluster.submit(name, gpus, gpus, samples=samples, env=env) for name, gpus, samples in JOBS}
 
-    # Crash once every job runs and has checkpointed at least once.
-    def all_checkpointed() -> bool:
-        jobs = cluster.all_jobs()
-        return all(j.state == common_pb2.JOB_STATE_RUNNING for j in jobs) and \
-            all(cluster.checkpoint_history(j) for j in ids.values())
-
-    wait_until(all_checkpointed, timeout=120, what="every job running and checkpointed")
-    tasks = {name: agent.tasks() for name, agent in cluster.agents.items()}
-    victim = max(tasks, key=lambda n: sum(len(t.gpu_indices) for t in tasks[n] if t.pid))
-    victim_tasks = [t for t in tasks[victim] if t.pid]
+    # Crash once every job has checkpointed at least once (a job that already finished wrote its
+    # final one), on the node whose running tasks hold the most GPUs.
+    wait_until(lambda: all(cluster.checkpoint_history(j) for j in ids.values()), timeout=120,
+               what="every job checkpointed")
+    tasks = {name: [t for t in agent.tasks() if t.pid and t.state == "running"] for name, agent in cluster.agents.items()}
+    victim = max(tasks, key=lambda n: sum(len(t.gpu_indices) for t in tasks[n]))
+    victim_tasks = tasks[victim]
     victim_jobs = {t.job_id for t in victim_tasks}
+    assert victim_jobs, "the crash hits running jobs"
     killed_at = cluster.kill_agent(victim)
 
     # The tasks die with their agent, long before the node counts as lost.
