@@ -165,7 +165,8 @@ class Cluster:
                                   batch_size=batch_size, sample_budget=samples, emulated_step_compute_s=step_s,
                                   env=env or {})
         request = scheduler_pb2.SubmitJobRequest(spec=spec, client_request_id=f"e2e-{name}")
-        return self.jobs.SubmitJob(request, timeout=30).id
+        # wait_for_ready: right after a scheduler restart the channel may still be reconnecting.
+        return self.jobs.SubmitJob(request, timeout=30, wait_for_ready=True).id
 
     def job(self, job_id: str) -> common_pb2.Job:
         return self.md.GetJob(metadata_pb2.GetJobRequest(job_id=job_id), timeout=10)
