@@ -71,10 +71,12 @@ _STATE_NAMES = {
 # the task's command (the death signal survives exec). A separate exec rather than Popen's
 # preexec_fn because the agent has gRPC threads, and code run between fork and exec in a
 # threaded process can deadlock. If the agent died before prctl took effect, exit at once.
+# Without prctl (not Linux; /proc is needed elsewhere too) tasks outlive a killed agent.
 _DIE_WITH_AGENT = (
     "import ctypes, os, signal, sys\n"
     "PR_SET_PDEATHSIG = 1\n"
-    "if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:\n"
+    "prctl = getattr(ctypes.CDLL(None, use_errno=True), 'prctl', None)\n"
+    "if prctl is not None and prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:\n"
     "    sys.exit('silod: prctl(PR_SET_PDEATHSIG) failed: ' + os.strerror(ctypes.get_errno()))\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    os._exit(137)\n"

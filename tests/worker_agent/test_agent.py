@@ -222,6 +222,18 @@ def test_task_dies_with_its_killed_agent(allocation, start_agent) -> None:  # ty
     assert "checkpointed at" not in agent.log("job-pdeath", 0)  # killed like on a crashed machine, not asked
 
 
+def test_task_whose_command_cannot_start_exits_127(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
+    agent = start_agent()
+    command = ["/nonexistent/silod-test-command", "--flag"]
+    allocation.push(node_plan(agent.node, 1, assignment("job-missing", 0, 1, [2], command=command)))
+    wait_until(lambda: (_latest(allocation, "job-missing", 0, 1) or allocation_pb2.TaskReport()).phase == EXITED,
+               what="task exited")
+    assert _latest(allocation, "job-missing", 0, 1).exit_code == 127
+    assert "--- silod: cannot launch ['/nonexistent/silod-test-command', '--flag']" in agent.log("job-missing", 0)
+    check_exclusive(agent.gpu_history())
+    assert 2 in agent.status().free_gpus
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
