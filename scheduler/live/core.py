@@ -40,7 +40,7 @@ from scheduler.invariants import check_plan
 from scheduler.live import convert
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import get_policy
-from silod.v1 import allocation_pb2, common_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
+from silod.v1 import allocation_pb2, common_pb2, estimator_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
 
 _log = logging.getLogger("silod.scheduler")
 T = TypeVar("T")
@@ -59,6 +59,7 @@ ROUND_GAP_FACTOR = 1.0  # an event round waits this many times the last round's 
 MAX_ROUND_GAP_S = 5.0
 ESTIMATE_TTL_S = 30.0  # a job's fitted model is re-read from the estimator at most this often ...
 RPC_CONCURRENCY = 16  # ... and per-job calls of a round are sent this many at a time
+MAX_QUEUED_OBSERVATIONS = 100  # measurements of one job kept while the estimator is slow (the newest)
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,7 +93,8 @@ class SchedulerCore:
         self._models: dict[str, tuple[JobModel, float]] = {}  # job -> (profile model, samples to finish)
         self._fitted: dict[str, tuple[dict[str, float] | None, float]] = {}  # job -> (estimator params, monotonic read time)
         self._estimator_down = False  # logged once per outage, not once per job
-        self._observing: set[str] = set()  # jobs with an Observe call in flight
+        self._observe_failing = False  # likewise for Observe
+        self._observing: dict[str, list[estimator_pb2.StepObservation]] = {}  # job -> measured while a call is in flight
         self._observed: dict[str, tuple] = {}  # job -> key of the last observation sent
         self._background: set[asyncio.Task[None]] = set()
         self._last_round_s = 0.0
@@ -287,6 +289,11 @@ class SchedulerCore:
         self._models[job.id] = (model, max(target, 1.0))
         return self._models[job.id]
 
+    def _forget_finished(self, active: set[str]) -> None:
+        for cache in (self._models, self._fitted, self._observed):
+            for job_id in [j for j in cache if j not in active]:
+                del cache[job_id]
+
     async def _datasets_of(self, jobs: list[common_pb2.Job]) -> dict[str, common_pb2.Dataset | None]:
         """One GetDataset per dataset named by a job the scheduler has no model of yet."""
         names = {j.spec.dataset for j in jobs if j.spec.dataset and j.id not in self._models}
@@ -355,6 +362,7 @@ class SchedulerCore:
         infos = tuple(convert.node_info(n) for n in sorted(nodes, key=lambda n: n.spec.name))
         alive = {n.name: n for n in infos}
         jobs = await self._active_jobs()
+        self._forget_finished({j.id for j in jobs})
         await self.warm_up({_application(j.spec) for j in jobs if j.id not in self._models})
         datasets = await self._datasets_of(jobs)
         await self._refresh_fitted(jobs)
@@ -517,6 +525,60 @@ class SchedulerCore:
                 return None
             raise
 
+    # ---- measured throughput back to the estimator ---------------------------------------
+    def _observe(self, job: common_pb2.Job, entry: plan_pb2.JobAllocation, report: allocation_pb2.TaskReport) -> None:
+        """Send rank 0's measured step time to the estimator's Observe, in the background: the
+        report path must not wait for (or fail with) the estimator. One call per job in flight,
+        measurements made meanwhile go together in the next; a report repeating the last
+        measurement sends nothing."""
+        if self.estimator is None:
+            return
+        ranks = convert.ranks_of(entry)
+        gpus, nodes = len(ranks), len({node for node, _ in ranks})
+        batch = report.batch_size or entry.batch_size or job.spec.batch_size
+        step = report.step_time_s
+        if step <= 0 and report.progress.throughput_samples_per_s > 0:
+            step = batch / report.progress.throughput_samples_per_s
+        if gpus < 1 or batch < gpus or not 0 < step < math.inf:
+            return  # nothing the estimator could fit (e.g. not measured yet)
+        key = (entry.generation, gpus, batch, step, report.progress.steps_done)
+        if self._observed.get(job.id) == key:
+            return
+        self._observed[job.id] = key
+        observation = estimator_pb2.StepObservation(
+            gpus=gpus, nodes=nodes, batch_size=batch, step_time_s=step,
+            cache_hit_ratio=min(max(report.progress.cache_hit_ratio, 0.0), 1.0))
+        if job.id in self._observing:
+            self._observing[job.id] = self._observing[job.id][-(MAX_QUEUED_OBSERVATIONS - 1):] + [observation]
+            return
+        self._observing[job.id] = []
+        self._spawn(self._send_observations(job.id, _application(job.spec), [observation]))
+
+    async def _send_observations(self, job_id: str, application: str,
+                                 observations: list[estimator_pb2.StepObservation]) -> None:
+        try:
+            while observations:
+                await self._send_observation(estimator_pb2.ObserveRequest(
+                    job_id=job_id, application=application, observations=observations))
+                observations, self._observing[job_id] = self._observing[job_id], []
+        finally:
+            del self._observing[job_id]
+
+    async def _send_observation(self, request: estimator_pb2.ObserveRequest) -> None:
+        try:
+            response = await self.estimator.Observe(request)
+        except grpc.aio.AioRpcError as exc:
+            if not self._observe_failing:
+                self._observe_failing = True
+                _log.warning("estimator Observe failed; measured throughput is not fed back until it succeeds again",
+                             extra={"job_id": request.job_id, "code": exc.code().name, "details": exc.details()})
+            return
+        if self._observe_failing:
+            self._observe_failing = False
+            _log.info("estimator Observe works again", extra={"job_id": request.job_id})
+        # The refitted model is in the answer: the next round uses it without asking again.
+        self._fitted[request.job_id] = (dict(response.model.params), time.monotonic())
+
     # ---- node feedback ---------------------------------------------------------------------
     def release(self, node: str, jobs: Iterable[str]) -> bool:
         jobs = set(jobs)
@@ -584,6 +646,7 @@ class SchedulerCore:
                     samples.append(sample)
             if samples:
                 await self.md.AppendMetrics(metadata_pb2.AppendMetricsRequest(samples=samples))
+            self._observe(job, entry, rank0)
         failed = next((t for t in reports if t.phase == allocation_pb2.TASK_PHASE_EXITED and t.exit_code != 0), None)
         if failed is not None:
             await self.transition(job_id, job.state, common_pb2.JOB_STATE_FAILED,
