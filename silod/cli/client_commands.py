@@ -16,7 +16,8 @@ MANIFEST_CHUNK = 5000  # objects per streamed message: keeps each well under gRP
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Add the client subcommands to the ``silod`` parser."""
     health = sub.add_parser("health", help="exit 0 if the service at ADDR reports SERVING (for healthchecks)")
-    health.add_argument("address", metavar="ADDR", help="HOST:PORT of any silod service")
+    health.add_argument("address", metavar="ADDR", help="HOST:PORT of any silod gRPC service, or the "
+                        "http://HOST:PORT/healthz URL of the dashboard")
     health.add_argument("--service", default="", help="service name to check; default: the whole server")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait (default 3)")
     _add_connection_flags(health)
@@ -84,8 +85,27 @@ def _rpc_failure(exc: grpc.RpcError) -> int:
     return _fail(f"{exc.code().name}: {exc.details()}")
 
 
+def _http_health(args: argparse.Namespace) -> int:
+    """The dashboard is HTTP: 200 from its /healthz is SERVING."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(args.address, timeout=args.timeout) as reply:
+            ok = reply.status == 200
+    except urllib.error.HTTPError as exc:
+        return _fail(f"{args.address}: HTTP {exc.code}")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return _fail(f"{args.address}: {getattr(exc, 'reason', exc)}")
+    print("SERVING" if ok else "NOT_SERVING")
+    return 0 if ok else 1
+
+
 def _health(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if args.address.startswith(("http://", "https://")):
+        return _http_health(args)
 
     with _channel(args.address, args) as channel:
         try:

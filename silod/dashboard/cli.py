@@ -24,7 +24,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                     "SILOD_<NAME> environment variable or in --config.")
     p.add_argument("--config", metavar="FILE", help="YAML or TOML file of settings (env SILOD_CONFIG)")
     add_settings_flags(p, Settings)
-    p.set_defaults(handler=_run)
+    # service=: the deployment checks and the config reference treat it like the gRPC services.
+    p.set_defaults(handler=_run, service="dashboard")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import contextlib
 import io
 import os
 import re
+import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,9 @@ def parse_cli(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def settings_class(service: str) -> type[ServiceSettings]:
-    import importlib
+    from services.runtime.config_reference import service_settings
 
-    return importlib.import_module(SERVICES[service].module).Settings
+    return dict(service_settings())[service]
 
 
 @contextlib.contextmanager
@@ -98,6 +99,9 @@ def check_client_command(argv: Sequence[str], env: Mapping[str, str], where: str
 
 
 def port_of(address: str) -> int:
+    """The port of HOST:PORT, or of an http(s):// URL (the dashboard's health check)."""
+    if address.startswith(("http://", "https://")):
+        return urllib.parse.urlsplit(address).port or (443 if address.startswith("https") else 80)
     return split_host_port(address)[1]
 
 

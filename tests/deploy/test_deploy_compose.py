@@ -93,7 +93,8 @@ def test_schema_check_rejects_a_broken_compose_file(tmp_path: Path) -> None:
 
 
 def test_every_silod_command_parses_and_its_settings_load(compose: dict[str, Any], loaded: dict[str, tuple[str, Any]]) -> None:
-    assert {s for s, _ in loaded.values()} == {"metadata", "estimator", "scheduler", "cache-server", "worker-agent"}
+    assert {s for s, _ in loaded.values()} == {"metadata", "estimator", "scheduler", "cache-server", "worker-agent",
+                                                  "dashboard"}
     for name, svc in _silod_services(compose).items():
         if name not in loaded:  # one-shot or CLI containers: client commands
             if "command" in svc:

@@ -124,19 +124,28 @@ def test_kustomization_applies_every_manifest_but_the_example_secret() -> None:
 
 def test_control_plane_are_deployments_and_node_services_daemonsets(loaded: dict[str, Any]) -> None:
     kinds = {service: workload["kind"] for service, _, workload, _ in loaded.values()}
-    assert kinds == {"metadata": "Deployment", "estimator": "Deployment", "scheduler": "Deployment",
+    assert kinds == {"metadata": "Deployment", "estimator": "Deployment", "scheduler": "Deployment", "dashboard": "Deployment",
                      "cache-server": "DaemonSet", "worker-agent": "DaemonSet"}
 
 
+def _serving_port_name(service: str) -> str:
+    return "http" if service == "dashboard" else "grpc"  # the dashboard is the one HTTP server
+
+
 def test_probes_and_ports_match_the_listen_address(loaded: dict[str, Any]) -> None:
-    for name, (_, settings, _, container) in loaded.items():
+    for name, (service, settings, _, container) in loaded.items():
         host, port = host_port(settings.listen)
         assert host == "0.0.0.0", f"{name}: listen {settings.listen} is unreachable from other pods"
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports["grpc"] == port, f"{name}: containerPort grpc {ports['grpc']} != listen port {port}"
+        serving = _serving_port_name(service)
+        assert ports[serving] == port, f"{name}: containerPort {serving} {ports[serving]} != listen port {port}"
         assert ports["metrics"] == settings.metrics_port, f"{name}: metrics port"
         for probe in ("readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"]["port"] == port, f"{name}: {probe} on another port"
+            if serving == "grpc":
+                assert container[probe]["grpc"]["port"] == port, f"{name}: {probe} on another port"
+            else:
+                check = container[probe]["httpGet"]
+                assert check["path"] == "/healthz" and ports.get(check["port"], check["port"]) == port, name
 
 
 def test_services_select_one_workload_and_target_its_grpc_port(loaded: dict[str, Any]) -> None:
@@ -146,12 +155,13 @@ def test_services_select_one_workload_and_target_its_grpc_port(loaded: dict[str,
         matches = [n for n, w in workloads.items()
                    if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
         assert len(matches) == 1, f"Service {service['metadata']['name']} selects {matches}"
-        container = loaded[matches[0]][3]
+        silod_service, _, _, container = loaded[matches[0]]
         by_name = {p["name"]: p["containerPort"] for p in container["ports"]}
         for port in service["spec"]["ports"]:
             target = port["targetPort"]
             target = by_name[target] if isinstance(target, str) else target
-            assert target == port["port"] == by_name["grpc"], f"Service {service['metadata']['name']}: {port}"
+            serving = by_name[_serving_port_name(silod_service)]
+            assert target == port["port"] == serving, f"Service {service['metadata']['name']}: {port}"
 
 
 def test_workload_selectors_match_their_pod_labels() -> None:

@@ -19,7 +19,6 @@ from deploy_checks import (
     port_of,
     shutdown_needs_s,
 )
-from silod.cli.main import SERVICES
 
 SYSTEMD = DEPLOY / "systemd"
 SILOD = "/opt/silod/bin/silod"
@@ -83,7 +82,9 @@ def units() -> dict[str, tuple[str, Any, dict[str, dict[str, list[str]]]]]:
 
 
 def test_one_unit_per_service(units: dict[str, Any]) -> None:
-    assert sorted(service for service, _, _ in units.values()) == sorted(SERVICES)
+    from services.runtime.config_reference import service_settings
+
+    assert sorted(service for service, _, _ in units.values()) == sorted(name for name, _ in service_settings())
     for name, (service, _, _) in units.items():
         assert name == f"silod-{service}.service"
 
