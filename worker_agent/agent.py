@@ -179,6 +179,7 @@ class Agent:
         self._pending: plan_pb2.NodePlan | None = None
         self._plan_ready = asyncio.Event()
         self._report_now = asyncio.Event()
+        self._registered = asyncio.Event()
         self._bg: list[asyncio.Task[None]] = []  # heartbeat first, then watch, apply, report
         self._reapers: set[asyncio.Task[None]] = set()  # one per process; never cancelled before it exits
         self._stopping = False
@@ -310,25 +311,38 @@ class Agent:
 
     # ---- registration ----------------------------------------------------------------------
     async def _register_and_heartbeat(self) -> None:
-        registered = False
+        registered = stale_retry = False
         while True:
             try:
                 if not registered:
                     await self._metadata.UpsertNode(metadata_pb2.UpsertNodeRequest(spec=self.spec), timeout=5)
                     registered = True
+                    self._registered.set()
                     _log.info("registered", extra={"node": self.spec.name, "agent_address": self.agent_address})
                 await self._metadata.Heartbeat(
                     metadata_pb2.HeartbeatRequest(node=self.spec.name, applied_plan_version=self.applied_version),
                     timeout=5,
                 )
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and not stale_retry:
+                    # The scheduler forwards each Ack as a heartbeat with the acked version; one
+                    # of ours built before that Ack can arrive after it and is refused as a
+                    # decrease. Our version is now at least the acked one: resend at once.
+                    # (A restarted agent is refused too until it applied the latest plan, which
+                    # the watch delivers first; that retry fails the same way and is logged.)
+                    stale_retry = True
+                    continue
                 _log.warning("metadata unreachable", extra={"code": exc.code().name, "detail": exc.details()})
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     registered = False
+            stale_retry = False
             await asyncio.sleep(self.settings.heartbeat_s)
 
     # ---- plans -----------------------------------------------------------------------------
     async def _watch_loop(self) -> None:
+        # Plans are acked only once the node exists in the metadata store: the scheduler records
+        # an Ack as the node's heartbeat, which fails for a node not registered yet.
+        await self._registered.wait()
         backoff = 0.2
         while True:
             try:
