@@ -9,7 +9,7 @@ model"):
    ``cache_capacity_bytes``. A (node, dataset) pair serves every placed job reading that
    dataset with GPUs on the node, so its efficiency is the sum over those jobs, weighted
    by the share of the job's GPUs there. A job never gets more than ``d`` in total over its
-   nodes. The quota is written on the first such job in the policy's order (so per-node
+   nodes. The quota is written on the reader still missing the most (so per-node
    quotas add up to what the node holds, never more).
 2. **Remote IO** up to each job's demand ``b* = T(g) s (1 - h)``, within the storage budget
    and each node's NIC (a job reads through its nodes' NICs in proportion to its GPUs).
@@ -164,12 +164,12 @@ def _grant(snapshot, placements, order, batch_sizes, io) -> tuple[Plan, dict[str
     quotas: list[dict[str, float]] = [{} for _ in jobs]
     for key in sorted(efficiency, key=lambda key: (-efficiency[key], key)):
         node = key[0]
-        want = max(d[k] - covered[k] for k in readers[key])
-        grant = min(want, room.get(node, 0.0))
+        neediest = max(readers[key], key=lambda k: (d[k] - covered[k], -k))  # the quota is written on it
+        grant = min(d[neediest] - covered[neediest], room.get(node, 0.0))
         if grant <= 0:
             continue
         room[node] -= grant
-        quotas[readers[key][0]][node] = grant
+        quotas[neediest][node] = grant
         for k in readers[key]:
             covered[k] += grant
 

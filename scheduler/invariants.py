@@ -21,6 +21,7 @@ def plan_problems(snapshot: ClusterSnapshot, plan: Plan) -> list[str]:
     jobs = {job.job_id: job for job in snapshot.jobs}
     holder: dict[tuple[str, int], str] = {}
     cache_use: dict[str, float] = {}
+    nic_use: dict[str, float] = {}  # a job reads through its nodes' NICs in proportion to its GPUs there
     io_total = 0.0
     for job_id, allocation in plan.allocations.items():
         job = jobs.get(job_id)
@@ -53,12 +54,19 @@ def plan_problems(snapshot: ClusterSnapshot, plan: Plan) -> list[str]:
             problems.append(f"{job_id}: negative or NaN remote IO rate")
         elif math.isfinite(allocation.remote_io_bytes_per_s):
             io_total += allocation.remote_io_bytes_per_s
+            for node_name, indices in allocation.placement:
+                if gpus and indices:
+                    nic_use[node_name] = nic_use.get(node_name, 0.0) + allocation.remote_io_bytes_per_s * len(indices) / gpus
     for node_name, used in cache_use.items():
         node = nodes.get(node_name)
         if node is None:
             problems.append(f"cache quota on unknown node {node_name}")
         elif used > node.cache_capacity_bytes * (1 + _TOLERANCE) + _TOLERANCE:
             problems.append(f"node {node_name}: cache quotas {used:.0f} B exceed capacity {node.cache_capacity_bytes:.0f} B")
+    for node_name, used in nic_use.items():
+        node = nodes.get(node_name)
+        if node is not None and math.isfinite(node.nic_bytes_per_s) and used > node.nic_bytes_per_s * (1 + _TOLERANCE) + _TOLERANCE:
+            problems.append(f"node {node_name}: remote IO rates {used:.0f} B/s exceed its NIC {node.nic_bytes_per_s:.0f} B/s")
     budget = snapshot.storage_bandwidth_bytes_per_s
     if math.isfinite(budget) and io_total > budget * (1 + _TOLERANCE) + _TOLERANCE:
         problems.append(f"remote IO rates {io_total:.0f} B/s exceed the storage budget {budget:.0f} B/s")
