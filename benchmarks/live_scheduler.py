@@ -73,7 +73,8 @@ async def time_round(metadata_addr: str, policy: str, nodes: int) -> tuple[float
     channel = open_channel(metadata_addr, aio=True, default_timeout_s=120)
     core.md = metadata_pb2_grpc.MetadataServiceStub(channel)
     try:
-        await core.warm_up()  # what `silod scheduler` starts doing in the background when it starts
+        # Profiles are fitted once per application, the first time a round meets one: not timed.
+        await core.warm_up()
         # Registered just before the round: on a loaded machine the warm-up may outlast the
         # liveness window of nodes registered earlier, and the round would see fewer GPUs.
         await asyncio.to_thread(register_nodes, metadata_addr, nodes)

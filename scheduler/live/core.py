@@ -98,6 +98,7 @@ class SchedulerCore:
         self._observed: dict[str, tuple] = {}  # job -> key of the last observation sent
         self._background: set[asyncio.Task[None]] = set()
         self._last_round_s = 0.0
+        self._warm_up_s = 0.0  # spent fitting profiles: once per application, so not part of a round's cost
         self._last_round_end = -math.inf
         self._round_lock = asyncio.Lock()
         self._plan_changed = asyncio.Condition()
@@ -112,11 +113,13 @@ class SchedulerCore:
         names = sorted(known_applications() if applications is None else set(applications))
         missing = [a for a in names if a not in _fitted_profiles]
         if missing:
+            started = time.monotonic()
             await asyncio.to_thread(_fit_profiles, missing)
+            self._warm_up_s += time.monotonic() - started
 
     async def start(self) -> None:
-        # In the background: serving starts at once, and a round fits only what its jobs need.
-        self._spawn(self.warm_up())
+        # Profiles are fitted when a round first needs them, not here: fitting all of them
+        # would compete with serving for seconds after every start.
         await self.refresh_latest()
         await self._recover_releases()
         self._loop_task = asyncio.create_task(self._loop())
@@ -437,12 +440,12 @@ class SchedulerCore:
     # ---- rounds ----------------------------------------------------------------------------
     async def run_round(self, reason: str = "interval") -> plan_pb2.AllocationPlan | None:
         async with self._round_lock:
-            started = time.monotonic()
+            started, warm_up_before = time.monotonic(), self._warm_up_s
             try:
                 return await self._round(reason)
             finally:
                 self._last_round_end = time.monotonic()
-                self._last_round_s = self._last_round_end - started
+                self._last_round_s = self._last_round_end - started - (self._warm_up_s - warm_up_before)
 
     async def _round(self, reason: str) -> plan_pb2.AllocationPlan | None:
         await self.refresh_latest()
