@@ -8,14 +8,17 @@ smaller run). Prints the command, a table and the targets:
 - compute-bound (every point where the plain DataLoader itself waited for its loader less than
   3% of the time, i.e. was limited by compute): silod cold and warm within 3% of the plain
   DataLoader (DLCache lost up to 7.7% there). The plain loader reads ~100 samples/s from the
-  emulated store, so with batches of 256 it is limited by compute only from ~2.6 s per batch
-  on: the default sweep (0, 0.25, 1 s) therefore ends with a 4 s point;
+  emulated store on a quiet 2-core machine (fewer when the CPUs are busy: its s3fs workers need
+  CPU per request), so with batches of 256 it is limited by compute only from ~2.6 s per batch
+  on: the default sweep (0, 0.25, 1 s) therefore ends with an ``auto`` point, 1.5x the plain
+  loader's time per batch measured at compute 0 in the same run (4 s on a quiet machine);
 - the local hit path (Lease + read the files + release, one process) >= 70% of reading the same
   files straight from local disk.
 
 Long compute steps would make a full epoch take minutes, so a point reads at most
-``--point-seconds`` of compute worth of batches (at least 4): the 4 s point reads 6 of the 12
-batches. Its warm run then replays the cold run's order (the samples the cold run cached); a
+``--point-seconds`` of compute worth of batches, but at least two per worker (the first round
+is loaded in parallel before timing starts; the second shows whether loading keeps up): the
+4 s point reads 8 of the 12 batches. Its warm run then replays the cold run's order (the samples the cold run cached); a
 point that reads the whole epoch measures the warm run on the next epoch's order.
 
 The remote store is an emulator on loopback: a minimal S3 API (ListObjectsV2, HEAD, GET with
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import math
 import os
 import pathlib
 import shutil
@@ -298,14 +302,17 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=12, help="batches per epoch (default 12)")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--sample-bytes", type=int, default=114_000)
-    parser.add_argument("--compute", default="0,0.25,1,4",
-                        help="seconds of emulated GPU compute per batch, comma-separated (default 0,0.25,1,4)")
+    parser.add_argument("--compute", default="0,0.25,1,auto",
+                        help="seconds of emulated GPU compute per batch, comma-separated; 'auto' = 1.5x the plain "
+                             "loader's time per batch at the first point (compute 0), rounded up to 0.5 s "
+                             "(default 0,0.25,1,auto)")
     parser.add_argument("--point-seconds", type=float, default=25.0,
-                        help="a point reads at most this much compute worth of batches, at least 4 (default 25)")
+                        help="a point reads at most this much compute worth of batches, but at least two per "
+                             "worker (default 25)")
     parser.add_argument("--bandwidth-mb", type=float, default=100.0, help="store bandwidth, MB/s (default 100)")
     parser.add_argument("--latency-ms", type=float, default=20.0, help="store latency per request, ms (default 20)")
     parser.add_argument("--workers", type=int, default=4, help="DataLoader workers (default 4)")
-    parser.add_argument("--quick", action="store_true", help="6 batches of 128, compute 0, 0.5 and 2 s")
+    parser.add_argument("--quick", action="store_true", help="6 batches of 128, compute 0, 0.5 and auto")
     parser.add_argument("--serve-emulator", nargs=4, metavar=("ROOT", "PORT_FILE", "BYTES_PER_S", "LATENCY_S"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -314,8 +321,10 @@ def main() -> int:
         serve_emulator(root, port_file, float(bandwidth), float(latency))
         return 0
     if args.quick:
-        args.batches, args.batch_size, args.compute, args.point_seconds = 6, 128, "0,0.5,2", 8.0
-    computes = [float(c) for c in args.compute.split(",")]
+        args.batches, args.batch_size, args.compute, args.point_seconds = 6, 128, "0,0.5,auto", 8.0
+    computes: list[Any] = [c.strip() if c.strip() == "auto" else float(c) for c in args.compute.split(",")]
+    if "auto" in computes and computes[0] != 0:
+        parser.error("--compute: 'auto' needs 0 as the first point (it is derived from the plain loader's rate there)")
     print("command: python benchmarks/data_loading.py " + " ".join(sys.argv[1:]))
     # The plain loader's s3fs workers need CPU per request: on a busy machine they slow down and
     # need a longer compute step to be compute-bound, so the load is part of the result.
@@ -370,7 +379,15 @@ def main() -> int:
 
         rows = []
         for i, compute in enumerate(computes):
-            batches = args.batches if not compute else min(args.batches, max(4, int(args.point_seconds / compute)))
+            if compute == "auto":
+                # Long enough for the plain loader to be limited by compute with a margin for the
+                # machine's load changing during the run.
+                plain_rate = rows[0][1][0] / rows[0][1][1]
+                compute = math.ceil(2 * 1.5 * args.batch_size / plain_rate) / 2
+            # At least two batches per worker: the first round of batches is loaded in parallel
+            # before timing starts, so only the second round shows whether loading keeps up.
+            batches = args.batches if not compute else min(
+                args.batches, max(2 * args.workers, math.ceil(args.point_seconds / compute)))
             limit = batches if batches < args.batches else 0
             plain = run_epoch(loader(PlainS3Dataset(endpoint, sorted(keys))), compute, max_batches=limit)
             run = shm / f"run-{compute}"
