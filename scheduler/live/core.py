@@ -55,7 +55,8 @@ PLACED_STATES = (common_pb2.JOB_STATE_SCHEDULED, common_pb2.JOB_STATE_RUNNING, c
 TERMINAL_STATES = (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
 FALLBACK_APPLICATION = "cifar10"  # performance model of jobs whose application has no profile (command jobs)
 EVENT_COALESCE_S = 0.05  # an event waits this long before its round, so a burst of events makes one round
-ROUND_GAP_FACTOR = 1.0  # an event round waits this many times the last round's duration after it
+ROUND_GAP_FACTOR = 1.0  # an event round waits this many times the last round's duration after it ...
+ARRIVAL_GAP_FACTOR = 3.0  # ... or this many when only submissions wait for it (they need no prompt answer)
 MAX_ROUND_GAP_S = 5.0
 ESTIMATE_TTL_S = 30.0  # a job's fitted model is re-read from the estimator at most this often ...
 RPC_CONCURRENCY = 16  # ... and per-job calls of a round are sent this many at a time
@@ -78,6 +79,7 @@ class SchedulerCore:
         self.estimator = None  # EstimatorServiceStub when an estimator address is configured
         self.node_poll_s = node_poll_s
         self._known_nodes: frozenset[str] | None = None
+        self.node_set_version = 0  # bumped whenever the set of live nodes changes
         self._node_task: asyncio.Task[None] | None = None
         self.policy_name = policy
         self.policy = get_policy(policy)
@@ -151,6 +153,7 @@ class SchedulerCore:
                 continue
             names = frozenset(n.spec.name for n in nodes.nodes)
             if self._known_nodes is not None and names != self._known_nodes:
+                self.node_set_version += 1
                 self.trigger("node-lost" if self._known_nodes - names else "node-joined")
             self._known_nodes = names
 
@@ -177,18 +180,29 @@ class SchedulerCore:
         self._reasons.append(reason)
         self._wake.set()
 
-    def _event_delay(self) -> float:
-        """Seconds an event waits for its round: EVENT_COALESCE_S when the scheduler was idle;
-        right after a round of d seconds, until ROUND_GAP_FACTOR * d has passed since it ended."""
-        since = time.monotonic() - self._last_round_end
-        gap = min(ROUND_GAP_FACTOR * self._last_round_s, MAX_ROUND_GAP_S, self.interval_s)
-        return max(EVENT_COALESCE_S, gap - since)
+    async def _wait_for_event_round(self) -> None:
+        """Hold an event's round back: EVENT_COALESCE_S when the scheduler was idle, so a burst
+        of events makes one round; right after a round of d seconds, until ROUND_GAP_FACTOR * d
+        has passed since it ended (ARRIVAL_GAP_FACTOR * d when only submissions are waiting),
+        so a stream of events cannot keep rounds running back to back."""
+        event_at = time.monotonic()
+        while True:
+            factor = ARRIVAL_GAP_FACTOR if all(r == "arrival" for r in self._reasons) else ROUND_GAP_FACTOR
+            gap = min(factor * self._last_round_s, MAX_ROUND_GAP_S, self.interval_s)
+            remaining = max(event_at + EVENT_COALESCE_S, self._last_round_end + gap) - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wake.clear()  # a new event re-evaluates: a completion need not wait like an arrival
+            try:
+                await asyncio.wait_for(self._wake.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
 
     async def _loop(self) -> None:
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)
-                await asyncio.sleep(self._event_delay())
+                await self._wait_for_event_round()
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()

@@ -52,12 +52,16 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
         # Admission checks that need not hit the metadata store on every submission: datasets
         # are not deleted and clusters rarely shrink, so a positive answer is reused briefly.
         self._datasets_seen: dict[str, float] = {}
-        self._gpu_count: dict[str, float] = {}
-        self._training_gpus = 0
+        self._gpu_count = (0, -math.inf, 0)  # (training GPUs, when counted, core.node_set_version then)
 
     @staticmethod
     def _recently_seen(seen: dict[str, float], key: str) -> bool:
         return time.monotonic() - seen.get(key, -math.inf) < ADMISSION_CACHE_S
+
+    def _admitted_by_recent_count(self, min_gpus: int) -> bool:
+        total, counted_at, node_set_version = self._gpu_count
+        fresh = time.monotonic() - counted_at < ADMISSION_CACHE_S and node_set_version == self.core.node_set_version
+        return fresh and (total == 0 or min_gpus <= total)
 
     async def SubmitJob(self, request, context):  # noqa: N802
         spec = request.spec
@@ -74,14 +78,12 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
             raise InvalidArgument(
                 f"no profile for application {spec.application!r} (known: {', '.join(sorted(known_applications()))}); "
                 "set command to run your own program", field="spec.application")
-        # A recent count that already admits the job saves listing every node per submission;
-        # a rejection is always decided on a fresh count.
-        if 1 <= spec.min_gpus <= spec.max_gpus and not (
-                self._recently_seen(self._gpu_count, "total") and spec.min_gpus <= self._training_gpus):
+        # A recent count that already admits the job (no nodes yet admits any) saves listing
+        # every node per submission; a rejection is always decided on a fresh count.
+        if 1 <= spec.min_gpus <= spec.max_gpus and not self._admitted_by_recent_count(spec.min_gpus):
             nodes = await forward(self.md.ListNodes(metadata_pb2.ListNodesRequest(pool=common_pb2.NODE_POOL_UNSPECIFIED)))
             total = sum(n.spec.gpus for n in nodes.nodes if n.spec.pool != common_pb2.NODE_POOL_INFERENCE)
-            if total:
-                self._training_gpus, self._gpu_count["total"] = total, time.monotonic()
+            self._gpu_count = (total, time.monotonic(), self.core.node_set_version)
             if total and spec.min_gpus > total:
                 raise FailedPrecondition(
                     f"{spec.min_gpus} GPUs can never be granted: the cluster has {total} training GPUs",
