@@ -22,9 +22,9 @@ model"):
    ``io="priority"`` serves jobs in the policy's order; ``io="max_min"`` is water-filling
    (progressive filling) over the demands.
 
-A job granted less than ``STARVED`` of its demand cannot use its GPUs; :func:`starved`
-names such jobs so a policy can give their GPUs to others (the policies re-admit without
-them, up to ``REDRAWS`` times).
+A job granted less than ``STARVED`` of its demand cannot use its GPUs; unless it is already
+running there, :func:`without_starved` leaves it out so the policy can give its GPUs to
+others (re-admitting without it, up to ``REDRAWS`` times).
 
 Policies that estimate time or speed price jobs through the estimator's ``T(g, c, b)`` with
 :func:`expected_grants`: the cache the job could get (a fixed subset, capped by its
@@ -227,7 +227,12 @@ def without_starved(
     for attempt in range(REDRAWS + 1):
         placements, order = admit(excluded)
         plan, demand = _grant(snapshot, placements, order, batch_sizes, io)
-        hungry = {j for j, a in plan.allocations.items() if demand[j] > 0 and a.remote_io_bytes_per_s < STARVED * demand[j]}
+        # A job that keeps running where it is stays even when starved this round: taking its
+        # GPUs would cost a restart, and IO returns to it as shorter jobs finish.
+        hungry = {
+            j for j, a in plan.allocations.items()
+            if demand[j] > 0 and a.remote_io_bytes_per_s < STARVED * demand[j] and not a.same_gpus(snapshot.current.get(j))
+        }
         if not hungry or attempt == REDRAWS:
             return plan
         excluded = excluded | hungry
