@@ -33,6 +33,8 @@ class _DirectiveActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Direc
     """save a checkpoint before deadline_s, then exit 0"""
     DIRECTIVE_ACTION_REFORM: _DirectiveAction.ValueType  # 3
     """AFE: keep the process, re-form with new_world_size"""
+    DIRECTIVE_ACTION_EXIT: _DirectiveAction.ValueType  # 4
+    """AFE: rank removed while others survive: exit 0 before deadline_s, no checkpoint"""
 
 class DirectiveAction(_DirectiveAction, metaclass=_DirectiveActionEnumTypeWrapper): ...
 
@@ -43,6 +45,8 @@ DIRECTIVE_ACTION_CHECKPOINT_AND_EXIT: DirectiveAction.ValueType  # 2
 """save a checkpoint before deadline_s, then exit 0"""
 DIRECTIVE_ACTION_REFORM: DirectiveAction.ValueType  # 3
 """AFE: keep the process, re-form with new_world_size"""
+DIRECTIVE_ACTION_EXIT: DirectiveAction.ValueType  # 4
+"""AFE: rank removed while others survive: exit 0 before deadline_s, no checkpoint"""
 Global___DirectiveAction: _TypeAlias = DirectiveAction  # noqa: Y015
 
 @_typing.final
@@ -248,6 +252,7 @@ class Directive(_message.Message):
     NEW_GENERATION_FIELD_NUMBER: _builtins.int
     MASTER_ADDR_FIELD_NUMBER: _builtins.int
     MASTER_PORT_FIELD_NUMBER: _builtins.int
+    NEW_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     action: Global___DirectiveAction.ValueType
     """what the rank must do"""
     deadline_s: _builtins.float
@@ -262,6 +267,8 @@ class Directive(_message.Message):
     """rendezvous host after a REFORM"""
     master_port: _builtins.int
     """rendezvous TCP port after a REFORM"""
+    new_batch_size: _builtins.int
+    """samples per step, global, after a REFORM; 0 = unchanged"""
     def __init__(
         self,
         *,
@@ -272,10 +279,11 @@ class Directive(_message.Message):
         new_generation: _builtins.int = ...,
         master_addr: _builtins.str = ...,
         master_port: _builtins.int = ...,
+        new_batch_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "deadline_s", b"deadline_s", "master_addr", b"master_addr", "master_port", b"master_port", "new_generation", b"new_generation", "new_rank", b"new_rank", "new_world_size", b"new_world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "deadline_s", b"deadline_s", "master_addr", b"master_addr", "master_port", b"master_port", "new_batch_size", b"new_batch_size", "new_generation", b"new_generation", "new_rank", b"new_rank", "new_world_size", b"new_world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
