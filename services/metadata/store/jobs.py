@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Sequence
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import Update, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from silod.v1 import common_pb2
@@ -103,47 +104,26 @@ class JobStore:
     def transition(self, job_id: str, expected_state: int, new_state: int, message: str = "") -> common_pb2.Job:
         check_job_id(job_id)
         check_transition(expected_state, new_state, message)
-        # Core statements rather than ORM objects: a scheduling round moves hundreds of jobs,
-        # and UPDATE ... RETURNING does the compare-and-set and the read in one statement.
+        # Prebuilt Core statements on the session's connection: a scheduling round moves
+        # hundreds of jobs, and building and compiling ORM statements per call cost more than
+        # executing them. UPDATE ... RETURNING does the compare-and-set and the read at once.
         with self._db.write() as session:
             if not is_legal_move(expected_state, new_state):
                 _check_move(job_id, _load(session, job_id).state, expected_state, new_state)
+            connection = session.connection()
             now = utc_now()
-            values: dict[str, object] = {
-                "state": new_state,
-                "state_version": Job.state_version + 1,
-                "updated_at": now,
-                "message": message,
-                "last_event_sequence": Job.last_event_sequence + 1,
-            }
-            if new_state == RUNNING:
-                values["started_at"] = func.coalesce(Job.started_at, now)
-            if new_state in TERMINAL_STATES:
-                values["finished_at"] = now
-            # Compare-and-set: the WHERE on the state is what makes concurrent movers safe.
-            row = session.execute(
-                update(Job)
-                .where(Job.id == job_id, Job.state == expected_state)
-                .values(**values)
-                .returning(*Job.__table__.columns)
-                .execution_options(synchronize_session=False)
-            ).one_or_none()
+            row = connection.execute(_move_statement(new_state), {
+                "m_id": job_id, "m_expected": expected_state, "m_new": new_state, "m_now": now, "m_message": message,
+            }).one_or_none()
             if row is None:
                 _check_move(job_id, _load(session, job_id).state, expected_state, new_state)
                 # Moved away and back between our UPDATE and this read (PostgreSQL, READ COMMITTED).
                 raise FailedPrecondition(f"{job_id} changed state concurrently; re-read the job and retry",
                                          field="expected_state")
-            session.execute(
-                insert(JobEvent).values(
-                    job_id=job_id,
-                    sequence=row.last_event_sequence,
-                    time=now,
-                    type=STATE_EVENT,
-                    from_state=expected_state,
-                    to_state=new_state,
-                    message=message,
-                )
-            )
+            connection.execute(_STATE_EVENT_INSERT, {
+                "job_id": job_id, "sequence": row.last_event_sequence, "time": now, "type": STATE_EVENT,
+                "from_state": expected_state, "to_state": new_state, "message": message,
+            })
             return convert.job_to_proto(row)
 
     def update_progress(
@@ -252,6 +232,31 @@ class JobStore:
         )
         session.flush()  # surface a unique-constraint violation inside our try
         return row
+
+
+_JOBS = Job.__table__
+_STATE_EVENT_INSERT = insert(JobEvent.__table__)
+
+
+@functools.lru_cache(maxsize=None)
+def _move_statement(new_state: int) -> Update:
+    """The compare-and-set UPDATE of a job's state (bound: m_id, m_expected, m_new, m_now,
+    m_message), built once per target state: the columns it sets depend on that state only."""
+    now = bindparam("m_now", type_=_JOBS.c.updated_at.type)
+    values: dict[str, object] = {
+        "state": bindparam("m_new"),
+        "state_version": _JOBS.c.state_version + 1,
+        "updated_at": now,
+        "message": bindparam("m_message"),
+        "last_event_sequence": _JOBS.c.last_event_sequence + 1,
+    }
+    if new_state == RUNNING:
+        values["started_at"] = func.coalesce(_JOBS.c.started_at, now)
+    if new_state in TERMINAL_STATES:
+        values["finished_at"] = now
+    # The WHERE on the state is what makes concurrent movers safe.
+    return (update(_JOBS).where(_JOBS.c.id == bindparam("m_id"), _JOBS.c.state == bindparam("m_expected"))
+            .values(**values).returning(*_JOBS.columns))
 
 
 def _load(session: Session, job_id: str, *, refresh: bool = False) -> Job:
