@@ -13,6 +13,7 @@ from sqlalchemy import event
 
 from services.metadata import database
 from services.metadata.store import MetadataStore
+from services.metadata.store.jobs import _insert_job
 from silod.v1 import common_pb2
 from tests.metadata.metadata_samples import training_spec
 
@@ -48,7 +49,7 @@ def test_queued_writers_share_one_commit_and_a_failure_stays_its_own(sqlite_stor
     def first() -> None:
         # Holds the shared transaction open until the two others are queued behind it.
         with store.db.write() as session:
-            store.jobs._insert(session, training_spec(name="first"), "first")
+            _insert_job(session, training_spec(name="first"), "first")
             first_inside.set()
             release_first.wait(10)
         results["first"] = time.monotonic()
@@ -56,7 +57,7 @@ def test_queued_writers_share_one_commit_and_a_failure_stays_its_own(sqlite_stor
     def failing() -> None:
         try:
             with store.db.write() as session:
-                store.jobs._insert(session, training_spec(name="failing"), "failing")
+                _insert_job(session, training_spec(name="failing"), "failing")
                 raise RuntimeError("this operation fails after writing")
         except RuntimeError as exc:
             results["failing"] = exc
