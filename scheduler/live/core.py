@@ -60,6 +60,7 @@ ARRIVAL_GAP_FACTOR = 3.0  # ... or this many when only submissions wait for it (
 MAX_ROUND_GAP_S = 5.0
 ESTIMATE_TTL_S = 30.0  # a job's fitted model is re-read from the estimator at most this often ...
 RPC_CONCURRENCY = 16  # ... and per-job calls of a round are sent this many at a time
+ESTIMATOR_TIMEOUT_S = 2.0  # a round must not hang on a stuck estimator: the profile model will do
 MAX_QUEUED_OBSERVATIONS = 100  # measurements of one job kept while the estimator is slow (the newest)
 
 
@@ -330,10 +331,13 @@ class SchedulerCore:
             return
         now = time.monotonic()
         stale = [j.id for j in jobs if now - self._fitted.get(j.id, (None, -math.inf))[1] >= ESTIMATE_TTL_S]
+        if self._estimator_down:
+            stale = stale[:1]  # one probe per round until it answers, not a timeout per job
 
         async def get(job_id: str) -> None:
             try:
-                params = await self.estimator.GetJobModel(common_pb2.GetJobModelRequest(job_id=job_id))
+                params = await self.estimator.GetJobModel(common_pb2.GetJobModelRequest(job_id=job_id),
+                                                          timeout=ESTIMATOR_TIMEOUT_S)
                 self._fitted[job_id] = (dict(params.params), now)
                 self._estimator_down = False
             except grpc.aio.AioRpcError as exc:
@@ -583,7 +587,7 @@ class SchedulerCore:
 
     async def _send_observation(self, request: estimator_pb2.ObserveRequest) -> None:
         try:
-            response = await self.estimator.Observe(request)
+            response = await self.estimator.Observe(request, timeout=ESTIMATOR_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             if not self._observe_failing:
                 self._observe_failing = True
