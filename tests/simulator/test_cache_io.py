@@ -163,7 +163,7 @@ class Recording:
         return plan
 
 
-SMALL = [job("c1", 0, "cifar10", 4, 512), job("n1", 10, "ncf", 1, 256), job("y1", 20, "yolov3", 4, 32),
+SMALL = [job("c1", 0, "cifar10", 4, 512), job("n1", 10, "ncf", 1, 256), job("c3", 20, "cifar10", 4, 512),
          job("c2", 30, "cifar10", 2, 256), job("b1", 40, "bert", 2, 24)]
 IO_CLUSTER = {"nodes": 2, "gpus_per_node": 4, "cache_bytes_per_node": "1 GB", "storage_bandwidth_bytes_per_s": "5 MB/s",
               "nic_bytes_per_s": "4 MB/s"}
