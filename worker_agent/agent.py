@@ -7,6 +7,16 @@ Protocol decisions (see also service.py):
   then Acks it. Applying diffs the desired tasks (job_id, rank, generation, gpus) against the
   local ones: tasks no longer desired (or of another generation, or on other GPUs) are stopped
   first, and only once they have exited are their GPUs released and new tasks launched.
+* Fast resize (AFE, ``TaskAssignment.fast_resize``): a live task of the job whose GPUs are
+  exactly those of an assignment of a newer generation *survives*: it keeps its process and
+  GPUs, is re-keyed to the new (rank, generation) at once (reports go under the new identity,
+  STARTING until its SDK calls with it) and its directive becomes REFORM with the new world,
+  which the SDK picks up on its next poll. The agent also answers the survivor's SDK under the
+  old identity until then. If the job has a survivor on this node, its other old tasks are
+  removed with directive EXIT (exit 0, no checkpoint: the survivors keep the state), else the
+  usual checkpoint-and-exit stop applies. New ranks launch once removed ones have exited. A
+  survivor's GPUs and run file stay under the key it was launched as (``launch_key``), so the
+  GPU table's acquires are exactly the launched processes. See docs/development.md.
 * Stopping a task: its directive becomes CHECKPOINT_AND_EXIT (GetDirective reports the seconds
   left), SIGTERM goes to its process group at once (the SDK's handler turns it into
   ``should_checkpoint()``), and SIGKILL follows when the deadline passes.
@@ -104,6 +114,9 @@ class Task:
     batch_size: int = 0
     stop_deadline: float = 0.0  # monotonic; 0 = not asked to stop
     stopped_by_shutdown: bool = False  # the agent, not the plan, stopped it: never report it EXITED
+    leave: bool = False  # removed by a fast resize: asked to exit without a checkpoint
+    launch_key: str = ""  # key it was launched as: its GPU table holder name and run file
+    aliases: set[tuple[int, int]] = field(default_factory=set)  # (rank, generation) it ran as before a fast resize
     exited: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -304,7 +317,7 @@ class Agent:
             path.unlink(missing_ok=True)
 
     def _run_file(self, task: Task) -> Path:
-        return self._run_dir / (task.key.replace("/", "_") + ".json")
+        return self._run_dir / (task.launch_key.replace("/", "_") + ".json")
 
     def _live(self) -> list[Task]:
         return [t for t in self.tasks.values() if not t.exited.is_set()]
@@ -404,14 +417,17 @@ class Agent:
     async def apply(self, plan: plan_pb2.NodePlan) -> list[str]:
         """Make the local tasks match ``plan``; return jobs whose GPUs here were released."""
         desired = {task_key(a.job_id, a.rank, a.generation): a for a in plan.tasks}
+        surviving_jobs = self._fast_resize(plan)
         to_stop = []
         for t in self._live():
             want = desired.get(t.key)
             if want is None or sorted(want.gpu_indices) != sorted(t.gpus):
+                t.leave = t.leave or (t.stop_deadline == 0.0 and t.job_id in surviving_jobs)
                 to_stop.append(t)
         released = [t.job_id for t in to_stop]
         if to_stop:
-            _log.info("stopping tasks", extra={"version": plan.version, "tasks": [t.key for t in to_stop]})
+            _log.info("stopping tasks", extra={"version": plan.version, "tasks": [t.key for t in to_stop],
+                                               "leaving": [t.key for t in to_stop if t.leave]})
             await asyncio.gather(*(self._stop_task(t, self.settings.checkpoint_deadline_s) for t in to_stop))
             for t in to_stop:  # moved to other GPUs within one generation (not expected): relaunch it
                 if t.key in desired:
@@ -423,6 +439,38 @@ class Agent:
                 continue
             await self._launch(a)
         return released
+
+    def _fast_resize(self, plan: plan_pb2.NodePlan) -> set[str]:
+        """Re-key survivors of fast resizes to their new assignments; return the jobs that have one.
+
+        A survivor is a live task not asked to stop, of an older generation than a fast_resize
+        assignment of its job, on exactly that assignment's GPUs. Ranks are matched by GPUs,
+        not by number: a survivor may be renumbered (the world shrank below it)."""
+        surviving: set[str] = set()
+        live = [t for t in self._live() if t.stop_deadline == 0.0]
+        for a in plan.tasks:
+            if not a.fast_resize:
+                continue
+            t = next((t for t in live if t.job_id == a.job_id and t.generation < a.generation
+                      and sorted(t.gpus) == sorted(a.gpu_indices)), None)
+            if t is None:
+                continue
+            live.remove(t)
+            old = (t.rank, t.generation, t.assignment.world_size)
+            del self.tasks[t.key]
+            t.aliases.add((t.rank, t.generation))
+            t.assignment = a
+            t.phase = allocation_pb2.TASK_PHASE_STARTING  # RUNNING again once its SDK uses the new identity
+            self.tasks[t.key] = t
+            surviving.add(a.job_id)
+            with open(t.log_path, "ab") as log:  # not a launch line: the e2e checks count those
+                log.write(f"--- silod: fast resize to generation {a.generation} rank {a.rank} of {a.world_size} "
+                          f"(was generation {old[1]} rank {old[0]} of {old[2]})\n".encode())
+            _log.info("fast resize: task survives", extra={"task": t.key, "was": task_key(t.job_id, old[0], old[1]),
+                                                           "pid": t.proc.pid if t.proc else 0})
+        if surviving:
+            self._report_now.set()
+        return surviving
 
     async def _stop_task(self, task: Task, deadline_s: float) -> None:
         if task.exited.is_set():
@@ -492,7 +540,7 @@ class Agent:
         log_dir = self.work_dir / "jobs" / a.job_id
         log_dir.mkdir(parents=True, exist_ok=True)
         (self.checkpoint_root / a.job_id).mkdir(parents=True, exist_ok=True)
-        task = Task(assignment=a, log_path=log_dir / f"rank-{a.rank}.log", batch_size=a.batch_size)
+        task = Task(assignment=a, log_path=log_dir / f"rank-{a.rank}.log", batch_size=a.batch_size, launch_key=key)
         self.tasks[key] = task
         command = list(a.spec.command) or [sys.executable, "-m", "silod.jobs.emulated"]
         try:
@@ -532,7 +580,7 @@ class Agent:
         task.exit_code = code
         task.phase = allocation_pb2.TASK_PHASE_EXITED
         self._run_file(task).unlink(missing_ok=True)
-        self.gpu_table.release(task.key)
+        self.gpu_table.release(task.launch_key)
         self.finished.add(task.key)
         task.exited.set()
         _log.info("task exited", extra={"task": task.key, "exit_code": code})
@@ -577,12 +625,12 @@ class Agent:
         same_job = [t for t in self.tasks.values() if t.job_id == job_id]
         if not same_job:
             raise errors.NotFound(f"no task of job {job_id!r} on node {self.spec.name}", field="job_id")
+        for t in same_job:  # a survivor of a fast resize also answers to its old identities
+            if (t.rank, t.generation) == (rank, generation) or (rank, generation) in t.aliases:
+                return t
         same_rank = [t for t in same_job if t.rank == rank]
         if not same_rank:
             raise errors.NotFound(f"job {job_id!r} has no rank {rank} on node {self.spec.name}", field="rank")
-        for t in same_rank:
-            if t.generation == generation:
-                return t
         current = max(t.generation for t in same_rank)
         raise errors.FailedPrecondition(
             f"generation {generation} is stale; rank {rank} of {job_id!r} runs generation {current}", field="generation"
@@ -595,7 +643,11 @@ class Agent:
             task.step_time_s = request.step_time_s
         if request.batch_size > 0:
             task.batch_size = request.batch_size
-        if task.phase == allocation_pb2.TASK_PHASE_STARTING:
+        self._heard_from(task, request.rank, request.generation)
+
+    def _heard_from(self, task: Task, rank: int, generation: int) -> None:
+        """A call under the task's current identity: it runs (a survivor: it has re-formed)."""
+        if task.phase == allocation_pb2.TASK_PHASE_STARTING and (rank, generation) == (task.rank, task.generation):
             task.phase = allocation_pb2.TASK_PHASE_RUNNING
             self._report_now.set()
 
@@ -603,9 +655,18 @@ class Agent:
         task = self.find(request.job_id, request.rank, request.generation)
         if task.stop_deadline:
             return worker_agent_pb2.Directive(
-                action=worker_agent_pb2.DIRECTIVE_ACTION_CHECKPOINT_AND_EXIT,
+                action=worker_agent_pb2.DIRECTIVE_ACTION_EXIT if task.leave
+                else worker_agent_pb2.DIRECTIVE_ACTION_CHECKPOINT_AND_EXIT,
                 deadline_s=max(0.0, task.stop_deadline - time.monotonic()),
             )
+        if (request.rank, request.generation) != (task.rank, task.generation):  # an old identity: re-form
+            a = task.assignment
+            return worker_agent_pb2.Directive(
+                action=worker_agent_pb2.DIRECTIVE_ACTION_REFORM, new_world_size=a.world_size, new_rank=a.rank,
+                new_generation=a.generation, master_addr=a.master_addr or "127.0.0.1",
+                master_port=a.master_port or 29500, new_batch_size=a.batch_size or a.spec.batch_size,
+            )
+        self._heard_from(task, request.rank, request.generation)
         return worker_agent_pb2.Directive(action=worker_agent_pb2.DIRECTIVE_ACTION_CONTINUE)
 
     def node_status(self) -> worker_agent_pb2.NodeStatus:

@@ -18,6 +18,14 @@ requeued), ``should_checkpoint()`` turns true and ``save_checkpoint()`` stops wr
 rank that outlived its agent exits without overwriting its successor's checkpoints. Off the cluster, :func:`init` returns a twin with the same
 API: rank 0 of 1, checkpoints in ``./checkpoints``, progress logged to stderr.
 
+Fast resize (AFE): when the scheduler grows or shrinks the job around running ranks, the
+survivors are not restarted. ``should_checkpoint()`` (or ``world_changed()``) picks up the new
+world on its next poll: ``ctx.rank``, ``ctx.world_size``, ``ctx.generation`` and
+``ctx.batch_size`` change, callbacks given to ``ctx.on_resize(cb)`` run with a :class:`World`
+(re-form the process group there), and ``world_changed()`` returns it once. A rank the resize
+removes sees ``should_checkpoint()`` true with ``ctx.leaving`` set; its ``save_checkpoint()``
+writes nothing (the survivors hold the state), so it just exits 0.
+
 Checkpoints are written atomically (temp file + rename) with ``torch.save`` when the job has
 imported torch, else pickle; only rank 0 writes (the checkpoint is the job's, shared by ranks),
 every rank can load. Each save also appends a line to ``checkpoints.jsonl`` next to the
@@ -27,6 +35,6 @@ generation wrote the checkpoint in place, and what a resume starts from, can be 
 
 from __future__ import annotations
 
-from silod.job.context import ClusterContext, JobContext, LocalContext, init
+from silod.job.context import ClusterContext, JobContext, LocalContext, World, init
 
-__all__ = ["ClusterContext", "JobContext", "LocalContext", "init"]
+__all__ = ["ClusterContext", "JobContext", "LocalContext", "World", "init"]

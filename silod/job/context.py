@@ -10,6 +10,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,20 @@ def _deserialize(data: bytes) -> dict[str, Any]:
     return pickle.loads(data)
 
 
+@dataclass(frozen=True)
+class World:
+    """The job's world as a surviving rank sees it after a fast resize (AFE)."""
+
+    rank: int  # this process's rank now (survivors normally keep theirs; renumbered if the world shrank below it)
+    world_size: int  # ranks in the job now
+    generation: int  # generation this process now runs under
+    master_addr: str  # rendezvous host of the re-formed group
+    master_port: int  # rendezvous TCP port of the re-formed group
+    batch_size: int  # samples per step, global, from now on
+    previous_rank: int
+    previous_world_size: int
+
+
 class JobContext:
     """Common API of both contexts."""
 
@@ -60,6 +76,9 @@ class JobContext:
         self.fraction_done = 0.0
         self.step_time_s = 0.0
         self.batch_size = 0
+        self.leaving = False  # removed by a fast resize: exit without a checkpoint (survivors keep the state)
+        self._resize_callbacks: list[Callable[[World], Any]] = []
+        self._new_world: World | None = None
         self._sigterm = threading.Event()
         self._last_report = 0.0
         self._started = time.monotonic()
@@ -124,6 +143,33 @@ class JobContext:
     def should_checkpoint(self) -> bool:
         raise NotImplementedError
 
+    # -- fast resize (AFE)
+    def on_resize(self, callback: Callable[[World], Any]) -> None:
+        """Call ``callback(world)`` when the job is resized around this running process.
+
+        Callbacks run inside ``should_checkpoint()`` or ``world_changed()`` (the calls that poll the
+        agent), i.e. in the training loop between steps, after ``rank``, ``world_size``,
+        ``generation`` and ``batch_size`` took their new values: the place to re-form the process
+        group (destroy it, init again at ``world.master_addr:world.master_port``) and rescale."""
+        self._resize_callbacks.append(callback)
+
+    def world_changed(self) -> World | None:
+        """The new world if the job was resized around this process since the last call, else None."""
+        self._poll()
+        world, self._new_world = self._new_world, None
+        return world
+
+    def _poll(self) -> None:
+        """Ask for directives (rate-limited); off the cluster there are none."""
+
+    def _resized(self, world: World) -> None:
+        self.rank, self.world_size, self.generation = world.rank, world.world_size, world.generation
+        if world.batch_size > 0:
+            self.batch_size = world.batch_size
+        self._new_world = world
+        for callback in self._resize_callbacks:
+            callback(world)
+
     # -- checkpoints
     @property
     def checkpoint_path(self) -> Path:
@@ -132,7 +178,7 @@ class JobContext:
     def save_checkpoint(self, state: dict[str, Any]) -> bool:
         """Write ``state`` atomically; returns False on ranks other than 0 (they do not write) and,
         on the cluster, once the rank's agent is gone (see :attr:`ClusterContext.agent_lost`)."""
-        if self.rank != 0:
+        if self.rank != 0 or self.leaving:
             return False
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.checkpoint_dir / f".{CHECKPOINT_FILE}.{os.getpid()}.tmp"
@@ -226,6 +272,10 @@ class ClusterContext(JobContext):
         self._agent_lost = False
         self._last_agent_check = 0.0
         self._checkpoint_asked = False
+        self._sigterm_polled = False
+        self._own_env = env is None  # then a re-formed world is also written to os.environ
+        self.master_addr = env.get("MASTER_ADDR", "")
+        self.master_port = int(env.get("MASTER_PORT", "0") or 0)
         self.deadline_s = 0.0
         self._last_poll = 0.0
         self._quiet_until = 0.0
@@ -308,13 +358,26 @@ class ClusterContext(JobContext):
             print(f"silod.job: progress report failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
 
     def should_checkpoint(self) -> bool:
-        if self._checkpoint_asked or self.sigterm_received or self.agent_lost:
+        if self._checkpoint_asked or self.agent_lost:
             return True
+        if self.sigterm_received:
+            # The agent signals every rank it stops; one directive call tells a rank removed by
+            # a fast resize (EXIT: no checkpoint needed) from one that must save (the default).
+            if not self._sigterm_polled:
+                self._sigterm_polled = True
+                self._poll(force=True)
+            self._checkpoint_asked = True
+            return True
+        self._poll()
+        return self._checkpoint_asked
+
+    def _poll(self, force: bool = False) -> None:
+        """GetDirective at most once a second (``force``: now) and act on the answer."""
         now = time.monotonic()
-        if self._stub is None or now < self._quiet_until or (
-            self._last_poll and now - self._last_poll < DIRECTIVE_INTERVAL_S
+        if self._stub is None or now < self._quiet_until or self._checkpoint_asked or (
+            not force and self._last_poll and now - self._last_poll < DIRECTIVE_INTERVAL_S
         ):
-            return False
+            return
         self._last_poll = now
         import grpc
 
@@ -327,13 +390,38 @@ class ClusterContext(JobContext):
             )
         except grpc.RpcError as exc:
             self._agent_down(exc)
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # our generation was superseded
                 self._checkpoint_asked = True
-            return self._checkpoint_asked
-        if directive.action == worker_agent_pb2.DIRECTIVE_ACTION_CHECKPOINT_AND_EXIT:
+            return
+        if directive.action in (worker_agent_pb2.DIRECTIVE_ACTION_CHECKPOINT_AND_EXIT,
+                                worker_agent_pb2.DIRECTIVE_ACTION_EXIT):
             self._checkpoint_asked = True
             self.deadline_s = directive.deadline_s
-        return self._checkpoint_asked
+            if directive.action == worker_agent_pb2.DIRECTIVE_ACTION_EXIT:
+                self.leaving = True
+                print("silod.job: removed by a fast resize; the surviving ranks keep the state, exit without "
+                      "a checkpoint", file=sys.stderr, flush=True)
+        elif directive.action == worker_agent_pb2.DIRECTIVE_ACTION_REFORM and directive.new_generation > self.generation:
+            self._reform(directive)
+
+    def _reform(self, directive: Any) -> None:
+        world = World(
+            rank=directive.new_rank, world_size=directive.new_world_size, generation=directive.new_generation,
+            master_addr=directive.master_addr, master_port=directive.master_port,
+            batch_size=directive.new_batch_size or self.batch_size,
+            previous_rank=self.rank, previous_world_size=self.world_size,
+        )
+        self.master_addr, self.master_port = world.master_addr, world.master_port
+        if self._own_env:  # so that a process group re-initialised with init_method="env://" sees the new world
+            os.environ.update({
+                "SILOD_RANK": str(world.rank), "SILOD_WORLD_SIZE": str(world.world_size),
+                "SILOD_GENERATION": str(world.generation), "SILOD_BATCH_SIZE": str(world.batch_size),
+                "MASTER_ADDR": world.master_addr, "MASTER_PORT": str(world.master_port),
+            })
+        print(f"silod.job: fast resize: now rank {world.rank} of {world.world_size}, generation {world.generation} "
+              f"(was rank {world.previous_rank} of {world.previous_world_size})", file=sys.stderr, flush=True)
+        self._resized(world)
+        self._flush()  # tells the agent at once that this process runs under its new identity
 
     def close(self) -> None:
         if self._channel is not None:

@@ -9,6 +9,12 @@ when asked (directive or SIGTERM; without a checkpoint if its agent is gone), al
 (default 30), and exits 0 when the budget is done. Its first output line is its environment
 (``silod-env: {...}``), so the launch can be checked from the log.
 
+Fast resize (AFE): resized around, it keeps its in-memory progress (no checkpoint reload), takes
+the new batch size, pauses ``SILOD_RESIZE_PAUSE_S`` seconds (default 0.2; the re-forming of a
+real process group) and logs ``emulated: fast resize ...``. When the world grows, rank 0 saves
+a checkpoint then, which the joining ranks load (a real job broadcasts its state to them).
+Removed by a fast resize, it exits 0 without a checkpoint.
+
 With ``SILOD_JOB_KIND=inference`` it is an inference task instead: it holds its GPU for
 ``SILOD_INFERENCE_DURATION_S`` seconds (default 1) of emulated work, reporting the fraction
 done, and exits 0; asked to stop early, it exits 0 at once (inference keeps no state).
@@ -50,6 +56,19 @@ def _inference(ctx: silod.job.JobContext) -> int:
     return 0
 
 
+def _resized(ctx: silod.job.JobContext, world: silod.job.World, state: dict[str, int], batch: int) -> int:
+    """Carry on in the new world from the in-memory state; return the batch size to use."""
+    pause = float(os.environ.get("SILOD_RESIZE_PAUSE_S", "0.2"))
+    t0 = time.monotonic()
+    time.sleep(pause)
+    if world.world_size > world.previous_world_size:
+        ctx.save_checkpoint(state)  # rank 0 only: what the joiners load
+    print(f"emulated: fast resize to rank {world.rank} of {world.world_size} generation {world.generation} "
+          f"at samples={state['samples']} (was rank {world.previous_rank} of {world.previous_world_size}); "
+          f"paused {time.monotonic() - t0:.2f}s, no checkpoint reload", flush=True)
+    return world.batch_size or batch
+
+
 def main() -> int:
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES) and k != "SILOD_AUTH_TOKEN"}
     print("silod-env: " + json.dumps(env), flush=True)
@@ -71,10 +90,17 @@ def main() -> int:
             if getattr(ctx, "agent_lost", False):
                 print(f"emulated: agent gone at samples={state['samples']}; exiting without a checkpoint", flush=True)
                 return 0
+            if ctx.leaving:
+                print(f"emulated: left the job at samples={state['samples']}; exiting without a checkpoint", flush=True)
+                ctx.done()
+                return 0
             ctx.save_checkpoint(state)
             print(f"emulated: checkpointed at samples={state['samples']}; exiting", flush=True)
             ctx.done()
             return 0
+        world = ctx.world_changed()
+        if world is not None:
+            batch = _resized(ctx, world, state, batch)
         t0 = time.monotonic()
         time.sleep(step_s)
         n = min(batch, budget - state["samples"])
