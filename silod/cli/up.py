@@ -36,8 +36,18 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--db", default="", help="metadata database URL; default sqlite:///<state-dir>/metadata.db")
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
     p.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per emulated node (default 4)")
-    p.add_argument("--policy", default="", help="scheduling policy (fifo, sjf, tiresias, gavel, themis); default: the scheduler's")
+    p.add_argument("--policy", default="", help="scheduling policy (fifo, sjf, tiresias, gavel, themis, pollux, deepboot); default: the scheduler's")
     p.add_argument("--interval-s", type=float, default=0.0, help="seconds between scheduling rounds; default: the scheduler's")
+    p.add_argument("--inference-nodes", type=int, default=0,
+                   help="emulated nodes of the inference pool (named infer-0, ...; their idle GPUs may be lent "
+                        "to training by the deepboot policy; default 0)")
+    p.add_argument("--cache", default="", choices=("", "silod", "lru", "static", "none"),
+                   help="cache mode of the scheduler: silod (co-allocated quotas and IO rates), lru, static or "
+                        "none; default: the scheduler's")
+    p.add_argument("--cache-disk-bytes", type=int, default=10 << 30,
+                   help="bytes of each node's disk cache tier, also advertised to the scheduler (default 10 GiB)")
+    p.add_argument("--cache-memory-bytes", type=int, default=512 << 20,
+                   help="bytes of each node's memory cache tier (default 512 MiB)")
     p.add_argument("--no-cache", action="store_true", help="do not start a cache server per node")
     p.add_argument("--dashboard-port", type=int, default=0,
                    help="port of the web dashboard on 127.0.0.1 (default 0: a free port, printed)")
@@ -55,6 +65,12 @@ def _up(args: argparse.Namespace) -> int:
 
     if args.nodes < 1 or args.gpus_per_node < 1:
         print("silod up: --nodes and --gpus-per-node must be >= 1", file=sys.stderr)
+        return 2
+    if args.inference_nodes < 0:
+        print("silod up: --inference-nodes must be >= 0", file=sys.stderr)
+        return 2
+    if args.cache_disk_bytes < 0 or args.cache_memory_bytes < 0:
+        print("silod up: --cache-disk-bytes and --cache-memory-bytes must be >= 0", file=sys.stderr)
         return 2
     if hasattr(signal, "SIGPIPE"):
         # main() gives client commands the Unix default (die on a closed stdout); a supervisor
@@ -99,6 +115,8 @@ def _up(args: argparse.Namespace) -> int:
             sched_flags += ["--policy", args.policy]
         if args.interval_s > 0:
             sched_flags += ["--interval-s", f"{args.interval_s:g}"]
+        if args.cache:
+            sched_flags += ["--cache-mode", args.cache]
         sch = start("scheduler", "scheduler", *sched_flags, tier=core)
         dashboard = ""
         if not args.no_dashboard:
@@ -106,19 +124,26 @@ def _up(args: argparse.Namespace) -> int:
                          port=args.dashboard_port)
             dashboard = f"http://{dash.address}/"
         nodes: list[dict[str, Any]] = []
-        for i in range(args.nodes):
-            name = f"node-{i}"
+        pools = [("training", f"node-{i}") for i in range(args.nodes)]
+        pools += [("inference", f"infer-{i}") for i in range(args.inference_nodes)]
+        for pool, name in pools:
             node_dir = state / "nodes" / name
-            node: dict[str, Any] = {"name": name, "gpus": args.gpus_per_node, "work_dir": str(node_dir / "work")}
+            node: dict[str, Any] = {"name": name, "pool": pool, "gpus": args.gpus_per_node,
+                                    "work_dir": str(node_dir / "work")}
             agent_flags = ["--node-name", name, "--gpus", str(args.gpus_per_node), "--work-dir", str(node_dir / "work"),
-                           "--metadata-address", md.address, "--scheduler-address", sch.address]
+                           "--pool", pool, "--metadata-address", md.address, "--scheduler-address", sch.address]
             if not args.no_cache:
                 cache = start(f"cache-server {name}", "cache-server", "--metadata-address", md.address, "--node", name,
                               "--scheduler-address", sch.address,
                               "--disk-cache-dir", str(node_dir / "cache-disk"),
+                              "--disk-cache-bytes", str(args.cache_disk_bytes),
+                              "--memory-cache-bytes", str(args.cache_memory_bytes),
                               "--memory-cache-dir", str(node_dir / "cache-mem"), tier=caches)
                 node["cache"] = cache.address
-                agent_flags += ["--cache-address", cache.address]
+                # The scheduler sizes cache quotas by what the agent advertises: the same tiers.
+                agent_flags += ["--cache-address", cache.address,
+                                "--cache-capacity-bytes", str(args.cache_disk_bytes),
+                                "--memory-cache-bytes", str(args.cache_memory_bytes)]
             agent = start(f"worker-agent {name}", "worker-agent", *agent_flags, tier=agents)
             node["agent"] = agent.address
             nodes.append(node)
@@ -190,7 +215,9 @@ def _print_table(info: dict[str, Any], logs: Path) -> None:
         if "cache" in node:
             rows.append((f"{node['name']} cache-server", node["cache"]))
     width = max(len(r[0]) for r in rows)
-    print(f"silod cluster is up ({len(info['nodes'])} nodes x {info['nodes'][0]['gpus']} GPUs)")
+    inference = sum(1 for n in info["nodes"] if n.get("pool") == "inference")
+    pools = f", {inference} of them inference" if inference else ""
+    print(f"silod cluster is up ({len(info['nodes'])} nodes x {info['nodes'][0]['gpus']} GPUs{pools})")
     print(f"  {'SERVICE':<{width}}  ADDRESS")
     for name, addr in rows:
         print(f"  {name:<{width}}  {addr}")

@@ -150,3 +150,12 @@ def test_a_dying_child_is_named_with_its_log_and_the_rest_stopped(tmp_path: Path
         assert not any(_alive(p) for p in children)
     finally:
         _cleanup(up, children)
+
+
+def test_bad_up_flags_exit_2_naming_the_flag(tmp_path: Path) -> None:
+    for flags, needle in ((["--inference-nodes", "-1"], "--inference-nodes"),
+                          (["--cache-disk-bytes", "-5"], "--cache-disk-bytes"),
+                          (["--cache", "fifo"], "--cache")):
+        done = subprocess.run([sys.executable, "-m", "silod.cli", "up", "--state-dir", str(tmp_path), *flags],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and needle in done.stderr and "Traceback" not in done.stderr, (flags, done.stderr)
