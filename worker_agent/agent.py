@@ -523,6 +523,8 @@ class Agent:
             "SILOD_BATCH_SIZE": str(a.batch_size or spec.batch_size),
             "SILOD_STEP_COMPUTE_S": repr(spec.emulated_step_compute_s),
         }
+        if spec.dataset:  # what the job reads through silod.data (the emulated job reads it each step)
+            env["SILOD_DATASET"] = spec.dataset
         if spec.kind == common_pb2.JOB_KIND_INFERENCE:
             env["SILOD_JOB_KIND"] = "inference"
             env["SILOD_INFERENCE_DURATION_S"] = repr(spec.inference_duration_s)

@@ -76,6 +76,7 @@ class JobContext:
         self.fraction_done = 0.0
         self.step_time_s = 0.0
         self.batch_size = 0
+        self.cache_hit_ratio = 0.0
         self.leaving = False  # removed by a fast resize: exit without a checkpoint (survivors keep the state)
         self._resize_callbacks: list[Callable[[World], Any]] = []
         self._new_world: World | None = None
@@ -120,8 +121,10 @@ class JobContext:
         step_time_s: float | None = None,
         fraction_done: float | None = None,
         batch_size: int | None = None,
+        cache_hit_ratio: float | None = None,
     ) -> None:
-        """Add ``samples``/``steps`` done since the last call; set epoch, step time, fraction if given."""
+        """Add ``samples``/``steps`` done since the last call; set epoch, step time, fraction, batch size
+        and the recent fraction of samples served from cache (0..1) if given."""
         self.samples_done += int(samples)
         self.steps_done += int(steps)
         if epoch is not None:
@@ -132,6 +135,8 @@ class JobContext:
             self.fraction_done = min(1.0, max(0.0, float(fraction_done)))
         if batch_size is not None:
             self.batch_size = int(batch_size)
+        if cache_hit_ratio is not None:
+            self.cache_hit_ratio = min(1.0, max(0.0, float(cache_hit_ratio)))
         now = time.monotonic()
         if self._last_report == 0.0 or now - self._last_report >= REPORT_INTERVAL_S:
             self._last_report = now
@@ -244,7 +249,8 @@ class LocalContext(JobContext):
     def _flush(self) -> None:
         print(
             f"silod.job[local]: samples={self.samples_done} steps={self.steps_done} epoch={self.epochs_done} "
-            f"step_time_s={self.step_time_s:.4f} fraction_done={self.fraction_done:.3f}",
+            f"step_time_s={self.step_time_s:.4f} fraction_done={self.fraction_done:.3f} "
+            f"cache_hit_ratio={self.cache_hit_ratio:.3f}",
             file=sys.stderr,
             flush=True,
         )
@@ -345,9 +351,11 @@ class ClusterContext(JobContext):
                         epochs_done=self.epochs_done,
                         fraction_done=self.fraction_done,
                         throughput_samples_per_s=(self.batch_size / self.step_time_s) if self.step_time_s else 0.0,
+                        cache_hit_ratio=self.cache_hit_ratio,
                     ),
                     step_time_s=self.step_time_s,
                     batch_size=self.batch_size,
+                    cache_hit_ratio=self.cache_hit_ratio,
                 ),
                 timeout=CALL_TIMEOUT_S,
             )

@@ -15,6 +15,15 @@ real process group) and logs ``emulated: fast resize ...``. When the world grows
 a checkpoint then, which the joining ranks load (a real job broadcasts its state to them).
 Removed by a fast resize, it exits 0 without a checkpoint.
 
+With ``SILOD_DATASET`` (the spec's dataset) each step first reads this rank's share of the
+global batch (every world_size-th sample, from a per-epoch shuffle seeded by the epoch, so the
+ranks read disjoint samples) through silod.data's SilodDataset -- the node's cache server,
+else the store -- then sleeps the compute time: IO and cache limit its throughput as they
+would a real job's. An epoch is then one pass over the dataset (unless
+``SILOD_EPOCH_SAMPLES`` says otherwise), and the job reports the recent fraction of its reads
+served from cache on this node (the cache server's Stats for the job, over about a second).
+Without a dataset nothing is read.
+
 With ``SILOD_JOB_KIND=inference`` it is an inference task instead: it holds its GPU for
 ``SILOD_INFERENCE_DURATION_S`` seconds (default 1) of emulated work, reporting the fraction
 done, and exits 0; asked to stop early, it exits 0 at once (inference keeps no state).
@@ -24,20 +33,86 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
+from typing import Any
 
 import silod.job
 
 _ENV_PREFIXES = ("SILOD_", "CUDA_VISIBLE_DEVICES", "MASTER_")
 
 
-def _budget() -> int:
+def _budget(epoch_samples: int) -> int:
     if os.environ.get("SILOD_SAMPLE_BUDGET"):
         return int(os.environ["SILOD_SAMPLE_BUDGET"])
     if os.environ.get("SILOD_EPOCHS"):
-        return int(os.environ["SILOD_EPOCHS"]) * int(os.environ.get("SILOD_EPOCH_SAMPLES", "1000"))
+        return int(os.environ["SILOD_EPOCHS"]) * epoch_samples
     return 10000
+
+
+class _DataReader:
+    """Reads each step's samples of this rank through silod.data and measures the job's hit ratio."""
+
+    STATS_INTERVAL_S = 1.0
+
+    def __init__(self, name: str, job_id: str) -> None:
+        from silod.data import SilodDataset  # imports torch: only jobs that read data pay for it
+
+        self.dataset = SilodDataset(name)
+        self.job_id = job_id
+        self._orders: dict[int, list[int]] = {}
+        self._stats: Any = None
+        self._seen = (0, 0)  # the job's (hits, misses) on this node at the last look
+        self._last_look = 0.0
+        self.hit_ratio: float | None = None
+        if self.dataset.cache_addr:
+            from services.runtime.client import open_channel
+            from silod.v1 import cache_pb2_grpc
+
+            channel = open_channel(self.dataset.cache_addr, token=self.dataset.token, default_timeout_s=5)
+            self._stats = cache_pb2_grpc.CacheServiceStub(channel)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.dataset)))
+            random.Random(epoch).shuffle(order)  # every rank draws the same order
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+    def read_step(self, first_sample: int, batch: int, rank: int, world_size: int) -> int:
+        """Read this rank's share of the global batch of samples first_sample..+batch; return its size."""
+        n = len(self.dataset)
+        positions = [self._order(g // n)[g % n] for g in range(first_sample + rank, first_sample + batch, world_size)]
+        for i in range(0, len(positions), 4096):  # at most 4096 keys per lease
+            self.dataset.read_batch(positions[i:i + 4096])  # the bytes are not used: compute is emulated
+        return len(positions)
+
+    def recent_hit_ratio(self) -> float | None:
+        """Fraction of the job's reads on this node served from cache since the last look (>= 1 s ago)."""
+        now = time.monotonic()
+        if self._stats is None or now - self._last_look < self.STATS_INTERVAL_S:
+            return self.hit_ratio
+        self._last_look = now
+        import grpc
+
+        from silod.v1 import cache_pb2
+
+        try:
+            stats = self._stats.Stats(cache_pb2.StatsRequest(job_id=self.job_id), timeout=2)
+        except grpc.RpcError:
+            return self.hit_ratio  # the cache server is down: reads fall back to the store
+        job = next((j for j in stats.jobs if j.job_id == self.job_id), None)
+        if job is not None:
+            hits, misses = job.hits - self._seen[0], job.misses - self._seen[1]
+            self._seen = (job.hits, job.misses)
+            if hits + misses > 0:
+                self.hit_ratio = hits / (hits + misses)
+        return self.hit_ratio
 
 
 def _inference(ctx: silod.job.JobContext) -> int:
@@ -77,9 +152,10 @@ def main() -> int:
         return _inference(ctx)
     step_s = float(os.environ.get("SILOD_STEP_COMPUTE_S") or 0) or 0.01
     batch = int(os.environ.get("SILOD_BATCH_SIZE") or 0) or 32
-    epoch_samples = int(os.environ.get("SILOD_EPOCH_SAMPLES", "1000"))
+    reader = _DataReader(os.environ["SILOD_DATASET"], ctx.job_id) if os.environ.get("SILOD_DATASET") else None
+    epoch_samples = int(os.environ.get("SILOD_EPOCH_SAMPLES") or (len(reader) if reader else 1000))
     checkpoint_every = float(os.environ.get("SILOD_CHECKPOINT_EVERY_S", "30"))
-    budget = _budget()
+    budget = _budget(epoch_samples)
     state = ctx.load_checkpoint() or {"samples": 0, "steps": 0}
     print(f"emulated: resumed at samples={state['samples']} steps={state['steps']} budget={budget}", flush=True)
     ctx.set_progress(samples=state["samples"], steps=state["steps"], epoch=state["samples"] // epoch_samples)
@@ -102,8 +178,11 @@ def main() -> int:
         if world is not None:
             batch = _resized(ctx, world, state, batch)
         t0 = time.monotonic()
-        time.sleep(step_s)
         n = min(batch, budget - state["samples"])
+        if reader is not None:
+            reader.read_step(state["samples"], n, ctx.rank, ctx.world_size)
+        time.sleep(step_s)
+        epoch = state["samples"] // epoch_samples
         state["samples"] += n
         state["steps"] += 1
         ctx.report(
@@ -112,7 +191,10 @@ def main() -> int:
             epoch=state["samples"] // epoch_samples,
             step_time_s=time.monotonic() - t0,
             fraction_done=state["samples"] / budget,
+            cache_hit_ratio=reader.recent_hit_ratio() if reader is not None else None,
         )
+        if reader is not None and state["samples"] // epoch_samples > epoch:
+            print(f"emulated: epoch {epoch} read; recent cache hit ratio {reader.recent_hit_ratio()}", flush=True)
         if time.monotonic() - last_checkpoint >= checkpoint_every:
             ctx.save_checkpoint(state)
             last_checkpoint = time.monotonic()
