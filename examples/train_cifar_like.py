@@ -2,7 +2,9 @@
 
 It trains a small MLP on synthetic CIFAR-shaped data (3x32x32 inputs, 10 classes) and
 cooperates with silod: it resumes from the job's checkpoint, reports progress, and on a
-checkpoint directive (or SIGTERM) saves model + optimizer state and exits 0.
+checkpoint directive (or SIGTERM) saves model + optimizer state and exits 0. Resized around
+(fast resize) it keeps training from its in-memory model: the ``on_resize`` callback is where a
+distributed job re-forms its process group.
 
 ``--emulated-gpu-s SECONDS`` adds a sleep per step to stand in for GPU compute time: this is
 emulated GPU time, there is no GPU involved.
@@ -53,12 +55,21 @@ def main(argv: list[str] | None = None) -> int:
     def checkpoint() -> bool:
         return ctx.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step})
 
+    def resized(world: silod.job.World) -> None:
+        # A DDP job would destroy its process group here and init a new one at
+        # world.master_addr:world.master_port with world.rank / world.world_size; this one is a
+        # single process per rank, so it only says so. The model and optimizer stay as they are.
+        print(f"re-formed at step {step}: rank {world.rank} of {world.world_size} (was {world.previous_world_size}), "
+              f"generation {world.generation}", flush=True)
+
+    ctx.on_resize(resized)
     loss_fn = nn.CrossEntropyLoss()
     while step < args.steps:
         if ctx.should_checkpoint():
             if checkpoint():
                 print(f"checkpointed at step {step}; exiting", flush=True)
-            else:  # another rank writes, or the agent is gone (the job restarts from its last checkpoint)
+            else:  # another rank writes, the agent is gone (the job restarts from its last checkpoint),
+                # or a fast resize removed this rank (the survivors carry the state on)
                 print(f"stopping at step {step}; exiting", flush=True)
             ctx.done()
             return 0

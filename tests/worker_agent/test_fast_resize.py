@@ -5,6 +5,7 @@ survivors' GPUs change) it falls back to checkpoint-and-relaunch."""
 from __future__ import annotations
 
 import re
+import sys
 
 from silod.v1 import allocation_pb2, plan_pb2
 from tests.worker_agent.conftest import assignment, node_plan, wait_until
@@ -144,4 +145,32 @@ def test_without_fast_resize_a_shrink_checkpoints_and_relaunches_every_rank(allo
     assert _pids(agent, job)[(0, 2)] != first[(0, 1)]
     assert all(_latest(allocation, job, r, 1).phase == EXITED for r in range(2))
     assert "checkpointed at samples=" in agent.log(job, 0) and "fast resize" not in agent.log(job, 0)
+    check_exclusive(agent.gpu_history())
+
+
+def test_pytorch_example_is_told_of_a_fast_resize_through_its_callback(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
+    from tests.support.procs import REPO_ROOT
+
+    agent = start_agent()
+    job = "job-torch-afe"
+    command = [sys.executable, str(REPO_ROOT / "examples" / "train_cifar_like.py"), "--steps", "100000",
+               "--emulated-gpu-s", "0.05", "--batch-size", "16"]
+    tasks = [assignment(job, r, 2, [r], 1, command=command) for r in range(2)]
+    for a in tasks:
+        a.fast_resize = True
+    allocation.push(node_plan(agent.node, 1, *tasks))
+    wait_until(lambda: all(_phase(allocation, job, r, 1) == RUNNING for r in range(2)), timeout=60,
+               what="both ranks training")
+    first = _pids(agent, job)
+    survivor = assignment(job, 0, 1, [0], 2, command=command)
+    survivor.fast_resize = True
+    allocation.push(node_plan(agent.node, 2, survivor))
+    wait_until(lambda: re.search(r"re-formed at step \d+: rank 0 of 1 \(was 2\), generation 2", agent.log(job, 0)),
+               timeout=30, what="the survivor's callback")
+    wait_until(lambda: _phase(allocation, job, 1, 1) == EXITED, what="rank 1 left")
+    assert _latest(allocation, job, 1, 1).exit_code == 0
+    assert re.search(r"stopping at step \d+; exiting", agent.log(job, 1))  # its save_checkpoint wrote nothing
+    assert _pids(agent, job) == {(0, 2): first[(0, 1)]}
+    wait_until(lambda: _phase(allocation, job, 0, 2) == RUNNING, what="the survivor running under generation 2")
+    assert not (agent.work_dir / "checkpoints" / job / "checkpoints.jsonl").exists()  # nobody checkpointed
     check_exclusive(agent.gpu_history())
