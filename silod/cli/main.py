@@ -76,6 +76,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _register_optional(sub, "silod.cli.up")
     _register_optional(sub, "silod.cli.jobs")
     _register_optional(sub, "silod.dashboard.cli")
+    _register_optional(sub, "silod.devstore.cli")
     return parser
 
 
