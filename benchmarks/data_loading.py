@@ -21,9 +21,9 @@ is loaded in parallel before timing starts; the second shows whether loading kee
 4 s point reads 8 of the 12 batches. Its warm run then replays the cold run's order (the samples the cold run cached); a
 point that reads the whole epoch measures the warm run on the next epoch's order.
 
-The remote store is an emulator on loopback: a minimal S3 API (ListObjectsV2, HEAD, GET with
-If-Match) in aiohttp, in its own process, with a shared bandwidth limit and a per-request
-latency. Both the plain DataLoader (s3fs, like a user's ``fsspec.open``) and the cache server
+The remote store is ``silod store-emulator`` (silod/devstore/emulator.py) on loopback: a minimal
+S3 API (ListObjectsV2, HEAD, GET with Range and If-Match) in aiohttp, in its own process, with
+one bandwidth limit shared by all connections and a per-request latency. Both the plain DataLoader (s3fs, like a user's ``fsspec.open``) and the cache server
 (the dataset's ``s3://`` URI with ``endpoint_url``) read through it, so the emulated limits
 apply to both. Samples are ~114 KB (ImageNet's mean), batch 256, 4 DataLoader workers.
 
@@ -35,20 +35,14 @@ cache does not matter; for the local comparison the source files are re-created 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import hashlib
 import math
 import os
 import pathlib
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from typing import Any
-from xml.sax.saxutils import escape
 
 try:
     import silod  # noqa: F401
@@ -57,125 +51,6 @@ except ImportError:  # run from a clone without installing
 
 BUCKET = "bench"
 PREFIX = "train"
-
-
-# -- the remote-store emulator (its own process) ---------------------------------------------------
-
-
-def serve_emulator(root: str, port_file: str, bandwidth: float, latency: float) -> None:
-    from aiohttp import web
-
-    objects: dict[str, tuple[str, int, str]] = {}  # key -> (path, size, etag)
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            key = os.path.relpath(path, root)
-            with open(path, "rb") as f:
-                etag = hashlib.md5(f.read()).hexdigest()  # noqa: S324 -- S3's ETag is an MD5
-            objects[f"{PREFIX}/{key}"] = (path, os.path.getsize(path), etag)
-    ordered = sorted(objects)
-    modified = datetime(2024, 1, 1, tzinfo=timezone.utc)
-    state = {"next_free": 0.0}
-
-    async def throttle(nbytes: int) -> None:  # one link shared by every connection
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        start = max(state["next_free"], now)
-        state["next_free"] = start + nbytes / bandwidth
-        if start > now:
-            await asyncio.sleep(start - now)
-
-    def error(status: int, code: str) -> web.Response:
-        body = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{code}</Message></Error>'
-        return web.Response(status=status, body=body.encode(), content_type="application/xml")
-
-    async def list_bucket(request: web.Request) -> web.Response:
-        q = request.query
-        prefix = q.get("prefix", "")
-        delimiter = q.get("delimiter", "")
-        max_keys = int(q.get("max-keys", "1000"))
-        after = q.get("continuation-token") or q.get("start-after") or ""
-        contents, prefixes = [], []
-        for key in ordered:
-            if not key.startswith(prefix) or key <= after:
-                continue
-            rest = key[len(prefix):]
-            if delimiter and delimiter in rest:
-                common = prefix + rest.split(delimiter, 1)[0] + delimiter
-                if common not in prefixes:
-                    prefixes.append(common)
-                continue
-            contents.append(key)
-            if len(contents) >= max_keys:
-                break
-        truncated = len(contents) >= max_keys and contents[-1] != ordered[-1]
-        xml = ['<?xml version="1.0" encoding="UTF-8"?>',
-               '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">',
-               f"<Name>{BUCKET}</Name><Prefix>{escape(prefix)}</Prefix><KeyCount>{len(contents)}</KeyCount>",
-               f"<MaxKeys>{max_keys}</MaxKeys><IsTruncated>{'true' if truncated else 'false'}</IsTruncated>"]
-        for key in contents:
-            _, size, etag = objects[key]
-            xml.append(f"<Contents><Key>{escape(key)}</Key><LastModified>2024-01-01T00:00:00.000Z</LastModified>"
-                       f"<ETag>&quot;{etag}&quot;</ETag><Size>{size}</Size><StorageClass>STANDARD</StorageClass></Contents>")
-        for common in prefixes:
-            xml.append(f"<CommonPrefixes><Prefix>{escape(common)}</Prefix></CommonPrefixes>")
-        if truncated:
-            xml.append(f"<NextContinuationToken>{escape(contents[-1])}</NextContinuationToken>")
-        xml.append("</ListBucketResult>")
-        await asyncio.sleep(latency)
-        return web.Response(body="".join(xml).encode(), content_type="application/xml")
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        bucket, _, key = request.path.lstrip("/").partition("/")
-        if bucket != BUCKET:
-            return error(404, "NoSuchBucket")
-        if not key:
-            if request.method == "HEAD":
-                return web.Response(status=200)
-            return await list_bucket(request)
-        await asyncio.sleep(latency)
-        found = objects.get(key)
-        if found is None:
-            return web.Response(status=404) if request.method == "HEAD" else error(404, "NoSuchKey")
-        path, size, etag = found
-        headers = {"ETag": f'"{etag}"', "Last-Modified": modified.strftime("%a, %d %b %Y %H:%M:%S GMT"),
-                   "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
-        if_match = request.headers.get("If-Match")
-        if if_match and if_match.strip('"') != etag:
-            return error(412, "PreconditionFailed")
-        if request.method == "HEAD":
-            return web.Response(status=200, headers={**headers, "Content-Length": str(size)})
-        start, end, status = 0, size - 1, 200
-        if "Range" in request.headers:
-            first, _, last = request.headers["Range"].removeprefix("bytes=").partition("-")
-            start, end, status = int(first), min(size - 1, int(last) if last else size - 1), 206
-            headers["Content-Range"] = f"bytes {start}-{end}/{size}"
-        with open(path, "rb") as f:
-            f.seek(start)
-            data = f.read(end - start + 1)
-        response = web.StreamResponse(status=status, headers={**headers, "Content-Length": str(len(data))})
-        await response.prepare(request)
-        for offset in range(0, len(data), 65536):
-            chunk = data[offset : offset + 65536]
-            await throttle(len(chunk))
-            await response.write(chunk)
-        await response.write_eof()
-        return response
-
-    async def main() -> None:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        tmp = port_file + ".tmp"
-        pathlib.Path(tmp).write_text(str(port))
-        os.replace(tmp, port_file)
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
 
 
 # -- the benchmark ------------------------------------------------------------------------------------
@@ -313,13 +188,7 @@ def main() -> int:
     parser.add_argument("--latency-ms", type=float, default=20.0, help="store latency per request, ms (default 20)")
     parser.add_argument("--workers", type=int, default=4, help="DataLoader workers (default 4)")
     parser.add_argument("--quick", action="store_true", help="6 batches of 128, compute 0, 0.5 and auto")
-    parser.add_argument("--serve-emulator", nargs=4, metavar=("ROOT", "PORT_FILE", "BYTES_PER_S", "LATENCY_S"),
-                        help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve_emulator:
-        root, port_file, bandwidth, latency = args.serve_emulator
-        serve_emulator(root, port_file, float(bandwidth), float(latency))
-        return 0
     if args.quick:
         args.batches, args.batch_size, args.compute, args.point_seconds = 6, 128, "0,0.5,auto", 8.0
     computes: list[Any] = [c.strip() if c.strip() == "auto" else float(c) for c in args.compute.split(",")]
@@ -349,18 +218,15 @@ def main() -> int:
     procs: list[Any] = []
     try:
         count = args.batches * args.batch_size
-        store = work / "store"
+        # The emulator serves ROOT/<bucket>/<key>: the dataset is s3://BUCKET/PREFIX.
+        store = work / "s3" / BUCKET / PREFIX
         keys = make_files(store, count, args.sample_bytes)
         dataset_bytes = count * args.sample_bytes
-        port_file = work / "emulator.port"
-        emulator = subprocess.Popen([sys.executable, __file__, "--serve-emulator", str(store), str(port_file),
-                                     str(args.bandwidth_mb * 1e6), str(args.latency_ms / 1000)])
+        emulator = start_service("store-emulator", "--root", str(work / "s3"), "--bandwidth-mb-s",
+                                 str(args.bandwidth_mb), "--latency-ms", str(args.latency_ms), "--log-level", "warning",
+                                 workdir=work / "emulator")
         procs.append(emulator)
-        while not port_file.exists():
-            if emulator.poll() is not None:
-                raise SystemExit("the store emulator did not start")
-            time.sleep(0.05)
-        endpoint = f"http://127.0.0.1:{port_file.read_text()}"
+        endpoint = f"http://{emulator.address}"
         metadata = start_service("metadata", "--db", f"sqlite:///{work / 'meta.db'}", "--log-level", "warning",
                                  workdir=work / "metadata")
         procs.append(metadata)
@@ -446,11 +312,7 @@ def main() -> int:
         return 0
     finally:
         for proc in reversed(procs):
-            if hasattr(proc, "close"):
-                proc.close()
-            else:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(10)
+            proc.close()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
 
