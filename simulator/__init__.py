@@ -10,6 +10,7 @@ line (:mod:`simulator.cli`); docs/evaluation.md describes the model and the resu
     write_outputs(result, "out/")
 """
 
+from simulator.cacheio import CACHE_MODES, CacheIoRates
 from simulator.clock import SimClock
 from simulator.cluster import ClusterSpec, cluster_from_dict, load_cluster
 from simulator.engine import JobRecord, SimProgress, SimulationResult, Simulator, TimelinePoint
@@ -21,6 +22,8 @@ from simulator.runner import compare, simulate
 from simulator.workload import JobSpec, Workload, load_workload, packaged_workloads, target_samples, write_workload
 
 __all__ = [
+    "CACHE_MODES",
+    "CacheIoRates",
     "ClusterSpec",
     "GoodputRates",
     "JobRecord",
