@@ -61,6 +61,7 @@ MAX_ROUND_GAP_S = 5.0
 ESTIMATE_TTL_S = 30.0  # a job's fitted model is re-read from the estimator at most this often ...
 RPC_CONCURRENCY = 16  # ... and per-job calls of a round are sent this many at a time
 ESTIMATOR_TIMEOUT_S = 2.0  # a round must not hang on a stuck estimator: the profile model will do
+OBSERVE_TIMEOUT_S = 30.0  # in the background; a job's first Observe fits its profile in the estimator (seconds)
 MAX_QUEUED_OBSERVATIONS = 100  # measurements of one job kept while the estimator is slow (the newest)
 
 
@@ -587,7 +588,7 @@ class SchedulerCore:
 
     async def _send_observation(self, request: estimator_pb2.ObserveRequest) -> None:
         try:
-            response = await self.estimator.Observe(request, timeout=ESTIMATOR_TIMEOUT_S)
+            response = await self.estimator.Observe(request, timeout=OBSERVE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             if not self._observe_failing:
                 self._observe_failing = True

@@ -55,8 +55,10 @@ def test_reported_step_times_refit_the_jobs_model_in_the_estimator(make_cluster)
                                                          batch_size=BATCH),
                                allocation_pb2.TaskReport(job_id=job.id, rank=1, generation=entry.generation, phase=RUNNING,
                                                          gpu_indices=[1]))
-                # Observe runs in the background; wait for this one before sending the next.
-                wait_for(lambda s=steps: _observations(stub, job.id) >= s // 10, what=f"observation {steps // 10}")
+                # Observe runs in the background; wait for this one before sending the next. The
+                # first fits the application's profile in the estimator: seconds on a busy machine.
+                wait_for(lambda s=steps: _observations(stub, job.id) >= s // 10, timeout=30,
+                         what=f"observation {steps // 10}")
 
             model = stub.GetJobModel(common_pb2.GetJobModelRequest(job_id=job.id))
             assert model.observations == 3
