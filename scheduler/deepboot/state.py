@@ -1,7 +1,7 @@
 """Inference replicas as the scheduler sees them: plain values, no clock.
 
 A replica is one inference process of one application on one GPU of the inference pool.
-Its life (driven by :class:`simulator.inference.Replica`, or the live scheduler):
+Its life (:class:`scheduler.deepboot.replicas.Replica`, run by the simulator and the live scheduler):
 
 - ``RUNNING`` — serving a task; the GPU is busy.
 - ``PROTECT`` — finished, kept warm for a protect time so the next task of its application
