@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache_server import metrics
-from cache_server.policies import POLICIES, FetchCostModel, Partition, make_partition
+from cache_server.policies import PASS_THROUGH, PLAN_POLICIES, POLICIES, FetchCostModel, Partition, make_partition
 from cache_server.ratelimit import EventRate, RateMeter, TokenBucket
 from cache_server.tiers import Entry, Tier, entry_name, is_no_space
 from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -107,6 +107,11 @@ class JobState:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     worker: asyncio.Task[None] | None = None
     preload: bool = False  # node-wide preload queue: no consumption window
+
+    @property
+    def pass_through(self) -> bool:
+        """The plan gives this job cache policy "none": no reads from or admissions into the tiers."""
+        return self.quota is not None and self.quota.cache_policy == PASS_THROUGH
 
     def set_limit(self, rate: float, burst_s: float) -> None:
         self.limit = rate
@@ -262,6 +267,9 @@ class CacheCore:
         no job on this node (a quota-only plan) it is not limited; in a plan that grants IO to
         some jobs, a job with 0 gets ``unallocated_io_trickle_bytes_per_s`` (misses still
         complete, slowly, instead of blocking forever). Jobs absent from the plan are unlimited.
+        Policy ``"none"`` (pass-through, the no-cache baseline): no partition, its quota bytes
+        are not reserved, and its reads neither hit nor fill the tiers (hit ratio 0); its IO
+        rate applies as for any job.
         """
         if plan_version <= self.plan_version:
             return False
@@ -279,12 +287,20 @@ class CacheCore:
                 raise InvalidArgument(
                     f"must be >= 0, got {q.remote_io_bytes_per_s}", field=f"{where}.remote_io_bytes_per_s"
                 )
-            if q.cache_policy and q.cache_policy not in POLICIES:
+            if q.cache_policy and q.cache_policy not in PLAN_POLICIES:
                 raise InvalidArgument(
-                    f"must be one of {', '.join(POLICIES)} or empty, got {q.cache_policy!r}",
+                    f"must be one of {', '.join(PLAN_POLICIES)} or empty (node default), got {q.cache_policy[:40]!r}",
                     field=f"{where}.cache_policy",
                 )
-        total = sum(q.cache_quota_bytes for q in quotas)
+            if q.cache_policy == PASS_THROUGH and q.cache_quota_bytes > 0:
+                # Not worth refusing the node's whole plan for: the job caches nothing either way,
+                # so its bytes are not reserved (the shared part keeps them). Said once per job.
+                self._warn_once(
+                    f"none-quota-{q.job_id}",
+                    f"{where}.cache_quota_bytes: ignored for job {q.job_id!r}: cache_policy \"none\" caches nothing",
+                    job=q.job_id, cache_quota_bytes=q.cache_quota_bytes,
+                )
+        total = sum(q.cache_quota_bytes for q in quotas if q.cache_policy != PASS_THROUGH)
         if total > self.capacity:
             raise InvalidArgument(
                 f"quotas add up to {total} bytes, more than this node's cache capacity of {self.capacity} bytes",
@@ -305,7 +321,7 @@ class CacheCore:
             if q.dataset:
                 job.dataset = q.dataset
             policy = q.cache_policy or self.config.default_policy
-            if q.cache_quota_bytes > 0:
+            if q.cache_quota_bytes > 0 and policy != PASS_THROUGH:
                 old = job.partition
                 if old is None or old.policy != policy:
                     job.partition = make_partition(
@@ -319,6 +335,11 @@ class CacheCore:
                 self._enforce(job.partition)
             else:
                 orphans.extend(self._dissolve(job))
+            if policy == PASS_THROUGH:  # what was queued or staged ahead for the job is a cache too
+                job.queue.clear()
+                job.ahead.clear()
+                job.staged.clear()
+                job.staged_bytes = 0
             if q.remote_io_bytes_per_s > 0:
                 rate = float(q.remote_io_bytes_per_s)
             elif quota_only:
@@ -678,16 +699,28 @@ class CacheCore:
             )
         return Unavailable(f"remote store: {exc}", field=where)
 
+    async def _fetch_uncached(
+        self, job: JobState, ds: DatasetState, key: str, size: int, etag: str
+    ) -> tuple[Entry | None, bytes]:
+        """Cache policy "none": the object from the store, at the job's IO rate, admitted nowhere.
+
+        No single flight with other readers either: sharing a fetch another job admits would
+        hand this job bytes it did not pay remote IO for."""
+        data = await self._fetch(job, ds, key, size, etag)
+        self._child(metrics.PASS_THROUGH, metrics.job_label(job.job_id), PASS_THROUGH).inc()
+        return None, data
+
     async def _get_bytes(
         self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, where: str
     ) -> tuple[DatasetState, Entry | None, bytes, int, str]:
         """Obtain a missing object, following a manifest replacement once if the store changed."""
+        obtain = self._fetch_uncached if job.pass_through else self._obtain
         staged = job.consumed(ds.name, key)
-        if staged is not None and len(staged) == size:
+        if staged is not None and len(staged) == size and not job.pass_through:
             entry, data = await self._obtain(job, ds, key, size, etag, staged)
             return ds, entry, data, size, etag
         try:
-            entry, data = await self._obtain(job, ds, key, size, etag)
+            entry, data = await obtain(job, ds, key, size, etag)
             return ds, entry, data, size, etag
         except ObjectChanged as exc:
             fresh = await self._reload_for_change(ds)
@@ -696,7 +729,7 @@ class CacheCore:
                 raise self._store_error(exc, ds, where) from None
             size, etag = fresh.manifest.sizes[pos], fresh.manifest.etags[pos]
             try:
-                entry, data = await self._obtain(job, fresh, key, size, etag)
+                entry, data = await obtain(job, fresh, key, size, etag)
             except StoreError as again:
                 raise self._store_error(again, fresh, where) from None
             return fresh, entry, data, size, etag
@@ -737,7 +770,8 @@ class CacheCore:
         now = time.monotonic()
         hits: dict[Tier, list[int]] = {}  # counted once per call: this is the hot path
         prefetching = bool(job.ahead or job.queue or job.staged)
-        index = self._index
+        # Cache policy "none": nothing is served from the tiers, every key is a miss.
+        index: dict[tuple[str, str], Entry] = {} if job.pass_through else self._index
         stat = os.stat
         for i, pos in enumerate(positions):
             key = manifest.keys[pos]
@@ -787,7 +821,7 @@ class CacheCore:
     async def _lease_miss(self, job: JobState, ds: DatasetState, lease: Lease, key: str, pos: int, where: str) -> Served:
         manifest = ds.manifest
         size, etag = manifest.sizes[pos], manifest.etags[pos]
-        entry = self._lookup(ds.name, key, etag)
+        entry = None if job.pass_through else self._lookup(ds.name, key, etag)
         if entry is not None and entry.verified and not entry.doomed and self._intact(entry):
             # Admitted (by a prefetch, another reader) since lease() looked.
             entry.pins += 1
@@ -898,7 +932,7 @@ class CacheCore:
     async def _read_one(self, job: JobState, ds: DatasetState, key: str, pos: int, where: str) -> tuple[str, bytes]:
         manifest = ds.manifest
         size, etag = manifest.sizes[pos], manifest.etags[pos]
-        entry = self._lookup(ds.name, key, etag)
+        entry = None if job.pass_through else self._lookup(ds.name, key, etag)
         if entry is not None and not entry.doomed:
             entry.pins += 1
             try:
@@ -937,6 +971,8 @@ class CacheCore:
             job.dataset = job.dataset or dataset
         else:
             job.preload = True
+        if job.pass_through:
+            return 0, 0  # cache policy "none": fetching ahead would be a cache (of staged bytes)
         objects = nbytes = 0
         for pos in positions:
             key = manifest.keys[pos]
@@ -1019,12 +1055,14 @@ class CacheCore:
         reads = job.hits + job.misses
         if job.partition is not None:
             cached = job.partition.used
+        elif job.pass_through:
+            cached = 0
         else:
             cached = sum(e.size for (d, _), e in self._index.items() if d == job.dataset) if job.dataset else 0
         return {
             "job_id": job.job_id,
             "dataset": job.dataset,
-            "quota_bytes": job.quota.cache_quota_bytes if job.quota is not None else 0,
+            "quota_bytes": job.quota.cache_quota_bytes if job.quota is not None and not job.pass_through else 0,
             "cached_bytes": cached,
             "hits": job.hits,
             "misses": job.misses,

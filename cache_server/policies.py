@@ -23,7 +23,12 @@ from typing import Any
 
 from cache_server.tiers import Entry
 
-POLICIES = ("uniform", "lru", "lrfu-cost")
+POLICIES = ("uniform", "lru", "lrfu-cost")  # policies of a partition (and of --default-policy)
+# "none": pass-through, the baseline without a cache. The job's reads go to the remote store
+# (at its planned IO rate) and nothing is admitted for it, nor served to it from the tiers: no
+# partition, hit ratio 0. Valid in a plan's cache_policy only.
+PASS_THROUGH = "none"
+PLAN_POLICIES = (*POLICIES, PASS_THROUGH)
 
 
 class Partition:

@@ -124,7 +124,7 @@ class JobAllocation(_message.Message):
     batch_size: _builtins.int
     """samples per step, global, chosen by the policy (goodput policies retune it)"""
     cache_policy: _builtins.str
-    """"uniform", "lru" or "lrfu-cost"; empty = node default"""
+    """"uniform", "lru", "lrfu-cost" or "none" (pass-through: no cache, hit ratio 0); empty = node default"""
     generation: _builtins.int
     """increments whenever the job's ranks must (re)start with a new world"""
     fast_resize: _builtins.bool
@@ -382,7 +382,7 @@ class JobCacheQuota(_message.Message):
     remote_io_bytes_per_s: _builtins.int
     """bytes/s; 0 = none granted"""
     cache_policy: _builtins.str
-    """"uniform", "lru" or "lrfu-cost" """
+    """"uniform", "lru", "lrfu-cost" or "none" (pass-through: no cache, hit ratio 0)"""
     def __init__(
         self,
         *,

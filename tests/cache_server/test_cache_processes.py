@@ -138,14 +138,15 @@ def test_preload_cli_fills_the_cache(tmp_path: Path, metadata: str) -> None:
         assert code == 1 and "NOT_FOUND: dataset:" in out
 
 
-def _node_plan(node: str, version: int, job: str, dataset: str, quota_bytes: int, rate: int) -> plan_pb2.NodePlan:
+def _node_plan(node: str, version: int, job: str, dataset: str, quota_bytes: int, rate: int,
+               policy: str = "uniform") -> plan_pb2.NodePlan:
     """What the scheduler's AllocationService sends ``node`` for a plan placing ``job`` there
-    with a cache grant (one GPU, policy uniform)."""
+    with a cache grant (one GPU, cache policy ``policy``)."""
     from scheduler.live.convert import node_plan
     from silod.v1 import common_pb2
 
     plan = plan_pb2.AllocationPlan(version=version, policy="silod-test", cache_mode="silod")
-    entry = plan.jobs.add(job_id=job, batch_size=10, cache_policy="uniform", generation=1)
+    entry = plan.jobs.add(job_id=job, batch_size=10, cache_policy=policy, generation=1)
     entry.placements.add(node=node, gpu_indices=[0])
     entry.cache_grants.add(node=node, cache_quota_bytes=quota_bytes, remote_io_bytes_per_s=rate)
     view = node_plan(plan, node, {job: common_pb2.JobSpec(name=job, dataset=dataset, batch_size=10)}, {})
@@ -209,3 +210,85 @@ def test_quota_and_io_rate_from_a_watched_plan_are_enforced(tmp_path: Path, meta
     assert all(cached <= quota_bytes and used <= quota_bytes for _, _, cached, used in samples)
     assert quota_bytes - size < final.cached_bytes <= quota_bytes  # uniform filled it and kept it
     assert final.quota_bytes == quota_bytes
+
+
+def test_cache_policy_none_from_a_watched_plan_passes_through_at_the_planned_io_rate(
+    tmp_path: Path, metadata: str
+) -> None:
+    """The baseline without a cache: a plan gives the job cache policy "none" and 1 MB/s of
+    remote IO. The job reads a dataset another reader has already cached on the node, twice:
+    every object comes from the store (hit ratio 0, remote bytes = 2 x the dataset) at the
+    planned rate, and nothing is admitted for it. A later plan with an unknown policy is
+    refused, acked with the reason naming the field, and the "none" plan stays in force."""
+    size, count = 12_500, 240  # 3 MB; 6 MB over two epochs = 6 s at the planned rate
+    rate = 1_000_000
+    root = tmp_path / "store"
+    files = make_dataset(root, count, size, seed=14)
+    register(metadata, "baseline", f"file://{root}")
+    alloc = AllocationServer()
+    metrics_port = free_port()
+    try:
+        with start_service("cache-server", "--metadata-address", metadata, "--scheduler-address", alloc.address,
+                           "--node", "none-node", "--disk-cache-dir", str(tmp_path / "d"), "--memory-cache-bytes", "0",
+                           "--metrics-port", str(metrics_port), "--log-level", "warning",
+                           workdir=tmp_path / "cs") as cache:
+            stub = cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(cache.address))
+            # Another reader (no plan: best effort) caches the whole dataset on the node first.
+            warm = stub.Lease(cache_pb2.LeaseRequest(job_id="warmer", dataset="baseline", keys=sorted(files)))
+            stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=warm.lease_id))
+            used_before = sum(t.used_bytes for t in stub.Stats(cache_pb2.StatsRequest()).tiers)
+            assert used_before == count * size
+
+            # A quota in the grant is ignored for "none" (nothing would use it).
+            alloc.push(_node_plan("none-node", 3, "nj", "baseline", 500_000, rate, policy="none"))
+            deadline = time.monotonic() + 15
+            while [(a.version, a.ok) for a in list(alloc.servicer.acks)] != [(3, True)]:
+                assert time.monotonic() < deadline, f"no ack of the plan: {list(alloc.servicer.acks)}"
+                time.sleep(0.05)
+
+            # Batches of 40 objects (0.5 s of IO each) and three workers: with no prefetch (a
+            # cache in disguise) only the job's own requests keep the IO rate busy.
+            job = start_job("--dataset", "baseline", "--cache", cache.address, "--metadata", metadata, "--job", "nj",
+                            "--epochs", "2", "--batch", "40", "--workers", "3")
+            samples: list[tuple[float, int]] = []
+            while job.poll() is None:
+                stats = stub.Stats(cache_pb2.StatsRequest(job_id="nj"))
+                if stats.jobs:
+                    samples.append((time.monotonic(), stats.jobs[0].remote_bytes))
+                time.sleep(0.05)
+            report, _ = finish_job(job)
+            final = stub.Stats(cache_pb2.StatsRequest(job_id="nj")).jobs[0]
+            used_after = sum(t.used_bytes for t in stub.Stats(cache_pb2.StatsRequest()).tiers)
+
+            # An unknown policy: refused with the field named; the applied plan stays version 3.
+            alloc.push(_node_plan("none-node", 4, "nj", "baseline", 0, rate, policy="mru"))
+            while len(alloc.servicer.acks) < 2:
+                assert time.monotonic() < deadline + 30, f"no ack of plan 4: {list(alloc.servicer.acks)}"
+                time.sleep(0.05)
+            refused = alloc.servicer.acks[1]
+            plan_version_after = stub.Stats(cache_pb2.StatsRequest()).plan_version
+            metrics = _scrape(metrics_port)
+    finally:
+        alloc.stop()
+
+    assert report["epochs"] == [digests(files.values())] * 2, "bytes differ from the store"
+    dataset_bytes = count * size
+    assert final.hits == 0 and final.hit_ratio == 0.0
+    assert final.misses == 2 * count
+    assert final.remote_bytes == 2 * dataset_bytes  # both epochs from the store, although the node had it all
+    assert final.cached_bytes == 0 and final.quota_bytes == 0
+    assert used_after == used_before  # nothing admitted for the job
+    assert metrics['silod_cache_pass_through_total{job="nj",reason="none"}'] == 2 * count
+    # Measured inside the first epoch (10% to 90% of the dataset), as for the uniform plan above:
+    # between epochs the job forks new DataLoader workers and asks for nothing for a while.
+    t10, b10 = next((t, b) for t, b in samples if b >= 0.1 * dataset_bytes)
+    t90, b90 = next((t, b) for t, b in samples if b >= 0.9 * dataset_bytes)
+    measured = (b90 - b10) / (t90 - t10)
+    print(f"\ncache policy none: planned remote IO {rate:,} B/s, measured {measured:,.0f} B/s; "
+          f"hit ratio {final.hit_ratio}, remote {final.remote_bytes:,} B")
+    assert measured == pytest.approx(rate, rel=0.10)
+    assert final.remote_io_limit_bytes_per_s == rate
+    assert (refused.version, refused.ok) == (4, False)
+    assert refused.message.startswith("cache_quotas[0].cache_policy:") and "'mru'" in refused.message, refused.message
+    assert "none" in refused.message  # the allowed values are listed
+    assert plan_version_after == 3

@@ -426,3 +426,32 @@ def test_best_effort_prefetch_window_follows_the_rate_the_job_consumes(tmp_path:
         assert 0.4 * rate * lookahead <= ahead <= rate * lookahead + 16
     assert 2.0 <= fast_ahead / slow_ahead <= 5.5
     assert slow_hits > 0.9 and fast_hits > 0.9
+
+
+def test_cache_policy_none_streams_and_prefetch_bypass_the_tiers(tmp_path: Path, metadata: str) -> None:
+    """The Read stream and Prefetch of a job in mode "none" (the lease path is tested with a
+    watched plan in test_cache_processes.py): bytes come from the store even when the node has
+    them cached, nothing is admitted, prefetch queues nothing; a quota given with "none" is not
+    reserved; a later plan with another policy makes the same job cache again."""
+    root = tmp_path / "store"
+    files = make_dataset(root, 40, 2000, seed=31)
+    register(metadata, "none-ds", f"file://{root}")
+    keys = sorted(files)
+    with InProcessCache(tmp_path, metadata, disk_cache_bytes=200_000) as cache:
+        assert cache.read_all("warmer", "none-ds", keys[:20]) == {k: files[k] for k in keys[:20]}  # cached now
+        used = cache.core.tiers[0].used
+        assert cache.apply_quotas([quota("nj", "none-ds", 50_000, policy="none"), quota("u", "none-ds", 10_000)], 1)
+        assert cache.core.shared.capacity == 200_000 - 10_000  # the "none" quota is not reserved
+
+        assert cache.read_all("nj", "none-ds", keys) == files
+        assert cache.stub.Prefetch(cache_pb2.PrefetchRequest(job_id="nj", dataset="none-ds", keys=keys)).objects_queued == 0
+        stats = cache.stats("nj").jobs[0]
+        assert (stats.hits, stats.misses, stats.remote_bytes) == (0, 40, 40 * 2000)
+        assert (stats.cached_bytes, stats.quota_bytes) == (0, 0)
+        assert cache.core.tiers[0].used == used  # nothing admitted
+        assert _metric("silod_cache_pass_through_total", job="nj", reason="none") == 40
+
+        # Mode lru from the next plan on: the same job now reads what the node holds.
+        assert cache.apply_quotas([quota("nj", "none-ds", 50_000, policy="lru")], 2)
+        assert cache.read_all("nj", "none-ds", keys[:20]) == {k: files[k] for k in keys[:20]}
+        assert cache.stats("nj").jobs[0].hits == 20
