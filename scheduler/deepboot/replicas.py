@@ -165,6 +165,13 @@ class InferencePool:
     def replica(self, replica_id: str) -> Replica:
         return self._replicas[replica_id]
 
+    def adopt(self, replica: Replica) -> None:
+        """Keep a replica rebuilt elsewhere (the live scheduler's restart); new ids never clash with it."""
+        self._replicas[replica.replica_id] = replica
+        suffix = replica.replica_id.rpartition("#")[2]
+        if suffix.isdigit():
+            self._next_id = max(self._next_id, int(suffix) + 1)
+
     def start(self, decision: InferenceDecision, task: Task, now: float) -> tuple[str, float]:
         """Run ``task`` where ATS-I decided; returns ``(replica id, finish time)``.
 

@@ -61,6 +61,18 @@ def test_lending_a_sleeping_replicas_gpu_to_the_job_placed_on_it_is_allowed():
     )
 
 
+def test_a_running_replica_on_the_gpu_of_the_task_it_serves_is_allowed_but_not_on_anothers():
+    task = plan_pb2.JobAllocation(job_id="job-i", placements=[placement("i1", 0)])
+    serving = plan_pb2.InferenceReplica(replica_id="r", node="i1", gpu_index=0, state=plan_pb2.REPLICA_STATE_RUNNING,
+                                        task_id="job-i")
+    check_plan(plan(1, task, replicas=[serving]))
+    other = plan_pb2.InferenceReplica(replica_id="r", node="i1", gpu_index=0, state=plan_pb2.REPLICA_STATE_RUNNING,
+                                      task_id="job-x")
+    with pytest.raises(InvalidArgument) as refused:
+        check_plan(plan(1, task, replicas=[other]))
+    assert refused.value.field == "plan.replicas[0]"
+
+
 @pytest.mark.parametrize(
     ("replicas", "loans", "field"),
     [

@@ -131,7 +131,9 @@ def _check_gpus_held_once(plan: plan_pb2.AllocationPlan, field: str) -> None:
             raise InvalidArgument(f"GPU {_show(gpu)} already held by replica {replica_on[gpu]}", field=replica_field)
         replica_on[gpu] = replica.replica_id
         sleeping_and_lent = replica.state == plan_pb2.REPLICA_STATE_SLEEP and gpu in lent_to
-        if gpu in holder and not sleeping_and_lent:
+        # A running replica is placed as its task's job, so that job holds the same GPU.
+        serving_its_task = replica.state == plan_pb2.REPLICA_STATE_RUNNING and holder.get(gpu) == replica.task_id
+        if gpu in holder and not sleeping_and_lent and not serving_its_task:
             raise InvalidArgument(f"GPU {_show(gpu)} already held by {holder[gpu]}", field=replica_field)
         if gpu in lent_to and not sleeping_and_lent:
             raise InvalidArgument(
