@@ -409,8 +409,9 @@ class ClusterContext(JobContext):
                 self.leaving = True
                 print("silod.job: removed by a fast resize; the surviving ranks keep the state, exit without "
                       "a checkpoint", file=sys.stderr, flush=True)
-        elif directive.action == worker_agent_pb2.DIRECTIVE_ACTION_REFORM and directive.new_generation > self.generation:
-            self._reform(directive)
+        elif directive.action == worker_agent_pb2.DIRECTIVE_ACTION_REFORM:
+            if directive.new_generation > self.generation:  # a late repeat of one already applied is ignored
+                self._reform(directive)
 
     def _reform(self, directive: Any) -> None:
         world = World(
