@@ -91,8 +91,11 @@ class WorkerAgentServicer(worker_agent_pb2_grpc.WorkerAgentServiceServicer):
             size = p.stat().st_size
             offsets[r] = max(0, size - request.tail_bytes) if request.tail_bytes > 0 else 0
         while True:
+            # By log file, not current rank: a survivor renumbered by a fast resize keeps writing
+            # the log of the rank it was launched as.
             running = any(
-                t.job_id == request.job_id and (request.rank < 0 or t.rank == request.rank) and not t.exited.is_set()
+                t.job_id == request.job_id and (request.rank < 0 or t.log_path.name == f"rank-{request.rank}.log")
+                and not t.exited.is_set()
                 for t in agent.tasks.values()
             )
             for r, p in paths.items():
