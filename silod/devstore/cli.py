@@ -52,7 +52,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
         "--latency-ms first. GET /healthz answers 200 while serving, GET /metrics is Prometheus "
         "(silod_store_emulator_sent_bytes_total: rate() = bytes/s served). Requests are not authenticated: "
         "register datasets with --option endpoint_url=http://HOST:PORT and either --option anon=true or any "
-        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment. SIGTERM stops it gracefully.",
+        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment. SIGTERM stops it gracefully (requests in "
+        "flight get 5 s to finish).",
     )
     p.add_argument("--root", required=True, type=_directory, help="directory whose subdirectories are the buckets")
     p.add_argument("--listen", type=_listen, default=("127.0.0.1", 9000), metavar="HOST:PORT",
@@ -63,8 +64,6 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                    help="latency added to every S3 request, in milliseconds (default 0)")
     p.add_argument("--ready-file", default="", metavar="FILE",
                    help="write HOST:PORT here once serving (removed on shutdown)")
-    p.add_argument("--shutdown-grace-s", type=_non_negative, default=5.0, metavar="S",
-                   help="on SIGTERM, how long requests in flight may take to finish (default 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-format", default="text", choices=("text", "json"))
     p.set_defaults(handler=_run)
@@ -79,8 +78,7 @@ def _run(args: argparse.Namespace) -> int:
 
     host, port = args.listen
     config = EmulatorConfig(root=args.root, host=host, port=port, bandwidth_bytes_per_s=args.bandwidth_mb_s * 1e6,
-                            latency_s=args.latency_ms / 1000, ready_file=args.ready_file,
-                            shutdown_grace_s=args.shutdown_grace_s)
+                            latency_s=args.latency_ms / 1000, ready_file=args.ready_file)
     try:
         config.check()
     except EmulatorConfigError as exc:

@@ -38,7 +38,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
@@ -503,8 +502,3 @@ async def serve(config: EmulatorConfig) -> None:
         await emulator.stop()
     _log.info("shutdown complete")
 
-
-def buckets_of(root: str | os.PathLike[str]) -> list[str]:
-    """The bucket names an emulator over ``root`` serves (for messages and tools)."""
-    return sorted(p.name for p in Path(root).iterdir()
-                  if p.is_dir() and not p.name.startswith(".") and p.name not in RESERVED_NAMES)
