@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from silod.v1 import cache_pb2, cache_pb2_grpc
+from tests.cache_server.harness import silod_cli
 from tests.support.procs import REPO_ROOT, ServiceProcess, start_service
 
 
@@ -244,6 +245,7 @@ def test_sigterm_lets_a_transfer_in_flight_finish_and_removes_the_ready_file(tmp
     emu = _emulator(tmp_path / "root", tmp_path / "emu", "--bandwidth-mb-s", "1")  # 2 s for the object
     try:
         assert _get(f"http://{emu.address}/healthz")[0] == 200
+        assert silod_cli("health", f"http://{emu.address}/healthz") == (0, "SERVING\n")  # what a healthcheck runs
         got: list[bytes] = []
         reader = threading.Thread(target=lambda: got.append(_get(f"http://{emu.address}/slow/big.bin")[2]))
         reader.start()
