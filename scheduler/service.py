@@ -18,13 +18,16 @@ class Settings(ServiceSettings):
     estimator_address: str = Field(
         "", description="HOST:PORT of the estimator service (fitted job models, GetJobModel); "
         "empty = job models from the packaged application profiles")
-    policy: str = Field("fifo", description="Scheduling policy: fifo, sjf, tiresias, gavel, themis or pollux")
+    policy: str = Field("fifo", description="Scheduling policy: fifo, sjf, tiresias, gavel, themis, pollux or deepboot")
     interval_s: float = Field(10.0, gt=0, le=3600, description="Seconds between regular scheduling rounds")
     restart_cost_s: float = Field(30.0, ge=0, description="Seconds a job loses when its placement changes")
     node_timeout_s: float = Field(
         15.0, gt=0, description="Seconds since its last heartbeat after which a node's jobs are requeued")
     cache_mode: str = Field("silod", description="Cache mode recorded on plans: silod, lru, static or none")
     metadata_timeout_s: float = Field(10.0, gt=0, description="Seconds a unary call to the metadata service may take")
+    inference_protect_scale: float = Field(
+        1.0, gt=0, description="Scale of an inference replica's protect time after its task "
+        "(DeepBoot: 30 s + 15 s per reuse, at most 120 s, times this)")
 
     @field_validator("metadata_address")
     @classmethod
@@ -58,6 +61,7 @@ def definition(settings: Settings) -> ServiceDefinition:
     core = SchedulerCore(
         None, policy=settings.policy, interval_s=settings.interval_s,
         restart_cost_s=settings.restart_cost_s, node_timeout_s=settings.node_timeout_s, cache_mode=settings.cache_mode,
+        inference_protect_scale=settings.inference_protect_scale,
     )
 
     def register(server: grpc.aio.Server) -> None:

@@ -38,6 +38,8 @@ from prometheus_client import Counter
 from estimator.job_model import JobModel
 from scheduler.invariants import check_plan
 from scheduler.live import convert
+from scheduler.deepboot.replicas import LifecycleConfig, ProtectSchedule
+from scheduler.live.inference import LiveInference, is_inference_job
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import get_policy
 from silod.v1 import allocation_pb2, common_pb2, estimator_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
@@ -76,7 +78,7 @@ def known_applications() -> frozenset[str]:
 class SchedulerCore:
     def __init__(self, metadata: metadata_pb2_grpc.MetadataServiceStub, *, policy: str, interval_s: float,
                  restart_cost_s: float, node_timeout_s: float, cache_mode: str,
-                 node_poll_s: float = 1.0) -> None:
+                 node_poll_s: float = 1.0, inference_protect_scale: float = 1.0) -> None:
         self.md = metadata
         self.estimator = None  # EstimatorServiceStub when an estimator address is configured
         self.node_poll_s = node_poll_s
@@ -85,6 +87,10 @@ class SchedulerCore:
         self._node_task: asyncio.Task[None] | None = None
         self.policy_name = policy
         self.policy = get_policy(policy)
+        k = inference_protect_scale
+        self.inference = LiveInference(  # inference tasks (DeepBoot ATS-I) beside the policy
+            self.policy, LifecycleConfig(protect=ProtectSchedule(30.0 * k, 15.0 * k, 120.0 * k)))
+        self._inference_restored = False
         self.interval_s = interval_s
         self.restart_cost_s = restart_cost_s
         self.node_timeout_s = node_timeout_s
@@ -385,11 +391,18 @@ class SchedulerCore:
         alive = {n.name: n for n in infos}
         jobs = await self._active_jobs()
         self._forget_finished({j.id for j in jobs})
-        await self.warm_up({_application(j.spec) for j in jobs if j.id not in self._models})
-        datasets = await self._datasets_of(jobs)
-        await self._refresh_fitted(jobs)
+        if not self._inference_restored:  # replicas the previous scheduler left on the plan
+            self.inference.restore(self.latest, {j.id for j in jobs})
+            self._inference_restored = True
+        inference_jobs = [j for j in jobs if is_inference_job(j)]
+        training = [j for j in jobs if not is_inference_job(j)]
+        await self.warm_up({_application(j.spec) for j in training if j.id not in self._models})
+        datasets = await self._datasets_of(training)
+        await self._refresh_fitted(training)
         job_infos = []
-        for job in jobs:
+        for job in inference_jobs:
+            self.specs[job.id] = job.spec
+        for job in training:
             self.specs[job.id] = job.spec
             model, target = self._model_now(job, datasets)
             spec = job.spec
@@ -400,7 +413,7 @@ class SchedulerCore:
                 batch_size=spec.batch_size, dataset=spec.dataset, priority=spec.priority,
                 tenant=spec.tenant or "default",
             ))
-        min_gpus = {j.id: j.spec.min_gpus for j in jobs}
+        min_gpus = {j.id: j.spec.min_gpus for j in training}  # inference tasks: LiveInference keeps them
         current: dict[str, Allocation] = {}
         for job_id, alloc in convert.plan_from_proto(self.latest).allocations.items():
             if job_id not in min_gpus:
@@ -415,6 +428,7 @@ class SchedulerCore:
         snap = ClusterSnapshot(
             time_s=time.time(), nodes=infos, jobs=tuple(job_infos), current=Plan(current),
             restart_cost_s=self.restart_cost_s, interval_s=self.interval_s,
+            inference_busy=self.inference.busy(inference_jobs),
         )
         return snap, jobs
 
@@ -471,8 +485,11 @@ class SchedulerCore:
         snap, jobs = await self.snapshot()
         plan = self.policy.schedule(snap)
         check_plan(snap, plan)
+        inference_jobs = [j for j in jobs if is_inference_job(j)]
+        plan = self.inference.place(snap, plan, inference_jobs)
         plan = self._hold_releases(plan, snap.current)
-        check_plan(snap, plan)
+        inference_ids = {j.id for j in inference_jobs}
+        check_plan(snap, Plan({k: a for k, a in plan.allocations.items() if k not in inference_ids}))
         old = {a.job_id: a for a in (self.latest.jobs if self.latest is not None else [])}
         proto = plan_pb2.AllocationPlan(
             version=self.latest_version + 1, policy=self.policy_name, cache_mode=self.cache_mode, reason=reason
@@ -498,6 +515,7 @@ class SchedulerCore:
             if convert.placement_of(entry) != (convert.placement_of(previous) if previous is not None else ()):
                 generation += 1
             entry.generation = generation
+        self.inference.describe(proto, {n.name for n in snap.nodes if n.pool == "inference"})
         if self.latest is not None and _same_allocations(self.latest, proto):
             return None  # nothing changed: no new version
         try:

@@ -53,7 +53,7 @@ def held(history: list[dict[str, Any]]) -> dict[int, str]:
 
 
 class Agent:
-    def __init__(self, cluster: Cluster, name: str) -> None:
+    def __init__(self, cluster: Cluster, name: str, pool: str = "training") -> None:
         self.name = name
         self.work_dir = cluster.root / f"agent-{name}"
         self.proc: ServiceProcess = start_service(
@@ -62,6 +62,7 @@ class Agent:
             "--scheduler-address", cluster.scheduler_address,
             "--node-name", name,
             "--gpus", str(cluster.gpus_per_node),
+            "--pool", pool,
             "--work-dir", str(self.work_dir),
             # Shared by every node, as shared storage would be: a job moved to another node resumes.
             "--checkpoint-root", str(cluster.checkpoints),
@@ -102,13 +103,14 @@ class Agent:
 
 class Cluster:
     def __init__(self, root: Path, db_url: str, *, nodes: int = 3, gpus_per_node: int = 4, policy: str = "fifo",
-                 interval_s: float = 1.0, restart_cost_s: float = 1.0, node_timeout_s: float = 4.0) -> None:
+                 interval_s: float = 1.0, restart_cost_s: float = 1.0, node_timeout_s: float = 4.0,
+                 inference_nodes: int = 0, scheduler_args: tuple[str, ...] = ()) -> None:
         self.root = root
         self.checkpoints = root / "checkpoints"
         self.gpus_per_node = gpus_per_node
         self._scheduler_args = (
             "--policy", policy, "--interval-s", str(interval_s), "--restart-cost-s", str(restart_cost_s),
-            "--node-timeout-s", str(node_timeout_s), "--log-level", "warning",
+            "--node-timeout-s", str(node_timeout_s), "--log-level", "warning", *scheduler_args,
         )
         self.agents: dict[str, Agent] = {}
         self.killed: dict[str, Agent] = {}
@@ -128,8 +130,10 @@ class Cluster:
             self.jobs = scheduler_pb2_grpc.JobServiceStub(jobs)
             for i in range(nodes):
                 self.agents[f"n{i}"] = Agent(self, f"n{i}")
+            for i in range(inference_nodes):
+                self.agents[f"i{i}"] = Agent(self, f"i{i}", pool="inference")
             wait_until(lambda: len(self.md.ListNodes(metadata_pb2.ListNodesRequest(alive_only=True), timeout=10).nodes)
-                       == nodes, timeout=60, what="every agent registered")
+                       == nodes + inference_nodes, timeout=60, what="every agent registered")
         except BaseException:
             self.close()
             raise
