@@ -42,7 +42,7 @@ def test_compare_applies_options_per_policy(workload: Path, tmp_path: Path) -> N
     assert result.returncode == 0, result.stderr
     tiresias = json.loads((out / "tiresias" / "summary.json").read_text())["policy_options"]
     assert tiresias["thresholds_gpu_s"] == [100]
-    assert json.loads((out / "fifo" / "summary.json").read_text())["policy_options"] == {"backfill": True}
+    assert json.loads((out / "fifo" / "summary.json").read_text())["policy_options"] == {"backfill": True, "codesign": False}
 
 
 @pytest.mark.parametrize("setting, message", [
