@@ -308,7 +308,12 @@ class StoreEmulator:
         except ValueError:
             return _error(400, "InvalidArgument", "max-keys: not an integer")
         token = q.get("continuation-token", "")
-        after = token or q.get("start-after", "") or q.get("marker", "")
+        # Tokens are ours: "K:<last key sent>" or "P:<last common prefix sent>" (its keys are skipped).
+        kind, _, value = token.partition(":")
+        if token and kind not in ("K", "P"):
+            return _error(400, "InvalidArgument", "continuation-token: not one this server issued")
+        after = value if token else (q.get("start-after", "") or q.get("marker", ""))
+        skip_prefix = value if kind == "P" else ""
         base = prefix.rpartition("/")[0]
         # A continuation page reuses the listing of the first page (one walk per listing, not per
         # page: 1,000-key pages over a large bucket would otherwise walk it once per page).
@@ -322,24 +327,25 @@ class StoreEmulator:
         last = ""
         truncated = False
         for key in listing.keys:
-            if not key.startswith(prefix) or key <= after:
+            if not key.startswith(prefix) or key <= after or (skip_prefix and key.startswith(skip_prefix)):
                 continue
-            if len(contents) + len(prefixes) >= max_keys:
-                truncated = True
-                break
             rest = key[len(prefix):]
-            if delimiter and delimiter in rest:
-                common = prefix + rest.split(delimiter, 1)[0] + delimiter
-                if not prefixes or prefixes[-1] != common:  # keys are sorted: a prefix's keys are adjacent
-                    prefixes.append(common)
-                last = key
+            common = prefix + rest.split(delimiter, 1)[0] + delimiter if delimiter and delimiter in rest else ""
+            if common and prefixes and prefixes[-1] == common:
+                continue  # keys are sorted: a common prefix's keys are adjacent and count once
+            if len(contents) + len(prefixes) >= max_keys:
+                truncated = max_keys > 0  # max-keys=0 asks for no keys, not for an endless paging
+                break
+            if common:
+                prefixes.append(common)
+                last = "P:" + common
                 continue
             try:
                 st = os.stat(os.path.join(bucket_dir, *key.split("/")))
             except OSError:
                 continue  # deleted since the walk
             contents.append((key, st))
-            last = key
+            last = "K:" + key
         xml = [f'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="{S3_XMLNS}">',
                f"<Name>{escape(bucket)}</Name><Prefix>{escape(prefix)}</Prefix>",
                f"<KeyCount>{len(contents) + len(prefixes)}</KeyCount><MaxKeys>{max_keys}</MaxKeys>",
@@ -354,10 +360,7 @@ class StoreEmulator:
         for common in prefixes:
             xml.append(f"<CommonPrefixes><Prefix>{escape(common)}</Prefix></CommonPrefixes>")
         if truncated:
-            # The last key this page covered (a key under a common prefix skips the rest of the
-            # prefix's keys on the next page only through "<= after": so name the prefix's end).
-            next_after = prefixes[-1] + "\uffff" if prefixes and last.startswith(prefixes[-1]) else last
-            xml.append(f"<NextContinuationToken>{escape(next_after)}</NextContinuationToken>")
+            xml.append(f"<NextContinuationToken>{escape(last)}</NextContinuationToken>")
         xml.append("</ListBucketResult>")
         return web.Response(body="".join(xml).encode(), content_type="application/xml")
 

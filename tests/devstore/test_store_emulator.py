@@ -154,6 +154,15 @@ while True:
 out["keys"] = keys
 top = s3.list_objects_v2(Bucket="api", Prefix="train/", Delimiter="/")
 out["prefixes"] = [p["Prefix"] for p in top.get("CommonPrefixes", [])]
+paged, token = [], None  # pages that end inside a common prefix must not repeat it
+while True:
+    kw = {{"ContinuationToken": token}} if token else {{}}
+    page = s3.list_objects_v2(Bucket="api", Prefix="train/", Delimiter="/", MaxKeys=2, **kw)
+    paged += [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+    if not page["IsTruncated"]:
+        break
+    token = page["NextContinuationToken"]
+out["paged_prefixes"] = paged
 head = s3.head_object(Bucket="api", Key="train/d1/004.bin")
 out["size"] = head["ContentLength"]
 etag = head["ETag"]
@@ -181,6 +190,7 @@ print(json.dumps(out))
     assert out["buckets"] == ["api"]
     assert out["keys"] == sorted(f"train/d{i % 3}/{i:03d}.bin" for i in range(25))  # 4 pages of 7, no dot-files
     assert out["prefixes"] == ["train/d0/", "train/d1/", "train/d2/"]
+    assert out["paged_prefixes"] == out["prefixes"]
     assert out["size"] == 104
     assert out["range"] == (bytes([4]) * 10).hex()
     assert out["if_match"] == 104
