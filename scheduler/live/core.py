@@ -514,6 +514,7 @@ class SchedulerCore:
             generation = previous.generation if previous is not None else 0
             if convert.placement_of(entry) != (convert.placement_of(previous) if previous is not None else ()):
                 generation += 1
+                entry.fast_resize = self._fast_resize(job, previous, entry)
             entry.generation = generation
         self.inference.describe(proto, {n.name for n in snap.nodes if n.pool == "inference"})
         if self.latest is not None and _same_allocations(self.latest, proto):
@@ -533,6 +534,15 @@ class SchedulerCore:
         await self._set_latest(committed)
         await self._transitions(committed, old, {j.id: j for j in jobs})
         return committed
+
+    def _fast_resize(self, job: common_pb2.Job, previous: plan_pb2.JobAllocation | None,
+                     entry: plan_pb2.JobAllocation) -> bool:
+        """AFE (DeepBoot): survivors keep running when the policy prices resizes that way, some
+        ranks keep their GPUs, and the ranks poll silod.job (the emulated job does; a job's own
+        command may not, so it gets the checkpoint-and-relaunch path)."""
+        if not getattr(self.policy, "afe", False) or job.spec.command or previous is None:
+            return False
+        return bool(set(convert.ranks_of(previous)) & set(convert.ranks_of(entry)))
 
     async def _transitions(self, plan: plan_pb2.AllocationPlan, old: dict, jobs: dict[str, common_pb2.Job]) -> None:
         # Each job moves independently (a compare-and-set of its own), so the moves go out

@@ -63,6 +63,11 @@ def test_elastic_job_borrows_inference_gpus_and_returns_them_to_a_burst(make_clu
     per_interval = 6 * 32 * CHECKPOINT_EVERY_S / STEP_S  # six GPUs' worth of steps in one interval, upper bound
     drops = [a - b for a, b in zip(samples, samples[1:]) if b < a]
     assert all(d <= per_interval for d in drops), drops
+    # AFE: the ranks on the training node survived every resize (one launch per GPU there), while
+    # the generation moved on with each loan and reclaim.
+    on_training_node = [launch for launch in cluster.agents["n0"].launches() if launch[0] == training]
+    assert len(on_training_node) == 2, on_training_node
+    assert max(j.generation for p in _plans(cluster) for j in p.jobs if j.job_id == training) >= 2
     # No GPU was ever held by two tasks on any node, pools included.
     for agent in cluster.agents.values():
         history = agent.gpu_history()
