@@ -13,6 +13,7 @@ from typing import Any
 
 import fsspec
 
+from silod.data.store import _BOOL_OPTIONS, _FALSE, _TRUE
 from silod.v1 import common_pb2
 
 SUPPORTED_SCHEMES = ("file", "s3")
@@ -20,6 +21,25 @@ SUPPORTED_SCHEMES = ("file", "s3")
 
 class ManifestError(Exception):
     """The store cannot be listed (bad URI, missing directory, no permission)."""
+
+
+def _fsspec_options(scheme: str, options: dict[str, str]) -> dict[str, Any]:
+    """Storage options as fsspec wants them. They arrive as strings (``--option anon=false``),
+    and s3fs takes any non-empty string as true, so its boolean options are parsed the way
+    the cache server parses them (silod.data.store), or the listing would run anonymously
+    while the reads are signed (or the other way round)."""
+    if scheme != "s3":
+        return dict(options)
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if name in _BOOL_OPTIONS:
+            lowered = str(value).strip().lower()
+            if lowered not in _TRUE | _FALSE:
+                raise ManifestError(f"storage_options.{name}: expected true or false, got {value!r}")
+            out[name] = lowered in _TRUE
+        else:
+            out[name] = value
+    return out
 
 
 def _version_tag(info: dict[str, Any]) -> str:
@@ -37,7 +57,7 @@ def list_objects(uri: str, storage_options: dict[str, str] | None = None) -> Ite
     if scheme not in SUPPORTED_SCHEMES:
         raise ManifestError(f"uri: scheme must be one of {', '.join(s + '://' for s in SUPPORTED_SCHEMES)}, got {uri!r}")
     try:
-        fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+        fs, root = fsspec.core.url_to_fs(uri, **_fsspec_options(scheme, dict(storage_options or {})))
         if not fs.isdir(root):
             raise ManifestError(f"uri: {uri!r} is not a directory or prefix that exists")
         listing = fs.find(root, detail=True)
