@@ -232,6 +232,20 @@ def test_upsert_heartbeat_get_and_list_nodes(stub):
     assert [n.spec.name for n in stub.ListNodes(m.ListNodesRequest(pool=common_pb2.NODE_POOL_TRAINING)).nodes] == ["a0", "n1"]
 
 
+def test_a_refused_lower_version_heartbeat_still_keeps_the_node_alive(stub):
+    stub.UpsertNode(m.UpsertNodeRequest(spec=node_spec("restarted")))
+    before = stub.Heartbeat(m.HeartbeatRequest(node="restarted", applied_plan_version=7))
+    time.sleep(0.4)
+    # A restarted agent reports 0 until it applies the latest plan: refused, but alive.
+    assert_rpc_error(lambda: stub.Heartbeat(m.HeartbeatRequest(node="restarted", applied_plan_version=0)),
+                     grpc.StatusCode.FAILED_PRECONDITION, "applied_plan_version")
+    node = stub.GetNode(m.GetNodeRequest(node="restarted"))
+    assert node.applied_plan_version == 7
+    assert node.last_heartbeat.ToNanoseconds() > before.last_heartbeat.ToNanoseconds() + 300_000_000
+    fresh = stub.ListNodes(m.ListNodesRequest(liveness_window_s=0.3)).nodes
+    assert {n.spec.name: n.alive for n in fresh}["restarted"] is True
+
+
 def test_liveness_uses_the_requested_window(stub):
     stub.UpsertNode(m.UpsertNodeRequest(spec=node_spec("quiet")))
     time.sleep(0.4)

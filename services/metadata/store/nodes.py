@@ -60,13 +60,17 @@ class NodeStore:
             row = session.scalars(select(Node).where(Node.name == node).execution_options(populate_existing=True)).one_or_none()
             if row is None:
                 raise NotFound(f"no node {node!r}; register it with UpsertNode first", field="node")
-            if updated.rowcount != 1:
-                raise FailedPrecondition(
-                    f"must not decrease: node {node} already applied plan {row.applied_plan_version}, "
-                    f"got {applied_plan_version}",
-                    field="applied_plan_version",
-                )
-            return self._to_proto(row)
+            if updated.rowcount == 1:
+                return self._to_proto(row)
+            # Refused, yet proof of life: a restarted agent reports version 0 until it applies the
+            # latest plan, and its node must not age out meanwhile (say, while the scheduler is down).
+            row.last_heartbeat = utc_now()
+            refused = FailedPrecondition(
+                f"must not decrease: node {node} already applied plan {row.applied_plan_version}, "
+                f"got {applied_plan_version}",
+                field="applied_plan_version",
+            )
+        raise refused
 
     def get(self, node: str) -> common_pb2.Node:
         check_node_name(node)
