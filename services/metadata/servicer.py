@@ -19,7 +19,9 @@ from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
 from services.metadata.store import MetadataStore
 from services.metadata.validation.common import reject_nul_characters
 from services.metadata.validation.datasets import Manifest
-from services.runtime.errors import InvalidArgument, Unavailable
+from services.runtime.errors import InvalidArgument, ServiceError, Unavailable
+
+MAX_TRANSITIONS = 1000  # moves per TransitionJobs call: one round's worth, bounded like every list
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext
@@ -101,6 +103,28 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         return await self._run(
             request, self._store.jobs.transition, request.job_id, request.expected_state, request.new_state, request.message
         )
+
+    async def TransitionJobs(
+        self, request: metadata_pb2.TransitionJobsRequest, context: Context
+    ) -> metadata_pb2.TransitionJobsResponse:
+        if not 1 <= len(request.transitions) <= MAX_TRANSITIONS:
+            raise InvalidArgument(f"must hold 1..{MAX_TRANSITIONS} moves, got {len(request.transitions)}",
+                                  field="transitions")
+        reject_nul_characters(request)
+        return await self._run(None, self._transition_each, request)
+
+    def _transition_each(self, request: metadata_pb2.TransitionJobsRequest) -> metadata_pb2.TransitionJobsResponse:
+        reply = metadata_pb2.TransitionJobsResponse()
+        for index, move in enumerate(request.transitions):
+            result = reply.results.add()
+            try:
+                result.job.CopyFrom(self._store.jobs.transition(
+                    move.job_id, move.expected_state, move.new_state, move.message))
+            except ServiceError as exc:  # this move is refused; the others still happen
+                result.error_code = exc.code.name
+                field = f"transitions[{index}].{exc.field}" if exc.field else f"transitions[{index}]"
+                result.error = f"{field}: {exc.detail}"
+        return reply
 
     async def UpdateJobProgress(
         self, request: metadata_pb2.UpdateJobProgressRequest, context: Context

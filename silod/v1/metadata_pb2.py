@@ -27,7 +27,7 @@ from silod.v1 import common_pb2 as silod_dot_v1_dot_common__pb2
 from silod.v1 import plan_pb2 as silod_dot_v1_dot_plan__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17silod/v1/metadata.proto\x12\x08silod.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15silod/v1/common.proto\x1a\x13silod/v1/plan.proto\"x\n\x16RegisterDatasetRequest\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.silod.v1.DatasetSpec\x12(\n\x07objects\x18\x02 \x03(\x0b\x32\x17.silod.v1.DatasetObject\x12\x0f\n\x07replace\x18\x03 \x01(\x08\"!\n\x11GetDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"<\n\x13ListDatasetsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"T\n\x14ListDatasetsResponse\x12#\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x11.silod.v1.Dataset\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"P\n\x19ListDatasetObjectsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"y\n\x1aListDatasetObjectsResponse\x12(\n\x07objects\x18\x01 \x03(\x0b\x32\x17.silod.v1.DatasetObject\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x18\n\x10manifest_version\x18\x03 \x01(\x03\"N\n\x10\x43reateJobRequest\x12\x1f\n\x04spec\x18\x01 \x01(\x0b\x32\x11.silod.v1.JobSpec\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xa2\x01\n\x0fListJobsRequest\x12\"\n\x06states\x18\x01 \x03(\x0e\x32\x12.silod.v1.JobState\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x13\n\x0b\x61pplication\x18\x03 \x01(\t\x12\x1f\n\x04kind\x18\x04 \x01(\x0e\x32\x11.silod.v1.JobKind\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x12\n\npage_token\x18\x06 \x01(\t\"H\n\x10ListJobsResponse\x12\x1b\n\x04jobs\x18\x01 \x03(\x0b\x32\r.silod.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x8a\x01\n\x14TransitionJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12*\n\x0e\x65xpected_state\x18\x02 \x01(\x0e\x32\x12.silod.v1.JobState\x12%\n\tnew_state\x18\x03 \x01(\x0e\x32\x12.silod.v1.JobState\x12\x0f\n\x07message\x18\x04 \x01(\t\"\x80\x01\n\x18UpdateJobProgressRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\'\n\x08progress\x18\x02 \x01(\x0b\x32\x15.silod.v1.JobProgress\x12+\n\tallocated\x18\x03 \x01(\x0b\x32\x18.silod.v1.ResourceVector\"F\n\x15\x41ppendJobEventRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"M\n\x14ListJobEventsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x03\x12\r\n\x05limit\x18\x03 \x01(\x05\";\n\x15ListJobEventsResponse\x12\"\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x12.silod.v1.JobEvent\"5\n\x11UpsertNodeRequest\x12 \n\x04spec\x18\x01 \x01(\x0b\x32\x12.silod.v1.NodeSpec\">\n\x10HeartbeatRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x1c\n\x14\x61pplied_plan_version\x18\x02 \x01(\x03\"\x1e\n\x0eGetNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"c\n\x10ListNodesRequest\x12 \n\x04pool\x18\x01 \x01(\x0e\x32\x12.silod.v1.NodePool\x12\x12\n\nalive_only\x18\x02 \x01(\x08\x12\x19\n\x11liveness_window_s\x18\x03 \x01(\x01\"2\n\x11ListNodesResponse\x12\x1d\n\x05nodes\x18\x01 \x03(\x0b\x32\x0e.silod.v1.Node\";\n\x11\x43ommitPlanRequest\x12&\n\x04plan\x18\x01 \x01(\x0b\x32\x18.silod.v1.AllocationPlan\"\x16\n\x14GetLatestPlanRequest\"!\n\x0eGetPlanRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"9\n\x10ListPlansRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"U\n\x11ListPlansResponse\x12\'\n\x05plans\x18\x01 \x03(\x0b\x32\x18.silod.v1.AllocationPlan\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"?\n\x14\x41ppendMetricsRequest\x12\'\n\x07samples\x18\x01 \x03(\x0b\x32\x16.silod.v1.MetricSample\")\n\x15\x41ppendMetricsResponse\x12\x10\n\x08\x61ppended\x18\x01 \x01(\x05\"\x98\x01\n\x13QueryMetricsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12)\n\x05since\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05limit\x18\x05 \x01(\x05\"?\n\x14QueryMetricsResponse\x12\'\n\x07samples\x18\x01 \x03(\x0b\x32\x16.silod.v1.MetricSample\"=\n\x12PutJobModelRequest\x12\'\n\x05model\x18\x01 \x01(\x0b\x32\x18.silod.v1.JobModelParams2\xca\x0c\n\x0fMetadataService\x12H\n\x0fRegisterDataset\x12 .silod.v1.RegisterDatasetRequest\x1a\x11.silod.v1.Dataset(\x01\x12<\n\nGetDataset\x12\x1b.silod.v1.GetDatasetRequest\x1a\x11.silod.v1.Dataset\x12M\n\x0cListDatasets\x12\x1d.silod.v1.ListDatasetsRequest\x1a\x1e.silod.v1.ListDatasetsResponse\x12_\n\x12ListDatasetObjects\x12#.silod.v1.ListDatasetObjectsRequest\x1a$.silod.v1.ListDatasetObjectsResponse\x12\x36\n\tCreateJob\x12\x1a.silod.v1.CreateJobRequest\x1a\r.silod.v1.Job\x12\x30\n\x06GetJob\x12\x17.silod.v1.GetJobRequest\x1a\r.silod.v1.Job\x12\x41\n\x08ListJobs\x12\x19.silod.v1.ListJobsRequest\x1a\x1a.silod.v1.ListJobsResponse\x12>\n\rTransitionJob\x12\x1e.silod.v1.TransitionJobRequest\x1a\r.silod.v1.Job\x12\x46\n\x11UpdateJobProgress\x12\".silod.v1.UpdateJobProgressRequest\x1a\r.silod.v1.Job\x12\x45\n\x0e\x41ppendJobEvent\x12\x1f.silod.v1.AppendJobEventRequest\x1a\x12.silod.v1.JobEvent\x12P\n\rListJobEvents\x12\x1e.silod.v1.ListJobEventsRequest\x1a\x1f.silod.v1.ListJobEventsResponse\x12\x39\n\nUpsertNode\x12\x1b.silod.v1.UpsertNodeRequest\x1a\x0e.silod.v1.Node\x12\x37\n\tHeartbeat\x12\x1a.silod.v1.HeartbeatRequest\x1a\x0e.silod.v1.Node\x12\x33\n\x07GetNode\x12\x18.silod.v1.GetNodeRequest\x1a\x0e.silod.v1.Node\x12\x44\n\tListNodes\x12\x1a.silod.v1.ListNodesRequest\x1a\x1b.silod.v1.ListNodesResponse\x12\x43\n\nCommitPlan\x12\x1b.silod.v1.CommitPlanRequest\x1a\x18.silod.v1.AllocationPlan\x12I\n\rGetLatestPlan\x12\x1e.silod.v1.GetLatestPlanRequest\x1a\x18.silod.v1.AllocationPlan\x12=\n\x07GetPlan\x12\x18.silod.v1.GetPlanRequest\x1a\x18.silod.v1.AllocationPlan\x12\x44\n\tListPlans\x12\x1a.silod.v1.ListPlansRequest\x1a\x1b.silod.v1.ListPlansResponse\x12P\n\rAppendMetrics\x12\x1e.silod.v1.AppendMetricsRequest\x1a\x1f.silod.v1.AppendMetricsResponse\x12M\n\x0cQueryMetrics\x12\x1d.silod.v1.QueryMetricsRequest\x1a\x1e.silod.v1.QueryMetricsResponse\x12\x45\n\x0bPutJobModel\x12\x1c.silod.v1.PutJobModelRequest\x1a\x18.silod.v1.JobModelParams\x12\x45\n\x0bGetJobModel\x12\x1c.silod.v1.GetJobModelRequest\x1a\x18.silod.v1.JobModelParamsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17silod/v1/metadata.proto\x12\x08silod.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15silod/v1/common.proto\x1a\x13silod/v1/plan.proto\"x\n\x16RegisterDatasetRequest\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.silod.v1.DatasetSpec\x12(\n\x07objects\x18\x02 \x03(\x0b\x32\x17.silod.v1.DatasetObject\x12\x0f\n\x07replace\x18\x03 \x01(\x08\"!\n\x11GetDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"<\n\x13ListDatasetsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"T\n\x14ListDatasetsResponse\x12#\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x11.silod.v1.Dataset\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"P\n\x19ListDatasetObjectsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"y\n\x1aListDatasetObjectsResponse\x12(\n\x07objects\x18\x01 \x03(\x0b\x32\x17.silod.v1.DatasetObject\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x18\n\x10manifest_version\x18\x03 \x01(\x03\"N\n\x10\x43reateJobRequest\x12\x1f\n\x04spec\x18\x01 \x01(\x0b\x32\x11.silod.v1.JobSpec\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xa2\x01\n\x0fListJobsRequest\x12\"\n\x06states\x18\x01 \x03(\x0e\x32\x12.silod.v1.JobState\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x13\n\x0b\x61pplication\x18\x03 \x01(\t\x12\x1f\n\x04kind\x18\x04 \x01(\x0e\x32\x11.silod.v1.JobKind\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x12\n\npage_token\x18\x06 \x01(\t\"H\n\x10ListJobsResponse\x12\x1b\n\x04jobs\x18\x01 \x03(\x0b\x32\r.silod.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x8a\x01\n\x14TransitionJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12*\n\x0e\x65xpected_state\x18\x02 \x01(\x0e\x32\x12.silod.v1.JobState\x12%\n\tnew_state\x18\x03 \x01(\x0e\x32\x12.silod.v1.JobState\x12\x0f\n\x07message\x18\x04 \x01(\t\"L\n\x15TransitionJobsRequest\x12\x33\n\x0btransitions\x18\x01 \x03(\x0b\x32\x1e.silod.v1.TransitionJobRequest\"Q\n\x10TransitionResult\x12\x1a\n\x03job\x18\x01 \x01(\x0b\x32\r.silod.v1.Job\x12\x12\n\nerror_code\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"E\n\x16TransitionJobsResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.silod.v1.TransitionResult\"\x80\x01\n\x18UpdateJobProgressRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\'\n\x08progress\x18\x02 \x01(\x0b\x32\x15.silod.v1.JobProgress\x12+\n\tallocated\x18\x03 \x01(\x0b\x32\x18.silod.v1.ResourceVector\"F\n\x15\x41ppendJobEventRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"M\n\x14ListJobEventsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x03\x12\r\n\x05limit\x18\x03 \x01(\x05\";\n\x15ListJobEventsResponse\x12\"\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x12.silod.v1.JobEvent\"5\n\x11UpsertNodeRequest\x12 \n\x04spec\x18\x01 \x01(\x0b\x32\x12.silod.v1.NodeSpec\">\n\x10HeartbeatRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x1c\n\x14\x61pplied_plan_version\x18\x02 \x01(\x03\"\x1e\n\x0eGetNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"c\n\x10ListNodesRequest\x12 \n\x04pool\x18\x01 \x01(\x0e\x32\x12.silod.v1.NodePool\x12\x12\n\nalive_only\x18\x02 \x01(\x08\x12\x19\n\x11liveness_window_s\x18\x03 \x01(\x01\"2\n\x11ListNodesResponse\x12\x1d\n\x05nodes\x18\x01 \x03(\x0b\x32\x0e.silod.v1.Node\";\n\x11\x43ommitPlanRequest\x12&\n\x04plan\x18\x01 \x01(\x0b\x32\x18.silod.v1.AllocationPlan\"\x16\n\x14GetLatestPlanRequest\"!\n\x0eGetPlanRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"9\n\x10ListPlansRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"U\n\x11ListPlansResponse\x12\'\n\x05plans\x18\x01 \x03(\x0b\x32\x18.silod.v1.AllocationPlan\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"?\n\x14\x41ppendMetricsRequest\x12\'\n\x07samples\x18\x01 \x03(\x0b\x32\x16.silod.v1.MetricSample\")\n\x15\x41ppendMetricsResponse\x12\x10\n\x08\x61ppended\x18\x01 \x01(\x05\"\x98\x01\n\x13QueryMetricsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12)\n\x05since\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05limit\x18\x05 \x01(\x05\"?\n\x14QueryMetricsResponse\x12\'\n\x07samples\x18\x01 \x03(\x0b\x32\x16.silod.v1.MetricSample\"=\n\x12PutJobModelRequest\x12\'\n\x05model\x18\x01 \x01(\x0b\x32\x18.silod.v1.JobModelParams2\x9f\r\n\x0fMetadataService\x12H\n\x0fRegisterDataset\x12 .silod.v1.RegisterDatasetRequest\x1a\x11.silod.v1.Dataset(\x01\x12<\n\nGetDataset\x12\x1b.silod.v1.GetDatasetRequest\x1a\x11.silod.v1.Dataset\x12M\n\x0cListDatasets\x12\x1d.silod.v1.ListDatasetsRequest\x1a\x1e.silod.v1.ListDatasetsResponse\x12_\n\x12ListDatasetObjects\x12#.silod.v1.ListDatasetObjectsRequest\x1a$.silod.v1.ListDatasetObjectsResponse\x12\x36\n\tCreateJob\x12\x1a.silod.v1.CreateJobRequest\x1a\r.silod.v1.Job\x12\x30\n\x06GetJob\x12\x17.silod.v1.GetJobRequest\x1a\r.silod.v1.Job\x12\x41\n\x08ListJobs\x12\x19.silod.v1.ListJobsRequest\x1a\x1a.silod.v1.ListJobsResponse\x12>\n\rTransitionJob\x12\x1e.silod.v1.TransitionJobRequest\x1a\r.silod.v1.Job\x12S\n\x0eTransitionJobs\x12\x1f.silod.v1.TransitionJobsRequest\x1a .silod.v1.TransitionJobsResponse\x12\x46\n\x11UpdateJobProgress\x12\".silod.v1.UpdateJobProgressRequest\x1a\r.silod.v1.Job\x12\x45\n\x0e\x41ppendJobEvent\x12\x1f.silod.v1.AppendJobEventRequest\x1a\x12.silod.v1.JobEvent\x12P\n\rListJobEvents\x12\x1e.silod.v1.ListJobEventsRequest\x1a\x1f.silod.v1.ListJobEventsResponse\x12\x39\n\nUpsertNode\x12\x1b.silod.v1.UpsertNodeRequest\x1a\x0e.silod.v1.Node\x12\x37\n\tHeartbeat\x12\x1a.silod.v1.HeartbeatRequest\x1a\x0e.silod.v1.Node\x12\x33\n\x07GetNode\x12\x18.silod.v1.GetNodeRequest\x1a\x0e.silod.v1.Node\x12\x44\n\tListNodes\x12\x1a.silod.v1.ListNodesRequest\x1a\x1b.silod.v1.ListNodesResponse\x12\x43\n\nCommitPlan\x12\x1b.silod.v1.CommitPlanRequest\x1a\x18.silod.v1.AllocationPlan\x12I\n\rGetLatestPlan\x12\x1e.silod.v1.GetLatestPlanRequest\x1a\x18.silod.v1.AllocationPlan\x12=\n\x07GetPlan\x12\x18.silod.v1.GetPlanRequest\x1a\x18.silod.v1.AllocationPlan\x12\x44\n\tListPlans\x12\x1a.silod.v1.ListPlansRequest\x1a\x1b.silod.v1.ListPlansResponse\x12P\n\rAppendMetrics\x12\x1e.silod.v1.AppendMetricsRequest\x1a\x1f.silod.v1.AppendMetricsResponse\x12M\n\x0cQueryMetrics\x12\x1d.silod.v1.QueryMetricsRequest\x1a\x1e.silod.v1.QueryMetricsResponse\x12\x45\n\x0bPutJobModel\x12\x1c.silod.v1.PutJobModelRequest\x1a\x18.silod.v1.JobModelParams\x12\x45\n\x0bGetJobModel\x12\x1c.silod.v1.GetJobModelRequest\x1a\x18.silod.v1.JobModelParamsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -56,44 +56,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTJOBSRESPONSE']._serialized_end=974
   _globals['_TRANSITIONJOBREQUEST']._serialized_start=977
   _globals['_TRANSITIONJOBREQUEST']._serialized_end=1115
-  _globals['_UPDATEJOBPROGRESSREQUEST']._serialized_start=1118
-  _globals['_UPDATEJOBPROGRESSREQUEST']._serialized_end=1246
-  _globals['_APPENDJOBEVENTREQUEST']._serialized_start=1248
-  _globals['_APPENDJOBEVENTREQUEST']._serialized_end=1318
-  _globals['_LISTJOBEVENTSREQUEST']._serialized_start=1320
-  _globals['_LISTJOBEVENTSREQUEST']._serialized_end=1397
-  _globals['_LISTJOBEVENTSRESPONSE']._serialized_start=1399
-  _globals['_LISTJOBEVENTSRESPONSE']._serialized_end=1458
-  _globals['_UPSERTNODEREQUEST']._serialized_start=1460
-  _globals['_UPSERTNODEREQUEST']._serialized_end=1513
-  _globals['_HEARTBEATREQUEST']._serialized_start=1515
-  _globals['_HEARTBEATREQUEST']._serialized_end=1577
-  _globals['_GETNODEREQUEST']._serialized_start=1579
-  _globals['_GETNODEREQUEST']._serialized_end=1609
-  _globals['_LISTNODESREQUEST']._serialized_start=1611
-  _globals['_LISTNODESREQUEST']._serialized_end=1710
-  _globals['_LISTNODESRESPONSE']._serialized_start=1712
-  _globals['_LISTNODESRESPONSE']._serialized_end=1762
-  _globals['_COMMITPLANREQUEST']._serialized_start=1764
-  _globals['_COMMITPLANREQUEST']._serialized_end=1823
-  _globals['_GETLATESTPLANREQUEST']._serialized_start=1825
-  _globals['_GETLATESTPLANREQUEST']._serialized_end=1847
-  _globals['_GETPLANREQUEST']._serialized_start=1849
-  _globals['_GETPLANREQUEST']._serialized_end=1882
-  _globals['_LISTPLANSREQUEST']._serialized_start=1884
-  _globals['_LISTPLANSREQUEST']._serialized_end=1941
-  _globals['_LISTPLANSRESPONSE']._serialized_start=1943
-  _globals['_LISTPLANSRESPONSE']._serialized_end=2028
-  _globals['_APPENDMETRICSREQUEST']._serialized_start=2030
-  _globals['_APPENDMETRICSREQUEST']._serialized_end=2093
-  _globals['_APPENDMETRICSRESPONSE']._serialized_start=2095
-  _globals['_APPENDMETRICSRESPONSE']._serialized_end=2136
-  _globals['_QUERYMETRICSREQUEST']._serialized_start=2139
-  _globals['_QUERYMETRICSREQUEST']._serialized_end=2291
-  _globals['_QUERYMETRICSRESPONSE']._serialized_start=2293
-  _globals['_QUERYMETRICSRESPONSE']._serialized_end=2356
-  _globals['_PUTJOBMODELREQUEST']._serialized_start=2358
-  _globals['_PUTJOBMODELREQUEST']._serialized_end=2419
-  _globals['_METADATASERVICE']._serialized_start=2422
-  _globals['_METADATASERVICE']._serialized_end=4032
+  _globals['_TRANSITIONJOBSREQUEST']._serialized_start=1117
+  _globals['_TRANSITIONJOBSREQUEST']._serialized_end=1193
+  _globals['_TRANSITIONRESULT']._serialized_start=1195
+  _globals['_TRANSITIONRESULT']._serialized_end=1276
+  _globals['_TRANSITIONJOBSRESPONSE']._serialized_start=1278
+  _globals['_TRANSITIONJOBSRESPONSE']._serialized_end=1347
+  _globals['_UPDATEJOBPROGRESSREQUEST']._serialized_start=1350
+  _globals['_UPDATEJOBPROGRESSREQUEST']._serialized_end=1478
+  _globals['_APPENDJOBEVENTREQUEST']._serialized_start=1480
+  _globals['_APPENDJOBEVENTREQUEST']._serialized_end=1550
+  _globals['_LISTJOBEVENTSREQUEST']._serialized_start=1552
+  _globals['_LISTJOBEVENTSREQUEST']._serialized_end=1629
+  _globals['_LISTJOBEVENTSRESPONSE']._serialized_start=1631
+  _globals['_LISTJOBEVENTSRESPONSE']._serialized_end=1690
+  _globals['_UPSERTNODEREQUEST']._serialized_start=1692
+  _globals['_UPSERTNODEREQUEST']._serialized_end=1745
+  _globals['_HEARTBEATREQUEST']._serialized_start=1747
+  _globals['_HEARTBEATREQUEST']._serialized_end=1809
+  _globals['_GETNODEREQUEST']._serialized_start=1811
+  _globals['_GETNODEREQUEST']._serialized_end=1841
+  _globals['_LISTNODESREQUEST']._serialized_start=1843
+  _globals['_LISTNODESREQUEST']._serialized_end=1942
+  _globals['_LISTNODESRESPONSE']._serialized_start=1944
+  _globals['_LISTNODESRESPONSE']._serialized_end=1994
+  _globals['_COMMITPLANREQUEST']._serialized_start=1996
+  _globals['_COMMITPLANREQUEST']._serialized_end=2055
+  _globals['_GETLATESTPLANREQUEST']._serialized_start=2057
+  _globals['_GETLATESTPLANREQUEST']._serialized_end=2079
+  _globals['_GETPLANREQUEST']._serialized_start=2081
+  _globals['_GETPLANREQUEST']._serialized_end=2114
+  _globals['_LISTPLANSREQUEST']._serialized_start=2116
+  _globals['_LISTPLANSREQUEST']._serialized_end=2173
+  _globals['_LISTPLANSRESPONSE']._serialized_start=2175
+  _globals['_LISTPLANSRESPONSE']._serialized_end=2260
+  _globals['_APPENDMETRICSREQUEST']._serialized_start=2262
+  _globals['_APPENDMETRICSREQUEST']._serialized_end=2325
+  _globals['_APPENDMETRICSRESPONSE']._serialized_start=2327
+  _globals['_APPENDMETRICSRESPONSE']._serialized_end=2368
+  _globals['_QUERYMETRICSREQUEST']._serialized_start=2371
+  _globals['_QUERYMETRICSREQUEST']._serialized_end=2523
+  _globals['_QUERYMETRICSRESPONSE']._serialized_start=2525
+  _globals['_QUERYMETRICSRESPONSE']._serialized_end=2588
+  _globals['_PUTJOBMODELREQUEST']._serialized_start=2590
+  _globals['_PUTJOBMODELREQUEST']._serialized_end=2651
+  _globals['_METADATASERVICE']._serialized_start=2654
+  _globals['_METADATASERVICE']._serialized_end=4349
 # @@protoc_insertion_point(module_scope)

@@ -332,6 +332,80 @@ class TransitionJobRequest(_message.Message):
 Global___TransitionJobRequest: _TypeAlias = TransitionJobRequest  # noqa: Y015
 
 @_typing.final
+class TransitionJobsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSITIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def transitions(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransitionJobRequest]:
+        """1..1000 moves, applied one by one in this order"""
+
+    def __init__(
+        self,
+        *,
+        transitions: _abc.Iterable[Global___TransitionJobRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["transitions", b"transitions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransitionJobsRequest: _TypeAlias = TransitionJobsRequest  # noqa: Y015
+
+@_typing.final
+class TransitionResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    error_code: _builtins.str
+    """gRPC status name of a refused move, e.g. "FAILED_PRECONDITION"; empty = moved"""
+    error: _builtins.str
+    """why it was refused, naming the field, as TransitionJob would say it"""
+    @_builtins.property
+    def job(self) -> _common_pb2.Job:
+        """the job after its move; unset when the move was refused"""
+
+    def __init__(
+        self,
+        *,
+        job: _common_pb2.Job | None = ...,
+        error_code: _builtins.str = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "error_code", b"error_code", "job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransitionResult: _TypeAlias = TransitionResult  # noqa: Y015
+
+@_typing.final
+class TransitionJobsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransitionResult]:
+        """one per request item, in the same order"""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___TransitionResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransitionJobsResponse: _TypeAlias = TransitionJobsResponse  # noqa: Y015
+
+@_typing.final
 class UpdateJobProgressRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

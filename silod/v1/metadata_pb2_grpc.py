@@ -76,6 +76,11 @@ class MetadataServiceStub:
                 request_serializer=silod_dot_v1_dot_metadata__pb2.TransitionJobRequest.SerializeToString,
                 response_deserializer=silod_dot_v1_dot_common__pb2.Job.FromString,
                 _registered_method=True)
+        self.TransitionJobs = channel.unary_unary(
+                '/silod.v1.MetadataService/TransitionJobs',
+                request_serializer=silod_dot_v1_dot_metadata__pb2.TransitionJobsRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_metadata__pb2.TransitionJobsResponse.FromString,
+                _registered_method=True)
         self.UpdateJobProgress = channel.unary_unary(
                 '/silod.v1.MetadataService/UpdateJobProgress',
                 request_serializer=silod_dot_v1_dot_metadata__pb2.UpdateJobProgressRequest.SerializeToString,
@@ -205,6 +210,14 @@ class MetadataServiceServicer:
 
     def TransitionJob(self, request, context):
         """compare-and-set on the state
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TransitionJobs(self, request, context):
+        """Many independent compare-and-sets in one call (a scheduling round moves hundreds of jobs);
+        a refused move is reported in its result and does not stop the others.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -347,6 +360,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.TransitionJob,
                     request_deserializer=silod_dot_v1_dot_metadata__pb2.TransitionJobRequest.FromString,
                     response_serializer=silod_dot_v1_dot_common__pb2.Job.SerializeToString,
+            ),
+            'TransitionJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransitionJobs,
+                    request_deserializer=silod_dot_v1_dot_metadata__pb2.TransitionJobsRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_metadata__pb2.TransitionJobsResponse.SerializeToString,
             ),
             'UpdateJobProgress': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateJobProgress,
@@ -640,6 +658,33 @@ class MetadataService:
             '/silod.v1.MetadataService/TransitionJob',
             silod_dot_v1_dot_metadata__pb2.TransitionJobRequest.SerializeToString,
             silod_dot_v1_dot_common__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransitionJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/TransitionJobs',
+            silod_dot_v1_dot_metadata__pb2.TransitionJobsRequest.SerializeToString,
+            silod_dot_v1_dot_metadata__pb2.TransitionJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

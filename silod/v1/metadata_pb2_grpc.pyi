@@ -55,6 +55,10 @@ class MetadataServiceStub:
     ListJobs: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.ListJobsRequest, _metadata_pb2.ListJobsResponse]
     TransitionJob: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.TransitionJobRequest, _common_pb2.Job]
     """compare-and-set on the state"""
+    TransitionJobs: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.TransitionJobsRequest, _metadata_pb2.TransitionJobsResponse]
+    """Many independent compare-and-sets in one call (a scheduling round moves hundreds of jobs);
+    a refused move is reported in its result and does not stop the others.
+    """
     UpdateJobProgress: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.UpdateJobProgressRequest, _common_pb2.Job]
     AppendJobEvent: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.AppendJobEventRequest, _common_pb2.JobEvent]
     ListJobEvents: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.ListJobEventsRequest, _metadata_pb2.ListJobEventsResponse]
@@ -95,6 +99,10 @@ class MetadataServiceAsyncStub(MetadataServiceStub):
     ListJobs: _aio.UnaryUnaryMultiCallable[_metadata_pb2.ListJobsRequest, _metadata_pb2.ListJobsResponse]  # type: ignore[assignment]
     TransitionJob: _aio.UnaryUnaryMultiCallable[_metadata_pb2.TransitionJobRequest, _common_pb2.Job]  # type: ignore[assignment]
     """compare-and-set on the state"""
+    TransitionJobs: _aio.UnaryUnaryMultiCallable[_metadata_pb2.TransitionJobsRequest, _metadata_pb2.TransitionJobsResponse]  # type: ignore[assignment]
+    """Many independent compare-and-sets in one call (a scheduling round moves hundreds of jobs);
+    a refused move is reported in its result and does not stop the others.
+    """
     UpdateJobProgress: _aio.UnaryUnaryMultiCallable[_metadata_pb2.UpdateJobProgressRequest, _common_pb2.Job]  # type: ignore[assignment]
     AppendJobEvent: _aio.UnaryUnaryMultiCallable[_metadata_pb2.AppendJobEventRequest, _common_pb2.JobEvent]  # type: ignore[assignment]
     ListJobEvents: _aio.UnaryUnaryMultiCallable[_metadata_pb2.ListJobEventsRequest, _metadata_pb2.ListJobEventsResponse]  # type: ignore[assignment]
@@ -180,6 +188,16 @@ class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.Job, _abc.Awaitable[_common_pb2.Job]]:
         """compare-and-set on the state"""
+
+    @_abc_1.abstractmethod
+    def TransitionJobs(
+        self,
+        request: _metadata_pb2.TransitionJobsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_metadata_pb2.TransitionJobsResponse, _abc.Awaitable[_metadata_pb2.TransitionJobsResponse]]:
+        """Many independent compare-and-sets in one call (a scheduling round moves hundreds of jobs);
+        a refused move is reported in its result and does not stop the others.
+        """
 
     @_abc_1.abstractmethod
     def UpdateJobProgress(

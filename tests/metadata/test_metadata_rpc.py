@@ -232,6 +232,29 @@ def test_upsert_heartbeat_get_and_list_nodes(stub):
     assert [n.spec.name for n in stub.ListNodes(m.ListNodesRequest(pool=common_pb2.NODE_POOL_TRAINING)).nodes] == ["a0", "n1"]
 
 
+def test_transition_jobs_moves_each_independently_and_reports_refusals(stub):
+    a, b, c = (create_job(stub) for _ in range(3))
+    reply = stub.TransitionJobs(m.TransitionJobsRequest(transitions=[
+        m.TransitionJobRequest(job_id=a.id, expected_state=PENDING, new_state=SCHEDULED, message="placed"),
+        m.TransitionJobRequest(job_id=b.id, expected_state=RUNNING, new_state=SUCCEEDED),  # b is PENDING
+        m.TransitionJobRequest(job_id="job-000000000000", expected_state=PENDING, new_state=SCHEDULED),
+        m.TransitionJobRequest(job_id=c.id, expected_state=PENDING, new_state=CANCELLED, message="bye"),
+    ]))
+    moved, stale, missing, cancelled = reply.results
+    assert moved.job.state == SCHEDULED and moved.job.message == "placed" and not moved.error_code
+    assert stale.error_code == "FAILED_PRECONDITION" and stale.error.startswith("transitions[1].expected_state")
+    assert not stale.HasField("job")
+    assert missing.error_code == "NOT_FOUND" and missing.error.startswith("transitions[2]")
+    assert cancelled.job.state == CANCELLED
+    assert stub.GetJob(m.GetJobRequest(job_id=b.id)).state == PENDING  # the refusal changed nothing
+    events = stub.ListJobEvents(m.ListJobEventsRequest(job_id=a.id)).events
+    assert [e.type for e in events][-1] == "state"  # recorded like a single TransitionJob
+    for count in (0, 1001):
+        moves = [m.TransitionJobRequest(job_id=a.id, expected_state=SCHEDULED, new_state=RUNNING)] * count
+        assert_rpc_error(lambda: stub.TransitionJobs(m.TransitionJobsRequest(transitions=moves)),
+                         grpc.StatusCode.INVALID_ARGUMENT, "transitions")
+
+
 def test_a_refused_lower_version_heartbeat_still_keeps_the_node_alive(stub):
     stub.UpsertNode(m.UpsertNodeRequest(spec=node_spec("restarted")))
     before = stub.Heartbeat(m.HeartbeatRequest(node="restarted", applied_plan_version=7))
