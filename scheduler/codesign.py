@@ -233,7 +233,9 @@ def without_starved(
             j for j, a in plan.allocations.items()
             if demand[j] > 0 and a.remote_io_bytes_per_s < STARVED * demand[j] and not a.same_gpus(snapshot.current.get(j))
         }
-        if not hungry or attempt == REDRAWS:
+        # When every placed job is starved, excluding them all would leave the GPUs idle and
+        # stall the cluster (a cold start with a tight budget): run them, storage-bound.
+        if not hungry or attempt == REDRAWS or hungry >= set(plan.allocations):
             return plan
         excluded = excluded | hungry
     raise AssertionError("unreachable")

@@ -23,7 +23,12 @@ class Settings(ServiceSettings):
     restart_cost_s: float = Field(30.0, ge=0, description="Seconds a job loses when its placement changes")
     node_timeout_s: float = Field(
         15.0, gt=0, description="Seconds since its last heartbeat after which a node's jobs are requeued")
-    cache_mode: str = Field("silod", description="Cache mode recorded on plans: silod, lru, static or none")
+    cache_mode: str = Field(
+        "silod", description="Cache mode: silod (co-allocated cache quotas and IO rates), lru (shared LRU "
+        "cache), static (equal cache shares per node) or none (no cache); sent to the cache servers on the plans")
+    storage_bandwidth_bytes_per_s: float = Field(
+        0.0, ge=0, description="Bytes/s the cluster may read from remote storage in total, shared out by "
+        "--cache-mode silod as per-job IO rates; 0 = unlimited")
     metadata_timeout_s: float = Field(10.0, gt=0, description="Seconds a unary call to the metadata service may take")
     inference_protect_scale: float = Field(
         1.0, gt=0, description="Scale of an inference replica's protect time after its task "
@@ -56,12 +61,14 @@ class Settings(ServiceSettings):
 
 def definition(settings: Settings) -> ServiceDefinition:
     from scheduler.live.core import SchedulerCore
+    from scheduler.live.data import CachedBytesProbe
     from scheduler.live.servicers import AllocationService, JobService
 
     core = SchedulerCore(
         None, policy=settings.policy, interval_s=settings.interval_s,
         restart_cost_s=settings.restart_cost_s, node_timeout_s=settings.node_timeout_s, cache_mode=settings.cache_mode,
         inference_protect_scale=settings.inference_protect_scale,
+        storage_bandwidth_bytes_per_s=settings.storage_bandwidth_bytes_per_s,
     )
 
     def register(server: grpc.aio.Server) -> None:
@@ -76,6 +83,9 @@ def definition(settings: Settings) -> ServiceDefinition:
                                default_timeout_s=settings.metadata_timeout_s)
         channels.append(channel)
         core.md = metadata_pb2_grpc.MetadataServiceStub(channel)
+        if settings.cache_mode == "silod":  # what the cache servers hold, for co_allocate's IO demands
+            core.cached = CachedBytesProbe(lambda address: open_channel(
+                address, token=settings.auth_token, aio=True, default_timeout_s=settings.metadata_timeout_s))
         if settings.estimator_address:
             estimator = open_channel(settings.estimator_address, token=settings.auth_token, aio=True,
                                      default_timeout_s=settings.metadata_timeout_s)
@@ -85,6 +95,8 @@ def definition(settings: Settings) -> ServiceDefinition:
 
     async def on_stop() -> None:
         await core.stop()
+        if core.cached is not None:
+            await core.cached.close()
         for channel in channels:
             await channel.close()
 

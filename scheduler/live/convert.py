@@ -17,8 +17,10 @@ def node_info(node: common_pb2.Node) -> NodeInfo:
     spec = node.spec
     pool = "inference" if spec.pool == common_pb2.NODE_POOL_INFERENCE else "training"
     nic = float(spec.network_bandwidth_bytes_per_s) if spec.network_bandwidth_bytes_per_s > 0 else math.inf
-    return NodeInfo(name=spec.name, gpus=spec.gpus, pool=pool,
-                    cache_capacity_bytes=float(spec.cache_capacity_bytes), nic_bytes_per_s=nic)
+    # The cache server checks quotas against all its tiers (disk + memory); a node that names
+    # no cache server has no cache to grant, whatever it advertises.
+    cache = float(spec.cache_capacity_bytes + spec.memory_cache_bytes) if spec.cache_address else 0.0
+    return NodeInfo(name=spec.name, gpus=spec.gpus, pool=pool, cache_capacity_bytes=cache, nic_bytes_per_s=nic)
 
 
 def placement_of(allocation: plan_pb2.JobAllocation) -> tuple[tuple[str, tuple[int, ...]], ...]:

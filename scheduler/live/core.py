@@ -24,6 +24,7 @@ submissions cannot keep the scheduler (and the metadata store) busy with back-to
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import math
@@ -36,8 +37,9 @@ import grpc
 from prometheus_client import Counter
 
 from estimator.job_model import JobModel
+from scheduler.codesign import is_active as co_active
 from scheduler.invariants import check_plan
-from scheduler.live import convert
+from scheduler.live import convert, data
 from scheduler.deepboot.replicas import LifecycleConfig, ProtectSchedule
 from scheduler.live.inference import LiveInference, is_inference_job
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
@@ -78,7 +80,8 @@ def known_applications() -> frozenset[str]:
 class SchedulerCore:
     def __init__(self, metadata: metadata_pb2_grpc.MetadataServiceStub, *, policy: str, interval_s: float,
                  restart_cost_s: float, node_timeout_s: float, cache_mode: str,
-                 node_poll_s: float = 1.0, inference_protect_scale: float = 1.0) -> None:
+                 node_poll_s: float = 1.0, inference_protect_scale: float = 1.0,
+                 storage_bandwidth_bytes_per_s: float = 0.0) -> None:
         self.md = metadata
         self.estimator = None  # EstimatorServiceStub when an estimator address is configured
         self.node_poll_s = node_poll_s
@@ -86,7 +89,21 @@ class SchedulerCore:
         self.node_set_version = 0  # bumped whenever the set of live nodes changes
         self._node_task: asyncio.Task[None] | None = None
         self.policy_name = policy
+        if cache_mode not in data.CACHE_MODES:
+            raise ValueError(f"cache_mode: must be one of {', '.join(data.CACHE_MODES)}, got {cache_mode!r}")
+        # --cache silod: the policy prices jobs with T(g, c, b) and grants cache and IO with the
+        # GPUs (its codesign option), as in the simulator; a policy without one gets co_allocate's
+        # grants after it (scheduler.live.data).
         self.policy = get_policy(policy)
+        self.policy_co_designs = False
+        if cache_mode == "silod" and dataclasses.is_dataclass(self.policy) \
+                and "codesign" in {f.name for f in dataclasses.fields(self.policy)}:
+            self.policy = dataclasses.replace(self.policy, codesign=True)
+            self.policy_co_designs = True
+        # The cluster's remote-read budget; 0 = unlimited. Only a co-designing scheduler is told
+        # of it (with an independent cache the scheduler is GPU-only, as in the simulator).
+        self.storage_bandwidth_bytes_per_s = float(storage_bandwidth_bytes_per_s) if storage_bandwidth_bytes_per_s > 0 else math.inf
+        self.cached = None  # data.CachedBytesProbe (what the cache servers hold) when the service wires one
         k = inference_protect_scale
         self.inference = LiveInference(  # inference tasks (DeepBoot ATS-I) beside the policy
             self.policy, LifecycleConfig(protect=ProtectSchedule(30.0 * k, 15.0 * k, 120.0 * k)))
@@ -425,10 +442,16 @@ class SchedulerCore:
                 current[job_id] = Allocation(placement=survivors, batch_size=alloc.batch_size,
                                              cache_bytes={n: b for n, b in alloc.cache_bytes.items() if n in alive},
                                              remote_io_bytes_per_s=alloc.remote_io_bytes_per_s)
+        silod = self.cache_mode == "silod"
+        cached: dict[tuple[str, str], float] = {}
+        if silod and self.cached is not None and any(i.cache_capacity_bytes > 0 for i in infos):
+            cached = await self.cached.cached_bytes(nodes)
         snap = ClusterSnapshot(
             time_s=time.time(), nodes=infos, jobs=tuple(job_infos), current=Plan(current),
             restart_cost_s=self.restart_cost_s, interval_s=self.interval_s,
             inference_busy=self.inference.busy(inference_jobs),
+            storage_bandwidth_bytes_per_s=self.storage_bandwidth_bytes_per_s if silod else math.inf,
+            cached_bytes=cached,
         )
         return snap, jobs
 
@@ -483,17 +506,28 @@ class SchedulerCore:
     async def _round(self, reason: str) -> plan_pb2.AllocationPlan | None:
         await self.refresh_latest()
         snap, jobs = await self.snapshot()
-        plan = self.policy.schedule(snap)
-        check_plan(snap, plan)
+        policy_plan = self.policy.schedule(snap)
+        check_plan(snap, policy_plan)
         inference_jobs = [j for j in jobs if is_inference_job(j)]
-        plan = self.inference.place(snap, plan, inference_jobs)
+        plan = self.inference.place(snap, policy_plan, inference_jobs)
         plan = self._hold_releases(plan, snap.current)
         inference_ids = {j.id for j in inference_jobs}
-        check_plan(snap, Plan({k: a for k, a in plan.allocations.items() if k not in inference_ids}))
+        # Cache quotas and IO rates of the cache mode, on the placements that survived the
+        # release holds and inference reclaims (inference tasks read no dataset).
+        training_ids = {j.id for j in jobs} - inference_ids
+        plan = data.grant(self.cache_mode, snap, plan, policy_plan, training_ids, self.policy_co_designs)
+        training_plan = Plan({k: a for k, a in plan.allocations.items() if k not in inference_ids})
+        check_plan(snap, training_plan)
+        broken = data.problems(snap, training_plan)
+        if broken:  # a bug, not a condition to live with: the cache servers would refuse the plan
+            raise AssertionError("data grants exceed the cluster: " + "; ".join(broken))
+        managed = self.cache_mode != "silod" or co_active(snap)
         old = {a.job_id: a for a in (self.latest.jobs if self.latest is not None else [])}
         proto = plan_pb2.AllocationPlan(
             version=self.latest_version + 1, policy=self.policy_name, cache_mode=self.cache_mode, reason=reason
         )
+        if self.cache_mode == "silod" and math.isfinite(snap.storage_bandwidth_bytes_per_s):
+            proto.storage_bandwidth_budget_bytes_per_s = int(snap.storage_bandwidth_bytes_per_s)
         proto.created_at.GetCurrentTime()
         for job in jobs:
             alloc = plan.get(job.id)
@@ -502,12 +536,8 @@ class SchedulerCore:
                 for node, idx in alloc.placement:
                     entry.placements.add(node=node, gpu_indices=list(idx))
                 entry.batch_size = alloc.batch_size or job.spec.batch_size
-                for node, quota in sorted(alloc.cache_bytes.items()):
-                    io = alloc.remote_io_bytes_per_s
-                    entry.cache_grants.add(
-                        node=node, cache_quota_bytes=int(quota),
-                        remote_io_bytes_per_s=int(io / max(1, alloc.nodes)) if math.isfinite(io) else 0,
-                    )
+                if job.id in training_ids:
+                    data.add_grants(entry, alloc, self.cache_mode, job.spec.dataset, managed)
             else:
                 entry.batch_size = job.spec.batch_size
             previous = old.get(job.id)

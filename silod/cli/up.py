@@ -138,7 +138,10 @@ def _up(args: argparse.Namespace) -> int:
                               "--disk-cache-dir", str(node_dir / "cache-disk"),
                               "--disk-cache-bytes", str(args.cache_disk_bytes),
                               "--memory-cache-bytes", str(args.cache_memory_bytes),
-                              "--memory-cache-dir", str(node_dir / "cache-mem"), tier=caches)
+                              "--memory-cache-dir", str(node_dir / "cache-mem"),
+                              # --cache lru: jobs get no quota and share the cache, which must then be LRU
+                              # (the cache server's own default is lrfu-cost).
+                              *(("--default-policy", "lru") if args.cache == "lru" else ()), tier=caches)
                 node["cache"] = cache.address
                 # The scheduler sizes cache quotas by what the agent advertises: the same tiers.
                 agent_flags += ["--cache-address", cache.address,

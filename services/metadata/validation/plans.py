@@ -16,7 +16,7 @@ from services.metadata.validation.jobs import check_job_id
 from services.runtime.errors import InvalidArgument
 
 MAX_GPU_INDEX = 1023
-CACHE_POLICIES = ("", "uniform", "lru", "lrfu-cost")
+CACHE_POLICIES = ("", "uniform", "lru", "lrfu-cost", "none")  # "none": pass-through (cache mode none)
 CACHE_MODES = ("", "silod", "lru", "static", "none")
 
 Gpu = tuple[str, int]  # (node, device index)

@@ -1,0 +1,186 @@
+"""Cache quotas and remote IO rates on the live scheduler's plans, per cache mode.
+
+The policy decides GPUs; this module decides what each placed training job gets of the two
+data resources, as the plan's ``JobAllocation.cache_grants`` (one per node the job reads
+on) and ``cache_policy``, which the cache servers enforce (NodePlan.cache_quotas):
+
+=========  ==================================================================================
+``silod``  :func:`scheduler.codesign.co_allocate`: cache quotas by cache efficiency within each
+           node's capacity, IO rates up to each job's demand ``b*`` within the storage budget;
+           policy ``uniform`` (a quota holds a fixed subset of the dataset, ``h = c / d``)
+``static`` every job reading a dataset on a node gets an equal share of the node's cache
+           (CoorDL's MinIO), ``uniform``; IO not managed
+``lru``    no quotas: the datasets share each node's cache as one LRU; IO not managed
+``none``   pass-through (no cache, hit ratio 0); IO not managed
+=========  ==================================================================================
+
+Inference jobs (no dataset) get nothing here. The same modes, with the same meaning, are
+the simulator's (:mod:`simulator.cacheio`), so live runs can be checked against it.
+
+What a job holds now is read from the cache servers (:class:`CachedBytesProbe`): it is the
+``cached_bytes`` of the snapshot, with which :func:`co_allocate` gives a cold cache the IO
+to fill it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+
+import grpc
+
+from scheduler import codesign as co
+from scheduler.policy import Allocation, ClusterSnapshot, Plan
+from silod.v1 import cache_pb2, cache_pb2_grpc, common_pb2, plan_pb2
+
+_log = logging.getLogger("silod.scheduler")
+
+CACHE_MODES = ("silod", "lru", "static", "none")
+CACHE_POLICY = {"silod": "uniform", "static": "uniform", "lru": "lru", "none": "none"}
+STATS_TIMEOUT_S = 0.5   # a round must not wait on a slow cache server: its node then reports nothing
+STATS_TTL_S = 2.0       # cached bytes change slowly next to a round: one Stats per node per this
+
+
+def grant(mode: str, snapshot: ClusterSnapshot, plan: Plan, policy_plan: Plan, training: set[str],
+          policy_co_designs: bool) -> Plan:
+    """``plan`` with the data grants of ``mode`` on the training jobs in ``training``.
+
+    ``policy_plan`` is what the policy returned: a co-designing policy's grants are kept when
+    every training allocation reached the plan unchanged (release holds and inference
+    reclaims leave it alone) and they fit the cluster; otherwise ``co_allocate`` grants again
+    for the placements the plan has, in the policy's order.
+    """
+    allocations = dict(plan.allocations)
+    placed = {j: a for j, a in allocations.items() if j in training and a.gpus > 0}
+    datasets = {job.job_id: job.dataset for job in snapshot.jobs}
+    if mode == "silod":
+        if not co.is_active(snapshot):
+            return plan  # nothing to manage: no cache anywhere, unlimited IO
+        unchanged = all(policy_plan.get(j) is a for j, a in placed.items())
+        if not (policy_co_designs and unchanged and not problems(snapshot, Plan(placed))):
+            order = [j for j in policy_plan.allocations if j in placed] + [j for j in placed if j not in policy_plan.allocations]
+            granted = co.co_allocate(snapshot, {j: a.placement for j, a in placed.items()}, order,
+                                     {j: a.batch_size for j, a in placed.items()})
+            placed = {j: dataclasses.replace(placed[j], cache_bytes=dict(a.cache_bytes),
+                                             remote_io_bytes_per_s=a.remote_io_bytes_per_s)
+                      for j, a in granted.allocations.items()}
+        # With no budget and no NIC limit there is no IO to share out: a rate of b* would only
+        # throttle a job whose model underestimates its reads.
+        unlimited = not math.isfinite(snapshot.storage_bandwidth_bytes_per_s) and \
+            not any(math.isfinite(n.nic_bytes_per_s) for n in snapshot.nodes)
+        for j, a in placed.items():
+            allocations[j] = dataclasses.replace(a, remote_io_bytes_per_s=math.inf) if unlimited else a
+        return Plan(allocations)
+    if mode == "static":
+        readers: dict[str, int] = {}
+        for j, a in placed.items():
+            if datasets.get(j):
+                for node, _ in a.placement:
+                    readers[node] = readers.get(node, 0) + 1
+        capacity = {n.name: n.cache_capacity_bytes for n in snapshot.nodes}
+        for j, a in placed.items():
+            share = {node: float(int(capacity.get(node, 0.0) // readers[node]))
+                     for node, _ in a.placement if datasets.get(j) and readers.get(node)}
+            allocations[j] = Allocation(placement=a.placement, batch_size=a.batch_size, cache_bytes=share)
+        return Plan(allocations)
+    # lru, none: no quotas, IO not managed
+    for j, a in placed.items():
+        allocations[j] = Allocation(placement=a.placement, batch_size=a.batch_size)
+    return Plan(allocations)
+
+
+def problems(snapshot: ClusterSnapshot, plan: Plan) -> list[str]:
+    """Where ``plan``'s data grants exceed the cluster: a node's cache, or the IO budget."""
+    found = []
+    held: dict[str, float] = {}
+    for a in plan.allocations.values():
+        for node, quota in a.cache_bytes.items():
+            held[node] = held.get(node, 0.0) + quota
+    for node in snapshot.nodes:
+        if held.get(node.name, 0.0) > node.cache_capacity_bytes * (1 + 1e-9):
+            found.append(f"node {node.name}: cache quotas {held[node.name]:.0f} > capacity {node.cache_capacity_bytes:.0f}")
+    unknown = set(held) - {n.name for n in snapshot.nodes}
+    found += [f"node {n}: cache quota on a node not in the snapshot" for n in sorted(unknown)]
+    io = sum(a.remote_io_bytes_per_s for a in plan.allocations.values())
+    if math.isfinite(snapshot.storage_bandwidth_bytes_per_s) and io > snapshot.storage_bandwidth_bytes_per_s * (1 + 1e-9):
+        found.append(f"remote IO {io:.0f} > storage budget {snapshot.storage_bandwidth_bytes_per_s:.0f}")
+    return found
+
+
+def add_grants(entry: plan_pb2.JobAllocation, alloc: Allocation, mode: str, dataset: str, managed: bool) -> None:
+    """The plan entry's ``cache_grants`` and ``cache_policy`` for a placed training job.
+
+    A job reading a dataset gets a grant on every node it runs on — quota 0 included: the
+    cache server learns the job's policy (pass-through for ``none``) and IO rate from it.
+    The IO rate is split over the nodes in proportion to the job's GPUs there (how
+    :func:`co_allocate` loads the NICs), rounded down so the plan stays within the budget.
+    ``managed`` False (``silod`` with nothing to manage) keeps the entry bare, as before.
+    """
+    if not dataset or not managed or not alloc.placement:
+        return
+    entry.cache_policy = CACHE_POLICY[mode]
+    shares = co.node_shares(alloc.placement)
+    io = alloc.remote_io_bytes_per_s
+    for node, _ in alloc.placement:
+        entry.cache_grants.add(
+            node=node, cache_quota_bytes=int(alloc.cache_bytes.get(node, 0.0)),
+            remote_io_bytes_per_s=int(io * shares.get(node, 0.0)) if math.isfinite(io) else 0,
+        )
+
+
+class CachedBytesProbe:
+    """Bytes each node's cache server holds per dataset, from its Stats (whole node).
+
+    Answers are kept ``STATS_TTL_S``; a node whose server does not answer within
+    ``STATS_TIMEOUT_S`` contributes nothing this round (co_allocate then assumes a cold
+    cache, which only grants more IO than needed, never more than the budget).
+    """
+
+    def __init__(self, open_channel: Callable[[str], grpc.aio.Channel], clock: Callable[[], float] = time.monotonic) -> None:
+        self._open = open_channel
+        self._clock = clock
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._answers: dict[str, tuple[float, dict[str, float]]] = {}  # address -> (read at, dataset -> bytes)
+        self._failing: set[str] = set()
+
+    async def cached_bytes(self, nodes: Iterable[common_pb2.Node]) -> dict[tuple[str, str], float]:
+        targets = [(n.spec.name, n.spec.cache_address) for n in nodes if n.spec.cache_address]
+        now = self._clock()
+        stale = [(name, addr) for name, addr in targets if now - self._answers.get(addr, (-math.inf, {}))[0] >= STATS_TTL_S]
+        await asyncio.gather(*(self._read(name, addr, now) for name, addr in stale))
+        out: dict[tuple[str, str], float] = {}
+        for name, addr in targets:
+            for dataset, held in self._answers.get(addr, (0.0, {}))[1].items():
+                out[(name, dataset)] = held
+        return out
+
+    async def _read(self, node: str, address: str, now: float) -> None:
+        if address not in self._channels:
+            self._channels[address] = self._open(address)
+        stub = cache_pb2_grpc.CacheServiceStub(self._channels[address])
+        try:
+            stats = await stub.Stats(cache_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if address not in self._failing:
+                self._failing.add(address)
+                _log.warning("cache server Stats failed; its node's cache counts as cold",
+                             extra={"node": node, "address": address, "code": exc.code().name})
+            self._answers[address] = (now, {})
+            return
+        self._failing.discard(address)
+        held: dict[str, float] = {}
+        for job in stats.jobs:
+            # Jobs of one dataset see the same entries (or their quota's part): the largest is the node's.
+            if job.dataset:
+                held[job.dataset] = max(held.get(job.dataset, 0.0), float(job.cached_bytes))
+        self._answers[address] = (now, held)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+

@@ -1,0 +1,144 @@
+"""Cache quotas and IO rates on the live scheduler's plans, per --cache-mode (scheduler.live.data).
+
+Nodes advertise a cache (disk + memory tiers) and a cache server address that answers
+nothing (port 1): the scheduler must then treat the caches as cold, not wait or fail.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scheduler.live import convert
+from silod.v1 import common_pb2, metadata_pb2, plan_pb2
+
+DISK = 96 << 20
+MEMORY = 32 << 20
+CAPACITY = DISK + MEMORY
+# bytes/s of remote reads for the whole cluster: below what 4 cold cifar10 jobs want at
+# compute speed (~1300 samples/s of 64-160 KiB each), so IO rates compete
+BUDGET = 150 << 20
+
+
+def _add_cache_node(cluster, name: str, gpus: int = 2) -> None:
+    cluster.md.UpsertNode(metadata_pb2.UpsertNodeRequest(spec=common_pb2.NodeSpec(
+        name=name, gpus=gpus, pool=common_pb2.NODE_POOL_TRAINING, gpu_model="emulated",
+        agent_address=f"{name}.local:7000", cache_address="127.0.0.1:1",
+        cache_capacity_bytes=DISK, memory_cache_bytes=MEMORY)))
+    cluster.md.Heartbeat(metadata_pb2.HeartbeatRequest(node=name))
+
+
+def _register(cluster, name: str, objects: int, size: int) -> None:
+    spec = common_pb2.DatasetSpec(name=name, uri=f"file:///data/{name}")
+    chunk = [common_pb2.DatasetObject(key=f"{i:06d}", size_bytes=size, etag=f"e{i}") for i in range(objects)]
+    cluster.md.RegisterDataset(iter([metadata_pb2.RegisterDatasetRequest(spec=spec, objects=chunk)]))
+
+
+def _setup(make_cluster, mode: str, **settings):
+    cluster = make_cluster(cache_mode=mode, **settings)
+    for node in ("n0", "n1"):
+        _add_cache_node(cluster, node)
+    # Two datasets, each larger than one node's cache, so quotas really compete.
+    _register(cluster, "imgs", 3000, 64 << 10)   # 188 MiB
+    _register(cluster, "text", 1000, 160 << 10)  # 156 MiB
+    jobs = [cluster.submit(f"j{i}", 1, 1, dataset=("imgs", "text")[i % 2], epochs=5) for i in range(4)]
+    plan = cluster.round()
+    return cluster, plan, jobs
+
+
+def _check_invariants(plan: plan_pb2.AllocationPlan, budget: float = math.inf) -> None:
+    """What every plan must keep: quotas within each node's cache, IO within the budget,
+    grants only where the job runs."""
+    held: dict[str, int] = {}
+    io = 0
+    for job in plan.jobs:
+        nodes = {p.node for p in job.placements if p.gpu_indices}
+        for g in job.cache_grants:
+            assert g.node in nodes, f"{job.job_id}: grant on {g.node}, placed on {sorted(nodes)}"
+            held[g.node] = held.get(g.node, 0) + g.cache_quota_bytes
+            io += g.remote_io_bytes_per_s
+    for node, quota in held.items():
+        assert quota <= CAPACITY, f"{node}: quotas {quota} > capacity {CAPACITY}"
+    assert io <= budget, f"IO {io} > budget {budget}"
+
+
+def _placed(plan):
+    return [j for j in plan.jobs if any(p.gpu_indices for p in j.placements)]
+
+
+def test_node_info_counts_both_tiers_only_with_a_cache_server():
+    spec = common_pb2.NodeSpec(name="n", gpus=1, cache_capacity_bytes=DISK, memory_cache_bytes=MEMORY)
+    assert convert.node_info(common_pb2.Node(spec=spec)).cache_capacity_bytes == 0.0
+    spec.cache_address = "h:1"
+    assert convert.node_info(common_pb2.Node(spec=spec)).cache_capacity_bytes == CAPACITY
+
+
+def test_silod_grants_quotas_and_io_within_capacity_and_budget(make_cluster):
+    cluster, plan, jobs = _setup(make_cluster, "silod", storage_bandwidth_bytes_per_s=BUDGET)
+    placed = _placed(plan)
+    assert placed, "a cold start with a tight budget still runs jobs"
+    assert plan.cache_mode == "silod" and plan.storage_bandwidth_budget_bytes_per_s == BUDGET
+    _check_invariants(plan, BUDGET)
+    for job in placed:
+        assert job.cache_policy == "uniform"
+        assert len(job.cache_grants) == 1, "one grant per node the job runs on"
+    quotas = sum(g.cache_quota_bytes for j in placed for g in j.cache_grants)
+    rates = [sum(g.remote_io_bytes_per_s for g in j.cache_grants) for j in placed]
+    nodes_used = {g.node for j in placed for g in j.cache_grants}
+    assert quotas > 0.9 * len(nodes_used) * CAPACITY, "the datasets exceed the caches: co_allocate fills them"
+    assert 0 < sum(rates) <= BUDGET
+    # The node plans carry exactly the plan's grants to the cache servers.
+    for node in nodes_used:
+        view = convert.node_plan(plan, node, cluster.core.specs, cluster.core.agent_addresses)
+        want = {(j.job_id, g.cache_quota_bytes, g.remote_io_bytes_per_s) for j in placed for g in j.cache_grants if g.node == node}
+        got = {(q.job_id, q.cache_quota_bytes, q.remote_io_bytes_per_s) for q in view.cache_quotas}
+        assert got == want and got
+        assert {q.dataset for q in view.cache_quotas} <= {"imgs", "text"}
+
+
+def test_silod_without_budget_leaves_io_unmanaged(make_cluster):
+    _, plan, _ = _setup(make_cluster, "silod")
+    _check_invariants(plan)
+    placed = _placed(plan)
+    assert all(g.remote_io_bytes_per_s == 0 for j in placed for g in j.cache_grants)  # 0 = unlimited
+    assert sum(g.cache_quota_bytes for j in placed for g in j.cache_grants) > 0
+
+
+def test_static_splits_each_nodes_cache_equally(make_cluster):
+    _, plan, _ = _setup(make_cluster, "static", storage_bandwidth_bytes_per_s=BUDGET)
+    _check_invariants(plan)
+    assert plan.storage_bandwidth_budget_bytes_per_s == 0, "only silod manages IO"
+    by_node: dict[str, list[int]] = {}
+    for job in _placed(plan):
+        assert job.cache_policy == "uniform"
+        for g in job.cache_grants:
+            by_node.setdefault(g.node, []).append(g.cache_quota_bytes)
+            assert g.remote_io_bytes_per_s == 0
+    for node, quotas in by_node.items():
+        assert quotas == [CAPACITY // len(quotas)] * len(quotas), node
+
+
+@pytest.mark.parametrize("mode", ["lru", "none"])
+def test_lru_and_none_send_policy_without_quota(make_cluster, mode):
+    cluster, plan, _ = _setup(make_cluster, mode)
+    placed = _placed(plan)
+    assert placed
+    for job in placed:
+        assert job.cache_policy == mode
+        assert [g.cache_quota_bytes for g in job.cache_grants] == [0] and job.cache_grants[0].remote_io_bytes_per_s == 0
+    # The cache servers learn the policy: each node plan names every job placed there.
+    for node in ("n0", "n1"):
+        view = convert.node_plan(plan, node, cluster.core.specs, cluster.core.agent_addresses)
+        on_node = {j.job_id for j in placed if any(p.node == node for p in j.placements)}
+        assert {q.job_id for q in view.cache_quotas} == on_node
+        assert {q.cache_policy for q in view.cache_quotas} <= {mode}
+
+
+def test_jobs_without_dataset_get_no_grants(make_cluster):
+    cluster = make_cluster(cache_mode="silod", storage_bandwidth_bytes_per_s=BUDGET)
+    _add_cache_node(cluster, "n0")
+    job = cluster.submit("plain", 1, 1)
+    plan = cluster.round()
+    entry = next(j for j in plan.jobs if j.job_id == job.id)
+    assert entry.placements and not entry.cache_grants and entry.cache_policy == ""
