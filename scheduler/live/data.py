@@ -72,8 +72,11 @@ def grant(mode: str, snapshot: ClusterSnapshot, plan: Plan, policy_plan: Plan, t
         # throttle a job whose model underestimates its reads.
         unlimited = not math.isfinite(snapshot.storage_bandwidth_bytes_per_s) and \
             not any(math.isfinite(n.nic_bytes_per_s) for n in snapshot.nodes)
-        for j, a in placed.items():
-            allocations[j] = dataclasses.replace(a, remote_io_bytes_per_s=math.inf) if unlimited else a
+        if unlimited:
+            placed = {j: dataclasses.replace(a, remote_io_bytes_per_s=math.inf) for j, a in placed.items()}
+        else:
+            placed = _share_leftover(snapshot, placed, {j for j in placed if datasets.get(j)})
+        allocations.update(placed)
         return Plan(allocations)
     if mode == "static":
         readers: dict[str, int] = {}
@@ -91,6 +94,30 @@ def grant(mode: str, snapshot: ClusterSnapshot, plan: Plan, policy_plan: Plan, t
     for j, a in placed.items():
         allocations[j] = Allocation(placement=a.placement, batch_size=a.batch_size)
     return Plan(allocations)
+
+
+def _share_leftover(snapshot: ClusterSnapshot, placed: dict[str, Allocation], readers: set[str]) -> dict[str, Allocation]:
+    """Budget co_allocate left over (every job got its demand ``b*``), shared equally by the jobs
+    reading a dataset: rates that are ceilings must not idle the storage link.
+
+    The demand comes from the job's model, and a live job's fitted model is measured under
+    the IO it was granted: an IO-bound job looks slow, its ``b*`` shrinks to what it got, and
+    exact grants would keep it there (seen live: 0.5 of 4 MB/s granted to four cold jobs).
+    Spare budget lets it show it can go faster. Skipped when a NIC is limited (rates would
+    have to respect each node's NIC too)."""
+    budget = snapshot.storage_bandwidth_bytes_per_s
+    if not readers or not math.isfinite(budget) or any(math.isfinite(n.nic_bytes_per_s) for n in snapshot.nodes):
+        return placed
+    # A job reading no dataset gets no grant on the plan: whatever co_allocate priced for it
+    # (its model's dataset) goes to the readers.
+    placed = {j: a if j in readers else dataclasses.replace(a, remote_io_bytes_per_s=0.0) for j, a in placed.items()}
+    used = sum(placed[j].remote_io_bytes_per_s for j in readers if math.isfinite(placed[j].remote_io_bytes_per_s))
+    spare = budget - used
+    if spare <= 0 or any(not math.isfinite(placed[j].remote_io_bytes_per_s) for j in readers):
+        return placed
+    extra = spare / len(readers)
+    return {j: dataclasses.replace(a, remote_io_bytes_per_s=a.remote_io_bytes_per_s + extra) if j in readers else a
+            for j, a in placed.items()}
 
 
 def problems(snapshot: ClusterSnapshot, plan: Plan) -> list[str]:

@@ -142,3 +142,28 @@ def test_jobs_without_dataset_get_no_grants(make_cluster):
     plan = cluster.round()
     entry = next(j for j in plan.jobs if j.job_id == job.id)
     assert entry.placements and not entry.cache_grants and entry.cache_policy == ""
+
+
+def test_silod_shares_spare_budget_among_readers():
+    """co_allocate grants each job its modelled demand b*; the live scheduler hands what is left
+    of the budget to the readers, so a job whose (fitted) model underrates it is not held at b*."""
+    from estimator.job_model import JobModel
+    from scheduler.live import data
+    from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, NodeInfo, Plan
+
+    model = JobModel.from_profile("cifar10").with_dataset(1e9, 1000.0)  # ~1.3 MB/s of demand per job
+    nodes = (NodeInfo("n0", 2, cache_capacity_bytes=1e8), NodeInfo("n1", 2, cache_capacity_bytes=1e8))
+    jobs = tuple(JobInfo(job_id=f"j{i}", model=model, submit_time_s=0, min_gpus=1, max_gpus=1, target_samples=1e6,
+                         dataset="d", batch_size=128) for i in range(3))
+    jobs += (JobInfo(job_id="plain", model=model, submit_time_s=0, min_gpus=1, max_gpus=1, target_samples=1e6),)
+    budget = 100e6
+    snap = ClusterSnapshot(time_s=0, nodes=nodes, jobs=jobs, storage_bandwidth_bytes_per_s=budget)
+    placements = {"j0": (("n0", (0,)),), "j1": (("n0", (1,)),), "j2": (("n1", (0,)),), "plain": (("n1", (1,)),)}
+    plan = Plan({j: Allocation(placement=p) for j, p in placements.items()})
+    granted = data.grant("silod", snap, plan, plan, set(placements), policy_co_designs=False)
+    rates = {j: a.remote_io_bytes_per_s for j, a in granted.allocations.items()}
+    readers = [rates[j] for j in ("j0", "j1", "j2")]
+    assert sum(readers) == pytest.approx(budget, rel=1e-9)
+    assert max(readers) - min(readers) < 0.05 * budget, "the spare is shared equally"
+    assert not data.problems(snap, granted)
+    assert granted.get("plain").cache_bytes == {}  # reads no dataset: nothing cached for it
