@@ -36,12 +36,6 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def _directory(text: str) -> str:
-    if not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
-    return text
-
-
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser(
         "store-emulator",
@@ -55,7 +49,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
         "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment. SIGTERM stops it gracefully (requests in "
         "flight get 5 s to finish).",
     )
-    p.add_argument("--root", required=True, type=_directory, help="directory whose subdirectories are the buckets")
+    p.add_argument("--root", required=True, help="directory whose subdirectories are the buckets")
     p.add_argument("--listen", type=_listen, default=("127.0.0.1", 9000), metavar="HOST:PORT",
                    help="address to serve on; port 0 = any free port (default 127.0.0.1:9000)")
     p.add_argument("--bandwidth-mb-s", type=_non_negative, default=0.0, metavar="MB_PER_S",
@@ -76,6 +70,10 @@ def _run(args: argparse.Namespace) -> int:
     from services.runtime.structured_logging import configure_logging
     from silod.devstore.emulator import EmulatorConfig, EmulatorConfigError, serve
 
+    # Checked when run, not when parsed, so that documented command lines parse anywhere.
+    if not os.path.isdir(args.root):
+        print(f"silod store-emulator: --root: {args.root!r} is not a directory", file=sys.stderr)
+        return 2
     host, port = args.listen
     config = EmulatorConfig(root=args.root, host=host, port=port, bandwidth_bytes_per_s=args.bandwidth_mb_s * 1e6,
                             latency_s=args.latency_ms / 1000, ready_file=args.ready_file)

@@ -13,7 +13,7 @@ import pytest
 from deploy_checks import ROOT, parse_cli
 
 DOCS = [ROOT / "docs" / "operators.md", ROOT / "deploy" / "README.md", ROOT / "deploy" / "k8s" / "README.md",
-        ROOT / "docs" / "configuration.md"]
+        ROOT / "docs" / "configuration.md", ROOT / "README.md"]
 COMPOSE_CLI = "docker compose -f deploy/compose.yaml run --rm"
 
 
