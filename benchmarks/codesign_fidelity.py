@@ -65,7 +65,7 @@ def parse() -> argparse.Namespace:
 
 
 # ---- simulator -----------------------------------------------------------------------------------
-def simulate(args: argparse.Namespace, mode: str, datasets: list[str]) -> dict[str, float]:
+def simulate(args: argparse.Namespace, mode: str, datasets: list[str], arrivals: dict[str, float]) -> dict[str, float]:
     from estimator.job_model import JobModel
     from simulator.cluster import ClusterSpec, uniform_nodes
     from simulator.engine import Simulator
@@ -76,8 +76,10 @@ def simulate(args: argparse.Namespace, mode: str, datasets: list[str]) -> dict[s
         restart_cost_s=args.launch_s, interval_s=args.interval_s, schedule_on_events=True,
         storage_bandwidth_bytes_per_s=args.bandwidth_mb_s * 1e6,
     )
-    specs = [JobSpec(name=f"job{i}", application=APPLICATION, arrival_s=0.0, num_replicas=1, batch_size=BATCH)
-             for i in range(args.jobs)]
+    # Arrivals as the live run's submissions happened (milliseconds apart): a job admitted alone
+    # keeps its GPUs when later ones compete for IO, in both worlds.
+    specs = [JobSpec(name=f"job{i}", application=APPLICATION, arrival_s=arrivals.get(f"job{i}", 0.0), num_replicas=1,
+                     batch_size=BATCH) for i in range(args.jobs)]
     sim = Simulator(workload_from_jobs(specs), "fifo", cluster, cache_mode=mode)
     model = JobModel.from_profile(APPLICATION).with_dataset(float(args.objects * args.object_bytes), float(args.object_bytes))
     for i, job in enumerate(sim._jobs):  # the live jobs' datasets and budgets (the CSV has no columns for them)
@@ -90,7 +92,9 @@ def simulate(args: argparse.Namespace, mode: str, datasets: list[str]) -> dict[s
 
 
 # ---- live ------------------------------------------------------------------------------------------
-def live(args: argparse.Namespace, mode: str, datasets: list[str], store_address: str, work: Path) -> dict[str, float]:
+def live(args: argparse.Namespace, mode: str, datasets: list[str], store_address: str,
+         work: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """(throughput, arrival offset in seconds) per job."""
     state = work / f"up-{mode}"
     env = {**os.environ, "SILOD_STORAGE_BANDWIDTH_BYTES_PER_S": str(int(args.bandwidth_mb_s * 1e6)),
            "SILOD_RESTART_COST_S": str(args.launch_s)}
@@ -132,12 +136,14 @@ def live(args: argparse.Namespace, mode: str, datasets: list[str], store_address
                 raise RuntimeError("live jobs not finished: " + str({ids[k]: common_pb2.JobState.Name(j.state) for k, j in found.items()}))
             time.sleep(1.0)
         out = {}
+        first = min(j.created_at.ToDatetime().timestamp() for j in found.values())
+        arrivals = {ids[k]: j.created_at.ToDatetime().timestamp() - first for k, j in found.items()}
         for job_id, job in found.items():
             if job.state != common_pb2.JOB_STATE_SUCCEEDED:
                 raise RuntimeError(f"{ids[job_id]} ended {common_pb2.JobState.Name(job.state)}")
             ran = job.finished_at.ToDatetime().timestamp() - job.started_at.ToDatetime().timestamp()
             out[ids[job_id]] = args.epochs * args.objects / max(ran, 1e-9)
-        return out
+        return out, arrivals
     finally:
         up.send_signal(signal.SIGINT)
         try:
@@ -163,8 +169,8 @@ def main() -> int:
     try:
         for mode in modes:
             started = time.monotonic()
-            sim = simulate(args, mode, datasets)
-            real = live(args, mode, datasets, store.address, work)
+            real, arrivals = live(args, mode, datasets, store.address, work)
+            sim = simulate(args, mode, datasets, arrivals)
             results[mode] = {"sim": sim, "live": real}
             print(f"[{mode}] done in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
     finally:

@@ -67,6 +67,7 @@ RPC_CONCURRENCY = 16  # ... and per-job calls of a round are sent this many at a
 ESTIMATOR_TIMEOUT_S = 2.0  # a round must not hang on a stuck estimator: the profile model will do
 OBSERVE_TIMEOUT_S = 30.0  # in the background; a job's first Observe fits its profile in the estimator (seconds)
 MAX_QUEUED_OBSERVATIONS = 100  # measurements of one job kept while the estimator is slow (the newest)
+IO_BOUND_SHARE = 0.8  # a job whose misses use this share of its IO grant is measuring the grant, not its compute
 
 
 @functools.lru_cache(maxsize=1)
@@ -621,6 +622,8 @@ class SchedulerCore:
             step = batch / report.progress.throughput_samples_per_s
         if gpus < 1 or batch < gpus or not 0 < step < math.inf:
             return  # nothing the estimator could fit (e.g. not measured yet)
+        if self._io_bound(job, entry, report, batch / step):
+            return
         key = (entry.generation, gpus, batch, step, report.progress.steps_done)
         if self._observed.get(job.id) == key:
             return
@@ -633,6 +636,26 @@ class SchedulerCore:
             return
         self._observing[job.id] = []
         self._spawn(self._send_observations(job.id, _application(job.spec), [observation]))
+
+    def _io_bound(self, job: common_pb2.Job, entry: plan_pb2.JobAllocation, report: allocation_pb2.TaskReport,
+                  samples_per_s: float) -> bool:
+        """Whether the measurement shows the job's granted remote IO rather than its compute.
+
+        The estimator fits step times as compute (``T(g)``); a job held by its IO grant would
+        be fitted as slow as the grant makes it, its demand ``b* = T s (1 - h)`` would shrink to
+        that, and co_allocate would keep granting only that. Such measurements are not sent:
+        the job's misses use at least IO_BOUND_SHARE of its grant (or it has no grant under a
+        plan that manages IO, so the cache server trickles its misses)."""
+        if self.cache_mode != "silod" or not job.spec.dataset or not entry.cache_grants:
+            return False
+        model = self._models.get(job.id)
+        if model is None or model[0].bytes_per_sample <= 0:
+            return False
+        granted = sum(g.remote_io_bytes_per_s for g in entry.cache_grants)
+        if granted <= 0:
+            return math.isfinite(self.storage_bandwidth_bytes_per_s)
+        miss = 1.0 - min(max(report.progress.cache_hit_ratio, 0.0), 1.0)
+        return samples_per_s * model[0].bytes_per_sample * miss >= IO_BOUND_SHARE * granted
 
     async def _send_observations(self, job_id: str, application: str,
                                  observations: list[estimator_pb2.StepObservation]) -> None:

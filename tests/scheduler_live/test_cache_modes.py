@@ -167,3 +167,32 @@ def test_silod_shares_spare_budget_among_readers():
     assert max(readers) - min(readers) < 0.05 * budget, "the spare is shared equally"
     assert not data.problems(snap, granted)
     assert granted.get("plain").cache_bytes == {}  # reads no dataset: nothing cached for it
+
+
+def test_io_bound_measurements_are_not_fitted_as_compute():
+    """A job reading at its IO grant measures the grant: Observe must not fit it as compute speed."""
+    from estimator.job_model import JobModel
+    from scheduler.live.core import SchedulerCore
+    from silod.v1 import allocation_pb2
+
+    core = SchedulerCore(None, policy="fifo", interval_s=60, restart_cost_s=1, node_timeout_s=10,
+                         cache_mode="silod", storage_bandwidth_bytes_per_s=4e6)
+    job = common_pb2.Job(id="job-000000000001", spec=common_pb2.JobSpec(dataset="d"))
+    core._models[job.id] = (JobModel.from_profile("cifar10").with_dataset(1e7, 32768.0), 1e4)
+    entry = plan_pb2.JobAllocation(job_id=job.id)
+    entry.cache_grants.add(node="n0", cache_quota_bytes=0, remote_io_bytes_per_s=1_000_000)
+
+    def report(hit_ratio: float) -> allocation_pb2.TaskReport:
+        return allocation_pb2.TaskReport(progress=common_pb2.JobProgress(cache_hit_ratio=hit_ratio))
+
+    # 30 samples/s of 32 KiB, all misses: 0.98 MB/s of a 1 MB/s grant -> IO-bound
+    assert core._io_bound(job, entry, report(0.0), 30.0)
+    # the same rate with half of it hits uses half the grant: the GPU (compute) is the limit
+    assert not core._io_bound(job, entry, report(0.5), 30.0)
+    # no grant under a managed budget: the cache server trickles the misses
+    bare = plan_pb2.JobAllocation(job_id=job.id)
+    bare.cache_grants.add(node="n0", cache_quota_bytes=1 << 20, remote_io_bytes_per_s=0)
+    assert core._io_bound(job, bare, report(0.0), 1.0)
+    # other modes do not manage IO: every measurement is fitted as before
+    core.cache_mode = "lru"
+    assert not core._io_bound(job, entry, report(0.0), 30.0)
