@@ -4,6 +4,7 @@
     silod simulate run ...                      (the same, spelled out)
     silod simulate compare --workload CSV --policy A --policy B ... [--cluster YAML] [--cache all] --out DIR
     silod simulate generate --philly --jobs N --seed S --out CSV
+    silod simulate mix --workload CSV --pattern diurnal --rate R --seed S --out CSV   (training + inference rows)
     silod simulate list                         (packaged workloads and registered policies)
 
 Bad input (unknown policy, missing file, malformed CSV row or YAML field) exits with status 2
@@ -69,6 +70,25 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     gen.add_argument("--out", required=True, metavar="CSV", help="file to write")
     gen.set_defaults(handler=_generate)
 
+    mix = actions.add_parser("mix", help="write a DeepBoot workload: training rows plus generated inference tasks",
+                             description="Copy a workload's training rows and add inference tasks drawn by "
+                                         "simulator.inference.generate_inference_tasks (columns "
+                                         "name,time,application,num_replicas,batch_size,duration,num_task).")
+    mix.add_argument("--workload", required=True, metavar="CSV", help="training workload (path or packaged name)")
+    mix.add_argument("--pattern", default="diurnal", choices=("steady", "diurnal", "bursty"), help="arrival pattern (default diurnal)")
+    mix.add_argument("--rate", type=float, required=True, metavar="R", help="mean task arrivals per second")
+    mix.add_argument("--horizon-s", type=float, default=None, metavar="S",
+                     help="arrivals in [0, S) (default: the last training arrival + 1 h)")
+    mix.add_argument("--period-s", type=float, default=86_400.0, metavar="S", help="diurnal period (default 86400)")
+    mix.add_argument("--amplitude", type=float, default=0.8, metavar="A", help="diurnal amplitude in [0, 1] (default 0.8)")
+    mix.add_argument("--burst-factor", type=float, default=10.0, metavar="F", help="bursty: burst rate / calm rate (default 10)")
+    mix.add_argument("--duration-s", type=float, nargs=2, default=(1.0, 10.0), metavar=("LOW", "HIGH"),
+                     help="task GPU seconds, uniform in [LOW, HIGH] (default 1 10)")
+    mix.add_argument("--services-per-model", type=int, default=1, metavar="K", help="services infer-<model>-1..K (default 1)")
+    mix.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    mix.add_argument("--out", required=True, metavar="CSV", help="file to write")
+    mix.set_defaults(handler=_mix)
+
     lst = actions.add_parser("list", help="list packaged workloads and registered policies")
     lst.set_defaults(handler=_list)
 
@@ -89,6 +109,9 @@ def _add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="options", action="append", default=[], metavar="POLICY.OPTION=VALUE",
                    help="policy option, e.g. pollux.p=-0.5 or tiresias.thresholds_gpu_s=(3200,) (repeatable; "
                         "the POLICY. prefix may be left out with a single policy)")
+    p.add_argument("--inference-protect-scale", type=float, default=1.0, metavar="X",
+                   help="DeepBoot workloads: scale the inference replicas' protect times (30 s + 15 s per reuse, "
+                        "at most 120 s) by X; 0 = no protect (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no result lines")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-check", action="store_true", help="skip the per-round plan invariant checks (faster)")
@@ -138,10 +161,13 @@ def _parse_options(values: list[str], names: list[str]) -> dict[str, dict[str, A
         fields = {f.name for f in dataclasses.fields(type(get_policy(policy)))}
         if key not in fields:
             raise SimulatorInputError(f"--set {value!r}: {policy} has no option {key!r}; options: {', '.join(sorted(fields))}")
-        try:
-            parsed_value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            parsed_value = raw  # plain words, e.g. penalty_model=age
+        if raw.strip().lower() in ("true", "false"):  # lend=false must not become the (truthy) string "false"
+            parsed_value = raw.strip().lower() == "true"
+        else:
+            try:
+                parsed_value = ast.literal_eval(raw)
+            except (ValueError, SyntaxError):
+                parsed_value = raw  # plain words, e.g. penalty_model=age
         parsed.setdefault(policy, {})[key] = parsed_value
     for policy, options in parsed.items():
         try:
@@ -245,6 +271,9 @@ def _result_line(s: dict[str, Any], out: Path) -> str:
         f"p99 {s['p99_jct_s']:,.0f} s, makespan {s['makespan_s']:,.0f} s, GPU util {s['gpu_utilization']:.1%}, "
         f"rho max {s['rho_max']:.2f}, {s['restarts']} restarts, {s['wall_time_s']:.1f} s wall"
         + (f", cache {s['cache_mode']}, IO util {s['io_utilization']:.1%}" if s.get("cache_mode", "none") != "none" or s.get("io_utilization") else "")
+        + (f", inference: {s['inference']['tasks']} tasks, wait p99 {s['inference']['wait_p99_s']:.2f} s, "
+           f"{s['inference']['cold_start_share']:.1%} cold starts, {s['inference']['lent_gpu_hours']:,.1f} GPU-h lent"
+           if "inference" in s else "")
         + f" -> {out}"
     )
 
@@ -280,7 +309,7 @@ def _run(args: argparse.Namespace) -> int:
         with _Bar(not args.quiet) as bar:
             bar.start(f"{args.policy}", len(workload))
             result = simulate(workload, policy, cluster, check_invariants=not args.no_check, observer=bar.update,
-                              cache_mode=modes[0])
+                              cache_mode=modes[0], protect_scale=args.inference_protect_scale)
         data = write_outputs(result, args.out, plots=not args.no_plots)
         if not args.quiet:
             print(_result_line(data, Path(args.out)))
@@ -318,7 +347,7 @@ def _compare(args: argparse.Namespace) -> int:
                     label = name if len(modes) == 1 else f"{name}/{mode}"  # also the output directory
                     bar.start(label, len(workload))
                     result = simulate(workload, _policy(name, None, options), cluster, check_invariants=not args.no_check,
-                                      observer=bar.update, cache_mode=mode)
+                                      observer=bar.update, cache_mode=mode, protect_scale=args.inference_protect_scale)
                     results.append(dataclasses.replace(result, policy=label))
         data = write_compare(results, args.out, plots=not args.no_plots)
         if not args.quiet:
@@ -338,6 +367,30 @@ def _generate(args: argparse.Namespace) -> int:
                                load=args.load, max_gpus=args.max_gpus)
         write_workload(jobs, args.out)
         print(f"wrote {len(jobs)} jobs to {args.out}", file=sys.stderr)
+        return 0
+
+    return _guarded(body)
+
+
+def _mix(args: argparse.Namespace) -> int:
+    def body() -> int:
+        from simulator.errors import SimulatorInputError
+        from simulator.inference import ArrivalPattern, generate_inference_tasks, mixed_rows
+        from simulator.workload import load_workload
+
+        workload = load_workload(args.workload)
+        horizon = args.horizon_s if args.horizon_s is not None else workload.jobs[-1].arrival_s + 3600.0
+        try:
+            pattern = ArrivalPattern(args.pattern, rate_per_s=args.rate, period_s=args.period_s, amplitude=args.amplitude,
+                                     burst_factor=args.burst_factor)
+            tasks = generate_inference_tasks(seed=args.seed, horizon_s=horizon, pattern=pattern,
+                                             services_per_model=args.services_per_model, duration_s=tuple(args.duration_s))
+        except ValueError as exc:
+            raise SimulatorInputError(f"mix: {exc}") from None
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(mixed_rows(workload.jobs, tasks), encoding="utf-8")
+        print(f"wrote {len(workload.jobs)} training jobs and {len(tasks)} inference tasks to {out}", file=sys.stderr)
         return 0
 
     return _guarded(body)

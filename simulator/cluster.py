@@ -9,6 +9,7 @@ Defaults are the Pollux artifact simulator's: 16 nodes x 4 GPUs, a scheduling ro
     # nodes:
     #   - {count: 8, gpus: 4}
     #   - {name: big, gpus: 8}
+    #   - {count: 8, gpus: 4, pool: inference}   # DeepBoot: inference-pool nodes (default pool: training)
     restart_cost_s: 30      # seconds without progress after every (re)placement
     interval_s: 60          # seconds between scheduling rounds
     max_gpus_per_job: 64    # cap on any job's max_gpus (default: every GPU of the cluster)
@@ -45,7 +46,8 @@ _FIELDS = {
     "nodes", "gpus_per_node", "restart_cost_s", "interval_s", "max_gpus_per_job", "schedule_on_events", "stall_timeout_s",
     "cache_bytes_per_node", "storage_bandwidth_bytes_per_s", "nic_bytes_per_s",
 }
-_NODE_FIELDS = {"name", "gpus", "count", "cache_bytes", "nic_bytes_per_s"}
+_NODE_FIELDS = {"name", "gpus", "count", "cache_bytes", "nic_bytes_per_s", "pool"}
+_POOLS = ("training", "inference")
 
 
 def _default_nodes() -> tuple[NodeInfo, ...]:
@@ -111,6 +113,15 @@ class ClusterSpec:
         return float(sum(n.cache_capacity_bytes for n in self.nodes))
 
     @property
+    def training_gpus(self) -> int:
+        """GPUs of the training pool (inference-pool GPUs are only lent, DeepBoot)."""
+        return sum(n.gpus for n in self.nodes if n.pool == "training")
+
+    @property
+    def inference_nodes(self) -> tuple[NodeInfo, ...]:
+        return tuple(n for n in self.nodes if n.pool == "inference")
+
+    @property
     def io_limited(self) -> bool:
         """Whether remote IO can ever limit a job (a finite budget or NIC)."""
         return math.isfinite(self.storage_bandwidth_bytes_per_s) or any(math.isfinite(n.nic_bytes_per_s) for n in self.nodes)
@@ -129,6 +140,7 @@ class ClusterSpec:
             "nodes": len(self.nodes),
             "gpus": self.total_gpus,
             "nodes_by_gpus": {str(g): c for g, c in sorted(shapes.items())},
+            "inference_gpus": self.total_gpus - self.training_gpus,
             "restart_cost_s": self.restart_cost_s,
             "interval_s": self.interval_s,
             "max_gpus_per_job": self.job_gpu_cap,
@@ -224,10 +236,13 @@ def cluster_from_dict(data: dict[str, Any] | None, source: str = "cluster spec")
                 raise SimulatorInputError(f"{where} field 'name': expected a non-empty string, got {name!r}")
             if name is not None and count > 1:
                 raise SimulatorInputError(f"{where}: 'name' and 'count' > 1 cannot go together")
+            pool = entry.get("pool", "training")
+            if pool not in _POOLS:
+                raise SimulatorInputError(f"{where} field 'pool': expected one of {', '.join(_POOLS)}, got {pool!r}")
             node_cache = _non_negative(entry, "cache_bytes", cache, where + " field")
             node_nic = _number(entry, "nic_bytes_per_s", nic, where=where + " field")
             for _ in range(count):
-                nodes.append(NodeInfo(name=name or "", gpus=gpus, cache_capacity_bytes=node_cache, nic_bytes_per_s=node_nic))
+                nodes.append(NodeInfo(name=name or "", gpus=gpus, pool=pool, cache_capacity_bytes=node_cache, nic_bytes_per_s=node_nic))
         width = max(2, len(str(len(nodes) - 1)))
         nodes = [n if n.name else dataclasses.replace(n, name=f"node-{i:0{width}d}") for i, n in enumerate(nodes)]
         node_tuple = tuple(nodes)

@@ -18,6 +18,22 @@ jobs), and holds its GPUs (attained GPU-seconds grow during restarts too). A job
 all its GPUs keeps its progress (checkpointed) and pays the restart cost again when it is
 placed. ``restarts`` counts placements after the first (the artifact's ``num_restarts``).
 
+**Inference tasks** (DeepBoot, docs/policies.md "the engine call sequence"): the workload's
+inference rows (or ``inference_tasks``) run on the cluster's inference-pool nodes. Each round's
+snapshot carries ``inference_busy`` (GPUs of RUNNING/PROTECT replicas) and the plan's lent GPUs
+end the sleepers on them (``InferencePool.end_lent``). A task that arrives (or is queued when a
+task finishes, a training job finishes, or a replica's protect time runs out) is placed by
+ATS-I — the policy's ``place_inference`` if it has one, else
+:func:`scheduler.deepboot.ats_i.place_inference_tasks` (with a non-lending policy no training
+job ever holds an inference GPU, so there is nothing to reclaim). A reclaim replaces the job's
+allocation in the plan in force at once and charges it a resize. A new replica pays the
+model's cold start before its task's ``duration``.
+
+**Resize costs.** A policy with ``costs`` (:class:`scheduler.deepboot.costs.ResizeCosts`, the
+``deepboot`` policy) is charged by them: a job that keeps some of its GPUs pays an AFE resize
+(1-5 s; a full restart without AFE), a job that starts or moves entirely pays its full start
+(18-103 s). Other policies pay ``cluster.restart_cost_s`` for every change, as before.
+
 If active jobs make no progress at all for ``cluster.stall_timeout_s`` of simulated time the
 run stops with :class:`~simulator.errors.SimulationStuck` naming them: every run either
 finishes every job or says why not.
@@ -44,6 +60,8 @@ from simulator.errors import SimulationStuck, SimulatorInputError
 from simulator.cacheio import CACHE_MODES, CacheIoRates
 from simulator.rates import GoodputRates, RateModel
 from simulator.workload import JobSpec, Workload, target_samples, workload_from_jobs
+from scheduler.deepboot.ats_i import place_inference_tasks
+from simulator.inference import InferencePool, InferenceTask, LifecycleConfig, ProtectSchedule
 
 _EPS = 1e-9
 
@@ -80,11 +98,28 @@ class JobRecord:
 
 
 @dataclass(frozen=True)
+class InferenceRecord:
+    """One finished inference task (a row of inference.csv)."""
+
+    name: str
+    application: str
+    arrival_s: float
+    start_s: float            # placed on a GPU (its replica starts, or is reused)
+    ready_s: float            # start + cold start (the task runs from here)
+    finish_s: float
+    wait_s: float             # start - arrival: time queued for a GPU
+    cold_start: bool          # a new replica (free GPU, an evicted sleeper, or a reclaimed lent GPU)
+    kind: str                 # ATS-I decision: reuse, free, sleep or reclaim
+
+
+@dataclass(frozen=True)
 class TimelinePoint:
     time_s: float
     allocated_gpus: int
     active_jobs: int
     running_jobs: int
+    lent_gpus: int = 0        # training GPUs on inference-pool nodes
+    inference_gpus: int = 0   # inference GPUs held by RUNNING/PROTECT replicas
 
 
 @dataclass(frozen=True)
@@ -102,6 +137,10 @@ class SimulationResult:
     policy_options: dict = field(default_factory=dict)  # the policy's constructor options, for reproducibility
     cache_mode: str = "none"              # see simulator.cacheio
     remote_bytes_read: float = 0.0        # bytes read from remote storage by all jobs (IO utilization)
+    inference: tuple[InferenceRecord, ...] = ()  # inference tasks, in arrival order
+    lent_gpu_s: float = 0.0               # GPU-seconds training held on inference-pool nodes
+    reclaims: int = 0                     # lent GPUs ATS-I took back from training
+    protect_scale: float = 1.0            # the replicas' protect times were scaled by this
 
 
 class _Job:
@@ -178,6 +217,9 @@ class Simulator:
         observer: Callable[[SimProgress], None] | None = None,
         policy_options: dict[str, Any] | None = None,
         cache_mode: str = "none",
+        inference_tasks: Sequence[InferenceTask] | None = None,
+        lifecycle: LifecycleConfig | None = None,
+        protect_scale: float = 1.0,
     ):
         if cache_mode not in CACHE_MODES:
             raise SimulatorInputError(f"--cache: unknown cache mode {cache_mode!r}; known: {', '.join(CACHE_MODES)}")
@@ -227,6 +269,7 @@ class Simulator:
         self.plans_checked = 0
         self._stalled_since: float | None = None
         self._timeline: list[TimelinePoint] = []
+        self._init_inference(workload.inference if inference_tasks is None else tuple(inference_tasks), lifecycle, protect_scale)
 
     # --- public ------------------------------------------------------------------------
 
@@ -236,7 +279,7 @@ class Simulator:
 
     @property
     def finished(self) -> bool:
-        return self._finished == len(self._jobs)
+        return self._finished == len(self._jobs) and self._inference_done()
 
     def run(self) -> SimulationResult:
         while self.step():
@@ -255,7 +298,11 @@ class Simulator:
         self.clock.advance_to(t_next)
         self.events += 1
         changed = self._complete(t_next)
+        served = self._finish_tasks(t_next)
         arrived = self._arrive(t_next)
+        queued = self._arrive_tasks(t_next)
+        if self._queue:  # inference first: a new replica is busy in this instant's round
+            changed |= self._place_inference(t_next)
         tick = t_next >= self._tick(self._round_index) - _EPS
         if tick or (self.cluster.schedule_on_events and (changed or arrived)):
             if self._active:
@@ -263,7 +310,9 @@ class Simulator:
                 changed = True
             if tick:
                 self._round_index = self._first_tick_after(t_next)
-        if changed or arrived:
+        if self._tasks and self.check_invariants:
+            self._check_gpus(t_next)
+        if changed or arrived or served or queued:
             self._record(t_next)
         if self.observer is not None:
             self.observer(self.progress())
@@ -302,6 +351,8 @@ class Simulator:
             timeline=tuple(self._timeline), rounds=self.rounds, events=self.events,
             plans_checked=self.plans_checked, start_s=self.start_s,
             cache_mode=self.cache_mode, remote_bytes_read=float(getattr(self.rate_model, "bytes_read", 0.0)),
+            inference=self._inference_records(), lent_gpu_s=self._lent_gpu_s, reclaims=self._reclaims,
+            protect_scale=self._protect_scale,
         )
 
     # --- time --------------------------------------------------------------------------
@@ -325,6 +376,7 @@ class Simulator:
         candidates = []
         if self._pending < len(self._jobs):
             candidates.append(self._arrival(self._jobs[self._pending]))
+        candidates.extend(self._inference_events())
         if self._active:
             candidates.append(self._tick(self._round_index))
             now = self.clock.now()
@@ -350,6 +402,8 @@ class Simulator:
             if allocation is None:
                 continue
             job.attained += allocation.gpus * dt
+            if self._inference_nodes:
+                self._lent_gpu_s += dt * sum(len(ix) for node, ix in allocation.placement if node in self._inference_nodes)
             working = t_next - max(t, job.restart_until)
             working_s[job.spec.name] = max(working, 0.0)
             if working > 0 and job.rate > 0:
@@ -399,14 +453,13 @@ class Simulator:
             arrived = True
         return arrived
 
-    def _round(self, t: float) -> None:
-        self.rounds += 1
+    def _snapshot(self, t: float) -> ClusterSnapshot:
         infos = tuple(job.info() for job in self._active)
         current = Plan({j.spec.name: j.allocation for j in self._active if j.allocation is not None})
         # Only a co-designing scheduler (--cache silod) is told about the storage budget and
         # what is cached; with an independent cache the scheduler is GPU-only.
         silod = self.cache_mode == "silod"
-        snapshot = ClusterSnapshot(
+        return ClusterSnapshot(
             time_s=t,
             nodes=self.cluster.nodes,
             jobs=infos,
@@ -415,15 +468,21 @@ class Simulator:
             interval_s=self.cluster.interval_s,
             storage_bandwidth_bytes_per_s=self.cluster.storage_bandwidth_bytes_per_s if silod else math.inf,
             cached_bytes=self.rate_model.cached_bytes() if silod and hasattr(self.rate_model, "cached_bytes") else {},
+            inference_busy=self._pool.busy(t) if self._tasks else {},
         )
+
+    def _round(self, t: float) -> None:
+        self.rounds += 1
+        snapshot = self._snapshot(t)
+        infos = snapshot.jobs
         plan = self.policy.schedule(snapshot)
         if self.check_invariants:
             self.plans_checked += 1
             problems = plan_problems(snapshot, plan)
             if problems:
                 raise PlanViolation(f"policy {self.policy_name} at t={t:.0f}s: " + "; ".join(problems))
-        running_jobs: list[_Job] = []
-        running_infos: list[JobInfo] = []
+        if self._tasks:
+            self._pool.end_lent(plan, t)  # sleepers whose GPU the plan lends to training end
         for job, info in zip(self._active, infos):
             new = plan.get(job.spec.name)
             if new is None or new.gpus == 0:
@@ -432,14 +491,26 @@ class Simulator:
                 job.finish_at = math.inf
                 continue
             if not new.same_gpus(job.allocation):
-                job.restart_until = t + self.cluster.restart_cost_s
+                job.restart_until = t + self._resize_cost(job, info, new)
                 if job.start is None:
                     job.start = t
                 else:
                     job.restarts += 1
             job.allocation = new
-            running_jobs.append(job)
-            running_infos.append(info)
+        self._set_rates(t)
+
+    def _resize_cost(self, job: _Job, info: JobInfo, new: Allocation) -> float:
+        """Seconds without progress after ``job`` moves to ``new`` (see the module docstring)."""
+        if self._costs is None:
+            return self.cluster.restart_cost_s
+        old = job.allocation
+        kept = old is not None and bool(_gpu_set(old) & _gpu_set(new))
+        return self._costs.cost_s(info, starting=not kept, default_s=self.cluster.restart_cost_s)
+
+    def _set_rates(self, t: float) -> None:
+        """Rates and completion times of every running job from ``t`` (after their allocations changed)."""
+        running_jobs = [j for j in self._active if j.allocation is not None]
+        running_infos = [j.info() for j in running_jobs]
         if running_jobs:
             rates = np.asarray(self.rate_model.rates(running_infos, [j.allocation for j in running_jobs]), dtype=float)
             if rates.shape != (len(running_jobs),) or not np.all(np.isfinite(rates)) or np.any(rates < 0):
@@ -453,11 +524,137 @@ class Simulator:
     def _record(self, t: float) -> None:
         allocated = sum(j.allocation.gpus for j in self._active if j.allocation is not None)
         running = sum(1 for j in self._active if j.allocation is not None)
-        point = TimelinePoint(t, allocated, len(self._active), running)
+        lent = busy = 0
+        if self._tasks:
+            lent = sum(len(ix) for j in self._active if j.allocation is not None
+                       for node, ix in j.allocation.placement if node in self._inference_nodes)
+            busy = sum(map(len, self._pool.busy(t).values()))
+        point = TimelinePoint(t, allocated, len(self._active), running, lent, busy)
         if self._timeline and self._timeline[-1].time_s == t:
             self._timeline[-1] = point
         else:
             self._timeline.append(point)
+
+    # --- inference (DeepBoot) ----------------------------------------------------------
+
+    def _init_inference(self, tasks: tuple[InferenceTask, ...], lifecycle: LifecycleConfig | None, protect_scale: float) -> None:
+        if not (math.isfinite(protect_scale) and protect_scale >= 0):
+            raise SimulatorInputError(f"--inference-protect-scale: expected a number >= 0, got {protect_scale!r}")
+        self._protect_scale = protect_scale
+        self._tasks = tuple(sorted(tasks, key=lambda task: task.arrival_s))
+        self._inference_nodes = {n.name for n in self.cluster.nodes if n.pool == "inference"}
+        if self._tasks and not self._inference_nodes:
+            raise SimulatorInputError(
+                f"workload {self.workload.name}: {len(self._tasks)} inference tasks but the cluster has no inference-pool "
+                "nodes (a node list entry with 'pool: inference')"
+            )
+        if lifecycle is None:
+            p = ProtectSchedule()
+            lifecycle = LifecycleConfig(protect=ProtectSchedule(p.base_s * protect_scale, p.per_reuse_s * protect_scale,
+                                                                p.max_s * protect_scale))
+        self._pool = InferencePool(lifecycle)
+        self._costs = getattr(self.policy, "costs", None)   # ResizeCosts of a DeepBoot-style policy
+        self._task_next = 0                                  # index of the next task to arrive
+        self._queue: list[int] = []                          # arrived, not placed (task indices, FIFO)
+        self._serving: dict[str, tuple[float, int]] = {}     # replica id -> (task finish time, task index)
+        self._placed: dict[int, tuple[float, float, bool, str]] = {}  # task -> (start, ready, cold, kind)
+        self._task_finish: dict[int, float] = {}
+        self._lent_gpu_s = 0.0
+        self._reclaims = 0
+
+    def _inference_done(self) -> bool:
+        return self._task_next == len(self._tasks) and not self._queue and not self._serving
+
+    def _inference_events(self) -> list[float]:
+        events = []
+        if self._task_next < len(self._tasks):
+            events.append(self.start_s + self._tasks[self._task_next].arrival_s)
+        events.extend(finish for finish, _ in self._serving.values())
+        if self._queue:  # PROTECT -> SLEEP frees a GPU for a queued task
+            events.append(self._pool.next_change_s())
+        return events
+
+    def _arrive_tasks(self, t: float) -> bool:
+        first = self._task_next
+        while self._task_next < len(self._tasks) and self.start_s + self._tasks[self._task_next].arrival_s <= t + _EPS:
+            self._queue.append(self._task_next)
+            self._task_next += 1
+        return self._task_next > first
+
+    def _finish_tasks(self, t: float) -> bool:
+        done = [rid for rid, (finish, _) in self._serving.items() if finish <= t + _EPS * max(1.0, abs(t))]
+        for replica_id in sorted(done, key=lambda rid: self._serving[rid]):
+            _, index = self._serving.pop(replica_id)
+            self._task_finish[index] = t
+            self._pool.finish(replica_id, t)
+        return bool(done)
+
+    def _place_inference(self, t: float) -> bool:
+        """ATS-I for the queued tasks; applies reclaims to the training plan. True if training allocations changed."""
+        snapshot = self._snapshot(t)
+        tasks = [self._tasks[i] for i in self._queue]
+        applications = [task.application for task in tasks]
+        place = getattr(self.policy, "place_inference", None)
+        if place is not None:
+            result = place(snapshot, applications, self._pool.views(t))
+        else:  # a non-lending policy: ATS-I on the inference pool, nothing lent so nothing to reclaim
+            result = place_inference_tasks(snapshot, applications, self._pool.views(t))
+        jobs = {job.spec.name: (job, info) for job, info in zip(self._active, snapshot.jobs)}
+        waiting, resized = [], False
+        for index, task, decision in zip(self._queue, tasks, result.decisions):
+            if decision.kind == "wait":
+                waiting.append(index)
+                continue
+            if decision.kind == "reclaim":
+                job, info = jobs[decision.job_id]
+                self._reclaims += 1
+                resized = True
+                new = decision.job_allocation
+                if new is None or not new.placement:  # below its minimum: the job stops (checkpointed)
+                    job.allocation, job.rate, job.finish_at = None, 0.0, math.inf
+                else:
+                    cost = self._costs.cost_s(info, starting=False, default_s=self.cluster.restart_cost_s) \
+                        if self._costs is not None else self.cluster.restart_cost_s
+                    job.restart_until = max(job.restart_until, t + cost)
+                    job.allocation = new
+                    job.restarts += 1  # a stopped job counts when it is placed again
+            replica_id, finish = self._pool.start(decision, task, t)
+            self._serving[replica_id] = (finish, index)
+            cold = self._pool.config.cold_start(task.application) if decision.cold_start else 0.0
+            self._placed[index] = (t, t + cold, decision.cold_start, decision.kind)
+        self._queue = waiting
+        if resized:
+            self._set_rates(t)
+        return resized
+
+    def _check_gpus(self, t: float) -> None:
+        """No GPU has two holders (training jobs and live replicas), and a queued task sees no lendable GPU."""
+        holders: dict[tuple[str, int], str] = {}
+        replicas = self._pool.views(t)
+        claims = [(f"replica {v.replica_id}", ((v.node, (v.gpu,)),)) for v in replicas]
+        claims += [(f"job {j.spec.name}", j.allocation.placement) for j in self._active if j.allocation is not None]
+        for who, placement in claims:
+            for node, indices in placement:
+                for i in indices:
+                    if (node, i) in holders:
+                        raise PlanViolation(f"policy {self.policy_name} at t={t:.0f}s: GPU {node}/{i} held by both "
+                                            f"{holders[(node, i)]} and {who}")
+                    holders[(node, i)] = who
+        if self._queue:
+            busy = {(v.node, v.gpu) for v in replicas if v.state.holds_gpu}
+            idle = [(n.name, i) for n in self.cluster.nodes if n.pool == "inference" for i in range(n.gpus) if (n.name, i) not in busy]
+            if idle:
+                raise PlanViolation(f"policy {self.policy_name} at t={t:.0f}s: {len(self._queue)} inference tasks wait "
+                                    f"while inference GPU {idle[0][0]}/{idle[0][1]} is not RUNNING or PROTECT")
+
+    def _inference_records(self) -> tuple[InferenceRecord, ...]:
+        records = []
+        for index, task in enumerate(self._tasks):
+            start, ready, cold, kind = self._placed[index]
+            arrival = self.start_s + task.arrival_s
+            records.append(InferenceRecord(task.name, task.application, arrival, start, ready, self._task_finish[index],
+                                           start - arrival, cold, kind))
+        return tuple(records)
 
     # --- results -----------------------------------------------------------------------
 
@@ -481,6 +678,10 @@ class Simulator:
             self.cluster.restart_cost_s + job.target / rate if rate > 0 else math.inf
             for job, rate in zip(self._jobs, rates.tolist())
         ]
+
+
+def _gpu_set(allocation: Allocation) -> set[tuple[str, int]]:
+    return {(node, i) for node, indices in allocation.placement for i in indices}
 
 
 def _dataset_of(application: str) -> str:

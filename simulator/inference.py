@@ -133,6 +133,21 @@ def format_inference_rows(tasks: Iterable[InferenceTask], *, header: bool = True
     return out.getvalue()
 
 
+def mixed_rows(jobs, tasks: Iterable[InferenceTask]) -> str:
+    """One CSV of training jobs (``simulator.workload.JobSpec``) and inference tasks, by arrival.
+
+    Training rows leave ``duration`` and ``num_task`` empty: they are inference columns.
+    """
+    rows = [(j.arrival_s, 0, (j.name, _short(j.arrival_s), j.application, j.num_replicas, j.batch_size, "", "")) for j in jobs]
+    rows += [(t.arrival_s, 1, (t.name, _short(t.arrival_s), t.application, 1, t.batch_size, _short(t.duration_s), t.num_task))
+             for t in tasks]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(COLUMNS)
+    writer.writerows(row for _, _, row in sorted(rows, key=lambda r: (r[0], r[1])))
+    return out.getvalue()
+
+
 def _short(value: float) -> str:
     value = round(float(value), 3)
     return str(int(value)) if value.is_integer() else repr(value)

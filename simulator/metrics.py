@@ -14,6 +14,11 @@ Definitions (also in docs/evaluation.md):
   the same for every cache mode.
 - remote IO utilization = bytes read from remote storage / (storage budget x makespan); 0
   when the budget is unlimited.
+- inference (DeepBoot workloads): a task's wait = placed - arrival (queued for a GPU, cold
+  start excluded); its start latency = wait + cold start (arrival until it runs);
+  ``cold_start_share`` = tasks that started a new replica / all tasks; ``lent_gpu_hours`` =
+  GPU-hours training held on inference-pool nodes; ``reclaims`` = lent GPUs taken back.
+  Training figures above cover the training jobs only.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ JOB_COLUMNS = (
 )
 
 
+INFERENCE_COLUMNS = ("name", "application", "arrival_s", "start_s", "ready_s", "finish_s", "wait_s", "cold_start", "kind")
+
+
 def _r(value: float, digits: int = 6) -> float:
     return round(float(value), digits) if math.isfinite(value) else float(value)
 
@@ -49,7 +57,7 @@ def summary(result: SimulationResult) -> dict[str, Any]:
     gpus = result.cluster.total_gpus
     budget = result.cluster.storage_bandwidth_bytes_per_s
     io_util = result.remote_bytes_read / (budget * makespan) if math.isfinite(budget) and makespan > 0 else 0.0
-    return {
+    data = {
         "policy": result.policy,
         "cache_mode": result.cache_mode,
         "policy_options": {k: list(v) if isinstance(v, tuple) else v for k, v in result.policy_options.items()},
@@ -80,6 +88,47 @@ def summary(result: SimulationResult) -> dict[str, Any]:
             "io_utilization": "remote bytes read / (storage budget x makespan); 0 when the budget is unlimited",
         },
     }
+    inference = inference_summary(result)
+    if inference:
+        data["inference"] = inference
+        data["definitions"]["inference"] = ("wait = placed - arrival (cold start excluded); start latency = wait + cold start; "
+                                            "cold_start_share = tasks starting a new replica / tasks")
+    return data
+
+
+def inference_summary(result: SimulationResult) -> dict[str, Any]:
+    """Inference figures of a run with inference tasks ({} without)."""
+    tasks = result.inference
+    if not tasks:
+        return {}
+    wait = np.array([t.wait_s for t in tasks])
+    latency = np.array([t.ready_s - t.arrival_s for t in tasks])
+    kinds: dict[str, int] = {}
+    for t in tasks:
+        kinds[t.kind] = kinds.get(t.kind, 0) + 1
+    return {
+        "tasks": len(tasks),
+        "wait_p50_s": _r(float(np.percentile(wait, 50)), 3),
+        "wait_p99_s": _r(float(np.percentile(wait, 99)), 3),
+        "wait_max_s": _r(float(wait.max()), 3),
+        "waited_share": _r(float(np.mean(wait > 0)), 6),
+        "start_latency_p50_s": _r(float(np.percentile(latency, 50)), 3),
+        "start_latency_p99_s": _r(float(np.percentile(latency, 99)), 3),
+        "cold_start_share": _r(float(np.mean([t.cold_start for t in tasks])), 6),
+        "decisions": dict(sorted(kinds.items())),
+        "reclaims": result.reclaims,
+        "lent_gpu_hours": _r(result.lent_gpu_s / 3600.0, 3),
+        "protect_scale": result.protect_scale,
+    }
+
+
+def write_inference_csv(result: SimulationResult, path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(INFERENCE_COLUMNS)
+        for t in result.inference:
+            writer.writerow((t.name, t.application, _r(t.arrival_s), _r(t.start_s), _r(t.ready_s), _r(t.finish_s),
+                             _r(t.wait_s), int(t.cold_start), t.kind))
 
 
 def write_jobs_csv(result: SimulationResult, path: Path) -> None:
@@ -156,6 +205,8 @@ def write_outputs(result: SimulationResult, out: str | Path, *, plots: bool = Tr
     data = summary(result)
     (out / "summary.json").write_text(json.dumps(data, indent=2) + "\n")
     write_jobs_csv(result, out / "jobs.csv")
+    if result.inference:
+        write_inference_csv(result, out / "inference.csv")
     if plots:
         plot_jct_cdf([result], out / "jct_cdf.png")
         plot_utilization(result, out / "utilization.png")
@@ -178,6 +229,16 @@ _TABLE = (
 )
 
 
+_INFERENCE_TABLE = (
+    ("inf. wait p50 (s)", "wait_p50_s", "{:.2f}"),
+    ("inf. wait p99 (s)", "wait_p99_s", "{:.2f}"),
+    ("inf. start p99 (s)", "start_latency_p99_s", "{:.2f}"),
+    ("cold starts", "cold_start_share", "{:.1%}"),
+    ("reclaims", "reclaims", "{}"),
+    ("lent GPU-h", "lent_gpu_hours", "{:,.1f}"),
+)
+
+
 def compare_table(summaries: Sequence[dict[str, Any]]) -> str:
     """A Markdown table, one row per policy (and cache mode; those columns only when a run had cache or an IO budget)."""
     data_aware = any(s.get("cache_mode", "none") != "none" or s.get("io_utilization", 0.0) > 0 for s in summaries)
@@ -185,6 +246,12 @@ def compare_table(summaries: Sequence[dict[str, Any]]) -> str:
     head = "| " + " | ".join(h for h, _, _ in table) + " |"
     rule = "|" + "|".join("---" if k in ("policy", "cache_mode") else "---:" for _, k, _ in table) + "|"
     rows = ["| " + " | ".join(fmt.format(s.get(k, "")) for _, k, fmt in table) + " |" for s in summaries]
+    if any("inference" in s for s in summaries):  # DeepBoot: inference beside training
+        extra = [(h, k, fmt) for h, k, fmt in _INFERENCE_TABLE]
+        head = head + " " + " | ".join(h for h, _, _ in extra) + " |"
+        rule = rule + "|".join("---:" for _ in extra) + "|"
+        rows = [row + " " + " | ".join(fmt.format(s.get("inference", {}).get(k, float("nan"))) for _, k, fmt in extra) + " |"
+                for row, s in zip(rows, summaries)]
     return "\n".join([head, rule, *rows])
 
 

@@ -27,10 +27,12 @@ def simulate(
     observer: Callable[[SimProgress], None] | None = None,
     policy_options: dict[str, Any] | None = None,
     cache_mode: str = "none",
+    protect_scale: float = 1.0,
 ) -> SimulationResult:
     """Run one simulation to the end; the result carries the wall time it took.
 
     ``cache_mode``: ``none``, ``lru``, ``static``, ``quiver`` or ``silod`` (:mod:`simulator.cacheio`).
+    ``protect_scale`` scales the inference replicas' protect times (0: no protect; DeepBoot workloads).
     """
     if isinstance(workload, (str, Path)):
         workload = load_workload(workload)
@@ -39,7 +41,7 @@ def simulate(
     started = time.perf_counter()
     simulator = Simulator(
         workload, policy, cluster, check_invariants=check_invariants, observer=observer, policy_options=policy_options,
-        cache_mode=cache_mode,
+        cache_mode=cache_mode, protect_scale=protect_scale,
     )
     result = simulator.run()
     return dataclasses.replace(result, wall_time_s=time.perf_counter() - started)

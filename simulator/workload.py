@@ -10,6 +10,11 @@ definition: its simulator ends a job when the job's progress, counted in steps a
 application's initial batch size, reaches the progress the validation runs record at the end
 of epoch ``MAX_EPOCHS[app]`` (the smallest over the runs at different batch sizes). In samples
 that is ``init_batch_size x progress`` — see :func:`target_samples` and docs/evaluation.md.
+
+A DeepBoot workload may mix in inference rows (application ``infer-<model>-<k>``, columns
+``...,duration,num_task``): they are not training jobs, so :func:`parse_workload` skips them
+and :func:`load_workload` hands them to :mod:`simulator.inference`'s parser
+(``Workload.inference``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from simulator.errors import SimulatorInputError
 COLUMNS = ("name", "time", "application", "num_replicas", "batch_size")
 _PACKAGE = "simulator.workloads"
 DEFAULT_DIR = "workloads"
+_INFERENCE_PREFIX = "infer-"  # simulator.inference.PREFIX (not imported: that module pulls in the scheduler)
 
 
 @dataclass(frozen=True)
@@ -45,13 +51,14 @@ class JobSpec:
 class Workload:
     name: str                       # packaged name (``workloads/workload-6``) or the path given
     jobs: tuple[JobSpec, ...]       # in arrival order (ties: file order)
+    inference: tuple = ()           # simulator.inference.InferenceTask rows of a mixed file, by arrival
 
     def __len__(self) -> int:
         return len(self.jobs)
 
     def head(self, count: int) -> "Workload":
         """The first ``count`` jobs by arrival (tests and quick looks)."""
-        return Workload(f"{self.name}[:{count}]", self.jobs[:count])
+        return Workload(f"{self.name}[:{count}]", self.jobs[:count], self.inference)
 
 
 # --- what finishing means ------------------------------------------------------------------
@@ -128,7 +135,7 @@ def load_workload(source: str | Path) -> Workload:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise SimulatorInputError(f"workload {path}: cannot read: {exc}") from None
-        return Workload(str(source), parse_workload(text, str(source)))
+        return _mixed(str(source), text)
     if path.is_dir():
         raise SimulatorInputError(f"workload {path}: is a directory; give one CSV file")
     packaged = _packaged(str(source))
@@ -138,7 +145,14 @@ def load_workload(source: str | Path) -> Workload:
             "(e.g. workload-6, workloads/workload-6.csv, workloads-2.0/workload-3; see 'silod simulate list')"
         )
     name, entry = packaged
-    return Workload(name, parse_workload(entry.read_text(encoding="utf-8"), name))
+    return _mixed(name, entry.read_text(encoding="utf-8"))
+
+
+def _mixed(name: str, text: str) -> Workload:
+    """Training jobs and (DeepBoot) inference tasks of one CSV."""
+    from simulator.inference import parse_inference_tasks
+
+    return Workload(name, parse_workload(text, name), parse_inference_tasks(text, name))
 
 
 def parse_workload(text: str, source: str = "workload") -> tuple[JobSpec, ...]:
@@ -183,6 +197,8 @@ def parse_workload(text: str, source: str = "workload") -> tuple[JobSpec, ...]:
         if not (math.isfinite(arrival) and arrival >= 0):
             raise bad("time", "seconds (a number >= 0)")
         application = cell("application")
+        if application.startswith(_INFERENCE_PREFIX):  # an inference task (simulator.inference parses it)
+            continue
         if application not in apps:
             raise bad("application", f"one of {', '.join(sorted(apps))}")
         replicas = _whole(cell("num_replicas"))
@@ -193,7 +209,7 @@ def parse_workload(text: str, source: str = "workload") -> tuple[JobSpec, ...]:
             raise bad("batch_size", "a whole number >= 1")
         jobs.append(JobSpec(name, application, arrival, replicas, batch))
     if not jobs:
-        raise SimulatorInputError(f"workload {source}: no jobs (only a header)")
+        raise SimulatorInputError(f"workload {source}: no jobs (only a header, or only inference rows)")
     order = sorted(range(len(jobs)), key=lambda i: (jobs[i].arrival_s, i))
     return tuple(jobs[i] for i in order)
 
