@@ -25,6 +25,21 @@ The mapping follows the way the Pollux artifact built its workloads from the sam
    cluster); ``batch_size`` = the application's initial batch size x ``num_replicas``,
    capped at its largest validated batch size.
 
+``mix="io"`` is the IO-bound variant of docs/evaluation.md ("Co-design: cache and remote IO",
+"A Philly workload that reads its data"): the same GPU-hour buckets, but every job trains on
+image or speech files (no bert on 30 MB of SQuAD text, no ncf on 0.5 GB of rating rows, the
+two applications whose input is negligible next to their compute):
+
+===================  ==========================================  ===============
+Philly GPU-hours      application (dataset)                       epochs
+===================  ==========================================  ===============
+< 1                   cifar10 (CIFAR-10, 0.16 GB)                 100
+1 - 10                yolov3 (VOC, 2.4 GB) or deepspeech2          50 / 80
+                      (LibriSpeech, 60 GB), even odds
+10 - 100              yolov3                                      50
+>= 100                imagenet (ImageNet-1k, 146 GB)              90
+===================  ==========================================  ===============
+
 The same seed and arguments always give the same CSV.
 """
 
@@ -43,6 +58,9 @@ from simulator.workload import JobSpec
 
 # (upper bound in GPU-hours, applications to pick from with even odds)
 APPLICATION_BY_GPU_HOURS = ((1.0, ("cifar10", "ncf")), (10.0, ("deepspeech2", "bert")), (100.0, ("yolov3",)), (math.inf, ("imagenet",)))
+# The IO-bound mix: only applications that read image or speech files (module docstring).
+IO_APPLICATION_BY_GPU_HOURS = ((1.0, ("cifar10",)), (10.0, ("deepspeech2", "yolov3")), (100.0, ("yolov3",)), (math.inf, ("imagenet",)))
+MIXES = {"pollux": APPLICATION_BY_GPU_HOURS, "io": IO_APPLICATION_BY_GPU_HOURS}
 MIN_DURATION_S = 60.0
 MAX_GPU_HOURS = 1000.0
 
@@ -71,8 +89,8 @@ def read_trace() -> tuple[PhillyJob, ...]:
     return tuple(jobs)
 
 
-def application_for(gpu_hours: float, rng: random.Random) -> str:
-    for bound, apps in APPLICATION_BY_GPU_HOURS:
+def application_for(gpu_hours: float, rng: random.Random, mix: str = "pollux") -> str:
+    for bound, apps in MIXES[mix]:
         if gpu_hours < bound:
             return apps[0] if len(apps) == 1 else rng.choice(apps)
     raise AssertionError("unreachable")
@@ -86,6 +104,7 @@ def generate_philly(
     start_hour: float = 0.0,
     load: float = 1.0,
     max_gpus: int = 64,
+    mix: str = "pollux",
 ) -> tuple[JobSpec, ...]:
     """``jobs`` jobs sampled from the Philly trace (see the module docstring), sorted by arrival."""
     if jobs < 1:
@@ -98,6 +117,8 @@ def generate_philly(
         raise SimulatorInputError(f"--load must be > 0, got {load}")
     if max_gpus < 1:
         raise SimulatorInputError(f"--max-gpus must be >= 1, got {max_gpus}")
+    if mix not in MIXES:
+        raise SimulatorInputError(f"mix must be one of {', '.join(MIXES)}, got {mix!r}")
     from estimator.profiles import load_profile
 
     start = start_hour * 3600.0
@@ -115,7 +136,7 @@ def generate_philly(
     picked = rng.sample(candidates, jobs)
     specs = []
     for offset, job in picked:
-        app = application_for(job.gpu_hours, rng)
+        app = application_for(job.gpu_hours, rng, mix)
         bounds = load_profile(app).bounds
         replicas = max(1, min(job.num_gpus, max_gpus, bounds.max_batch_size // bounds.min_local_bsz))
         batch = min(bounds.init_batch_size * replicas, bounds.max_batch_size)
