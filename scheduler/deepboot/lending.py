@@ -87,11 +87,14 @@ def place_lending(
     jobs = {job.job_id: job for job in snapshot.jobs}
     wanted = {job_id: n for job_id, n in gpu_counts.items() if n > 0}
     placements: dict[str, Placement] = {}
+    growing: dict[str, Placement] = {}  # jobs that grow: their current GPUs, kept (AFE scale-out adds workers)
     for job_id, count in wanted.items():
-        kept = _keep(snapshot.current.get(job_id), count, anywhere, training_nodes)
+        current = snapshot.current.get(job_id)
+        grows = current is not None and count > current.gpus > 0
+        kept = _keep(current, current.gpus if grows else count, anywhere, training_nodes)
         if kept is not None:
             mirror(kept, training, training_nodes)
-            placements[job_id] = kept
+            (growing if grows else placements)[job_id] = kept
     cache = _cache_by_dataset(snapshot)
     everything = {node.name for node in snapshot.nodes}
     unplaced = []
@@ -101,6 +104,10 @@ def place_lending(
             continue
         job = jobs[job_id]
         cached = cache.get(job.dataset, {}) if job.dataset else {}
+        if job_id in growing:
+            placements[job_id] = _grow(job, growing[job_id], wanted[job_id], training, anywhere, training_nodes,
+                                       everything, cached, lend=lend)
+            continue
         fresh = _fresh_placement(job, wanted[job_id], training, cached)
         if fresh is not None:
             mirror(fresh, anywhere, everything)
@@ -113,6 +120,52 @@ def place_lending(
         else:
             placements[job_id] = fresh
     return PlacementResult(placements, tuple(unplaced))
+
+
+def _grow(job: JobInfo, kept: Placement, count: int, training: FreeGpus, anywhere: FreeGpus, training_nodes,
+          everything, cached, *, lend: bool) -> Placement:
+    """``kept`` (the job's current GPUs, already reserved) plus new GPUs up to ``count``.
+
+    A growing job keeps its workers (with AFE only the new ones start, DeepBoot's scale-out);
+    a fresh placement elsewhere would restart all of them. New GPUs come from the job's own
+    nodes, then the training pool, then (lending) its own inference nodes, then lent GPUs. If
+    not all fit, the job gets what did (at least its current GPUs).
+    """
+    held: dict[str, list[int]] = {node: list(indices) for node, indices in kept}
+    remaining = count - sum(map(len, held.values()))
+
+    def add(placement: Placement) -> None:
+        nonlocal remaining
+        for node, indices in placement:
+            held.setdefault(node, []).extend(indices)
+            remaining -= len(indices)
+
+    def on_own_nodes(pool_nodes, view: FreeGpus, other: FreeGpus | None) -> None:
+        for node in sorted(held, key=lambda n: (-len(held[n]), n)):
+            if remaining <= 0 or node not in pool_nodes or view.count(node) == 0:
+                continue
+            taken = view.reserve_any(node, min(remaining, view.count(node)))
+            if other is not None:
+                other.reserve(node, taken)
+            add(((node, taken),))
+
+    on_own_nodes(training_nodes, training, anywhere)  # ``anywhere`` covers the training pool too: keep both views in step
+    if remaining > 0:
+        fresh = _fresh_placement(job, remaining, training, cached)
+        if fresh is not None:
+            for node, indices in fresh:
+                anywhere.reserve(node, indices)
+            add(fresh)
+    if remaining > 0 and lend:
+        on_own_nodes(everything - set(training_nodes), anywhere, None)
+        if remaining > 0:
+            fresh = _fresh_placement(job, remaining, anywhere, cached)
+            if fresh is not None:
+                for node, indices in fresh:
+                    if node in training_nodes:
+                        training.reserve(node, indices)
+                add(fresh)
+    return tuple(sorted((node, tuple(sorted(indices))) for node, indices in held.items()))
 
 
 def _keep(current: Allocation | None, count: int, free: FreeGpus, training_nodes) -> Placement | None:

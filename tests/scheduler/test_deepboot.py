@@ -186,3 +186,26 @@ def test_plans_never_use_busy_inference_gpus(snapshot, data):
         for node, indices in allocation.placement:
             assert not set(indices) & set(busy.get(node, ()))
     assert sum(a.gpus for a in plan.allocations.values()) <= training_capacity(snap)
+
+
+def test_a_growing_job_keeps_its_gpus_and_adds_workers():
+    """AFE scale-out: the job's current GPUs stay in its placement (a fresh placement would restart every worker)."""
+    from scheduler.deepboot.lending import place_lending
+    from scheduler.policy import Allocation, Plan
+    from tests.scheduler.conftest import make_job, make_nodes, make_snapshot
+
+    nodes = make_nodes(2, 4) + make_nodes(1, 4, pool="inference")
+    names = [n.name for n in nodes]
+    jobs = [make_job("grow", "cifar10", gpus=2, min_gpus=1, max_gpus=8), make_job("other", "ncf", gpus=2, min_gpus=1, max_gpus=8)]
+    current = Plan({"grow": Allocation(placement=((names[0], (0, 1)),)), "other": Allocation(placement=((names[0], (2, 3)),))})
+    for lend in (True, False):
+        snapshot = make_snapshot(nodes, jobs, current=current)
+        placed = place_lending(snapshot, {"grow": 4, "other": 2}, lend=lend).placements
+        gpus = {(n, i) for n, ix in placed["grow"] for i in ix}
+        assert {(names[0], 0), (names[0], 1)} <= gpus and len(gpus) == 4, (lend, placed["grow"])
+        assert placed["other"] == ((names[0], (2, 3)),)
+        assert not gpus & {(n, i) for n, ix in placed["other"] for i in ix}
+    # Lent GPUs only once the training pool is full: growing to 10 needs 2 of the inference node.
+    snapshot = make_snapshot(nodes, jobs, current=current)
+    placed = place_lending(snapshot, {"grow": 10, "other": 2}).placements
+    assert dict(placed["grow"]) == {names[0]: (0, 1), names[1]: (0, 1, 2, 3), names[2]: (0, 1, 2, 3)}
