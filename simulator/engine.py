@@ -141,6 +141,7 @@ class SimulationResult:
     lent_gpu_s: float = 0.0               # GPU-seconds training held on inference-pool nodes
     reclaims: int = 0                     # lent GPUs ATS-I took back from training
     protect_scale: float = 1.0            # the replicas' protect times were scaled by this
+    restart_charges: dict = field(default_factory=dict)  # "afe"/"full"/"fixed" -> [count, seconds] charged to jobs
 
 
 class _Job:
@@ -352,7 +353,7 @@ class Simulator:
             plans_checked=self.plans_checked, start_s=self.start_s,
             cache_mode=self.cache_mode, remote_bytes_read=float(getattr(self.rate_model, "bytes_read", 0.0)),
             inference=self._inference_records(), lent_gpu_s=self._lent_gpu_s, reclaims=self._reclaims,
-            protect_scale=self._protect_scale,
+            protect_scale=self._protect_scale, restart_charges={k: list(v) for k, v in sorted(self._charges.items())},
         )
 
     # --- time --------------------------------------------------------------------------
@@ -502,10 +503,18 @@ class Simulator:
     def _resize_cost(self, job: _Job, info: JobInfo, new: Allocation) -> float:
         """Seconds without progress after ``job`` moves to ``new`` (see the module docstring)."""
         if self._costs is None:
-            return self.cluster.restart_cost_s
+            return self._charge("fixed", self.cluster.restart_cost_s)
         old = job.allocation
         kept = old is not None and bool(_gpu_set(old) & _gpu_set(new))
-        return self._costs.cost_s(info, starting=not kept, default_s=self.cluster.restart_cost_s)
+        cost = self._costs.cost_s(info, starting=not kept, default_s=self.cluster.restart_cost_s)
+        return self._charge("afe" if kept and self._costs.afe else "full", cost)
+
+    def _charge(self, kind: str, seconds: float) -> float:
+        """Count a restart cost (summary.json ``restart_charges``: what the resize model cost the jobs)."""
+        entry = self._charges.setdefault(kind, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+        return seconds
 
     def _set_rates(self, t: float) -> None:
         """Rates and completion times of every running job from ``t`` (after their allocations changed)."""
@@ -561,6 +570,7 @@ class Simulator:
         self._task_finish: dict[int, float] = {}
         self._lent_gpu_s = 0.0
         self._reclaims = 0
+        self._charges: dict[str, list] = {}
 
     def _inference_done(self) -> bool:
         return self._task_next == len(self._tasks) and not self._queue and not self._serving
@@ -613,8 +623,9 @@ class Simulator:
                 if new is None or not new.placement:  # below its minimum: the job stops (checkpointed)
                     job.allocation, job.rate, job.finish_at = None, 0.0, math.inf
                 else:
-                    cost = self._costs.cost_s(info, starting=False, default_s=self.cluster.restart_cost_s) \
-                        if self._costs is not None else self.cluster.restart_cost_s
+                    cost = self._charge("afe" if self._costs.afe else "full",
+                                        self._costs.cost_s(info, starting=False, default_s=self.cluster.restart_cost_s)) \
+                        if self._costs is not None else self._charge("fixed", self.cluster.restart_cost_s)
                     job.restart_until = max(job.restart_until, t + cost)
                     job.allocation = new
                     job.restarts += 1  # a stopped job counts when it is placed again

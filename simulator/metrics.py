@@ -75,6 +75,7 @@ def summary(result: SimulationResult) -> dict[str, Any]:
         "rho_max": _r(rho.max(), 6),
         "rho_mean": _r(rho.mean(), 6),
         "restarts": int(sum(j.restarts for j in jobs)),
+        "restart_charges": {k: {"count": n, "seconds": _r(sec, 3)} for k, (n, sec) in result.restart_charges.items()},
         "cluster": result.cluster.describe(),
         "rounds": result.rounds,
         "events": result.events,

@@ -78,6 +78,9 @@ def test_deepboot_lends_reclaims_and_never_double_books():
         cold = sim._pool.config.cold_start(record.application) if record.cold_start else 0.0
         assert record.ready_s - record.start_s == pytest.approx(cold)
         assert record.finish_s - record.ready_s == pytest.approx(by_name[record.name].duration_s)
+    # Every first start is a full start; reclaims leave survivors, so they are AFE resizes.
+    assert set(result.restart_charges) == {"afe", "full"} and result.restart_charges["full"][0] >= len(JOBS)
+    assert result.restart_charges["afe"][0] > 0
     s = summary(result)
     assert s["inference"]["tasks"] == len(tasks) and s["inference"]["reclaims"] == result.reclaims
     assert 0 < s["inference"]["cold_start_share"] < 1
