@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -167,3 +168,26 @@ def test_set_false_is_a_boolean_and_summary_without_inference_has_no_inference_b
     result = Simulator(workload_from_jobs(JOBS[:1]), "fifo", cluster_from_dict({"nodes": 1})).run()
     assert inference_summary(result) == {} and "inference" not in summary(result)
     assert math.isfinite(summary(result)["avg_jct_s"])
+
+
+def test_cli_mix_then_run_deepboot_writes_inference_outputs(tmp_path, capsys):
+    from silod.cli.main import main
+
+    training = tmp_path / "train.csv"
+    training.write_text("name,time,application,num_replicas,batch_size\n"
+                        "cifar-a,0,cifar10,2,512\nncf-b,30,ncf,1,1024\n")
+    mixed = tmp_path / "mixed.csv"
+    assert main(["simulate", "mix", "--workload", str(training), "--pattern", "bursty", "--rate", "0.02",
+                 "--horizon-s", "1200", "--seed", "4", "--out", str(mixed)]) == 0
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("nodes:\n  - {count: 1, gpus: 4}\n  - {count: 1, gpus: 2, pool: inference}\n")
+    out = tmp_path / "out"
+    assert main(["simulate", "--workload", str(mixed), "--policy", "deepboot", "--set", "deepboot.afe=false",
+                 "--inference-protect-scale", "0.5", "--cluster", str(cluster), "--out", str(out), "--no-plots"]) == 0
+    data = json.loads((out / "summary.json").read_text())
+    tasks = load_workload(mixed).inference
+    assert data["policy_options"]["afe"] is False and data["inference"]["protect_scale"] == 0.5
+    assert data["inference"]["tasks"] == len(tasks) > 0
+    rows = (out / "inference.csv").read_text().splitlines()
+    assert len(rows) == len(tasks) + 1 and rows[0].startswith("name,application,arrival_s")
+    assert "inference:" in capsys.readouterr().out
