@@ -204,6 +204,9 @@ class Simulator:
     plan with :func:`scheduler.invariants.plan_problems` and raises
     :class:`~scheduler.invariants.PlanViolation` naming the policy, time and problems.
     ``observer`` is called after every event with a :class:`SimProgress`.
+    ``inference_tasks`` (default: the workload's inference rows) run on the cluster's
+    inference-pool nodes with replica lifecycle ``lifecycle`` (default: DeepBoot's protect
+    times scaled by ``protect_scale``); see the module docstring.
     """
 
     def __init__(

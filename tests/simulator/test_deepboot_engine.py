@@ -191,3 +191,9 @@ def test_cli_mix_then_run_deepboot_writes_inference_outputs(tmp_path, capsys):
     rows = (out / "inference.csv").read_text().splitlines()
     assert len(rows) == len(tasks) + 1 and rows[0].startswith("name,application,arrival_s")
     assert "inference:" in capsys.readouterr().out
+    both = tmp_path / "both"
+    assert main(["simulate", "compare", "--workload", str(mixed), "--policy", "deepboot,pollux", "--cluster", str(cluster),
+                 "--out", str(both), "--no-plots", "--quiet"]) == 0
+    table = (both / "compare.md").read_text()
+    assert "inf. wait p99 (s)" in table and "cold starts" in table
+    assert all("inference" in p for p in json.loads((both / "compare.json").read_text())["policies"].values())
