@@ -53,6 +53,7 @@ GPU_DOUBLE_HELD = Counter(
     "silod_scheduler_gpu_double_held_total", "Reports of one (node, GPU) held by tasks of two different jobs"
 )
 
+MAX_MOVES = 1000  # state moves per TransitionJobs call (the metadata service's limit)
 ACTIVE_STATES = (common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED,
                  common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_RESIZING)
 PLACED_STATES = (common_pb2.JOB_STATE_SCHEDULED, common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_RESIZING)
@@ -576,25 +577,29 @@ class SchedulerCore:
         return bool(set(convert.ranks_of(previous)) & set(convert.ranks_of(entry)))
 
     async def _transitions(self, plan: plan_pb2.AllocationPlan, old: dict, jobs: dict[str, common_pb2.Job]) -> None:
-        # Each job moves independently (a compare-and-set of its own), so the moves go out
-        # together: a round that places hundreds of jobs waits for the slowest batch, not the sum.
-        moves = []
+        # Each job moves independently (a compare-and-set of its own); they go out in one
+        # TransitionJobs call per MAX_MOVES, since per-call overhead dominated a big round.
+        moves: list[metadata_pb2.TransitionJobRequest] = []
         for entry in plan.jobs:
             job = jobs.get(entry.job_id)
             if job is None:
                 continue
             placed = bool(convert.ranks_of(entry))
             if placed and job.state == common_pb2.JOB_STATE_PENDING:
-                moves.append(self.transition(job.id, job.state, common_pb2.JOB_STATE_SCHEDULED,
-                                             f"placed by plan {plan.version} (generation {entry.generation})"))
+                moves.append(_move(job, common_pb2.JOB_STATE_SCHEDULED,
+                                   f"placed by plan {plan.version} (generation {entry.generation})"))
             elif placed and job.state == common_pb2.JOB_STATE_RUNNING and entry.job_id in old \
                     and entry.generation != old[entry.job_id].generation:
-                moves.append(self.transition(job.id, job.state, common_pb2.JOB_STATE_RESIZING,
-                                             f"resized by plan {plan.version} (generation {entry.generation})"))
+                moves.append(_move(job, common_pb2.JOB_STATE_RESIZING,
+                                   f"resized by plan {plan.version} (generation {entry.generation})"))
             elif not placed and job.state in PLACED_STATES:
-                moves.append(self.transition(job.id, job.state, common_pb2.JOB_STATE_PENDING,
-                                             f"preempted by plan {plan.version}; requeued"))
-        await _bounded_gather(moves)
+                moves.append(_move(job, common_pb2.JOB_STATE_PENDING, f"preempted by plan {plan.version}; requeued"))
+        for start in range(0, len(moves), MAX_MOVES):
+            batch = moves[start:start + MAX_MOVES]
+            reply = await self.md.TransitionJobs(metadata_pb2.TransitionJobsRequest(transitions=batch))
+            for move, result in zip(batch, reply.results):
+                if result.error_code:  # moved meanwhile (a report, a cancel): the next round sees it
+                    _log.info("transition skipped", extra={"job_id": move.job_id, "reason": result.error})
 
     async def transition(self, job_id: str, expected: int, new: int, message: str) -> common_pb2.Job | None:
         try:
@@ -807,6 +812,10 @@ async def _bounded_gather(calls: list[Awaitable[T]], limit: int = RPC_CONCURRENC
         if isinstance(result, BaseException):
             raise result
     return results  # type: ignore[return-value]
+
+
+def _move(job: common_pb2.Job, new_state: int, message: str) -> metadata_pb2.TransitionJobRequest:
+    return metadata_pb2.TransitionJobRequest(job_id=job.id, expected_state=job.state, new_state=new_state, message=message)
 
 
 def _same_allocations(a: plan_pb2.AllocationPlan, b: plan_pb2.AllocationPlan) -> bool:
