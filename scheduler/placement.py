@@ -13,7 +13,7 @@ Filter / Score / Reserve):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan, Pool
@@ -83,7 +83,7 @@ class PlacementResult:
     unplaced: tuple[str, ...]             # jobs whose requested count did not fit
 
 
-def _cache_by_dataset(snapshot: ClusterSnapshot) -> dict[str, dict[str, float]]:
+def cache_by_dataset(snapshot: ClusterSnapshot) -> dict[str, dict[str, float]]:
     """dataset -> {node: bytes cached there} (positive amounts only)."""
     result: dict[str, dict[str, float]] = {}
     for (node, dataset), cached in snapshot.cached_bytes.items():
@@ -92,8 +92,13 @@ def _cache_by_dataset(snapshot: ClusterSnapshot) -> dict[str, dict[str, float]]:
     return result
 
 
-def _keep_current(current: Allocation | None, count: int, free: FreeGpus) -> Placement | None:
-    """The job's current GPUs (or a subset when it shrinks), if all are still free."""
+def keep_current(current: Allocation | None, count: int, free: FreeGpus,
+                 keep_first: Callable[[str], bool] = lambda node: False) -> Placement | None:
+    """The job's current GPUs (or a subset when it shrinks), if all are still free.
+
+    Shrinking keeps survivors on nodes where ``keep_first(node)`` holds first (DeepBoot keeps
+    training-pool GPUs and gives lent ones back), then where the job has the most GPUs (fewest nodes).
+    """
     if current is None or not current.placement or count > current.gpus:
         return None
     if not all(free.has(node, indices) for node, indices in current.placement):
@@ -101,12 +106,9 @@ def _keep_current(current: Allocation | None, count: int, free: FreeGpus) -> Pla
     held = [(node, index) for node, indices in current.placement for index in indices]
     if len(set(held)) != len(held):  # a malformed plan naming a GPU twice: place afresh
         return None
-    if count == current.gpus:
-        return tuple((node, free.reserve(node, indices)) for node, indices in current.placement)
-    # Shrinking: keep survivors on the nodes where the job has the most GPUs (fewest nodes).
     kept: list[tuple[str, tuple[int, ...]]] = []
     remaining = count
-    for node, indices in sorted(current.placement, key=lambda p: (-len(p[1]), p[0])):
+    for node, indices in sorted(current.placement, key=lambda p: (not keep_first(p[0]), -len(p[1]), p[0])):
         if remaining == 0:
             break
         take = indices[:remaining]
@@ -115,7 +117,7 @@ def _keep_current(current: Allocation | None, count: int, free: FreeGpus) -> Pla
     return tuple(sorted(kept))
 
 
-def _fresh_placement(job: JobInfo, count: int, free: FreeGpus, cache: Mapping[str, float]) -> Placement | None:
+def fresh_placement(job: JobInfo, count: int, free: FreeGpus, cache: Mapping[str, float]) -> Placement | None:
     """New GPUs for ``job``; ``cache`` maps nodes to bytes of the job's dataset they hold."""
     if free.total < count:
         return None
@@ -162,18 +164,18 @@ def place(
     wanted = {job_id: n for job_id, n in gpu_counts.items() if n > 0}
     placements: dict[str, Placement] = {}
     for job_id, count in wanted.items():
-        kept = _keep_current(snapshot.current.get(job_id), count, free)
+        kept = keep_current(snapshot.current.get(job_id), count, free)
         if kept is not None:
             placements[job_id] = kept
     unplaced = []
-    cache = _cache_by_dataset(snapshot)
+    cache = cache_by_dataset(snapshot)
     # ``order`` first, then any job it leaves out (in ``gpu_counts`` order): none is dropped silently.
     sequence = list(order) + list(wanted) if order is not None else list(wanted)
     for job_id in dict.fromkeys(sequence):
         if job_id in placements or job_id not in wanted:
             continue
         job = jobs[job_id]
-        fresh = _fresh_placement(job, wanted[job_id], free, cache.get(job.dataset, {}) if job.dataset else {})
+        fresh = fresh_placement(job, wanted[job_id], free, cache.get(job.dataset, {}) if job.dataset else {})
         if fresh is None:
             unplaced.append(job_id)
         else:

@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from scheduler.placement import FreeGpus, Placement, PlacementResult, _cache_by_dataset, _fresh_placement
+from scheduler.placement import FreeGpus, Placement, PlacementResult, cache_by_dataset, fresh_placement, keep_current
 from scheduler.policies.pollux_estimates import held_in_place
-from scheduler.policy import Allocation, ClusterSnapshot, JobInfo
+from scheduler.policy import ClusterSnapshot, JobInfo
 
 BOTH_POOLS = ("training", "inference")
 
@@ -91,11 +91,12 @@ def place_lending(
     for job_id, count in wanted.items():
         current = snapshot.current.get(job_id)
         grows = current is not None and count > current.gpus > 0
-        kept = _keep(current, current.gpus if grows else count, anywhere, training_nodes)
+        kept = keep_current(current, current.gpus if grows else count, anywhere,
+                            keep_first=lambda node: node in training_nodes)
         if kept is not None:
             mirror(kept, training, training_nodes)
             (growing if grows else placements)[job_id] = kept
-    cache = _cache_by_dataset(snapshot)
+    cache = cache_by_dataset(snapshot)
     everything = {node.name for node in snapshot.nodes}
     unplaced = []
     sequence = list(order) + list(wanted) if order is not None else list(wanted)
@@ -108,11 +109,11 @@ def place_lending(
             placements[job_id] = _grow(job, growing[job_id], wanted[job_id], training, anywhere, training_nodes,
                                        everything, cached, lend=lend)
             continue
-        fresh = _fresh_placement(job, wanted[job_id], training, cached)
+        fresh = fresh_placement(job, wanted[job_id], training, cached)
         if fresh is not None:
             mirror(fresh, anywhere, everything)
         elif lend:
-            fresh = _fresh_placement(job, wanted[job_id], anywhere, cached)
+            fresh = fresh_placement(job, wanted[job_id], anywhere, cached)
             if fresh is not None:
                 mirror(fresh, training, training_nodes)
         if fresh is None:
@@ -151,7 +152,7 @@ def _grow(job: JobInfo, kept: Placement, count: int, training: FreeGpus, anywher
 
     on_own_nodes(training_nodes, training, anywhere)  # ``anywhere`` covers the training pool too: keep both views in step
     if remaining > 0:
-        fresh = _fresh_placement(job, remaining, training, cached)
+        fresh = fresh_placement(job, remaining, training, cached)
         if fresh is not None:
             for node, indices in fresh:
                 anywhere.reserve(node, indices)
@@ -159,34 +160,10 @@ def _grow(job: JobInfo, kept: Placement, count: int, training: FreeGpus, anywher
     if remaining > 0 and lend:
         on_own_nodes(everything - set(training_nodes), anywhere, None)
         if remaining > 0:
-            fresh = _fresh_placement(job, remaining, anywhere, cached)
+            fresh = fresh_placement(job, remaining, anywhere, cached)
             if fresh is not None:
                 for node, indices in fresh:
                     if node in training_nodes:
                         training.reserve(node, indices)
                 add(fresh)
     return tuple(sorted((node, tuple(sorted(indices))) for node, indices in held.items()))
-
-
-def _keep(current: Allocation | None, count: int, free: FreeGpus, training_nodes) -> Placement | None:
-    """The job's current GPUs (a subset when it shrinks) if all are still free, else None.
-
-    Shrinking keeps training-pool GPUs before lent ones, then the nodes where the job has the
-    most GPUs (fewest nodes): like :func:`scheduler.placement.place`, but lent GPUs go back first.
-    """
-    if current is None or not current.placement or count > current.gpus:
-        return None
-    if not all(free.has(node, indices) for node, indices in current.placement):
-        return None
-    held = [(node, i) for node, indices in current.placement for i in indices]
-    if len(set(held)) != len(held):  # a malformed plan naming a GPU twice: place afresh
-        return None
-    kept = []
-    remaining = count
-    for node, indices in sorted(current.placement, key=lambda p: (p[0] not in training_nodes, -len(p[1]), p[0])):
-        if remaining == 0:
-            break
-        take = indices[:remaining]
-        kept.append((node, free.reserve(node, take)))
-        remaining -= len(take)
-    return tuple(sorted(kept))
