@@ -4,6 +4,7 @@ state-driving calls handed to :class:`SchedulerCore`."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -23,6 +24,7 @@ from silod.v1 import (
 )
 
 T = TypeVar("T")
+_log = logging.getLogger("silod.scheduler")
 WATCH_POLL_S = 0.5
 ADMISSION_CACHE_S = 5.0
 
@@ -186,12 +188,19 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
             raise InvalidArgument("required", field="node")
         if request.version < 0:
             raise InvalidArgument("must be >= 0", field="version")
-        if request.component in (allocation_pb2.PLAN_COMPONENT_WORKER_AGENT, allocation_pb2.PLAN_COMPONENT_UNSPECIFIED) \
-                and request.ok and request.version > 0:
-            await forward(self.md.Heartbeat(
-                metadata_pb2.HeartbeatRequest(node=request.node, applied_plan_version=request.version)))
+        # Releases first: they live in this process and free GPUs for the next round, so a
+        # metadata service that is down (or slow) must not lose or delay them.
         if request.released_jobs and self.core.release(request.node, request.released_jobs):
             self.core.trigger("release")
+        if request.component in (allocation_pb2.PLAN_COMPONENT_WORKER_AGENT, allocation_pb2.PLAN_COMPONENT_UNSPECIFIED) \
+                and request.ok and request.version > 0:
+            try:
+                await self.md.Heartbeat(
+                    metadata_pb2.HeartbeatRequest(node=request.node, applied_plan_version=request.version))
+            except grpc.aio.AioRpcError as exc:  # the agent's next heartbeat or ack refreshes it
+                _log.warning("heartbeat forward failed", extra={
+                    "node": request.node, "version": request.version, "code": exc.code().name,
+                    "details": exc.details()})
         return allocation_pb2.AckPlanResponse(latest_version=self.core.latest_version)
 
     async def ReportTasks(self, request, context):  # noqa: N802

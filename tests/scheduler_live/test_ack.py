@@ -1,0 +1,62 @@
+"""AllocationService.Ack: releases are handled before the heartbeat is forwarded, and a failed
+forward is logged, not raised (the releases it carried must not be lost with it)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import pytest
+
+from scheduler.live.servicers import AllocationService
+from silod.v1 import allocation_pb2
+
+
+class _FakeCore:
+    latest_version = 7
+
+    def __init__(self, heartbeat_error: bool) -> None:
+        self.calls: list[str] = []
+        self.heartbeat_error = heartbeat_error
+        core = self
+
+        class _Metadata:
+            async def Heartbeat(self, request):  # noqa: N802
+                core.calls.append(f"heartbeat {request.node} v{request.applied_plan_version}")
+                if core.heartbeat_error:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               details="metadata down")
+                return None
+
+        self.md = _Metadata()
+
+    def release(self, node: str, jobs) -> bool:
+        self.calls.append(f"release {node} {sorted(jobs)}")
+        return True
+
+    def trigger(self, reason: str) -> None:
+        self.calls.append(f"trigger {reason}")
+
+
+def _ack(core: _FakeCore) -> allocation_pb2.AckPlanResponse:
+    service = AllocationService(core)  # type: ignore[arg-type]
+    request = allocation_pb2.AckPlanRequest(node="n1", component=allocation_pb2.PLAN_COMPONENT_WORKER_AGENT,
+                                            version=3, ok=True, released_jobs=["job-a"])
+    return asyncio.run(service.Ack(request, None))
+
+
+def test_ack_handles_releases_before_forwarding_the_heartbeat() -> None:
+    core = _FakeCore(heartbeat_error=False)
+    reply = _ack(core)
+    assert core.calls == ["release n1 ['job-a']", "trigger release", "heartbeat n1 v3"]
+    assert reply.latest_version == 7
+
+
+def test_a_failed_heartbeat_forward_is_logged_and_the_release_kept(caplog: pytest.LogCaptureFixture) -> None:
+    core = _FakeCore(heartbeat_error=True)
+    with caplog.at_level(logging.WARNING, logger="silod.scheduler"):
+        reply = _ack(core)
+    assert core.calls == ["release n1 ['job-a']", "trigger release", "heartbeat n1 v3"]
+    assert reply.latest_version == 7
+    assert any(r.getMessage() == "heartbeat forward failed" and r.node == "n1" for r in caplog.records)
