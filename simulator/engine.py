@@ -61,6 +61,7 @@ from simulator.cacheio import CACHE_MODES, CacheIoRates
 from simulator.rates import GoodputRates, RateModel
 from simulator.workload import JobSpec, Workload, target_samples, workload_from_jobs
 from scheduler.deepboot.ats_i import place_inference_tasks
+from scheduler.deepboot.state import ReplicaState
 from simulator.inference import InferencePool, InferenceTask, LifecycleConfig, ProtectSchedule
 
 _EPS = 1e-9
@@ -654,12 +655,12 @@ class Simulator:
                         raise PlanViolation(f"policy {self.policy_name} at t={t:.0f}s: GPU {node}/{i} held by both "
                                             f"{holders[(node, i)]} and {who}")
                     holders[(node, i)] = who
-        if self._queue:
-            busy = {(v.node, v.gpu) for v in replicas if v.state.holds_gpu}
+        if self._queue:  # ATS-I ends another application's idle PROTECT replica before a task waits
+            busy = {(v.node, v.gpu) for v in replicas if v.state is ReplicaState.RUNNING}
             idle = [(n.name, i) for n in self.cluster.nodes if n.pool == "inference" for i in range(n.gpus) if (n.name, i) not in busy]
             if idle:
                 raise PlanViolation(f"policy {self.policy_name} at t={t:.0f}s: {len(self._queue)} inference tasks wait "
-                                    f"while inference GPU {idle[0][0]}/{idle[0][1]} is not RUNNING or PROTECT")
+                                    f"while inference GPU {idle[0][0]}/{idle[0][1]} is not RUNNING")
 
     def _inference_records(self) -> tuple[InferenceRecord, ...]:
         records = []

@@ -11,7 +11,11 @@ In order of preference (the first that exists wins):
 4. ``reclaim`` — one lent GPU back from a training job: the (job, node) whose loss of speedup
    is smallest. The job keeps its other GPUs (an AFE resize, whose cost discounts its new
    speedup) or, below its ``min_gpus``, stops and loses its whole speedup;
-5. ``wait`` — every inference GPU is RUNNING or PROTECT: nothing is lendable, so nothing idle.
+5. ``evict`` — the GPU of a PROTECT replica of another application: warm but idle, so ending
+   it (the oldest protected one first; it would have slept soonest) beats making the task
+   wait. DeepBoot keeps protected replicas from *training*; against a waiting task of
+   another model a protect time only buys a possible future reuse;
+6. ``wait`` — every inference GPU is RUNNING: nothing idle is left in the pool.
 
 Everything is a pure function of the snapshot (its ``current`` plan says which inference
 GPUs training holds) and the live replicas; :func:`place_inference_tasks` repeats the
@@ -33,7 +37,7 @@ from scheduler.deepboot.state import ReplicaState, ReplicaView
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node
 from scheduler.policy import Allocation, ClusterSnapshot, Plan
 
-Kind = Literal["reuse", "free", "sleep", "reclaim", "wait"]
+Kind = Literal["reuse", "free", "sleep", "reclaim", "evict", "wait"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class InferenceDecision:
     kind: Kind
     node: str = ""                              # inference node of the task's GPU ("" when waiting)
     gpu: int = -1
-    replica_id: str = ""                        # reuse: the warm replica taken; sleep: the sleeper to end
+    replica_id: str = ""                        # reuse: the warm replica taken; sleep / evict: the replica to end
     job_id: str = ""                            # reclaim: the training job that gives the GPU back
     job_allocation: Allocation | None = None    # reclaim: that job's allocation afterwards (empty = stopped)
     loss: float = 0.0                           # reclaim: speedup the job loses (penalized)
@@ -52,7 +56,7 @@ class InferenceDecision:
     @property
     def cold_start(self) -> bool:
         """The task starts a new replica (pays the application's start-up time)."""
-        return self.kind in ("free", "sleep", "reclaim")
+        return self.kind in ("free", "sleep", "reclaim", "evict")
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,11 @@ def place_inference_task(
     if candidates:
         best = min(candidates, key=lambda c: (c.loss, training_on[c.node], c.job_id, c.node, c.gpu))
         return dataclasses.replace(best, application=application)
+
+    protected = [r for r in live if r.state is ReplicaState.PROTECT and (r.node, r.gpu) not in lent]
+    if protected:  # none is of this application (it would have been reused)
+        r = min(protected, key=lambda r: (r.since_s, training_on[r.node], r.node, r.gpu))
+        return InferenceDecision(application, "evict", r.node, r.gpu, replica_id=r.replica_id)
     return InferenceDecision(application, "wait")
 
 
@@ -180,7 +189,7 @@ def place_inference_tasks(
         decisions.append(decision)
         if decision.kind == "wait":
             continue
-        if decision.kind in ("reuse", "sleep"):
+        if decision.kind in ("reuse", "sleep", "evict"):
             live = [r for r in live if r.replica_id != decision.replica_id]
         if decision.kind == "reclaim":
             if decision.job_allocation.placement:

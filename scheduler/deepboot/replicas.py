@@ -175,7 +175,7 @@ class InferencePool:
     def start(self, decision: InferenceDecision, task: Task, now: float) -> tuple[str, float]:
         """Run ``task`` where ATS-I decided; returns ``(replica id, finish time)``.
 
-        A reused replica starts at once; otherwise the sleeper (``sleep``) ends and a new
+        A reused replica starts at once; otherwise the replica it replaces (``sleep``, ``evict``) ends and a new
         replica pays its cold start. The caller applies ``decision.job_allocation`` to the
         training plan for a ``reclaim``.
         """
@@ -184,7 +184,7 @@ class InferencePool:
         if decision.kind == "reuse":
             self._replicas[decision.replica_id].reuse(now)
             return decision.replica_id, now + task.duration_s
-        if decision.kind == "sleep":
+        if decision.kind in ("sleep", "evict"):  # the sleeper, or another application's idle protected replica
             self._replicas[decision.replica_id].end(now)
         replica_id = f"{task.application}#{self._next_id}"
         self._next_id += 1

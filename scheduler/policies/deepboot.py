@@ -64,6 +64,9 @@ class CountTable:
 @dataclass(frozen=True)
 class DeepBootPolicy:
     afe: bool = True                                  # resizes take the AFE fast path (seconds, not a restart)
+    p: float = 1.0                                    # power-mean exponent (Pollux's): 1 = sum of speedups, -1 = fairer
+    floor: float = 1e-3                               # added to every speedup in the power mean (as in pollux)
+    resize_penalty_s: float = 0.0                     # priced on top of a running job's resize cost (hysteresis)
     full_restart_s: Mapping[str, float] = field(default_factory=dict)  # job id / application -> s (overrides)
     afe_resize_s: Mapping[str, float] = field(default_factory=dict)    # job id / application -> s (overrides)
     penalty_rounds: float = 2.0                       # the resize cost is spread over this many rounds
@@ -80,6 +83,12 @@ class DeepBootPolicy:
             raise ValueError("penalty_rounds must be a positive number")
         if self.max_gpus_per_job < 1:
             raise ValueError("max_gpus_per_job must be at least 1")
+        if not math.isfinite(self.p):
+            raise ValueError("p must be finite")
+        if not self.floor > 0:
+            raise ValueError("floor must be positive")
+        if not (math.isfinite(self.resize_penalty_s) and self.resize_penalty_s >= 0):
+            raise ValueError("resize_penalty_s must be seconds >= 0")
         ResizeCosts(self.afe, self.full_restart_s, self.afe_resize_s)  # validates the overrides
 
     @property
@@ -87,10 +96,34 @@ class DeepBootPolicy:
         return ResizeCosts(self.afe, self.full_restart_s, self.afe_resize_s)
 
     def kept(self, snapshot: ClusterSnapshot, job: JobInfo, held: int) -> float:
-        """Share of its speedup ``job`` keeps when its placement changes (it holds ``held`` GPUs in place)."""
+        """Share of its speedup ``job`` keeps when its placement changes (it holds ``held`` GPUs in place).
+
+        A running job's resize is priced at its cost plus ``resize_penalty_s``: with AFE a resize
+        costs 1-5 s, so without it the objective would move GPUs for any marginal gain.
+        """
         starting = held == 0
         cost = self.costs.cost_s(job, starting=starting, default_s=snapshot.restart_cost_s)
+        if not starting:
+            cost += self.resize_penalty_s
         return kept_share(cost, self.penalty_rounds * snapshot.interval_s, starting=starting)
+
+    def utility(self, speedup: np.ndarray) -> np.ndarray:
+        """Each job's term of the separable objective: Pollux's power-mean transform of the speedup.
+
+        ``sign(p) x (s + floor)^p`` (``log(s + floor)`` for p = 0) is increasing in ``s``, and the
+        power mean ``(1/N sum (s_j + floor)^p)^(1/p)`` is an increasing function of the sum of
+        these terms for every p, so maximizing the sum maximizes the fitness. The sum stays
+        separable over jobs, hence the group knapsack below is still exact for any p (the DP
+        needs no concavity; only the greedy fallback works on concave hulls). p = 1 is
+        DeepBoot's sum of speedups, kept literal (the floor would only shift every term by the
+        same constant).
+        """
+        if self.p == 1:
+            return np.asarray(speedup, dtype=np.float64)
+        s = np.asarray(speedup, dtype=np.float64) + self.floor
+        if self.p == 0:
+            return np.log(s)
+        return np.sign(self.p) * s**self.p
 
     def count_table(self, snapshot: ClusterSnapshot) -> CountTable:
         """Price every job at every count it may get (one vectorized estimator call)."""
@@ -105,7 +138,7 @@ class DeepBootPolicy:
         high = np.where(high >= low, high, 0)  # a minimum above the capacity: nothing allowed
         width = int(high.max(initial=0)) + 1
         utility = np.full((n, width), -np.inf)
-        utility[:, 0] = 0.0
+        utility[:, 0] = self.utility(0.0)
         estimates = JobTable(jobs)
         sizes = np.where(high > 0, high - low + 1, 0)
         if sizes.sum():
@@ -113,7 +146,7 @@ class DeepBootPolicy:
             counts = np.arange(rows.size) - np.repeat(np.cumsum(sizes) - sizes, sizes) + low[rows]
             speedup = estimates.predict(rows, counts, 0, per_node=per_node).speedup
             kept = np.array([self.kept(snapshot, job, int(h)) for job, h in zip(jobs, held)])
-            utility[rows, counts] = np.where(counts == held[rows], speedup, speedup * kept[rows])
+            utility[rows, counts] = self.utility(np.where(counts == held[rows], speedup, speedup * kept[rows]))
         rank = np.empty(n)
         rank[sorted(range(n), key=lambda i: (jobs[i].attained_gpu_s, jobs[i].submit_time_s, jobs[i].job_id))] = np.arange(n)
         utility[:, 1:] += (_TIE_BREAK * (1.0 - rank / max(n, 1)))[:, None]

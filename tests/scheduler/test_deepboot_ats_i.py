@@ -59,11 +59,55 @@ def test_without_free_gpus_the_oldest_sleeper_of_another_application_gives_way()
     assert (decision.kind, decision.replica_id, decision.node, decision.gpu) == ("sleep", "s-old", "i1", 1)
 
 
-def test_running_and_protected_replicas_are_never_taken():
-    replicas = [replica(f"r{k}", B, node, gpu, state) for k, (node, gpu, state) in enumerate(
-        [("i0", 0, RUNNING), ("i0", 1, PROTECT), ("i1", 0, PROTECT), ("i1", 1, RUNNING)])]
+def test_running_replicas_are_never_taken_and_a_task_waits_only_when_all_run():
+    replicas = [replica(f"r{k}", B, node, gpu, RUNNING) for k, (node, gpu) in enumerate(
+        [("i0", 0), ("i0", 1), ("i1", 0), ("i1", 1)])]
     snap = make_snapshot(cluster(), [])
     assert place_inference_task(snap, A, replicas).kind == "wait"
+
+
+def test_another_applications_protected_replica_gives_way_before_a_task_waits():
+    # Nothing free, asleep or lent: the oldest PROTECT replica of another application ends (a cold start).
+    replicas = [
+        replica("run", B, "i0", 0, RUNNING),
+        replica("p-new", B, "i0", 1, PROTECT, since=50.0),
+        replica("p-old", C, "i1", 0, PROTECT, since=10.0),
+        replica("run2", C, "i1", 1, RUNNING),
+    ]
+    snap = make_snapshot(cluster(), [])
+    decision = place_inference_task(snap, A, replicas)
+    assert (decision.kind, decision.replica_id, decision.node, decision.gpu) == ("evict", "p-old", "i1", 0)
+    assert decision.cold_start
+    # A lent GPU is taken back first: protected replicas stay warm while training can give way.
+    job = make_job("e", gpus=2, min_gpus=1, max_gpus=4)
+    lent = make_snapshot(cluster(), [job], current={"e": [("i1", (1,)), ("n0", (0,))]})
+    assert place_inference_task(lent, A, replicas[:3]).kind == "reclaim"
+    # In turn: the two protected replicas go, then the third task waits (all four GPUs RUNNING).
+    result = place_inference_tasks(snap, [A, A, A], replicas)
+    assert [(d.kind, d.replica_id) for d in result.decisions] == [("evict", "p-old"), ("evict", "p-new"), ("wait", "")]
+    assert all(r.state is RUNNING for r in result.replicas) and len(result.replicas) == 4
+
+
+def test_the_pool_ends_an_evicted_replica_and_cold_starts_a_new_one():
+    from scheduler.deepboot.replicas import InferencePool, LifecycleConfig
+
+    pool = InferencePool(LifecycleConfig())
+    first = place_inference_task(make_snapshot(cluster(), []), B, [])
+    old_id, finish = pool.start(first, _Task("t0", B, 2.0), 0.0)
+    pool.finish(old_id, finish)  # PROTECT now
+    busy = [replica(f"x{k}", C, node, gpu, RUNNING) for k, (node, gpu) in enumerate([("i0", 1), ("i1", 0), ("i1", 1)])]
+    decision = place_inference_task(make_snapshot(cluster(), [], time=finish + 1), A, list(pool.views(finish + 1)) + busy)
+    assert decision.kind == "evict" and decision.replica_id == old_id
+    new_id, done = pool.start(decision, _Task("t1", A, 5.0), finish + 1)
+    assert [v.replica_id for v in pool.views(finish + 1)] == [new_id]
+    assert done == pytest.approx(finish + 1 + LifecycleConfig().cold_start(A) + 5.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Task:
+    name: str
+    application: str
+    duration_s: float
 
 
 def test_reclaim_takes_the_gpu_whose_job_loses_least():
@@ -150,12 +194,17 @@ def test_preference_order_and_no_idle_lendable_gpu_while_a_task_waits(state):
         expected = "sleep"
     elif lent:
         expected = "reclaim"
+    elif any(r.state is PROTECT for r in replicas):
+        expected = "evict"  # another application's idle protected replica, before anyone waits
     else:
-        expected = "wait"  # every inference GPU RUNNING or PROTECT: nothing lendable exists
+        expected = "wait"  # every inference GPU RUNNING: nothing idle exists
     assert decision.kind == expected
     if decision.kind != "wait":
         blocking = {(r.node, r.gpu) for r in replicas if r.state.holds_gpu and r.replica_id != decision.replica_id}
         assert (decision.node, decision.gpu) not in blocking   # never a RUNNING or PROTECT GPU of another
+        if decision.kind == "evict":
+            ended = next(r for r in replicas if r.replica_id == decision.replica_id)
+            assert ended.state is PROTECT and ended.application != application
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -169,9 +218,9 @@ def test_no_gpu_is_held_twice_across_pools_after_a_round(state):
     training = {(node, i) for a in result.plan.allocations.values() for node, ix in a.placement for i in ix}
     running = {(r.node, r.gpu) for r in result.replicas if r.state is RUNNING}
     assert not training & running
-    # Every placed task holds a RUNNING replica; one that waited left a cluster with nothing lendable.
+    # Every placed task holds a RUNNING replica; one that waited left a cluster with nothing idle.
     placed = [d for d in result.decisions if d.kind != "wait"]
     assert len(running) >= len(placed)
     if len(placed) < len(pending):
         inference_slots = {(n.name, i) for n in snap.nodes if n.pool == "inference" for i in range(n.gpus)}
-        assert inference_slots <= {(r.node, r.gpu) for r in result.replicas if r.state.holds_gpu}
+        assert inference_slots <= running

@@ -54,9 +54,9 @@ def _run_checking_every_step(sim: Simulator) -> dict[str, int]:
         assert not doubled, f"t={now}: {doubled}"
         lent = sum(1 for gpu, who in _holders(sim, now).items() if gpu in inference and not who[0].startswith("infer-"))
         seen["lent_peak"] = max(seen["lent_peak"], lent)
-        if sim._queue:  # a task waits only when every inference GPU is RUNNING or PROTECT
+        if sim._queue:  # a task waits only when every inference GPU is RUNNING (idle PROTECT replicas give way)
             seen["queued_steps"] += 1
-            held = {(v.node, v.gpu) for v in sim._pool.views(now) if v.state.holds_gpu}
+            held = {(v.node, v.gpu) for v in sim._pool.views(now) if v.state is ReplicaState.RUNNING}
             assert inference <= held, f"t={now}: {len(sim._queue)} tasks queued with lendable inference GPUs"
     return seen
 
