@@ -67,7 +67,7 @@ class CacheConfig:
     prefetch_max_staged_bytes: int = 256 << 20
     prefetch_concurrency: int = 8
     lrfu_half_life_s: float = 300.0
-    unallocated_io_trickle_bytes_per_s: float = float(1 << 20)
+    unallocated_io_trickle_bytes_per_s: float = 0.0  # 0: a job granted no IO reads nothing remote
     io_burst_s: float = 0.05
     fsync: bool = True
     no_space_backoff_s: float = 30.0
@@ -107,14 +107,27 @@ class JobState:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     worker: asyncio.Task[None] | None = None
     preload: bool = False  # node-wide preload queue: no consumption window
+    held: bool = False  # granted no IO by a plan that grants IO to others: remote reads wait
+    io_granted: asyncio.Event = field(default_factory=asyncio.Event)  # set while not held
+
+    def __post_init__(self) -> None:
+        self.io_granted.set()
 
     @property
     def pass_through(self) -> bool:
         """The plan gives this job cache policy "none": no reads from or admissions into the tiers."""
         return self.quota is not None and self.quota.cache_policy == PASS_THROUGH
 
-    def set_limit(self, rate: float, burst_s: float) -> None:
+    def set_limit(self, rate: float, burst_s: float, *, hold: bool = False) -> None:
+        """Enforce ``rate`` bytes/s (0 = unlimited); ``hold``: no remote reads at all for now
+        (the plan grants the job no IO while granting some to others): its fetches wait for
+        a plan that grants it a rate or stops limiting it."""
         self.limit = rate
+        self.held = hold
+        if hold:
+            self.io_granted.clear()
+        else:
+            self.io_granted.set()
         if rate <= 0:
             self.bucket = None
         elif self.bucket is None:
@@ -185,6 +198,7 @@ class CacheCore:
         self._loading: dict[str, asyncio.Future[DatasetState]] = {}
         self._inflight: dict[tuple[str, str, str], asyncio.Future[tuple[Entry | None, bytes]]] = {}
         self._jobs: dict[str, JobState] = {}
+        self._parts: dict[tuple[str, str], Partition] = {}  # (dataset, policy) -> quota partition
         self._leases: dict[str, Lease] = {}
         self._lease_seq = itertools.count()
         self._remote_pool = ThreadPoolExecutor(max(1, config.remote_concurrency), thread_name_prefix="cache-remote")
@@ -265,8 +279,11 @@ class CacheCore:
         default); everything else shares what is left. IO rates: ``remote_io_bytes_per_s > 0``
         is enforced with a token bucket. 0 means "none granted": in a plan that grants IO to
         no job on this node (a quota-only plan) it is not limited; in a plan that grants IO to
-        some jobs, a job with 0 gets ``unallocated_io_trickle_bytes_per_s`` (misses still
-        complete, slowly, instead of blocking forever). Jobs absent from the plan are unlimited.
+        some jobs, a job with 0 gets no remote IO (its misses wait for a plan that grants it
+        some, as the SiloD model's b = 0), or ``unallocated_io_trickle_bytes_per_s`` if that is
+        set. Jobs absent from the plan are unlimited. Quota partitions are per (dataset, policy):
+        the quotas of a dataset's readers add up, and every reader of the dataset here
+        admits into and hits the same partition, so its content survives a change of reader.
         Policy ``"none"`` (pass-through, the no-cache baseline): no partition, its quota bytes
         are not reserved, and its reads neither hit nor fill the tiers (hit ratio 0); its IO
         rate applies as for any job.
@@ -307,11 +324,34 @@ class CacheCore:
                 field="cache_quotas",
             )
         now = time.monotonic()
+        # Quota partitions belong to a (dataset, policy) on this node, not to one job: the
+        # plan writes a dataset's quota on one of its readers (co_allocate: the one missing the
+        # most) and may move it to another reader of the same dataset from one plan to the
+        # next; the cached content must survive that, and every reader of the dataset here
+        # fills and hits the same content (as in the simulator's bytes[(node, dataset)]).
+        wanted: dict[tuple[str, str], int] = {}
+        for q in quotas:
+            key = self._partition_key(q)
+            if key is not None:
+                wanted[key] = wanted.get(key, 0) + q.cache_quota_bytes
+        for key, capacity in wanted.items():
+            part = self._parts.get(key)
+            if part is None:
+                part = self._parts[key] = make_partition(
+                    key[1], f"{key[0]}/{key[1]}", capacity, half_life_s=self.config.lrfu_half_life_s
+                )
+                # A policy change of the dataset: its objects move to the new partition.
+                for other in [k for k in self._parts if k[0] == key[0] and k not in wanted]:
+                    for entry in self._dissolve(self._parts.pop(other)):
+                        part.add(entry, now)
+            part.capacity = capacity
         orphans: list[Entry] = []
+        for key in [k for k in self._parts if k not in wanted]:
+            orphans.extend(self._dissolve(self._parts.pop(key)))
         new_ids = {q.job_id for q in quotas}
         for job in self._jobs.values():
             if job.quota is not None and job.job_id not in new_ids:
-                orphans.extend(self._dissolve(job))
+                job.partition = None
                 job.quota = None
                 job.set_limit(0, self.config.io_burst_s)
         quota_only = all(q.remote_io_bytes_per_s == 0 for q in quotas)
@@ -321,32 +361,24 @@ class CacheCore:
             if q.dataset:
                 job.dataset = q.dataset
             policy = q.cache_policy or self.config.default_policy
-            if q.cache_quota_bytes > 0 and policy != PASS_THROUGH:
-                old = job.partition
-                if old is None or old.policy != policy:
-                    job.partition = make_partition(
-                        policy, q.job_id, q.cache_quota_bytes, half_life_s=self.config.lrfu_half_life_s
-                    )
-                    if old is not None:
-                        for entry in list(old.entries.values()):
-                            old.remove(entry)
-                            job.partition.add(entry, now)
-                job.partition.capacity = q.cache_quota_bytes
-                self._enforce(job.partition)
-            else:
-                orphans.extend(self._dissolve(job))
+            key = (job.dataset or f"job:{q.job_id}", policy)
+            # A reader with quota 0 of a dataset that has a quota here shares its partition.
+            job.partition = self._parts.get(key) if policy != PASS_THROUGH else None
             if policy == PASS_THROUGH:  # what was queued or staged ahead for the job is a cache too
                 job.queue.clear()
                 job.ahead.clear()
                 job.staged.clear()
                 job.staged_bytes = 0
             if q.remote_io_bytes_per_s > 0:
-                rate = float(q.remote_io_bytes_per_s)
+                job.set_limit(float(q.remote_io_bytes_per_s), self.config.io_burst_s)
             elif quota_only:
-                rate = 0.0
+                job.set_limit(0.0, self.config.io_burst_s)
+            elif self.config.unallocated_io_trickle_bytes_per_s > 0:
+                job.set_limit(self.config.unallocated_io_trickle_bytes_per_s, self.config.io_burst_s)
             else:
-                rate = self.config.unallocated_io_trickle_bytes_per_s
-            job.set_limit(rate, self.config.io_burst_s)
+                job.set_limit(0.0, self.config.io_burst_s, hold=True)
+        for part in self._parts.values():
+            self._enforce(part)
         self.shared.capacity = self.capacity - total
         self._enforce(self.shared)
         for entry in orphans:  # a departed job's objects stay cached while the shared part has room
@@ -364,10 +396,16 @@ class CacheCore:
         )
         return True
 
-    def _dissolve(self, job: JobState) -> list[Entry]:
-        part, job.partition = job.partition, None
-        if part is None:
-            return []
+    def _partition_key(self, q: Any) -> tuple[str, str] | None:
+        """The quota partition a JobCacheQuota contributes to: (dataset, policy), or None."""
+        policy = q.cache_policy or self.config.default_policy
+        if q.cache_quota_bytes <= 0 or policy == PASS_THROUGH:
+            return None
+        job = self._jobs.get(q.job_id)
+        dataset = q.dataset or (job.dataset if job is not None else "")
+        return (dataset or f"job:{q.job_id}", policy)
+
+    def _dissolve(self, part: Partition) -> list[Entry]:
         entries = list(part.entries.values())
         for entry in entries:
             part.remove(entry)
@@ -576,6 +614,16 @@ class CacheCore:
         """
         flight = (ds.name, key, etag)
         pending = self._inflight.get(flight)
+        while pending is None and data is None and job.held:
+            # Granted no IO: a fetch of its own waits for a grant, outside the single-flight
+            # table (a reader with IO must not wait behind it); a flight someone else starts
+            # meanwhile, or a copy admitted meanwhile, serves it at no IO cost.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(job.io_granted.wait(), 0.5)
+            pending = self._inflight.get(flight)
+            cached = self._lookup(ds.name, key, etag)
+            if pending is None and cached is not None and cached.verified and not cached.doomed:
+                break
         if pending is not None:
             return await asyncio.shield(pending)
         future: asyncio.Future[tuple[Entry | None, bytes]] = asyncio.get_running_loop().create_future()
@@ -603,6 +651,8 @@ class CacheCore:
             self._inflight.pop(flight, None)
 
     async def _fetch(self, job: JobState, ds: DatasetState, key: str, size: int, etag: str) -> bytes:
+        while job.held:  # no IO granted (pass-through jobs come here directly)
+            await job.io_granted.wait()
         if job.bucket is not None:
             await job.bucket.acquire(size)
         loop = asyncio.get_running_loop()

@@ -57,9 +57,10 @@ class Settings(ServiceSettings):
         2.0, gt=0, description="Best-effort prefetch runs this many seconds of a job's measured read rate ahead"
     )
     unallocated_io_trickle_bytes_per_s: float = Field(
-        float(1 << 20),
+        0.0,
         ge=0,
-        description="Remote IO rate of a job the plan grants 0 bytes/s while granting IO to others; 0 = unlimited",
+        description="Remote IO rate of a job the plan grants 0 bytes/s while granting IO to others; "
+        "0 = none: its misses wait until a plan grants it IO (the storage budget holds)",
     )
     fsync: bool = Field(True, description="fsync disk-tier files before they become visible")
     scheduler_address: str = Field(

@@ -283,11 +283,11 @@ def test_apply_quotas_checks_the_plan_and_applies_each_version_once(tmp_path: Pa
         assert stats["b"].remote_io_limit_bytes_per_s == 0
         assert cache.stats().plan_version == 3 and cache.core.shared.capacity == 600
 
-        # IO granted to some: b = 0 means "none granted" -> the trickle rate, never a hard block.
+        # IO granted to some: b = 0 means "none granted" -> no remote IO (held until a grant).
         assert cache.apply_quotas([quota("a", "d", 400, io_rate=5000, policy="lru"), quota("b", "d", 0)], 4)
         stats = {j.job_id: j for j in cache.stats().jobs}
         assert stats["a"].remote_io_limit_bytes_per_s == 5000
-        assert stats["b"].remote_io_limit_bytes_per_s == cache.settings.unallocated_io_trickle_bytes_per_s
+        assert cache.core.job("b").held and not cache.core.job("a").held
         assert cache.core.job("a").partition.policy == "lru"
 
         # A job gone from the plan: unlimited, back to best effort.
@@ -455,3 +455,54 @@ def test_cache_policy_none_streams_and_prefetch_bypass_the_tiers(tmp_path: Path,
         assert cache.apply_quotas([quota("nj", "none-ds", 50_000, policy="lru")], 2)
         assert cache.read_all("nj", "none-ds", keys[:20]) == {k: files[k] for k in keys[:20]}
         assert cache.stats("nj").jobs[0].hits == 20
+
+
+def test_a_datasets_cached_content_survives_a_change_of_reader(
+    small: tuple[str, dict[str, bytes], Path], tmp_path: Path, metadata: str
+) -> None:
+    """Quota partitions are per (dataset, policy) on a node: the plan may write a dataset's quota
+    on another of its readers from one version to the next, and the content stays; a reader
+    with quota 0 admits into and hits the same partition."""
+    name, files, _ = small
+    keys = sorted(files)
+    with InProcessCache(tmp_path, metadata, disk_cache_bytes=100_000, memory_cache_bytes=0) as cache:
+        assert cache.apply_quotas([quota("a", name, 60_000, policy="uniform"), quota("b", name, 0, policy="uniform")], 1)
+        cache.lease("a", name, keys[:10])
+        cache.lease("b", name, keys[10:20])  # quota 0, but its dataset has a partition here: admitted
+        assert cache.stats("b").jobs[0].cached_bytes == 20 * 3000
+        # The quota moves to b, a leaves the plan: the 20 objects stay cached for b.
+        assert cache.apply_quotas([quota("b", name, 60_000, policy="uniform")], 2)
+        response = cache.lease("b", name, keys[:20])
+        assert [o.tier for o in response.objects] == ["disk"] * 20
+        assert cache.stats("b").jobs[0].cached_bytes == 60_000
+        # Two readers' quotas of one dataset add up in one partition.
+        assert cache.apply_quotas([quota("a", name, 30_000, policy="uniform"), quota("b", name, 45_000, policy="uniform")], 3)
+        assert cache.core.job("a").partition is cache.core.job("b").partition
+        assert cache.core.job("a").partition.capacity == 75_000
+
+
+def test_a_job_granted_no_io_reads_nothing_remote_until_a_plan_grants_it(
+    small: tuple[str, dict[str, bytes], Path], tmp_path: Path, metadata: str
+) -> None:
+    """b = 0 in a plan that grants IO to others: the job's misses wait (no trickle over the
+    budget); its hits are served; a reader with IO is never held behind it; a grant releases it."""
+    name, files, _ = small
+    keys = sorted(files)
+    with InProcessCache(tmp_path, metadata) as cache:
+        cache.lease("warm", name, keys[:5])  # best effort: cached
+        assert cache.apply_quotas([quota("io", name, 0, io_rate=10_000_000), quota("held", name, 0)], 1)
+        assert "remote" not in [o.tier for o in cache.lease("held", name, keys[:5]).objects]  # hits: served
+        result: dict[str, cache_pb2.LeaseResponse] = {}
+        reader = threading.Thread(target=lambda: result.update(r=cache.lease("held", name, keys[5:8])))
+        reader.start()
+        time.sleep(1.0)
+        assert reader.is_alive() and cache.core.job("held").remote_bytes == 0
+        # The reader with IO fetches one of the held job's keys: not blocked behind it.
+        t0 = time.monotonic()
+        cache.lease("io", name, keys[5:6])
+        assert time.monotonic() - t0 < 1.0
+        assert cache.apply_quotas([quota("io", name, 0, io_rate=5_000_000), quota("held", name, 0, io_rate=5_000_000)], 2)
+        reader.join(10)
+        assert not reader.is_alive()
+        assert read_leased(result["r"]) == {k: files[k] for k in keys[5:8]}
+        assert cache.core.job("held").remote_bytes == 2 * 3000  # keys[5] came from the cache
