@@ -61,13 +61,15 @@ def grant(mode: str, snapshot: ClusterSnapshot, plan: Plan, policy_plan: Plan, t
         if not co.is_active(snapshot):
             return plan  # nothing to manage: no cache anywhere, unlimited IO
         unchanged = all(policy_plan.get(j) is a for j, a in placed.items())
+        order = [j for j in policy_plan.allocations if j in placed] + [j for j in placed if j not in policy_plan.allocations]
         if not (policy_co_designs and unchanged and not problems(snapshot, Plan(placed))):
-            order = [j for j in policy_plan.allocations if j in placed] + [j for j in placed if j not in policy_plan.allocations]
-            granted = co.co_allocate(snapshot, {j: a.placement for j, a in placed.items()}, order,
-                                     {j: a.batch_size for j, a in placed.items()})
-            placed = {j: dataclasses.replace(placed[j], cache_bytes=dict(a.cache_bytes),
-                                             remote_io_bytes_per_s=a.remote_io_bytes_per_s)
-                      for j, a in granted.allocations.items()}
+            placed = _regrant(snapshot, placed, order)
+        idle = _starved_newcomers(snapshot, placed, order, datasets)
+        if idle:
+            for j in idle:
+                del placed[j]
+                allocations.pop(j, None)
+            placed = _regrant(snapshot, placed, order)
         # With no budget and no NIC limit there is no IO to share out: a rate of b* would only
         # throttle a job whose model underestimates its reads.
         unlimited = not math.isfinite(snapshot.storage_bandwidth_bytes_per_s) and \
@@ -94,6 +96,36 @@ def grant(mode: str, snapshot: ClusterSnapshot, plan: Plan, policy_plan: Plan, t
     for j, a in placed.items():
         allocations[j] = Allocation(placement=a.placement, batch_size=a.batch_size)
     return Plan(allocations)
+
+
+def _regrant(snapshot: ClusterSnapshot, placed: dict[str, Allocation], order: list[str]) -> dict[str, Allocation]:
+    """``placed`` with :func:`co_allocate`'s quotas and IO rates for its placements."""
+    granted = co.co_allocate(snapshot, {j: a.placement for j, a in placed.items()}, [j for j in order if j in placed],
+                             {j: a.batch_size for j, a in placed.items()})
+    return {j: dataclasses.replace(placed[j], cache_bytes=dict(a.cache_bytes), remote_io_bytes_per_s=a.remote_io_bytes_per_s)
+            for j, a in granted.allocations.items()}
+
+
+def _starved_newcomers(snapshot: ClusterSnapshot, placed: dict[str, Allocation], order: list[str],
+                       datasets: dict[str, str]) -> set[str]:
+    """Jobs ``placed`` would start (not holding these GPUs now) with an IO grant of 0 although
+    they have data to read, while other jobs get IO: they are left queued.
+
+    The policy's ``without_starved`` keeps a plan in which every placed job is starved (a
+    budget far below every job's demand), so when several jobs arrive in one round all of
+    them are placed and the srpt grants go to one; the others would sit on their GPUs
+    reading nothing (the cache servers give a job granted 0 no remote IO). In the simulator
+    the same jobs arrive in separate rounds and each later one is starved among running
+    jobs, so it stays queued: this makes the live plan the same whichever way the arrivals
+    fall into rounds. A job that already runs keeps its GPUs (a restart costs, and IO
+    returns to it as shorter jobs finish), as in ``without_starved``."""
+    if not any(a.remote_io_bytes_per_s > 0 for a in placed.values()):
+        return set()
+    readers = {j: a for j, a in placed.items() if datasets.get(j)}
+    _, demand = co._grant(snapshot, {j: a.placement for j, a in readers.items()}, [j for j in order if j in readers],
+                          {j: a.batch_size for j, a in readers.items()}, "srpt")
+    return {j for j, a in readers.items()
+            if a.remote_io_bytes_per_s <= 0 and demand.get(j, 0.0) > 0 and not a.same_gpus(snapshot.current.get(j))}
 
 
 def _share_leftover(snapshot: ClusterSnapshot, placed: dict[str, Allocation], readers: set[str]) -> dict[str, Allocation]:

@@ -196,3 +196,34 @@ def test_io_bound_measurements_are_not_fitted_as_compute():
     # other modes do not manage IO: every measurement is fitted as before
     core.cache_mode = "lru"
     assert not core._io_bound(job, entry, report(0.0), 30.0)
+
+
+def test_silod_does_not_start_a_job_granted_no_io():
+    """Several jobs arriving in one round, a budget far below each one's demand: without_starved
+    keeps the all-starved plan, srpt gives the budget to one job; the others would sit on GPUs
+    reading nothing, so they stay queued (as in the simulator, where they arrive in separate
+    rounds). A job already running keeps its GPUs even with 0."""
+    from estimator.job_model import JobModel
+    from scheduler.live import data
+    from scheduler.policies.fifo import FifoPolicy
+    from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, NodeInfo, Plan
+
+    model = JobModel.from_profile("cifar10").with_dataset(160 * 131072.0, 131072.0)  # ~150 MB/s of demand each
+    nodes = (NodeInfo("n0", 2, cache_capacity_bytes=8 << 20), NodeInfo("n1", 2, cache_capacity_bytes=8 << 20))
+    jobs = tuple(JobInfo(job_id=f"j{i}", model=model, submit_time_s=i * 0.01, min_gpus=1, max_gpus=1, target_samples=640,
+                         dataset=("a", "b")[i % 2], batch_size=128) for i in range(6))
+    snap = ClusterSnapshot(time_s=0, nodes=nodes, jobs=jobs, storage_bandwidth_bytes_per_s=4e6)
+    policy_plan = FifoPolicy(codesign=True).schedule(snap)
+    assert len(policy_plan.allocations) == 4  # all starved: the policy places them all
+    granted = data.grant("silod", snap, policy_plan, policy_plan, {j.job_id for j in jobs}, policy_co_designs=True)
+    assert list(granted.allocations) == ["j0"]
+    assert granted.get("j0").remote_io_bytes_per_s == pytest.approx(4e6)
+    assert granted.get("j0").cache_bytes  # the freed node's quota is not left on a dropped job
+    assert not data.problems(snap, granted)
+    # j1 already runs: it keeps its GPUs with 0 (its cache server holds its misses).
+    running = ClusterSnapshot(time_s=0, nodes=nodes, jobs=jobs, storage_bandwidth_bytes_per_s=4e6,
+                              current=Plan({"j0": policy_plan.get("j0"), "j1": Allocation(placement=policy_plan.get("j1").placement)}))
+    plan = Plan({j: policy_plan.get(j) for j in ("j0", "j1", "j2")})
+    granted = data.grant("silod", running, plan, plan, {j.job_id for j in jobs}, policy_co_designs=False)
+    assert sorted(granted.allocations) == ["j0", "j1"]
+    assert sum(a.remote_io_bytes_per_s for a in granted.allocations.values()) <= 4e6 * (1 + 1e-9)
