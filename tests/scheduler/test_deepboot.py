@@ -1,4 +1,4 @@
-"""deepboot (ATS-T): sum of restart-penalized speedups over training + lendable inference GPUs."""
+"""deepboot (ATS-T): power mean of restart-penalized speedups over training + lendable inference GPUs."""
 
 from __future__ import annotations
 
@@ -107,7 +107,8 @@ def test_speedups_are_penalized_by_the_resize_cost_except_where_the_job_stays():
     nodes = mixed_cluster(2, 0)
     jobs = [elastic("new", submit=0.0), elastic("run", submit=1.0)]
     snap = make_snapshot(nodes, jobs, current={"run": [("n0", (0, 1))]}, interval_s=60.0)
-    table = DeepBootPolicy().count_table(snap)
+    literal = DeepBootPolicy(p=1.0, resize_penalty_s=0.0)  # DeepBoot's own objective: the sum of speedups
+    table = literal.count_table(snap)
     speedup = JobTable(table.jobs).predict(np.zeros(8, dtype=int), np.arange(1, 9), 0, per_node=4).speedup
     # Tie-break bonus 1e-6 x (1 - rank / jobs): "new" ranks first (same attained service, earlier).
     new, run = table.utility[0, 1:] - 1e-6, table.utility[1, 1:] - 0.5e-6
@@ -119,9 +120,42 @@ def test_speedups_are_penalized_by_the_resize_cost_except_where_the_job_stays():
     assert run[others] == pytest.approx(117 / 120 * speedup[others], rel=1e-9)
     assert speedup[0] == pytest.approx(1.0)  # speedup is relative to one GPU
     # Without AFE a resize is a full cifar10 restart, 24 s: kept 96 / 120; staying is still free.
-    slow = DeepBootPolicy(afe=False).count_table(snap).utility[1, 1:] - 0.5e-6
+    slow = DeepBootPolicy(afe=False, p=1.0, resize_penalty_s=0.0).count_table(snap).utility[1, 1:] - 0.5e-6
     assert slow[1] == pytest.approx(speedup[1], rel=1e-9)
     assert slow[others] == pytest.approx(96 / 120 * speedup[others], rel=1e-9)
+    # resize_penalty_s is priced on top of a running job's AFE resize (3 + 30 s), not on a start.
+    sticky = DeepBootPolicy(p=1.0, resize_penalty_s=30.0).count_table(snap).utility - table.utility
+    assert sticky[0] == pytest.approx(0.0, abs=1e-12)
+    assert (table.utility[1, 1:] + sticky[1, 1:] - 0.5e-6)[others] == pytest.approx(87 / 120 * speedup[others], rel=1e-9)
+    assert sticky[1, 2] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_power_mean_exponent_transforms_each_term_like_pollux():
+    from scheduler.policies.pollux import PolluxPolicy
+
+    nodes = mixed_cluster(2, 0)
+    jobs = [elastic("new", submit=0.0), elastic("run", submit=1.0)]
+    snap = make_snapshot(nodes, jobs, current={"run": [("n0", (0, 1))]}, interval_s=60.0)
+    base = DeepBootPolicy(p=1.0).count_table(snap).utility
+    penalized = base.copy()
+    penalized[0, 1:] -= 1e-6
+    penalized[1, 1:] -= 0.5e-6
+    for p in (-1.0, 0.0, 0.5):
+        table = DeepBootPolicy(p=p).count_table(snap)
+        expected = PolluxPolicy(p=p).utility(penalized)  # -(s + 1e-3)^-1, log(s + 1e-3), (s + 1e-3)^0.5
+        expected[:, 1:] += np.array([1e-6, 0.5e-6])[:, None]
+        assert table.utility == pytest.approx(expected, rel=1e-9)
+    # p = -1 is the fairer choice: two GPUs for two jobs go one each even where the sum would not.
+    utility = np.array([[0.0, 1.0, 2.0], [0.0, 0.1, 0.15]])
+    from scheduler.policies.deepboot import CountTable
+
+    fair = DeepBootPolicy(p=-1.0)
+    table = CountTable((), 2, 4, np.zeros(2, dtype=int), fair.utility(utility), None)
+    assert fair.choose_counts(table).tolist() == [1, 1]
+    assert DeepBootPolicy(p=1.0).choose_counts(CountTable((), 2, 4, np.zeros(2, dtype=int), utility, None)).tolist() == [2, 0]
+    for bad in ({"p": float("nan")}, {"floor": 0.0}, {"resize_penalty_s": -1.0}):
+        with pytest.raises(ValueError):
+            DeepBootPolicy(**bad)
 
 
 def test_group_knapsack_by_hand():
@@ -144,7 +178,7 @@ def test_group_knapsack_matches_brute_force(data):
         for k in range(n)
     ]
     snap = make_snapshot(make_nodes(1, capacity), jobs, interval_s=60.0)
-    policy = DeepBootPolicy()
+    policy = DeepBootPolicy(p=data.draw(st.sampled_from([1.0, 0.0, -1.0])))
     table = policy.count_table(snap)
     counts = policy.choose_counts(table)
     width = table.utility.shape[1]
@@ -156,7 +190,7 @@ def test_group_knapsack_matches_brute_force(data):
     assert sum(counts) <= capacity
     assert sum(table.utility[j, c] for j, c in enumerate(counts)) == pytest.approx(best, abs=1e-12)
     # The large-cluster fallback is feasible and never beats the exact answer.
-    greedy = DeepBootPolicy(solver="greedy").choose_counts(table)
+    greedy = dataclasses.replace(policy, solver="greedy").choose_counts(table)
     assert sum(greedy) <= capacity
     assert sum(table.utility[j, c] for j, c in enumerate(greedy)) <= best + 1e-12
 
