@@ -7,10 +7,9 @@ maximizes Pollux's power mean of the per-job penalized speedups::
 
 DeepBoot's own objective is the *sum* of speedups, ``p = 1`` (kept literally: no floor).
 The default is ``p = -1`` (Pollux's default): measured on the DeepBoot mixed workload
-(docs/evaluation.md, "DeepBoot"; seed 1, no resize penalty) it cuts average training JCT from
-4,998 s to 2,869 s, because
-with 160 jobs on ~40 GPUs the sum of speedups keeps GPUs on the jobs with the best marginal
-speedup while others wait, and p = -1 gives every job its first GPUs first.
+(docs/evaluation.md, "DeepBoot"; seed 1, no resize penalty) it cuts average training JCT
+from 4,998 s to 2,869 s: with 160 jobs on ~40 GPUs the sum of speedups keeps GPUs on the jobs
+with the best marginal speedup while others wait; p = -1 gives every job its first GPUs first.
 
 - ``SPEEDUP_j(g)``: goodput at the best batch on ``g`` GPUs packed on the fewest nodes, over
   goodput on one GPU — the Pollux goodput model through
