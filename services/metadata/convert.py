@@ -53,6 +53,13 @@ class _ParseMemo(Generic[M]):
             self._entries[key] = (data, message)
         return message
 
+    def remember(self, key: str, data: dict[str, Any], message: M) -> None:
+        """Seed the memo with a message and the JSON it was stored as (a row just written)."""
+        with self._lock:
+            if len(self._entries) >= self._max:
+                self._entries.clear()
+            self._entries[key] = (data, message)
+
 
 _JOB_SPECS = _ParseMemo(common_pb2.JobSpec)
 _JOB_PROGRESS = _ParseMemo(common_pb2.JobProgress)
@@ -74,6 +81,17 @@ def job_to_proto(row: models.Job | Any) -> common_pb2.Job:
         allocated=_JOB_ALLOCATED.parse(row.id, row.allocated),
         message=row.message,
     )
+
+
+def new_job_proto(job_id: str, spec: common_pb2.JobSpec, spec_json: dict[str, Any], client_request_id: str,
+                  now: datetime) -> common_pb2.Job:
+    """The Job a fresh PENDING row (as JobStore inserts it) reads back as, built without reading
+    it back; ``spec`` (stored as ``spec_json``) is remembered for the listings to come."""
+    _JOB_SPECS.remember(job_id, spec_json, spec)
+    stamp = to_timestamp(now)
+    return common_pb2.Job(id=job_id, spec=spec, state=common_pb2.JOB_STATE_PENDING, client_request_id=client_request_id,
+                          state_version=1, created_at=stamp, updated_at=stamp, progress=common_pb2.JobProgress(),
+                          allocated=common_pb2.ResourceVector())
 
 
 def event_to_proto(row: models.JobEvent) -> common_pb2.JobEvent:

@@ -22,6 +22,7 @@ from services.metadata.validation.datasets import Manifest
 from services.runtime.errors import InvalidArgument, ServiceError, Unavailable
 
 MAX_TRANSITIONS = 1000  # moves per TransitionJobs call: one round's worth, bounded like every list
+MAX_CREATIONS = 1000  # jobs per CreateJobs call
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext
@@ -83,6 +84,35 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     async def CreateJob(self, request: metadata_pb2.CreateJobRequest, context: Context) -> common_pb2.Job:
         return await self._run(request, self._store.jobs.create, request.spec, request.client_request_id)
 
+    async def CreateJobs(self, request: metadata_pb2.CreateJobsRequest, context: Context) -> metadata_pb2.CreateJobsResponse:
+        if not 1 <= len(request.jobs) <= MAX_CREATIONS:
+            raise InvalidArgument(f"must hold 1..{MAX_CREATIONS} jobs, got {len(request.jobs)}", field="jobs")
+        return await self._run(None, self._create_each, request)
+
+    def _create_each(self, request: metadata_pb2.CreateJobsRequest) -> metadata_pb2.CreateJobsResponse:
+        # Each item is refused or created as CreateJob would (same checks, same messages);
+        # the creations share one transaction and one commit.
+        outcomes: list[common_pb2.Job | ServiceError | None] = [None] * len(request.jobs)
+        valid: list[int] = []
+        for index, item in enumerate(request.jobs):
+            try:
+                reject_nul_characters(item)
+                valid.append(index)
+            except ServiceError as exc:
+                outcomes[index] = exc
+        created = self._store.jobs.create_many([(request.jobs[i].spec, request.jobs[i].client_request_id) for i in valid])
+        for index, outcome in zip(valid, created):
+            outcomes[index] = outcome
+        reply = metadata_pb2.CreateJobsResponse()
+        for outcome in outcomes:
+            result = reply.results.add()
+            if isinstance(outcome, ServiceError):
+                result.error_code = outcome.code.name
+                result.error = str(outcome)
+            else:
+                result.job.CopyFrom(outcome)
+        return reply
+
     async def GetJob(self, request: metadata_pb2.GetJobRequest, context: Context) -> common_pb2.Job:
         return await self._run(request, self._store.jobs.get, request.job_id)
 
@@ -114,16 +144,18 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         return await self._run(None, self._transition_each, request)
 
     def _transition_each(self, request: metadata_pb2.TransitionJobsRequest) -> metadata_pb2.TransitionJobsResponse:
+        # One transaction (one commit) for all the moves, each its own compare-and-set.
+        outcomes = self._store.jobs.transition_many(
+            [(m.job_id, m.expected_state, m.new_state, m.message) for m in request.transitions])
         reply = metadata_pb2.TransitionJobsResponse()
-        for index, move in enumerate(request.transitions):
+        for index, outcome in enumerate(outcomes):
             result = reply.results.add()
-            try:
-                result.job.CopyFrom(self._store.jobs.transition(
-                    move.job_id, move.expected_state, move.new_state, move.message))
-            except ServiceError as exc:  # this move is refused; the others still happen
-                result.error_code = exc.code.name
-                field = f"transitions[{index}].{exc.field}" if exc.field else f"transitions[{index}]"
-                result.error = f"{field}: {exc.detail}"
+            if isinstance(outcome, ServiceError):  # this move is refused; the others still happen
+                result.error_code = outcome.code.name
+                field = f"transitions[{index}].{outcome.field}" if outcome.field else f"transitions[{index}]"
+                result.error = f"{field}: {outcome.detail}"
+            else:
+                result.job.CopyFrom(outcome)
         return reply
 
     async def UpdateJobProgress(

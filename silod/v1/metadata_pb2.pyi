@@ -213,6 +213,80 @@ class CreateJobRequest(_message.Message):
 Global___CreateJobRequest: _TypeAlias = CreateJobRequest  # noqa: Y015
 
 @_typing.final
+class CreateJobsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOBS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___CreateJobRequest]:
+        """1..1000 creations, made one by one in this order"""
+
+    def __init__(
+        self,
+        *,
+        jobs: _abc.Iterable[Global___CreateJobRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateJobsRequest: _TypeAlias = CreateJobsRequest  # noqa: Y015
+
+@_typing.final
+class CreateJobResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    error_code: _builtins.str
+    """gRPC status name of a refused creation, e.g. "INVALID_ARGUMENT"; empty = created"""
+    error: _builtins.str
+    """why it was refused, naming the field, as CreateJob would say it"""
+    @_builtins.property
+    def job(self) -> _common_pb2.Job:
+        """the job created (or found by its client_request_id); unset when refused"""
+
+    def __init__(
+        self,
+        *,
+        job: _common_pb2.Job | None = ...,
+        error_code: _builtins.str = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "error_code", b"error_code", "job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateJobResult: _TypeAlias = CreateJobResult  # noqa: Y015
+
+@_typing.final
+class CreateJobsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CreateJobResult]:
+        """one per request item, in the same order"""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___CreateJobResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateJobsResponse: _TypeAlias = CreateJobsResponse  # noqa: Y015
+
+@_typing.final
 class GetJobRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -61,6 +61,11 @@ class MetadataServiceStub:
                 request_serializer=silod_dot_v1_dot_metadata__pb2.CreateJobRequest.SerializeToString,
                 response_deserializer=silod_dot_v1_dot_common__pb2.Job.FromString,
                 _registered_method=True)
+        self.CreateJobs = channel.unary_unary(
+                '/silod.v1.MetadataService/CreateJobs',
+                request_serializer=silod_dot_v1_dot_metadata__pb2.CreateJobsRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_metadata__pb2.CreateJobsResponse.FromString,
+                _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/silod.v1.MetadataService/GetJob',
                 request_serializer=silod_dot_v1_dot_metadata__pb2.GetJobRequest.SerializeToString,
@@ -191,6 +196,14 @@ class MetadataServiceServicer:
     def CreateJob(self, request, context):
         """Jobs.
         idempotent on client_request_id
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateJobs(self, request, context):
+        """Many independent creations in one call and one commit (a scheduler forwards concurrent
+        submissions together); a refused one is reported in its result and does not stop the others.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -345,6 +358,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.CreateJob,
                     request_deserializer=silod_dot_v1_dot_metadata__pb2.CreateJobRequest.FromString,
                     response_serializer=silod_dot_v1_dot_common__pb2.Job.SerializeToString,
+            ),
+            'CreateJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateJobs,
+                    request_deserializer=silod_dot_v1_dot_metadata__pb2.CreateJobsRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_metadata__pb2.CreateJobsResponse.SerializeToString,
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
@@ -577,6 +595,33 @@ class MetadataService:
             '/silod.v1.MetadataService/CreateJob',
             silod_dot_v1_dot_metadata__pb2.CreateJobRequest.SerializeToString,
             silod_dot_v1_dot_common__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/CreateJobs',
+            silod_dot_v1_dot_metadata__pb2.CreateJobsRequest.SerializeToString,
+            silod_dot_v1_dot_metadata__pb2.CreateJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,10 @@ class MetadataServiceStub:
     """Jobs.
     idempotent on client_request_id
     """
+    CreateJobs: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.CreateJobsRequest, _metadata_pb2.CreateJobsResponse]
+    """Many independent creations in one call and one commit (a scheduler forwards concurrent
+    submissions together); a refused one is reported in its result and does not stop the others.
+    """
     GetJob: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.GetJobRequest, _common_pb2.Job]
     ListJobs: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.ListJobsRequest, _metadata_pb2.ListJobsResponse]
     TransitionJob: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.TransitionJobRequest, _common_pb2.Job]
@@ -94,6 +98,10 @@ class MetadataServiceAsyncStub(MetadataServiceStub):
     CreateJob: _aio.UnaryUnaryMultiCallable[_metadata_pb2.CreateJobRequest, _common_pb2.Job]  # type: ignore[assignment]
     """Jobs.
     idempotent on client_request_id
+    """
+    CreateJobs: _aio.UnaryUnaryMultiCallable[_metadata_pb2.CreateJobsRequest, _metadata_pb2.CreateJobsResponse]  # type: ignore[assignment]
+    """Many independent creations in one call and one commit (a scheduler forwards concurrent
+    submissions together); a refused one is reported in its result and does not stop the others.
     """
     GetJob: _aio.UnaryUnaryMultiCallable[_metadata_pb2.GetJobRequest, _common_pb2.Job]  # type: ignore[assignment]
     ListJobs: _aio.UnaryUnaryMultiCallable[_metadata_pb2.ListJobsRequest, _metadata_pb2.ListJobsResponse]  # type: ignore[assignment]
@@ -165,6 +173,16 @@ class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_common_pb2.Job, _abc.Awaitable[_common_pb2.Job]]:
         """Jobs.
         idempotent on client_request_id
+        """
+
+    @_abc_1.abstractmethod
+    def CreateJobs(
+        self,
+        request: _metadata_pb2.CreateJobsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_metadata_pb2.CreateJobsResponse, _abc.Awaitable[_metadata_pb2.CreateJobsResponse]]:
+        """Many independent creations in one call and one commit (a scheduler forwards concurrent
+        submissions together); a refused one is reported in its result and does not stop the others.
         """
 
     @_abc_1.abstractmethod

@@ -95,3 +95,26 @@ def test_a_lone_writer_commits_at_once(sqlite_store) -> None:
     for i in range(3):
         store.jobs.create(training_spec(name=f"j{i}"), f"r{i}")
         assert len(commits) == i + 1
+
+
+def test_a_batch_of_creations_and_moves_commits_once(sqlite_store) -> None:
+    store, _ = sqlite_store
+    commits: list[float] = []
+    event.listen(store.db.engine, "commit", lambda conn: commits.append(time.monotonic()))
+    created = store.jobs.create_many([(training_spec(name=f"b{i}"), f"b{i}") for i in range(20)]
+                                     + [(training_spec(name=""), "refused")])
+    assert len(commits) == 1
+    jobs, refused = created[:-1], created[-1]
+    assert all(isinstance(j, common_pb2.Job) for j in jobs) and len({j.id for j in jobs}) == 20
+    assert getattr(refused, "field", None) == "spec.name"
+    pending, scheduled = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED
+    moves = [(j.id, pending, scheduled, "placed") for j in jobs] + [(jobs[0].id, pending, scheduled, "stale")]
+    moved = store.jobs.transition_many(moves)
+    assert len(commits) == 2
+    assert all(j.state == scheduled for j in moved[:-1]) and getattr(moved[-1], "field", None) == "expected_state"
+    # Durable and visible to another connection once the call returned.
+    reopened = MetadataStore.open(store.db.engine.url.render_as_string(hide_password=False))
+    try:
+        assert {j.id: j.state for j in reopened.jobs.list(page_size=100)[0]} == {j.id: scheduled for j in jobs}
+    finally:
+        reopened.close()

@@ -255,6 +255,38 @@ def test_transition_jobs_moves_each_independently_and_reports_refusals(stub):
                          grpc.StatusCode.INVALID_ARGUMENT, "transitions")
 
 
+def test_create_jobs_creates_each_independently_and_reports_refusals(stub):
+    def request(**fields):
+        request_id = fields.pop("request_id", "")
+        return m.CreateJobRequest(spec=training_spec(**fields), client_request_id=request_id)
+
+    batch = m.CreateJobsRequest(jobs=[
+        request(name="first", request_id="batch-1"),
+        request(name=""),  # refused: CreateJob's check, CreateJob's message
+        request(name="nul", env={"A": "x\x00y"}),
+        request(name="first", request_id="batch-1"),  # the same request twice: one job
+        request(name="other", request_id="batch-1"),  # the same key for another spec
+        request(name="anonymous"),
+    ])
+    first, unnamed, nul, again, clash, anonymous = stub.CreateJobs(batch).results
+    assert not first.error_code and first.job.state == PENDING and first.job.spec.name == "first"
+    assert first.job == stub.GetJob(m.GetJobRequest(job_id=first.job.id))  # answered as it reads back
+    assert unnamed.error_code == "INVALID_ARGUMENT" and unnamed.error.startswith("spec.name:")
+    assert not unnamed.HasField("job")
+    assert nul.error_code == "INVALID_ARGUMENT" and nul.error.startswith("spec.env")
+    assert again.job.id == first.job.id
+    assert clash.error_code == "ALREADY_EXISTS" and clash.error.startswith("client_request_id:")
+    assert anonymous.job.spec.name == "anonymous" and anonymous.job.id != first.job.id
+    # Retried as a whole: the keyed job is found, not made again.
+    assert stub.CreateJobs(batch).results[0].job == first.job
+    names = sorted(j.spec.name for j in stub.ListJobs(m.ListJobsRequest()).jobs)
+    assert names == ["anonymous", "anonymous", "first"]
+    for count in (0, 1001):
+        jobs = [request(name="x")] * count
+        assert_rpc_error(lambda: stub.CreateJobs(m.CreateJobsRequest(jobs=jobs)), grpc.StatusCode.INVALID_ARGUMENT,
+                         "jobs")
+
+
 def test_a_refused_lower_version_heartbeat_still_keeps_the_node_alive(stub):
     stub.UpsertNode(m.UpsertNodeRequest(spec=node_spec("restarted")))
     before = stub.Heartbeat(m.HeartbeatRequest(node="restarted", applied_plan_version=7))

@@ -7,7 +7,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Update, bindparam, func, insert, select, update
+from sqlalchemy import Connection, Update, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from silod.v1 import common_pb2
@@ -27,7 +27,7 @@ from services.metadata.validation.jobs import (
     check_transition,
     normalized_job_spec,
 )
-from services.runtime.errors import AlreadyExists, FailedPrecondition, NotFound
+from services.runtime.errors import AlreadyExists, FailedPrecondition, NotFound, ServiceError
 
 STATE_EVENT = "state"
 _ID_ATTEMPTS = 3  # 48 random bits: a second collision in a row would mean a broken RNG
@@ -45,20 +45,32 @@ class JobStore:
         check_client_request_id(client_request_id)
         spec = normalized_job_spec(spec)
         for _ in range(_ID_ATTEMPTS):
+            # Optimistic: a new request id is the common case, so insert first and look only
+            # when the unique index refuses it (a retry, a concurrent twin, or an id collision).
             try:
-                with self._db.write() as session:
-                    existing = self._find_by_request_id(session, client_request_id)
-                    if existing is not None:
-                        return self._same_request_or_conflict(existing, spec)
-                    return convert.job_to_proto(_insert_job(session, spec, client_request_id))
+                with self._db.write_core() as connection:
+                    return _insert_job(connection, spec, client_request_id)
             except IntegrityError:
-                # Either another caller inserted the same client_request_id between our read
-                # and our insert (PostgreSQL), or the random id collided: look, then retry.
-                with self._db.read() as session:
-                    winner = self._find_by_request_id(session, client_request_id)
-                    if winner is not None:
-                        return self._same_request_or_conflict(winner, spec)
+                # A write transaction, not a read: inside a batch (CreateJobs) the winner may be
+                # an earlier, not yet committed, request of the same batch.
+                with self._db.write_core() as connection:
+                    winner = self._find_by_request_id(connection, client_request_id)
+                if winner is not None:
+                    return self._same_request_or_conflict(winner, spec)
         raise RuntimeError("could not allocate a unique job id")
+
+    def create_many(self, requests: Sequence[tuple[common_pb2.JobSpec, str]]) -> list[common_pb2.Job | ServiceError]:
+        """Each (spec, client_request_id) as :meth:`create` would (its own validation, idempotency
+        and error), in one transaction: one commit for the lot. Results in order; a refused
+        request's is the error, and the others are still created."""
+        results: list[common_pb2.Job | ServiceError] = []
+        with self._db.batch():
+            for spec, client_request_id in requests:
+                try:
+                    results.append(self.create(spec, client_request_id))
+                except ServiceError as exc:
+                    results.append(exc)
+        return results
 
     def get(self, job_id: str) -> common_pb2.Job:
         check_job_id(job_id)
@@ -108,16 +120,15 @@ class JobStore:
         # Prebuilt Core statements on the session's connection: a scheduling round moves
         # hundreds of jobs, and building and compiling ORM statements per call cost more than
         # executing them. UPDATE ... RETURNING does the compare-and-set and the read at once.
-        with self._db.write() as session:
+        with self._db.write_core() as connection:
             if not is_legal_move(expected_state, new_state):
-                _check_move(job_id, _load(session, job_id).state, expected_state, new_state)
-            connection = session.connection()
+                _check_move(job_id, _load_row(connection, job_id).state, expected_state, new_state)
             now = utc_now()
             row = connection.execute(_move_statement(new_state), {
                 "m_id": job_id, "m_expected": expected_state, "m_new": new_state, "m_now": now, "m_message": message,
             }).one_or_none()
             if row is None:
-                _check_move(job_id, _load(session, job_id).state, expected_state, new_state)
+                _check_move(job_id, _load_row(connection, job_id).state, expected_state, new_state)
                 # Moved away and back between our UPDATE and this read (PostgreSQL, READ COMMITTED).
                 raise FailedPrecondition(f"{job_id} changed state concurrently; re-read the job and retry",
                                          field="expected_state")
@@ -126,6 +137,19 @@ class JobStore:
                 "from_state": expected_state, "to_state": new_state, "message": message,
             })
             return convert.job_to_proto(row)
+
+    def transition_many(self, moves: Sequence[tuple[str, int, int, str]]) -> list[common_pb2.Job | ServiceError]:
+        """Each (job_id, expected_state, new_state, message) as :meth:`transition` would (its own
+        compare-and-set), in one transaction: one commit for the lot. Results in order; a refused
+        move's is the error, and the others still happen."""
+        results: list[common_pb2.Job | ServiceError] = []
+        with self._db.batch():
+            for job_id, expected_state, new_state, message in moves:
+                try:
+                    results.append(self.transition(job_id, expected_state, new_state, message))
+                except ServiceError as exc:
+                    results.append(exc)
+        return results
 
     def update_progress(
         self,
@@ -182,10 +206,10 @@ class JobStore:
     # -- helpers -------------------------------------------------------------------------
 
     @staticmethod
-    def _find_by_request_id(session: Session, client_request_id: str) -> Any:
+    def _find_by_request_id(connection: Connection, client_request_id: str) -> Any:
         if not client_request_id:
             return None
-        return session.connection().execute(_BY_REQUEST_ID, {"r_id": client_request_id}).one_or_none()
+        return connection.execute(_BY_REQUEST_ID, {"r_id": client_request_id}).one_or_none()
 
     @staticmethod
     def _same_request_or_conflict(existing: Any, spec: common_pb2.JobSpec) -> common_pb2.Job:
@@ -224,24 +248,38 @@ def _move_statement(new_state: int) -> Update:
 
 
 _BY_REQUEST_ID = select(*_JOBS.columns).where(_JOBS.c.client_request_id == bindparam("r_id"))
-_JOB_INSERT = insert(_JOBS).returning(*_JOBS.columns)
 
 
-def _insert_job(session: Session, spec: common_pb2.JobSpec, client_request_id: str) -> Any:
+_JOB_INSERT_PLAIN = insert(_JOBS)
+_BY_ID = select(*_JOBS.columns).where(_JOBS.c.id == bindparam("j_id"))
+
+
+def _insert_job(connection: Connection | Session, spec: common_pb2.JobSpec, client_request_id: str) -> common_pb2.Job:
     """A new PENDING job and its "submitted" event, as prebuilt Core statements (as transition
-    does: submissions arrive by the hundred per second). The job row is returned."""
+    does: submissions arrive by the hundred per second). The job is answered from what was
+    written, not read back: the columns it has are all known here."""
+    if isinstance(connection, Session):
+        connection = connection.connection()
     now = utc_now()
-    connection = session.connection()
-    row = connection.execute(_JOB_INSERT, {
-        "id": new_job_id(), "client_request_id": client_request_id or None, "name": spec.name, "tenant": spec.tenant,
+    spec_json = convert.to_json(spec)
+    job_id = new_job_id()
+    connection.execute(_JOB_INSERT_PLAIN, {
+        "id": job_id, "client_request_id": client_request_id or None, "name": spec.name, "tenant": spec.tenant,
         "application": spec.application, "kind": spec.kind, "state": common_pb2.JOB_STATE_PENDING,
-        "spec": convert.to_json(spec), "state_version": 1, "created_at": now, "updated_at": now, "started_at": None,
+        "spec": spec_json, "state_version": 1, "created_at": now, "updated_at": now, "started_at": None,
         "finished_at": None, "progress": {}, "allocated": {}, "message": "", "last_event_sequence": 1,
-    }).one()
+    })
     connection.execute(_STATE_EVENT_INSERT, {
-        "job_id": row.id, "sequence": 1, "time": now, "type": STATE_EVENT,
+        "job_id": job_id, "sequence": 1, "time": now, "type": STATE_EVENT,
         "from_state": common_pb2.JOB_STATE_UNSPECIFIED, "to_state": common_pb2.JOB_STATE_PENDING, "message": "submitted",
     })
+    return convert.new_job_proto(job_id, spec, spec_json, client_request_id, now)
+
+
+def _load_row(connection: Connection, job_id: str) -> Any:
+    row = connection.execute(_BY_ID, {"j_id": job_id}).one_or_none()
+    if row is None:
+        raise NotFound(f"no job {job_id!r}", field="job_id")
     return row
 
 
