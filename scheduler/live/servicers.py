@@ -32,9 +32,12 @@ ADMISSION_CACHE_S = 5.0
 class ForwardedError(ServiceError):
     """An error answered by the metadata service, passed on with its code and message."""
 
-    def __init__(self, exc: grpc.aio.AioRpcError) -> None:
-        super().__init__(exc.details() or exc.code().name)
-        self.code = exc.code()
+    def __init__(self, exc: grpc.aio.AioRpcError | None = None, *, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN,
+                 details: str = "") -> None:
+        if exc is not None:
+            code, details = exc.code(), exc.details() or ""
+        super().__init__(details or code.name)
+        self.code = code
 
 
 async def forward(call: Awaitable[T]) -> T:
@@ -44,6 +47,84 @@ async def forward(call: Awaitable[T]) -> T:
         raise ForwardedError(exc) from None
 
 
+MAX_CREATIONS = 1000  # jobs per CreateJobs call (the metadata service's limit)
+
+
+class _Creations:
+    """Concurrent submissions go to the metadata service together, as CreateJobs calls.
+
+    Nothing waits to fill a batch: a submission is sent at once when no call is in flight, and
+    those arriving while one is go out together in the next call when it returns. Each keeps
+    its own outcome (a refused one fails with CreateJob's code and message). A metadata
+    service without CreateJobs gets one CreateJob per submission, as before.
+    """
+
+    def __init__(self, core: SchedulerCore) -> None:
+        self.core = core
+        self._queue: list[tuple[metadata_pb2.CreateJobRequest, asyncio.Future[common_pb2.Job]]] = []
+        self._sending = False
+        self._batched = True
+
+    async def create(self, request: metadata_pb2.CreateJobRequest) -> common_pb2.Job:
+        if not self._batched:
+            return await forward(self.core.md.CreateJob(request))
+        future: asyncio.Future[common_pb2.Job] = asyncio.get_running_loop().create_future()
+        self._queue.append((request, future))
+        if not self._sending:
+            self._sending = True
+            self.core._spawn(self._send())
+        return await future
+
+    async def _send(self) -> None:
+        try:
+            while self._queue:
+                batch, self._queue = self._queue[:MAX_CREATIONS], self._queue[MAX_CREATIONS:]
+                try:
+                    await self._send_batch(batch)
+                except Exception:  # a bug: its submissions fail (INTERNAL), later ones still go
+                    _log.exception("forwarding submissions failed")
+                finally:  # nobody may wait forever, whatever happened (stop cancels us)
+                    _fail(batch, grpc.StatusCode.INTERNAL, "submission not forwarded (see the scheduler log)")
+        finally:
+            self._sending = False
+            _fail(self._queue, grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping")
+            self._queue = []
+
+    async def _send_batch(self, batch: list[tuple[metadata_pb2.CreateJobRequest, asyncio.Future[common_pb2.Job]]]) -> None:
+        try:
+            reply = await self.core.md.CreateJobs(metadata_pb2.CreateJobsRequest(jobs=[r for r, _ in batch]))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                _fail(batch, exc.code(), exc.details() or "")
+                return
+            self._batched = False  # an older metadata service: one call each from now on
+            outcomes = await asyncio.gather(*(forward(self.core.md.CreateJob(r)) for r, _ in batch),
+                                            return_exceptions=True)
+            for (_, future), outcome in zip(batch, outcomes):
+                if future.done():
+                    continue
+                if isinstance(outcome, BaseException):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(outcome)
+            return
+        for (_, future), result in zip(batch, reply.results):
+            if future.done():  # its caller went away
+                continue
+            if result.error_code:
+                code = getattr(grpc.StatusCode, result.error_code, grpc.StatusCode.UNKNOWN)
+                future.set_exception(ForwardedError(code=code, details=result.error))
+            else:
+                future.set_result(result.job)
+
+
+def _fail(batch: list[tuple[metadata_pb2.CreateJobRequest, asyncio.Future[common_pb2.Job]]], code: grpc.StatusCode,
+          details: str) -> None:
+    for _, future in batch:
+        if not future.done():
+            future.set_exception(ForwardedError(code=code, details=details))
+
+
 class JobService(scheduler_pb2_grpc.JobServiceServicer):
     @property
     def md(self):  # the metadata stub exists once the server started
@@ -51,6 +132,7 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
 
     def __init__(self, core: SchedulerCore) -> None:
         self.core = core
+        self._creations = _Creations(core)
         # Admission checks that need not hit the metadata store on every submission: datasets
         # are not deleted and clusters rarely shrink, so a positive answer is reused briefly.
         self._datasets_seen: dict[str, float] = {}
@@ -90,8 +172,8 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
                 raise FailedPrecondition(
                     f"{spec.min_gpus} GPUs can never be granted: the cluster has {total} training GPUs",
                     field="spec.min_gpus")
-        job = await forward(self.md.CreateJob(
-            metadata_pb2.CreateJobRequest(spec=spec, client_request_id=request.client_request_id)))
+        job = await self._creations.create(
+            metadata_pb2.CreateJobRequest(spec=spec, client_request_id=request.client_request_id))
         self.core.specs[job.id] = job.spec
         self.core.trigger("arrival")
         return job
