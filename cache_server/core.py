@@ -348,6 +348,23 @@ class CacheCore:
         orphans: list[Entry] = []
         for key in [k for k in self._parts if k not in wanted]:
             orphans.extend(self._dissolve(self._parts.pop(key)))
+        # A dataset's partition takes its cached objects that nobody's quota holds now (a
+        # departed partition's, or the shared part's: a dataset read again after a plan
+        # without it) while it has room, before the shared part shrinks below them.
+        by_dataset: dict[str, list[Partition]] = {}
+        for key, part in self._parts.items():
+            by_dataset.setdefault(key[0], []).append(part)
+        kept: list[Entry] = []
+        for entry in orphans + [e for e in list(self.shared.entries.values()) if e.dataset in by_dataset]:
+            home = next((p for p in by_dataset.get(entry.dataset, []) if entry.size <= p.free()), None)
+            if home is None:
+                if entry.partition is None:
+                    kept.append(entry)
+                continue
+            if entry.partition is not None:
+                entry.partition.remove(entry)
+            home.add(entry, now)
+        orphans = kept
         new_ids = {q.job_id for q in quotas}
         for job in self._jobs.values():
             if job.quota is not None and job.job_id not in new_ids:

@@ -479,6 +479,13 @@ def test_a_datasets_cached_content_survives_a_change_of_reader(
         assert cache.apply_quotas([quota("a", name, 30_000, policy="uniform"), quota("b", name, 45_000, policy="uniform")], 3)
         assert cache.core.job("a").partition is cache.core.job("b").partition
         assert cache.core.job("a").partition.capacity == 75_000
+        # A plan without the dataset (its last reader finished), then a new reader with a quota
+        # that leaves the shared part no room: the objects move back into the dataset's partition.
+        assert cache.apply_quotas([], 4)
+        assert cache.core.shared.used == 60_000
+        assert cache.apply_quotas([quota("c", name, 100_000, io_rate=1_000_000, policy="uniform")], 5)
+        assert cache.core.shared.capacity == 0 and cache.stats("c").jobs[0].cached_bytes == 60_000
+        assert "remote" not in [o.tier for o in cache.lease("c", name, keys[:20]).objects]
 
 
 def test_a_job_granted_no_io_reads_nothing_remote_until_a_plan_grants_it(
