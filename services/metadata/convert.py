@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
@@ -53,6 +54,12 @@ class _ParseMemo(Generic[M]):
             self._entries[key] = (data, message)
         return message
 
+    def parse_text(self, key: str, text: str) -> M:
+        """As :meth:`parse`, from the column's JSON text: a hit costs one JSON decode, not a parse."""
+        if not text or text == "{}":
+            return self._type()
+        return self.parse(key, json.loads(text))
+
     def remember(self, key: str, data: dict[str, Any], message: M) -> None:
         """Seed the memo with a message and the JSON it was stored as (a row just written)."""
         with self._lock:
@@ -81,6 +88,56 @@ def job_to_proto(row: models.Job | Any) -> common_pb2.Job:
         allocated=_JOB_ALLOCATED.parse(row.id, row.allocated),
         message=row.message,
     )
+
+
+class _JobMemo:
+    """The Job message of each job's last listed row, reused while the row is unchanged.
+
+    A scheduler lists every active job each round, most of them unchanged since the last one;
+    building 1,000 Job messages (JSON decoding, nested messages, timestamps) was most of the
+    listing's cost. The key is the whole row as read (JSON columns as their text), so any
+    change to any column is a miss. Returned messages are shared: callers copy them.
+    """
+
+    def __init__(self, max_entries: int = 50_000) -> None:
+        self._max = max_entries
+        self._entries: dict[str, tuple[tuple[Any, ...], common_pb2.Job]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, row: Any) -> common_pb2.Job:
+        key = tuple(row)
+        hit = self._entries.get(row.id)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        job = common_pb2.Job(
+            id=row.id,
+            spec=_JOB_SPECS.parse_text(row.id, row.spec),
+            state=row.state,  # type: ignore[arg-type]
+            client_request_id=row.client_request_id or "",
+            state_version=row.state_version,
+            created_at=to_timestamp(row.created_at),
+            updated_at=to_timestamp(row.updated_at),
+            started_at=to_timestamp(row.started_at),
+            finished_at=to_timestamp(row.finished_at),
+            progress=_JOB_PROGRESS.parse_text(row.id, row.progress),
+            allocated=_JOB_ALLOCATED.parse_text(row.id, row.allocated),
+            message=row.message,
+        )
+        with self._lock:
+            if len(self._entries) >= self._max:
+                self._entries.clear()
+            self._entries[row.id] = (key, job)
+        return job
+
+
+_LISTED_JOBS = _JobMemo()
+
+
+def listed_job_to_proto(row: Any) -> common_pb2.Job:
+    """job_to_proto for a row whose JSON columns were read as text (JobStore.list)."""
+    job = common_pb2.Job()
+    job.CopyFrom(_LISTED_JOBS.get(row))
+    return job
 
 
 def new_job_proto(job_id: str, spec: common_pb2.JobSpec, spec_json: dict[str, Any], client_request_id: str,

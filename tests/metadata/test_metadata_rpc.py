@@ -287,6 +287,20 @@ def test_create_jobs_creates_each_independently_and_reports_refusals(stub):
                          "jobs")
 
 
+def test_list_jobs_shows_every_change_to_a_listed_job(stub):
+    # Listings reuse the message of an unchanged row: any change must still show.
+    job = create_job(stub)
+    listed = stub.ListJobs(m.ListJobsRequest()).jobs
+    assert list(listed) == [stub.GetJob(m.GetJobRequest(job_id=job.id))]
+    moved = move(stub, job, SCHEDULED, RUNNING)
+    progressed = stub.UpdateJobProgress(m.UpdateJobProgressRequest(
+        job_id=job.id, progress=common_pb2.JobProgress(samples_done=640, steps_done=5),
+        allocated=common_pb2.ResourceVector(gpus=2)))
+    (after,) = stub.ListJobs(m.ListJobsRequest()).jobs
+    assert after == progressed and after.state == RUNNING and after.state_version == moved.state_version
+    assert after.progress.samples_done == 640 and after.allocated.gpus == 2 and after.HasField("started_at")
+
+
 def test_a_refused_lower_version_heartbeat_still_keeps_the_node_alive(stub):
     stub.UpsertNode(m.UpsertNodeRequest(spec=node_spec("restarted")))
     before = stub.Heartbeat(m.HeartbeatRequest(node="restarted", applied_plan_version=7))

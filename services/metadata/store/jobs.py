@@ -7,7 +7,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Update, bindparam, func, insert, select, update
+from sqlalchemy import Connection, Text, Update, bindparam, cast, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from silod.v1 import common_pb2
@@ -97,7 +97,7 @@ class JobStore:
 
         # Plain rows rather than ORM objects: a scheduler lists every active job each round, and
         # identity-map bookkeeping for 1,000 objects costs more than the query itself.
-        query = select(*Job.__table__.columns).order_by(Job.seq).limit(size + 1)
+        query = select(*_LIST_COLUMNS).order_by(Job.seq).limit(size + 1)
         if after:
             query = query.where(Job.seq > after[0])
         if states:
@@ -112,7 +112,7 @@ class JobStore:
             rows = list(session.execute(query))
         page = rows[:size]
         next_token = paging.encode_token("jobs", page[-1].seq) if len(rows) > size else ""
-        return [convert.job_to_proto(row) for row in page], next_token
+        return [convert.listed_job_to_proto(row) for row in page], next_token
 
     def transition(self, job_id: str, expected_state: int, new_state: int, message: str = "") -> common_pb2.Job:
         check_job_id(job_id)
@@ -247,6 +247,8 @@ def _move_statement(new_state: int) -> Update:
             .values(**values).returning(*_JOBS.columns))
 
 
+# JSON columns as their text: unchanged rows are recognised without decoding them (convert._JobMemo).
+_LIST_COLUMNS = [cast(c, Text).label(c.name) if c.name in ("spec", "progress", "allocated") else c for c in _JOBS.columns]
 _BY_REQUEST_ID = select(*_JOBS.columns).where(_JOBS.c.client_request_id == bindparam("r_id"))
 
 
