@@ -69,6 +69,7 @@ ESTIMATOR_TIMEOUT_S = 2.0  # a round must not hang on a stuck estimator: the pro
 OBSERVE_TIMEOUT_S = 30.0  # in the background; a job's first Observe fits its profile in the estimator (seconds)
 MAX_QUEUED_OBSERVATIONS = 100  # measurements of one job kept while the estimator is slow (the newest)
 IO_BOUND_SHARE = 0.8  # a job whose misses use this share of its IO grant is measuring the grant, not its compute
+WARMUP_STEPS = 2  # a job's first steps (connections, manifests, cold reads) are not its speed: not observed
 
 
 @functools.lru_cache(maxsize=1)
@@ -627,6 +628,8 @@ class SchedulerCore:
             step = batch / report.progress.throughput_samples_per_s
         if gpus < 1 or batch < gpus or not 0 < step < math.inf:
             return  # nothing the estimator could fit (e.g. not measured yet)
+        if report.progress.steps_done <= WARMUP_STEPS:
+            return  # the job's first steps include its start-up: fitted as compute they shrank its demand
         if self._io_bound(job, entry, report, batch / step):
             return
         key = (entry.generation, gpus, batch, step, report.progress.steps_done)
