@@ -14,6 +14,7 @@ import re
 import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -128,10 +129,8 @@ class Cluster:
             self._channels += [md, jobs]
             self.md = metadata_pb2_grpc.MetadataServiceStub(md)
             self.jobs = scheduler_pb2_grpc.JobServiceStub(jobs)
-            for i in range(nodes):
-                self.agents[f"n{i}"] = Agent(self, f"n{i}")
-            for i in range(inference_nodes):
-                self.agents[f"i{i}"] = Agent(self, f"i{i}", pool="inference")
+            self._start_agents([(f"n{i}", "training") for i in range(nodes)]
+                               + [(f"i{i}", "inference") for i in range(inference_nodes)])
             wait_until(lambda: len(self.md.ListNodes(metadata_pb2.ListNodesRequest(alive_only=True), timeout=10).nodes)
                        == nodes + inference_nodes, timeout=60, what="every agent registered")
         except BaseException:
@@ -144,6 +143,22 @@ class Cluster:
             "scheduler", "--listen", self.scheduler_address, "--metadata-address", self.metadata.address,
             "--metrics-port", str(self.metrics_port), *self._scheduler_args, workdir=self.root / "scheduler", timeout_s=60,
         )
+
+    def _start_agents(self, nodes: list[tuple[str, str]]) -> None:
+        """Start the agents at once: each start is mostly Python's imports, and one after the other
+        they cost seconds each on a two-core machine. (The scheduler is up before: an agent whose
+        plan watch finds no scheduler backs off for up to 5 s.) Whatever started is kept for
+        close(), also when another start failed."""
+        with ThreadPoolExecutor(max_workers=len(nodes) or 1) as pool:
+            futures = {name: pool.submit(Agent, self, name, pool_name) for name, pool_name in nodes}
+        failed: BaseException | None = None
+        for name, future in futures.items():
+            if future.exception() is None:
+                self.agents[name] = future.result()
+            else:
+                failed = failed or future.exception()
+        if failed is not None:
+            raise failed
 
     def kill_agent(self, name: str) -> float:
         """SIGKILL node ``name``'s agent (as a machine crash would); returns the wall time of the kill."""
@@ -184,7 +199,7 @@ class Cluster:
             return jobs if len(jobs) == len(ids) and all(j.state in TERMINAL for j in jobs.values()) else None
 
         try:
-            return wait_until(done, timeout, "every job to finish", interval=0.5)
+            return wait_until(done, timeout, "every job to finish", interval=0.2)
         except AssertionError:
             states = {j.name: common_pb2.JobState.Name(j.state) for j in self.all_jobs()}
             raise AssertionError(f"jobs not finished after {timeout:g}s: {states}") from None
