@@ -15,8 +15,12 @@ from tests.support.procs import start_service
 from tests.worker_agent.conftest import wait_until
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[scheduler_pb2_grpc.JobServiceStub, worker_agent_pb2_grpc.WorkerAgentServiceStub, Path]]:
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[scheduler_pb2_grpc.JobServiceStub, worker_agent_pb2_grpc.WorkerAgentServiceStub, Path]]:
+    # One cluster for the module (three process starts): each test submits its own job, and the
+    # node's 4 GPUs fit both tests' 2-GPU jobs.
+    tmp_path = tmp_path_factory.mktemp("with-scheduler")
     agent_dir = tmp_path / "agent"
     with start_service("metadata", "--db", f"sqlite:///{tmp_path / 'm.db'}", "--log-level", "warning",
                        workdir=tmp_path) as md, \
