@@ -107,14 +107,21 @@ def test_a_batch_of_creations_and_moves_commits_once(sqlite_store) -> None:
     jobs, refused = created[:-1], created[-1]
     assert all(isinstance(j, common_pb2.Job) for j in jobs) and len({j.id for j in jobs}) == 20
     assert getattr(refused, "field", None) == "spec.name"
+    # Retried: every key is found (the batch insert is refused and each is looked up), and
+    # a new one among them is still created.
+    retried = store.jobs.create_many([(training_spec(name=f"b{i}"), f"b{i}") for i in range(20)]
+                                     + [(training_spec(name="new"), "new")])
+    assert len(commits) == 2 and [j.id for j in retried[:-1]] == [j.id for j in jobs]
+    assert retried[-1].spec.name == "new" and retried[-1].id not in {j.id for j in jobs}
     pending, scheduled = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED
     moves = [(j.id, pending, scheduled, "placed") for j in jobs] + [(jobs[0].id, pending, scheduled, "stale")]
     moved = store.jobs.transition_many(moves)
-    assert len(commits) == 2
+    assert len(commits) == 3
     assert all(j.state == scheduled for j in moved[:-1]) and getattr(moved[-1], "field", None) == "expected_state"
     # Durable and visible to another connection once the call returned.
     reopened = MetadataStore.open(store.db.engine.url.render_as_string(hide_password=False))
     try:
-        assert {j.id: j.state for j in reopened.jobs.list(page_size=100)[0]} == {j.id: scheduled for j in jobs}
+        states = {j.id: j.state for j in reopened.jobs.list(page_size=100)[0]}
+        assert states == {**{j.id: scheduled for j in jobs}, retried[-1].id: pending}
     finally:
         reopened.close()

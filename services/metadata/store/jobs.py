@@ -43,13 +43,15 @@ class JobStore:
 
     def create(self, spec: common_pb2.JobSpec, client_request_id: str = "") -> common_pb2.Job:
         check_client_request_id(client_request_id)
-        spec = normalized_job_spec(spec)
+        return self._create(normalized_job_spec(spec), client_request_id)
+
+    def _create(self, spec: common_pb2.JobSpec, client_request_id: str) -> common_pb2.Job:
         for _ in range(_ID_ATTEMPTS):
             # Optimistic: a new request id is the common case, so insert first and look only
             # when the unique index refuses it (a retry, a concurrent twin, or an id collision).
             try:
                 with self._db.write_core() as connection:
-                    return _insert_job(connection, spec, client_request_id)
+                    return _insert_jobs(connection, [(spec, client_request_id)])[0]
             except IntegrityError:
                 # A write transaction, not a read: inside a batch (CreateJobs) the winner may be
                 # an earlier, not yet committed, request of the same batch.
@@ -63,14 +65,34 @@ class JobStore:
         """Each (spec, client_request_id) as :meth:`create` would (its own validation, idempotency
         and error), in one transaction: one commit for the lot. Results in order; a refused
         request's is the error, and the others are still created."""
-        results: list[common_pb2.Job | ServiceError] = []
+        results: list[common_pb2.Job | ServiceError | None] = [None] * len(requests)
+        valid: list[tuple[int, common_pb2.JobSpec, str]] = []
+        for index, (spec, client_request_id) in enumerate(requests):
+            try:
+                check_client_request_id(client_request_id)
+                valid.append((index, normalized_job_spec(spec), client_request_id))
+            except ServiceError as exc:
+                results[index] = exc
         with self._db.batch():
-            for spec, client_request_id in requests:
+            keys = [key for _, _, key in valid if key]
+            if len(valid) > 1 and len(set(keys)) == len(keys):
+                # All new, as a rule: both INSERTs once for all of them (executemany). Should the
+                # unique index refuse one (a retried request, an id collision), that savepoint
+                # is rolled back and each is created on its own below.
                 try:
-                    results.append(self.create(spec, client_request_id))
+                    with self._db.write_core() as connection:
+                        jobs = _insert_jobs(connection, [(spec, key) for _, spec, key in valid])
+                    for (index, _, _), job in zip(valid, jobs):
+                        results[index] = job
+                    valid = []
+                except IntegrityError:
+                    pass
+            for index, spec, client_request_id in valid:
+                try:
+                    results[index] = self._create(spec, client_request_id)
                 except ServiceError as exc:
-                    results.append(exc)
-        return results
+                    results[index] = exc
+        return results  # type: ignore[return-value]
 
     def get(self, job_id: str) -> common_pb2.Job:
         check_job_id(job_id)
@@ -257,25 +279,36 @@ _BY_ID = select(*_JOBS.columns).where(_JOBS.c.id == bindparam("j_id"))
 
 
 def _insert_job(connection: Connection | Session, spec: common_pb2.JobSpec, client_request_id: str) -> common_pb2.Job:
-    """A new PENDING job and its "submitted" event, as prebuilt Core statements (as transition
-    does: submissions arrive by the hundred per second). The job is answered from what was
-    written, not read back: the columns it has are all known here."""
     if isinstance(connection, Session):
         connection = connection.connection()
+    return _insert_jobs(connection, [(spec, client_request_id)])[0]
+
+
+def _insert_jobs(connection: Connection, requests: Sequence[tuple[common_pb2.JobSpec, str]]) -> list[common_pb2.Job]:
+    """New PENDING jobs and their "submitted" events, as prebuilt Core statements (as transition
+    does: submissions arrive by the hundred per second), each run once for all of them. The
+    jobs are answered from what was written, not read back: every column is known here."""
     now = utc_now()
-    spec_json = convert.to_json(spec)
-    job_id = new_job_id()
-    connection.execute(_JOB_INSERT_PLAIN, {
-        "id": job_id, "client_request_id": client_request_id or None, "name": spec.name, "tenant": spec.tenant,
-        "application": spec.application, "kind": spec.kind, "state": common_pb2.JOB_STATE_PENDING,
-        "spec": spec_json, "state_version": 1, "created_at": now, "updated_at": now, "started_at": None,
-        "finished_at": None, "progress": {}, "allocated": {}, "message": "", "last_event_sequence": 1,
-    })
-    connection.execute(_STATE_EVENT_INSERT, {
-        "job_id": job_id, "sequence": 1, "time": now, "type": STATE_EVENT,
-        "from_state": common_pb2.JOB_STATE_UNSPECIFIED, "to_state": common_pb2.JOB_STATE_PENDING, "message": "submitted",
-    })
-    return convert.new_job_proto(job_id, spec, spec_json, client_request_id, now)
+    jobs, events = [], []
+    answers: list[common_pb2.Job] = []
+    for spec, client_request_id in requests:
+        spec_json = convert.to_json(spec)
+        job_id = new_job_id()
+        jobs.append({
+            "id": job_id, "client_request_id": client_request_id or None, "name": spec.name, "tenant": spec.tenant,
+            "application": spec.application, "kind": spec.kind, "state": common_pb2.JOB_STATE_PENDING,
+            "spec": spec_json, "state_version": 1, "created_at": now, "updated_at": now, "started_at": None,
+            "finished_at": None, "progress": {}, "allocated": {}, "message": "", "last_event_sequence": 1,
+        })
+        events.append({
+            "job_id": job_id, "sequence": 1, "time": now, "type": STATE_EVENT,
+            "from_state": common_pb2.JOB_STATE_UNSPECIFIED, "to_state": common_pb2.JOB_STATE_PENDING,
+            "message": "submitted",
+        })
+        answers.append(convert.new_job_proto(job_id, spec, spec_json, client_request_id, now))
+    connection.execute(_JOB_INSERT_PLAIN, jobs)
+    connection.execute(_STATE_EVENT_INSERT, events)
+    return answers
 
 
 def _load_row(connection: Connection, job_id: str) -> Any:
