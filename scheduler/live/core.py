@@ -427,7 +427,7 @@ class SchedulerCore:
             model, target = self._model_now(job, datasets)
             spec = job.spec
             job_infos.append(JobInfo(
-                job_id=job.id, model=model, submit_time_s=job.created_at.ToDatetime().timestamp(),
+                job_id=job.id, model=model, submit_time_s=_epoch_s(job.created_at),
                 min_gpus=spec.min_gpus, max_gpus=spec.max_gpus, target_samples=target,
                 samples_done=min(float(job.progress.samples_done), target * 0.999), requested_gpus=spec.max_gpus,
                 batch_size=spec.batch_size, dataset=spec.dataset, priority=spec.priority,
@@ -815,6 +815,12 @@ async def _bounded_gather(calls: list[Awaitable[T]], limit: int = RPC_CONCURRENC
         if isinstance(result, BaseException):
             raise result
     return results  # type: ignore[return-value]
+
+
+def _epoch_s(stamp) -> float:
+    """Seconds since the epoch of a Timestamp, as the UTC datetime's timestamp() gives them
+    (microseconds, one rounding), without building the datetime: once per job per round."""
+    return (stamp.seconds * 1_000_000 + stamp.nanos // 1000) / 1_000_000
 
 
 def _move(job: common_pb2.Job, new_state: int, message: str) -> metadata_pb2.TransitionJobRequest:
