@@ -1,4 +1,4 @@
-"""`silod up` as a real subprocess, driven by the job CLI as a user would."""
+"""`silod up` as a real subprocess, driven by the job CLI as a user would, and its dashboard in Chromium."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import grpc
+import pytest
+
+from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc
+from tests.dashboard import browser
+from tests.support.procs import start_service
 
 SMALL = "application: cifar10\nmin_gpus: 1\nmax_gpus: 2\nbatch_size: 16\nsample_budget: 480\nemulated_step_compute_s: 0.02\n"
 LONG = "name: long\napplication: cifar10\nmin_gpus: 1\nmax_gpus: 1\nbatch_size: 16\nsample_budget: 100000000\nemulated_step_compute_s: 0.05\n"
@@ -37,18 +45,71 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_up_submit_watch_logs_cancel_and_shutdown(tmp_path: Path) -> None:
-    state = tmp_path / "state"
+@pytest.fixture(scope="module")
+def up_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """One `silod up` (2 nodes x 2 GPUs) for this module's two tests: the dashboard page in
+    Chromium, then the job CLI, which ends by shutting it down. Starting it costs 8 processes."""
+    state = tmp_path_factory.mktemp("up") / "state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SILOD_")}
     up = subprocess.Popen([sys.executable, "-m", "silod.cli", "up", "--nodes", "2", "--gpus-per-node", "2",
                            "--state-dir", str(state), "--interval-s", "1"],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     children: list[int] = []
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while not (state / "cluster.json").exists():
             assert up.poll() is None, up.stdout.read() if up.stdout else ""
             assert time.monotonic() < deadline, "cluster.json not written"
             time.sleep(0.1)
+        children = _children(up.pid)
+        yield up, state
+    finally:
+        _cleanup(up, children)
+
+
+def test_page_in_chromium_shows_a_live_cluster(up_cluster: tuple[subprocess.Popen[str], Path], tmp_path: Path) -> None:
+    """`silod dashboard` (tests/dashboard covers the rest of it) on a live cluster, in Chromium."""
+    chromium = browser.chromium()
+    up, state = up_cluster
+    assert up.poll() is None, "silod up exited early"
+    cluster = json.loads((state / "cluster.json").read_text())
+    job = tmp_path / "job.yaml"
+    job.write_text("name: dash-job\napplication: cifar10\nmin_gpus: 1\nmax_gpus: 2\nbatch_size: 16\n"
+                   "sample_budget: 100000000\nemulated_step_compute_s: 0.05\n")
+    submitted = _silod(state, "submit", str(job))
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    try:
+        with start_service("dashboard", "--metadata-address", cluster["metadata"], "--auth-token", browser.TOKEN,
+                           "--log-level", "warning", workdir=tmp_path) as dash:
+            url = f"http://{dash.address}/?token={browser.TOKEN}"
+            deadline = time.monotonic() + 90
+            while True:  # the job shows as running once its ranks reported
+                dom = browser.run(chromium, url, "--dump-dom").stdout
+                if 'data-loaded="true"' in dom and "running" in dom:
+                    break
+                assert time.monotonic() < deadline, f"dashboard never showed the job running; DOM:\n{dom[-3000:]}"
+                time.sleep(0.5)
+            assert job_id in dom and "<td>dash-job</td>" in dom
+            for node in cluster["nodes"]:
+                assert f"<td>{node['name']}</td>" in dom
+            assert 'class="gpu training"' in dom  # the job's GPUs are drawn as held
+            browser.ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            shot = browser.ARTIFACTS / "dashboard.png"
+            shot.unlink(missing_ok=True)
+            done = browser.run(chromium, url, "--window-size=1280,1000", f"--screenshot={shot}")
+            assert shot.exists() and shot.stat().st_size > 10_000, done.stderr[-2000:]
+            assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        # Its GPUs go back to the next test's jobs.
+        _silod(state, "cancel", job_id)
+
+
+def test_up_submit_watch_logs_cancel_and_shutdown(up_cluster: tuple[subprocess.Popen[str], Path], tmp_path: Path) -> None:
+    up, state = up_cluster
+    children: list[int] = []
+    try:
+        assert up.poll() is None, up.stdout.read() if up.stdout else ""
         info = json.loads((state / "cluster.json").read_text())
         assert len(info["nodes"]) == 2 and all(n["agent"] and n["cache"] for n in info["nodes"])
         children = _children(up.pid)
@@ -88,10 +149,15 @@ def test_up_submit_watch_logs_cancel_and_shutdown(tmp_path: Path) -> None:
 
         (tmp_path / "long.yaml").write_text(LONG)
         long_id = _silod(state, "submit", str(tmp_path / "long.yaml")).stdout.strip()
-        deadline = time.monotonic() + 40
-        while "RUNNING" not in next(l for l in _silod(state, "jobs").stdout.splitlines() if l.startswith(long_id)):
-            assert time.monotonic() < deadline, "long job never ran"
-            time.sleep(0.5)
+        # Wait through gRPC (a `silod jobs` process per poll costs seconds of imports), then
+        # check that `silod jobs` shows it running.
+        with grpc.insecure_channel(info["metadata"]) as channel:
+            md = metadata_pb2_grpc.MetadataServiceStub(channel)
+            deadline = time.monotonic() + 40
+            while md.GetJob(metadata_pb2.GetJobRequest(job_id=long_id), timeout=10).state != common_pb2.JOB_STATE_RUNNING:
+                assert time.monotonic() < deadline, "long job never ran"
+                time.sleep(0.2)
+        assert "RUNNING" in next(l for l in _silod(state, "jobs").stdout.splitlines() if l.startswith(long_id))
         c = _silod(state, "cancel", long_id, "--reason", "test")
         assert c.returncode == 0, c.stderr
         w = _silod(state, "watch", long_id, timeout=60)

@@ -1,14 +1,12 @@
-"""`silod dashboard` as a real process: what it reads, who may read it, and the page in Chromium."""
+"""`silod dashboard` as a real process: what it reads and who may read it. The page in Chromium is
+checked on a live `silod up` cluster in tests/cli_cluster/test_up_and_jobs.py (which starts one
+anyway), with the helpers in tests/dashboard/browser.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -18,10 +16,8 @@ import grpc
 import pytest
 
 from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
-from tests.support.procs import REPO_ROOT, ServiceProcess, start_service
-
-TOKEN = "dash-token"
-ARTIFACTS = REPO_ROOT / "build" / "test-artifacts"
+from tests.dashboard.browser import TOKEN
+from tests.support.procs import ServiceProcess, start_service
 
 
 def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
@@ -33,9 +29,11 @@ def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str
         return exc.code, dict(exc.headers), exc.read()
 
 
-@pytest.fixture
-def metadata_with_cluster(tmp_path: Path) -> Iterator[ServiceProcess]:
-    """A metadata service holding a training node, an inference node, two jobs and a plan that lends a GPU."""
+@pytest.fixture(scope="module")
+def metadata_with_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """A metadata service holding a training node, an inference node, two jobs and a plan that lends a GPU
+    (one for the module: the tests only read it)."""
+    tmp_path = tmp_path_factory.mktemp("dash-metadata")
     with start_service("metadata", "--db", f"sqlite:///{tmp_path / 'm.db'}", "--log-level", "warning",
                        workdir=tmp_path) as md:
         with grpc.insecure_channel(md.address) as channel:
@@ -62,8 +60,9 @@ def metadata_with_cluster(tmp_path: Path) -> Iterator[ServiceProcess]:
         yield md
 
 
-@pytest.fixture
-def dashboard(metadata_with_cluster: ServiceProcess, tmp_path: Path) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def dashboard(metadata_with_cluster: ServiceProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp_path = tmp_path_factory.mktemp("dashboard")
     with start_service("dashboard", "--metadata-address", metadata_with_cluster.address, "--auth-token", TOKEN,
                        "--cache-timeout-s", "0.5", "--log-level", "warning", workdir=tmp_path) as dash:
         yield f"http://{dash.address}"
@@ -111,70 +110,3 @@ def test_metadata_down_is_a_503_naming_it(tmp_path: Path) -> None:
 def test_missing_metadata_address_is_a_configuration_error() -> None:
     done = subprocess.run([sys.executable, "-m", "silod.cli", "dashboard"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "metadata_address" in done.stderr and "Traceback" not in done.stderr
-
-
-def _chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if path is None:
-        message = "Chromium is not installed (Debian: apt-get install chromium)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{message}; CI must run the dashboard's browser test")
-        pytest.skip(message)
-    return path
-
-
-def _browser(chromium: str, url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    # --virtual-time-budget lets the page's fetch and rendering settle before the DOM is taken.
-    return subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                           "--virtual-time-budget=5000", *args, url],
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_page_in_chromium_shows_a_live_cluster(tmp_path: Path) -> None:
-    chromium = _chromium()
-    state = tmp_path / "state"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SILOD_")}
-    env["SILOD_STATE_DIR"] = str(state)
-    up = subprocess.Popen([sys.executable, "-m", "silod.cli", "up", "--nodes", "2", "--gpus-per-node", "2",
-                           "--state-dir", str(state), "--interval-s", "1"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while not (state / "cluster.json").exists():
-            assert up.poll() is None, "silod up exited early"
-            assert time.monotonic() < deadline, "silod up did not come up"
-            time.sleep(0.2)
-        cluster = json.loads((state / "cluster.json").read_text())
-        job = tmp_path / "job.yaml"
-        job.write_text("name: dash-job\napplication: cifar10\nmin_gpus: 1\nmax_gpus: 2\nbatch_size: 16\n"
-                       "sample_budget: 100000000\nemulated_step_compute_s: 0.05\n")
-        submitted = subprocess.run([sys.executable, "-m", "silod.cli", "submit", str(job)], capture_output=True,
-                                   text=True, timeout=60, env=env)
-        assert submitted.returncode == 0, submitted.stderr
-        job_id = submitted.stdout.strip()
-        with start_service("dashboard", "--metadata-address", cluster["metadata"], "--auth-token", TOKEN,
-                           "--log-level", "warning", workdir=tmp_path) as dash:
-            url = f"http://{dash.address}/?token={TOKEN}"
-            deadline = time.monotonic() + 90
-            while True:  # the job shows as running once its ranks reported
-                dom = _browser(chromium, url, "--dump-dom").stdout
-                if 'data-loaded="true"' in dom and "running" in dom:
-                    break
-                assert time.monotonic() < deadline, f"dashboard never showed the job running; DOM:\n{dom[-3000:]}"
-                time.sleep(1)
-            assert job_id in dom and "<td>dash-job</td>" in dom
-            for node in cluster["nodes"]:
-                assert f"<td>{node['name']}</td>" in dom
-            assert 'class="gpu training"' in dom  # the job's GPUs are drawn as held
-            ARTIFACTS.mkdir(parents=True, exist_ok=True)
-            shot = ARTIFACTS / "dashboard.png"
-            shot.unlink(missing_ok=True)
-            done = _browser(chromium, url, "--window-size=1280,1000", f"--screenshot={shot}")
-            assert shot.exists() and shot.stat().st_size > 10_000, done.stderr[-2000:]
-            assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            up.kill()
