@@ -14,13 +14,16 @@ from worker_agent.gpus import check_exclusive
 EXITED = allocation_pb2.TASK_PHASE_EXITED
 RUNNING = allocation_pb2.TASK_PHASE_RUNNING
 BUDGET = 6000  # 8 samples per 0.02 s step: ~15 s of work, several times what the resizes take
+# The last resize of a case doubles the batch (a fast resize takes the new one): the ~5,000 samples
+# left then take half the time, still seconds more than the checks of the new world need.
+LAST_BATCH = 16
 
 
-def _ranks(job: str, world: int, generation: int, gpus: list[int] | None = None, *, fast: bool = True
-           ) -> list[plan_pb2.TaskAssignment]:
+def _ranks(job: str, world: int, generation: int, gpus: list[int] | None = None, *, fast: bool = True,
+           batch: int = 8) -> list[plan_pb2.TaskAssignment]:
     tasks = []
     for rank, gpu in enumerate(gpus if gpus is not None else range(world)):
-        a = assignment(job, rank, world, [gpu], generation, budget=BUDGET)
+        a = assignment(job, rank, world, [gpu], generation, budget=BUDGET, batch=batch)
         a.fast_resize = fast
         a.spec.env["SILOD_CHECKPOINT_EVERY_S"] = "0.5"
         tasks.append(a)
@@ -64,7 +67,7 @@ def test_fast_resize_keeps_survivors_running_across_4_2_4(allocation, start_agen
     shrunk_at = _latest(allocation, job, 0, 2).progress.samples_done
 
     # Grow back: the survivors move to generation 3, new ranks 2 and 3 join.
-    allocation.push(node_plan(agent.node, 3, *_ranks(job, 4, 3)))
+    allocation.push(node_plan(agent.node, 3, *_ranks(job, 4, 3, batch=LAST_BATCH)))
     wait_until(lambda: all(_phase(allocation, job, r, 3) == RUNNING for r in range(4)), timeout=30,
                what="all 4 ranks running under generation 3")
     pids = _pids(agent, job)
@@ -100,7 +103,7 @@ def test_a_survivor_below_which_the_world_shrank_is_renumbered(allocation, start
     allocation.push(node_plan(agent.node, 1, *_ranks(job, 3, 1)))
     wait_until(lambda: all(_phase(allocation, job, r, 1) == RUNNING for r in range(3)), what="3 ranks running")
     first = _pids(agent, job)
-    allocation.push(node_plan(agent.node, 2, *_ranks(job, 2, 2, gpus=[1, 2])))
+    allocation.push(node_plan(agent.node, 2, *_ranks(job, 2, 2, gpus=[1, 2], batch=LAST_BATCH)))
     wait_until(lambda: all(_phase(allocation, job, r, 2) == RUNNING for r in range(2)), timeout=30,
                what="survivors renumbered and running")
     assert _pids(agent, job) == {(0, 2): first[(1, 1)], (1, 2): first[(2, 1)]}
