@@ -68,7 +68,7 @@ RPC_CONCURRENCY = 16  # ... and per-job calls of a round are sent this many at a
 ESTIMATOR_TIMEOUT_S = 2.0  # a round must not hang on a stuck estimator: the profile model will do
 OBSERVE_TIMEOUT_S = 30.0  # in the background; a job's first Observe fits its profile in the estimator (seconds)
 MAX_QUEUED_OBSERVATIONS = 100  # measurements of one job kept while the estimator is slow (the newest)
-IO_BOUND_SHARE = 0.8  # a job whose misses use this share of its IO grant is measuring the grant, not its compute
+IO_BOUND_SHARE = 0.25  # a step whose misses, read at the job's IO grant, take this share of it measures data, not compute
 WARMUP_STEPS = 2  # a job's first steps (connections, manifests, cold reads) are not its speed: not observed
 
 
@@ -652,8 +652,11 @@ class SchedulerCore:
         The estimator fits step times as compute (``T(g)``); a job held by its IO grant would
         be fitted as slow as the grant makes it, its demand ``b* = T s (1 - h)`` would shrink to
         that, and co_allocate would keep granting only that. Such measurements are not sent:
-        the job's misses use at least IO_BOUND_SHARE of its grant (or it has no grant under a
-        plan that manages IO, so the cache server trickles its misses)."""
+        the job's misses use at least IO_BOUND_SHARE of its grant, i.e. reading them at the
+        grant takes that share of its step time (or it has no grant under a plan that manages
+        IO: its cache server holds its misses). A low share on purpose: a step slower than its
+        grant allows (CPU contention, lease round trips) is still waiting for data, and fitting
+        it as compute starts the spiral above; a skipped measurement only keeps the model."""
         if self.cache_mode != "silod" or not job.spec.dataset or not entry.cache_grants:
             return False
         model = self._models.get(job.id)
