@@ -178,15 +178,16 @@ def test_sigterm_shuts_down_cleanly() -> None:
         assert not ready_files[0].exists()  # the address is no longer being served
 
 
-def test_taken_port_fails_with_one_clear_line() -> None:
-    with start_service("estimator") as holder:  # keeps the port busy
-        result = subprocess.run(
-            [sys.executable, "-m", "silod.cli", "estimator", "--listen", holder.address],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            cwd=REPO_ROOT,
-        )
+def test_taken_port_fails_with_one_clear_line(estimator: tuple[ServiceProcess, int]) -> None:
+    holder, _ = estimator  # the module's estimator keeps its port busy
+    result = subprocess.run(
+        [sys.executable, "-m", "silod.cli", "estimator", "--listen", holder.address],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO_ROOT,
+    )
+    assert holder.running()
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
