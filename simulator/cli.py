@@ -67,6 +67,10 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     gen.add_argument("--load", type=float, default=1.0, metavar="X",
                      help="arrival-rate multiplier: arrival times are divided by X (default 1)")
     gen.add_argument("--max-gpus", type=int, default=64, metavar="G", help="cap on a job's GPUs (default 64)")
+    gen.add_argument("--mix", default="pollux", choices=("pollux", "io"),
+                     help="applications by GPU-hours: pollux (the artifact's mapping, default) or io (image and speech only)")
+    gen.add_argument("--max-gpu-hours", type=float, default=1000.0, metavar="H",
+                     help="sample only Philly jobs under H GPU-hours (default 1000, at most 1000)")
     gen.add_argument("--out", required=True, metavar="CSV", help="file to write")
     gen.set_defaults(handler=_generate)
 
@@ -364,7 +368,7 @@ def _generate(args: argparse.Namespace) -> int:
         from simulator.workload import write_workload
 
         jobs = generate_philly(args.jobs, args.seed, hours=args.hours, start_hour=args.start_hour,
-                               load=args.load, max_gpus=args.max_gpus)
+                               load=args.load, max_gpus=args.max_gpus, mix=args.mix, max_gpu_hours=args.max_gpu_hours)
         write_workload(jobs, args.out)
         print(f"wrote {len(jobs)} jobs to {args.out}", file=sys.stderr)
         return 0

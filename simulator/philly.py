@@ -3,7 +3,8 @@
 The mapping follows the way the Pollux artifact built its workloads from the same trace
 (``workloads-realistic`` flavour: GPU counts come from the trace, batch sizes are untuned):
 
-1. keep jobs that ran at least 60 s and used less than 1,000 GPU-hours;
+1. keep jobs that ran at least 60 s and used less than 1,000 GPU-hours (``max_gpu_hours``
+   lowers that cap);
 2. keep those submitted within ``hours`` hours of ``start_hour`` (time of day, any date):
    a job's arrival is its submission time of day minus ``start_hour``, divided by ``load``
    (``load`` 2 packs the same jobs into half the time: twice the arrival rate);
@@ -105,6 +106,7 @@ def generate_philly(
     load: float = 1.0,
     max_gpus: int = 64,
     mix: str = "pollux",
+    max_gpu_hours: float = MAX_GPU_HOURS,
 ) -> tuple[JobSpec, ...]:
     """``jobs`` jobs sampled from the Philly trace (see the module docstring), sorted by arrival."""
     if jobs < 1:
@@ -119,13 +121,15 @@ def generate_philly(
         raise SimulatorInputError(f"--max-gpus must be >= 1, got {max_gpus}")
     if mix not in MIXES:
         raise SimulatorInputError(f"mix must be one of {', '.join(MIXES)}, got {mix!r}")
+    if not (0 < max_gpu_hours <= MAX_GPU_HOURS):
+        raise SimulatorInputError(f"--max-gpu-hours must be in (0, {MAX_GPU_HOURS:g}], got {max_gpu_hours}")
     from estimator.profiles import load_profile
 
     start = start_hour * 3600.0
     window = hours * 3600.0
     candidates = []
     for job in read_trace():
-        if job.duration_s < MIN_DURATION_S or job.gpu_hours >= MAX_GPU_HOURS or job.num_gpus < 1:
+        if job.duration_s < MIN_DURATION_S or job.gpu_hours >= max_gpu_hours or job.num_gpus < 1:
             continue
         offset = (job.time_of_day_s - start) % 86400.0
         if offset < window:

@@ -50,3 +50,23 @@ def test_io_bound_philly_cluster():
     assert len(cluster.nodes) == 8 and cluster.gpus_per_node == 4
     assert all(n.cache_capacity_bytes == 32e9 for n in cluster.nodes)
     assert cluster.storage_bandwidth_bytes_per_s == 40e6
+
+
+def test_max_gpu_hours_caps_the_sampled_jobs():
+    capped = generate_philly(64, 0, mix="io", max_gpu_hours=100)
+    assert "imagenet" not in {j.application for j in capped}  # imagenet is the >= 100 GPU-hour bucket
+    with pytest.raises(SimulatorInputError, match="max-gpu-hours"):
+        generate_philly(10, 0, max_gpu_hours=0)
+    with pytest.raises(SimulatorInputError, match="max-gpu-hours"):
+        generate_philly(10, 0, max_gpu_hours=5000)
+
+
+def test_generate_cli_takes_the_mix_and_the_cap(tmp_path: Path):
+    from silod.cli.main import main
+
+    out = tmp_path / "w.csv"
+    assert main(["simulate", "generate", "--philly", "--jobs", "64", "--seed", "0", "--mix", "io",
+                 "--max-gpu-hours", "100", "--out", str(out)]) == 0
+    expected = tmp_path / "e.csv"
+    write_workload(generate_philly(64, 0, mix="io", max_gpu_hours=100), expected)
+    assert out.read_bytes() == expected.read_bytes()
