@@ -513,3 +513,15 @@ def test_a_job_granted_no_io_reads_nothing_remote_until_a_plan_grants_it(
         assert not reader.is_alive()
         assert read_leased(result["r"]) == {k: files[k] for k in keys[5:8]}
         assert cache.core.job("held").remote_bytes == 2 * 3000  # keys[5] came from the cache
+
+
+def test_a_dataset_named_by_the_plan_is_loaded_before_its_readers_first_call(
+    small: tuple[str, dict[str, bytes], Path], tmp_path: Path, metadata: str
+) -> None:
+    name, _, _ = small
+    with InProcessCache(tmp_path, metadata) as cache:
+        assert cache.apply_quotas([quota("a", name, 0, io_rate=1_000_000), quota("b", "not-registered", 0)], 1)
+        deadline = time.monotonic() + 10
+        while name not in cache.core._datasets and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert name in cache.core._datasets and "not-registered" not in cache.core._datasets
