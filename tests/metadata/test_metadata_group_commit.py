@@ -106,6 +106,8 @@ def test_a_batch_of_creations_and_moves_commits_once(sqlite_store) -> None:
     assert len(commits) == 1
     jobs, refused = created[:-1], created[-1]
     assert all(isinstance(j, common_pb2.Job) for j in jobs) and len({j.id for j in jobs}) == 20
+    stamps = [j.created_at.ToNanoseconds() for j in jobs]
+    assert stamps == sorted(stamps) and len(set(stamps)) == 20  # FIFO order is the request order
     assert getattr(refused, "field", None) == "spec.name"
     # Retried: every key is found (the batch insert is refused and each is looked up), and
     # a new one among them is still created.

@@ -288,10 +288,10 @@ def _insert_jobs(connection: Connection, requests: Sequence[tuple[common_pb2.Job
     """New PENDING jobs and their "submitted" events, as prebuilt Core statements (as transition
     does: submissions arrive by the hundred per second), each run once for all of them. The
     jobs are answered from what was written, not read back: every column is known here."""
-    now = utc_now()
     jobs, events = [], []
     answers: list[common_pb2.Job] = []
     for spec, client_request_id in requests:
+        now = utc_now()  # each its own: submission order is creation order (FIFO sorts on it)
         spec_json = convert.to_json(spec)
         job_id = new_job_id()
         jobs.append({
