@@ -19,7 +19,8 @@ with the best marginal speedup while others wait; p = -1 gives every job its fir
   is); otherwise the share of the next ``penalty_rounds x interval_s`` seconds left after
   the job's resize cost (:mod:`scheduler.deepboot.costs`: a full restart of 18-103 s per
   application when it holds nothing or without AFE, an AFE resize of 1-5 s when it does)
-  plus, for a job that holds GPUs, ``resize_penalty_s`` (default 30 s). AFE makes a resize
+  plus, for a job that holds GPUs, ``resize_penalty_rounds x interval_s`` (default 0.5 rounds:
+  30 s at the simulator's 60 s rounds, 5 s at the live scheduler's 10 s). AFE makes a resize
   nearly free (3 s of a 120 s horizon keeps 97.5 %), and priced at that the objective moved
   GPUs for any marginal gain; the fixed penalty is hysteresis: it halves the resizes
   (1,644 -> 807 on the workload above) and the jobs still pay only the AFE seconds.
@@ -82,7 +83,7 @@ class DeepBootPolicy:
     afe: bool = True                                  # resizes take the AFE fast path (seconds, not a restart)
     p: float = -1.0                                   # power-mean exponent (Pollux's): 1 = DeepBoot's sum of speedups, -1 = fairer
     floor: float = 1e-3                               # added to every speedup in the power mean (as in pollux)
-    resize_penalty_s: float = 30.0                    # priced on top of a running job's resize cost (against churn)
+    resize_penalty_rounds: float = 0.5                # x interval_s, priced on top of a running job's resize cost (against churn)
     full_restart_s: Mapping[str, float] = field(default_factory=dict)  # job id / application -> s (overrides)
     afe_resize_s: Mapping[str, float] = field(default_factory=dict)    # job id / application -> s (overrides)
     penalty_rounds: float = 2.0                       # the resize cost is spread over this many rounds
@@ -103,8 +104,8 @@ class DeepBootPolicy:
             raise ValueError("p must be finite")
         if not self.floor > 0:
             raise ValueError("floor must be positive")
-        if not (math.isfinite(self.resize_penalty_s) and self.resize_penalty_s >= 0):
-            raise ValueError("resize_penalty_s must be seconds >= 0")
+        if not (math.isfinite(self.resize_penalty_rounds) and self.resize_penalty_rounds >= 0):
+            raise ValueError("resize_penalty_rounds must be a number >= 0")
         ResizeCosts(self.afe, self.full_restart_s, self.afe_resize_s)  # validates the overrides
 
     @property
@@ -114,13 +115,15 @@ class DeepBootPolicy:
     def kept(self, snapshot: ClusterSnapshot, job: JobInfo, held: int) -> float:
         """Share of its speedup ``job`` keeps when its placement changes (it holds ``held`` GPUs in place).
 
-        A running job's resize is priced at its cost plus ``resize_penalty_s``: with AFE a resize
+        A running job's resize is priced at its cost plus ``resize_penalty_rounds x interval_s``
+        (in rounds, so that it keeps its share of the ``penalty_rounds`` horizon at any round
+        length; in seconds it would swamp a 10 s round's 20 s horizon): with AFE a resize
         costs 1-5 s, so without it the objective would move GPUs for any marginal gain.
         """
         starting = held == 0
         cost = self.costs.cost_s(job, starting=starting, default_s=snapshot.restart_cost_s)
         if not starting:
-            cost += self.resize_penalty_s
+            cost += self.resize_penalty_rounds * snapshot.interval_s
         return kept_share(cost, self.penalty_rounds * snapshot.interval_s, starting=starting)
 
     def utility(self, speedup: np.ndarray) -> np.ndarray:

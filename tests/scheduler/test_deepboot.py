@@ -107,7 +107,7 @@ def test_speedups_are_penalized_by_the_resize_cost_except_where_the_job_stays():
     nodes = mixed_cluster(2, 0)
     jobs = [elastic("new", submit=0.0), elastic("run", submit=1.0)]
     snap = make_snapshot(nodes, jobs, current={"run": [("n0", (0, 1))]}, interval_s=60.0)
-    literal = DeepBootPolicy(p=1.0, resize_penalty_s=0.0)  # DeepBoot's own objective: the sum of speedups
+    literal = DeepBootPolicy(p=1.0, resize_penalty_rounds=0.0)  # DeepBoot's own objective: the sum of speedups
     table = literal.count_table(snap)
     speedup = JobTable(table.jobs).predict(np.zeros(8, dtype=int), np.arange(1, 9), 0, per_node=4).speedup
     # Tie-break bonus 1e-6 x (1 - rank / jobs): "new" ranks first (same attained service, earlier).
@@ -120,11 +120,11 @@ def test_speedups_are_penalized_by_the_resize_cost_except_where_the_job_stays():
     assert run[others] == pytest.approx(117 / 120 * speedup[others], rel=1e-9)
     assert speedup[0] == pytest.approx(1.0)  # speedup is relative to one GPU
     # Without AFE a resize is a full cifar10 restart, 24 s: kept 96 / 120; staying is still free.
-    slow = DeepBootPolicy(afe=False, p=1.0, resize_penalty_s=0.0).count_table(snap).utility[1, 1:] - 0.5e-6
+    slow = DeepBootPolicy(afe=False, p=1.0, resize_penalty_rounds=0.0).count_table(snap).utility[1, 1:] - 0.5e-6
     assert slow[1] == pytest.approx(speedup[1], rel=1e-9)
     assert slow[others] == pytest.approx(96 / 120 * speedup[others], rel=1e-9)
-    # resize_penalty_s is priced on top of a running job's AFE resize (3 + 30 s), not on a start.
-    sticky = DeepBootPolicy(p=1.0, resize_penalty_s=30.0).count_table(snap).utility - table.utility
+    # resize_penalty_rounds x interval_s is priced on top of a running job's AFE resize (3 + 30 s), not on a start.
+    sticky = DeepBootPolicy(p=1.0, resize_penalty_rounds=0.5).count_table(snap).utility - table.utility
     assert sticky[0] == pytest.approx(0.0, abs=1e-12)
     assert (table.utility[1, 1:] + sticky[1, 1:] - 0.5e-6)[others] == pytest.approx(87 / 120 * speedup[others], rel=1e-9)
     assert sticky[1, 2] == pytest.approx(0.0, abs=1e-12)
@@ -153,7 +153,7 @@ def test_power_mean_exponent_transforms_each_term_like_pollux():
     table = CountTable((), 2, 4, np.zeros(2, dtype=int), fair.utility(utility), None)
     assert fair.choose_counts(table).tolist() == [1, 1]
     assert DeepBootPolicy(p=1.0).choose_counts(CountTable((), 2, 4, np.zeros(2, dtype=int), utility, None)).tolist() == [2, 0]
-    for bad in ({"p": float("nan")}, {"floor": 0.0}, {"resize_penalty_s": -1.0}):
+    for bad in ({"p": float("nan")}, {"floor": 0.0}, {"resize_penalty_rounds": -1.0}):
         with pytest.raises(ValueError):
             DeepBootPolicy(**bad)
 
