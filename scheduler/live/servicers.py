@@ -81,10 +81,13 @@ class _Creations:
                 batch, self._queue = self._queue[:MAX_CREATIONS], self._queue[MAX_CREATIONS:]
                 try:
                     await self._send_batch(batch)
+                except asyncio.CancelledError:  # the scheduler is stopping; the call may have been made
+                    _fail(batch, grpc.StatusCode.CANCELLED, "the scheduler stopped while forwarding this submission")
+                    raise
                 except Exception:  # a bug: its submissions fail (INTERNAL), later ones still go
                     _log.exception("forwarding submissions failed")
-                finally:  # nobody may wait forever, whatever happened (stop cancels us)
-                    _fail(batch, grpc.StatusCode.INTERNAL, "submission not forwarded (see the scheduler log)")
+                # Nobody may wait forever, whatever happened (e.g. fewer results than requests).
+                _fail(batch, grpc.StatusCode.INTERNAL, "submission not forwarded (see the scheduler log)")
         finally:
             self._sending = False
             _fail(self._queue, grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping")

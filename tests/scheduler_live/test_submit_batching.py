@@ -110,3 +110,17 @@ def test_a_failed_call_fails_its_submissions_with_its_status() -> None:
     assert all(isinstance(r, ForwardedError) and r.code == grpc.StatusCode.UNAVAILABLE for r in results)
     with pytest.raises(ForwardedError):
         raise results[0]
+
+
+def test_a_short_answer_fails_the_unanswered_submissions_instead_of_leaving_them_waiting() -> None:
+    md = _FakeMetadata()
+
+    async def short(request):
+        reply = metadata_pb2.CreateJobsResponse()
+        reply.results.add().job.id = "job-first"  # one result for two requests: a bug
+        return reply
+
+    md.CreateJobs = short  # type: ignore[method-assign]
+    first, second = _submit_all(md, ["a", "b"])
+    assert first.id == "job-first"
+    assert isinstance(second, ForwardedError) and second.code == grpc.StatusCode.INTERNAL
