@@ -46,7 +46,9 @@ each job is priced at the cache :func:`scheduler.codesign.expected_grants` expec
 and with the whole storage budget, so ``thr[j, c] = T(g, c, b)`` and a candidate uses
 ``io[j, c] = min(b*, budget)`` bytes/s while it runs. Remote IO is then one more capacity
 row of the LP, ``sum_j sum_c X[j,c] * io[j,c] <= storage budget``, as DESIGN.md suggests.
-The plan's cache and IO come from :func:`scheduler.codesign.co_allocate`, and jobs its IO
+Counts above the requested one are offered only to jobs whose IO demand there fits an
+equal share of the budget (:func:`_fed`). The plan's cache and IO come from
+:func:`scheduler.codesign.co_allocate`, and jobs its IO
 grants would starve are left out of the round so their GPUs go to the next jobs
 (:func:`scheduler.codesign.without_starved`).
 
@@ -178,6 +180,8 @@ class GavelPolicy:
         with np.errstate(divide="ignore", invalid="ignore"):
             normalized = np.where(reference[job] > 0, throughput / reference[job], 0.0)
         keep = _undominated(job, gpus, normalized, len(jobs))
+        if io_row is not None and np.isfinite(snapshot.storage_bandwidth_bytes_per_s):
+            keep &= _fed(job, gpus, io_row, jobs, snapshot.storage_bandwidth_bytes_per_s)
         job, gpus, throughput, normalized = job[keep], gpus[keep], throughput[keep], normalized[keep]
         if io_row is not None:
             io_row = io_row[keep]
@@ -248,6 +252,21 @@ class GavelPolicy:
         nodes = [len(placements[job.job_id]) for job in jobs]
         batch = table.predict(np.arange(len(jobs)), gpus, nodes, per_node=gpus_per_node(snapshot)).batch_size
         return {job.job_id: int(b) for job, b in zip(jobs, batch)}
+
+
+def _fed(job: np.ndarray, gpus: np.ndarray, io: np.ndarray, jobs, budget: float) -> np.ndarray:
+    """Candidates up to the job's requested count, and larger ones whose IO demand fits within
+    an equal share of the storage budget (``budget / jobs``).
+
+    The LP prices every candidate with the whole budget, so a larger count of an IO-bound job
+    looks faster than it can be once the budget is shared; offered anyway, it made the
+    max-min solution flip such jobs between counts (and nodes, and so caches) round after
+    round: on an IO-bound Philly workload gavel with co-design restarted each job hundreds of
+    times and ran 2.9x slower than without (docs/evaluation.md). Extra GPUs on a job its
+    storage share cannot feed would sit idle, so they are not offered.
+    """
+    requested = np.array([max(j.requested, j.min_gpus) for j in jobs], dtype=np.int64)
+    return (gpus <= requested[job]) | (io <= budget / max(len(jobs), 1))
 
 
 def _undominated(job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, n_jobs: int) -> np.ndarray:

@@ -135,6 +135,7 @@ class PolluxPolicy:
     local_search_moves: int = 200           # greedy: at most this many improving moves
     repack_rounds: int = 3                  # re-solve when single-node-sized jobs had to be split (see schedule)
     codesign: bool = False                  # SiloD: price with T(g, c, b), grant cache and IO (scheduler.codesign)
+    codesign_io: Literal["max_min", "srpt"] = "max_min"  # how co_allocate grants IO (see the module docstring)
 
     def __post_init__(self):
         if not math.isfinite(self.p):
@@ -339,7 +340,7 @@ class PolluxPolicy:
                                         remote_io_bytes_per_s=io).batch_size
         if self.codesign and co.is_active(snapshot):
             sizes = {job_id: int(b) for job_id, b in zip(placed, batch)}
-            return co.co_allocate(snapshot, best, placed, sizes, io="max_min")
+            return co.co_allocate(snapshot, best, placed, sizes, io=self.codesign_io)
         return Plan({job_id: Allocation(placement=best[job_id], batch_size=int(b)) for job_id, b in zip(placed, batch)})
 
     def _place(self, snapshot: ClusterSnapshot, table: SpeedupTable, counts: np.ndarray):
