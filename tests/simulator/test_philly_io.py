@@ -70,3 +70,14 @@ def test_generate_cli_takes_the_mix_and_the_cap(tmp_path: Path):
     expected = tmp_path / "e.csv"
     write_workload(generate_philly(64, 0, mix="io", max_gpu_hours=100), expected)
     assert out.read_bytes() == expected.read_bytes()
+
+
+def test_packaged_storage_bound_workload_is_the_generator_output(tmp_path: Path):
+    out = tmp_path / "w.csv"
+    write_workload([j for j in generate_philly(64, 0, mix="io", load=2) if j.application != "imagenet"], out)
+    packaged = ROOT / "simulator/workloads/workloads-philly-io/workload-1.csv"
+    assert out.read_bytes() == packaged.read_bytes()
+    assert len(load_workload("workloads-philly-io/workload-1")) == 63
+    cluster = load_cluster(ROOT / "simulator/clusters/storage-bound-philly.yaml")
+    assert len(cluster.nodes) == 8 and all(n.cache_capacity_bytes == 1e9 for n in cluster.nodes)
+    assert cluster.storage_bandwidth_bytes_per_s == 7e6
