@@ -46,8 +46,8 @@ each job is priced at the cache :func:`scheduler.codesign.expected_grants` expec
 and with the whole storage budget, so ``thr[j, c] = T(g, c, b)`` and a candidate uses
 ``io[j, c] = min(b*, budget)`` bytes/s while it runs. Remote IO is then one more capacity
 row of the LP, ``sum_j sum_c X[j,c] * io[j,c] <= storage budget``, as DESIGN.md suggests.
-Counts above the requested one are offered only to jobs whose IO demand there fits an
-equal share of the budget (:func:`_fed`). The plan's cache and IO come from
+Counts above the requested one are offered only while the budget covers every job's IO
+demand at its requested count (:func:`_growth_allowed`). The plan's cache and IO come from
 :func:`scheduler.codesign.co_allocate`, and jobs its IO
 grants would starve are left out of the round so their GPUs go to the next jobs
 (:func:`scheduler.codesign.without_starved`).
@@ -171,7 +171,8 @@ class GavelPolicy:
             pred = JobTable(jobs).predict(job, gpus, 0, per_node=per_node, batch_size=batch, cache_bytes=cache,
                                           remote_io_bytes_per_s=budget)
             throughput = pred.goodput_samples_per_s
-            io_row = np.minimum(pred.io_demand_bytes_per_s, budget)
+            io_demand = pred.io_demand_bytes_per_s
+            io_row = np.minimum(io_demand, budget)
         else:
             throughput = JobTable(jobs).predict(job, gpus, 0, per_node=per_node, batch_size=batch).goodput_samples_per_s
         share = capacity / len(jobs)
@@ -181,7 +182,7 @@ class GavelPolicy:
             normalized = np.where(reference[job] > 0, throughput / reference[job], 0.0)
         keep = _undominated(job, gpus, normalized, len(jobs))
         if io_row is not None and np.isfinite(snapshot.storage_bandwidth_bytes_per_s):
-            keep &= _fed(job, gpus, io_row, jobs, snapshot.storage_bandwidth_bytes_per_s)
+            keep &= _growth_allowed(job, gpus, io_demand, jobs, snapshot.storage_bandwidth_bytes_per_s)
         job, gpus, throughput, normalized = job[keep], gpus[keep], throughput[keep], normalized[keep]
         if io_row is not None:
             io_row = io_row[keep]
@@ -254,19 +255,24 @@ class GavelPolicy:
         return {job.job_id: int(b) for job, b in zip(jobs, batch)}
 
 
-def _fed(job: np.ndarray, gpus: np.ndarray, io: np.ndarray, jobs, budget: float) -> np.ndarray:
-    """Candidates up to the job's requested count, and larger ones whose IO demand fits within
-    an equal share of the storage budget (``budget / jobs``).
+def _growth_allowed(job: np.ndarray, gpus: np.ndarray, io: np.ndarray, jobs, budget: float) -> np.ndarray:
+    """All candidates while the storage budget has slack; only counts up to each job's
+    requested one once the jobs' IO demands at their requested counts exceed it.
 
-    The LP prices every candidate with the whole budget, so a larger count of an IO-bound job
-    looks faster than it can be once the budget is shared; offered anyway, it made the
-    max-min solution flip such jobs between counts (and nodes, and so caches) round after
-    round: on an IO-bound Philly workload gavel with co-design restarted each job hundreds of
-    times and ran 2.9x slower than without (docs/evaluation.md). Extra GPUs on a job its
-    storage share cannot feed would sit idle, so they are not offered.
+    The LP prices every candidate with the whole budget, so when storage is the bottleneck a
+    larger count looks faster than it can be once the budget is shared. Offered anyway, the
+    max-min solution moved jobs between counts (and so nodes and caches) round after round:
+    on the storage-bound Philly scenario (docs/evaluation.md) gavel with co-design restarted
+    each job hundreds of times and ran 2.9x slower than without co-design; offering growth
+    only to jobs whose demand fits an equal share of the budget still churned (2,729
+    restarts, 58,798 s), without growth it ran 31,598 s. When storage is not the bottleneck
+    the extra GPUs can be fed and elastic Gavel is unchanged.
     """
     requested = np.array([max(j.requested, j.min_gpus) for j in jobs], dtype=np.int64)
-    return (gpus <= requested[job]) | (io <= budget / max(len(jobs), 1))
+    at_request = gpus == requested[job]
+    if float(io[at_request].sum()) <= budget:
+        return np.ones(job.size, dtype=bool)
+    return gpus <= requested[job]
 
 
 def _undominated(job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, n_jobs: int) -> np.ndarray:
