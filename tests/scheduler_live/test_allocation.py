@@ -238,34 +238,41 @@ def test_unacked_release_survives_a_scheduler_restart(cluster) -> None:
 def test_losing_a_node_resizes_a_running_elastic_job(make_cluster) -> None:
     # n1 keeps heartbeating from a thread for the whole test, with a wide margin over its
     # timeout, so a loaded machine cannot make n1 look lost too; only n2 goes silent.
+    # Both nodes heartbeat until the job runs on both: the first round (profile fitting) can
+    # take longer than the 2 s timeout on a loaded machine.
     cluster = make_cluster(node_timeout_s=2.0)
     cluster.add_node("n1", gpus=1)
     cluster.add_node("n2", gpus=1)
-    job = cluster.submit("elastic", min_gpus=1, max_gpus=2)
-    plan = cluster.round()
-    gen = _entry(plan, job.id).generation
-    assert len(_gpus(plan, job.id)) == 2
-    cluster.report("n1", plan.version, allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=gen, phase=RUNNING,
-                                                                gpu_indices=[0]))
-    cluster.report("n2", plan.version, allocation_pb2.TaskReport(job_id=job.id, rank=1, generation=gen, phase=RUNNING,
-                                                                gpu_indices=[0]))
-    assert cluster.state(job.id) == common_pb2.JOB_STATE_RUNNING
-    stop = threading.Event()
+    stop, n2_stop = threading.Event(), threading.Event()
 
-    def keep_n1_alive() -> None:
-        while not stop.wait(0.2):
-            cluster.heartbeat("n1")
+    def keep_alive(node: str, until: threading.Event) -> None:
+        while not until.wait(0.2):
+            cluster.heartbeat(node)
 
-    beater = threading.Thread(target=keep_n1_alive, daemon=True)
-    beater.start()
+    beaters = [threading.Thread(target=keep_alive, args=("n1", stop), daemon=True),
+               threading.Thread(target=keep_alive, args=("n2", n2_stop), daemon=True)]
+    for beater in beaters:
+        beater.start()
     try:
+        job = cluster.submit("elastic", min_gpus=1, max_gpus=2)
+        plan = cluster.round()
+        gen = _entry(plan, job.id).generation
+        assert len(_gpus(plan, job.id)) == 2
+        cluster.report("n1", plan.version, allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=gen, phase=RUNNING,
+                                                                    gpu_indices=[0]))
+        cluster.report("n2", plan.version, allocation_pb2.TaskReport(job_id=job.id, rank=1, generation=gen, phase=RUNNING,
+                                                                    gpu_indices=[0]))
+        assert cluster.state(job.id) == common_pb2.JOB_STATE_RUNNING
+        n2_stop.set()  # only n2 goes silent
         resized = wait_for(
             lambda: (p := cluster.latest()).version > plan.version and _gpus(p, job.id) == {("n1", 0)} and p,
             what="plan with the job on n1 only",
         )
     finally:
         stop.set()
-        beater.join(5)
+        n2_stop.set()
+        for beater in beaters:
+            beater.join(5)
     assert _gpus(resized, job.id) == {("n1", 0)}
     new_gen = _entry(resized, job.id).generation
     assert new_gen == gen + 1
