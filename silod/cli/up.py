@@ -44,6 +44,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--cache", default="", choices=("", "silod", "lru", "static", "none"),
                    help="cache mode of the scheduler: silod (co-allocated quotas and IO rates), lru, static or "
                         "none; default: the scheduler's")
+    p.add_argument("--storage-bandwidth-bytes-per-s", type=float, default=0.0, metavar="B",
+                   help="bytes/s the cluster may read from remote storage, shared out as per-job IO rates "
+                        "by --cache silod (default 0: unlimited)")
     p.add_argument("--cache-disk-bytes", type=int, default=10 << 30,
                    help="bytes of each node's disk cache tier, also advertised to the scheduler (default 10 GiB)")
     p.add_argument("--cache-memory-bytes", type=int, default=512 << 20,
@@ -68,6 +71,9 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     if args.inference_nodes < 0:
         print("silod up: --inference-nodes must be >= 0", file=sys.stderr)
+        return 2
+    if not args.storage_bandwidth_bytes_per_s >= 0 or args.storage_bandwidth_bytes_per_s == float("inf"):
+        print("silod up: --storage-bandwidth-bytes-per-s must be a finite number >= 0 (0: unlimited)", file=sys.stderr)
         return 2
     if args.cache_disk_bytes < 0 or args.cache_memory_bytes < 0:
         print("silod up: --cache-disk-bytes and --cache-memory-bytes must be >= 0", file=sys.stderr)
@@ -117,6 +123,8 @@ def _up(args: argparse.Namespace) -> int:
             sched_flags += ["--interval-s", f"{args.interval_s:g}"]
         if args.cache:
             sched_flags += ["--cache-mode", args.cache]
+        if args.storage_bandwidth_bytes_per_s > 0:
+            sched_flags += ["--storage-bandwidth-bytes-per-s", f"{args.storage_bandwidth_bytes_per_s:g}"]
         sch = start("scheduler", "scheduler", *sched_flags, tier=core)
         dashboard = ""
         if not args.no_dashboard:

@@ -52,7 +52,7 @@ def up_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subpr
     state = tmp_path_factory.mktemp("up") / "state"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SILOD_")}
     up = subprocess.Popen([sys.executable, "-m", "silod.cli", "up", "--nodes", "2", "--gpus-per-node", "2",
-                           "--state-dir", str(state), "--interval-s", "1"],
+                           "--state-dir", str(state), "--interval-s", "1", "--storage-bandwidth-bytes-per-s", "50e6"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     children: list[int] = []
     try:
@@ -114,6 +114,10 @@ def test_up_submit_watch_logs_cancel_and_shutdown(up_cluster: tuple[subprocess.P
         assert len(info["nodes"]) == 2 and all(n["agent"] and n["cache"] for n in info["nodes"])
         children = _children(up.pid)
         assert len(children) == 4 + 2 * 2  # metadata, estimator, scheduler, dashboard; agent + cache per node
+        commands = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children]
+        scheduler = [c for c in commands if b"scheduler" in c]
+        assert len(scheduler) == 1 and b"--storage-bandwidth-bytes-per-s" in scheduler[0]
+        assert scheduler[0][scheduler[0].index(b"--storage-bandwidth-bytes-per-s") + 1] == b"5e+07"
         assert info["dashboard"].startswith("http://127.0.0.1:")
 
         ids = []
@@ -221,7 +225,8 @@ def test_a_dying_child_is_named_with_its_log_and_the_rest_stopped(tmp_path: Path
 def test_bad_up_flags_exit_2_naming_the_flag(tmp_path: Path) -> None:
     for flags, needle in ((["--inference-nodes", "-1"], "--inference-nodes"),
                           (["--cache-disk-bytes", "-5"], "--cache-disk-bytes"),
-                          (["--cache", "fifo"], "--cache")):
+                          (["--cache", "fifo"], "--cache"),
+                          (["--storage-bandwidth-bytes-per-s", "-1"], "--storage-bandwidth-bytes-per-s")):
         done = subprocess.run([sys.executable, "-m", "silod.cli", "up", "--state-dir", str(tmp_path), *flags],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and needle in done.stderr and "Traceback" not in done.stderr, (flags, done.stderr)
