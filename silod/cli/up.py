@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +113,14 @@ def _up(args: argparse.Namespace) -> int:
         return proc
 
     code = 0
+    side = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1))
     try:
         md = start("metadata", "metadata", "--db", db, tier=core)
+        # A service start is mostly seconds of imports on one core, so independent starts go
+        # side by side: the dashboard (it needs only the metadata service) beside the
+        # estimator and scheduler, then the nodes, one per CPU.
+        dash_future = None if args.no_dashboard else side.submit(
+            start, "dashboard", "dashboard", "--metadata-address", md.address, tier=core, port=args.dashboard_port)
         est = start("estimator", "estimator", "--metadata-address", md.address,
                     "--gpus-per-node", str(args.gpus_per_node), tier=core)
         sched_flags = ["--metadata-address", md.address, "--estimator-address", est.address]
@@ -126,15 +133,11 @@ def _up(args: argparse.Namespace) -> int:
         if args.storage_bandwidth_bytes_per_s > 0:
             sched_flags += ["--storage-bandwidth-bytes-per-s", f"{args.storage_bandwidth_bytes_per_s:g}"]
         sch = start("scheduler", "scheduler", *sched_flags, tier=core)
-        dashboard = ""
-        if not args.no_dashboard:
-            dash = start("dashboard", "dashboard", "--metadata-address", md.address, tier=core,
-                         port=args.dashboard_port)
-            dashboard = f"http://{dash.address}/"
-        nodes: list[dict[str, Any]] = []
+        dashboard = f"http://{dash_future.result().address}/" if dash_future is not None else ""
         pools = [("training", f"node-{i}") for i in range(args.nodes)]
         pools += [("inference", f"infer-{i}") for i in range(args.inference_nodes)]
-        for pool, name in pools:
+
+        def start_node(pool: str, name: str) -> dict[str, Any]:
             node_dir = state / "nodes" / name
             node: dict[str, Any] = {"name": name, "pool": pool, "gpus": args.gpus_per_node,
                                     "work_dir": str(node_dir / "work")}
@@ -157,7 +160,12 @@ def _up(args: argparse.Namespace) -> int:
                                 "--memory-cache-bytes", str(args.cache_memory_bytes)]
             agent = start(f"worker-agent {name}", "worker-agent", *agent_flags, tier=agents)
             node["agent"] = agent.address
-            nodes.append(node)
+            return node
+
+        # Each node starts its cache server, then its agent (which needs the cache's address).
+        futures = [side.submit(start_node, pool, name) for pool, name in pools]
+        wait(futures)
+        nodes = [f.result() for f in futures]  # re-raises the first failure (_Stop, LaunchError, ...)
         info = {"pid": os.getpid(), "state_dir": str(state), "db": db, "metadata": md.address,
                 "estimator": est.address, "scheduler": sch.address, "dashboard": dashboard, "nodes": nodes}
         tmp = cluster_file.with_suffix(".tmp")
@@ -179,6 +187,8 @@ def _up(args: argparse.Namespace) -> int:
         _say(f"silod up: {exc}", err=True)
         code = 1
     finally:
+        # Starts in flight finish (and so are in the tiers below) before anything is stopped.
+        side.shutdown(wait=True, cancel_futures=True)
         cluster_file.unlink(missing_ok=True)
         _say("silod up: stopping the cluster")
         for tier in (agents, caches, list(reversed(core))):
