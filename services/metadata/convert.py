@@ -74,9 +74,17 @@ _JOB_ALLOCATED = _ParseMemo(common_pb2.ResourceVector)
 
 
 def job_to_proto(row: models.Job | Any) -> common_pb2.Job:
+    return _job_message(row, columns_as_text=False)
+
+
+def _job_message(row: models.Job | Any, *, columns_as_text: bool) -> common_pb2.Job:
+    """The Job message of ``row``, whose JSON columns are decoded values (an ORM row) or, with
+    ``columns_as_text``, the columns' text (a Core row)."""
+    memos = (_JOB_SPECS, _JOB_PROGRESS, _JOB_ALLOCATED)
+    spec, progress, allocated = (m.parse_text if columns_as_text else m.parse for m in memos)
     return common_pb2.Job(
         id=row.id,
-        spec=_JOB_SPECS.parse(row.id, row.spec),
+        spec=spec(row.id, row.spec),
         state=row.state,  # type: ignore[arg-type]
         client_request_id=row.client_request_id or "",
         state_version=row.state_version,
@@ -84,8 +92,8 @@ def job_to_proto(row: models.Job | Any) -> common_pb2.Job:
         updated_at=to_timestamp(row.updated_at),
         started_at=to_timestamp(row.started_at),
         finished_at=to_timestamp(row.finished_at),
-        progress=_JOB_PROGRESS.parse(row.id, row.progress),
-        allocated=_JOB_ALLOCATED.parse(row.id, row.allocated),
+        progress=progress(row.id, row.progress),
+        allocated=allocated(row.id, row.allocated),
         message=row.message,
     )
 
@@ -109,20 +117,7 @@ class _JobMemo:
         hit = self._entries.get(row.id)
         if hit is not None and hit[0] == key:
             return hit[1]
-        job = common_pb2.Job(
-            id=row.id,
-            spec=_JOB_SPECS.parse_text(row.id, row.spec),
-            state=row.state,  # type: ignore[arg-type]
-            client_request_id=row.client_request_id or "",
-            state_version=row.state_version,
-            created_at=to_timestamp(row.created_at),
-            updated_at=to_timestamp(row.updated_at),
-            started_at=to_timestamp(row.started_at),
-            finished_at=to_timestamp(row.finished_at),
-            progress=_JOB_PROGRESS.parse_text(row.id, row.progress),
-            allocated=_JOB_ALLOCATED.parse_text(row.id, row.allocated),
-            message=row.message,
-        )
+        job = _job_message(row, columns_as_text=True)
         with self._lock:
             if len(self._entries) >= self._max:
                 self._entries.clear()
