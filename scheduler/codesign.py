@@ -135,6 +135,8 @@ def co_allocate(
 
 def _grant(snapshot, placements, order, batch_sizes, io) -> tuple[Plan, dict[str, float]]:
     """:func:`co_allocate`'s plan and each job's IO demand ``b*`` at its current hit ratio."""
+    if io not in ("srpt", "priority", "max_min"):
+        raise ValueError(f"io must be 'srpt', 'priority' or 'max_min', got {io!r}")
     batch_sizes = batch_sizes or {}
     jobs_by_id = {job.job_id: job for job in snapshot.jobs}
     sequence = [j for j in dict.fromkeys(list(order or []) + list(placements)) if j in placements and placements[j]]

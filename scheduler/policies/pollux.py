@@ -155,6 +155,8 @@ class PolluxPolicy:
             raise ValueError(f"penalty_model must be 'interval' or 'age', got {self.penalty_model!r}")
         if not self.penalty_rounds > 0:
             raise ValueError("penalty_rounds must be positive")
+        if self.codesign_io not in ("max_min", "srpt"):
+            raise ValueError(f"codesign_io must be 'max_min' or 'srpt', got {self.codesign_io!r}")
 
     # -- the objective -------------------------------------------------------------------
 

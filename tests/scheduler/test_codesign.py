@@ -144,3 +144,11 @@ def test_gavel_codesign_grows_jobs_only_while_storage_has_slack():
     # With a budget that feeds both at their requested counts, elastic Gavel grows them.
     slack = get_policy("gavel", codesign=True).solve(dataclasses.replace(snap, storage_bandwidth_bytes_per_s=1e12))
     assert slack.gpus[slack.fraction > 1e-6].max() > 1
+
+
+def test_an_unknown_io_order_is_refused_naming_it():
+    with pytest.raises(ValueError, match="codesign_io"):
+        get_policy("pollux", codesign=True, codesign_io="fast")
+    snap = _two_jobs(capacity=0.0, budget=1e5)
+    with pytest.raises(ValueError, match="io must be"):
+        co.co_allocate(snap, {"small": (("n0", (0,)),)}, io="fast")  # type: ignore[arg-type]
