@@ -174,6 +174,11 @@ def _parse_options(values: list[str], names: list[str]) -> dict[str, dict[str, A
                 parsed_value = raw  # plain words, e.g. penalty_model=age
         parsed.setdefault(policy, {})[key] = parsed_value
     for policy, options in parsed.items():
+        for key, parsed_value in options.items():  # one at a time first, so the error names the option
+            try:
+                get_policy(policy, **{key: parsed_value})
+            except (TypeError, ValueError) as exc:
+                raise SimulatorInputError(f"--set {policy}.{key}={parsed_value!r}: {exc}") from None
         try:
             get_policy(policy, **options)
         except (TypeError, ValueError) as exc:
