@@ -20,6 +20,10 @@ CHECKPOINT_LOG = "checkpoints.jsonl"  # one line per save: who wrote it and the 
 REPORT_INTERVAL_S = 1.0
 DIRECTIVE_INTERVAL_S = 1.0
 CALL_TIMEOUT_S = 1.0  # a training step must never wait long for the agent
+# The last report before exit carries the final progress, which the scheduler records before the
+# job's terminal state: it is worth waiting a little for (it ignores the back-off after a failure).
+FINAL_REPORT_TIMEOUT_S = 5.0
+FINAL_REPORT_ATTEMPTS = 3
 UNAVAILABLE_BACKOFF_S = 5.0  # after the agent was unreachable, skip calls this long
 AGENT_CHECK_INTERVAL_S = 0.5  # how often a rank looks whether its agent process still exists
 
@@ -142,7 +146,7 @@ class JobContext:
             self._last_report = now
             self._flush()
 
-    def _flush(self) -> None:
+    def _flush(self, final: bool = False) -> None:
         raise NotImplementedError
 
     def should_checkpoint(self) -> bool:
@@ -227,7 +231,7 @@ class JobContext:
 
     def done(self) -> None:
         """Send the final progress; call before exiting."""
-        self._flush()
+        self._flush(final=True)
         self.close()
 
     def close(self) -> None:
@@ -246,7 +250,7 @@ class LocalContext(JobContext):
             checkpoint_dir=Path(checkpoint_dir or os.environ.get("SILOD_CHECKPOINT_DIR") or "checkpoints"),
         )
 
-    def _flush(self) -> None:
+    def _flush(self, final: bool = False) -> None:
         print(
             f"silod.job[local]: samples={self.samples_done} steps={self.steps_done} epoch={self.epochs_done} "
             f"step_time_s={self.step_time_s:.4f} fraction_done={self.fraction_done:.3f} "
@@ -332,38 +336,52 @@ class ClusterContext(JobContext):
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             self._quiet_until = time.monotonic() + UNAVAILABLE_BACKOFF_S
 
-    def _flush(self) -> None:
-        if self._stub is None or time.monotonic() < self._quiet_until or self.agent_lost:
+    def _flush(self, final: bool = False) -> None:
+        """Report progress to the agent. A periodic report is skipped while the agent is backed off
+        and waits at most CALL_TIMEOUT_S; the final one (``done()``) is tried a few times, so the
+        job's recorded progress is complete when it finishes (watchers see the final count)."""
+        if self._stub is None or self.agent_lost or (not final and time.monotonic() < self._quiet_until):
             return
         import grpc
 
+        attempts = FINAL_REPORT_ATTEMPTS if final else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                self._report_progress(FINAL_REPORT_TIMEOUT_S if final else CALL_TIMEOUT_S)
+                return
+            except grpc.RpcError as exc:
+                retry = attempt < attempts and exc.code() in (grpc.StatusCode.UNAVAILABLE,
+                                                              grpc.StatusCode.DEADLINE_EXCEEDED)
+                if not retry:
+                    self._agent_down(exc)
+                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # our generation was superseded
+                        self._checkpoint_asked = True
+                    print(f"silod.job: progress report failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                    return
+                time.sleep(0.2 * attempt)
+
+    def _report_progress(self, timeout: float) -> None:
         from silod.v1 import common_pb2, worker_agent_pb2
 
-        try:
-            self._stub.ReportProgress(
-                worker_agent_pb2.ReportProgressRequest(
-                    job_id=self.job_id,
-                    rank=self.rank,
-                    generation=self.generation,
-                    progress=common_pb2.JobProgress(
-                        samples_done=self.samples_done,
-                        steps_done=self.steps_done,
-                        epochs_done=self.epochs_done,
-                        fraction_done=self.fraction_done,
-                        throughput_samples_per_s=(self.batch_size / self.step_time_s) if self.step_time_s else 0.0,
-                        cache_hit_ratio=self.cache_hit_ratio,
-                    ),
-                    step_time_s=self.step_time_s,
-                    batch_size=self.batch_size,
+        self._stub.ReportProgress(  # type: ignore[union-attr]
+            worker_agent_pb2.ReportProgressRequest(
+                job_id=self.job_id,
+                rank=self.rank,
+                generation=self.generation,
+                progress=common_pb2.JobProgress(
+                    samples_done=self.samples_done,
+                    steps_done=self.steps_done,
+                    epochs_done=self.epochs_done,
+                    fraction_done=self.fraction_done,
+                    throughput_samples_per_s=(self.batch_size / self.step_time_s) if self.step_time_s else 0.0,
                     cache_hit_ratio=self.cache_hit_ratio,
                 ),
-                timeout=CALL_TIMEOUT_S,
-            )
-        except grpc.RpcError as exc:
-            self._agent_down(exc)
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # our generation was superseded
-                self._checkpoint_asked = True
-            print(f"silod.job: progress report failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                step_time_s=self.step_time_s,
+                batch_size=self.batch_size,
+                cache_hit_ratio=self.cache_hit_ratio,
+            ),
+            timeout=timeout,
+        )
 
     def should_checkpoint(self) -> bool:
         if self._checkpoint_asked or self.agent_lost:

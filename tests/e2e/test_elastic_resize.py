@@ -21,6 +21,7 @@ class ProgressWatcher:
 
     def __init__(self, cluster, job_id: str) -> None:  # type: ignore[no-untyped-def]
         self.samples: list[int] = []
+        self.last_state = common_pb2.JOB_STATE_UNSPECIFIED
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(cluster, job_id), daemon=True)
         self._thread.start()
@@ -29,11 +30,23 @@ class ProgressWatcher:
         while not self._stop.is_set():
             job = cluster.job(job_id)
             self.samples.append(job.progress.samples_done)
+            self.last_state = job.state
             if job.state in (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED):
                 return
             self._stop.wait(0.1)
 
+    def abandon(self) -> None:
+        """The test failed before the job finished: do not wait for the terminal state."""
+        self._stop.set()
+
     def stop(self) -> list[int]:
+        """The series up to the watcher's own sight of the terminal state.
+
+        The caller usually learns that the job finished from another poll; stopping the watcher
+        at once could cut its series before its last read, which holds the final progress (the
+        scheduler records it before the terminal state). So let it read until it sees the
+        terminal state itself, and stop it early only when the job never got there."""
+        self._thread.join(30)
         self._stop.set()
         self._thread.join(30)
         return self.samples
@@ -63,6 +76,9 @@ def test_policy_shrinks_and_grows_an_elastic_job_which_resumes_each_time(make_cl
                    what="the competing job finished")
         wait_until(lambda: world_sizes() == [4, 2, 4], timeout=90, what="the elastic job grown back to 4 GPUs")
         done = cluster.wait_terminal([elastic], timeout=120)[elastic]
+    except BaseException:
+        watcher.abandon()
+        raise
     finally:
         series = watcher.stop()
     assert done.state == common_pb2.JOB_STATE_SUCCEEDED, done.message
@@ -83,6 +99,9 @@ def test_policy_shrinks_and_grows_an_elastic_job_which_resumes_each_time(make_cl
     batches = [int(b) for b in re.findall(r'"SILOD_BATCH_SIZE": "(\d+)"', cluster.agents["n0"].log(elastic, 0))]
     assert len(batches) == 3
     interval_samples = CHECKPOINT_EVERY_S / STEP_S * max(batches)
+    # The first read that shows the job finished already holds its final progress: users of
+    # `silod watch` never see a finished job short of its budget.
+    assert watcher.last_state == common_pb2.JOB_STATE_SUCCEEDED
     assert len(series) > 20 and series[-1] == BUDGET
     high = 0
     for value in series:
