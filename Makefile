@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/silod/v1/*.proto)
 
-.PHONY: demo test proto venv clean config-docs
+.PHONY: demo test proto proto-release venv clean config-docs
 
 # A fresh machine needs only Python 3.11; everything else is installed into .venv.
 # pip's output goes to a log that is shown only if the install fails.
@@ -25,6 +25,12 @@ proto: $(STAMP)
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m grpc_tools.protoc -Iprotos \
 	  --python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTOS)
 	$(BIN)/python protos/render_api_docs.py
+
+# Record the current protos as the released contract that `buf breaking` (tests/clients) guards.
+# Run when cutting a release, never to silence a breaking-change failure.
+proto-release:
+	cd clients/node && npm ci --no-audit --no-fund
+	cd protos && ../clients/node/node_modules/.bin/buf build -o released/silod-v1.binpb
 
 # Regenerate docs/configuration-reference.md from the services' settings classes (committed;
 # tests/deploy fail when it is stale).
