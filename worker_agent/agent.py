@@ -65,7 +65,7 @@ from silod.v1 import (
     plan_pb2,
     worker_agent_pb2,
 )
-from worker_agent.gpus import GpuTable, detect_gpus
+from worker_agent.gpus import GpuTable, detect_gpus, resolve_gpu_type
 
 _log = get_logger("silod.worker_agent")
 
@@ -179,6 +179,7 @@ class Agent:
             pool=common_pb2.NODE_POOL_INFERENCE if settings.pool == "inference" else common_pb2.NODE_POOL_TRAINING,
             gpus=gpus,
             gpu_model=model,
+            gpu_type=resolve_gpu_type(getattr(settings, "gpu_type", ""), model),
             cache_capacity_bytes=settings.cache_capacity_bytes,
             memory_cache_bytes=settings.memory_cache_bytes,
             agent_address=agent_address,

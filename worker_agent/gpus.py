@@ -9,6 +9,7 @@ lines audit file, so tests and operators can check the invariant after the fact.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,31 @@ def detect_gpus(configured: int) -> tuple[int, str]:
             pynvml.nvmlShutdown()
     except Exception:  # no driver / no devices
         return configured, "emulated"
+
+
+_VENDOR_WORDS = {"nvidia", "tesla", "quadro"}
+_FAMILY_TOKEN = re.compile(r"^[a-z]{1,3}\d{1,4}[a-z]?$")  # a100, v100, h100, l40s, a10g, k80, t4
+
+
+def gpu_type_from_model(model: str) -> str:
+    """The type policies see for an NVML model name: its family token, lower case.
+
+    "NVIDIA A100-SXM4-40GB" -> "a100", "Tesla V100-SXM2-16GB" -> "v100", "NVIDIA L40S" -> "l40s";
+    a name without such a token becomes a slug ("NVIDIA GeForce RTX 4090" -> "geforce-rtx-4090").
+    Memory and form-factor variants share a type on purpose: throughput models are per family."""
+    words = [w for w in re.split(r"[^a-z0-9]+", model.lower()) if w and w not in _VENDOR_WORDS]
+    for word in words:
+        if _FAMILY_TOKEN.match(word):
+            return word
+    return "-".join(words)[:32].strip("-._")
+
+
+def resolve_gpu_type(configured: str, model: str) -> str:
+    """The node's GPU type: the configured one if set, else derived from the NVML model; untyped
+    ("") for emulated GPUs without a configured type."""
+    if configured:
+        return configured
+    return "" if model == "emulated" else gpu_type_from_model(model)
 
 
 class GpuTable:

@@ -29,6 +29,11 @@ class Settings(ServiceSettings):
     node_name: str = Field("", description="Node name registered with the metadata service; empty = hostname")
     pool: Literal["training", "inference"] = Field("training", description="Pool the node serves")
     gpus: int = Field(4, ge=0, le=1024, description="GPUs on the node when NVML (pynvml) is absent or finds none")
+    gpu_type: str = Field(
+        "", pattern=r"^([a-z0-9][a-z0-9._-]{0,31})?$",
+        description="GPU type the node advertises to policies and job constraints (e.g. v100, a100, l4); "
+        "empty = derived from the NVML model name (A100-SXM4-40GB -> a100), untyped for emulated GPUs",
+    )
     cache_capacity_bytes: int = Field(0, ge=0, description="Bytes of the node's local-disk cache tier (advertised)")
     memory_cache_bytes: int = Field(0, ge=0, description="Bytes of the node's memory cache tier (advertised)")
     metadata_address: str = Field("", description="HOST:PORT of the metadata service (required)")

@@ -24,21 +24,21 @@ def _config() -> Config:
     return config
 
 
-def upgrade(db_url: str) -> None:
-    """Bring the database at ``db_url`` to the newest schema; a no-op when it is already there."""
+def upgrade(db_url: str, revision: str = "head") -> None:
+    """Bring the database at ``db_url`` to the newest schema (or ``revision``); a no-op when it is already there."""
     engine = create_db_engine(db_url, EngineOptions(pool_size=1))
     try:
-        upgrade_engine(engine)
+        upgrade_engine(engine, revision)
     finally:
         engine.dispose()
 
 
-def upgrade_engine(engine: Engine) -> None:
+def upgrade_engine(engine: Engine, revision: str = "head") -> None:
     config = _config()
     # One transaction for the whole upgrade: a crash half-way leaves the old schema.
     with engine.begin() as connection:
         config.attributes["connection"] = connection
-        command.upgrade(config, "head")
+        command.upgrade(config, revision)
 
 
 def head_revision() -> str:

@@ -140,6 +140,8 @@ class Node(Base):
 
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     pool: Mapped[int] = mapped_column(Integer, index=True)
+    # Also in spec; a column of its own so that ListNodes filters by type in the database.
+    gpu_type: Mapped[str] = mapped_column(String(32), index=True, default="")
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     registered_at: Mapped[datetime] = mapped_column(UtcDateTime)
     last_heartbeat: Mapped[datetime] = mapped_column(UtcDateTime)

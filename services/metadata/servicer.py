@@ -198,6 +198,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             pool=request.pool,
             alive_only=request.alive_only,
             liveness_window_s=request.liveness_window_s,
+            gpu_type=request.gpu_type,
         )
         return metadata_pb2.ListNodesResponse(nodes=nodes)
 

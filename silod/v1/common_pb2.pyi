@@ -189,6 +189,7 @@ class JobSpec(_message.Message):
     ENV_FIELD_NUMBER: _builtins.int
     INFERENCE_DURATION_S_FIELD_NUMBER: _builtins.int
     EMULATED_STEP_COMPUTE_S_FIELD_NUMBER: _builtins.int
+    GPU_TYPES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """human-readable name, 1..128 chars; need not be unique"""
     tenant: _builtins.str
@@ -225,6 +226,12 @@ class JobSpec(_message.Message):
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """extra environment variables for every rank"""
 
+    @_builtins.property
+    def gpu_types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """GPU types the job may run on, e.g. ["a100", "h100"] (lower case, as nodes advertise them);
+        empty = any type. A job's ranks all run on one type unless its policy allows mixing.
+        """
+
     def __init__(
         self,
         *,
@@ -244,10 +251,11 @@ class JobSpec(_message.Message):
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         inference_duration_s: _builtins.float = ...,
         emulated_step_compute_s: _builtins.float = ...,
+        gpu_types: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "epochs", b"epochs", "sample_budget", b"sample_budget"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["application", b"application", "batch_size", b"batch_size", "budget", b"budget", "command", b"command", "dataset", b"dataset", "emulated_step_compute_s", b"emulated_step_compute_s", "env", b"env", "epochs", b"epochs", "inference_duration_s", b"inference_duration_s", "kind", b"kind", "max_batch_size", b"max_batch_size", "max_gpus", b"max_gpus", "min_gpus", b"min_gpus", "name", b"name", "priority", b"priority", "sample_budget", b"sample_budget", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["application", b"application", "batch_size", b"batch_size", "budget", b"budget", "command", b"command", "dataset", b"dataset", "emulated_step_compute_s", b"emulated_step_compute_s", "env", b"env", "epochs", b"epochs", "gpu_types", b"gpu_types", "inference_duration_s", b"inference_duration_s", "kind", b"kind", "max_batch_size", b"max_batch_size", "max_gpus", b"max_gpus", "min_gpus", b"min_gpus", "name", b"name", "priority", b"priority", "sample_budget", b"sample_budget", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_budget: _TypeAlias = _typing.Literal["epochs", "sample_budget"]  # noqa: Y015
     _WhichOneofArgType_budget: _TypeAlias = _typing.Literal["budget", b"budget"]  # noqa: Y015
@@ -457,6 +465,7 @@ class NodeSpec(_message.Message):
     AGENT_ADDRESS_FIELD_NUMBER: _builtins.int
     CACHE_ADDRESS_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    GPU_TYPE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """unique node name, 1..128 chars of [A-Za-z0-9._-]"""
     pool: Global___NodePool.ValueType
@@ -475,6 +484,11 @@ class NodeSpec(_message.Message):
     """host:port of the node's WorkerAgentService"""
     cache_address: _builtins.str
     """host:port of the node's CacheService"""
+    gpu_type: _builtins.str
+    """GPU type of every GPU of the node as policies and job constraints name it, lower case,
+    1..32 chars of [a-z0-9._-], e.g. "v100", "a100", "l4"; derived from gpu_model under NVML,
+    configured otherwise; empty = untyped (a cluster with one kind of GPU).
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """free-form key/value labels"""
@@ -492,10 +506,11 @@ class NodeSpec(_message.Message):
         agent_address: _builtins.str = ...,
         cache_address: _builtins.str = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        gpu_type: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_address", b"agent_address", "cache_address", b"cache_address", "cache_capacity_bytes", b"cache_capacity_bytes", "gpu_model", b"gpu_model", "gpus", b"gpus", "labels", b"labels", "memory_cache_bytes", b"memory_cache_bytes", "name", b"name", "network_bandwidth_bytes_per_s", b"network_bandwidth_bytes_per_s", "pool", b"pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_address", b"agent_address", "cache_address", b"cache_address", "cache_capacity_bytes", b"cache_capacity_bytes", "gpu_model", b"gpu_model", "gpu_type", b"gpu_type", "gpus", b"gpus", "labels", b"labels", "memory_cache_bytes", b"memory_cache_bytes", "name", b"name", "network_bandwidth_bytes_per_s", b"network_bandwidth_bytes_per_s", "pool", b"pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

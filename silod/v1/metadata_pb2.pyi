@@ -657,22 +657,26 @@ class ListNodesRequest(_message.Message):
     POOL_FIELD_NUMBER: _builtins.int
     ALIVE_ONLY_FIELD_NUMBER: _builtins.int
     LIVENESS_WINDOW_S_FIELD_NUMBER: _builtins.int
+    GPU_TYPE_FIELD_NUMBER: _builtins.int
     pool: _common_pb2.NodePool.ValueType
     """filter; UNSPECIFIED = all pools"""
     alive_only: _builtins.bool
     """true = only nodes alive within the liveness window"""
     liveness_window_s: _builtins.float
     """seconds since last heartbeat to count as alive; 0 = server default"""
+    gpu_type: _builtins.str
+    """filter: only nodes of this GPU type; empty = all types"""
     def __init__(
         self,
         *,
         pool: _common_pb2.NodePool.ValueType = ...,
         alive_only: _builtins.bool = ...,
         liveness_window_s: _builtins.float = ...,
+        gpu_type: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive_only", b"alive_only", "liveness_window_s", b"liveness_window_s", "pool", b"pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive_only", b"alive_only", "gpu_type", b"gpu_type", "liveness_window_s", b"liveness_window_s", "pool", b"pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,31 +26,31 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from silod.v1 import common_pb2 as silod_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13silod/v1/plan.proto\x12\x08silod.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15silod/v1/common.proto\"1\n\x0cGpuPlacement\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0bgpu_indices\x18\x02 \x03(\x05\"T\n\nCacheGrant\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x19\n\x11\x63\x61\x63he_quota_bytes\x18\x02 \x01(\x03\x12\x1d\n\x15remote_io_bytes_per_s\x18\x03 \x01(\x03\"\xca\x01\n\rJobAllocation\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12*\n\nplacements\x18\x02 \x03(\x0b\x32\x16.silod.v1.GpuPlacement\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12*\n\x0c\x63\x61\x63he_grants\x18\x04 \x03(\x0b\x32\x14.silod.v1.CacheGrant\x12\x14\n\x0c\x63\x61\x63he_policy\x18\x05 \x01(\t\x12\x12\n\ngeneration\x18\x06 \x01(\x03\x12\x13\n\x0b\x66\x61st_resize\x18\x07 \x01(\x08\"\xdc\x01\n\x10InferenceReplica\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61pplication\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x11\n\tgpu_index\x18\x04 \x01(\x05\x12%\n\x05state\x18\x05 \x01(\x0e\x32\x16.silod.v1.ReplicaState\x12\x0f\n\x07task_id\x18\x06 \x01(\t\x12\x13\n\x0breuse_count\x18\x07 \x01(\x05\x12\x31\n\rprotect_until\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\":\n\x07GpuLoan\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\x05\x12\x0e\n\x06job_id\x18\x03 \x01(\t\"\xaa\x02\n\x0e\x41llocationPlan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12.\n\ncreated_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x12\n\ncache_mode\x18\x04 \x01(\t\x12%\n\x04jobs\x18\x05 \x03(\x0b\x32\x17.silod.v1.JobAllocation\x12,\n\x08replicas\x18\x06 \x03(\x0b\x32\x1a.silod.v1.InferenceReplica\x12 \n\x05loans\x18\x07 \x03(\x0b\x32\x11.silod.v1.GpuLoan\x12,\n$storage_bandwidth_budget_bytes_per_s\x18\x08 \x01(\x03\x12\x0e\n\x06reason\x18\t \x01(\t\"\xdf\x01\n\x0eTaskAssignment\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x13\n\x0bgpu_indices\x18\x04 \x03(\x05\x12\x13\n\x0bmaster_addr\x18\x05 \x01(\t\x12\x13\n\x0bmaster_port\x18\x06 \x01(\x05\x12\x12\n\nbatch_size\x18\x07 \x01(\x05\x12\x12\n\ngeneration\x18\x08 \x01(\x03\x12\x13\n\x0b\x66\x61st_resize\x18\t \x01(\x08\x12\x1f\n\x04spec\x18\n \x01(\x0b\x32\x11.silod.v1.JobSpec\"\x80\x01\n\rJobCacheQuota\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x19\n\x11\x63\x61\x63he_quota_bytes\x18\x03 \x01(\x03\x12\x1d\n\x15remote_io_bytes_per_s\x18\x04 \x01(\x03\x12\x14\n\x0c\x63\x61\x63he_policy\x18\x05 \x01(\t\"\xd1\x01\n\x08NodePlan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\'\n\x05tasks\x18\x03 \x03(\x0b\x32\x18.silod.v1.TaskAssignment\x12-\n\x0c\x63\x61\x63he_quotas\x18\x04 \x03(\x0b\x32\x17.silod.v1.JobCacheQuota\x12,\n\x08replicas\x18\x05 \x03(\x0b\x32\x1a.silod.v1.InferenceReplica\x12 \n\x05loans\x18\x06 \x03(\x0b\x32\x11.silod.v1.GpuLoan*\x93\x01\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICA_STATE_RUNNING\x10\x01\x12\x19\n\x15REPLICA_STATE_PROTECT\x10\x02\x12\x17\n\x13REPLICA_STATE_SLEEP\x10\x03\x12\x15\n\x11REPLICA_STATE_END\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13silod/v1/plan.proto\x12\x08silod.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15silod/v1/common.proto\"1\n\x0cGpuPlacement\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0bgpu_indices\x18\x02 \x03(\x05\"T\n\nCacheGrant\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x19\n\x11\x63\x61\x63he_quota_bytes\x18\x02 \x01(\x03\x12\x1d\n\x15remote_io_bytes_per_s\x18\x03 \x01(\x03\"\xdc\x01\n\rJobAllocation\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12*\n\nplacements\x18\x02 \x03(\x0b\x32\x16.silod.v1.GpuPlacement\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12*\n\x0c\x63\x61\x63he_grants\x18\x04 \x03(\x0b\x32\x14.silod.v1.CacheGrant\x12\x14\n\x0c\x63\x61\x63he_policy\x18\x05 \x01(\t\x12\x12\n\ngeneration\x18\x06 \x01(\x03\x12\x13\n\x0b\x66\x61st_resize\x18\x07 \x01(\x08\x12\x10\n\x08gpu_type\x18\x08 \x01(\t\"\xdc\x01\n\x10InferenceReplica\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61pplication\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x11\n\tgpu_index\x18\x04 \x01(\x05\x12%\n\x05state\x18\x05 \x01(\x0e\x32\x16.silod.v1.ReplicaState\x12\x0f\n\x07task_id\x18\x06 \x01(\t\x12\x13\n\x0breuse_count\x18\x07 \x01(\x05\x12\x31\n\rprotect_until\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\":\n\x07GpuLoan\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\x05\x12\x0e\n\x06job_id\x18\x03 \x01(\t\"\xaa\x02\n\x0e\x41llocationPlan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12.\n\ncreated_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x12\n\ncache_mode\x18\x04 \x01(\t\x12%\n\x04jobs\x18\x05 \x03(\x0b\x32\x17.silod.v1.JobAllocation\x12,\n\x08replicas\x18\x06 \x03(\x0b\x32\x1a.silod.v1.InferenceReplica\x12 \n\x05loans\x18\x07 \x03(\x0b\x32\x11.silod.v1.GpuLoan\x12,\n$storage_bandwidth_budget_bytes_per_s\x18\x08 \x01(\x03\x12\x0e\n\x06reason\x18\t \x01(\t\"\xdf\x01\n\x0eTaskAssignment\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x13\n\x0bgpu_indices\x18\x04 \x03(\x05\x12\x13\n\x0bmaster_addr\x18\x05 \x01(\t\x12\x13\n\x0bmaster_port\x18\x06 \x01(\x05\x12\x12\n\nbatch_size\x18\x07 \x01(\x05\x12\x12\n\ngeneration\x18\x08 \x01(\x03\x12\x13\n\x0b\x66\x61st_resize\x18\t \x01(\x08\x12\x1f\n\x04spec\x18\n \x01(\x0b\x32\x11.silod.v1.JobSpec\"\x80\x01\n\rJobCacheQuota\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x19\n\x11\x63\x61\x63he_quota_bytes\x18\x03 \x01(\x03\x12\x1d\n\x15remote_io_bytes_per_s\x18\x04 \x01(\x03\x12\x14\n\x0c\x63\x61\x63he_policy\x18\x05 \x01(\t\"\xd1\x01\n\x08NodePlan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\'\n\x05tasks\x18\x03 \x03(\x0b\x32\x18.silod.v1.TaskAssignment\x12-\n\x0c\x63\x61\x63he_quotas\x18\x04 \x03(\x0b\x32\x17.silod.v1.JobCacheQuota\x12,\n\x08replicas\x18\x05 \x03(\x0b\x32\x1a.silod.v1.InferenceReplica\x12 \n\x05loans\x18\x06 \x03(\x0b\x32\x11.silod.v1.GpuLoan*\x93\x01\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICA_STATE_RUNNING\x10\x01\x12\x19\n\x15REPLICA_STATE_PROTECT\x10\x02\x12\x17\n\x13REPLICA_STATE_SLEEP\x10\x03\x12\x15\n\x11REPLICA_STATE_END\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'silod.v1.plan_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REPLICASTATE']._serialized_start=1585
-  _globals['_REPLICASTATE']._serialized_end=1732
+  _globals['_REPLICASTATE']._serialized_start=1603
+  _globals['_REPLICASTATE']._serialized_end=1750
   _globals['_GPUPLACEMENT']._serialized_start=89
   _globals['_GPUPLACEMENT']._serialized_end=138
   _globals['_CACHEGRANT']._serialized_start=140
   _globals['_CACHEGRANT']._serialized_end=224
   _globals['_JOBALLOCATION']._serialized_start=227
-  _globals['_JOBALLOCATION']._serialized_end=429
-  _globals['_INFERENCEREPLICA']._serialized_start=432
-  _globals['_INFERENCEREPLICA']._serialized_end=652
-  _globals['_GPULOAN']._serialized_start=654
-  _globals['_GPULOAN']._serialized_end=712
-  _globals['_ALLOCATIONPLAN']._serialized_start=715
-  _globals['_ALLOCATIONPLAN']._serialized_end=1013
-  _globals['_TASKASSIGNMENT']._serialized_start=1016
-  _globals['_TASKASSIGNMENT']._serialized_end=1239
-  _globals['_JOBCACHEQUOTA']._serialized_start=1242
-  _globals['_JOBCACHEQUOTA']._serialized_end=1370
-  _globals['_NODEPLAN']._serialized_start=1373
-  _globals['_NODEPLAN']._serialized_end=1582
+  _globals['_JOBALLOCATION']._serialized_end=447
+  _globals['_INFERENCEREPLICA']._serialized_start=450
+  _globals['_INFERENCEREPLICA']._serialized_end=670
+  _globals['_GPULOAN']._serialized_start=672
+  _globals['_GPULOAN']._serialized_end=730
+  _globals['_ALLOCATIONPLAN']._serialized_start=733
+  _globals['_ALLOCATIONPLAN']._serialized_end=1031
+  _globals['_TASKASSIGNMENT']._serialized_start=1034
+  _globals['_TASKASSIGNMENT']._serialized_end=1257
+  _globals['_JOBCACHEQUOTA']._serialized_start=1260
+  _globals['_JOBCACHEQUOTA']._serialized_end=1388
+  _globals['_NODEPLAN']._serialized_start=1391
+  _globals['_NODEPLAN']._serialized_end=1600
 # @@protoc_insertion_point(module_scope)

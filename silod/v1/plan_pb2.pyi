@@ -119,6 +119,7 @@ class JobAllocation(_message.Message):
     CACHE_POLICY_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     FAST_RESIZE_FIELD_NUMBER: _builtins.int
+    GPU_TYPE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """job id, e.g. "job-3f9c2a1b7d4e" """
     batch_size: _builtins.int
@@ -129,6 +130,8 @@ class JobAllocation(_message.Message):
     """increments whenever the job's ranks must (re)start with a new world"""
     fast_resize: _builtins.bool
     """AFE: survivors keep running and re-form the group"""
+    gpu_type: _builtins.str
+    """GPU type of the job's placements (see NodeSpec.gpu_type); empty = untyped or none"""
     @_builtins.property
     def placements(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuPlacement]:
         """empty = the job holds no GPUs (queued / preempted)"""
@@ -147,10 +150,11 @@ class JobAllocation(_message.Message):
         cache_policy: _builtins.str = ...,
         generation: _builtins.int = ...,
         fast_resize: _builtins.bool = ...,
+        gpu_type: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "cache_grants", b"cache_grants", "cache_policy", b"cache_policy", "fast_resize", b"fast_resize", "generation", b"generation", "job_id", b"job_id", "placements", b"placements"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "cache_grants", b"cache_grants", "cache_policy", b"cache_policy", "fast_resize", b"fast_resize", "generation", b"generation", "gpu_type", b"gpu_type", "job_id", b"job_id", "placements", b"placements"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

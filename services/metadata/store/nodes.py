@@ -42,6 +42,7 @@ class NodeStore:
                 row = Node(name=spec.name, registered_at=now, applied_plan_version=0)
                 session.add(row)
             row.pool = spec.pool
+            row.gpu_type = spec.gpu_type
             row.spec = convert.to_json(spec)
             row.last_heartbeat = now
             session.flush()
@@ -80,13 +81,16 @@ class NodeStore:
                 raise NotFound(f"no node {node!r}", field="node")
             return self._to_proto(row)
 
-    def list(self, *, pool: int = 0, alive_only: bool = False, liveness_window_s: float = 0.0) -> list[common_pb2.Node]:
-        check_list_nodes(pool, liveness_window_s)
+    def list(self, *, pool: int = 0, alive_only: bool = False, liveness_window_s: float = 0.0,
+             gpu_type: str = "") -> list[common_pb2.Node]:
+        check_list_nodes(pool, liveness_window_s, gpu_type)
         window = liveness_window_s or self._liveness_window_s
         now = utc_now()
         query = select(Node).order_by(Node.name)
         if pool:
             query = query.where(Node.pool == pool)
+        if gpu_type:
+            query = query.where(Node.gpu_type == gpu_type)
         if alive_only:
             query = query.where(Node.last_heartbeat >= now - timedelta(seconds=window))
         with self._db.read() as session:

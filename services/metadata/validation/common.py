@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from google.protobuf import timestamp_pb2
@@ -14,6 +14,8 @@ from google.protobuf.message import Message
 from services.runtime.errors import InvalidArgument
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
+GPU_TYPE_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,31}")
+MAX_JOB_GPU_TYPES = 16
 MAX_BYTES = 2**60  # far beyond any real disk or link, yet nowhere near int64 overflow when summed
 # google.protobuf.Timestamp's documented range: 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59Z.
 _MIN_TIMESTAMP_S = -62135596800
@@ -24,6 +26,23 @@ def check_name(value: str, field: str) -> str:
     if not NAME_PATTERN.fullmatch(value):
         raise InvalidArgument(f"must be 1..128 characters of [A-Za-z0-9._-], got {_show(value)}", field=field)
     return value
+
+
+def check_gpu_type(value: str, field: str) -> str:
+    """A GPU type as nodes advertise it and jobs name it: lower case, so "A100" is not a type of its own."""
+    if not GPU_TYPE_PATTERN.fullmatch(value):
+        raise InvalidArgument(f"must be 1..32 characters of [a-z0-9._-] starting with a letter or digit "
+                              f"(a GPU type such as a100), got {_show(value)}", field=field)
+    return value
+
+
+def check_gpu_types(values: Sequence[str], field: str) -> None:
+    if len(values) > MAX_JOB_GPU_TYPES:
+        raise InvalidArgument(f"at most {MAX_JOB_GPU_TYPES} GPU types, got {len(values)}", field=field)
+    for index, value in enumerate(values):
+        check_gpu_type(value, f"{field}[{index}]")
+    if len(set(values)) != len(values):
+        raise InvalidArgument("must not repeat a GPU type", field=field)
 
 
 def check_text(value: str, field: str, *, max_chars: int, required: bool = False) -> str:

@@ -10,6 +10,7 @@ from services.metadata.validation.common import (
     MAX_BYTES,
     check_enum,
     check_float,
+    check_gpu_types,
     check_int,
     check_name,
     check_string_map,
@@ -44,6 +45,7 @@ def normalized_job_spec(spec: common_pb2.JobSpec, field: str = "spec") -> common
     if spec.dataset:
         check_name(spec.dataset, f"{field}.dataset")
     check_int(spec.priority, f"{field}.priority", minimum=-(2**31), maximum=2**31 - 1)
+    check_gpu_types(spec.gpu_types, f"{field}.gpu_types")
     if spec.kind == INFERENCE:
         _check_inference_shape(spec, field)
     else:

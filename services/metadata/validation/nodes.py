@@ -10,6 +10,7 @@ from services.metadata.validation.common import (
     check_float,
     check_int,
     check_name,
+    check_gpu_type,
     check_string_map,
     check_text,
 )
@@ -25,6 +26,8 @@ def normalized_node_spec(spec: common_pb2.NodeSpec, field: str = "spec") -> comm
     check_enum(spec.pool, common_pb2.NodePool.DESCRIPTOR, f"{field}.pool")
     check_int(spec.gpus, f"{field}.gpus", minimum=0, maximum=MAX_NODE_GPUS)
     check_text(spec.gpu_model, f"{field}.gpu_model", max_chars=256)
+    if spec.gpu_type:
+        check_gpu_type(spec.gpu_type, f"{field}.gpu_type")
     for capacity in ("cache_capacity_bytes", "memory_cache_bytes", "network_bandwidth_bytes_per_s"):
         check_int(getattr(spec, capacity), f"{field}.{capacity}", minimum=0, maximum=MAX_BYTES)
     for address in ("agent_address", "cache_address"):
@@ -48,6 +51,8 @@ def check_heartbeat(node: str, applied_plan_version: int) -> None:
     check_int(applied_plan_version, "applied_plan_version", minimum=0, maximum=2**63 - 1)
 
 
-def check_list_nodes(pool: int, liveness_window_s: float) -> None:
+def check_list_nodes(pool: int, liveness_window_s: float, gpu_type: str = "") -> None:
     check_enum(pool, common_pb2.NodePool.DESCRIPTOR, "pool")
     check_float(liveness_window_s, "liveness_window_s", minimum=0.0, maximum=MAX_LIVENESS_WINDOW_S)
+    if gpu_type:
+        check_gpu_type(gpu_type, "gpu_type")
