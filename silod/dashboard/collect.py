@@ -125,7 +125,7 @@ async def overview(md: metadata_pb2_grpc.MetadataServiceStub, stats_of: CacheSta
                 kind = "lent" if pool == "inference" else "training"
             gpus.append({"index": index, "holder": holder, "job_name": names.get(holder, ""), "use": kind})
         node_rows.append({
-            "name": node.spec.name, "pool": pool, "alive": node.alive, "gpus": gpus,
+            "name": node.spec.name, "pool": pool, "gpu_type": node.spec.gpu_type, "alive": node.alive, "gpus": gpus,
             "applied_plan_version": node.applied_plan_version,
             "last_heartbeat": _ts(node.last_heartbeat), "cache": cache,
         })

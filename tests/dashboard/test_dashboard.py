@@ -39,7 +39,7 @@ def metadata_with_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         with grpc.insecure_channel(md.address) as channel:
             stub = metadata_pb2_grpc.MetadataServiceStub(channel)
             stub.UpsertNode(metadata_pb2.UpsertNodeRequest(spec=common_pb2.NodeSpec(
-                name="train-0", gpus=2, pool=common_pb2.NODE_POOL_TRAINING, gpu_model="emulated",
+                name="train-0", gpus=2, pool=common_pb2.NODE_POOL_TRAINING, gpu_model="emulated", gpu_type="a100",
                 agent_address="127.0.0.1:1", cache_address="127.0.0.1:1")))  # nobody listens there
             stub.UpsertNode(metadata_pb2.UpsertNodeRequest(spec=common_pb2.NodeSpec(
                 name="infer-0", gpus=2, pool=common_pb2.NODE_POOL_INFERENCE, gpu_model="emulated",
@@ -78,6 +78,7 @@ def test_overview_labels_training_lent_and_idle_gpus_and_unreachable_caches(dash
     assert [g["use"] for g in nodes["train-0"]["gpus"]] == ["training", "training"]
     assert [g["use"] for g in nodes["infer-0"]["gpus"]] == ["idle", "lent"]
     assert nodes["infer-0"]["pool"] == "inference"
+    assert (nodes["train-0"]["gpu_type"], nodes["infer-0"]["gpu_type"]) == ("a100", "")
     assert nodes["train-0"]["cache"]["reachable"] is False and "127.0.0.1:1" in nodes["train-0"]["cache"]["error"]
     assert nodes["infer-0"]["cache"] == {"reachable": False, "error": "no cache server on this node"}
     jobs = {j["name"]: j for j in data["jobs"]}

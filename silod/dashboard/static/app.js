@@ -54,6 +54,7 @@ function render(data) {
   fill("nodes", data.nodes, (tr, n) => {
     cell(tr, n.name);
     cell(tr, n.pool);
+    cell(tr, n.gpu_type || "–");
     cell(tr, n.alive ? "up" : "down", n.alive ? "ok" : "bad");
     cell(tr, gpuStrip(n));
     cell(tr, n.applied_plan_version);
