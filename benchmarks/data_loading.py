@@ -21,7 +21,7 @@ is loaded in parallel before timing starts; the second shows whether loading kee
 4 s point reads 8 of the 12 batches. Its warm run then replays the cold run's order (the samples the cold run cached); a
 point that reads the whole epoch measures the warm run on the next epoch's order.
 
-The remote store is ``silod store-emulator`` (silod/devstore/emulator.py) on loopback: a minimal
+The remote store is ``silod store-emulator`` (services/devstore/emulator.py) on loopback: a minimal
 S3 API (ListObjectsV2, HEAD, GET with Range and If-Match) in aiohttp, in its own process, with
 one bandwidth limit shared by all connections and a per-request latency. Both the plain DataLoader (s3fs, like a user's ``fsspec.open``) and the cache server
 (the dataset's ``s3://`` URI with ``endpoint_url``) read through it, so the emulated limits

@@ -34,7 +34,7 @@ from pathlib import Path
 import grpc
 
 from scheduler import service as scheduler_service
-from services.runtime.client import open_channel
+from silod.rpc.channels import open_channel
 from silod.launcher import start_service
 from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 

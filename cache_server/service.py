@@ -164,7 +164,7 @@ def definition(settings: Settings) -> ServiceDefinition:
         cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, server)
 
     async def on_start() -> None:
-        from services.runtime.client import open_channel
+        from silod.rpc.channels import open_channel
 
         state["channel"] = open_channel(
             settings.metadata_address, token=settings.auth_token, tls_ca_file=settings.metadata_tls_ca_file, aio=True,

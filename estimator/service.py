@@ -18,7 +18,7 @@ from pydantic import Field, field_validator
 from estimator.model_store import ModelStore
 from estimator.predict import DEFAULT_GPUS_PER_NODE
 from estimator.servicer import EstimatorServicer, warm_profiles
-from services.runtime.client import open_channel
+from silod.rpc.channels import open_channel
 from services.runtime.server import ServiceDefinition
 from services.runtime.settings import ConfigError, ServiceSettings, split_host_port
 from services.runtime.structured_logging import get_logger

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 from pydantic import Field, field_validator
 
-from services.runtime.client import open_channel
+from silod.rpc.channels import open_channel
 from services.runtime.server import ServiceDefinition
 from services.runtime.settings import ServiceSettings
 from silod.v1 import allocation_pb2_grpc, estimator_pb2_grpc, metadata_pb2_grpc, scheduler_pb2_grpc

@@ -13,7 +13,7 @@ from typing import Any
 
 import fsspec
 
-from silod.data.store import _BOOL_OPTIONS, _FALSE, _TRUE
+from silod.data.storage_options import BOOL_OPTIONS, parse_bool_option, version_tag
 from silod.v1 import common_pb2
 
 SUPPORTED_SCHEMES = ("file", "s3")
@@ -32,23 +32,14 @@ def _fsspec_options(scheme: str, options: dict[str, str]) -> dict[str, Any]:
         return dict(options)
     out: dict[str, Any] = {}
     for name, value in options.items():
-        if name in _BOOL_OPTIONS:
-            lowered = str(value).strip().lower()
-            if lowered not in _TRUE | _FALSE:
-                raise ManifestError(f"storage_options.{name}: expected true or false, got {value!r}")
-            out[name] = lowered in _TRUE
+        if name in BOOL_OPTIONS:
+            try:
+                out[name] = parse_bool_option(value)
+            except ValueError as exc:
+                raise ManifestError(f"storage_options.{name}: {exc}") from None
         else:
             out[name] = value
     return out
-
-
-def _version_tag(info: dict[str, Any]) -> str:
-    etag = info.get("ETag") or info.get("etag")
-    if etag:
-        return str(etag).strip('"')
-    mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
-    mtime_ns = int(float(mtime.timestamp() if hasattr(mtime, "timestamp") else mtime) * 1e9)
-    return f"{int(info['size']):x}-{mtime_ns:x}"
 
 
 def list_objects(uri: str, storage_options: dict[str, str] | None = None) -> Iterator[common_pb2.DatasetObject]:
@@ -71,4 +62,4 @@ def list_objects(uri: str, storage_options: dict[str, str] | None = None) -> Ite
         if info.get("type") != "file":
             continue
         key = path[len(root) :].lstrip("/")
-        yield common_pb2.DatasetObject(key=key, size_bytes=int(info["size"]), etag=_version_tag(info))
+        yield common_pb2.DatasetObject(key=key, size_bytes=int(info["size"]), etag=version_tag(info))

@@ -54,7 +54,7 @@ from typing import Any
 
 import grpc
 
-from services.runtime.client import open_channel
+from silod.rpc.channels import open_channel
 from services.runtime.structured_logging import get_logger
 from silod.v1 import (
     allocation_pb2,

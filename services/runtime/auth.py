@@ -17,10 +17,6 @@ from services.runtime.interceptors import Around, Behavior, wrap_handler
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
-def bearer_metadata(token: str) -> tuple[str, str]:
-    return ("authorization", f"Bearer {token}")
-
-
 def check_bearer(metadata: Iterable[tuple[str, Any]] | None, token: str) -> str | None:
     """Return why the call is refused, or None if it carries ``token``."""
     values = [v for k, v in metadata or () if k == "authorization"]

@@ -47,7 +47,7 @@ environment or the config file. Sizes are in bytes and durations in seconds.
 # Subcommands outside silod.cli.main.SERVICES that also take ServiceSettings flags:
 # subcommand -> module exposing ``Settings``. tests/deploy/test_config_reference.py fails if a
 # subcommand with settings flags is missing here.
-OTHER_SETTINGS = {"dashboard": "silod.dashboard.app"}
+OTHER_SETTINGS = {"dashboard": "services.dashboard.app"}
 
 
 def service_settings() -> list[tuple[str, type[ServiceSettings]]]:

@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.runtime.limits import MESSAGE_SIZE_OPTIONS
+from silod.rpc.limits import MESSAGE_SIZE_OPTIONS
 from services.runtime import metrics
 from services.runtime.auth import AuthInterceptor
 from services.runtime.interceptors import ErrorMapper, RequestObserver

@@ -23,13 +23,6 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     _add_connection_flags(health)
     health.set_defaults(handler=_health)
 
-    db = sub.add_parser("db", help="database administration")
-    db_sub = db.add_subparsers(dest="db_command", metavar="ACTION", required=True)
-    upgrade = db_sub.add_parser("upgrade", help="apply the metadata schema migrations (Alembic) and exit")
-    upgrade.add_argument("--db", default=os.environ.get("SILOD_DB", "sqlite:///silod-metadata.db"),
-                         help="database URL (env SILOD_DB; default sqlite:///silod-metadata.db)")
-    upgrade.set_defaults(handler=_db_upgrade)
-
     dataset = sub.add_parser("dataset", help="register and inspect datasets")
     ds_sub = dataset.add_subparsers(dest="dataset_command", metavar="ACTION", required=True)
     reg = ds_sub.add_parser("register", help="list the store at URI and register its manifest under NAME")
@@ -70,7 +63,7 @@ def _add_connection_flags(p: argparse.ArgumentParser, default_addr: bool = False
 
 
 def _channel(address: str, args: argparse.Namespace) -> grpc.Channel:
-    from services.runtime.client import open_channel
+    from silod.rpc.channels import open_channel
 
     return open_channel(address, token=args.token, tls_ca_file=args.tls_ca_file)
 
@@ -117,17 +110,6 @@ def _health(args: argparse.Namespace) -> int:
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(status)
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
-
-
-def _db_upgrade(args: argparse.Namespace) -> int:
-    from services.metadata.migrate import upgrade
-
-    try:
-        upgrade(args.db)
-    except Exception as exc:  # connection refused, bad URL, permissions: report, don't dump a traceback
-        return _fail(f"db upgrade failed for {args.db}: {exc}")
-    print(f"schema of {args.db} is up to date")
-    return 0
 
 
 def _parse_options(pairs: list[str]) -> dict[str, str]:

@@ -1,7 +1,10 @@
 """Entry point of the ``silod`` console script.
 
-Service subcommands are looked up in SERVICES and imported lazily, so that ``silod --help``
-and the client commands stay fast and do not need the server-side dependencies loaded.
+Commands that run server code (the services in SERVICES, and SERVER_COMMANDS: `silod up`, the
+simulator, the dashboard, ...) are listed here by module name and imported only when that
+command runs. So ``silod --help`` and the client commands (submit, jobs, watch, logs, cancel,
+dataset, health) work from the client install (``pip install silod``) and stay fast; a server
+command run from a client install says which extra to install.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import sys
 from dataclasses import dataclass
 
 from silod.cli.settings_flags import add_settings_flags, settings_overrides
+
+SERVER_EXTRA_HINT = "pip install 'silod[server]'"
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,25 @@ SERVICES: dict[str, ServiceCommand] = {
 }
 
 
+@dataclass(frozen=True)
+class ServerCommand:
+    module: str          # module whose ``register(sub)`` adds the command's full parser
+    summary: str         # one line for ``silod --help``
+    extra: str = "server"  # the install extra that brings its dependencies
+
+
+SERVER_COMMANDS: dict[str, ServerCommand] = {
+    "up": ServerCommand("silod.cli.up", "run a whole silod cluster on this machine (emulated nodes) until Ctrl-C"),
+    "db": ServerCommand("silod.cli.admin", "database administration (schema migrations)"),
+    "simulate": ServerCommand("simulator.cli", "trace-driven cluster simulation of the scheduling policies", "sim"),
+    "dashboard": ServerCommand(
+        "services.dashboard.cli", "read-only web dashboard: nodes and GPUs, jobs, cache hit ratios, plan history"),
+    "store-emulator": ServerCommand(
+        "services.devstore.cli",
+        "serve a directory over the S3 protocol with a shared bandwidth limit and a latency per request"),
+}
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The full parser; only the service named in ``argv`` gets its settings flags loaded.
 
@@ -67,39 +91,57 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=summary, description=description)
         p.add_argument("--config", metavar="FILE", help="YAML or TOML file of settings (env SILOD_CONFIG)")
         if name == chosen:
-            add_settings_flags(p, importlib.import_module(svc.module).Settings)
+            try:
+                add_settings_flags(p, importlib.import_module(svc.module).Settings)
+            except ModuleNotFoundError:
+                pass  # a client install: _run_service says which extra is missing
         p.set_defaults(handler=_run_service, service=name)
     if chosen in SERVICES:
         # A service process parses only its own command: the client, simulator and dashboard
         # commands import numpy, aiohttp and the simulator (~0.6 s of CPU at every start).
         return parser
-    from silod.cli import client_commands
+    from silod.cli import client_commands, jobs
 
     client_commands.register(sub)
-    _register_optional(sub, "simulator.cli")
-    _register_optional(sub, "silod.cli.up")
-    _register_optional(sub, "silod.cli.jobs")
-    _register_optional(sub, "silod.dashboard.cli")
-    _register_optional(sub, "silod.devstore.cli")
+    jobs.register(sub)
+    for name, command in SERVER_COMMANDS.items():
+        if name == chosen:
+            _register_server_command(sub, name, command)
+        else:  # listed in --help without importing it
+            sub.add_parser(name, help=command.summary, add_help=False).set_defaults(handler=_not_chosen)
     return parser
 
 
-def _register_optional(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", module: str) -> None:
-    """Add the subcommands of ``module`` (its ``register(sub)``) if it exists in this build."""
+def _register_server_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", name: str,
+                             command: ServerCommand) -> None:
     try:
-        registrar = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name and module.startswith(exc.name):
-            return
-        raise
-    registrar.register(sub)
+        importlib.import_module(command.module).register(sub)
+    except ModuleNotFoundError as exc:  # a client install: the command's dependencies are not there
+        extra = f"pip install 'silod[{command.extra}]'"
+        message = f"silod {name} needs the {command.extra} install ({extra}): no module named {exc.name!r}"
+        refusal = sub.add_parser(name, help=command.summary, add_help=False)
+        refusal.add_argument("arguments", nargs=argparse.REMAINDER)  # whatever follows: the refusal comes first
+        refusal.set_defaults(handler=lambda _args: _refuse(message))
+
+
+def _not_chosen(args: argparse.Namespace) -> int:  # pragma: no cover - build_parser always picks the command
+    return _refuse("internal error: the command's parser was not built")
+
+
+def _refuse(message: str) -> int:
+    print(message, file=sys.stderr)
+    return 2
 
 
 def _run_service(args: argparse.Namespace) -> int:
-    from services.runtime.server import run
-    from services.runtime.settings import ConfigError, load_settings
+    try:
+        from services.runtime.server import run
+        from services.runtime.settings import ConfigError, load_settings
 
-    module = importlib.import_module(SERVICES[args.service].module)
+        module = importlib.import_module(SERVICES[args.service].module)
+    except ModuleNotFoundError as exc:
+        return _refuse(f"silod {args.service} needs the server install ({SERVER_EXTRA_HINT}): "
+                       f"no module named {exc.name!r}")
     try:
         settings = load_settings(module.Settings, args.config, **settings_overrides(args, module.Settings))
     except ConfigError as exc:
@@ -115,4 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         # Client commands piped into `head` should stop quietly, as Unix tools do. Services
         # keep Python's default: a closed stdout must not kill a server.
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    return int(args.handler(args) or 0)
+    try:
+        return int(args.handler(args) or 0)
+    except ModuleNotFoundError as exc:  # a server command's code or dependency absent: a client install
+        command = SERVER_COMMANDS.get(getattr(args, "command", ""))
+        if command is None or not exc.name:
+            raise
+        return _refuse(f"silod {args.command} needs the {command.extra} install "
+                       f"(pip install 'silod[{command.extra}]'): no module named {exc.name!r}")

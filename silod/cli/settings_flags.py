@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pydantic_settings import BaseSettings
+# Settings classes are pydantic-settings models (the server's); typed loosely here because the
+# client commands import this module too, in installs without pydantic.
+BaseSettings = Any
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings]) -> None:

@@ -8,7 +8,8 @@ Reads go through the node's cache server (``SILOD_CACHE_ADDR``): one Lease call 
 then the cached files are read directly. Without a cache server (off-cluster) or when it is
 down, the remote store is read directly. See docs/cache.md.
 
-torch is imported only when :class:`SilodDataset` or :class:`EpochShuffleSampler` is used:
+torch is imported only when :class:`SilodDataset` or :class:`EpochShuffleSampler` is used (a
+clear ImportError says so when the job's environment lacks it):
 ``silod.data.store``, ``silod.data.keys`` and ``silod.data.catalog`` work without it (the cache
 server uses them).
 """
@@ -20,7 +21,20 @@ from typing import Any
 __all__ = ["SilodDataset", "EpochShuffleSampler"]
 
 
+def _require_torch(name: str) -> None:
+    """PyTorch is the job's own dependency (its build must match the job's hardware), not silod's."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            f"silod.data.{name} is a PyTorch dataset/sampler and needs torch in the job's environment "
+            "(pip install torch); silod does not install it"
+        ) from None
+
+
 def __getattr__(name: str) -> Any:
+    if name in __all__:
+        _require_torch(name)
     if name == "SilodDataset":
         from silod.data.dataset import SilodDataset
 

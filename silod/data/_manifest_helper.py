@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
     name, address = argv
     import grpc
 
-    from services.runtime.client import open_channel
+    from silod.rpc.channels import open_channel
     from silod.data.catalog import ManifestNotFound, load_manifest
     from silod.v1 import metadata_pb2_grpc
 

@@ -194,7 +194,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def _cache_stub(self) -> Any:
         if self._stub is None:
-            from services.runtime.client import open_channel
+            from silod.rpc.channels import open_channel
             from silod.v1 import cache_pb2_grpc
 
             self._channel = open_channel(self.cache_addr, token=self.token, default_timeout_s=self.timeout_s)

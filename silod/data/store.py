@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from silod.data.keys import BadKey, check_key
+from silod.data.storage_options import BOOL_OPTIONS, parse_bool_option, version_tag
 
 SCHEMES = ("file", "s3")
 # fsspec/s3fs options that carry credentials: the spec is stored in the metadata database, so
@@ -35,9 +36,6 @@ SCHEMES = ("file", "s3")
 SECRET_OPTIONS = frozenset(
     {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
 )
-_BOOL_OPTIONS = frozenset({"anon", "use_ssl", "requester_pays", "version_aware", "asynchronous"})
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
 
 
 class StoreError(Exception):
@@ -77,9 +75,7 @@ class StoreUnavailable(StoreError):
 
 def file_version_tag(st: os.stat_result) -> str:
     """The ``file://`` version tag of a file, identical to the one in registered manifests."""
-    from silod.manifest import _version_tag
-
-    return _version_tag({"size": st.st_size, "mtime": st.st_mtime})
+    return version_tag({"size": st.st_size, "mtime": st.st_mtime})
 
 
 def _s3_options(options: Mapping[str, str], timeout_s: float) -> dict[str, Any]:
@@ -93,11 +89,11 @@ def _s3_options(options: Mapping[str, str], timeout_s: float) -> dict[str, Any]:
             )
         if name in ("region", "region_name"):
             client_kwargs["region_name"] = value
-        elif name in _BOOL_OPTIONS:
-            lowered = str(value).strip().lower()
-            if lowered not in _TRUE | _FALSE:
-                raise StoreConfigError(f"storage_options.{name}: expected true or false, got {value!r}")
-            out[name] = lowered in _TRUE
+        elif name in BOOL_OPTIONS:
+            try:
+                out[name] = parse_bool_option(value)
+            except ValueError as exc:
+                raise StoreConfigError(f"storage_options.{name}: {exc}") from None
         else:
             out[name] = value
     out["client_kwargs"] = client_kwargs

@@ -292,7 +292,7 @@ class ClusterContext(JobContext):
         self._channel = None
         self._stub = None
         if self.agent_addr:
-            from services.runtime.client import open_channel
+            from silod.rpc.channels import open_channel
             from silod.v1 import worker_agent_pb2_grpc
 
             self._channel = open_channel(self.agent_addr, token=env.get("SILOD_AUTH_TOKEN", ""), default_timeout_s=5)

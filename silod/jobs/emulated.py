@@ -73,7 +73,7 @@ class _DataReader:
         self.budget = budget  # global samples the job reads in all (0 = no end): nothing is read past it
         self._ahead: tuple[tuple[int, int, int, int], Future[None]] | None = None  # the next step, being read
         if self.dataset.cache_addr:
-            from services.runtime.client import open_channel
+            from silod.rpc.channels import open_channel
             from silod.v1 import cache_pb2_grpc
 
             channel = open_channel(self.dataset.cache_addr, token=self.dataset.token, default_timeout_s=5)

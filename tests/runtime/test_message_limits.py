@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from estimator import service as estimator_service
-from services.runtime.client import open_channel
+from silod.rpc.channels import open_channel
 from services.runtime.server import start_server
 from silod.v1 import estimator_pb2, estimator_pb2_grpc
 

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from services.runtime.client import open_channel, wait_for_ready
+from silod.rpc.channels import open_channel, wait_for_ready
 from tests.support.procs import free_port
 from tests.support.servicers import serving
 from silod.v1 import worker_agent_pb2, worker_agent_pb2_grpc

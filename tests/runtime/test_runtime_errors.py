@@ -9,7 +9,7 @@ import re
 import grpc
 import pytest
 
-from services.runtime.client import open_channel
+from silod.rpc.channels import open_channel
 from tests.support.servicers import STREAMED_BEFORE_SCRIPT, serving
 from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, worker_agent_pb2, worker_agent_pb2_grpc
 

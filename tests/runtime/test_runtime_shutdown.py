@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.runtime.client import open_channel
+from silod.rpc.channels import open_channel
 from services.runtime.server import start_server
 from services.runtime.settings import ServiceSettings
 from tests.support.servicers import scripted_definition

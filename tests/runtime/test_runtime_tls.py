@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.runtime.client import open_channel
+from silod.rpc.channels import open_channel
 from services.runtime.server import start_server
 from services.runtime.settings import ConfigError, ServiceSettings
 from tests.support.servicers import scripted_definition, serving

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from services.runtime.limits import MESSAGE_SIZE_OPTIONS
+from silod.rpc.limits import MESSAGE_SIZE_OPTIONS
 from services.runtime.server import RunningServer, ServiceDefinition, start_server
 
 

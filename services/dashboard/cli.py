@@ -11,11 +11,11 @@ import sys
 
 from silod.cli.settings_flags import add_settings_flags, settings_overrides
 
-_log = logging.getLogger("silod.dashboard")
+_log = logging.getLogger("services.dashboard")
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    from silod.dashboard.app import Settings
+    from services.dashboard.app import Settings
 
     p = sub.add_parser(
         "dashboard", help="read-only web dashboard: nodes and GPUs, jobs, cache hit ratios, plan history",
@@ -30,7 +30,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 
 def _run(args: argparse.Namespace) -> int:
     from services.runtime.settings import ConfigError, load_settings
-    from silod.dashboard.app import Settings
+    from services.dashboard.app import Settings
 
     try:
         settings = load_settings(Settings, args.config, **settings_overrides(args, Settings))
@@ -54,7 +54,7 @@ async def _serve(settings: "Settings") -> int:  # type: ignore[name-defined]  # 
     from services.runtime.server import remove_ready_file, write_ready_file
     from services.runtime.settings import split_host_port
     from services.runtime.structured_logging import configure_logging
-    from silod.dashboard.app import build_app
+    from services.dashboard.app import build_app
 
     configure_logging(settings, process="dashboard")
     stop = asyncio.Event()

@@ -1,5 +1,5 @@
 """``silod store-emulator``: serve a local directory over the S3 protocol with one shared bandwidth
-limit and a per-request latency (see :mod:`silod.devstore.emulator`).
+limit and a per-request latency (see :mod:`services.devstore.emulator`).
 
 Kept free of aiohttp and prometheus imports so that ``silod --help`` stays fast: the server code
 is imported only when the command runs.
@@ -68,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
     import types
 
     from services.runtime.structured_logging import configure_logging
-    from silod.devstore.emulator import EmulatorConfig, EmulatorConfigError, serve
+    from services.devstore.emulator import EmulatorConfig, EmulatorConfigError, serve
 
     # Checked when run, not when parsed, so that documented command lines parse anywhere.
     if not os.path.isdir(args.root):

@@ -11,8 +11,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.runtime.limits import MESSAGE_SIZE_OPTIONS
-from services.runtime.auth import bearer_metadata
+from silod.rpc.auth import AUTHORIZATION_KEY, bearer_metadata
+from silod.rpc.limits import MESSAGE_SIZE_OPTIONS
 
 # UNAVAILABLE means the call never reached a servicer (restart, connection refused), so any
 # method is safe to retry, not only idempotent ones.
@@ -48,7 +48,7 @@ _OPTIONS = [
 
 def _metadata_with_token(metadata: Any, token: str) -> list[tuple[str, Any]]:
     pairs = list(metadata or ())
-    if token and not any(key == "authorization" for key, _ in pairs):
+    if token and not any(key == AUTHORIZATION_KEY for key, _ in pairs):
         pairs.append(bearer_metadata(token))
     return pairs
 

@@ -22,14 +22,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import Field, field_validator
 
-from services.runtime.client import open_channel
+from silod.rpc.channels import open_channel
 from services.runtime.settings import ServiceSettings
-from silod.dashboard.collect import overview
+from services.dashboard.collect import overview
 from silod.v1 import cache_pb2, cache_pb2_grpc, metadata_pb2_grpc
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "silod_token"
-_log = logging.getLogger("silod.dashboard")
+_log = logging.getLogger("services.dashboard")
 
 REQUESTS = Counter("silod_dashboard_requests_total", "HTTP requests served by the dashboard", ["route", "status"])
 OVERVIEW_SECONDS = Histogram("silod_dashboard_overview_seconds", "Seconds to gather one /api/overview")
