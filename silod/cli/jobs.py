@@ -22,7 +22,7 @@ from silod.cli.up import default_state_dir, read_cluster_file
 INT_KEYS = ("min_gpus", "max_gpus", "batch_size", "max_batch_size", "epochs", "priority")
 FLOAT_KEYS = ("emulated_step_compute_s", "inference_duration_s")
 STR_KEYS = ("name", "application", "dataset", "tenant")
-ALLOWED_KEYS = frozenset((*INT_KEYS, *FLOAT_KEYS, *STR_KEYS, "sample_budget", "command", "env", "kind"))
+ALLOWED_KEYS = frozenset((*INT_KEYS, *FLOAT_KEYS, *STR_KEYS, "sample_budget", "command", "env", "kind", "gpu_types"))
 
 
 class JobFileError(ValueError):
@@ -79,6 +79,11 @@ def parse_job_yaml(text: str, source: str = "job file") -> Any:
             if name not in common_pb2.JobKind.keys():
                 raise JobFileError(f"{source}: key 'kind' must be 'training' or 'inference', got {value!r}")
             spec.kind = common_pb2.JobKind.Value(name)
+        elif key == "gpu_types":  # a list, or one type as a string
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise JobFileError(f"{source}: key 'gpu_types' must be a list of GPU types such as [a100, h100]")
+            spec.gpu_types.extend(value)
     return spec
 
 

@@ -24,6 +24,8 @@ def test_all_fields_map_to_the_job_spec() -> None:
     assert spec.emulated_step_compute_s == 0.01 and spec.priority == 2 and spec.tenant == "t1"
     assert spec.kind == common_pb2.JOB_KIND_INFERENCE
     assert parse_job_yaml("sample_budget: 10\ncommand: [x, y]").sample_budget == 10
+    assert list(parse_job_yaml("gpu_types: [a100, h100]").gpu_types) == ["a100", "h100"]
+    assert list(parse_job_yaml("gpu_types: v100").gpu_types) == ["v100"]
 
 
 @pytest.mark.parametrize(
@@ -39,6 +41,7 @@ def test_all_fields_map_to_the_job_spec() -> None:
         ("- a\n- b\n", "expected a mapping"),
         ("name: [unclosed\n", "not valid YAML"),
         ("emulated_step_compute_s: fast\n", "must be a number"),
+        ("gpu_types: {a100: 1}\n", "'gpu_types' must be a list"),
     ],
 )
 def test_invalid_files_name_the_problem(text: str, needle: str) -> None:
