@@ -519,8 +519,14 @@ class Agent:
             "SILOD_AGENT_START_TIME": self._start_time(os.getpid()),
             "SILOD_METADATA_ADDR": self.settings.metadata_address,
             "SILOD_CHECKPOINT_DIR": str(self.checkpoint_root / a.job_id),
-            "MASTER_ADDR": a.master_addr or "127.0.0.1",
-            "MASTER_PORT": str(a.master_port or 29500),
+            # torchrun's variables: an unmodified init_process_group("env://") script runs as is.
+            "RANK": str(a.rank),
+            "WORLD_SIZE": str(max(a.world_size, 1)),
+            "LOCAL_RANK": str(a.local_rank),
+            "LOCAL_WORLD_SIZE": str(max(a.local_world_size, 1)),
+            "GROUP_RANK": str(a.group_rank),
+            "MASTER_ADDR": self.master_addr(a),
+            "MASTER_PORT": str(a.master_port),
             "SILOD_BATCH_SIZE": str(a.batch_size or spec.batch_size),
             "SILOD_STEP_COMPUTE_S": repr(spec.emulated_step_compute_s),
         }
@@ -536,6 +542,14 @@ class Agent:
             env["SILOD_EPOCHS"] = str(spec.epochs)
         env.update(spec.env)
         return env
+
+    def master_addr(self, a: plan_pb2.TaskAssignment) -> str:
+        """Rank 0's host as the plan names it; a plan without one (an older scheduler) has all
+        ranks here, so this node's advertised host is right."""
+        if a.master_addr:
+            return a.master_addr
+        host, sep, _ = self.agent_address.rpartition(":")
+        return host.strip("[]") if sep else self.agent_address
 
     async def _launch(self, a: plan_pb2.TaskAssignment) -> None:
         key = task_key(a.job_id, a.rank, a.generation)
@@ -666,8 +680,10 @@ class Agent:
             a = task.assignment
             return worker_agent_pb2.Directive(
                 action=worker_agent_pb2.DIRECTIVE_ACTION_REFORM, new_world_size=a.world_size, new_rank=a.rank,
-                new_generation=a.generation, master_addr=a.master_addr or "127.0.0.1",
-                master_port=a.master_port or 29500, new_batch_size=a.batch_size or a.spec.batch_size,
+                new_generation=a.generation, master_addr=self.master_addr(a),
+                master_port=a.master_port, new_batch_size=a.batch_size or a.spec.batch_size,
+                new_local_rank=a.local_rank, new_local_world_size=max(a.local_world_size, 1),
+                new_group_rank=a.group_rank,
             )
         self._heard_from(task, request.rank, request.generation)
         return worker_agent_pb2.Directive(action=worker_agent_pb2.DIRECTIVE_ACTION_CONTINUE)

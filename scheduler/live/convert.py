@@ -44,9 +44,44 @@ def plan_from_proto(plan: plan_pb2.AllocationPlan | None) -> Plan:
     return Plan(allocations)
 
 
-def master_port(job_id: str, generation: int) -> int:
-    """Deterministic rendezvous port per (job, generation): a restarted group never meets a stale one."""
-    return MASTER_PORT_BASE + zlib.crc32(f"{job_id}/{generation}".encode()) % MASTER_PORT_RANGE
+def master_port(job_id: str, generation: int, taken: set[int] | frozenset[int] = frozenset()) -> int:
+    """The rendezvous port of a (job, generation): its hash slot in the range, or the next one
+    not in ``taken`` (the ports of the other jobs whose rank 0 is on the same node). A new
+    generation gets a new port, so a re-formed group never meets a stale one."""
+    if len(taken) >= MASTER_PORT_RANGE:
+        raise ValueError(f"all {MASTER_PORT_RANGE} rendezvous ports of a node are taken")
+    slot = zlib.crc32(f"{job_id}/{generation}".encode()) % MASTER_PORT_RANGE
+    while MASTER_PORT_BASE + slot in taken:
+        slot = (slot + 1) % MASTER_PORT_RANGE
+    return MASTER_PORT_BASE + slot
+
+
+def master_node(allocation: plan_pb2.JobAllocation) -> str:
+    """The node of the job's rank 0 ("" when the job holds no GPUs)."""
+    ranks = ranks_of(allocation)
+    return ranks[0][0] if ranks else ""
+
+
+def assign_master_ports(plan: plan_pb2.AllocationPlan, previous: Mapping[str, plan_pb2.JobAllocation]) -> None:
+    """Give every placed job of ``plan`` its rendezvous port: kept while its generation is the
+    previous plan's, else a fresh one that no other job with rank 0 on that node uses."""
+    taken: dict[str, set[int]] = {}
+    fresh = []
+    for job in plan.jobs:
+        node = master_node(job)
+        if not node:
+            job.master_port = 0
+            continue
+        old = previous.get(job.job_id)
+        if old is not None and old.generation == job.generation and old.master_port:
+            job.master_port = old.master_port
+            taken.setdefault(node, set()).add(job.master_port)
+        else:
+            fresh.append((job, node))
+    for job, node in fresh:
+        ports = taken.setdefault(node, set())
+        job.master_port = master_port(job.job_id, job.generation, ports)
+        ports.add(job.master_port)
 
 
 def ranks_of(allocation: plan_pb2.JobAllocation) -> list[tuple[str, int]]:
@@ -71,15 +106,20 @@ def node_plan(
         ranks = ranks_of(job)
         spec = specs.get(job.job_id)
         if ranks and any(n == node for n, _ in ranks):
-            master_node = ranks[0][0]
-            master_addr = host_of(agent_addresses.get(master_node, "")) or master_node
+            first = ranks[0][0]
+            # The advertised host of rank 0's agent: the address the other nodes reach it at.
+            master_addr = host_of(agent_addresses.get(first, "")) or first
+            nodes_in_order = list(dict.fromkeys(n for n, _ in ranks))
+            local = [rank for rank, (rank_node, _) in enumerate(ranks) if rank_node == node]
             for rank, (rank_node, index) in enumerate(ranks):
                 if rank_node != node:
                     continue
                 task = view.tasks.add(
                     job_id=job.job_id, rank=rank, world_size=len(ranks), gpu_indices=[index],
-                    master_addr=master_addr, master_port=master_port(job.job_id, job.generation),
+                    master_addr=master_addr, master_port=job.master_port or master_port(job.job_id, job.generation),
                     batch_size=job.batch_size, generation=job.generation, fast_resize=job.fast_resize,
+                    local_rank=local.index(rank), local_world_size=len(local),
+                    group_rank=nodes_in_order.index(node),
                 )
                 if spec is not None:
                     task.spec.CopyFrom(spec)

@@ -549,6 +549,7 @@ class SchedulerCore:
                 generation += 1
                 entry.fast_resize = self._fast_resize(job, previous, entry)
             entry.generation = generation
+        convert.assign_master_ports(proto, old)
         self.inference.describe(proto, {n.name for n in snap.nodes if n.pool == "inference"})
         if self.latest is not None and _same_allocations(self.latest, proto):
             return None  # nothing changed: no new version
@@ -570,10 +571,13 @@ class SchedulerCore:
 
     def _fast_resize(self, job: common_pb2.Job, previous: plan_pb2.JobAllocation | None,
                      entry: plan_pb2.JobAllocation) -> bool:
-        """AFE (DeepBoot): survivors keep running when the policy prices resizes that way, some
-        ranks keep their GPUs, and the ranks poll silod.job (the emulated job does; a job's own
-        command may not, so it gets the checkpoint-and-relaunch path)."""
-        if not getattr(self.policy, "afe", False) or job.spec.command or previous is None:
+        """Survivors keep running when some ranks keep their GPUs and the ranks can re-form in
+        place: jobs that say so (``resize_in_place``: silod.job's ctx.distributed() re-forms the
+        process group), and the emulated job under a policy that prices resizes that way (AFE,
+        DeepBoot). Other commands get the checkpoint-and-relaunch path."""
+        if previous is None:
+            return False
+        if not job.spec.resize_in_place and (job.spec.command or not getattr(self.policy, "afe", False)):
             return False
         return bool(set(convert.ranks_of(previous)) & set(convert.ranks_of(entry)))
 

@@ -22,7 +22,8 @@ from silod.cli.up import default_state_dir, read_cluster_file
 INT_KEYS = ("min_gpus", "max_gpus", "batch_size", "max_batch_size", "epochs", "priority")
 FLOAT_KEYS = ("emulated_step_compute_s", "inference_duration_s")
 STR_KEYS = ("name", "application", "dataset", "tenant")
-ALLOWED_KEYS = frozenset((*INT_KEYS, *FLOAT_KEYS, *STR_KEYS, "sample_budget", "command", "env", "kind", "gpu_types"))
+ALLOWED_KEYS = frozenset((*INT_KEYS, *FLOAT_KEYS, *STR_KEYS, "sample_budget", "command", "env", "kind", "gpu_types",
+                          "resize_in_place"))
 
 
 class JobFileError(ValueError):
@@ -79,6 +80,10 @@ def parse_job_yaml(text: str, source: str = "job file") -> Any:
             if name not in common_pb2.JobKind.keys():
                 raise JobFileError(f"{source}: key 'kind' must be 'training' or 'inference', got {value!r}")
             spec.kind = common_pb2.JobKind.Value(name)
+        elif key == "resize_in_place":
+            if not isinstance(value, bool):
+                raise JobFileError(f"{source}: key 'resize_in_place' must be true or false, got {value!r}")
+            spec.resize_in_place = value
         elif key == "gpu_types":  # a list, or one type as a string
             value = [value] if isinstance(value, str) else value
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

@@ -63,6 +63,9 @@ class World:
     batch_size: int  # samples per step, global, from now on
     previous_rank: int
     previous_world_size: int
+    local_rank: int = 0  # position among the job's ranks on this node now
+    local_world_size: int = 1  # the job's ranks on this node now
+    group_rank: int = 0  # index of this node among the job's nodes now
 
 
 class JobContext:
@@ -437,6 +440,8 @@ class ClusterContext(JobContext):
             master_addr=directive.master_addr, master_port=directive.master_port,
             batch_size=directive.new_batch_size or self.batch_size,
             previous_rank=self.rank, previous_world_size=self.world_size,
+            local_rank=directive.new_local_rank, local_world_size=max(directive.new_local_world_size, 1),
+            group_rank=directive.new_group_rank,
         )
         self.master_addr, self.master_port = world.master_addr, world.master_port
         if self._own_env:  # so that a process group re-initialised with init_method="env://" sees the new world
@@ -444,6 +449,8 @@ class ClusterContext(JobContext):
                 "SILOD_RANK": str(world.rank), "SILOD_WORLD_SIZE": str(world.world_size),
                 "SILOD_GENERATION": str(world.generation), "SILOD_BATCH_SIZE": str(world.batch_size),
                 "MASTER_ADDR": world.master_addr, "MASTER_PORT": str(world.master_port),
+                "RANK": str(world.rank), "WORLD_SIZE": str(world.world_size), "LOCAL_RANK": str(world.local_rank),
+                "LOCAL_WORLD_SIZE": str(world.local_world_size), "GROUP_RANK": str(world.group_rank),
             })
         print(f"silod.job: fast resize: now rank {world.rank} of {world.world_size}, generation {world.generation} "
               f"(was rank {world.previous_rank} of {world.previous_world_size})", file=sys.stderr, flush=True)

@@ -44,7 +44,8 @@ from typing import Any
 
 import silod.job
 
-_ENV_PREFIXES = ("SILOD_", "CUDA_VISIBLE_DEVICES", "MASTER_")
+_ENV_PREFIXES = ("SILOD_", "CUDA_VISIBLE_DEVICES", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                 "GROUP_RANK")
 
 
 def _budget(epoch_samples: int) -> int:

@@ -190,6 +190,7 @@ class JobSpec(_message.Message):
     INFERENCE_DURATION_S_FIELD_NUMBER: _builtins.int
     EMULATED_STEP_COMPUTE_S_FIELD_NUMBER: _builtins.int
     GPU_TYPES_FIELD_NUMBER: _builtins.int
+    RESIZE_IN_PLACE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """human-readable name, 1..128 chars; need not be unique"""
     tenant: _builtins.str
@@ -218,6 +219,11 @@ class JobSpec(_message.Message):
     """seconds of GPU time of an inference task (kind INFERENCE only)"""
     emulated_step_compute_s: _builtins.float
     """seconds of emulated GPU compute per step (no GPU present); 0 = none"""
+    resize_in_place: _builtins.bool
+    """The job's ranks re-form their process group in place when the job is resized (silod.job's
+    ctx.distributed() does): surviving ranks keep running, only joiners are launched. Jobs
+    without a command (the emulated job) always can. False = checkpoint and relaunch every rank.
+    """
     @_builtins.property
     def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """argv launched once per rank; empty = emulated job"""
@@ -252,10 +258,11 @@ class JobSpec(_message.Message):
         inference_duration_s: _builtins.float = ...,
         emulated_step_compute_s: _builtins.float = ...,
         gpu_types: _abc.Iterable[_builtins.str] | None = ...,
+        resize_in_place: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "epochs", b"epochs", "sample_budget", b"sample_budget"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["application", b"application", "batch_size", b"batch_size", "budget", b"budget", "command", b"command", "dataset", b"dataset", "emulated_step_compute_s", b"emulated_step_compute_s", "env", b"env", "epochs", b"epochs", "gpu_types", b"gpu_types", "inference_duration_s", b"inference_duration_s", "kind", b"kind", "max_batch_size", b"max_batch_size", "max_gpus", b"max_gpus", "min_gpus", b"min_gpus", "name", b"name", "priority", b"priority", "sample_budget", b"sample_budget", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["application", b"application", "batch_size", b"batch_size", "budget", b"budget", "command", b"command", "dataset", b"dataset", "emulated_step_compute_s", b"emulated_step_compute_s", "env", b"env", "epochs", b"epochs", "gpu_types", b"gpu_types", "inference_duration_s", b"inference_duration_s", "kind", b"kind", "max_batch_size", b"max_batch_size", "max_gpus", b"max_gpus", "min_gpus", b"min_gpus", "name", b"name", "priority", b"priority", "resize_in_place", b"resize_in_place", "sample_budget", b"sample_budget", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_budget: _TypeAlias = _typing.Literal["epochs", "sample_budget"]  # noqa: Y015
     _WhichOneofArgType_budget: _TypeAlias = _typing.Literal["budget", b"budget"]  # noqa: Y015

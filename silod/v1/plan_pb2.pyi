@@ -120,6 +120,7 @@ class JobAllocation(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     FAST_RESIZE_FIELD_NUMBER: _builtins.int
     GPU_TYPE_FIELD_NUMBER: _builtins.int
+    MASTER_PORT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """job id, e.g. "job-3f9c2a1b7d4e" """
     batch_size: _builtins.int
@@ -132,6 +133,10 @@ class JobAllocation(_message.Message):
     """AFE: survivors keep running and re-form the group"""
     gpu_type: _builtins.str
     """GPU type of the job's placements (see NodeSpec.gpu_type); empty = untyped or none"""
+    master_port: _builtins.int
+    """TCP port of this generation's rendezvous on the node of rank 0, unique among the jobs whose
+    rank 0 is on that node; 0 = none (not placed)
+    """
     @_builtins.property
     def placements(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuPlacement]:
         """empty = the job holds no GPUs (queued / preempted)"""
@@ -151,10 +156,11 @@ class JobAllocation(_message.Message):
         generation: _builtins.int = ...,
         fast_resize: _builtins.bool = ...,
         gpu_type: _builtins.str = ...,
+        master_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "cache_grants", b"cache_grants", "cache_policy", b"cache_policy", "fast_resize", b"fast_resize", "generation", b"generation", "gpu_type", b"gpu_type", "job_id", b"job_id", "placements", b"placements"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "cache_grants", b"cache_grants", "cache_policy", b"cache_policy", "fast_resize", b"fast_resize", "generation", b"generation", "gpu_type", b"gpu_type", "job_id", b"job_id", "master_port", b"master_port", "placements", b"placements"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -320,6 +326,9 @@ class TaskAssignment(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     FAST_RESIZE_FIELD_NUMBER: _builtins.int
     SPEC_FIELD_NUMBER: _builtins.int
+    LOCAL_RANK_FIELD_NUMBER: _builtins.int
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    GROUP_RANK_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """job id, e.g. "job-3f9c2a1b7d4e" """
     rank: _builtins.int
@@ -336,6 +345,12 @@ class TaskAssignment(_message.Message):
     """matches JobAllocation.generation"""
     fast_resize: _builtins.bool
     """AFE: keep the process, re-form the group"""
+    local_rank: _builtins.int
+    """position among the job's ranks on this node (torchrun's LOCAL_RANK)"""
+    local_world_size: _builtins.int
+    """the job's ranks on this node (LOCAL_WORLD_SIZE)"""
+    group_rank: _builtins.int
+    """index of this node among the job's nodes, in rank order (GROUP_RANK)"""
     @_builtins.property
     def gpu_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """device indices on this node"""
@@ -357,10 +372,13 @@ class TaskAssignment(_message.Message):
         generation: _builtins.int = ...,
         fast_resize: _builtins.bool = ...,
         spec: _common_pb2.JobSpec | None = ...,
+        local_rank: _builtins.int = ...,
+        local_world_size: _builtins.int = ...,
+        group_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "fast_resize", b"fast_resize", "generation", b"generation", "gpu_indices", b"gpu_indices", "job_id", b"job_id", "master_addr", b"master_addr", "master_port", b"master_port", "rank", b"rank", "spec", b"spec", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "fast_resize", b"fast_resize", "generation", b"generation", "gpu_indices", b"gpu_indices", "group_rank", b"group_rank", "job_id", b"job_id", "local_rank", b"local_rank", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "rank", b"rank", "spec", b"spec", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -253,6 +253,9 @@ class Directive(_message.Message):
     MASTER_ADDR_FIELD_NUMBER: _builtins.int
     MASTER_PORT_FIELD_NUMBER: _builtins.int
     NEW_BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    NEW_LOCAL_RANK_FIELD_NUMBER: _builtins.int
+    NEW_LOCAL_WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    NEW_GROUP_RANK_FIELD_NUMBER: _builtins.int
     action: Global___DirectiveAction.ValueType
     """what the rank must do"""
     deadline_s: _builtins.float
@@ -269,6 +272,12 @@ class Directive(_message.Message):
     """rendezvous TCP port after a REFORM"""
     new_batch_size: _builtins.int
     """samples per step, global, after a REFORM; 0 = unchanged"""
+    new_local_rank: _builtins.int
+    """position among the job's ranks on this node after a REFORM"""
+    new_local_world_size: _builtins.int
+    """the job's ranks on this node after a REFORM"""
+    new_group_rank: _builtins.int
+    """index of this node among the job's nodes after a REFORM"""
     def __init__(
         self,
         *,
@@ -280,10 +289,13 @@ class Directive(_message.Message):
         master_addr: _builtins.str = ...,
         master_port: _builtins.int = ...,
         new_batch_size: _builtins.int = ...,
+        new_local_rank: _builtins.int = ...,
+        new_local_world_size: _builtins.int = ...,
+        new_group_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "deadline_s", b"deadline_s", "master_addr", b"master_addr", "master_port", b"master_port", "new_batch_size", b"new_batch_size", "new_generation", b"new_generation", "new_rank", b"new_rank", "new_world_size", b"new_world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "deadline_s", b"deadline_s", "master_addr", b"master_addr", "master_port", b"master_port", "new_batch_size", b"new_batch_size", "new_generation", b"new_generation", "new_group_rank", b"new_group_rank", "new_local_rank", b"new_local_rank", "new_local_world_size", b"new_local_world_size", "new_rank", b"new_rank", "new_world_size", b"new_world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
