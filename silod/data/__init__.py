@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SilodDataset", "EpochShuffleSampler"]
+__all__ = ["SilodDataset", "EpochShuffleSampler", "ElasticSampler"]
 
 
 def _require_torch(name: str) -> None:
@@ -39,6 +39,10 @@ def __getattr__(name: str) -> Any:
         from silod.data.dataset import SilodDataset
 
         return SilodDataset
+    if name == "ElasticSampler":
+        from silod.data.elastic import ElasticSampler
+
+        return ElasticSampler
     if name == "EpochShuffleSampler":
         from silod.data.sampler import EpochShuffleSampler
 
