@@ -28,6 +28,15 @@ UNAVAILABLE_BACKOFF_S = 5.0  # after the agent was unreachable, skip calls this 
 AGENT_CHECK_INTERVAL_S = 0.5  # how often a rank looks whether its agent process still exists
 
 
+def _free_port() -> int:
+    """A free TCP port on loopback, for the one-process group of an off-cluster run."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _serialize(state: dict[str, Any]) -> bytes:
     """torch.save when the job already imported torch (tensors, state dicts), else pickle.
 
@@ -173,6 +182,19 @@ class JobContext:
 
     def _poll(self) -> None:
         """Ask for directives (rate-limited); off the cluster there are none."""
+
+    def poll_directive(self) -> None:
+        """Ask the agent for this rank's directive now (not waiting for the next periodic poll)."""
+
+    def master_addr_port(self) -> tuple[str, int]:
+        """The rendezvous of this generation's process group."""
+        return "127.0.0.1", _free_port()
+
+    def distributed(self, model: Any, optimizer: Any, sampler: Any = None, **options: Any) -> Any:
+        """Data-parallel training that silod can resize in place: see silod.job.distributed."""
+        from silod.job.distributed import DistributedTraining
+
+        return DistributedTraining(self, model, optimizer, sampler, **options)
 
     def _resized(self, world: World) -> None:
         self.rank, self.world_size, self.generation = world.rank, world.world_size, world.generation
@@ -385,6 +407,12 @@ class ClusterContext(JobContext):
             ),
             timeout=timeout,
         )
+
+    def poll_directive(self) -> None:
+        self._poll(force=True)
+
+    def master_addr_port(self) -> tuple[str, int]:
+        return self.master_addr, self.master_port
 
     def should_checkpoint(self) -> bool:
         if self._checkpoint_asked or self.agent_lost:

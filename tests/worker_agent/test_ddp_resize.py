@@ -1,0 +1,122 @@
+"""A real DDP job (examples/train_ddp_digits.py: PyTorch, gloo, scikit-learn's digits as PNG
+files read through silod.data) on two real worker agents, resized in place 2 -> 4 -> 1 -> 4
+ranks across both nodes in the middle of epochs. The plans come from a scripted
+AllocationService (the scheduler's decisions are not under test here; its NodePlans are built
+with the scheduler's own convert.node_plan).
+
+Checked from the ranks' logs: after every step all ranks hold identical parameters; every
+sample of every epoch was trained on exactly once; the loss goes down; surviving processes kept
+their pids (re-formed in place, not relaunched)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from scheduler.live import convert
+from silod.v1 import allocation_pb2, common_pb2, plan_pb2
+from tests.cache_server.harness import register
+from tests.worker_agent.conftest import wait_until
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp_digits.py"
+JOB = "job-ddp-digits"
+EPOCHS = 6
+DIGITS = 1797
+
+
+def _steps(agents) -> list[dict]:  # type: ignore[no-untyped-def]
+    found = []
+    for agent in agents:
+        for log in (agent.work_dir / "jobs" / JOB).glob("rank-*.log"):
+            for line in log.read_text(errors="replace").splitlines():
+                if line.startswith("step {"):
+                    found.append(json.loads(line[5:]))
+    return found
+
+
+def _pids(agents) -> dict[tuple[str, int], int]:  # type: ignore[no-untyped-def]
+    return {(a.node, t.rank): t.pid for a in agents for t in a.status().tasks if t.job_id == JOB and t.pid}
+
+
+def test_a_ddp_job_grows_and_shrinks_in_place_across_two_nodes(metadata, allocation, start_agent, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    store = tmp_path / "digits"
+    subprocess.run([sys.executable, str(EXAMPLE), "prepare", str(store)], check=True, capture_output=True, timeout=120)
+    register(metadata.address, "ddp-digits", f"file://{store}")
+    agents = [start_agent(gpus=2, node=f"ddp-n{i}") for i in range(2)]
+    spec = common_pb2.JobSpec(
+        name="ddp-digits", min_gpus=1, max_gpus=4, batch_size=64, epochs=EPOCHS, dataset="ddp-digits",
+        resize_in_place=True, command=[sys.executable, str(EXAMPLE)],
+        env={"SILOD_EXAMPLE_STEP_SLEEP_S": "0.03", "SILOD_CHECKPOINT_EVERY_S": "2"},
+    )
+    addresses = {a.node: a.address for a in agents}
+    previous: dict[str, plan_pb2.JobAllocation] = {}
+    version = 0
+
+    def place(generation: int, layout: dict[int, list[int]]) -> None:  # node index -> GPUs
+        nonlocal version, previous
+        version += 1
+        plan = plan_pb2.AllocationPlan(version=version)
+        entry = plan.jobs.add(job_id=JOB, batch_size=64, generation=generation, fast_resize=generation > 1)
+        for i, gpus in sorted(layout.items()):
+            entry.placements.add(node=agents[i].node, gpu_indices=gpus)
+        convert.assign_master_ports(plan, previous)
+        previous = {JOB: entry}
+        for agent in agents:
+            allocation.push(convert.node_plan(plan, agent.node, {JOB: spec}, addresses))
+
+    def trained_with(world: int, after: int = 0):  # type: ignore[no-untyped-def]
+        return lambda: [s for s in _steps(agents) if s["world"] == world and s["step"] > after]
+
+    place(1, {0: [0, 1]})
+    wait_until(trained_with(2), 120, "steps with 2 ranks")
+    pids = _pids(agents)
+    place(2, {0: [0, 1], 1: [0, 1]})
+    grown = wait_until(trained_with(4), 120, "steps with 4 ranks on both nodes")
+    assert _pids(agents)[(agents[0].node, 0)] == pids[(agents[0].node, 0)], "rank 0 survived the grow"
+    place(3, {0: [0]})
+    wait_until(trained_with(1, after=max(s["step"] for s in grown)), 120, "steps with 1 rank")
+    place(4, {0: [0, 1], 1: [0, 1]})
+
+    def finished():  # type: ignore[no-untyped-def]
+        reports = [t for t in allocation.task_reports() if t.job_id == JOB and t.generation == 4]
+        exited = {t.rank: t.exit_code for t in reports if t.phase == allocation_pb2.TASK_PHASE_EXITED}
+        return exited if len(exited) == 4 else None
+
+    exits = wait_until(finished, 240, "all four ranks of the last world to finish")
+    logs = "\n".join(a.log(JOB, r) for a in agents for r in range(2))
+    assert exits == {0: 0, 1: 0, 2: 0, 3: 0}, logs[-4000:]
+    steps = _steps(agents)
+
+    # The worlds the job trained in, in order: each resize took effect.
+    worlds = []
+    for s in sorted(steps, key=lambda s: s["step"]):
+        if not worlds or worlds[-1] != s["world"]:
+            worlds.append(s["world"])
+    assert worlds == [2, 4, 1, 4]
+    assert "re-formed in place" in logs
+
+    # Identical replicas after every step: one hash per step, reported by every rank of that world.
+    by_step: dict[int, list[dict]] = defaultdict(list)
+    for s in steps:
+        by_step[s["step"]].append(s)
+    for number, reports in by_step.items():
+        assert len(reports) == reports[0]["world"], f"step {number}: {len(reports)} ranks logged it"
+        assert len({r["hash"] for r in reports}) == 1, f"step {number}: replicas differ"
+
+    # Exactly once: the positions trained on in each epoch are every sample, none twice.
+    reads: dict[int, list[int]] = defaultdict(list)
+    for s in steps:
+        reads[s["epoch"]].extend(s["read"])
+    assert sorted(reads) == list(range(EPOCHS))
+    for epoch, positions in reads.items():
+        assert sorted(positions) == list(range(DIGITS)), f"epoch {epoch} read some samples twice or never"
+    # The resizes came in the middle of epochs: the first step of each new world started there.
+    firsts = [s for s in sorted(steps, key=lambda s: s["step"])
+              if s["step"] > 1 and s["rank"] == 0 and s["world"] != by_step[s["step"] - 1][0]["world"]]
+    assert len(firsts) == 3 and all(s["start"] > 0 for s in firsts), [(s["world"], s["start"]) for s in firsts]
+    # The loss goes down.
+    losses = [s["loss"] for s in sorted(steps, key=lambda s: s["step"]) if s["rank"] == 0 and s["loss"] is not None]
+    assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10
