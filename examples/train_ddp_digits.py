@@ -84,12 +84,17 @@ def train(args: argparse.Namespace) -> int:
     from silod.job.distributed import Event
 
     ctx = silod.job.init(args.checkpoint_dir)
-    dataset = SilodDataset(args.dataset or os.environ["SILOD_DATASET"], transform=decode)
+    # No DataLoader workers here (the steps are small): the manifest is loaded in this process,
+    # which saves a helper process at every start, and so at every rank that joins a resize.
+    dataset = SilodDataset(args.dataset or os.environ["SILOD_DATASET"], transform=decode, manifest_in_process=True)
     epochs = int(os.environ.get("SILOD_EPOCHS") or args.epochs)
     sleep_s = float(os.environ.get("SILOD_EXAMPLE_STEP_SLEEP_S") or 0.0)
     checkpoint_every_s = float(os.environ.get("SILOD_CHECKPOINT_EVERY_S") or 30.0)
     torch.manual_seed(0)  # every rank builds the same model; DDP also broadcasts rank 0's
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    hidden = int(os.environ.get("SILOD_EXAMPLE_HIDDEN") or 0)  # benchmarks/elastic_resize.py: a ~10M-parameter MLP
+    layers = [nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)] if hidden \
+        else [nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)]
+    model = nn.Sequential(*layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=BASE_LR, momentum=0.9)
     sampler = ElasticSampler(dataset, ctx.batch_size or BASE_BATCH, rank=ctx.rank, world_size=ctx.world_size,
                              seed=args.seed)
@@ -125,7 +130,7 @@ def train(args: argparse.Namespace) -> int:
             read = sampler.local_indices(start, sampler.order(epoch))  # what this batch held
             trainer.step_done(size)
             print("step " + json.dumps({
-                "step": trainer.steps, "epoch": epoch, "start": start, "size": size, "rank": ctx.rank,
+                "t": time.time(), "step": trainer.steps, "epoch": epoch, "start": start, "size": size, "rank": ctx.rank,
                 "world": ctx.world_size, "generation": ctx.generation, "batch": sampler.batch_size,
                 "loss": loss.item() / ctx.world_size * size / max(len(read), 1) if read else None,
                 "hash": params_hash(model), "read": read,

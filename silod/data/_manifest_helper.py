@@ -15,24 +15,40 @@ import pickle
 import sys
 
 
-def main(argv: list[str]) -> int:
-    name, address = argv
+class ManifestUnavailable(Exception):
+    """The manifest could not be loaded; the message says why."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def fetch(name: str, address: str, token: str) -> object:
+    """The dataset's manifest from the metadata service at ``address``, in this process."""
     import grpc
 
-    from silod.rpc.channels import open_channel
     from silod.data.catalog import ManifestNotFound, load_manifest
+    from silod.rpc.channels import open_channel
     from silod.v1 import metadata_pb2_grpc
 
     try:
-        with open_channel(address, token=os.environ.get("SILOD_AUTH_TOKEN", "")) as channel:
-            manifest = load_manifest(metadata_pb2_grpc.MetadataServiceStub(channel), name)
+        with open_channel(address, token=token) as channel:
+            return load_manifest(metadata_pb2_grpc.MetadataServiceStub(channel), name)
     except ManifestNotFound:
-        print(f"dataset {name!r} is not registered at {address}", file=sys.stderr)
-        return 3
+        raise ManifestUnavailable(f"dataset {name!r} is not registered at {address}", 3) from None
     except grpc.RpcError as exc:
-        print(f"cannot load the manifest of {name!r} from {address}: {exc.code().name}: {exc.details()}",
-              file=sys.stderr)
-        return 2
+        raise ManifestUnavailable(f"cannot load the manifest of {name!r} from {address}: "
+                                  f"{exc.code().name}: {exc.details()}", 2) from None
+
+
+def main(argv: list[str]) -> int:
+    name, address = argv
+
+    try:
+        manifest = fetch(name, address, os.environ.get("SILOD_AUTH_TOKEN", ""))
+    except ManifestUnavailable as exc:
+        print(str(exc), file=sys.stderr)
+        return exc.exit_code
     sys.stdout.buffer.write(pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL))
     sys.stdout.buffer.flush()
     return 0

@@ -120,7 +120,10 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     ``cache_addr`` (default ``$SILOD_CACHE_ADDR``; empty = no cache server, read the store
     directly), ``metadata_addr`` (default ``$SILOD_METADATA_ADDR``, else 127.0.0.1:7070),
     ``job_id`` (default ``$SILOD_JOB_ID``): the reader the cache server charges quotas and IO to.
-    The manifest is loaded once, here, and travels with the dataset to DataLoader workers.
+    The manifest is loaded once, here, and travels with the dataset to DataLoader workers. It is
+    fetched by a helper process, so that this one stays free of gRPC until it forks its workers;
+    ``manifest_in_process=True`` skips the helper (about a second) where that does not matter: no
+    forked workers (``num_workers=0``, or spawn/forkserver), or a process that already uses gRPC.
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         timeout_s: float = 300.0,
         retry_cache_after_s: float = 30.0,
         direct_read_threads: int = 8,
+        manifest_in_process: bool = False,
     ) -> None:
         self.name = dataset_name
         self.cache_addr = os.environ.get("SILOD_CACHE_ADDR", "") if cache_addr is None else cache_addr
@@ -147,14 +151,21 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self.timeout_s = timeout_s
         self.retry_cache_after_s = retry_cache_after_s
         self.direct_read_threads = direct_read_threads
-        self.manifest: Manifest = self._load_manifest()
+        self.manifest: Manifest = self._load_manifest(manifest_in_process)
         # Shared with forked/spawned DataLoader workers: the fallback is announced once per run.
         self._fallback_logged: Any = multiprocessing.Value("b", 0)
         self._reset_process_state()
 
     # -- manifest ---------------------------------------------------------------------------------
 
-    def _load_manifest(self) -> Manifest:
+    def _load_manifest(self, in_process: bool) -> Manifest:
+        if in_process:  # the caller forks no DataLoader workers, or already uses gRPC itself
+            from silod.data._manifest_helper import ManifestUnavailable, fetch
+
+            try:
+                return fetch(self.name, self.metadata_addr, self.token)  # type: ignore[return-value]
+            except ManifestUnavailable as exc:
+                raise DataError(str(exc)) from None
         # In a helper process: this process must stay free of gRPC until it has forked its
         # DataLoader workers (see _manifest_helper).
         result = subprocess.run(

@@ -183,8 +183,9 @@ class JobContext:
     def _poll(self) -> None:
         """Ask for directives (rate-limited); off the cluster there are none."""
 
-    def poll_directive(self) -> None:
-        """Ask the agent for this rank's directive now (not waiting for the next periodic poll)."""
+    def poll_directive(self, min_interval_s: float = 0.0) -> None:
+        """Ask the agent for this rank's directive now (or if ``min_interval_s`` has passed since
+        the last time), not waiting for the once-a-second poll of should_checkpoint()."""
 
     def master_addr_port(self) -> tuple[str, int]:
         """The rendezvous of this generation's process group."""
@@ -408,8 +409,9 @@ class ClusterContext(JobContext):
             timeout=timeout,
         )
 
-    def poll_directive(self) -> None:
-        self._poll(force=True)
+    def poll_directive(self, min_interval_s: float = 0.0) -> None:
+        if not self._last_poll or time.monotonic() - self._last_poll >= min_interval_s:
+            self._poll(force=True)
 
     def master_addr_port(self) -> tuple[str, int]:
         return self.master_addr, self.master_port

@@ -42,6 +42,9 @@ from torch.nn.parallel import DistributedDataParallel
 from silod.job.context import JobContext, World
 
 REFORM_TIMEOUT_S = 120.0
+# How often a rank asks its agent for a directive: one loopback RPC, small next to a step, and
+# the resize waits for the first rank that learns of it.
+DIRECTIVE_POLL_S = 0.2
 
 
 class Event(enum.Enum):
@@ -76,8 +79,7 @@ class DistributedTraining:
         self.reforms: list[float] = []  # seconds each in-place re-form took
         self._restore()
         self._init_group(ctx.rank, ctx.world_size, ctx.master_addr_port())
-        self.model = self._wrap()
-        self._sync_state()
+        self._agree_on_state(newcomer=True)
 
     # -- state
     def state_dict(self) -> dict[str, Any]:
@@ -131,16 +133,31 @@ class DistributedTraining:
         dist.init_process_group(self.backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=self.reform_timeout_s))
 
-    def _wrap(self) -> DistributedDataParallel:
+    def _agree_on_state(self, newcomer: bool) -> None:
+        """Wrap the model in DDP and give every rank rank 0's state, when some rank lacks it: a
+        rank that just started (it holds the checkpoint's state at best). When only ranks that
+        stayed form the group (a shrink) they already hold the same state: nothing is sent."""
+        flag = torch.tensor([1 if newcomer else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        sync = bool(flag.item())
+        self.model = self._wrap(sync)
+        if sync:
+            self._sync_state()
+        elif self.sampler is not None:
+            self.sampler.resize(self.ctx.rank, self.ctx.world_size, self.ctx.batch_size or None)
+
+    def _wrap(self, sync: bool = True) -> DistributedDataParallel:
+        """DDP over the current group; ``sync``: broadcast rank 0's parameters and buffers."""
         if self.backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
             self.module.to(device)
-            return DistributedDataParallel(self.module, device_ids=[device.index])
-        return DistributedDataParallel(self.module)
+            return DistributedDataParallel(self.module, device_ids=[device.index], init_sync=sync)
+        return DistributedDataParallel(self.module, init_sync=sync)
 
     # -- the training loop's calls
     def step_boundary(self) -> Event:
         """Before each step, on every rank: CONTINUE, or the world changed (RESIZED), or STOP."""
+        self.ctx.poll_directive(min_interval_s=DIRECTIVE_POLL_S)
         stop = self.ctx.should_checkpoint()
         world = self.ctx.world_changed()
         flag = torch.tensor([1 if (stop or world is not None) else 0])
@@ -181,8 +198,7 @@ class DistributedTraining:
         except Exception as exc:  # noqa: BLE001 - reported with what it means for the job
             raise ReformFailed(f"the new process group (rank {world.rank} of {world.world_size} at "
                                f"{world.master_addr}:{world.master_port}) did not form: {exc}") from exc
-        self.model = self._wrap()
-        self._sync_state()
+        self._agree_on_state(newcomer=False)
         took = time.monotonic() - started
         self.reforms.append(took)
         print(f"silod.job: process group re-formed in place in {took:.2f}s: rank {world.rank} of {world.world_size} "

@@ -1,0 +1,183 @@
+"""Time from a resize directive to the first optimizer step at the new size: in-place re-form
+versus checkpoint-restart of the same DDP job.
+
+    python benchmarks/elastic_resize.py                 # 2->4 and 4->2 ranks, 3 runs each, ~10M parameters
+
+Two real worker agents (2 emulated GPUs each) run examples/train_ddp_digits.py (PyTorch DDP,
+gloo on CPU) with a ~10M-parameter MLP. The plans come from the scripted AllocationService of
+the tests (the scheduler's decision is not what is measured), built with the scheduler's own
+convert.node_plan. A run places the job at the first size, waits for it to train, pushes the
+plans of the second size, and measures until rank 0 logs its first step at that size:
+
+* in place: the plan carries fast_resize, surviving ranks re-form the process group
+  (silod.job.distributed), newcomers are launched and receive the state from rank 0;
+* checkpoint-restart: no fast_resize, every rank checkpoints and exits, all ranks of the new
+  size are launched and load the checkpoint.
+
+No GPU is present here: this measures gloo on CPU only (NCCL runs the same code with CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scheduler.live import convert  # noqa: E402
+from silod.launcher import start_service  # noqa: E402
+from silod.v1 import allocation_pb2, common_pb2, plan_pb2, worker_agent_pb2, worker_agent_pb2_grpc  # noqa: E402
+from tests.worker_agent.scripted_allocation import AllocationServer  # noqa: E402
+
+EXAMPLE = ROOT / "examples" / "train_ddp_digits.py"
+
+
+def _steps(work_dirs: list[Path], job: str) -> list[dict]:
+    found = []
+    for work in work_dirs:
+        for log in (work / "jobs" / job).glob("rank-*.log"):
+            for line in log.read_text(errors="replace").splitlines():
+                if line.startswith("step {"):
+                    found.append(json.loads(line[5:]))
+    return found
+
+
+def _wait(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+class Lab:
+    def __init__(self, root: Path, hidden: int) -> None:
+        self.root = root
+        self.procs = []
+        self.allocation = AllocationServer().__enter__()
+        md = self._start("metadata", "--db", f"sqlite:///{root / 'md.db'}", "--log-level", "warning")
+        self.metadata = md.address
+        store = root / "digits"
+        subprocess.run([sys.executable, str(EXAMPLE), "prepare", str(store)], check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "silod.cli", "dataset", "register", "digits", f"file://{store}",
+                        "--metadata", self.metadata], check=True, capture_output=True)
+        self.nodes = []
+        for i in range(2):
+            work = root / f"n{i}"
+            agent = self._start("worker-agent", "--metadata-address", self.metadata, "--scheduler-address",
+                                self.allocation.address, "--node-name", f"n{i}", "--gpus", "2", "--work-dir", str(work),
+                                "--checkpoint-root", str(root / "checkpoints"), "--heartbeat-s", "0.5",
+                                "--report-s", "0.5", "--checkpoint-deadline-s", "60", "--log-level", "warning")
+            self.nodes.append((f"n{i}", agent.address, work))
+        self.hidden = hidden
+        self.version = 0
+
+    def _start(self, *args: str):  # type: ignore[no-untyped-def]
+        proc = start_service(*args, workdir=self.root / "logs")
+        self.procs.append(proc)
+        return proc
+
+    def place(self, job: str, generation: int, layout: dict[int, list[int]], fast: bool,
+              previous: dict[str, plan_pb2.JobAllocation]) -> dict[str, plan_pb2.JobAllocation]:
+        spec = common_pb2.JobSpec(
+            name=job, min_gpus=1, max_gpus=4, batch_size=64, epochs=1000, dataset="digits", resize_in_place=True,
+            command=[sys.executable, str(EXAMPLE)],
+            env={"SILOD_EXAMPLE_HIDDEN": str(self.hidden), "SILOD_CHECKPOINT_EVERY_S": "3600"},
+        )
+        self.version += 1
+        plan = plan_pb2.AllocationPlan(version=self.version)
+        entry = plan.jobs.add(job_id=job, batch_size=64, generation=generation, fast_resize=fast)
+        for i, gpus in sorted(layout.items()):
+            entry.placements.add(node=self.nodes[i][0], gpu_indices=gpus)
+        convert.assign_master_ports(plan, previous)
+        addresses = {name: address for name, address, _ in self.nodes}
+        for name, _, _ in self.nodes:
+            view = convert.node_plan(plan, name, {job: spec}, addresses)
+            self.allocation.push(view)
+        return {job: entry}
+
+    def stop(self, job: str, generation: int) -> None:
+        self.version += 1
+        for name, _, _ in self.nodes:
+            self.allocation.push(plan_pb2.NodePlan(version=self.version, node=name))
+
+        def gone() -> bool:
+            import grpc
+
+            for _, address, _ in self.nodes:
+                with grpc.insecure_channel(address) as channel:
+                    status = worker_agent_pb2_grpc.WorkerAgentServiceStub(channel).GetNodeStatus(
+                        worker_agent_pb2.GetNodeStatusRequest(), timeout=10)
+                if any(t.job_id == job and t.state != "exited" for t in status.tasks):
+                    return False
+            return True
+
+        _wait(gone, 120, f"{job} stopped")
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.close()
+        self.allocation.__exit__(None, None, None)
+
+
+LAYOUTS = {2: {0: [0, 1]}, 4: {0: [0, 1], 1: [0, 1]}}
+
+
+def measure(lab: Lab, run: int, before: int, after: int, fast: bool) -> float:
+    job = f"job-bench-{'inplace' if fast else 'restart'}-{before}to{after}-{run}"
+    works = [w for _, _, w in lab.nodes]
+    previous = lab.place(job, 1, LAYOUTS[before], fast=False, previous={})
+    _wait(lambda: len([s for s in _steps(works, job) if s["world"] == before and s["rank"] == 0]) >= 3, 300,
+          f"{job} training at {before}")
+    started = time.time()
+    lab.place(job, 2, LAYOUTS[after], fast=fast, previous=previous)
+    first = _wait(lambda: [s for s in _steps(works, job) if s["world"] == after and s["rank"] == 0], 300,
+                  f"{job} training at {after}")
+    took = min(s["t"] for s in first) - started
+    lab.stop(job, 2)
+    return took
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=3136, help="MLP width: 64-H-H-10 (3136: 10.0M parameters)")
+    args = parser.parse_args(argv)
+    params = 64 * args.hidden + args.hidden + args.hidden * args.hidden + args.hidden + args.hidden * 10 + 10
+    print(f"model: {params / 1e6:.1f}M parameters; backend gloo on CPU (no GPU present); load {os.getloadavg()[0]:.2f}")
+    results: dict[tuple[int, int, bool], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="silod-resize-bench-") as tmp:
+        lab = Lab(Path(tmp), args.hidden)
+        try:
+            for run in range(args.runs):
+                for before, after in ((2, 4), (4, 2)):
+                    for fast in (True, False):  # side by side in one run: the machine is noisy
+                        took = measure(lab, run, before, after, fast)
+                        results.setdefault((before, after, fast), []).append(took)
+                        print(f"run {run}: {before}->{after} {'in place' if fast else 'checkpoint-restart'}: {took:.2f}s",
+                              flush=True)
+        finally:
+            lab.close()
+    print(f"\n| resize | in place: median (min-max) | checkpoint-restart: median (min-max) | speed-up |")
+    print("|---|---|---|---|")
+    for before, after in ((2, 4), (4, 2)):
+        fast, slow = results[(before, after, True)], results[(before, after, False)]
+        print(f"| {before}->{after} | {statistics.median(fast):.2f} s ({min(fast):.2f}-{max(fast):.2f}) | "
+              f"{statistics.median(slow):.2f} s ({min(slow):.2f}-{max(slow):.2f}) | "
+              f"{statistics.median(slow) / statistics.median(fast):.1f}x |")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
