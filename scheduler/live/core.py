@@ -120,6 +120,10 @@ class SchedulerCore:
         self.agent_addresses: dict[str, str] = {}
         self.pending_release: dict[tuple[str, int], tuple[str, int]] = {}  # (node, gpu) -> (job, releasing version)
         self.tasks: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}  # (job, generation) -> rank -> (phase, exit)
+        # Jobs one of whose ranks was killed (SIGKILL: the OOM killer, an operator, a crash of the
+        # rank alone): restarted from their checkpoint in a new generation, a few times per job.
+        self.crash_restarts: dict[str, int] = {}
+        self._restart: set[str] = set()
         self._models: dict[str, tuple[JobModel, float]] = {}  # job -> (profile model, samples to finish)
         self._fitted: dict[str, tuple[dict[str, float] | None, float]] = {}  # job -> (estimator params, monotonic read time)
         self._estimator_down = False  # logged once per outage, not once per job
@@ -545,7 +549,9 @@ class SchedulerCore:
                 entry.batch_size = job.spec.batch_size
             previous = old.get(job.id)
             generation = previous.generation if previous is not None else 0
-            if convert.placement_of(entry) != (convert.placement_of(previous) if previous is not None else ()):
+            if job.id in self._restart and convert.ranks_of(entry):
+                generation += 1  # every rank again, from the checkpoint: no survivors to keep
+            elif convert.placement_of(entry) != (convert.placement_of(previous) if previous is not None else ()):
                 generation += 1
                 entry.fast_resize = self._fast_resize(job, previous, entry)
             entry.generation = generation
@@ -566,6 +572,7 @@ class SchedulerCore:
         if self.latest is not None:
             self._record_releases(self.latest, committed)
         await self._set_latest(committed)
+        self._restart -= {entry.job_id for entry in committed.jobs if convert.ranks_of(entry)}
         await self._transitions(committed, old, {j.id: j for j in jobs})
         return committed
 
@@ -766,6 +773,21 @@ class SchedulerCore:
                 await self.md.AppendMetrics(metadata_pb2.AppendMetricsRequest(samples=samples))
             self._observe(job, entry, rank0)
         failed = next((t for t in reports if t.phase == allocation_pb2.TASK_PHASE_EXITED and t.exit_code != 0), None)
+        if failed is not None and failed.exit_code == KILLED_EXIT_CODE \
+                and self.crash_restarts.get(job_id, 0) < MAX_CRASH_RESTARTS and job.id not in self._restart:
+            self.crash_restarts[job_id] = self.crash_restarts.get(job_id, 0) + 1
+            self._restart.add(job_id)
+            if job.state == common_pb2.JOB_STATE_RUNNING:
+                await self.transition(job_id, job.state, common_pb2.JOB_STATE_RESIZING,
+                                      f"rank {failed.rank} (generation {failed.generation}) on {node} was killed "
+                                      f"(exit {failed.exit_code}); restarting every rank from the last checkpoint "
+                                      f"({self.crash_restarts[job_id]} of {MAX_CRASH_RESTARTS})")
+            _log.warning("a rank was killed; the job restarts from its checkpoint",
+                         extra={"job_id": job_id, "rank": failed.rank, "node": node,
+                                "restart": self.crash_restarts[job_id]})
+            return True
+        if failed is not None and job_id in self._restart:
+            return False  # the other ranks of the killed generation fail as their peer vanished
         if failed is not None:
             await self.transition(job_id, job.state, common_pb2.JOB_STATE_FAILED,
                                   f"rank {failed.rank} (generation {failed.generation}) on {node} exited with code {failed.exit_code}")
@@ -789,6 +811,9 @@ class SchedulerCore:
             return True
         return False
 
+
+KILLED_EXIT_CODE = 128 + 9  # the agent reports a rank killed by SIGKILL as 137
+MAX_CRASH_RESTARTS = 3
 
 _fitted_profiles: set[str] = set()
 _profile_lock = threading.Lock()

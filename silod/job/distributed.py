@@ -67,6 +67,7 @@ class DistributedTraining:
         *,
         backend: str | None = None,
         reform_timeout_s: float = REFORM_TIMEOUT_S,
+        reproducible: bool = True,
     ) -> None:
         self.ctx = ctx
         self.module = model
@@ -74,6 +75,13 @@ class DistributedTraining:
         self.sampler = sampler
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.reform_timeout_s = reform_timeout_s
+        # DDP lays gradients out in buckets in parameter order for a group's first step, then
+        # re-buckets them in the order they became ready; the all-reduce adds floats in that
+        # layout. A resumed (or re-formed) group would run its first step in the other layout
+        # and drift from an uninterrupted run in the last bits. Without re-bucketing (which is
+        # what find_unused_parameters=True implies, for one extra graph walk per step) the
+        # layout never changes: a resumed run is bit-identical on CPU.
+        self.reproducible = reproducible
         self.steps = 0  # optimizer steps of the whole job
         self.samples = 0  # samples the whole job trained on
         self.reforms: list[float] = []  # seconds each in-place re-form took
@@ -151,8 +159,9 @@ class DistributedTraining:
         if self.backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
             self.module.to(device)
-            return DistributedDataParallel(self.module, device_ids=[device.index], init_sync=sync)
-        return DistributedDataParallel(self.module, init_sync=sync)
+            return DistributedDataParallel(self.module, device_ids=[device.index], init_sync=sync,
+                                           find_unused_parameters=self.reproducible)
+        return DistributedDataParallel(self.module, init_sync=sync, find_unused_parameters=self.reproducible)
 
     # -- the training loop's calls
     def step_boundary(self) -> Event:
