@@ -112,6 +112,8 @@ class Task:
     progress: common_pb2.JobProgress = field(default_factory=common_pb2.JobProgress)
     step_time_s: float = 0.0
     batch_size: int = 0
+    grad_sqr: float = 0.0  # gradient statistics the SDK measured (0 = none)
+    grad_var: float = 0.0
     stop_deadline: float = 0.0  # monotonic; 0 = not asked to stop
     stopped_by_shutdown: bool = False  # the agent, not the plan, stopped it: never report it EXITED
     leave: bool = False  # removed by a fast resize: asked to exit without a checkpoint
@@ -150,6 +152,8 @@ class Task:
             progress=self.progress,
             step_time_s=self.step_time_s,
             batch_size=self.batch_size or self.assignment.batch_size,
+            grad_sqr=self.grad_sqr,
+            grad_var=self.grad_var,
         )
 
     def status(self) -> worker_agent_pb2.TaskStatus:
@@ -528,6 +532,8 @@ class Agent:
             "MASTER_ADDR": self.master_addr(a),
             "MASTER_PORT": str(a.master_port),
             "SILOD_BATCH_SIZE": str(a.batch_size or spec.batch_size),
+            # The batch size gradient statistics are expressed at (the estimator's B0).
+            "SILOD_BASE_BATCH_SIZE": str(spec.batch_size),
             "SILOD_STEP_COMPUTE_S": repr(spec.emulated_step_compute_s),
         }
         if spec.dataset:  # what the job reads through silod.data (the emulated job reads it each step)
@@ -660,6 +666,8 @@ class Agent:
             task.step_time_s = request.step_time_s
         if request.batch_size > 0:
             task.batch_size = request.batch_size
+        if request.grad_sqr > 0 and request.grad_var >= 0:
+            task.grad_sqr, task.grad_var = request.grad_sqr, request.grad_var
         self._heard_from(task, request.rank, request.generation)
 
     def _heard_from(self, task: Task, rank: int, generation: int) -> None:

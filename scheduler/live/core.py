@@ -554,6 +554,12 @@ class SchedulerCore:
             elif convert.placement_of(entry) != (convert.placement_of(previous) if previous is not None else ()):
                 generation += 1
                 entry.fast_resize = self._fast_resize(job, previous, entry)
+            elif job.spec.resize_in_place and previous is not None and convert.ranks_of(entry) \
+                    and entry.batch_size != previous.batch_size:
+                # A retuned batch size reaches ranks that re-form in place as a resize to the same
+                # GPUs: every rank switches at the same step (silod.job.distributed).
+                generation += 1
+                entry.fast_resize = True
             entry.generation = generation
         convert.assign_master_ports(proto, old)
         self.inference.describe(proto, {n.name for n in snap.nodes if n.pool == "inference"})
@@ -650,6 +656,8 @@ class SchedulerCore:
         observation = estimator_pb2.StepObservation(
             gpus=gpus, nodes=nodes, batch_size=batch, step_time_s=step,
             cache_hit_ratio=min(max(report.progress.cache_hit_ratio, 0.0), 1.0))
+        if report.grad_sqr > 0 and math.isfinite(report.grad_sqr) and 0 <= report.grad_var < math.inf:
+            observation.grad_sqr, observation.grad_var = report.grad_sqr, report.grad_var
         if job.id in self._observing:
             self._observing[job.id] = self._observing[job.id][-(MAX_QUEUED_OBSERVATIONS - 1):] + [observation]
             return

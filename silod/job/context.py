@@ -93,6 +93,8 @@ class JobContext:
         self.step_time_s = 0.0
         self.batch_size = 0
         self.cache_hit_ratio = 0.0
+        self.grad_sqr = 0.0  # gradient noise statistics (see report())
+        self.grad_var = 0.0
         self.leaving = False  # removed by a fast resize: exit without a checkpoint (survivors keep the state)
         self._resize_callbacks: list[Callable[[World], Any]] = []
         self._new_world: World | None = None
@@ -138,9 +140,12 @@ class JobContext:
         fraction_done: float | None = None,
         batch_size: int | None = None,
         cache_hit_ratio: float | None = None,
+        grad_sqr: float | None = None,
+        grad_var: float | None = None,
     ) -> None:
         """Add ``samples``/``steps`` done since the last call; set epoch, step time, fraction, batch size
-        and the recent fraction of samples served from cache (0..1) if given."""
+        and the recent fraction of samples served from cache (0..1) if given; and the gradient
+        noise statistics at the job's initial batch size (``ctx.distributed`` measures them)."""
         self.samples_done += int(samples)
         self.steps_done += int(steps)
         if epoch is not None:
@@ -153,6 +158,8 @@ class JobContext:
             self.batch_size = int(batch_size)
         if cache_hit_ratio is not None:
             self.cache_hit_ratio = min(1.0, max(0.0, float(cache_hit_ratio)))
+        if grad_sqr is not None and grad_var is not None and grad_sqr > 0 and grad_var >= 0:
+            self.grad_sqr, self.grad_var = float(grad_sqr), float(grad_var)
         now = time.monotonic()
         if self._last_report == 0.0 or now - self._last_report >= REPORT_INTERVAL_S:
             self._last_report = now
@@ -405,6 +412,8 @@ class ClusterContext(JobContext):
                 step_time_s=self.step_time_s,
                 batch_size=self.batch_size,
                 cache_hit_ratio=self.cache_hit_ratio,
+                grad_sqr=self.grad_sqr,
+                grad_var=self.grad_var,
             ),
             timeout=timeout,
         )

@@ -30,6 +30,7 @@ Backend: NCCL when CUDA is available (the same code), gloo on CPU.
 from __future__ import annotations
 
 import enum
+import os
 import sys
 import time
 from datetime import timedelta
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from silod.job.context import JobContext, World
@@ -55,6 +57,66 @@ class Event(enum.Enum):
 
 class ReformFailed(RuntimeError):
     """The new process group did not form within the deadline."""
+
+
+class GradientNoise:
+    """Pollux's gradient statistics, measured in the all-reduce DDP does anyway.
+
+    Each rank's gradient (before the all-reduce) is the mean over its ``b = B / W`` samples, the
+    averaged one over the step's ``B``. With ``|g_b|^2`` the ranks' mean squared norm and
+    ``|g_B|^2`` the averaged gradient's, the unbiased estimates of McCandlish et al. (2018), as
+    AdaptDL uses them, are
+
+        |G|^2  = (B |g_B|^2 - b |g_b|^2) / (B - b)
+        tr(S)  = (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
+
+    both smoothed over steps (an exponential moving average). Reported at the job's initial
+    batch size ``B0``: grad_sqr = |G|^2, grad_var = tr(S) / B0. With one rank nothing is
+    measured (b = B); nor in a step the ranks split unevenly (an epoch's last).
+    """
+
+    SMOOTHING = 0.2  # weight of a new step's estimate
+
+    def __init__(self, base_batch: int) -> None:
+        self.base_batch = max(1, base_batch)
+        self.local_sq = 0.0  # this rank's squared gradient norm in the current step
+        self.mean_sq = 0.0  # the averaged gradient's
+        self.sqr = 0.0  # smoothed |G|^2; 0 until measured
+        self.trace = 0.0  # smoothed tr(S)
+
+    def hook(self, state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations: none here
+        """A DDP communication hook: DDP's own average, with both norms taken on the way."""
+        self.local_sq += float(bucket.buffer().double().pow(2).sum())
+
+        def averaged(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            value = future.value()
+            tensor = value[0] if isinstance(value, list) else value
+            self.mean_sq += float(tensor.double().pow(2).sum())
+            return tensor
+
+        return default_hooks.allreduce_hook(None, bucket).then(averaged)  # type: ignore[arg-type]
+
+    def update(self, ranks_local_sq_sum: float, world_size: int, global_batch: int) -> None:
+        """After a step of ``global_batch`` samples split evenly over ``world_size`` ranks."""
+        b = global_batch / world_size
+        if world_size > 1 and global_batch % world_size == 0 and self.mean_sq > 0:
+            local = ranks_local_sq_sum / world_size
+            sqr = (global_batch * self.mean_sq - b * local) / (global_batch - b)
+            trace = (local - self.mean_sq) / (1.0 / b - 1.0 / global_batch)
+            if self.sqr == 0.0:
+                self.sqr, self.trace = sqr, trace
+            else:
+                w = self.SMOOTHING
+                self.sqr, self.trace = (1 - w) * self.sqr + w * sqr, (1 - w) * self.trace + w * trace
+        self.local_sq = self.mean_sq = 0.0
+
+    @property
+    def grad_sqr(self) -> float:
+        return max(self.sqr, 0.0)
+
+    @property
+    def grad_var(self) -> float:
+        return max(self.trace, 0.0) / self.base_batch
 
 
 class DistributedTraining:
@@ -85,6 +147,9 @@ class DistributedTraining:
         self.steps = 0  # optimizer steps of the whole job
         self.samples = 0  # samples the whole job trained on
         self.reforms: list[float] = []  # seconds each in-place re-form took
+        base = int(os.environ.get("SILOD_BASE_BATCH_SIZE") or 0) or ctx.batch_size or getattr(sampler, "batch_size", 1)
+        self.noise = GradientNoise(base)
+        self._last_step: tuple[int, int] | None = None  # (world size, global samples) of the step just done
         self._restore()
         self._init_group(ctx.rank, ctx.world_size, ctx.master_addr_port())
         self._agree_on_state(newcomer=True)
@@ -159,9 +224,12 @@ class DistributedTraining:
         if self.backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
             self.module.to(device)
-            return DistributedDataParallel(self.module, device_ids=[device.index], init_sync=sync,
-                                           find_unused_parameters=self.reproducible)
-        return DistributedDataParallel(self.module, init_sync=sync, find_unused_parameters=self.reproducible)
+            model = DistributedDataParallel(self.module, device_ids=[device.index], init_sync=sync,
+                                            find_unused_parameters=self.reproducible)
+        else:
+            model = DistributedDataParallel(self.module, init_sync=sync, find_unused_parameters=self.reproducible)
+        model.register_comm_hook(None, self.noise.hook)
+        return model
 
     # -- the training loop's calls
     def step_boundary(self) -> Event:
@@ -169,9 +237,14 @@ class DistributedTraining:
         self.ctx.poll_directive(min_interval_s=DIRECTIVE_POLL_S)
         stop = self.ctx.should_checkpoint()
         world = self.ctx.world_changed()
-        flag = torch.tensor([1 if (stop or world is not None) else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
+        # One all-reduce: whether any rank saw a directive, and the ranks' gradient norms of the
+        # step just done (for the noise statistics).
+        shared = torch.tensor([1.0 if (stop or world is not None) else 0.0, self.noise.local_sq], dtype=torch.float64)
+        dist.all_reduce(shared)
+        if self._last_step is not None:
+            self.noise.update(float(shared[1]), *self._last_step)
+            self._last_step = None
+        if not shared[0].item():
             return Event.CONTINUE
         deadline = time.monotonic() + self.reform_timeout_s
         while not stop and world is None:  # another rank saw its directive first: fetch ours now
@@ -196,6 +269,9 @@ class DistributedTraining:
             self.sampler.advance(samples)
         self.steps += 1
         self.samples += samples
+        self._last_step = (self.ctx.world_size, samples)
+        if self.noise.grad_sqr > 0:
+            self.ctx.report(grad_sqr=self.noise.grad_sqr, grad_var=self.noise.grad_var)
         return samples
 
     def reform(self, world: World) -> None:

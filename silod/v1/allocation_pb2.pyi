@@ -171,6 +171,8 @@ class TaskReport(_message.Message):
     PROGRESS_FIELD_NUMBER: _builtins.int
     STEP_TIME_S_FIELD_NUMBER: _builtins.int
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    GRAD_SQR_FIELD_NUMBER: _builtins.int
+    GRAD_VAR_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """job id"""
     rank: _builtins.int
@@ -185,6 +187,10 @@ class TaskReport(_message.Message):
     """seconds per step, recent mean; 0 = not measured yet"""
     batch_size: _builtins.int
     """samples per step, global, that step_time_s was measured at"""
+    grad_sqr: _builtins.float
+    """gradient statistics the job measured (ReportProgressRequest); 0 = none"""
+    grad_var: _builtins.float
+    """gradient variance at the initial batch size; 0 = none"""
     @_builtins.property
     def gpu_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """device indices the process holds right now"""
@@ -205,10 +211,12 @@ class TaskReport(_message.Message):
         progress: _common_pb2.JobProgress | None = ...,
         step_time_s: _builtins.float = ...,
         batch_size: _builtins.int = ...,
+        grad_sqr: _builtins.float = ...,
+        grad_var: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "exit_code", b"exit_code", "generation", b"generation", "gpu_indices", b"gpu_indices", "job_id", b"job_id", "phase", b"phase", "progress", b"progress", "rank", b"rank", "step_time_s", b"step_time_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "exit_code", b"exit_code", "generation", b"generation", "gpu_indices", b"gpu_indices", "grad_sqr", b"grad_sqr", "grad_var", b"grad_var", "job_id", b"job_id", "phase", b"phase", "progress", b"progress", "rank", b"rank", "step_time_s", b"step_time_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -163,6 +163,8 @@ class ReportProgressRequest(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _builtins.int
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     CACHE_HIT_RATIO_FIELD_NUMBER: _builtins.int
+    GRAD_SQR_FIELD_NUMBER: _builtins.int
+    GRAD_VAR_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """job id, e.g. "job-3f9c2a1b7d4e" """
     rank: _builtins.int
@@ -175,6 +177,12 @@ class ReportProgressRequest(_message.Message):
     """samples per step, global"""
     cache_hit_ratio: _builtins.float
     """0..1 recent"""
+    grad_sqr: _builtins.float
+    """Gradient noise statistics measured by the job (Pollux's statistical efficiency), both at the
+    job's initial batch size: squared norm of the true gradient, and the gradient variance
+    (trace of the per-sample covariance / initial batch size). 0 = not measured.
+    """
+    grad_var: _builtins.float
     @_builtins.property
     def progress(self) -> _common_pb2.JobProgress:
         """latest reported progress"""
@@ -189,10 +197,12 @@ class ReportProgressRequest(_message.Message):
         step_time_s: _builtins.float = ...,
         batch_size: _builtins.int = ...,
         cache_hit_ratio: _builtins.float = ...,
+        grad_sqr: _builtins.float = ...,
+        grad_var: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "cache_hit_ratio", b"cache_hit_ratio", "generation", b"generation", "job_id", b"job_id", "progress", b"progress", "rank", b"rank", "step_time_s", b"step_time_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "cache_hit_ratio", b"cache_hit_ratio", "generation", b"generation", "grad_sqr", b"grad_sqr", "grad_var", b"grad_var", "job_id", b"job_id", "progress", b"progress", "rank", b"rank", "step_time_s", b"step_time_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
