@@ -24,6 +24,7 @@ submissions cannot keep the scheduler (and the metadata store) busy with back-to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -781,16 +782,20 @@ class SchedulerCore:
                 await self.md.AppendMetrics(metadata_pb2.AppendMetricsRequest(samples=samples))
             self._observe(job, entry, rank0)
         failed = next((t for t in reports if t.phase == allocation_pb2.TASK_PHASE_EXITED and t.exit_code != 0), None)
-        if failed is not None and failed.exit_code == KILLED_EXIT_CODE \
+        if failed is not None and failed.exit_code in RESTART_EXIT_CODES \
                 and self.crash_restarts.get(job_id, 0) < MAX_CRASH_RESTARTS and job.id not in self._restart:
             self.crash_restarts[job_id] = self.crash_restarts.get(job_id, 0) + 1
             self._restart.add(job_id)
+            why = (f"rank {failed.rank} (generation {failed.generation}) on {node} "
+                   f"{RESTART_EXIT_CODES[failed.exit_code]} (exit {failed.exit_code}); restarting every rank "
+                   f"from the last checkpoint ({self.crash_restarts[job_id]} of {MAX_CRASH_RESTARTS})")
             if job.state == common_pb2.JOB_STATE_RUNNING:
-                await self.transition(job_id, job.state, common_pb2.JOB_STATE_RESIZING,
-                                      f"rank {failed.rank} (generation {failed.generation}) on {node} was killed "
-                                      f"(exit {failed.exit_code}); restarting every rank from the last checkpoint "
-                                      f"({self.crash_restarts[job_id]} of {MAX_CRASH_RESTARTS})")
-            _log.warning("a rank was killed; the job restarts from its checkpoint",
+                await self.transition(job_id, job.state, common_pb2.JOB_STATE_RESIZING, why)
+            else:  # already RESIZING or SCHEDULED: the move says nothing, an event does
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self.md.AppendJobEvent(metadata_pb2.AppendJobEventRequest(job_id=job_id, type="restart",
+                                                                                     message=why))
+            _log.warning("a rank ended for a restart; the job restarts from its checkpoint",
                          extra={"job_id": job_id, "rank": failed.rank, "node": node,
                                 "restart": self.crash_restarts[job_id]})
             return True
@@ -820,7 +825,11 @@ class SchedulerCore:
         return False
 
 
-KILLED_EXIT_CODE = 128 + 9  # the agent reports a rank killed by SIGKILL as 137
+# Exit statuses after which a job restarts from its checkpoint instead of failing.
+RESTART_EXIT_CODES = {
+    128 + 9: "was killed",  # SIGKILL, as the agent reports it: the OOM killer, an operator
+    75: "gave up re-forming in place",  # silod.job.distributed.RESTART_EXIT_CODE (EX_TEMPFAIL)
+}
 MAX_CRASH_RESTARTS = 3
 
 _fitted_profiles: set[str] = set()

@@ -44,6 +44,9 @@ from torch.nn.parallel import DistributedDataParallel
 from silod.job.context import JobContext, World
 
 REFORM_TIMEOUT_S = 120.0
+# Exit status of a rank that gives up re-forming in place: the scheduler restarts every rank of
+# the job from the checkpoint instead (EX_TEMPFAIL; 137, a rank killed by SIGKILL, does the same).
+RESTART_EXIT_CODE = 75
 # How often a rank asks its agent for a directive: one loopback RPC, small next to a step, and
 # the resize waits for the first rank that learns of it.
 DIRECTIVE_POLL_S = 0.2
@@ -257,7 +260,17 @@ class DistributedTraining:
         if stop:
             return Event.STOP
         assert world is not None
-        self.reform(world)
+        try:
+            self.reform(world)
+        except ReformFailed as exc:
+            # Fall back to checkpoint-restart: the state this rank holds is consistent as of the
+            # last step (rank 0 of the new world, always a survivor, saves it), then exit with
+            # the status that asks the scheduler to restart the job from the checkpoint.
+            saved = self.save()
+            print(f"silod.job: {exc}; falling back to checkpoint-restart "
+                  f"({'checkpoint saved' if saved else 'rank 0 saves the checkpoint'}), exit {RESTART_EXIT_CODE}",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(RESTART_EXIT_CODE) from exc
         return Event.RESIZED
 
     def step_done(self, samples: int | None = None) -> int:
@@ -280,10 +293,11 @@ class DistributedTraining:
         dist.destroy_process_group()
         try:
             self._init_group(world.rank, world.world_size, (world.master_addr, world.master_port))
+            self._agree_on_state(newcomer=False)
         except Exception as exc:  # noqa: BLE001 - reported with what it means for the job
             raise ReformFailed(f"the new process group (rank {world.rank} of {world.world_size} at "
-                               f"{world.master_addr}:{world.master_port}) did not form: {exc}") from exc
-        self._agree_on_state(newcomer=False)
+                               f"{world.master_addr}:{world.master_port}) did not form within "
+                               f"{self.reform_timeout_s:g}s: {exc}") from exc
         took = time.monotonic() - started
         self.reforms.append(took)
         print(f"silod.job: process group re-formed in place in {took:.2f}s: rank {world.rank} of {world.world_size} "

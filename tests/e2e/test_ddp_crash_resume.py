@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from silod.v1 import common_pb2, scheduler_pb2
+from silod.v1 import common_pb2, metadata_pb2, scheduler_pb2
 from tests.cache_server.harness import register
 from tests.e2e.harness import wait_until
 
@@ -60,6 +60,9 @@ def test_a_killed_rank_restarts_the_job_from_its_checkpoint_to_the_same_paramete
     os.kill(victim.pid, signal.SIGKILL)
     done = cluster.wait_terminal([crashed], timeout=240)[crashed]
     assert done.state == common_pb2.JOB_STATE_SUCCEEDED, done.message
+    events = cluster.md.ListJobEvents(metadata_pb2.ListJobEventsRequest(job_id=crashed), timeout=10).events
+    assert any("rank 1 (generation 1)" in e.message and "was killed (exit 137); restarting every rank from the "
+               "last checkpoint (1 of 3)" in e.message for e in events), [e.message for e in events]
 
     # Generation 2 started every rank again, at the last checkpoint's position.
     steps = _steps(cluster, crashed)
