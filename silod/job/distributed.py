@@ -34,14 +34,15 @@ import os
 import sys
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from silod.job.context import JobContext, World
+if TYPE_CHECKING:  # silod.job.context builds this module's trainer: no import back at run time
+    from silod.job.context import JobContext, World
 
 REFORM_TIMEOUT_S = 120.0
 # Exit status of a rank that gives up re-forming in place: the scheduler restarts every rank of

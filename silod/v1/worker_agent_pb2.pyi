@@ -179,10 +179,11 @@ class ReportProgressRequest(_message.Message):
     """0..1 recent"""
     grad_sqr: _builtins.float
     """Gradient noise statistics measured by the job (Pollux's statistical efficiency), both at the
-    job's initial batch size: squared norm of the true gradient, and the gradient variance
-    (trace of the per-sample covariance / initial batch size). 0 = not measured.
+    job's initial batch size. 0 = not measured.
+    squared norm of the true gradient
     """
     grad_var: _builtins.float
+    """gradient variance: trace of the per-sample covariance / initial batch size"""
     @_builtins.property
     def progress(self) -> _common_pb2.JobProgress:
         """latest reported progress"""

@@ -35,12 +35,21 @@ def sdk_modules() -> Iterator[Path]:
             yield path
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def imports(path: Path) -> Iterator[tuple[str, int, bool]]:
     """(imported module, line, at module level) of every import statement of ``path``."""
     tree = ast.parse(path.read_text(), str(path))
     package = module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else module_name(path)
     top_level = {id(node) for node in tree.body}
+    typing_only = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
+                   for stmt in node.body for inner in ast.walk(stmt)}
     for node in ast.walk(tree):
+        if id(node) in typing_only:  # `if TYPE_CHECKING:` imports never run
+            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, node.lineno, id(node) in top_level

@@ -35,19 +35,20 @@ def test_node_client_submits_watches_and_lists_datasets(make_cluster, tmp_path: 
          "--metadata", cluster.metadata.address], capture_output=True, text=True, timeout=60)
     assert registered.returncode == 0, registered.stderr
 
-    submitted = _node(client, cluster.scheduler_address, "submit", "from-node", "--gpus", "2", "--samples", "640",
-                      "--batch-size", "32", "--step-compute-s", "0.01", "--request-id", "node-1")
+    # 40 steps of 0.1 s: still running when the watch below starts.
+    submitted = _node(client, cluster.scheduler_address, "submit", "from-node", "--gpus", "2", "--samples", "1280",
+                      "--batch-size", "32", "--step-compute-s", "0.1", "--request-id", "node-1")
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     assert job_id.startswith("job-")
-    again = _node(client, cluster.scheduler_address, "submit", "from-node", "--gpus", "2", "--samples", "640",
-                  "--request-id", "node-1")
+    again = _node(client, cluster.scheduler_address, "submit", "from-node", "--gpus", "2", "--samples", "1280",
+                  "--batch-size", "32", "--step-compute-s", "0.1", "--request-id", "node-1")
     assert again.stdout.strip() == job_id, "the idempotency key works from Node too"
 
     watched = _node(client, cluster.scheduler_address, "watch", job_id)
     assert watched.returncode == 0, watched.stdout + watched.stderr
     lines = watched.stdout.strip().splitlines()
-    assert lines[-1].startswith(f"{job_id} JOB_STATE_SUCCEEDED samples_done=640")
+    assert lines[-1].startswith(f"{job_id} JOB_STATE_SUCCEEDED samples_done=1280")
     assert any("JOB_STATE_RUNNING" in line for line in lines)
     job = wait_until(lambda: cluster.job(job_id), 10, "the job")
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED and job.spec.min_gpus == 2
