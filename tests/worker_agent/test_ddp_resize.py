@@ -1,5 +1,6 @@
 """A real DDP job (examples/train_ddp_digits.py: PyTorch, gloo, scikit-learn's digits as PNG
-files read through silod.data) on two real worker agents, resized in place 2 -> 4 -> 1 -> 4
+files in a real S3-protocol store, read through each node's cache server with silod.data) on
+two real worker agents, resized in place 2 -> 4 -> 1 -> 4
 ranks across both nodes in the middle of epochs. The plans come from a scripted
 AllocationService (the scheduler's decisions are not under test here; its NodePlans are built
 with the scheduler's own convert.node_plan).
@@ -16,9 +17,14 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import contextlib
+
+import grpc
+
 from scheduler.live import convert
-from silod.v1 import allocation_pb2, common_pb2, plan_pb2
-from tests.cache_server.harness import register
+from silod.v1 import allocation_pb2, cache_pb2, cache_pb2_grpc, common_pb2, plan_pb2
+from tests.cache_server.harness import moto_s3, register
+from tests.support.procs import start_service
 from tests.worker_agent.conftest import wait_until
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp_digits.py"
@@ -42,14 +48,29 @@ def _pids(agents) -> dict[tuple[str, int], int]:  # type: ignore[no-untyped-def]
 
 
 def test_a_ddp_job_grows_and_shrinks_in_place_across_two_nodes(metadata, allocation, start_agent, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import s3fs
+
     store = tmp_path / "digits"
     subprocess.run([sys.executable, str(EXAMPLE), "prepare", str(store)], check=True, capture_output=True, timeout=120)
-    register(metadata.address, "ddp-digits", f"file://{store}")
-    agents = [start_agent(gpus=2, node=f"ddp-n{i}") for i in range(2)]
+    with contextlib.ExitStack() as stack:
+        endpoint = stack.enter_context(moto_s3())
+        s3 = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
+        s3.mkdir("digits-bucket")
+        s3.put(str(store) + "/", "digits-bucket/png/", recursive=True)
+        register(metadata.address, "ddp-digits", "s3://digits-bucket/png", f"endpoint_url={endpoint}")
+        caches = [stack.enter_context(start_service(
+            "cache-server", "--metadata-address", metadata.address, "--disk-cache-dir", str(tmp_path / f"cache-{i}"),
+            "--memory-cache-bytes", "0", "--no-fsync", "--log-level", "warning", workdir=tmp_path / f"cache-proc-{i}"))
+            for i in range(2)]
+        agents = [start_agent("--cache-address", caches[i].address, gpus=2, node=f"ddp-n{i}") for i in range(2)]
+        _train_and_resize(agents, caches, allocation)
+
+
+def _train_and_resize(agents, caches, allocation) -> None:  # type: ignore[no-untyped-def]
     spec = common_pb2.JobSpec(
         name="ddp-digits", min_gpus=1, max_gpus=4, batch_size=64, epochs=EPOCHS, dataset="ddp-digits",
         resize_in_place=True, command=[sys.executable, str(EXAMPLE)],
-        env={"SILOD_EXAMPLE_STEP_SLEEP_S": "0.03", "SILOD_CHECKPOINT_EVERY_S": "2"},
+        env={"SILOD_EXAMPLE_STEP_SLEEP_S": "0.01", "SILOD_CHECKPOINT_EVERY_S": "2"},
     )
     addresses = {a.node: a.address for a in agents}
     previous: dict[str, plan_pb2.JobAllocation] = {}
@@ -120,3 +141,11 @@ def test_a_ddp_job_grows_and_shrinks_in_place_across_two_nodes(metadata, allocat
     # The loss goes down.
     losses = [s["loss"] for s in sorted(steps, key=lambda s: s["step"]) if s["rank"] == 0 and s["loss"] is not None]
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10
+
+    # The samples came through the nodes' cache servers from the S3 store.
+    served = 0
+    for cache in caches:
+        with grpc.insecure_channel(cache.address) as channel:
+            stats = cache_pb2_grpc.CacheServiceStub(channel).Stats(cache_pb2.StatsRequest(job_id=JOB), timeout=10)
+        served += sum(j.hits + j.misses for j in stats.jobs)
+    assert served >= EPOCHS * DIGITS
