@@ -81,6 +81,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _register_optional(sub, "silod.cli.jobs")
     _register_optional(sub, "silod.dashboard.cli")
     _register_optional(sub, "silod.devstore.cli")
+    _register_optional(sub, "silod.lab.cli")
     return parser
 
 
