@@ -1,0 +1,126 @@
+"""The compose topology executed in network namespaces (silod.lab): every service on its own
+host, reaching the others by compose service name, and a worker host losing its network.
+
+Runs where namespaces can be made (root and `ip`); elsewhere skips with the reason, except
+under CI=true where a missing capability is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from silod.lab import netns
+
+REASON = netns.available()
+if REASON and os.environ.get("CI") == "true":
+    raise RuntimeError(f"tests/lab must run under CI=true: {REASON}")
+pytestmark = pytest.mark.skipif(bool(REASON), reason=REASON or "namespaces available")
+
+from silod.lab.cluster import Lab, LabError  # noqa: E402
+from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    # A short node timeout keeps the link-down case inside the suite's budget; the agents'
+    # heartbeat (5 s in compose) stays as deployed.
+    lab = Lab(tmp_path_factory.mktemp("lab"), nodes=2)
+    lab.services["scheduler"].environment["SILOD_NODE_TIMEOUT_S"] = "12"
+    with lab:
+        yield lab
+
+
+def stubs(lab: Lab):
+    meta = metadata_pb2_grpc.MetadataServiceStub(grpc.insecure_channel(lab.address("metadata", 7070)))
+    jobs = scheduler_pb2_grpc.JobServiceStub(grpc.insecure_channel(lab.address("scheduler", 7073)))
+    return meta, jobs
+
+
+def test_every_service_is_healthy_on_its_own_host_and_reaches_the_others_by_name(lab: Lab) -> None:
+    addresses = lab.hosts()
+    assert len(set(addresses.values())) == len(addresses)
+    assert all(a.startswith("198.18.") for a in addresses.values())
+    for name, svc in lab.services.items():
+        if not svc.one_shot:
+            assert lab.procs[name].poll() is None, f"{name} exited:\n{lab.log(name)[-2000:]}"
+        if svc.healthcheck:
+            assert lab.healthy(name), f"{name}'s compose health check fails"
+    assert lab.procs["migrate"].returncode == 0
+    # Across hosts by compose names: agent-0's host reaches agent-1 and cache-1.
+    for target in ("agent-1:7074", "cache-1:7071", "metadata:7070", "scheduler:7073"):
+        done = lab.run("agent-0", [str(ROOT / ".venv/bin/silod"), "health", target])
+        assert done.returncode == 0, f"agent-0 cannot reach {target}: {done.stdout}{done.stderr}"
+    # The metadata (on PostgreSQL, its own host) knows both nodes by their advertised addresses.
+    meta, _ = stubs(lab)
+    nodes = wait_for(lambda: [n for n in meta.ListNodes(metadata_pb2.ListNodesRequest(), timeout=10).nodes if n.alive]
+                     if len(meta.ListNodes(metadata_pb2.ListNodesRequest(), timeout=10).nodes) == 2 else None,
+                     60, "two live nodes")
+    assert sorted(n.spec.agent_address for n in nodes) == ["agent-0:7074", "agent-1:7074"]
+    page = urllib.request.urlopen(f"http://{lab.address('dashboard', 8080)}/", timeout=10).read().decode()
+    assert "dashboard" in page.lower()
+
+
+def test_a_broken_variable_in_compose_fails_the_lab(tmp_path: Path) -> None:
+    text = (ROOT / "deploy/compose.yaml").read_text().replace("${SILOD_POLICY:-fifo}", "${SILOD_POLICY:-no-such-policy}")
+    assert "no-such-policy" in text
+    broken = tmp_path / "compose.yaml"
+    broken.write_text(text)
+    with pytest.raises(LabError, match="scheduler"):
+        Lab(tmp_path / "state", nodes=1, prefix="sdlabx", compose_file=broken, health_timeout_s=40).up()
+    assert not any(line.startswith("sdlabx") for line in os.popen("ip netns list").read().splitlines())
+
+
+def test_worker_host_link_down_requeues_its_job_elsewhere_and_the_node_rejoins(lab: Lab) -> None:
+    meta, jobs = stubs(lab)
+    spec = common_pb2.JobSpec(name="long", application="cifar10", min_gpus=1, max_gpus=1, batch_size=16,
+                              sample_budget=100_000_000, emulated_step_compute_s=0.05)
+    job = jobs.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec, client_request_id="lab-long"), timeout=15)
+
+    def placed_on() -> str:
+        try:
+            plan = meta.GetLatestPlan(metadata_pb2.GetLatestPlanRequest(), timeout=10)
+        except grpc.RpcError:
+            return ""
+        got = meta.GetJob(metadata_pb2.GetJobRequest(job_id=job.id), timeout=10)
+        if got.state != common_pb2.JOB_STATE_RUNNING:
+            return ""
+        return next((p.node for a in plan.jobs if a.job_id == job.id for p in a.placements), "")
+
+    first = wait_for(placed_on, 90, "the job running")
+    host = "agent-" + first.split("-")[1]
+    other = "node-1" if first == "node-0" else "node-0"
+    t0 = time.monotonic()
+    lab.link(host, up=False)
+    try:
+        wait_for(lambda: placed_on() == other, 90, f"the job running on {other}")
+        moved_s = time.monotonic() - t0
+    finally:
+        lab.link(host, up=True)
+    t1 = time.monotonic()
+    wait_for(lambda: all(n.alive for n in meta.ListNodes(metadata_pb2.ListNodesRequest(), timeout=10).nodes),
+             60, f"{first} alive again")
+    print(f"job moved off the cut host in {moved_s:.1f}s; node rejoined {time.monotonic() - t1:.1f}s after link up")
+    # No GPU booked twice: in the latest plan every (node, gpu) belongs to one job at most.
+    plan = meta.GetLatestPlan(metadata_pb2.GetLatestPlanRequest(), timeout=10)
+    booked = [(p.node, g) for a in plan.jobs for p in a.placements for g in p.gpu_indices]
+    assert len(booked) == len(set(booked))
+    assert lab.procs[host].poll() is None, f"{host}'s agent died:\n{lab.log(host)[-2000:]}"
+    jobs.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job.id, reason="test done"), timeout=15)
