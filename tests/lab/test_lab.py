@@ -54,6 +54,16 @@ def stubs(lab: Lab):
     return meta, jobs
 
 
+def node(meta, name: str):
+    return meta.GetNode(metadata_pb2.GetNodeRequest(node=name), timeout=10)
+
+
+def task_pids(lab: Lab, host: str) -> list[int]:
+    """Processes in ``host``'s namespace other than its agent: the job ranks it started."""
+    pids = os.popen(f"ip netns pids {lab.net.hosts[host].netns}").read().split()
+    return [int(p) for p in pids if int(p) != lab.procs[host].pid]
+
+
 def test_every_service_is_healthy_on_its_own_host_and_reaches_the_others_by_name(lab: Lab) -> None:
     addresses = lab.hosts()
     assert len(set(addresses.values())) == len(addresses)
@@ -112,15 +122,65 @@ def test_worker_host_link_down_requeues_its_job_elsewhere_and_the_node_rejoins(l
     try:
         wait_for(lambda: placed_on() == other, 90, f"the job running on {other}")
         moved_s = time.monotonic() - t0
+        # Longer than the metadata's liveness window too: the node shows as down.
+        wait_for(lambda: not node(meta, first).alive, 60, f"{first} shown down")
+        # Cut off, the old agent cannot hear of the new plan: its rank is still running.
+        assert task_pids(lab, host), "the cut host's rank stopped before the link came back"
     finally:
         lab.link(host, up=True)
     t1 = time.monotonic()
-    wait_for(lambda: all(n.alive for n in meta.ListNodes(metadata_pb2.ListNodesRequest(), timeout=10).nodes),
-             60, f"{first} alive again")
-    print(f"job moved off the cut host in {moved_s:.1f}s; node rejoined {time.monotonic() - t1:.1f}s after link up")
+    # Fenced: back on the network, the stale agent sees the newer generation and stops its ranks.
+    wait_for(lambda: not task_pids(lab, host), 60, f"the stale rank on {host} stopped")
+    fenced_s = time.monotonic() - t1
+    wait_for(lambda: node(meta, first).alive, 60, f"{first} alive again")
+    print(f"[lab] job moved off the cut host in {moved_s:.1f}s; stale rank stopped {fenced_s:.1f}s and "
+          f"node alive {time.monotonic() - t1:.1f}s after link up")
     # No GPU booked twice: in the latest plan every (node, gpu) belongs to one job at most.
     plan = meta.GetLatestPlan(metadata_pb2.GetLatestPlanRequest(), timeout=10)
     booked = [(p.node, g) for a in plan.jobs for p in a.placements for g in p.gpu_indices]
     assert len(booked) == len(set(booked))
     assert lab.procs[host].poll() is None, f"{host}'s agent died:\n{lab.log(host)[-2000:]}"
     jobs.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job.id, reason="test done"), timeout=15)
+
+
+def test_postgres_restarted_under_load_loses_and_duplicates_no_acknowledged_submission(lab: Lab) -> None:
+    """Submissions keep coming while PostgreSQL is stopped and started again; a client retries
+    with the same request id until acknowledged. Each ends up exactly once."""
+    meta, jobs = stubs(lab)
+    spec = dict(application="cifar10", min_gpus=1, max_gpus=1, batch_size=16, sample_budget=64,
+                emulated_step_compute_s=0.01)
+    names = [f"pg-{i}" for i in range(12)]
+    acknowledged: dict[str, str] = {}
+    failures = 0
+    for i, name in enumerate(names):
+        if i == 4:
+            lab.stop("postgres")
+        if i == 8:
+            lab.start("postgres")
+        deadline = time.monotonic() + 90
+        while name not in acknowledged:
+            assert time.monotonic() < deadline, f"{name} never acknowledged"
+            try:
+                job = jobs.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=common_pb2.JobSpec(name=name, **spec),
+                                                                    client_request_id=f"lab-{name}"), timeout=10)
+                acknowledged[name] = job.id
+            except grpc.RpcError as exc:
+                failures += 1
+                assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), exc
+                if 4 <= i < 8:
+                    break   # PostgreSQL is down: this one is retried after the restart
+                time.sleep(0.5)
+    assert failures > 0, "no submission saw PostgreSQL down: the restart did not happen under load"
+    for name in names:   # the ones refused while it was down, retried now with their request ids
+        deadline = time.monotonic() + 90
+        while name not in acknowledged:
+            try:
+                acknowledged[name] = jobs.SubmitJob(scheduler_pb2.SubmitJobRequest(
+                    spec=common_pb2.JobSpec(name=name, **spec), client_request_id=f"lab-{name}"), timeout=10).id
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, f"{name} never acknowledged after the restart"
+                time.sleep(0.5)
+    listed = [j for j in meta.ListJobs(metadata_pb2.ListJobsRequest(page_size=500), timeout=10).jobs
+              if j.spec.name.startswith("pg-")]
+    assert sorted(j.spec.name for j in listed) == sorted(names)
+    assert {j.spec.name: j.id for j in listed} == acknowledged
