@@ -88,6 +88,42 @@ def test_every_service_is_healthy_on_its_own_host_and_reaches_the_others_by_name
     assert "dashboard" in page.lower()
 
 
+def rank_env(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def test_a_job_spread_over_two_hosts_rendezvous_at_rank_0s_advertised_host(lab: Lab) -> None:
+    meta, jobs = stubs(lab)
+    spec = common_pb2.JobSpec(name="wide", application="cifar10", min_gpus=4, max_gpus=4, batch_size=32,
+                              sample_budget=100_000_000, emulated_step_compute_s=0.05)
+    job = jobs.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec, client_request_id="lab-wide"), timeout=15)
+    try:
+        def ranks() -> dict[str, list[dict[str, str]]]:
+            found = {h: [e for e in map(rank_env, task_pids(lab, h)) if "MASTER_ADDR" in e] for h in ("agent-0", "agent-1")}
+            return found if all(found.values()) else {}
+
+        found = wait_for(ranks, 90, "ranks of the job on both worker hosts")
+        envs = [e for h in found.values() for e in h]
+        masters = {(e["MASTER_ADDR"], e.get("MASTER_PORT")) for e in envs}
+        assert len(masters) == 1, masters
+        master_addr = next(iter(masters))[0]
+        assert master_addr in ("agent-0", "agent-1"), f"MASTER_ADDR {master_addr!r} is not a worker host"
+        rank0_host = next(h for h, es in found.items() if any(e.get("SILOD_RANK") == "0" for e in es))
+        assert master_addr == rank0_host
+        # Every worker host resolves it to rank 0's host address.
+        for h in found:
+            done = lab.run(h, ["getent", "hosts", master_addr])
+            assert done.stdout.split()[0] == lab.hosts()[rank0_host], done.stdout
+        print(f"[lab] {len(envs)} ranks on {sorted(found)}; MASTER_ADDR={master_addr} ({lab.hosts()[rank0_host]})")
+    finally:
+        jobs.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job.id, reason="test done"), timeout=15)
+        wait_for(lambda: not task_pids(lab, "agent-0") and not task_pids(lab, "agent-1"), 60, "the ranks stopped")
+
+
 def test_a_broken_variable_in_compose_fails_the_lab(tmp_path: Path) -> None:
     text = (ROOT / "deploy/compose.yaml").read_text().replace("${SILOD_POLICY:-fifo}", "${SILOD_POLICY:-no-such-policy}")
     assert "no-such-policy" in text
