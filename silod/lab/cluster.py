@@ -128,10 +128,11 @@ class Lab:
         p = self.state_dir / "logs" / f"{name}.log"
         return p.read_text(errors="replace") if p.exists() else ""
 
-    def run(self, name: str, argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    def run(self, name: str, argv: list[str], timeout: float = 30.0,
+            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         """Run a command inside ``name``'s namespace (its host names resolve there)."""
         return subprocess.run(self.net.exec_prefix(name) + argv, capture_output=True, text=True, timeout=timeout,
-                              env={"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(self.state_dir)})
+                              env={"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(self.state_dir), **(env or {})})
 
     def healthy(self, name: str) -> bool:
         check = self._check_argv(self.services[name])

@@ -127,6 +127,33 @@ def test_a_job_spread_over_two_hosts_rendezvous_at_rank_0s_advertised_host(lab: 
         wait_for(lambda: not task_pids(lab, "agent-0") and not task_pids(lab, "agent-1"), 60, "the ranks stopped")
 
 
+def test_cache_servers_fill_from_the_storage_host_by_its_name(lab: Lab) -> None:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=f"http://{lab.address('objectstore', 5000)}", region_name="us-east-1",
+                      aws_access_key_id="silod", aws_secret_access_key="silod-secret")
+    s3.create_bucket(Bucket="labdata")
+    for i in range(8):
+        s3.put_object(Bucket="labdata", Key=f"train/{i:03d}.bin", Body=bytes([i]) * 4096)
+    silod = str(ROOT / ".venv/bin/silod")
+    done = lab.run("agent-0", [silod, "dataset", "register", "labset", "s3://labdata/train",
+                               "--option", "endpoint_url=http://objectstore:5000", "--metadata", "metadata:7070"],
+                   env={"AWS_ACCESS_KEY_ID": "silod", "AWS_SECRET_ACCESS_KEY": "silod-secret",
+                        "AWS_DEFAULT_REGION": "us-east-1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    for n in (0, 1):
+        done = lab.run(f"agent-{n}", [silod, "dataset", "preload", "labset", "--cache", f"cache-{n}:7071"])
+        assert done.returncode == 0, done.stdout + done.stderr
+    volumes = lab.state_dir / "volumes"
+
+    def cached_bytes(n: int) -> int:   # object files in the node's memory and disk tiers
+        return sum(f.stat().st_size for tier in ("mem", "disk")
+                   for f in (volumes / f"cache-{tier}-{n}").glob("objects/*/*") if f.is_file())
+
+    wait_for(lambda: cached_bytes(0) >= 8 * 4096 and cached_bytes(1) >= 8 * 4096, 60,
+             "both nodes' cache tiers holding the dataset read from objectstore")
+
+
 def test_a_broken_variable_in_compose_fails_the_lab(tmp_path: Path) -> None:
     text = (ROOT / "deploy/compose.yaml").read_text().replace("${SILOD_POLICY:-fifo}", "${SILOD_POLICY:-no-such-policy}")
     assert "no-such-policy" in text
