@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/silod/v1/*.proto)
 
-.PHONY: demo test proto proto-release venv clean config-docs
+.PHONY: demo test proto proto-release venv clean config-docs lab-test
 
 # A fresh machine needs only Python 3.11; everything else is installed into .venv.
 # pip's output goes to a log that is shown only if the install fails.
@@ -42,6 +42,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The namespaced multi-host lab (root): what `make test` runs of it plus the longer fault
+# scenarios (a 30 s control-plane partition). docs/operators.md "Several machines".
+lab-test: $(STAMP)
+	SILOD_LAB_FULL=1 $(BIN)/python -m pytest -q -s tests/lab
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -115,6 +115,8 @@ class SchedulerCore:
         self.interval_s = interval_s
         self.restart_cost_s = restart_cost_s
         self.node_timeout_s = node_timeout_s
+        self._metadata_seen_at: float | None = None   # last ListNodes answered (monotonic)
+        self._blind: tuple[float, float] | None = None   # latest span we could not see the metadata
         self.cache_mode = cache_mode
         self.latest: plan_pb2.AllocationPlan | None = None
         self.specs: dict[str, common_pb2.JobSpec] = {}
@@ -175,15 +177,38 @@ class SchedulerCore:
                 except (asyncio.CancelledError, Exception):
                     pass
 
+    # --- partitions of the control plane --------------------------------------------------
+    # Heartbeats that could not reach the control plane while it was cut off are not the nodes'
+    # fault: after such a blind span, a node keeps counting as alive for the span's length on top
+    # of the node timeout, so no job is requeued on heartbeats that are merely stale (their
+    # agents resume heartbeating within one interval of the link coming back).
+    def _metadata_seen(self) -> None:
+        now = time.monotonic()
+        if self._metadata_seen_at is not None and now - self._metadata_seen_at > self.node_timeout_s / 3:
+            self._blind = (self._metadata_seen_at, now)
+            _log.warning("metadata unreachable for %.1fs: node liveness extended by as much",
+                         now - self._metadata_seen_at)
+        self._metadata_seen_at = now
+
+    def _liveness_window_s(self) -> float:
+        if self._blind is not None:
+            lost, back = self._blind
+            # As long again after it: connections that backed off during the cut (TCP
+            # retransmission timers double) can take that long to carry a heartbeat again.
+            if time.monotonic() - back < self.node_timeout_s + (back - lost):
+                return self.node_timeout_s + (back - lost)
+        return self.node_timeout_s
+
     async def _watch_nodes(self) -> None:
         """Trigger a round when the set of live nodes changes (arrival, or loss by heartbeat timeout)."""
         while True:
             await asyncio.sleep(self.node_poll_s)
             try:
                 nodes = await self.md.ListNodes(
-                    metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self.node_timeout_s))
+                    metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self._liveness_window_s()))
             except grpc.aio.AioRpcError:
                 continue
+            self._metadata_seen()
             names = frozenset(n.spec.name for n in nodes.nodes)
             if self._known_nodes is not None and names != self._known_nodes:
                 self.node_set_version += 1
@@ -407,8 +432,9 @@ class SchedulerCore:
 
     async def snapshot(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
         nodes_resp = await self.md.ListNodes(
-            metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self.node_timeout_s)
+            metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self._liveness_window_s())
         )
+        self._metadata_seen()
         nodes = [n for n in nodes_resp.nodes if n.spec.gpus > 0]
         for n in nodes:
             self.agent_addresses[n.spec.name] = n.spec.agent_address

@@ -67,6 +67,9 @@ SERVER_COMMANDS: dict[str, ServerCommand] = {
     "store-emulator": ServerCommand(
         "services.devstore.cli",
         "serve a directory over the S3 protocol with a shared bandwidth limit and a latency per request"),
+    "lab": ServerCommand(
+        "silod.lab.cli", "a multi-host silod cluster on this machine: deploy/compose.yaml's services in network "
+        "namespaces (root)"),
 }
 
 

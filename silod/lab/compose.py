@@ -1,0 +1,138 @@
+"""What the lab runs, read from ``deploy/compose.yaml``: each service's command, environment,
+ports, health check, volumes and start order.
+
+The lab runs processes, not containers, so three things are translated and nothing else:
+``image: silod`` services run the checkout's ``silod`` console script; a volume's container path
+(in arguments and environment) becomes a directory under the lab's state dir, shared by the
+services that mount the same volume; the ``postgres`` and ``objectstore`` images become a
+PostgreSQL server and moto's server started from this machine's binaries. Variables are
+interpolated as compose does (``${VAR:-default}``, ``${VAR}``) from the given environment.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+COMPOSE_FILE = Path(__file__).resolve().parents[2] / "deploy" / "compose.yaml"
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+
+class ComposeError(ValueError):
+    pass
+
+
+@dataclass
+class Service:
+    name: str
+    kind: str                       # "silod", "postgres" or "objectstore"
+    command: list[str]
+    environment: dict[str, str]
+    healthcheck: list[str]          # argv of the check, [] for none
+    ports: list[int]                # container ports it listens on
+    depends_on: dict[str, str]      # service -> condition
+    volumes: dict[str, str] = field(default_factory=dict)   # container path -> volume name
+    one_shot: bool = False          # must exit 0 (depended on with service_completed_successfully)
+
+
+def interpolate(text: str, env: Mapping[str, str]) -> str:
+    def sub(m: re.Match[str]) -> str:
+        value = env.get(m.group(1), "")
+        return value if value else (m.group(2) or "")
+    return _VAR.sub(sub, text)
+
+
+def _node_copy(template: dict[str, Any], number: int) -> dict[str, Any]:
+    """compose.yaml's own recipe for more nodes: node 1's services with 1 replaced by N."""
+    text = json.dumps(template)
+    text = re.sub(r"\b(cache|agent|node|cache-disk|cache-mem|agent-work)-1\b", lambda m: f"{m.group(1)}-{number}", text)
+    return json.loads(text)
+
+
+def load(nodes: int = 2, env: Mapping[str, str] | None = None, path: Path = COMPOSE_FILE) -> dict[str, Service]:
+    """The services of ``path`` in start order, with ``nodes`` cache/agent pairs (>= 1)."""
+    raw = interpolate(path.read_text(), env or {})
+    doc = yaml.safe_load(raw)
+    services: dict[str, Any] = copy.deepcopy(doc.get("services") or {})
+    for kept in ("cache-0", "agent-0", "cache-1", "agent-1"):
+        if kept not in services:
+            raise ComposeError(f"{path}: service {kept!r} is missing (the lab copies node 1 for more nodes)")
+    for n in range(2, nodes):
+        services[f"cache-{n}"] = _node_copy(services["cache-1"], n)
+        services[f"agent-{n}"] = _node_copy(services["agent-1"], n)
+    for n in range(nodes, 2):
+        services.pop(f"cache-{n}")
+        services.pop(f"agent-{n}")
+    result = {}
+    for name, spec in services.items():
+        if spec.get("profiles"):
+            continue   # run on demand (the cli), not by `up`
+        result[name] = _service(name, spec, path)
+    return _start_order(result)
+
+
+def _service(name: str, spec: dict[str, Any], path: Path) -> Service:
+    image = str(spec.get("image", ""))
+    kind = "postgres" if image.startswith("postgres") else "objectstore" if "moto" in image else "silod" if "silod" in image else ""
+    if not kind:
+        raise ComposeError(f"{path}: service {name!r}: the lab does not know how to run image {image!r}")
+    command = spec.get("command") or []
+    if isinstance(command, str):
+        raise ComposeError(f"{path}: service {name!r}: command must be a list (exec form)")
+    env = {str(k): "" if v is None else str(v) for k, v in (spec.get("environment") or {}).items()}
+    check = (spec.get("healthcheck") or {}).get("test") or []
+    if check and check[0] == "CMD":
+        check = check[1:]
+    elif check:
+        raise ComposeError(f"{path}: service {name!r}: healthcheck test must be [\"CMD\", ...]")
+    ports = []
+    for p in spec.get("ports") or []:
+        ports.append(int(str(p).rsplit(":", 1)[-1].split("/")[0]))
+    depends = spec.get("depends_on") or {}
+    if isinstance(depends, list):
+        depends = {d: "service_started" for d in depends}
+    depends = {d: (c or {}).get("condition", "service_started") for d, c in depends.items()}
+    volumes = {}
+    for v in spec.get("volumes") or []:
+        source, target = str(v).split(":")[:2]
+        volumes[target] = source
+    one_shot = str(spec.get("restart", "")) == "no" and bool(command)
+    return Service(name, kind, [str(c) for c in command], env, [str(c) for c in check], ports,
+                   depends, volumes, one_shot)
+
+
+def _start_order(services: dict[str, Service]) -> dict[str, Service]:
+    ordered: dict[str, Service] = {}
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        if name in ordered:
+            return
+        if name in path:
+            raise ComposeError(f"depends_on cycle: {' -> '.join(path + (name,))}")
+        if name not in services:
+            raise ComposeError(f"{path[-1]} depends on unknown service {name!r}")
+        for dep in services[name].depends_on:
+            visit(dep, path + (name,))
+        ordered[name] = services[name]
+
+    for name in services:
+        visit(name, ())
+    return ordered
+
+
+def map_volumes(args: list[str], volumes: Mapping[str, str], root: Path) -> list[str]:
+    """Replace container mount paths in ``args`` by the volume's directory under ``root``."""
+    out = []
+    for a in args:
+        for target, source in sorted(volumes.items(), key=lambda kv: -len(kv[0])):
+            if a == target or a.startswith(target + "/"):
+                a = str(root / source) + a[len(target):]
+                break
+        out.append(a)
+    return out
