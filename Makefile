@@ -41,6 +41,7 @@ demo: $(STAMP)
 	$(BIN)/python -m silod.demo
 
 test: $(STAMP)
+	@bash tests/support/ensure_chromium.sh $(VENV)/chromium-install.log
 	$(BIN)/python -m pytest -q
 
 # The namespaced multi-host lab (root): what `make test` runs of it plus the longer fault
