@@ -1,0 +1,52 @@
+"""Typed cluster specs in the simulator: YAML, and jobs running at their type's speed."""
+
+from __future__ import annotations
+
+import pytest
+
+from estimator.gpu_types import application_speed
+from simulator import SimulatorInputError, Simulator, cluster_from_dict
+from simulator.workload import JobSpec
+
+
+def test_typed_nodes_from_yaml_entries_and_a_cluster_wide_default():
+    spec = cluster_from_dict({"nodes": [{"count": 2, "gpus": 4, "gpu_type": "v100"}, {"count": 1, "gpus": 8}], "gpu_type": "k80"})
+    assert [n.gpu_type for n in spec.nodes] == ["v100", "v100", "k80"]
+    assert spec.gpu_types == ("k80", "v100")
+    assert spec.describe()["gpus_by_type"] == {"k80": 8, "v100": 8}
+    assert {n.gpu_type for n in cluster_from_dict({"nodes": 2, "gpu_type": "a100"}).nodes} == {"a100"}
+    assert cluster_from_dict({"nodes": 2}).gpu_types == ("",)
+
+
+@pytest.mark.parametrize("data", [
+    {"nodes": [{"gpus": 4, "gpu_type": "V100"}]},
+    {"nodes": [{"gpus": 4, "gpu_type": 100}]},
+    {"nodes": 2, "gpu_type": "a 100"},
+])
+def test_bad_gpu_types_are_named(data):
+    with pytest.raises(SimulatorInputError, match="'gpu_type'"):
+        cluster_from_dict(data)
+
+
+def run_alone(gpu_type: str) -> float:
+    cluster = cluster_from_dict({"nodes": [{"count": 1, "gpus": 4, "gpu_type": gpu_type}], "restart_cost_s": 0})
+    short = JobSpec("a", "imagenet", 0.0, 1, 200, target_samples=2e6)  # hours, not days, of simulated time
+    return Simulator([short], "fifo", cluster).run().jobs[0].jct_s
+
+
+def test_a_job_runs_at_its_types_measured_speed():
+    # One GPU, no restart cost: JCT is the job's work over its compute rate, so the ratio of
+    # JCTs is the inverse of the measured speed ratio, rounded only by the 60 s rounds.
+    v100, k80 = run_alone("v100"), run_alone("k80")
+    assert k80 / v100 == pytest.approx(1 / application_speed("imagenet", "k80"), rel=0.02)
+
+
+def test_the_scheduler_prefers_the_fast_type_and_allocations_name_it():
+    cluster = cluster_from_dict({"nodes": [{"count": 1, "gpus": 4, "gpu_type": "k80"},
+                                           {"count": 1, "gpus": 4, "gpu_type": "v100"}]})
+    seen = []
+    sim = Simulator([JobSpec("a", "imagenet", 0.0, 4, 200, target_samples=2e6)], "fifo", cluster,
+                    observer=lambda p: seen.append([j.allocation for j in sim._active if j.allocation]))
+    sim.run()
+    allocations = [a for round_ in seen for a in round_]
+    assert allocations and {a.gpu_type for a in allocations} == {"v100"}
