@@ -17,10 +17,9 @@ is the first of the job's ``preferences`` (the policy names them, e.g. Gavel's L
 nodes have room for the whole count; without preferences, :func:`type_preferences` ranks
 the types the job allows (``JobInfo.gpu_types``) by the job's predicted goodput on them at
 that count — the fastest type with room. Untyped nodes (``gpu_type`` "") form one type of
-their own, so a homogeneous cluster places exactly as before. The one exception is
-DeepBoot's lending (:mod:`scheduler.deepboot.lending`), which may grow a training job onto
-inference-pool GPUs of another type; such a job is charged its slowest type's speed
-(:func:`slowest_type`).
+their own, so a homogeneous cluster places exactly as before. DeepBoot's lending
+(:mod:`scheduler.deepboot.lending`) keeps a typed job on lent GPUs of its own type. A plan
+that mixes types anyway is charged its job's slowest type (:func:`slowest_type`).
 """
 
 from __future__ import annotations
