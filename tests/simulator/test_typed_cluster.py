@@ -50,3 +50,23 @@ def test_the_scheduler_prefers_the_fast_type_and_allocations_name_it():
     sim.run()
     allocations = [a for round_ in seen for a in round_]
     assert allocations and {a.gpu_type for a in allocations} == {"v100"}
+
+
+def test_silod_up_reads_the_same_typed_cluster_yaml(tmp_path):
+    import argparse
+
+    from silod.cli.up import _node_layout
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text("nodes:\n  - {count: 2, gpus: 4, gpu_type: v100}\n  - {count: 1, gpus: 2, gpu_type: k80, pool: inference}\n")
+    args = argparse.Namespace(cluster=str(path), gpu_type="", nodes=9, gpus_per_node=9, inference_nodes=9)
+    assert _node_layout(args) == [("training", "node-00", 4, "v100"), ("training", "node-01", 4, "v100"),
+                                  ("inference", "node-02", 2, "k80")]
+    flags = argparse.Namespace(cluster="", gpu_type="a100", nodes=2, gpus_per_node=1, inference_nodes=1)
+    assert _node_layout(flags) == [("training", "node-0", 1, "a100"), ("training", "node-1", 1, "a100"),
+                                   ("inference", "infer-0", 1, "a100")]
+    path.write_text("nodes:\n  - {count: 2, gpus: 4, gpu_type: V100}\n")
+    with pytest.raises(ValueError, match="--cluster: .*'gpu_type'"):
+        _node_layout(args)
+    with pytest.raises(ValueError, match="gpu_type"):
+        _node_layout(argparse.Namespace(cluster="", gpu_type="A 100", nodes=1, gpus_per_node=1, inference_nodes=0))
