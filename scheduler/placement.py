@@ -24,6 +24,7 @@ that mixes types anyway is charged its job's slowest type (:func:`slowest_type`)
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -248,6 +249,18 @@ class TypeRoom:
             self.room[gpu_type] -= count
             self.left -= count
         return gpu_type
+
+
+def blind_preferences(snapshot: ClusterSnapshot, job_ids: Iterable[str],
+                      pools: Iterable[Pool] = ("training",)) -> dict[str, tuple[str, ...]]:
+    """Per job: the pool's types in an order that ignores speed — what a type-agnostic
+    scheduler amounts to. The order is a fixed pseudo-random one per job (a hash of its id
+    and the type), so jobs spread over the types instead of all landing on the first name."""
+    types = snapshot.gpu_types(tuple(pools))
+    jobs = {job.job_id: job for job in snapshot.jobs}
+    return {job_id: tuple(sorted((t for t in types if job_id not in jobs or jobs[job_id].allows(t)),
+                                 key=lambda t: zlib.crc32(f"{job_id}/{t}".encode())))
+            for job_id in job_ids}
 
 
 def slowest_type(job: JobInfo, gpu_types: Iterable[str]) -> str:

@@ -141,6 +141,10 @@ def load_workload(source: str | Path) -> Workload:
         return _mixed(str(source), text)
     if path.is_dir():
         raise SimulatorInputError(f"workload {path}: is a directory; give one CSV file")
+    if str(source).startswith("gavel/"):
+        from simulator.gavel_trace import load_gavel_trace  # deferred: it prices jobs with the estimator
+
+        return load_gavel_trace(str(source))
     packaged = _packaged(str(source))
     if packaged is None:
         raise SimulatorInputError(

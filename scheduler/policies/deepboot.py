@@ -56,7 +56,7 @@ from scheduler.deepboot.ats_i import InferenceRound, place_inference_tasks
 from scheduler.deepboot.costs import ResizeCosts, kept_share
 from scheduler.deepboot.lending import BOTH_POOLS, held_lendable, place_lending, training_capacity
 from scheduler.deepboot.state import ReplicaView
-from scheduler.placement import node_types, placement_type
+from scheduler.placement import TypeRoom, blind_preferences, node_types, placement_type
 from scheduler.policies.pollux import _current_type, base_goodput_ratio, solve_counts
 from scheduler.policies.typed_counts import assign_types, best_start
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place
@@ -95,6 +95,7 @@ class DeepBootPolicy:
     solver: str = "auto"                              # "dp" (exact), "greedy", or "auto": dp within dp_limit
     dp_limit: int = 5_000_000
     local_search_moves: int = 200                     # greedy: at most this many improving moves
+    heterogeneity_aware: bool = True                  # False: one pool at the reference speed, types chosen blind
 
     def __post_init__(self):
         if self.solver not in ("auto", "dp", "greedy"):
@@ -193,7 +194,7 @@ class DeepBootPolicy:
             return Plan({})
         pools = BOTH_POOLS if self.lend else ("training",)
         types = snapshot.gpu_types(pools)
-        if len(types) > 1:
+        if len(types) > 1 and self.heterogeneity_aware:
             tables = [self.type_table(snapshot, t) for t in types]
             kinds = node_types(snapshot)
             current = np.array([_current_type(snapshot, job, kinds, types) for job in snapshot.jobs], dtype=np.int64)
@@ -204,8 +205,17 @@ class DeepBootPolicy:
             chosen = {job.job_id: types[a] for job, a in zip(snapshot.jobs, assign)}
             table = dataclasses.replace(tables[0], per_node=max(t.per_node for t in tables))
         else:
-            table, chosen = self.count_table(snapshot), None
+            table = self.count_table(snapshot)
             counts = self.choose_counts(table)
+            chosen = None
+            if len(types) > 1:  # type-blind: each job on the first type with room in a speed-blind order
+                blind = blind_preferences(snapshot, [job.job_id for job in snapshot.jobs], pools)
+                room = TypeRoom(snapshot, pools)
+                chosen = {}
+                for job, count in zip(snapshot.jobs, counts):
+                    gpu_type = room.claim(int(count), blind[job.job_id]) if count > 0 else None
+                    if gpu_type is not None:
+                        chosen[job.job_id] = gpu_type
         wanted = {job.job_id: int(c) for job, c in zip(table.jobs, counts) if c > 0}
         # New placements: jobs that fit on one node first, largest first (best-fit decreasing).
         order = sorted(wanted, key=lambda job_id: (wanted[job_id] > table.per_node, -wanted[job_id]))

@@ -81,7 +81,7 @@ import scipy.sparse as sp
 from scipy.optimize import linprog
 
 from scheduler import codesign as co
-from scheduler.placement import TypeRoom, node_types, place, placement_type
+from scheduler.placement import TypeRoom, blind_preferences, node_types, place, placement_type
 from scheduler.policies.pollux import upper_hull_segments
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
@@ -279,7 +279,7 @@ class GavelPolicy:
         for c in ranked:
             if allocation.fraction[c] > _NOISE or not choices.get(int(allocation.job[c])):
                 choices.setdefault(int(allocation.job[c]), []).append(int(c))
-        blind = self._type_blind_preferences(snapshot) if not self.heterogeneity_aware else None
+        blind = blind_preferences(snapshot, [job.job_id for job in jobs]) if not self.heterogeneity_aware else None
 
         def admit(excluded: frozenset[str]):
             room = TypeRoom(snapshot)
@@ -306,34 +306,28 @@ class GavelPolicy:
                      for job_id, p in placements.items()})
 
     def _pick(self, job: JobInfo, allocation: GavelAllocation, candidates: list[int], room: TypeRoom,
-              blind: tuple[str, ...] | None) -> tuple[int, tuple[str, ...]] | None:
+              blind: dict[str, tuple[str, ...]] | None) -> tuple[int, tuple[str, ...]] | None:
         """The job's first candidate whose type has room for its count, claimed: ``(count, (type,))``.
 
         An elastic job whose candidates do not fit takes what is left of its preferred type,
-        down to its minimum. Type-blind, a candidate's count may go to any type, the one with
-        the most room first (what a scheduler that does not know types does).
+        down to its minimum. Type-blind, a candidate's count may go to any type, in the job's
+        speed-blind order (:func:`scheduler.placement.blind_preferences`).
         """
+        def types_of(c: int) -> tuple[str, ...]:
+            return blind[job.job_id] if blind is not None else (allocation.type_of(c),)
+
         for c in candidates:
             want = int(allocation.gpus[c])
-            types = blind if blind is not None else (allocation.type_of(c),)
-            types = tuple(t for t in types if job.allows(t))
-            if blind is not None:
-                types = tuple(sorted(types, key=lambda t: -room.room.get(t, 0)))
-            gpu_type = room.claim(want, types)
+            gpu_type = room.claim(want, tuple(t for t in types_of(c) if job.allows(t)))
             if gpu_type is not None:
                 return want, (gpu_type,)
         if self.elastic and not job.rigid:
             first = candidates[0]
-            types = blind if blind is not None else (allocation.type_of(first),)
-            for gpu_type in sorted((t for t in types if job.allows(t)), key=lambda t: -room.room.get(t, 0)):
+            for gpu_type in (t for t in types_of(first) if job.allows(t)):
                 left = min(room.room.get(gpu_type, 0), room.left, int(allocation.gpus[first]))
                 if left >= job.min_gpus and room.claim(left, (gpu_type,)) is not None:
                     return left, (gpu_type,)
         return None
-
-    @staticmethod
-    def _type_blind_preferences(snapshot: ClusterSnapshot) -> tuple[str, ...]:
-        return tuple(sorted({node.gpu_type for node in pool_nodes(snapshot)}))
 
     def _batch_sizes(self, snapshot: ClusterSnapshot, placements) -> dict[str, int]:
         if not self.adapt_batch or not placements:

@@ -74,7 +74,7 @@ from typing import Literal
 import numpy as np
 
 from scheduler import codesign as co
-from scheduler.placement import node_types, place, placement_type
+from scheduler.placement import blind_preferences, node_types, place, placement_type
 from scheduler.policies.estimates import io_demand
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
 from scheduler.policies.typed_counts import assign_types, best_start
@@ -141,6 +141,7 @@ class PolluxPolicy:
     repack_rounds: int = 3                  # re-solve when single-node-sized jobs had to be split (see schedule)
     codesign: bool = False                  # SiloD: price with T(g, c, b), grant cache and IO (scheduler.codesign)
     codesign_io: Literal["max_min", "srpt"] = "srpt"  # how co_allocate grants IO (see the module docstring)
+    heterogeneity_aware: bool = True        # False: one pool priced at the reference type, types chosen blind
 
     def __post_init__(self):
         if not math.isfinite(self.p):
@@ -316,7 +317,7 @@ class PolluxPolicy:
     def schedule(self, snapshot: ClusterSnapshot) -> Plan:
         if not snapshot.jobs:
             return Plan({})
-        if len(snapshot.gpu_types()) > 1:
+        if len(snapshot.gpu_types()) > 1 and self.heterogeneity_aware:
             return self._schedule_typed(snapshot)
         table = self.speedup_table(snapshot)
         utility = table.utility
@@ -412,7 +413,8 @@ class PolluxPolicy:
         # on one node first, largest first (best-fit decreasing keeps them on one node), then
         # multi-node jobs, which lose nothing more by filling whatever GPUs are left.
         order = sorted(wanted, key=lambda job_id: (wanted[job_id] > table.per_node, -wanted[job_id]))
-        return place(snapshot, wanted, order).placements
+        blind = None if self.heterogeneity_aware else blind_preferences(snapshot, wanted)
+        return place(snapshot, wanted, order, preferences=blind).placements
 
 
 def solve_counts(utility: np.ndarray, capacity: int, solver: str = "auto", dp_limit: int = 5_000_000,

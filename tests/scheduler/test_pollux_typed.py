@@ -57,3 +57,13 @@ def test_assign_types_moves_jobs_off_a_full_type():
     solve = lambda u, cap: np.where(np.arange(u.shape[0]) < cap, 1, 0)  # noqa: E731  (first `cap` jobs get one GPU)
     assign, counts = assign_types([u0, u1], [1, 2], solve, np.zeros(3, dtype=np.int64))
     assert counts.tolist() == [1, 1, 1] and sorted(assign.tolist()) == [0, 1, 1]
+
+
+@pytest.mark.parametrize("name", ["pollux", "deepboot", "gavel"])
+def test_the_type_blind_baseline_keeps_one_type_per_job_but_ignores_speed(name):
+    apps = ["imagenet", "cifar10", "bert", "deepspeech2"]
+    snap = make_snapshot(NODES, [elastic(f"j{k}", app, submit=k) for k, app in enumerate(apps)])
+    plan = get_policy(name, heterogeneity_aware=False).schedule(snap)
+    assert_sound(snap, plan)
+    assert all(len(t) == 1 for t in job_types(snap, plan).values())
+    assert sum(a.gpus for a in plan.allocations.values()) == 8

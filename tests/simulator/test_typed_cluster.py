@@ -70,3 +70,25 @@ def test_silod_up_reads_the_same_typed_cluster_yaml(tmp_path):
         _node_layout(args)
     with pytest.raises(ValueError, match="gpu_type"):
         _node_layout(argparse.Namespace(cluster="", gpu_type="A 100", nodes=1, gpus_per_node=1, inference_nodes=0))
+
+
+def test_gavel_traces_load_with_their_job_types_and_v100_durations():
+    from estimator.gpu_types import measured_steps_per_s
+    from simulator.gavel_trace import _one_gpu_goodput, application_of, parse_gavel_trace
+    from simulator.workload import load_workload
+
+    workload = load_workload("gavel/msr-seed0-0e4a51")
+    assert len(workload) == 1181 and {j.num_replicas for j in workload.jobs} == {1, 2, 4, 8}
+    first = next(j for j in workload.jobs if j.job_type == "ResNet-50 (batch size 128)")
+    assert first.application == application_of(first.job_type) == "imagenet"
+    text = "job_type,total_steps,arrival_s,scale_factor\nCycleGAN,4426,10.0,2\n"
+    (job,) = parse_gavel_trace(text)
+    # 4,426 steps at Gavel's 4.43 steps/s on a V100: 1,000 s on one V100 at the stand-in's goodput.
+    seconds = job.target_samples / _one_gpu_goodput("yolov3")
+    assert seconds == pytest.approx(4426 / measured_steps_per_s()["CycleGAN"]["v100"])
+    assert (job.application, job.num_replicas, job.arrival_s) == ("yolov3", 2, 10.0)
+    for bad, message in [("Nope,1,0,1", "unknown Gavel job type"), ("CycleGAN,0,0,1", ">= 1"), ("CycleGAN,x,0,1", "whole")]:
+        with pytest.raises(SimulatorInputError, match=message):
+            parse_gavel_trace("job_type,total_steps,arrival_s,scale_factor\n" + bad + "\n")
+    with pytest.raises(SimulatorInputError, match="no such Gavel trace"):
+        load_workload("gavel/none")
