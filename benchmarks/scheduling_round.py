@@ -34,21 +34,26 @@ except ImportError:  # run from a clone without installing
 from estimator.job_model import JobModel  # noqa: E402
 from estimator.profiles import application_names  # noqa: E402
 from scheduler.invariants import check_plan  # noqa: E402
-from scheduler.placement import place, plan_from_placements  # noqa: E402
+from estimator.gpu_types import typed_models  # noqa: E402
+from scheduler.placement import TypeRoom, place, plan_from_placements  # noqa: E402
 from scheduler.policy import ClusterSnapshot, JobInfo, NodeInfo  # noqa: E402
 from scheduler.registry import get_policy, policy_names  # noqa: E402
 
 
-def build_snapshot(jobs: int, nodes: int, gpus_per_node: int, seed: int = 0) -> ClusterSnapshot:
+def build_snapshot(jobs: int, nodes: int, gpus_per_node: int, seed: int = 0, gpu_types: tuple[str, ...] = ()) -> ClusterSnapshot:
     rng = np.random.default_rng(seed)
     apps = application_names()
     models = {app: JobModel.from_profile(app) for app in apps}
+    by_type = {app: typed_models(models[app], gpu_types) for app in apps}
     now = 86_400.0
-    cluster = tuple(NodeInfo(name=f"node-{k:04d}", gpus=gpus_per_node) for k in range(nodes))
+    # Typed: node k has type k mod len(types), so every type has a share of the nodes.
+    cluster = tuple(NodeInfo(name=f"node-{k:04d}", gpus=gpus_per_node, gpu_type=gpu_types[k % len(gpu_types)] if gpu_types else "")
+                    for k in range(nodes))
     infos = []
     arrivals = np.sort(rng.uniform(0.0, now, jobs))
     for k in range(jobs):
-        model = models[apps[int(rng.integers(len(apps)))]]
+        app = apps[int(rng.integers(len(apps)))]
+        model = models[app]
         requested = int(rng.integers(1, 9))
         by_batch = max(1, model.bounds.max_batch_size // model.bounds.min_local_bsz)
         target = float(rng.uniform(1e6, 1e8))
@@ -64,21 +69,24 @@ def build_snapshot(jobs: int, nodes: int, gpus_per_node: int, seed: int = 0) -> 
                 requested_gpus=requested,
                 attained_gpu_s=float(rng.uniform(0.0, 1.0)) * (now - arrivals[k]) * requested,
                 restarts=int(rng.integers(0, 4)),
+                type_models=by_type[app],
             )
         )
     bare = ClusterSnapshot(time_s=now, nodes=cluster, jobs=tuple(infos))
-    # Current plan: FIFO by arrival with requested GPUs while they fit.
-    free, counts = nodes * gpus_per_node, {}
+    # Current plan: FIFO by arrival with requested GPUs while they fit (on one type).
+    room = TypeRoom(bare)
+    admitted = {}
     for job in infos:
-        if job.requested <= free:
-            counts[job.job_id] = job.requested
-            free -= job.requested
-    current = plan_from_placements(place(bare, counts).placements)
+        gpu_type = room.claim(job.requested, bare.gpu_types())
+        if gpu_type is not None:
+            admitted[job.job_id] = (job.requested, gpu_type)
+    current = plan_from_placements(place(bare, {j: n for j, (n, _) in admitted.items()},
+                                         preferences={j: (t,) for j, (_, t) in admitted.items()}).placements)
     return ClusterSnapshot(time_s=now, nodes=cluster, jobs=tuple(infos), current=current)
 
 
-def time_policy(name: str, snapshot: ClusterSnapshot, runs: int) -> tuple[float, float, int, int]:
-    policy = get_policy(name)
+def time_policy(name: str, snapshot: ClusterSnapshot, runs: int, options: dict | None = None) -> tuple[float, float, int, int]:
+    policy = get_policy(name, **(options or {}))
     plan = policy.schedule(snapshot)  # warm-up
     check_plan(snapshot, plan)
     timings = []
@@ -99,15 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="timed calls per policy (default 3)")
     parser.add_argument("--policy", action="append", help="time only these policies (repeat); default: every registered one")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu-types", default="", help="comma list: nodes take these GPU types in turn (e.g. v100,p100,k80)")
     args = parser.parse_args(argv)
 
-    snapshot = build_snapshot(args.jobs, args.nodes, args.gpus_per_node, args.seed)
+    types = tuple(t for t in args.gpu_types.split(",") if t)
+    snapshot = build_snapshot(args.jobs, args.nodes, args.gpus_per_node, args.seed, types)
     names = args.policy or policy_names()
     command = "python benchmarks/scheduling_round.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"$ {command.strip()}")
     print(
         f"{args.jobs} active jobs on {args.nodes} nodes x {args.gpus_per_node} GPUs "
-        f"({snapshot.total_gpus} GPUs; {len(snapshot.current.allocations)} jobs running before the round); "
+        f"({snapshot.total_gpus} GPUs{', types ' + '/'.join(types) if types else ''}; "
+        f"{len(snapshot.current.allocations)} jobs running before the round); "
         f"median of {args.runs} runs after a warm-up"
     )
     print(f"{'policy':<12} {'median s':>9} {'max s':>8} {'jobs placed':>12} {'GPUs used':>10}")

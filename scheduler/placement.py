@@ -263,6 +263,15 @@ def blind_preferences(snapshot: ClusterSnapshot, job_ids: Iterable[str],
             for job_id in job_ids}
 
 
+def largest_type_gpus(snapshot: ClusterSnapshot, pools: Iterable[Pool] = ("training",)) -> int:
+    """GPUs of the largest GPU type of ``pools``: the most any one job can hold."""
+    by_type: dict[str, int] = {}
+    for node in snapshot.nodes:
+        if node.pool in tuple(pools):
+            by_type[node.gpu_type] = by_type.get(node.gpu_type, 0) + node.gpus
+    return max(by_type.values(), default=0)
+
+
 def slowest_type(job: JobInfo, gpu_types: Iterable[str]) -> str:
     """The type among ``gpu_types`` on which ``job`` computes slowest (what a job spanning types runs at)."""
     def step_time(gpu_type: str) -> float:

@@ -56,7 +56,7 @@ from scheduler.deepboot.ats_i import InferenceRound, place_inference_tasks
 from scheduler.deepboot.costs import ResizeCosts, kept_share
 from scheduler.deepboot.lending import BOTH_POOLS, held_lendable, place_lending, training_capacity
 from scheduler.deepboot.state import ReplicaView
-from scheduler.placement import TypeRoom, blind_preferences, node_types, placement_type
+from scheduler.placement import TypeRoom, blind_preferences, largest_type_gpus, node_types, placement_type
 from scheduler.policies.pollux import _current_type, base_goodput_ratio, solve_counts
 from scheduler.policies.typed_counts import assign_types, best_start
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place
@@ -205,6 +205,9 @@ class DeepBootPolicy:
             chosen = {job.job_id: types[a] for job, a in zip(snapshot.jobs, assign)}
             table = dataclasses.replace(tables[0], per_node=max(t.per_node for t in tables))
         else:
+            widest = largest_type_gpus(snapshot, pools)
+            if len(types) > 1 and widest < self.max_gpus_per_job:  # type-blind, but one type per job
+                return dataclasses.replace(self, max_gpus_per_job=widest).schedule(snapshot)
             table = self.count_table(snapshot)
             counts = self.choose_counts(table)
             chosen = None

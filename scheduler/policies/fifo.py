@@ -50,7 +50,8 @@ class FifoPolicy:
                     admitted[job.job_id] = (wanted[job.job_id], gpu_type)
         order = sorted(snapshot.jobs, key=lambda j: (j.submit_time_s, j.job_id))
         for job in order:
-            if job.job_id in admitted or job.job_id in excluded:
+            # A running job that cannot keep its count waits a round rather than restart at another.
+            if job.job_id in admitted or job.job_id in excluded or snapshot.current.gpus_of(job.job_id):
                 continue
             gpu_type = room.claim(job.requested, preferences.get(job.job_id, ()))
             if gpu_type is None:

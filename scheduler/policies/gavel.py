@@ -81,7 +81,7 @@ import scipy.sparse as sp
 from scipy.optimize import linprog
 
 from scheduler import codesign as co
-from scheduler.placement import TypeRoom, blind_preferences, node_types, place, placement_type
+from scheduler.placement import TypeRoom, blind_preferences, largest_type_gpus, node_types, place, placement_type
 from scheduler.policies.pollux import upper_hull_segments
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
@@ -141,8 +141,12 @@ class GavelPolicy:
     codesign: bool = False          # SiloD: price with T(g, c, b), IO as an LP constraint, grant cache and IO
     heterogeneity_aware: bool = True  # candidates per GPU type at the job's speed there; False = one pool, type-blind
     objective: str = "max_min_fairness"  # or "makespan": finish every job's remaining work as early as possible
+    partitions: int = 0             # POP: split jobs and every type's GPUs into this many LPs; 0 = by partition_jobs
+    partition_jobs: int = 2000      # with partitions = 0: one LP per this many jobs (1 LP up to it)
 
     def __post_init__(self):
+        if self.partitions < 0 or self.partition_jobs < 1:
+            raise ValueError("partitions must be >= 0 and partition_jobs >= 1")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.max_gpus_per_job < 1:
@@ -184,7 +188,9 @@ class GavelPolicy:
         types, type_capacity = self.pool_types(snapshot)
         capacity = int(type_capacity.sum())
         per_node = gpus_per_node(snapshot)
-        # Candidates: (count, type) pairs; a count must fit the type's GPUs.
+        # Candidates: (count, type) pairs; a count must fit the type's GPUs (type-blind: the
+        # largest type's, since a job still runs on one type).
+        widest = largest_type_gpus(snapshot)
         job_list: list[int] = []
         gpu_list: list[int] = []
         type_list: list[int] = []
@@ -192,7 +198,7 @@ class GavelPolicy:
             for t, gpu_type in enumerate(types):
                 if gpu_type and not job_.allows(gpu_type):
                     continue
-                for g in self.candidate_counts(job_, int(type_capacity[t])):
+                for g in self.candidate_counts(job_, min(int(type_capacity[t]), widest)):
                     job_list.append(j)
                     gpu_list.append(g)
                     type_list.append(t)
@@ -228,9 +234,21 @@ class GavelPolicy:
         budget = snapshot.storage_bandwidth_bytes_per_s
         if io_row is not None:
             io_row = io_row[keep]
-        fraction, level = _max_min_lp(job, gpus, normalized, weight, len(jobs), type_capacity, kind, self.water_fill,
-                                      io_row if io_row is not None and np.isfinite(budget) else None, budget)
+        io_lp = io_row if io_row is not None and np.isfinite(budget) else None
+        parts = self.partition_count(len(jobs))
+        if parts <= 1:
+            fraction, level = _max_min_lp(job, gpus, normalized, weight, len(jobs), type_capacity, kind, self.water_fill,
+                                          io_lp, budget)
+        else:
+            fraction, level = _partitioned_lp(parts, job, gpus, normalized, weight, len(jobs), type_capacity, kind,
+                                              self.water_fill, io_lp, budget)
         return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level, io_row, types, kind)
+
+    def partition_count(self, n_jobs: int) -> int:
+        """LPs to split the round into (POP): ``partitions``, or with 0 one per ``partition_jobs`` jobs."""
+        if self.partitions:
+            return max(1, min(self.partitions, n_jobs))
+        return max(1, -(-n_jobs // self.partition_jobs))
 
     def _reference(self, jobs, job, gpus, kind, throughput, type_capacity) -> np.ndarray:
         """Per job: what its throughput is divided by (see the module docstring).
@@ -280,6 +298,9 @@ class GavelPolicy:
             if allocation.fraction[c] > _NOISE or not choices.get(int(allocation.job[c])):
                 choices.setdefault(int(allocation.job[c]), []).append(int(c))
         blind = blind_preferences(snapshot, [job.job_id for job in jobs]) if not self.heterogeneity_aware else None
+        fastest: dict[int, list[int]] = {}
+        for c in np.lexsort((-allocation.throughput, allocation.job)):
+            fastest.setdefault(int(allocation.job[c]), []).append(int(c))
 
         def admit(excluded: frozenset[str]):
             room = TypeRoom(snapshot)
@@ -292,6 +313,17 @@ class GavelPolicy:
                 if job.job_id in excluded or not choices.get(j):
                     continue
                 picked = self._pick(job, allocation, choices[j], room, blind)
+                if picked is not None:
+                    counts[job.job_id], preferences[job.job_id] = picked
+            # Work conservation: GPUs the LP's choices left over go to jobs still waiting, in
+            # the same order, on any type they may use (fastest first) and any count they fit.
+            for j in order:
+                job = jobs[j]
+                if room.total == 0:
+                    break
+                if job.job_id in counts or job.job_id in excluded:
+                    continue
+                picked = self._fill(job, allocation, fastest.get(j, []), room, blind)
                 if picked is not None:
                     counts[job.job_id], preferences[job.job_id] = picked
             return place(snapshot, counts, list(counts), preferences=preferences).placements, list(counts)
@@ -326,6 +358,22 @@ class GavelPolicy:
             for gpu_type in (t for t in types_of(first) if job.allows(t)):
                 left = min(room.room.get(gpu_type, 0), room.left, int(allocation.gpus[first]))
                 if left >= job.min_gpus and room.claim(left, (gpu_type,)) is not None:
+                    return left, (gpu_type,)
+        return None
+
+    def _fill(self, job: JobInfo, allocation: GavelAllocation, fastest: list[int], room: TypeRoom,
+              blind: dict[str, tuple[str, ...]] | None) -> tuple[int, tuple[str, ...]] | None:
+        """Leftover GPUs for a job the round passed over: its candidates ``fastest`` first, each
+        on its type (any type in the blind order, type-blind), else (elastic) what a type has left."""
+        for c in fastest:
+            types = blind[job.job_id] if blind is not None else (allocation.type_of(c),)
+            gpu_type = room.claim(int(allocation.gpus[c]), tuple(t for t in types if job.allows(t)))
+            if gpu_type is not None:
+                return int(allocation.gpus[c]), (gpu_type,)
+        if self.elastic and not job.rigid:
+            for gpu_type in sorted(room.room, key=lambda t: -room.room[t]):
+                left = min(room.room[gpu_type], room.left, job.max_gpus, self.max_gpus_per_job)
+                if job.allows(gpu_type) and left >= job.min_gpus and room.claim(left, (gpu_type,)) is not None:
                     return left, (gpu_type,)
         return None
 
@@ -375,6 +423,31 @@ def _undominated(job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, n_jo
     on_hull = np.zeros((n_jobs, width), dtype=bool)
     on_hull[hull_job, hull_end] = True
     return on_hull[job, gpus]
+
+
+def _partitioned_lp(
+    parts: int, job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
+    type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool, io: np.ndarray | None, io_budget: float,
+) -> tuple[np.ndarray, float]:
+    """POP (Narayanan et al., NSDI'21): job ``j`` goes to sub-problem ``j mod parts`` (jobs are in
+    arrival order, so every part gets a like mix), each part gets ``1/parts`` of every type's
+    GPUs (and of the storage budget), and the parts' LPs are solved one by one. Returns the
+    stitched ``X`` and the lowest part's level."""
+    fraction = np.zeros(job.size)
+    level = np.inf
+    part_of = job % parts
+    for p in range(parts):
+        mine = np.flatnonzero(part_of == p)
+        if mine.size == 0:
+            continue
+        members = np.unique(job[mine])
+        local = np.searchsorted(members, job[mine])
+        share = np.where(p < type_capacity % parts, type_capacity // parts + 1, type_capacity // parts)  # remainders to low parts
+        x, t = _max_min_lp(local, gpus[mine], normalized[mine], weight[members], members.size, share, kind[mine],
+                           water_fill, io[mine] if io is not None else None, io_budget / parts)
+        fraction[mine] = x
+        level = min(level, t)
+    return fraction, float(level if np.isfinite(level) else 0.0)
 
 
 def _max_min_lp(

@@ -74,7 +74,7 @@ from typing import Literal
 import numpy as np
 
 from scheduler import codesign as co
-from scheduler.placement import blind_preferences, node_types, place, placement_type
+from scheduler.placement import blind_preferences, largest_type_gpus, node_types, place, placement_type
 from scheduler.policies.estimates import io_demand
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
 from scheduler.policies.typed_counts import assign_types, best_start
@@ -317,8 +317,13 @@ class PolluxPolicy:
     def schedule(self, snapshot: ClusterSnapshot) -> Plan:
         if not snapshot.jobs:
             return Plan({})
-        if len(snapshot.gpu_types()) > 1 and self.heterogeneity_aware:
-            return self._schedule_typed(snapshot)
+        if len(snapshot.gpu_types()) > 1:
+            if self.heterogeneity_aware:
+                return self._schedule_typed(snapshot)
+            # Type-blind, but a job still runs on one type: no count above the largest type's GPUs.
+            widest = largest_type_gpus(snapshot)
+            if widest < self.max_gpus_per_job:
+                return dataclasses.replace(self, max_gpus_per_job=widest).schedule(snapshot)
         table = self.speedup_table(snapshot)
         utility = table.utility
         best_value, best, counts = -np.inf, None, None
