@@ -11,6 +11,10 @@ jobs are running and policies that keep jobs in place have work to do. Rigid pol
 sjf, tiresias, themis) give jobs their requested count; elastic ones (gavel's candidates,
 pollux) may choose any count in the bounds.
 
+``--gpu-types v100,p100,k80`` gives the nodes those types in turn and every job its models
+on them (estimator.gpu_types). ``--compare-partitions 1,2,4`` instead times gavel's LP split
+POP-style into that many parts and measures the quality lost against the first (unsplit).
+
 Each policy is called once to warm up (profile loading, imports), then ``--runs`` timed
 calls; the table shows the median and the slowest call, how many jobs got GPUs and how many
 GPUs were handed out. Targets (issue 4): gavel well under 1 s, pollux under 5 s.
@@ -99,6 +103,38 @@ def time_policy(name: str, snapshot: ClusterSnapshot, runs: int, options: dict |
     return statistics.median(timings), max(timings), running, gpus
 
 
+def compare_partitions(snapshot: ClusterSnapshot, counts: list[int], runs: int) -> None:
+    """gavel's LP split into P parts (POP) against the whole LP: time and quality of the allocation.
+
+    Quality is measured on the whole problem: the lowest and the mean normalized throughput
+    (``sum_c X thr / ref``, the max-min objective and what water-filling raises) of the
+    stitched allocation, relative to the unpartitioned LP's.
+    """
+    from scheduler.policies.gavel import GavelPolicy
+
+    print(f"{'partitions':>10} {'solve s':>8} {'round s':>8} {'min norm':>9} {'mean norm':>10} {'loss min':>9} {'loss mean':>10} {'GPUs used':>10}")
+    base = None
+    for parts in counts:
+        policy = GavelPolicy(partitions=parts)
+        solve_times, round_times = [], []
+        for _ in range(runs):
+            start = time.perf_counter()
+            solved = policy.solve(snapshot)
+            solve_times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            plan = policy.schedule(snapshot)
+            round_times.append(time.perf_counter() - start)
+        check_plan(snapshot, plan)
+        norm = solved.normalized_throughput()
+        has = np.bincount(solved.job, minlength=len(solved.jobs)) > 0
+        low, mean = float(norm[has].min()), float(norm[has].mean())
+        if base is None:
+            base = (low, mean)
+        used = sum(a.gpus for a in plan.allocations.values())
+        print(f"{parts:>10d} {statistics.median(solve_times):>8.3f} {statistics.median(round_times):>8.3f} {low:>9.4f} "
+              f"{mean:>10.4f} {1 - low / base[0]:>9.2%} {1 - mean / base[1]:>10.2%} {used:>10d}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2000, help="active jobs (default 2000)")
@@ -108,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", action="append", help="time only these policies (repeat); default: every registered one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gpu-types", default="", help="comma list: nodes take these GPU types in turn (e.g. v100,p100,k80)")
+    parser.add_argument("--compare-partitions", default="",
+                        help="comma list of POP partition counts for gavel (e.g. 1,2,4): time and quality against the first")
     args = parser.parse_args(argv)
 
     types = tuple(t for t in args.gpu_types.split(",") if t)
@@ -121,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(snapshot.current.allocations)} jobs running before the round); "
         f"median of {args.runs} runs after a warm-up"
     )
+    if args.compare_partitions:
+        compare_partitions(snapshot, [int(p) for p in args.compare_partitions.split(",")], args.runs)
+        return 0
     print(f"{'policy':<12} {'median s':>9} {'max s':>8} {'jobs placed':>12} {'GPUs used':>10}")
     for name in names:
         median, worst, running, gpus = time_policy(name, snapshot, args.runs)

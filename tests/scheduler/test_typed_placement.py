@@ -85,3 +85,18 @@ def test_rigid_policies_admit_per_type_and_backfill():
             assert len(types_of(snap, a.placement)) == 1, (name, job_id)
             assert a.gpu_type in ("k80", "v100")
         assert sum(a.gpus for a in plan.allocations.values()) >= 8, name
+
+
+def test_silod_codesign_keeps_working_on_a_typed_cluster():
+    # Cache and a tight storage budget on a k80 + v100 cluster: every co-designing policy
+    # still grants cache and IO within capacity (check_plan), with one type per job.
+    nodes = tuple(dataclasses.replace(n, cache_capacity_bytes=4e9) for n in cluster(1, 1))
+    jobs = [tjob(f"j{k}", app, gpus=2, dataset=app) for k, app in enumerate(["imagenet", "cifar10", "deepspeech2"])]
+    snap = make_snapshot(nodes, jobs, storage_bandwidth_bytes_per_s=50e6)
+    for name in ("fifo", "sjf", "tiresias", "themis", "gavel", "pollux"):
+        plan = get_policy(name, codesign=True).schedule(snap)
+        assert_sound(snap, plan)
+        assert plan.allocations, name
+        for a in plan.allocations.values():
+            assert len(types_of(snap, a.placement)) == 1, name
+        assert any(a.remote_io_bytes_per_s < float("inf") for a in plan.allocations.values()), name
