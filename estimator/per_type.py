@@ -55,24 +55,14 @@ class TypedModels:
             return self.models[gpu_type]
         return typed_models(self.reference, [gpu_type])[gpu_type]
 
-    def observe(
-        self,
-        gpu_type: str,
-        gpus: ArrayLike,
-        nodes: ArrayLike,
-        batch_size: ArrayLike,
-        step_time_s: ArrayLike,
-        sync_time_s: ArrayLike = 0.0,
-        grad_sqr: ArrayLike = 0.0,
-        grad_var: ArrayLike = 0.0,
-    ) -> JobModel:
+    def observe(self, gpu_type: str, *steps: ArrayLike, grad_sqr: ArrayLike = 0.0, grad_var: ArrayLike = 0.0) -> JobModel:
         """Fold steps measured on ``gpu_type`` in; return the job's refitted model on that type.
 
-        Arguments as :func:`estimator.observe.observe` (``ValueError`` on impossible reports).
+        ``steps`` are :func:`estimator.observe.observe`'s ``gpus, nodes, batch_size,
+        step_time_s[, sync_time_s]`` (``ValueError`` on impossible reports).
         """
         if gpu_type in ("", REFERENCE_TYPE):
-            self.reference = observe(self.reference, self.reference_log, gpus, nodes, batch_size, step_time_s,
-                                     sync_time_s, grad_sqr, grad_var)
+            self.reference = observe(self.reference, self.reference_log, *steps, grad_sqr=grad_sqr, grad_var=grad_var)
             # Other types' models share the gradient statistics and follow the new compute fit.
             self.models = {t: self._refit(t) for t in self.logs}
             return self.reference
@@ -81,7 +71,7 @@ class TypedModels:
         log = self.logs.setdefault(gpu_type, ObservationLog())
         scratch = dataclasses.replace(self.model_on(gpu_type), grad=grad, grad_reports=reports)
         # observe() validates the rows and appends them to the type's log; its fit is redone in _refit.
-        observe(scratch, log, gpus, nodes, batch_size, step_time_s, sync_time_s)
+        observe(scratch, log, *steps)
         self.models = {t: self._refit(t) for t in self.logs}
         return self.models[gpu_type]
 
