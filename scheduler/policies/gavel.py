@@ -8,8 +8,11 @@ type is any type of the pool the job allows whose GPUs hold the count. Its throu
 job's goodput on that type (``JobInfo.model_on``), so the LP trades types by *effective
 throughput* as Gavel does. Each type has its own capacity row. On an untyped cluster there
 is one type and this is the homogeneous LP. ``heterogeneity_aware=False`` (the baseline)
-collapses the types into one pool priced at the job's reference model and lets the round
-put a count on whichever type has the most room. A later issue adds cache
+collapses the types into one pool priced at the job's reference model (counts capped at the
+largest type's GPUs) and lets the round put a count on a type in a speed-blind order
+(:func:`scheduler.placement.blind_preferences`). Many jobs: the LP is split POP-style
+(:func:`_partitioned_lp`). After the LP's choices, leftover GPUs go to waiting jobs at any
+count and type they fit. A later issue adds cache
 and remote IO grants as further candidate dimensions (one more column set per grant
 level, priced by the same estimator call, see :mod:`scheduler.policies.pollux_estimates`).
 
