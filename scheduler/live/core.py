@@ -567,6 +567,7 @@ class SchedulerCore:
         if self.cache_mode == "silod" and math.isfinite(snap.storage_bandwidth_bytes_per_s):
             proto.storage_bandwidth_budget_bytes_per_s = int(snap.storage_bandwidth_bytes_per_s)
         proto.created_at.GetCurrentTime()
+        kinds = node_types(snap)
         for job in jobs:
             alloc = plan.get(job.id)
             entry = proto.jobs.add(job_id=job.id)
@@ -574,7 +575,7 @@ class SchedulerCore:
                 for node, idx in alloc.placement:
                     entry.placements.add(node=node, gpu_indices=list(idx))
                 # The type the job runs on, from its nodes (the policy's Allocation may leave it "").
-                entry.gpu_type = placement_type(alloc.placement, node_types(snap), None) if alloc.placement else ""
+                entry.gpu_type = placement_type(alloc.placement, kinds, None) if alloc.placement else ""
                 entry.batch_size = alloc.batch_size or job.spec.batch_size
                 if job.id in training_ids:
                     data.add_grants(entry, alloc, self.cache_mode, job.spec.dataset, managed)
