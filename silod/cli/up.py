@@ -72,9 +72,14 @@ class _Stop(Exception):
 def _node_layout(args: argparse.Namespace) -> list[tuple[str, str, int, str]]:
     """``(pool, name, gpus, gpu_type)`` of every emulated node, from ``--cluster`` or the count flags."""
     if not args.cluster:
-        from simulator.cluster import cluster_from_dict  # deferred: a server package (the [sim]/[server] extras)
+        if args.gpu_type:
+            from simulator.cluster import cluster_from_dict  # deferred: a server package
+            from simulator.errors import SimulatorInputError
 
-        cluster_from_dict({"nodes": 1, "gpu_type": args.gpu_type}, "--gpu-type")  # validates the type
+            try:
+                cluster_from_dict({"nodes": 1, "gpu_type": args.gpu_type}, "--gpu-type")  # validates the type
+            except SimulatorInputError as exc:
+                raise ValueError(str(exc)) from None
         return ([("training", f"node-{i}", args.gpus_per_node, args.gpu_type) for i in range(args.nodes)]
                 + [("inference", f"infer-{i}", args.gpus_per_node, args.gpu_type) for i in range(args.inference_nodes)])
     from simulator.cluster import load_cluster
@@ -162,8 +167,6 @@ def _up(args: argparse.Namespace) -> int:
             sched_flags += ["--storage-bandwidth-bytes-per-s", f"{args.storage_bandwidth_bytes_per_s:g}"]
         sch = start("scheduler", "scheduler", *sched_flags, tier=core)
         dashboard = f"http://{dash_future.result().address}/" if dash_future is not None else ""
-        pools = layout
-
         def start_node(pool: str, name: str, gpus: int, gpu_type: str) -> dict[str, Any]:
             node_dir = state / "nodes" / name
             node: dict[str, Any] = {"name": name, "pool": pool, "gpus": gpus, "gpu_type": gpu_type,
@@ -192,7 +195,7 @@ def _up(args: argparse.Namespace) -> int:
             return node
 
         # Each node starts its cache server, then its agent (which needs the cache's address).
-        futures = [side.submit(start_node, *entry) for entry in pools]
+        futures = [side.submit(start_node, *entry) for entry in layout]
         wait(futures)
         nodes = [f.result() for f in futures]  # re-raises the first failure (_Stop, LaunchError, ...)
         info = {"pid": os.getpid(), "state_dir": str(state), "db": db, "metadata": md.address,
