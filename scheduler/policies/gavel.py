@@ -329,6 +329,19 @@ class GavelPolicy:
                 picked = self._fill(job, allocation, fastest.get(j, []), room, blind)
                 if picked is not None:
                     counts[job.job_id], preferences[job.job_id] = picked
+            # Still GPUs left: elastic jobs that start (or move) this round anyway grow into them
+            # on their type; a job running in place is not restarted for a few more GPUs.
+            for j in order:
+                job = jobs[j]
+                if room.total == 0:
+                    break
+                if job.job_id not in counts or job.rigid or not self.elastic or snapshot.current.get(job.job_id):
+                    continue
+                gpu_type = preferences[job.job_id][0]
+                extra = min(room.room.get(gpu_type, 0), room.left,
+                            min(job.max_gpus, self.max_gpus_per_job) - counts[job.job_id])
+                if extra > 0 and room.claim(extra, (gpu_type,)) is not None:
+                    counts[job.job_id] += extra
             return place(snapshot, counts, list(counts), preferences=preferences).placements, list(counts)
 
         if allocation.io is not None:

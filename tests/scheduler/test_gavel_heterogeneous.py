@@ -83,3 +83,21 @@ def test_type_constraints_and_one_type_per_job_hold_under_both_modes():
         types = job_types(snap, plan)
         assert all(len(t) == 1 for t in types.values()), types
         assert types.get("j0", {"k80"}) == {"k80"}
+
+
+def test_pop_partitions_stay_close_to_the_whole_lp_and_every_usable_gpu_is_placed():
+    nodes = typed(make_nodes(4, 4, prefix="k"), "k80") + typed(make_nodes(4, 4, prefix="v"), "v100")
+    apps = ["imagenet", "cifar10", "bert", "deepspeech2", "ncf", "yolov3"]
+    jobs = [tjob(f"j{k:02d}", apps[k % 6], gpus=1 + k % 3, min_gpus=1, max_gpus=4, submit=k) for k in range(24)]
+    snap = make_snapshot(nodes, jobs)
+    whole, split = GavelPolicy().solve(snap), GavelPolicy(partitions=4).solve(snap)
+    assert GavelPolicy().partition_count(24) == 1 and GavelPolicy(partition_jobs=10).partition_count(24) == 3
+    # Each part gets a quarter of every type; the stitched allocation keeps every capacity row.
+    for solved in (whole, split):
+        for t, gpu_type in enumerate(solved.types):
+            used = float(np.sum(solved.fraction * solved.gpus * (solved.gpu_type == t)))
+            assert used <= 16 + 1e-6, gpu_type
+    assert split.normalized_throughput().min() >= 0.9 * whole.normalized_throughput().min()
+    plan = GavelPolicy(partitions=4).schedule(snap)
+    assert_sound(snap, plan)
+    assert sum(a.gpus for a in plan.allocations.values()) == 32  # 24 jobs of up to 4 GPUs can use all 32
