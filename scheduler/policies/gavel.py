@@ -309,26 +309,23 @@ class GavelPolicy:
             room = TypeRoom(snapshot)
             counts: dict[str, int] = {}
             preferences: dict[str, tuple[str, ...]] = {}
-            for j in order:
-                if room.total == 0:
-                    break
-                job = jobs[j]
-                if job.job_id in excluded or not choices.get(j):
-                    continue
-                picked = self._pick(job, allocation, choices[j], room, blind)
-                if picked is not None:
-                    counts[job.job_id], preferences[job.job_id] = picked
+
+            def offer(choose) -> None:
+                """Jobs without GPUs yet, in round order, take what ``choose(j, job)`` claims."""
+                for j in order:
+                    if room.total == 0:
+                        break
+                    job = jobs[j]
+                    if job.job_id in counts or job.job_id in excluded:
+                        continue
+                    picked = choose(j, job)
+                    if picked is not None:
+                        counts[job.job_id], preferences[job.job_id] = picked
+
+            offer(lambda j, job: self._pick(job, allocation, choices[j], room, blind) if choices.get(j) else None)
             # Work conservation: GPUs the LP's choices left over go to jobs still waiting, in
             # the same order, on any type they may use (fastest first) and any count they fit.
-            for j in order:
-                job = jobs[j]
-                if room.total == 0:
-                    break
-                if job.job_id in counts or job.job_id in excluded:
-                    continue
-                picked = self._fill(job, allocation, fastest.get(j, []), room, blind)
-                if picked is not None:
-                    counts[job.job_id], preferences[job.job_id] = picked
+            offer(lambda j, job: self._fill(job, allocation, fastest.get(j, []), room, blind))
             # Still GPUs left: elastic jobs that start (or move) this round anyway grow into them
             # on their type; a job running in place is not restarted for a few more GPUs.
             for j in order:
