@@ -32,6 +32,7 @@ from silod.data.shards import parse_sample_key
 from silod.data.storage_options import BOOL_OPTIONS, parse_bool_option, version_tag
 
 SCHEMES = ("file", "s3")
+MAX_POOL_CONNECTIONS = 128
 # fsspec/s3fs options that carry credentials: the spec is stored in the metadata database, so
 # they must come from the environment instead.
 SECRET_OPTIONS = frozenset(
@@ -103,6 +104,9 @@ def _s3_options(options: Mapping[str, str], timeout_s: float) -> dict[str, Any]:
         "connect_timeout": timeout_s,
         "read_timeout": timeout_s,
         "retries": {"max_attempts": 1},
+        # botocore's default pool is 10 connections: with 20 ms per request that caps a reader at
+        # ~500 requests/s whatever the number of threads, below a 100 MB/s link of 114 KB objects.
+        "max_pool_connections": MAX_POOL_CONNECTIONS,
     }
     out["skip_instance_cache"] = True
     out["use_listings_cache"] = False

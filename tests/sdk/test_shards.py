@@ -8,6 +8,7 @@ import io
 import os
 import random
 import tarfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -116,10 +117,41 @@ def test_samples_read_through_the_cache_in_epoch_shuffle_order(
             assert seen == Counter((base, m["jpg"], m["cls"]) for base, m in samples.items())
         job = cache.stats("shard-job").jobs[0]
         total = sum(dataset.manifest.sizes)
-        # Every sample fetched from the store once (a ranged read of its bytes only), the
-        # second epoch served from the tiers.
-        assert job.remote_bytes == total
+        # Every sample fetched from the store once (ranged reads of its bytes, plus the tar
+        # padding between samples read together), the second epoch served from the tiers.
+        assert total <= job.remote_bytes <= total + 512 * len(samples)
         assert job.hits >= len(samples)
+
+
+def test_prefetch_reads_adjacent_samples_of_a_shard_in_one_request(
+    sharded: tuple[Path, dict], tmp_path: Path, metadata: str
+) -> None:
+    dataset = SilodDataset("sharded", cache_addr="", metadata_addr=metadata)
+    with InProcessCache(tmp_path, metadata) as cache:
+        fetches_before = _remote_fetches("-")
+        cache.stub.Prefetch(cache_pb2.PrefetchRequest(dataset="sharded"))  # the whole dataset, shared
+        deadline = time.monotonic() + 30
+        while cache.stats().tiers[0].used_bytes < sum(dataset.manifest.sizes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fetches = _remote_fetches("-") - fetches_before
+        response = cache.lease("reader", "sharded", dataset.keys)
+        assert all(obj.tier != "remote" for obj in response.objects)
+        for obj, size in zip(response.objects, dataset.manifest.sizes):
+            assert obj.size_bytes == size
+        # 4 shards of ~110 KB: coalesced reads of up to 4 MiB need about one request per shard
+        # (a few more where two prefetch slots started inside the same shard), not one per sample.
+        assert 4 <= fetches <= 40, fetches
+        leased = {parse_sample_key(obj.key).sample: decode_sample(Path(obj.path).read_bytes())
+                  for obj in response.objects}
+        _, samples = sharded
+        assert {k: (v["jpg"], v["cls"]) for k, v in leased.items()} == {
+            k: (m["jpg"], m["cls"]) for k, m in samples.items()}
+
+
+def _remote_fetches(job: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("silod_cache_remote_fetches_total", {"job": job}) or 0.0
 
 
 def test_uniform_caching_hits_the_cached_fraction_of_samples(
@@ -143,7 +175,9 @@ def test_uniform_caching_hits_the_cached_fraction_of_samples(
         job = cache.stats("u").jobs[0]
     cached_fraction = job.cached_bytes / sum(dataset.manifest.sizes)
     assert 0.4 < cached_fraction <= 0.5
-    assert ratios[0] == 0.0
+    # The first epoch hits only what the read-ahead of its misses brought in (the samples that
+    # follow a missed one in its shard), never more than fits.
+    assert ratios[0] <= cached_fraction + 0.08
     for ratio in ratios[1:]:  # sample-granular caching: the hit ratio is the cached fraction
         assert ratio == pytest.approx(cached_fraction, abs=0.08)
 
@@ -209,4 +243,6 @@ def test_shards_in_s3_are_read_by_byte_range(tmp_path: Path, metadata: str) -> N
             got = {as_tuple(s) for s in cached.__getitems__(list(range(60)))}
             assert got == {(base, m["jpg"], m["cls"]) for base, m in samples.items()}
             job = cache.stats("s3j").jobs[0]
-            assert job.remote_bytes == sum(cached.manifest.sizes) < sum(len(d) for d, _ in shards.values())
+            # The samples' bytes and the tar padding between neighbours read together; not the shards.
+            total = sum(cached.manifest.sizes)
+            assert total <= job.remote_bytes <= total + 512 * 60 < sum(len(d) for d, _ in shards.values())
