@@ -23,8 +23,9 @@ same tar shards registered with ``--format tar-shards``).
 Rows, each with its physical limit:
 
 - ``cold``: the first epoch, nothing cached. Limit: the link, bandwidth / sample bytes.
-- ``warm``: the next epoch. Limit: the same workers reading the same bytes from local files
-  in tmpfs (``local files`` row, measured in this run).
+- ``warm``: the epochs after the first (median of ``--repeats``; min and max printed below
+  the table). Limit: the same workers reading the same bytes from local files in tmpfs
+  (``local files`` row, measured in this run, also the median of ``--repeats``).
 - ``cache=1/2``: the dataset is twice the cache (silod: a memory tier of half the dataset,
   uniform caching), second epoch. Limit: the link for the half that is not cached,
   bandwidth / (sample bytes x 1/2), at most the local limit.
@@ -46,6 +47,7 @@ import io
 import os
 import pathlib
 import shutil
+import statistics
 import sys
 import tarfile
 import tempfile
@@ -255,15 +257,8 @@ def open_s3_for_webdataset(endpoint: str) -> Callable[..., Any]:
     return opener
 
 
-class LitTensor:
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> Any:
-        return to_tensor(self.dataset[i]["data"])
+def lit_tensor(sample: dict[str, bytes]) -> Any:
+    return to_tensor(sample["data"])
 
 
 def main() -> int:
@@ -277,6 +272,8 @@ def main() -> int:
     parser.add_argument("--compute", type=float, default=2.5, help="seconds of emulated compute per batch "
                         "in the compute row (default 2.5: more than the plain loader needs per batch)")
     parser.add_argument("--compute-batches", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=3, help="warm epochs per loader (and local-file "
+                        "epochs): the table shows the median, min and max are printed below it (default 3)")
     parser.add_argument("--loaders", default="plain,plain-tuned,webdataset,streaming,litdata,silod,silod-shards")
     parser.add_argument("--rows", default="cold,warm,cache=1/2,2 jobs,compute")
     parser.add_argument("--quick", action="store_true", help="1024 samples, compute 1.5 s")
@@ -363,6 +360,7 @@ def main() -> int:
                 print(f"    cpu: job {job_cpu:.2f}s, cache server {server_cpu:.2f}s", flush=True)
             return samples / seconds, memory.peak
 
+        spreads: dict[str, list[float]] = {}
         # The warm limit: the same workers reading the same files from tmpfs.
         class LocalFiles(torch.utils.data.Dataset):  # type: ignore[type-arg]
             def __len__(self) -> int:
@@ -372,8 +370,9 @@ def main() -> int:
                 with open(local / keys[i], "rb") as f:
                     return to_tensor(f.read())
 
-        local_rate, local_pss = measure(lambda: loader_of(LocalFiles()))
-        local_rate = max(local_rate, measure(lambda: loader_of(LocalFiles()))[0])
+        local_runs = [measure(lambda: loader_of(LocalFiles())) for _ in range(args.repeats)]
+        local_rate, local_pss = statistics.median(r[0] for r in local_runs), max(r[1] for r in local_runs)
+        spreads["local files"] = [r[0] for r in local_runs]
         limits = {"cold": link, "warm": local_rate, "cache=1/2": min(local_rate, 2 * link), "2 jobs": 2 * link,
                   "compute": args.batch_size / args.compute}
         table = Table(rows)
@@ -390,11 +389,13 @@ def main() -> int:
                     if row == "cold":
                         rate, pss = measure(lambda: epoch("cold"), extra())
                     elif row in ("warm", "cache=1/2"):
-                        if not has_cache:
-                            rate, pss = measure(lambda: epoch("cold"), extra())
-                        else:
+                        if has_cache:
                             measure(lambda: epoch("cold"), extra())  # the first epoch fills the cache
-                            rate, pss = measure(lambda: epoch("warm"), extra())
+                        repeats = args.repeats if row == "warm" and has_cache else 1
+                        runs = [measure(lambda: epoch("warm" if has_cache else "cold"), extra()) for _ in range(repeats)]
+                        rate, pss = statistics.median(r[0] for r in runs), max(r[1] for r in runs)
+                        if row == "warm":
+                            spreads[name] = [r[0] for r in runs]
                     elif row == "2 jobs":
                         rate, pss = measure(lambda: epoch("cold"), extra(), jobs=2)
                     else:
@@ -430,7 +431,8 @@ def main() -> int:
                         cache_dir["path"] = tempfile.mkdtemp(prefix="wds-", dir=work)
                     pipeline = (wds.WebDataset(urls, shardshuffle=len(urls), cache_dir=cache_dir["path"],
                                                empty_check=False, nodesplitter=wds.single_node_only)
-                                .shuffle(1000).to_tuple("jpg").map(WdsTensor()).batched(args.batch_size))
+                                .shuffle(1000).to_tuple("jpg").map(WdsTensor())
+                                .batched(args.batch_size, collation_fn=torch.stack))
                     return wds.WebLoader(pipeline, batch_size=None, num_workers=args.workers,
                                          multiprocessing_context="fork", prefetch_factor=2)
 
@@ -448,7 +450,11 @@ def main() -> int:
                     print(f"    litdata: {litdata_problem}", flush=True)
                     continue
                 import litdata
+                import litdata.streaming.downloader as lit_downloader
 
+                # Its obstore client refuses plain http (the emulator on loopback) and LitData
+                # exposes no option for it: allow it, as a user with an http endpoint would have to.
+                lit_downloader._OBSTORE_CLIENT_OPTIONS = {**lit_downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
                 lit: dict[str, Any] = {"path": "", "row": ""}
 
                 def lit_epoch(phase: str) -> Any:
@@ -458,8 +464,9 @@ def main() -> int:
                     bound = {"max_cache_size": dataset_bytes // 2} if lit["row"] == "cache=1/2" else {}
                     dataset = litdata.StreamingDataset(
                         f"s3://{BUCKET}/litdata", shuffle=True, cache_dir=lit["path"],
-                        storage_options={"endpoint_url": endpoint}, **bound)
-                    return loader_of(LitTensor(dataset))
+                        storage_options={"endpoint_url": endpoint}, transform=lit_tensor, **bound)
+                    return litdata.StreamingDataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
+                                                       prefetch_factor=2, multiprocessing_context="fork")
 
                 run_rows(name, lit_epoch, True, no_pids, lambda row: lit.update(row=row))
             elif name in ("silod", "silod-shards"):
@@ -499,6 +506,9 @@ def main() -> int:
         print(table.render())
         print(f"\nlimits (samples/s): cold {limits['cold']:,.0f} (link), warm {limits['warm']:,.0f} (local files), "
               f"cache=1/2 {limits['cache=1/2']:,.0f}, 2 jobs {limits['2 jobs']:,.0f}, compute {limits['compute']:,.0f}")
+        print(f"warm epochs, min / median / max of {args.repeats} (samples/s):")
+        for name, rates in spreads.items():
+            print(f"  {name:<13} {min(rates):>9,.0f} {statistics.median(rates):>9,.0f} {max(rates):>9,.0f}")
         print("load average at the end: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
         return 0
     finally:
