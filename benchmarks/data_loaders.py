@@ -43,7 +43,6 @@ cache server for silod -- sampled every 100 ms.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import pathlib
 import shutil
@@ -65,7 +64,7 @@ try:
 except ImportError:  # run from a clone without installing
     sys.path.insert(0, str(HERE.parent))
 
-from data_loading import PlainS3Dataset, make_files, to_tensor  # noqa: E402  (the sibling benchmark)
+from data_loading import PlainS3Dataset, bench_directories, make_files, to_tensor  # noqa: E402  (the sibling benchmark)
 
 BUCKET = "bench"
 SAMPLES_PER_SHARD = 256
@@ -290,14 +289,9 @@ def main() -> int:
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     from silod.cli.main import main as silod_main
     from silod.data import EpochShuffleSampler, SilodDataset
-    from silod.data.shards import decode_sample
     from silod.launcher import start_service
 
-    for name, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
-        os.environ.setdefault(name, value)
-    work = pathlib.Path(tempfile.mkdtemp(prefix="silod-bench-"))
-    shm = pathlib.Path(tempfile.mkdtemp(prefix="silod-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    work, shm = bench_directories()
     services: list[Any] = []
     caches: list[Any] = []
     try:

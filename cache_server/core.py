@@ -737,12 +737,14 @@ class CacheCore:
             return None
         part.reserved += size
         tier.used += size
+        tier.writing += size
         # Unique per admission: a doomed (evicted, still leased) copy of the same version never
         # shares a path with its successor.
         name = f"{entry_name(ds.name, key, etag)}.{secrets.token_hex(4)}"
         try:
             digest, mtime_ns = await asyncio.get_running_loop().run_in_executor(self._file_pool, tier.write, name, data)
         except OSError as exc:
+            tier.writing -= size
             part.reserved -= size
             tier.used -= size
             if is_no_space(exc):
@@ -757,6 +759,7 @@ class CacheCore:
                 metrics.PASS_THROUGH.labels(job=metrics.job_label(job.job_id), reason="write-error").inc()
             return None
         part.reserved -= size
+        tier.writing -= size
         old = self._index.get((ds.name, key))
         if old is not None:
             self._evict(old)
@@ -1278,7 +1281,7 @@ class CacheCore:
             "node": self.config.node,
             "plan_version": self.plan_version,
             "tiers": [
-                {"tier": t.name, "capacity_bytes": t.capacity, "used_bytes": t.used, "hits": t.hits, "misses": t.misses}
+                {"tier": t.name, "capacity_bytes": t.capacity, "used_bytes": t.used - t.writing, "hits": t.hits, "misses": t.misses}
                 for t in self.tiers
             ],
             "jobs": [self.job_stats(j) for j in jobs],
