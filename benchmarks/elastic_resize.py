@@ -15,9 +15,10 @@ plans of the second size, and measures until rank 0 logs its first step at that 
   size are launched and load the checkpoint.
 
 Two numbers per resize: "to new size" (plans pushed -> rank 0's first step at the new size) and
-"stall" (rank 0's last step at the old size -> its first at the new size: the time the job
-trained not at all). In place, a grow keeps training at the old size while its newcomers start,
-so its stall is only the switch.
+"stall": how much longer than a usual step rank 0's gap between its last step at the old size
+and its first at the new size was (the gap minus the median gap between its steps before the
+resize), i.e. the training time the resize cost. In place, a grow keeps training at the old
+size while its newcomers start, so its stall is only the switch.
 
 No GPU is present here: this measures gloo on CPU only (NCCL runs the same code with CUDA).
 """
@@ -149,9 +150,10 @@ def measure(lab: Lab, run: int, before: int, after: int, fast: bool) -> tuple[fl
     first = _wait(lambda: [s for s in _steps(works, job) if s["world"] == after and s["rank"] == 0], 300,
                   f"{job} training at {after}")
     switched = min(s["t"] for s in first)
-    last_old = max(s["t"] for s in _steps(works, job) if s["world"] == before and s["rank"] == 0)
+    old_times = sorted(s["t"] for s in _steps(works, job) if s["world"] == before and s["rank"] == 0)
+    usual_gap = statistics.median(b - a for a, b in zip(old_times, old_times[1:]))
     lab.stop(job, 2)
-    return switched - started, switched - last_old
+    return switched - started, max(0.0, switched - old_times[-1] - usual_gap)
 
 
 def main(argv: list[str] | None = None) -> int:

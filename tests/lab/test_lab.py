@@ -23,7 +23,7 @@ if REASON and os.environ.get("CI") == "true":
 pytestmark = pytest.mark.skipif(bool(REASON), reason=REASON or "namespaces available")
 
 from silod.lab.cluster import Lab, LabError  # noqa: E402
-from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from silod.v1 import cache_pb2, cache_pb2_grpc, common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,6 +47,10 @@ def lab(tmp_path_factory):
     # heartbeat (5 s in compose) stays as deployed.
     lab = Lab(tmp_path_factory.mktemp("lab"), nodes=2)
     lab.services["scheduler"].environment["SILOD_NODE_TIMEOUT_S"] = "12"
+    # A read of an uncached object gives up after 2 x 4 s (+10 s slack) instead of the deployed
+    # 4 x 30 s when the storage host is gone: the case stays short, the behaviour is the same.
+    for n in range(2):
+        lab.services[f"cache-{n}"].environment.update({"SILOD_REMOTE_TIMEOUT_S": "4", "SILOD_REMOTE_RETRIES": "1"})
     with lab:
         yield lab
 
@@ -152,6 +156,49 @@ def test_cache_servers_fill_from_the_storage_host_by_its_name(lab: Lab) -> None:
 
     wait_for(lambda: cached_bytes(0) >= 8 * 4096 and cached_bytes(1) >= 8 * 4096, 60,
              "both nodes' cache tiers holding the dataset read from objectstore")
+
+
+def test_storage_host_gone_cached_reads_go_on_uncached_fail_clearly_then_recover(lab: Lab) -> None:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=f"http://{lab.address('objectstore', 5000)}", region_name="us-east-1",
+                      aws_access_key_id="silod", aws_secret_access_key="silod-secret")
+    s3.create_bucket(Bucket="gone")
+    keys = [f"{i:03d}.bin" for i in range(8)]
+    for i, key in enumerate(keys):
+        s3.put_object(Bucket="gone", Key=f"set/{key}", Body=bytes([i + 1]) * 8192)
+    done = lab.run("agent-0", [str(ROOT / ".venv/bin/silod"), "dataset", "register", "goneset", "s3://gone/set",
+                               "--option", "endpoint_url=http://objectstore:5000", "--metadata", "metadata:7070"],
+                   env={"AWS_ACCESS_KEY_ID": "silod", "AWS_SECRET_ACCESS_KEY": "silod-secret",
+                        "AWS_DEFAULT_REGION": "us-east-1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    cache = cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(lab.address("cache-0", 7071)))
+
+    def lease(some: list[str], timeout: float = 60) -> list[bytes]:
+        got = cache.Lease(cache_pb2.LeaseRequest(job_id="lab-reader", dataset="goneset", keys=some), timeout=timeout)
+        # The cache server's files, read where the job would read them (the same file system here).
+        return [Path(o.path).read_bytes() for o in got.objects]
+
+    assert lease(keys[:4]) == [bytes([i + 1]) * 8192 for i in range(4)]   # now cached on node 0
+    lab.link("objectstore", up=False)
+    try:
+        t0 = time.monotonic()
+        assert lease(keys[:4]) == [bytes([i + 1]) * 8192 for i in range(4)]
+        cached_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            lease(keys[4:5])
+        failed_s = time.monotonic() - t0
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
+        assert "remote store" in failed.value.details(), failed.value.details()
+        assert failed_s < 2 * 4 + 10 + 5, f"the uncached read took {failed_s:.1f}s to fail"
+    finally:
+        lab.link("objectstore", up=True)
+    t1 = time.monotonic()
+    assert wait_for(lambda: lease(keys[4:]), 60, "uncached reads working again") == \
+        [bytes([i + 1]) * 8192 for i in range(4, 8)]
+    print(f"[lab] storage host cut: cached reads {cached_s:.2f}s, an uncached read failed UNAVAILABLE after "
+          f"{failed_s:.1f}s, reads recovered {time.monotonic() - t1:.1f}s after link up")
 
 
 def test_a_broken_variable_in_compose_fails_the_lab(tmp_path: Path) -> None:
