@@ -7,7 +7,9 @@ under CI=true where a missing capability is a failure.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -214,8 +216,11 @@ def test_a_broken_variable_in_compose_fails_the_lab(tmp_path: Path) -> None:
 def test_worker_host_link_down_requeues_its_job_elsewhere_and_the_node_rejoins(lab: Lab) -> None:
     meta, jobs = stubs(lab)
     spec = common_pb2.JobSpec(name="long", application="cifar10", min_gpus=1, max_gpus=1, batch_size=16,
-                              sample_budget=100_000_000, emulated_step_compute_s=0.05)
+                              sample_budget=100_000_000, emulated_step_compute_s=0.05,
+                              env={"SILOD_CHECKPOINT_EVERY_S": "1"})
     job = jobs.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec, client_request_id="lab-long"), timeout=15)
+    # compose mounts one checkpoints volume on every agent
+    checkpoints = lab.state_dir / "volumes" / "checkpoints" / job.id / "checkpoints.jsonl"
 
     def placed_on() -> str:
         try:
@@ -230,11 +235,18 @@ def test_worker_host_link_down_requeues_its_job_elsewhere_and_the_node_rejoins(l
     first = wait_for(placed_on, 90, "the job running")
     host = "agent-" + first.split("-")[1]
     other = "node-1" if first == "node-0" else "node-0"
+    wait_for(lambda: checkpoints.exists() and checkpoints.read_text().strip(), 60, "a checkpoint of the job")
     t0 = time.monotonic()
     lab.link(host, up=False)
     try:
         wait_for(lambda: placed_on() == other, 90, f"the job running on {other}")
         moved_s = time.monotonic() - t0
+        # It resumed there from the checkpoint its ranks on the cut host wrote.
+        saved = max(json.loads(line)["samples_done"] for line in checkpoints.read_text().splitlines() if line.strip())
+        new_log = lab.state_dir / "volumes" / f"agent-work-{other.split('-')[1]}" / "jobs" / job.id / "rank-0.log"
+        resumed = wait_for(lambda: re.findall(r"emulated: resumed at samples=(\d+)", new_log.read_text())
+                           if new_log.exists() else None, 60, "the moved job's rank started")
+        assert int(resumed[-1]) > 0, f"the moved job started from scratch (a checkpoint held {saved} samples)"
         # Longer than the metadata's liveness window too: the node shows as down.
         wait_for(lambda: not node(meta, first).alive, 60, f"{first} shown down")
         # Cut off, the old agent cannot hear of the new plan: its rank is still running.
