@@ -38,7 +38,10 @@ Backend: NCCL when CUDA is available (the same code), gloo on CPU.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import os
+import socket
+import struct
 import sys
 import time
 from datetime import timedelta
@@ -57,6 +60,7 @@ REFORM_TIMEOUT_S = 120.0
 RESTART_EXIT_CODE = 75
 # Counter in a rendezvous store: the ranks that reached it (a held resize waits for its newcomers).
 ARRIVED_KEY = "silod/arrived"
+SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 STORE_CONNECT_TRY_S = 3.0  # one try to reach rank 0's rendezvous store (see _rendezvous_store)
 # How often a rank asks its agent for a directive: one loopback RPC, small next to a step, and
 # the resize waits for the first rank that learns of it.
@@ -138,6 +142,32 @@ class GradientNoise:
     @property
     def grad_var(self) -> float:
         return max(self.trace, 0.0) / self.base_batch
+
+
+def interface_towards(host: str, port: int) -> str | None:
+    """The name of the network interface this machine reaches ``host`` through, unless that is
+    loopback (every rank on one machine: the default binding is right) or it cannot be told."""
+    try:
+        import fcntl  # Linux and other Unixes; elsewhere the default binding stays
+    except ImportError:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))  # UDP: picks the route and source address, sends nothing
+            address = probe.getsockname()[0]
+            if ipaddress.ip_address(address).is_loopback:
+                return None
+            for _, name in socket.if_nameindex():
+                request = struct.pack("256s", name.encode()[:15])
+                try:
+                    assigned = socket.inet_ntoa(fcntl.ioctl(probe.fileno(), SIOCGIFADDR, request)[20:24])
+                except OSError:  # no IPv4 address on this interface
+                    continue
+                if assigned == address:
+                    return name
+    except OSError:
+        return None
+    return None
 
 
 class DistributedTraining:
@@ -262,6 +292,14 @@ class DistributedTraining:
         raise SystemExit(0)
 
     def _init_group(self, rank: int, world_size: int, rendezvous: tuple[str, int]) -> None:
+        interface = interface_towards(*rendezvous)
+        if interface:
+            # Gloo (and NCCL's bootstrap) bind to the address the machine's host name resolves to,
+            # and fall back to loopback where it does not resolve (or resolves to 127.0.1.1, as on
+            # Debian): ranks on other hosts could then never connect. The interface that reaches
+            # the rendezvous host is one they can reach us on. A value the job set wins.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
         store = self._rendezvous_store(rank, world_size, rendezvous)
         store.add(ARRIVED_KEY, 1)  # checks in: a held resize waits for its newcomers' check-ins
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -131,6 +132,47 @@ def test_a_job_spread_over_two_hosts_rendezvous_at_rank_0s_advertised_host(lab: 
     finally:
         jobs.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job.id, reason="test done"), timeout=15)
         wait_for(lambda: not task_pids(lab, "agent-0") and not task_pids(lab, "agent-1"), 60, "the ranks stopped")
+
+
+def test_a_ddp_job_trains_across_both_worker_hosts_on_data_from_the_storage_host(lab: Lab, tmp_path: Path) -> None:
+    """examples/train_ddp_digits.py as a 4-rank job, 2 ranks on each worker host: the ranks meet at
+    rank 0's advertised host name, all-reduce across the bridge, and read the digits through their
+    node's cache server from the storage host."""
+    import boto3
+
+    example = ROOT / "examples" / "train_ddp_digits.py"
+    python = str(ROOT / ".venv/bin/python")
+    subprocess.run([python, str(example), "prepare", str(tmp_path / "digits")], check=True, capture_output=True,
+                   timeout=120)
+    s3 = boto3.client("s3", endpoint_url=f"http://{lab.address('objectstore', 5000)}", region_name="us-east-1",
+                      aws_access_key_id="silod", aws_secret_access_key="silod-secret")
+    s3.create_bucket(Bucket="digits")
+    for png in sorted((tmp_path / "digits").iterdir()):
+        s3.upload_file(str(png), "digits", f"png/{png.name}")
+    done = lab.run("agent-0", [str(ROOT / ".venv/bin/silod"), "dataset", "register", "digits", "s3://digits/png",
+                               "--option", "endpoint_url=http://objectstore:5000", "--metadata", "metadata:7070"],
+                   env={"AWS_ACCESS_KEY_ID": "silod", "AWS_SECRET_ACCESS_KEY": "silod-secret",
+                        "AWS_DEFAULT_REGION": "us-east-1"}, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    meta, jobs = stubs(lab)
+    spec = common_pb2.JobSpec(name="ddp-lab", min_gpus=4, max_gpus=4, batch_size=64, epochs=2, dataset="digits",
+                              command=[python, str(example)])
+    job = jobs.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec, client_request_id="lab-ddp"), timeout=15)
+    final = wait_for(lambda: (lambda j: j if j.state in (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED)
+                              else None)(meta.GetJob(metadata_pb2.GetJobRequest(job_id=job.id), timeout=10)),
+                     240, "the DDP job to finish")
+    logs = {n: {p.name: p.read_text(errors="replace")
+                for p in (lab.state_dir / "volumes" / f"agent-work-{n}" / "jobs" / job.id).glob("rank-*.log")}
+            for n in (0, 1)}
+    assert final.state == common_pb2.JOB_STATE_SUCCEEDED, f"{final.message}\n{logs}"
+    assert all(len(by_rank) == 2 for by_rank in logs.values()), {n: sorted(r) for n, r in logs.items()}
+    done_lines = [re.search(r"^done rank (\d) steps (\d+) samples (\d+) hash (\w+)$", text, re.M)
+                  for by_rank in logs.values() for text in by_rank.values()]
+    assert all(done_lines), logs
+    assert sorted(int(m.group(1)) for m in done_lines) == [0, 1, 2, 3]
+    assert len({m.group(4) for m in done_lines}) == 1, "the replicas on the two hosts differ"
+    assert {int(m.group(3)) for m in done_lines} == {2 * 1797}
+    print(f"[lab] DDP job: 4 ranks on agent-0 and agent-1, {done_lines[0].group(2)} steps, identical parameters")
 
 
 def test_cache_servers_fill_from_the_storage_host_by_its_name(lab: Lab) -> None:
