@@ -28,6 +28,7 @@ from estimator.goodput import split_local_batch
 from estimator.job_model import JobModel
 from estimator.model_store import (
     JobRecord,
+    MetadataRefused,
     MetadataUnavailable,
     ModelStore,
     UnknownJob,
@@ -38,7 +39,9 @@ from estimator.model_store import (
 from estimator.observe import observe
 from estimator.predict import DEFAULT_GPUS_PER_NODE, ModelTable, Predictions, predict
 from estimator.profiles import application_names
+from services.runtime.downstream import translate
 from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from silod.rpc.identifiers import JOB_ID, problem
 from services.runtime.structured_logging import get_logger
 from silod.v1 import common_pb2, estimator_pb2, estimator_pb2_grpc
 
@@ -55,7 +58,6 @@ MAX_SAMPLE_BYTES = 2**40
 MAX_IO_BYTES_PER_S = 2**50  # 1 PiB/s
 MAX_STEP_TIME_S = 1e6
 MAX_GRAD_STAT = 1e100
-MAX_JOB_ID_CHARS = 64  # as the metadata store
 MAX_APPLICATION_CHARS = 128
 LOOKUP_CONCURRENCY = 32  # GetJobModel calls in flight for one Predict
 
@@ -80,10 +82,10 @@ def warm_profiles(stop: threading.Event | None = None) -> None:
 
 
 def _check_job_id(value: str, field: str, *, required: bool) -> str:
-    if required and not value:
-        raise InvalidArgument("required", field=field)
-    if len(value) > MAX_JOB_ID_CHARS:
-        raise InvalidArgument(f"must be at most {MAX_JOB_ID_CHARS} characters, got {len(value)}", field=field)
+    """The runtime already refused malformed job ids (silod/rpc/identifiers.py); this adds "required"."""
+    found = problem(JOB_ID, value, required=required)
+    if found is not None:
+        raise InvalidArgument(found, field=field)
     return value
 
 
@@ -223,7 +225,7 @@ class EstimatorServicer(estimator_pb2_grpc.EstimatorServiceServicer):
                 async with limit:
                     try:
                         return await self._store.lookup(job_id, for_predict=True)
-                    except (MetadataUnavailable, UnusableRecord) as exc:
+                    except (MetadataUnavailable, MetadataRefused, UnusableRecord) as exc:
                         return exc
 
             for job_id, result in zip(missing, await asyncio.gather(*(one(j) for j in missing))):
@@ -268,6 +270,8 @@ class EstimatorServicer(estimator_pb2_grpc.EstimatorServiceServicer):
         if job_id:
             if isinstance(found, JobRecord):
                 return found.model
+            if isinstance(found, MetadataRefused):
+                raise translate(found.error, f"metadata {found.method}", {"job_id": f"{field}.job_id"})
             if isinstance(found, Exception):
                 if not application:
                     error = Unavailable if isinstance(found, MetadataUnavailable) else FailedPrecondition
@@ -289,7 +293,7 @@ class EstimatorServicer(estimator_pb2_grpc.EstimatorServiceServicer):
         # Identifies a retry of a call whose model was updated in memory but not persisted.
         digest = hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
         async with self._store.lock(job_id):
-            record = await self._record(job_id)
+            record = await self._record(job_id, "job_id")
             if record is None:
                 if not application:
                     raise InvalidArgument(
@@ -308,6 +312,8 @@ class EstimatorServicer(estimator_pb2_grpc.EstimatorServiceServicer):
                 updated = await self._store.save(updated, digest)
             except UnknownJob as exc:
                 raise NotFound(f"the metadata service has no job {job_id!r} ({exc})", field="job_id") from None
+            except MetadataRefused as exc:
+                raise translate(exc.error, f"metadata {exc.method}", {"model.job_id": "job_id"}) from None
             except MetadataUnavailable as exc:
                 raise Unavailable(
                     f"{exc}; the model was updated in this estimator's memory only and is persisted by the next "
@@ -317,17 +323,19 @@ class EstimatorServicer(estimator_pb2_grpc.EstimatorServiceServicer):
 
     async def GetJobModel(self, request: common_pb2.GetJobModelRequest, context: object) -> common_pb2.JobModelParams:
         job_id = _check_job_id(request.job_id, "job_id", required=True)
-        record = await self._record(job_id)
+        record = await self._record(job_id, "job_id")
         if record is None:
             where = "in this estimator or the metadata service" if self._store.persistent else "in this estimator"
             raise NotFound(f"no model for job {job_id!r} {where} (it has not been observed)", field="job_id")
         return record.to_proto()
 
-    async def _record(self, job_id: str) -> JobRecord | None:
+    async def _record(self, job_id: str, field: str) -> JobRecord | None:
         try:
             return await self._store.lookup(job_id)
         except MetadataUnavailable as exc:
             raise Unavailable(str(exc)) from None
+        except MetadataRefused as exc:  # the same code and the caller's field, if it was about the job id
+            raise translate(exc.error, f"metadata {exc.method}", {"job_id": field}) from None
         except UnusableRecord as exc:
             raise FailedPrecondition(str(exc), field="job_id") from None
 

@@ -20,8 +20,11 @@ from typing import Any
 import grpc
 
 from services.runtime import metrics
-from services.runtime.errors import ServiceError
+from services.runtime.downstream import translate
+from services.runtime.errors import Problems, ServiceError
 from services.runtime.structured_logging import get_logger, request_id_var
+from silod.rpc.errors import DETAILS_KEY, status_details
+from silod.rpc.identifiers import message_problems
 
 Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 Around = Callable[[Behavior, Any, grpc.aio.ServicerContext], Awaitable[Any]]
@@ -163,15 +166,47 @@ class ErrorMapper(grpc.aio.ServerInterceptor):
 
 async def _map_errors(method: str, call: Behavior, request: Any, context: grpc.aio.ServicerContext) -> Any:
     try:
+        if hasattr(request, "DESCRIPTOR"):
+            check_identifiers(request)
+        elif hasattr(request, "__aiter__"):  # a client stream: each message as it arrives
+            request = _checked_stream(request)
         return await call(request, context)
-    except grpc.aio.BaseError:
+    except grpc.aio.AbortError:
         raise  # an abort already sent its status; re-aborting would be a UsageError
+    except grpc.aio.AioRpcError as exc:  # a downstream call's failure the servicer let through
+        await _abort(context, translate(exc, f"a call made for {method}"))
     except ServiceError as exc:
-        await context.abort(exc.code, str(exc))
+        await _abort(context, exc)
     except NotImplementedError:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented")
+    except grpc.aio.BaseError:
+        raise
     except Exception:
         request_id = request_id_var.get()
         _log.exception("unhandled exception in servicer", extra={"method": method})
         # The traceback stays in our log: it may hold data the caller must not see.
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error (see server log, request id {request_id})")
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
+    """Abort with the error's code and message, its violations in the status details."""
+    message = str(exc)
+    trailing = tuple(context.trailing_metadata() or ())
+    if any(v.field for v in exc.violations):
+        trailing += ((DETAILS_KEY, status_details(exc.code, message, exc.violations)),)
+    await context.abort(exc.code, message, trailing_metadata=trailing)
+
+
+def check_identifiers(message: Any) -> None:
+    """Refuse a request whose identifier fields (job ids, dataset and node names, ...) break
+    silod/rpc/identifiers.py's rules, naming each field, before any servicer sees it."""
+    problems = Problems()
+    for field, description in message_problems(message):
+        problems.add(field, description)
+    problems.raise_if_any()
+
+
+async def _checked_stream(requests: Any) -> Any:
+    async for message in requests:
+        check_identifiers(message)
+        yield message

@@ -148,8 +148,12 @@ def test_predict_edge_cases(stub: estimator_pb2_grpc.EstimatorServiceStub) -> No
     assert len(empty.results) == 0
     no_candidates = stub.Predict(estimator_pb2.PredictRequest(queries=[query(candidates=())]), timeout=10)
     assert len(no_candidates.results) == 1 and len(no_candidates.results[0].predictions) == 0
-    mixed = stub.Predict(estimator_pb2.PredictRequest(queries=[query(candidates=()), query(job_id="job-ü", candidates=((1, 0, 0, 0, 0), (2, 0, 0, 0, 0))), query(candidates=())]), timeout=10)
-    assert [(r.job_id, len(r.predictions)) for r in mixed.results] == [("", 0), ("job-ü", 2), ("", 0)]
+    mixed = stub.Predict(estimator_pb2.PredictRequest(queries=[query(candidates=()), query(job_id="job-x.1_Z", candidates=((1, 0, 0, 0, 0), (2, 0, 0, 0, 0))), query(candidates=())]), timeout=10)
+    assert [(r.job_id, len(r.predictions)) for r in mixed.results] == [("", 0), ("job-x.1_Z", 2), ("", 0)]
+    with pytest.raises(grpc.RpcError) as not_an_id:  # job ids are ASCII identifiers (silod/rpc/identifiers.py)
+        stub.Predict(estimator_pb2.PredictRequest(queries=[query(candidates=()), query(job_id="job-ü")]), timeout=10)
+    assert not_an_id.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not_an_id.value.details().startswith("queries[1].job_id: a job id may not contain 'ü'")
     zero_gpus = stub.Predict(estimator_pb2.PredictRequest(queries=[query(candidates=((0, 0, 0, 10**9, 0),))]), timeout=10)
     p = zero_gpus.results[0].predictions[0]
     assert p.throughput_samples_per_s == 0 and p.goodput_samples_per_s == 0 and p.batch_size == 0
