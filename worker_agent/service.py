@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 import grpc
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from services.runtime import errors
 from services.runtime.server import ServiceDefinition
@@ -55,6 +55,13 @@ class Settings(ServiceSettings):
         30.0, ge=0, description="Seconds a task asked to checkpoint and exit gets before SIGKILL"
     )
     stop_grace_s: float = Field(10.0, ge=0, description="Seconds tasks get to checkpoint when the agent shuts down")
+
+    @field_validator("node_name")
+    @classmethod
+    def _node_name(cls, value: str) -> str:
+        from silod.rpc.identifiers import NODE_NAME
+
+        return cls._identifier(value, NODE_NAME)
 
 
 class WorkerAgentServicer(worker_agent_pb2_grpc.WorkerAgentServiceServicer):
