@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import attrgetter
 from typing import Any
 
 _BODY = "A-Za-z0-9._"  # and "-", written last in a character class
@@ -143,19 +144,44 @@ def message_problems(message: Any, path: str = "", limit: int = 50) -> Iterator[
 def _walk(message: Any, path: str, seen: dict[tuple[int, str], str | None]) -> Iterator[tuple[str, str]]:
     for field, rule in _plan(message.DESCRIPTOR):
         name = f"{path}.{field.name}" if path else field.name
-        repeated = field.is_repeated
         if rule is not None:
-            values = getattr(message, field.name)
-            for index, value in enumerate(values if repeated else (values,)):
-                if not value:
-                    continue
-                key = (id(rule), value)
-                if key not in seen:
-                    seen[key] = rule.problem(value)
-                if seen[key] is not None:
-                    yield (f"{name}[{index}]" if repeated else name), seen[key]  # type: ignore[misc]
-        elif repeated:
-            for index, item in enumerate(getattr(message, field.name)):
-                yield from _walk(item, f"{name}[{index}]", seen)
+            if field.is_repeated:
+                yield from _column(list(getattr(message, field.name)), rule, f"{name}[{{}}]", seen)
+            else:
+                yield from _column([getattr(message, field.name)], rule, name, seen)
+        elif field.is_repeated:
+            items = getattr(message, field.name)
+            inner = _plan(field.message_type)
+            if all(r is not None for _, r in inner):
+                # A batch of flat messages (Predict's queries): by column, each distinct value once.
+                for leaf, leaf_rule in inner:
+                    if leaf.is_repeated:
+                        for index, item in enumerate(items):
+                            yield from _column(list(getattr(item, leaf.name)), leaf_rule,
+                                               f"{name}[{index}].{leaf.name}[{{}}]", seen)
+                    else:
+                        yield from _column(list(map(attrgetter(leaf.name), items)), leaf_rule,
+                                           f"{name}[{{}}].{leaf.name}", seen)
+            else:
+                for index, item in enumerate(items):
+                    yield from _walk(item, f"{name}[{index}]", seen)
         elif message.HasField(field.name):
             yield from _walk(getattr(message, field.name), name, seen)
+
+
+def _column(values: list[str], rule: Rule, path: str, seen: dict[tuple[int, str], str | None]) -> Iterator[tuple[str, str]]:
+    """Problems of ``values`` (one field across a batch); ``path`` has a {} for the index, if any."""
+    bad = set()
+    for value in set(values):
+        if not value:
+            continue
+        key = (id(rule), value)
+        if key not in seen:
+            seen[key] = rule.problem(value)
+        if seen[key] is not None:
+            bad.add(value)
+    if not bad:
+        return
+    for index, value in enumerate(values):
+        if value in bad:
+            yield path.format(index) if "{}" in path else path, seen[(id(rule), value)]  # type: ignore[misc]

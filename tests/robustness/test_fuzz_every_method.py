@@ -17,10 +17,8 @@ SERVING or no longer answers a known-good request.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
-import pkgutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -35,11 +33,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import silod.v1
 from silod.v1 import (
     cache_pb2,
     cache_pb2_grpc,
-    common_pb2,
     estimator_pb2,
     estimator_pb2_grpc,
     metadata_pb2,
@@ -49,6 +45,7 @@ from silod.v1 import (
     worker_agent_pb2_grpc,
 )
 from tests.robustness.conftest import APPLICATION, DATASET, NODE, Cluster
+from tests.support import contracts
 
 EXAMPLES = int(os.environ.get("SILOD_FUZZ_EXAMPLES", "40"))  # generated requests per method, beside the edge cases
 UNARY_DEADLINE_S = 10.0  # far above any answer of this cluster: past it, the call hung
@@ -57,18 +54,8 @@ STREAM_MESSAGES = 1  # then cancel: Watch and WatchJob stream for as long as ask
 FAILING = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNIMPLEMENTED}
 
 
-def _services() -> dict[str, Any]:
-    """Every service of the silod.v1 contracts, by full name."""
-    found = {}
-    for module in pkgutil.iter_modules(silod.v1.__path__):
-        if module.name.endswith("_pb2"):
-            descriptor = importlib.import_module(f"silod.v1.{module.name}").DESCRIPTOR
-            found.update({s.full_name: s for s in descriptor.services_by_name.values()})
-    return found
-
-
-SERVICES = _services()
-METHODS = [m for service in SERVICES.values() for m in service.methods]
+SERVICES = contracts.services()
+METHODS = contracts.methods()
 
 
 # --- generated requests ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from services.runtime.server import ServiceDefinition
 from silod.rpc import identifiers
 from silod.rpc.errors import DETAILS_KEY, FieldViolation, field_violations, status_details
 from silod.v1 import common_pb2, metadata_pb2, plan_pb2, worker_agent_pb2, worker_agent_pb2_grpc
+from tests.support import contracts
 from tests.support.servicers import serving
 
 
@@ -152,10 +153,8 @@ def test_identifier_fields_of_nested_and_repeated_messages_are_found() -> None:
 def test_every_identifier_looking_request_field_has_a_rule() -> None:
     """A request field named like an identifier (…_id, node, dataset, tenant) is checked: a new
     RPC that takes one is covered by the runtime without more code."""
-    from tests.robustness.test_fuzz_every_method import METHODS
-
     unchecked = []
-    for method in METHODS:
+    for method in contracts.methods():
         stack, seen = [method.input_type], set()
         while stack:
             message = stack.pop()

@@ -14,7 +14,7 @@ from services.metadata.validation.common import (
     check_string_map,
     check_text,
 )
-from services.runtime.errors import InvalidArgument, Problems
+from services.runtime.errors import Problems
 from silod.rpc.identifiers import NODE_NAME
 
 MAX_NODE_GPUS = 1024
