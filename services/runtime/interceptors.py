@@ -165,18 +165,19 @@ class ErrorMapper(grpc.aio.ServerInterceptor):
 
 
 async def _map_errors(method: str, call: Behavior, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    stream = None
     try:
         if hasattr(request, "DESCRIPTOR"):
             check_identifiers(request)
         elif hasattr(request, "__aiter__"):  # a client stream: each message as it arrives
-            request = _checked_stream(request)
+            stream, request = request, _checked_stream(request)
         return await call(request, context)
     except grpc.aio.AbortError:
         raise  # an abort already sent its status; re-aborting would be a UsageError
     except grpc.aio.AioRpcError as exc:  # a downstream call's failure the servicer let through
-        await _abort(context, translate(exc, f"a call made for {method}"))
+        await _abort(context, translate(exc, f"a call made for {method}"), stream)
     except ServiceError as exc:
-        await _abort(context, exc)
+        await _abort(context, exc, stream)
     except NotImplementedError:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented")
     except grpc.aio.BaseError:
@@ -188,8 +189,29 @@ async def _map_errors(method: str, call: Behavior, request: Any, context: grpc.a
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error (see server log, request id {request_id})")
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
+# A client stream refused before its end is read to its end (within these bounds) before the
+# answer goes out: a grpc.aio client still writing when the status arrives reports
+# "INTERNAL: Internal error from Core" instead of it (a race in grpcio's aio client).
+DRAIN_MESSAGES = 100_000
+DRAIN_S = 5.0
+
+
+async def _drain(stream: Any) -> None:
+    async def read() -> None:
+        count = 0
+        async for _ in stream:
+            count += 1
+            if count >= DRAIN_MESSAGES:
+                return
+
+    with contextlib.suppress(Exception, asyncio.TimeoutError):
+        await asyncio.wait_for(read(), DRAIN_S)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError, stream: Any = None) -> None:
     """Abort with the error's code and message, its violations in the status details."""
+    if stream is not None:
+        await _drain(stream)
     message = str(exc)
     trailing = tuple(context.trailing_metadata() or ())
     if any(v.field for v in exc.violations):
