@@ -1,4 +1,6 @@
-"""Server interceptors every silod process runs: request log + metrics, and error mapping.
+"""Server interceptors every silod process runs: request log + metrics, and error mapping
+(with the identifier check of every request, silod/rpc/identifiers.py, before the servicer runs,
+and the downstream-error rule of services/runtime/downstream.py for what a servicer lets escape).
 
 gRPC gives an interceptor only the method name and metadata; to act around the call itself
 it has to return a new method handler. :func:`wrap_handler` does that once for the four
