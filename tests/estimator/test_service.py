@@ -282,6 +282,22 @@ def test_observe_rejects_bad_observations(stub: estimator_pb2_grpc.EstimatorServ
     assert_fails(lambda: stub.GetJobModel(common_pb2.GetJobModelRequest(job_id="job-bad"), timeout=10), NOT_FOUND, "job_id")
 
 
+def test_every_bad_observation_and_query_is_reported_at_once(stub: estimator_pb2_grpc.EstimatorServiceStub) -> None:
+    from silod.rpc.errors import field_violations
+
+    request = estimator_pb2.ObserveRequest(job_id="job-bad", application="bert",
+                                           observations=[obs(gpus=0), obs(), obs(cache_hit_ratio=2.0, grad_var=-1.0)])
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Observe(request, timeout=10)
+    assert [v.field for v in field_violations(refused.value)] == [
+        "observations[0].gpus", "observations[2].cache_hit_ratio", "observations[2].grad_var"]
+    bad = estimator_pb2.PredictRequest(queries=[query(dataset_bytes=-1, candidates=((-1, 0, 0, 0, 0), (1, 0, -5, 0, 0)))])
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Predict(bad, timeout=10)
+    assert [v.field for v in field_violations(refused.value)] == [
+        "queries[0].dataset_bytes", "queries[0].candidates[0].gpus", "queries[0].candidates[1].cache_bytes"]
+
+
 def test_observe_and_get_job_model_errors(stub: estimator_pb2_grpc.EstimatorServiceStub) -> None:
     def observe(job_id: str, application: str, observations: list | None = None) -> Callable[[], object]:
         request = estimator_pb2.ObserveRequest(job_id=job_id, application=application, observations=[obs()] if observations is None else observations)

@@ -13,7 +13,7 @@ from services.metadata.validation.common import (
     check_timestamp,
 )
 from services.metadata.validation.jobs import check_job_id
-from services.runtime.errors import InvalidArgument
+from services.runtime.errors import InvalidArgument, Problems
 from silod.rpc.identifiers import JOB_ID, NODE_NAME, REPLICA_ID
 
 MAX_GPU_INDEX = 1023
@@ -24,43 +24,47 @@ Gpu = tuple[str, int]  # (node, device index)
 
 
 def check_plan(plan: plan_pb2.AllocationPlan, field: str = "plan") -> None:
-    check_int(plan.version, f"{field}.version", minimum=1, maximum=2**63 - 1)
+    """Refused with every problem of the plan's fields (the first of each job, replica and loan)
+    at once; then, if the fields are sound, that no GPU has two holders."""
+    problems = Problems()
+    check = problems.check
+    check(check_int, plan.version, f"{field}.version", minimum=1, maximum=2**63 - 1)
     if plan.HasField("created_at"):
-        check_timestamp(plan.created_at, f"{field}.created_at")
-    check_text(plan.policy, f"{field}.policy", max_chars=128)
+        check(check_timestamp, plan.created_at, f"{field}.created_at")
+    check(check_text, plan.policy, f"{field}.policy", max_chars=128)
     if plan.cache_mode not in CACHE_MODES:
-        raise InvalidArgument(f"must be one of {CACHE_MODES[1:]} or empty, got {plan.cache_mode[:40]!r}", field=f"{field}.cache_mode")
-    check_text(plan.reason, f"{field}.reason", max_chars=256)
-    check_int(plan.storage_bandwidth_budget_bytes_per_s, f"{field}.storage_bandwidth_budget_bytes_per_s", minimum=0, maximum=MAX_BYTES)
+        problems.add(f"{field}.cache_mode", f"must be one of {CACHE_MODES[1:]} or empty, got {plan.cache_mode[:40]!r}")
+    check(check_text, plan.reason, f"{field}.reason", max_chars=256)
+    budget_ok = check(check_int, plan.storage_bandwidth_budget_bytes_per_s, f"{field}.storage_bandwidth_budget_bytes_per_s",
+                      minimum=0, maximum=MAX_BYTES)
 
     granted_remote_io = 0
     seen_jobs: set[str] = set()
     for index, job in enumerate(plan.jobs):
         job_field = f"{field}.jobs[{index}]"
-        _check_job_allocation(job, job_field)
+        check(_check_job_allocation, job, job_field)
         if job.job_id in seen_jobs:
-            raise InvalidArgument(f"{job.job_id!r} appears twice in the plan", field=f"{job_field}.job_id")
+            problems.add(f"{job_field}.job_id", f"{job.job_id!r} appears twice in the plan")
         seen_jobs.add(job.job_id)
         granted_remote_io += sum(grant.remote_io_bytes_per_s for grant in job.cache_grants)
 
     budget = plan.storage_bandwidth_budget_bytes_per_s
-    if budget and granted_remote_io > budget:
-        raise InvalidArgument(
-            f"jobs are granted {granted_remote_io} bytes/s of remote IO in total, more than this budget of {budget}",
-            field=f"{field}.storage_bandwidth_budget_bytes_per_s",
-        )
+    if budget_ok and budget and granted_remote_io > budget:
+        problems.add(f"{field}.storage_bandwidth_budget_bytes_per_s",
+                     f"jobs are granted {granted_remote_io} bytes/s of remote IO in total, more than this budget of {budget}")
     seen_replicas: set[str] = set()
     for index, replica in enumerate(plan.replicas):
         replica_field = f"{field}.replicas[{index}]"
-        _check_replica(replica, replica_field)
+        check(_check_replica, replica, replica_field)
         if replica.replica_id in seen_replicas:
-            raise InvalidArgument(f"{replica.replica_id!r} appears twice in the plan", field=f"{replica_field}.replica_id")
+            problems.add(f"{replica_field}.replica_id", f"{replica.replica_id!r} appears twice in the plan")
         seen_replicas.add(replica.replica_id)
     for index, loan in enumerate(plan.loans):
         loan_field = f"{field}.loans[{index}]"
-        check_identifier(loan.node, NODE_NAME, f"{loan_field}.node")
-        check_int(loan.gpu_index, f"{loan_field}.gpu_index", minimum=0, maximum=MAX_GPU_INDEX)
-        check_job_id(loan.job_id, f"{loan_field}.job_id")
+        check(check_identifier, loan.node, NODE_NAME, f"{loan_field}.node")
+        check(check_int, loan.gpu_index, f"{loan_field}.gpu_index", minimum=0, maximum=MAX_GPU_INDEX)
+        check(check_job_id, loan.job_id, f"{loan_field}.job_id")
+    problems.raise_if_any()
     _check_gpus_held_once(plan, field)
 
 
