@@ -133,6 +133,16 @@ def make_files(root: pathlib.Path, count: int, size: int) -> list[str]:
     return keys
 
 
+def bench_directories() -> tuple[pathlib.Path, pathlib.Path]:
+    """(work dir, tmpfs dir) of a run; botocore gets credentials (the emulator ignores them)."""
+    for name, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        os.environ.setdefault(name, value)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="silod-bench-"))
+    shm = pathlib.Path(tempfile.mkdtemp(prefix="silod-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    return work, shm
+
+
 def recreate(root: pathlib.Path, keys: list[str]) -> None:
     """Rewrite every file with its own bytes: fresh files, as hot in the page cache as the cache's copies."""
     for key in keys:
@@ -210,11 +220,7 @@ def main() -> int:
     from silod.launcher import start_service
     from silod.cli.main import main as silod_main
 
-    for name, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
-        os.environ.setdefault(name, value)
-    work = pathlib.Path(tempfile.mkdtemp(prefix="silod-bench-"))
-    shm = pathlib.Path(tempfile.mkdtemp(prefix="silod-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    work, shm = bench_directories()
     procs: list[Any] = []
     try:
         count = args.batches * args.batch_size

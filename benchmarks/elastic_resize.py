@@ -1,5 +1,5 @@
-"""Time from a resize directive to the first optimizer step at the new size: in-place re-form
-versus checkpoint-restart of the same DDP job.
+"""Time from a resize directive to the first optimizer step at the new size, and how long the
+job stops training for it: in-place re-form versus checkpoint-restart of the same DDP job.
 
     python benchmarks/elastic_resize.py                 # 2->4 and 4->2 ranks, 3 runs each, ~10M parameters
 
@@ -13,6 +13,11 @@ plans of the second size, and measures until rank 0 logs its first step at that 
   (silod.job.distributed), newcomers are launched and receive the state from rank 0;
 * checkpoint-restart: no fast_resize, every rank checkpoints and exits, all ranks of the new
   size are launched and load the checkpoint.
+
+Two numbers per resize: "to new size" (plans pushed -> rank 0's first step at the new size) and
+"stall" (rank 0's last step at the old size -> its first at the new size: the time the job
+trained not at all). In place, a grow keeps training at the old size while its newcomers start,
+so its stall is only the switch.
 
 No GPU is present here: this measures gloo on CPU only (NCCL runs the same code with CUDA).
 """
@@ -133,7 +138,7 @@ class Lab:
 LAYOUTS = {2: {0: [0, 1]}, 4: {0: [0, 1], 1: [0, 1]}}
 
 
-def measure(lab: Lab, run: int, before: int, after: int, fast: bool) -> float:
+def measure(lab: Lab, run: int, before: int, after: int, fast: bool) -> tuple[float, float]:
     job = f"job-bench-{'inplace' if fast else 'restart'}-{before}to{after}-{run}"
     works = [w for _, _, w in lab.nodes]
     previous = lab.place(job, 1, LAYOUTS[before], fast=False, previous={})
@@ -143,9 +148,10 @@ def measure(lab: Lab, run: int, before: int, after: int, fast: bool) -> float:
     lab.place(job, 2, LAYOUTS[after], fast=fast, previous=previous)
     first = _wait(lambda: [s for s in _steps(works, job) if s["world"] == after and s["rank"] == 0], 300,
                   f"{job} training at {after}")
-    took = min(s["t"] for s in first) - started
+    switched = min(s["t"] for s in first)
+    last_old = max(s["t"] for s in _steps(works, job) if s["world"] == before and s["rank"] == 0)
     lab.stop(job, 2)
-    return took
+    return switched - started, switched - last_old
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,26 +161,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     params = 64 * args.hidden + args.hidden + args.hidden * args.hidden + args.hidden + args.hidden * 10 + 10
     print(f"model: {params / 1e6:.1f}M parameters; backend gloo on CPU (no GPU present); load {os.getloadavg()[0]:.2f}")
-    results: dict[tuple[int, int, bool], list[float]] = {}
+    results: dict[tuple[int, int, bool], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="silod-resize-bench-") as tmp:
         lab = Lab(Path(tmp), args.hidden)
         try:
             for run in range(args.runs):
                 for before, after in ((2, 4), (4, 2)):
                     for fast in (True, False):  # side by side in one run: the machine is noisy
-                        took = measure(lab, run, before, after, fast)
-                        results.setdefault((before, after, fast), []).append(took)
-                        print(f"run {run}: {before}->{after} {'in place' if fast else 'checkpoint-restart'}: {took:.2f}s",
-                              flush=True)
+                        took, stall = measure(lab, run, before, after, fast)
+                        results.setdefault((before, after, fast), []).append((took, stall))
+                        print(f"run {run}: {before}->{after} {'in place' if fast else 'checkpoint-restart'}: "
+                              f"to new size {took:.2f}s, stall {stall:.2f}s", flush=True)
         finally:
             lab.close()
-    print(f"\n| resize | in place: median (min-max) | checkpoint-restart: median (min-max) | speed-up |")
-    print("|---|---|---|---|")
+
+    def cell(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f} s ({min(values):.2f}-{max(values):.2f})"
+
+    print("\n| resize | measure | in place: median (min-max) | checkpoint-restart: median (min-max) | speed-up |")
+    print("|---|---|---|---|---|")
     for before, after in ((2, 4), (4, 2)):
-        fast, slow = results[(before, after, True)], results[(before, after, False)]
-        print(f"| {before}->{after} | {statistics.median(fast):.2f} s ({min(fast):.2f}-{max(fast):.2f}) | "
-              f"{statistics.median(slow):.2f} s ({min(slow):.2f}-{max(slow):.2f}) | "
-              f"{statistics.median(slow) / statistics.median(fast):.1f}x |")
+        for index, measure_name in ((0, "to new size"), (1, "stall")):
+            fast = [r[index] for r in results[(before, after, True)]]
+            slow = [r[index] for r in results[(before, after, False)]]
+            print(f"| {before}->{after} | {measure_name} | {cell(fast)} | {cell(slow)} | "
+                  f"{statistics.median(slow) / max(statistics.median(fast), 1e-3):.1f}x |")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -11,6 +11,10 @@ jobs are running and policies that keep jobs in place have work to do. Rigid pol
 sjf, tiresias, themis) give jobs their requested count; elastic ones (gavel's candidates,
 pollux) may choose any count in the bounds.
 
+``--gpu-types v100,p100,k80`` gives the nodes those types in turn and every job its models
+on them (estimator.gpu_types). ``--compare-partitions 1,2,4`` instead times gavel's LP split
+POP-style into that many parts and measures the quality lost against the first (unsplit).
+
 Each policy is called once to warm up (profile loading, imports), then ``--runs`` timed
 calls; the table shows the median and the slowest call, how many jobs got GPUs and how many
 GPUs were handed out. Targets (issue 4): gavel well under 1 s, pollux under 5 s.
@@ -34,21 +38,26 @@ except ImportError:  # run from a clone without installing
 from estimator.job_model import JobModel  # noqa: E402
 from estimator.profiles import application_names  # noqa: E402
 from scheduler.invariants import check_plan  # noqa: E402
-from scheduler.placement import place, plan_from_placements  # noqa: E402
+from estimator.gpu_types import typed_models  # noqa: E402
+from scheduler.placement import TypeRoom, place, plan_from_placements  # noqa: E402
 from scheduler.policy import ClusterSnapshot, JobInfo, NodeInfo  # noqa: E402
 from scheduler.registry import get_policy, policy_names  # noqa: E402
 
 
-def build_snapshot(jobs: int, nodes: int, gpus_per_node: int, seed: int = 0) -> ClusterSnapshot:
+def build_snapshot(jobs: int, nodes: int, gpus_per_node: int, seed: int = 0, gpu_types: tuple[str, ...] = ()) -> ClusterSnapshot:
     rng = np.random.default_rng(seed)
     apps = application_names()
     models = {app: JobModel.from_profile(app) for app in apps}
+    by_type = {app: typed_models(models[app], gpu_types) for app in apps}
     now = 86_400.0
-    cluster = tuple(NodeInfo(name=f"node-{k:04d}", gpus=gpus_per_node) for k in range(nodes))
+    # Typed: node k has type k mod len(types), so every type has a share of the nodes.
+    cluster = tuple(NodeInfo(name=f"node-{k:04d}", gpus=gpus_per_node, gpu_type=gpu_types[k % len(gpu_types)] if gpu_types else "")
+                    for k in range(nodes))
     infos = []
     arrivals = np.sort(rng.uniform(0.0, now, jobs))
     for k in range(jobs):
-        model = models[apps[int(rng.integers(len(apps)))]]
+        app = apps[int(rng.integers(len(apps)))]
+        model = models[app]
         requested = int(rng.integers(1, 9))
         by_batch = max(1, model.bounds.max_batch_size // model.bounds.min_local_bsz)
         target = float(rng.uniform(1e6, 1e8))
@@ -64,21 +73,24 @@ def build_snapshot(jobs: int, nodes: int, gpus_per_node: int, seed: int = 0) -> 
                 requested_gpus=requested,
                 attained_gpu_s=float(rng.uniform(0.0, 1.0)) * (now - arrivals[k]) * requested,
                 restarts=int(rng.integers(0, 4)),
+                type_models=by_type[app],
             )
         )
     bare = ClusterSnapshot(time_s=now, nodes=cluster, jobs=tuple(infos))
-    # Current plan: FIFO by arrival with requested GPUs while they fit.
-    free, counts = nodes * gpus_per_node, {}
+    # Current plan: FIFO by arrival with requested GPUs while they fit (on one type).
+    room = TypeRoom(bare)
+    admitted = {}
     for job in infos:
-        if job.requested <= free:
-            counts[job.job_id] = job.requested
-            free -= job.requested
-    current = plan_from_placements(place(bare, counts).placements)
+        gpu_type = room.claim(job.requested, bare.gpu_types())
+        if gpu_type is not None:
+            admitted[job.job_id] = (job.requested, gpu_type)
+    current = plan_from_placements(place(bare, {j: n for j, (n, _) in admitted.items()},
+                                         preferences={j: (t,) for j, (_, t) in admitted.items()}).placements)
     return ClusterSnapshot(time_s=now, nodes=cluster, jobs=tuple(infos), current=current)
 
 
-def time_policy(name: str, snapshot: ClusterSnapshot, runs: int) -> tuple[float, float, int, int]:
-    policy = get_policy(name)
+def time_policy(name: str, snapshot: ClusterSnapshot, runs: int, options: dict | None = None) -> tuple[float, float, int, int]:
+    policy = get_policy(name, **(options or {}))
     plan = policy.schedule(snapshot)  # warm-up
     check_plan(snapshot, plan)
     timings = []
@@ -91,6 +103,38 @@ def time_policy(name: str, snapshot: ClusterSnapshot, runs: int) -> tuple[float,
     return statistics.median(timings), max(timings), running, gpus
 
 
+def compare_partitions(snapshot: ClusterSnapshot, counts: list[int], runs: int) -> None:
+    """gavel's LP split into P parts (POP) against the whole LP: time and quality of the allocation.
+
+    Quality is measured on the whole problem: the lowest and the mean normalized throughput
+    (``sum_c X thr / ref``, the max-min objective and what water-filling raises) of the
+    stitched allocation, relative to the unpartitioned LP's.
+    """
+    from scheduler.policies.gavel import GavelPolicy
+
+    print(f"{'partitions':>10} {'solve s':>8} {'round s':>8} {'min norm':>9} {'mean norm':>10} {'loss min':>9} {'loss mean':>10} {'GPUs used':>10}")
+    base = None
+    for parts in counts:
+        policy = GavelPolicy(partitions=parts)
+        solve_times, round_times = [], []
+        for _ in range(runs):
+            start = time.perf_counter()
+            solved = policy.solve(snapshot)
+            solve_times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            plan = policy.schedule(snapshot)
+            round_times.append(time.perf_counter() - start)
+        check_plan(snapshot, plan)
+        norm = solved.normalized_throughput()
+        has = np.bincount(solved.job, minlength=len(solved.jobs)) > 0
+        low, mean = float(norm[has].min()), float(norm[has].mean())
+        if base is None:
+            base = (low, mean)
+        used = sum(a.gpus for a in plan.allocations.values())
+        print(f"{parts:>10d} {statistics.median(solve_times):>8.3f} {statistics.median(round_times):>8.3f} {low:>9.4f} "
+              f"{mean:>10.4f} {1 - low / base[0]:>9.2%} {1 - mean / base[1]:>10.2%} {used:>10d}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2000, help="active jobs (default 2000)")
@@ -99,17 +143,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="timed calls per policy (default 3)")
     parser.add_argument("--policy", action="append", help="time only these policies (repeat); default: every registered one")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu-types", default="", help="comma list: nodes take these GPU types in turn (e.g. v100,p100,k80)")
+    parser.add_argument("--compare-partitions", default="",
+                        help="comma list of POP partition counts for gavel (e.g. 1,2,4): time and quality against the first")
     args = parser.parse_args(argv)
 
-    snapshot = build_snapshot(args.jobs, args.nodes, args.gpus_per_node, args.seed)
+    types = tuple(t for t in args.gpu_types.split(",") if t)
+    snapshot = build_snapshot(args.jobs, args.nodes, args.gpus_per_node, args.seed, types)
     names = args.policy or policy_names()
     command = "python benchmarks/scheduling_round.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"$ {command.strip()}")
     print(
         f"{args.jobs} active jobs on {args.nodes} nodes x {args.gpus_per_node} GPUs "
-        f"({snapshot.total_gpus} GPUs; {len(snapshot.current.allocations)} jobs running before the round); "
+        f"({snapshot.total_gpus} GPUs{', types ' + '/'.join(types) if types else ''}; "
+        f"{len(snapshot.current.allocations)} jobs running before the round); "
         f"median of {args.runs} runs after a warm-up"
     )
+    if args.compare_partitions:
+        compare_partitions(snapshot, [int(p) for p in args.compare_partitions.split(",")], args.runs)
+        return 0
     print(f"{'policy':<12} {'median s':>9} {'max s':>8} {'jobs placed':>12} {'GPUs used':>10}")
     for name in names:
         median, worst, running, gpus = time_policy(name, snapshot, args.runs)

@@ -49,7 +49,10 @@ class Settings(ServiceSettings):
     lease_max_s: float = Field(3600.0, gt=0, description="Longest lease a caller may ask for, seconds")
     remote_timeout_s: float = Field(30.0, gt=0, description="Seconds one attempt to read a remote object may take")
     remote_retries: int = Field(3, ge=0, le=20, description="Further attempts after a transient remote-read failure")
-    remote_concurrency: int = Field(16, ge=1, le=256, description="Remote reads in flight at once")
+    remote_concurrency: int = Field(64, ge=1, le=256, description="Remote reads in flight at once")
+    prefetch_concurrency: int = Field(
+        32, ge=1, le=256, description="Prefetch reads in flight at once per job (part of remote_concurrency)"
+    )
     manifest_refresh_s: float = Field(
         30.0, gt=0, description="Seconds between checks of a dataset's manifest version (re-registration)"
     )
@@ -95,6 +98,7 @@ def cache_config(settings: Settings) -> CacheConfig:
         remote_concurrency=settings.remote_concurrency,
         manifest_refresh_s=settings.manifest_refresh_s,
         prefetch_lookahead_s=settings.prefetch_lookahead_s,
+        prefetch_concurrency=settings.prefetch_concurrency,
         unallocated_io_trickle_bytes_per_s=settings.unallocated_io_trickle_bytes_per_s,
         fsync=settings.fsync,
     )

@@ -82,6 +82,7 @@ class Tier:
         self.capacity = int(capacity)
         self.fsync = fsync
         self.used = 0  # bytes of entries plus reservations of writes in flight
+        self.writing = 0  # of which: writes in flight (not yet readable)
         self.hits = 0
         self.misses = 0
         self.full_until = 0.0  # after ENOSPC: no writes until this monotonic time

@@ -46,6 +46,7 @@ class JobModel:
     dataset_bytes: float  # bytes of the dataset the job reads each epoch
     bytes_per_sample: float  # bytes read from remote storage per sample
     grad_reports: int = 0  # gradient-statistics reports folded into ``grad``
+    gpu_type: str = ""  # GPU type the perf params describe; "" = the reference type (estimator.gpu_types)
 
     def __post_init__(self):
         if not (1.0 <= self.perf.gamma <= 10.0) or min(self.perf[:6]) < 0:

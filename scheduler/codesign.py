@@ -325,7 +325,10 @@ def spread_for_cache(snapshot: ClusterSnapshot, placements: Mapping[str, Placeme
         avail = {name: list(ix) for name, ix in free.items()}
         for node, ix in placement:
             avail[node] = sorted(avail[node] + list(ix))
-        candidates = sorted((n for n, ix in avail.items() if ix and nodes[n].cache_capacity_bytes > 0),
+        # Spreading stays on the job's GPU type (a job never spans types, scheduler.placement).
+        kinds = {nodes[node].gpu_type for node, _ in placement}
+        candidates = sorted((n for n, ix in avail.items()
+                             if ix and nodes[n].cache_capacity_bytes > 0 and nodes[n].gpu_type in kinds),
                             key=lambda n: (-len(avail[n]), -snapshot.cached_bytes.get((n, job.dataset), 0.0), n))[:want]
         if len(candidates) <= len(placement):
             continue

@@ -4,17 +4,31 @@ Policies decide *how many* GPUs each job gets (and its batch size); this module 
 *which* ones, the same way for every policy (the Kubernetes scheduler framework's split of
 Filter / Score / Reserve):
 
-- filter: nodes of an allowed pool with enough free GPUs;
+- filter: nodes of an allowed pool with enough free GPUs, of one GPU type (below);
 - score: keep a job where it already runs (a move costs a restart and its local cache),
   then nodes that already cache the job's dataset, then the tightest fit (packing keeps
   large holes free for large jobs and keeps a job on few nodes, where it syncs fastest);
 - reserve: take the GPU indices, so no GPU is ever handed out twice.
+
+**GPU types: one type per job.** Every placement :func:`place` makes is on nodes of a single
+GPU type: a data-parallel job steps in lockstep, so ranks on a faster type would wait for
+the slowest one, and its throughput model (:mod:`estimator.gpu_types`) is per type. The type
+is the first of the job's ``preferences`` (the policy names them, e.g. Gavel's LP) whose
+nodes have room for the whole count; without preferences, :func:`type_preferences` ranks
+the types the job allows (``JobInfo.gpu_types``) by the job's predicted goodput on them at
+that count — the fastest type with room. Untyped nodes (``gpu_type`` "") form one type of
+their own, so a homogeneous cluster places exactly as before. DeepBoot's lending
+(:mod:`scheduler.deepboot.lending`) keeps a typed job on lent GPUs of its own type. A plan
+that mixes types anyway is charged its job's slowest type (:func:`slowest_type`).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan, Pool
 
@@ -27,23 +41,38 @@ class FreeGpus:
     def __init__(self, snapshot: ClusterSnapshot, pools: Iterable[Pool] = ("training",)):
         allowed = set(pools)
         self._free = {n.name: list(range(n.gpus)) for n in snapshot.nodes if n.pool in allowed}
+        self._type = {n.name: n.gpu_type for n in snapshot.nodes if n.pool in allowed}
         self._total = sum(len(v) for v in self._free.values())
-        # Nodes by their number of free GPUs (> 0), for tightest-fit look-ups.
-        self._by_size: dict[int, set[str]] = {}
+        self._total_by_type: dict[str, int] = {}
+        # Nodes by (GPU type, number of free GPUs > 0), for tightest-fit look-ups.
+        self._by_size: dict[tuple[str, int], set[str]] = {}
         for name, free in self._free.items():
+            self._total_by_type[self._type[name]] = self._total_by_type.get(self._type[name], 0) + len(free)
             if free:
-                self._by_size.setdefault(len(free), set()).add(name)
+                self._by_size.setdefault((self._type[name], len(free)), set()).add(name)
 
     def count(self, node: str) -> int:
         return len(self._free.get(node, ()))
 
-    def counts(self) -> dict[str, int]:
-        """Free GPUs per node that has any, in node order."""
-        return {name: len(free) for name, free in self._free.items() if free}
+    def counts(self, gpu_type: str | None = None) -> dict[str, int]:
+        """Free GPUs per node that has any (of ``gpu_type`` if given), in node order."""
+        return {name: len(free) for name, free in self._free.items()
+                if free and (gpu_type is None or self._type[name] == gpu_type)}
 
     @property
     def total(self) -> int:
         return self._total
+
+    def total_of(self, gpu_type: str) -> int:
+        """Free GPUs on nodes of ``gpu_type``."""
+        return self._total_by_type.get(gpu_type, 0)
+
+    def types(self) -> list[str]:
+        """GPU types with a free GPU, sorted."""
+        return sorted(t for t, n in self._total_by_type.items() if n > 0)
+
+    def type_of(self, node: str) -> str:
+        return self._type.get(node, "")
 
     def nodes(self) -> list[str]:
         return [name for name, free in self._free.items() if free]
@@ -52,10 +81,16 @@ class FreeGpus:
         free = self._free.get(node)
         return free is not None and all(i in free for i in indices)
 
-    def tightest(self, count: int) -> str | None:
-        """The node with the fewest free GPUs that still has ``count`` (ties: smallest name), or None."""
-        for size in sorted(size for size, names in self._by_size.items() if size >= count and names):
-            return min(self._by_size[size])
+    def tightest(self, count: int, gpu_type: str | None = None) -> str | None:
+        """The node (of ``gpu_type`` if given) with the fewest free GPUs that still has ``count``
+        (ties: smallest name), or None."""
+        sizes = sorted({size for (t, size), names in self._by_size.items()
+                        if size >= count and names and (gpu_type is None or t == gpu_type)})
+        for size in sizes:
+            names = set().union(*(names for (t, n), names in self._by_size.items()
+                                  if n == size and (gpu_type is None or t == gpu_type)))
+            if names:
+                return min(names)
         return None
 
     def reserve(self, node: str, indices: Iterable[int]) -> tuple[int, ...]:
@@ -67,10 +102,12 @@ class FreeGpus:
                 free.remove(index)  # ValueError here would be a double booking: let it surface
         finally:
             if len(free) != before:
+                gpu_type = self._type[node]
                 self._total -= before - len(free)
-                self._by_size[before].discard(node)
+                self._total_by_type[gpu_type] -= before - len(free)
+                self._by_size[(gpu_type, before)].discard(node)
                 if free:
-                    self._by_size.setdefault(len(free), set()).add(node)
+                    self._by_size.setdefault((gpu_type, len(free)), set()).add(node)
         return taken
 
     def reserve_any(self, node: str, count: int) -> tuple[int, ...]:
@@ -117,16 +154,18 @@ def keep_current(current: Allocation | None, count: int, free: FreeGpus,
     return tuple(sorted(kept))
 
 
-def fresh_placement(job: JobInfo, count: int, free: FreeGpus, cache: Mapping[str, float]) -> Placement | None:
-    """New GPUs for ``job``; ``cache`` maps nodes to bytes of the job's dataset they hold."""
-    if free.total < count:
+def fresh_placement(job: JobInfo, count: int, free: FreeGpus, cache: Mapping[str, float],
+                    gpu_type: str | None = None) -> Placement | None:
+    """New GPUs for ``job``, on nodes of ``gpu_type`` (None: any node, types mixed);
+    ``cache`` maps nodes to bytes of the job's dataset they hold."""
+    if (free.total if gpu_type is None else free.total_of(gpu_type)) < count:
         return None
     # One node if possible: prefer the dataset's cache, then the tightest fit.
-    cached = [n for n in cache if free.count(n) >= count]
-    best = min(cached, key=lambda n: (-cache[n], free.count(n), n)) if cached else free.tightest(count)
+    cached = [n for n in cache if free.count(n) >= count and (gpu_type is None or free.type_of(n) == gpu_type)]
+    best = min(cached, key=lambda n: (-cache[n], free.count(n), n)) if cached else free.tightest(count, gpu_type)
     if best is not None:
         return ((best, free.reserve_any(best, count)),)
-    sizes = free.counts()
+    sizes = free.counts(gpu_type)
     # Several nodes, as few as possible: fill the largest holes (cached nodes among equals)
     # until the rest fits on one node, then put the rest on the tightest node that holds it
     # (cached first), which leaves the large holes to large jobs.
@@ -144,27 +183,148 @@ def fresh_placement(job: JobInfo, count: int, free: FreeGpus, cache: Mapping[str
     return tuple(sorted(chosen))
 
 
+def type_preferences(
+    snapshot: ClusterSnapshot,
+    gpu_counts: Mapping[str, int],
+    pools: Iterable[Pool] = ("training",),
+) -> dict[str, tuple[str, ...]]:
+    """Per job of ``gpu_counts``: the GPU types of ``pools`` it allows, fastest first.
+
+    Fastest = the job's predicted goodput on the type at its count (packed, its own batch
+    size, IO unlimited), one vectorized prediction for every (job, type). Ties (and a
+    homogeneous cluster) keep the types' sorted order.
+    """
+    types = snapshot.gpu_types(tuple(pools))
+    jobs = {job.job_id: job for job in snapshot.jobs}
+    ids = [job_id for job_id, n in gpu_counts.items() if n > 0 and job_id in jobs]
+    if len(types) <= 1:
+        return {job_id: tuple(t for t in types if jobs[job_id].allows(t)) for job_id in ids}
+    from scheduler.policies.pollux_estimates import JobTable  # deferred: the estimator is heavy
+
+    pairs = [(job_id, t) for job_id in ids for t in types if jobs[job_id].allows(t)]
+    if not pairs:
+        return {job_id: () for job_id in ids}
+    table = JobTable([jobs[job_id] for job_id, _ in pairs], gpu_types=[t for _, t in pairs])
+    per_node = max(node.gpus for node in snapshot.nodes if node.pool in tuple(pools))
+    rate = table.predict(np.arange(len(pairs)), np.array([gpu_counts[j] for j, _ in pairs]), 0, per_node=per_node,
+                         batch_size=np.array([jobs[j].initial_batch_size for j, _ in pairs])).goodput_samples_per_s
+    ranked: dict[str, list[tuple[bool, float, str]]] = {job_id: [] for job_id in ids}
+    kinds = node_types(snapshot)
+    for (job_id, gpu_type), r in zip(pairs, rate):
+        # A running job stays on its type first: moving costs a restart and its cache.
+        current = snapshot.current.get(job_id)
+        here = bool(current and current.placement) and all(kinds.get(n) == gpu_type for n, _ in current.placement)
+        ranked[job_id].append((not here, -float(r), gpu_type))
+    return {job_id: tuple(t for *_, t in sorted(options)) for job_id, options in ranked.items()}
+
+
+class TypeRoom:
+    """Unclaimed GPUs per GPU type, for policies that decide counts before placing them.
+
+    Counting the pool's total is not enough on a typed cluster: a count that fits the total
+    may fit no single type. ``claim`` takes a job's whole count from the first type of its
+    preferences with room and says which, so the placement can be told the same type.
+    """
+
+    def __init__(self, snapshot: ClusterSnapshot, pools: Iterable[Pool] = ("training",), capacity: int | None = None):
+        self.room: dict[str, int] = {}
+        for node in snapshot.nodes:
+            if node.pool in tuple(pools):
+                self.room[node.gpu_type] = self.room.get(node.gpu_type, 0) + node.gpus
+        self.left = sum(self.room.values()) if capacity is None else capacity
+
+    @property
+    def total(self) -> int:
+        return max(0, min(self.left, sum(self.room.values())))
+
+    def fits(self, count: int, preferences: Sequence[str]) -> str | None:
+        if count > self.left:
+            return None
+        return next((t for t in preferences if self.room.get(t, 0) >= count), None)
+
+    def claim(self, count: int, preferences: Sequence[str]) -> str | None:
+        """Take ``count`` GPUs of the first type in ``preferences`` with room; that type, or None."""
+        gpu_type = self.fits(count, preferences)
+        if gpu_type is not None:
+            self.room[gpu_type] -= count
+            self.left -= count
+        return gpu_type
+
+
+def blind_preferences(snapshot: ClusterSnapshot, job_ids: Iterable[str],
+                      pools: Iterable[Pool] = ("training",)) -> dict[str, tuple[str, ...]]:
+    """Per job: the pool's types in an order that ignores speed — what a type-agnostic
+    scheduler amounts to. The order is a fixed pseudo-random one per job (a hash of its id
+    and the type), so jobs spread over the types instead of all landing on the first name."""
+    types = snapshot.gpu_types(tuple(pools))
+    jobs = {job.job_id: job for job in snapshot.jobs}
+    return {job_id: tuple(sorted((t for t in types if job_id not in jobs or jobs[job_id].allows(t)),
+                                 key=lambda t: zlib.crc32(f"{job_id}/{t}".encode())))
+            for job_id in job_ids}
+
+
+def largest_type_gpus(snapshot: ClusterSnapshot, pools: Iterable[Pool] = ("training",)) -> int:
+    """GPUs of the largest GPU type of ``pools``: the most any one job can hold."""
+    by_type: dict[str, int] = {}
+    for node in snapshot.nodes:
+        if node.pool in tuple(pools):
+            by_type[node.gpu_type] = by_type.get(node.gpu_type, 0) + node.gpus
+    return max(by_type.values(), default=0)
+
+
+def slowest_type(job: JobInfo, gpu_types: Iterable[str]) -> str:
+    """The type among ``gpu_types`` on which ``job`` computes slowest (what a job spanning types runs at)."""
+    def step_time(gpu_type: str) -> float:
+        perf = job.model_on(gpu_type).perf
+        return perf.alpha_c + perf.beta_c * job.initial_batch_size
+    return max(sorted(set(gpu_types)), key=step_time, default="")
+
+
+def placement_type(placement: Placement, node_types: Mapping[str, str], job: JobInfo | None) -> str:
+    """GPU type of ``placement`` (``node_types``: node -> type): its nodes' type, or, if they
+    mix, the job's slowest among them ("" without a job)."""
+    types = {node_types.get(node, "") for node, _ in placement}
+    if len(types) == 1:
+        return next(iter(types))
+    return slowest_type(job, types) if job is not None else ""
+
+
+def node_types(snapshot: ClusterSnapshot) -> dict[str, str]:
+    return {node.name: node.gpu_type for node in snapshot.nodes}
+
+
 def place(
     snapshot: ClusterSnapshot,
     gpu_counts: Mapping[str, int],
     order: Sequence[str] | None = None,
     *,
     pools: Iterable[Pool] = ("training",),
+    preferences: Mapping[str, Sequence[str]] | None = None,
 ) -> PlacementResult:
-    """Place every job with a positive count in ``gpu_counts``.
+    """Place every job with a positive count in ``gpu_counts``, each on one GPU type.
 
-    Jobs that can stay on (a subset of) their current GPUs are placed first, so running jobs
-    are not moved to make room; the rest follow ``order`` (default: the order of
-    ``gpu_counts``; jobs that ``order`` omits come after it). A job whose count does not
-    fit gets nothing and is listed in ``unplaced``: the policy decides what to do with the
-    room left (often nothing).
+    Jobs that can stay on (a subset of) their current GPUs, of a type they may use, are
+    placed first, so running jobs are not moved to make room; the rest follow ``order``
+    (default: the order of ``gpu_counts``; jobs that ``order`` omits come after it), each on
+    the first type of its ``preferences`` (default :func:`type_preferences`) with room. A job
+    whose count does not fit gets nothing and is listed in ``unplaced``: the policy decides
+    what to do with the room left (often nothing).
     """
+    pools = tuple(pools)
     free = FreeGpus(snapshot, pools)
     jobs = {job.job_id: job for job in snapshot.jobs}
     wanted = {job_id: n for job_id, n in gpu_counts.items() if n > 0}
+    if preferences is None:
+        preferences = type_preferences(snapshot, wanted, pools)
     placements: dict[str, Placement] = {}
     for job_id, count in wanted.items():
-        kept = keep_current(snapshot.current.get(job_id), count, free)
+        current = snapshot.current.get(job_id)
+        if current is None or not current.placement:
+            continue
+        current_types = {free.type_of(node) for node, _ in current.placement}
+        if len(current_types) != 1 or next(iter(current_types)) not in preferences.get(job_id, ()):
+            continue
+        kept = keep_current(current, count, free)
         if kept is not None:
             placements[job_id] = kept
     unplaced = []
@@ -175,15 +335,31 @@ def place(
         if job_id in placements or job_id not in wanted:
             continue
         job = jobs[job_id]
-        fresh = fresh_placement(job, wanted[job_id], free, cache.get(job.dataset, {}) if job.dataset else {})
-        if fresh is None:
-            unplaced.append(job_id)
+        cached = cache.get(job.dataset, {}) if job.dataset else {}
+        for gpu_type in preferences.get(job_id, ()):
+            fresh = fresh_placement(job, wanted[job_id], free, cached, gpu_type)
+            if fresh is not None:
+                placements[job_id] = fresh
+                break
         else:
-            placements[job_id] = fresh
+            unplaced.append(job_id)
     return PlacementResult(placements, tuple(unplaced))
 
 
-def plan_from_placements(placements: Mapping[str, Placement], batch_sizes: Mapping[str, int] | None = None) -> Plan:
-    """A plan holding only GPUs (cache and IO unmanaged) — what GPU-only policies return."""
+def plan_from_placements(placements: Mapping[str, Placement], batch_sizes: Mapping[str, int] | None = None,
+                         snapshot: ClusterSnapshot | None = None) -> Plan:
+    """A plan holding only GPUs (cache and IO unmanaged) — what GPU-only policies return.
+
+    With ``snapshot`` each allocation names its GPU type.
+    """
     batch_sizes = batch_sizes or {}
-    return Plan({job_id: Allocation(placement=p, batch_size=batch_sizes.get(job_id, 0)) for job_id, p in placements.items()})
+    return Plan({job_id: Allocation(placement=p, batch_size=batch_sizes.get(job_id, 0),
+                                    gpu_type=_type_of(p, snapshot, job_id))
+                 for job_id, p in placements.items()})
+
+
+def _type_of(placement: Placement, snapshot: ClusterSnapshot | None, job_id: str) -> str:
+    if snapshot is None or not placement:
+        return ""
+    job = next((j for j in snapshot.jobs if j.job_id == job_id), None)
+    return placement_type(placement, node_types(snapshot), job)

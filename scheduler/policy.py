@@ -38,6 +38,7 @@ class NodeInfo:
     pool: Pool = "training"                     # inference-pool GPUs are only lent (DeepBoot)
     cache_capacity_bytes: float = 0.0           # bytes of dataset cache on the node
     nic_bytes_per_s: float = UNLIMITED          # bytes/s the node can read from remote storage
+    gpu_type: str = ""                          # type of every GPU of the node ("v100"); "" = untyped
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,18 @@ class JobInfo:
     dataset: str = ""                           # dataset name; jobs reading one dataset share its cache
     priority: int = 0                           # larger first among equals
     tenant: str = "default"
+    gpu_types: tuple[str, ...] = ()             # GPU types the job may run on; () = any
+    # GPU type -> the job's model on that type (estimator.gpu_types); a type missing here
+    # (and untyped nodes) use ``model``.
+    type_models: Mapping[str, JobModel] = field(default_factory=dict)
+
+    def model_on(self, gpu_type: str) -> JobModel:
+        """The job's model on GPUs of ``gpu_type``."""
+        return self.type_models.get(gpu_type, self.model) if gpu_type else self.model
+
+    def allows(self, gpu_type: str) -> bool:
+        """May the job run on ``gpu_type``? Untyped nodes ("") take any job."""
+        return not self.gpu_types or not gpu_type or gpu_type in self.gpu_types
 
     @property
     def remaining_samples(self) -> float:
@@ -84,6 +97,7 @@ class Allocation:
     batch_size: int = 0                         # global samples/step; 0 = the job's own batch size
     cache_bytes: Mapping[str, float] = field(default_factory=dict)  # node -> bytes of cache quota for the job's dataset
     remote_io_bytes_per_s: float = UNLIMITED    # bytes/s of remote IO granted; UNLIMITED = not managed
+    gpu_type: str = ""                          # type of every GPU of the placement; "" = untyped
 
     @property
     def gpus(self) -> int:
@@ -138,6 +152,10 @@ class ClusterSnapshot:
     @property
     def total_gpus(self) -> int:
         return sum(node.gpus for node in self.nodes)
+
+    def gpu_types(self, pools: tuple[Pool, ...] = ("training",)) -> tuple[str, ...]:
+        """Distinct GPU types of the nodes of ``pools``, sorted ("" for untyped nodes)."""
+        return tuple(sorted({node.gpu_type for node in self.nodes if node.pool in pools}))
 
     def node(self, name: str) -> NodeInfo:
         for node in self.nodes:

@@ -90,14 +90,15 @@ class CacheIoRates:
 
     def _compute(self, jobs: Sequence[JobInfo], allocations: Sequence[Allocation]) -> tuple[np.ndarray, np.ndarray]:
         """``(T(g) samples/s, statistical efficiency)`` of each job at its placement and batch, IO not limiting."""
+        typed = [job.model_on(a.gpu_type) for job, a in zip(jobs, allocations)]
         models: dict[int, JobModel] = {}
-        for job in jobs:
-            models.setdefault(id(job.model), job.model)
+        for model in typed:
+            models.setdefault(id(model), model)
         key = tuple(sorted(models))
         if key not in self._tables:
             self._tables[key] = (ModelTable([models[k] for k in key]), {k: i for i, k in enumerate(key)})
         table, row = self._tables[key]
-        index = np.array([row[id(job.model)] for job in jobs])
+        index = np.array([row[id(model)] for model in typed])
         gpus = np.array([a.gpus for a in allocations])
         nodes = np.array([a.nodes for a in allocations])
         batch = np.array([effective_batch_size(j, a) for j, a in zip(jobs, allocations)])

@@ -10,6 +10,8 @@ Defaults are the Pollux artifact simulator's: 16 nodes x 4 GPUs, a scheduling ro
     #   - {count: 8, gpus: 4}
     #   - {name: big, gpus: 8}
     #   - {count: 8, gpus: 4, pool: inference}   # DeepBoot: inference-pool nodes (default pool: training)
+    #   - {count: 8, gpus: 4, gpu_type: v100}     # GPU type of the node's GPUs (lower case; default: untyped)
+    gpu_type: v100          # type of every node of a "nodes: N" cluster (default: untyped)
     restart_cost_s: 30      # seconds without progress after every (re)placement
     interval_s: 60          # seconds between scheduling rounds
     max_gpus_per_job: 64    # cap on any job's max_gpus (default: every GPU of the cluster)
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,9 +47,11 @@ DEFAULT_STALL_TIMEOUT_S = 86400.0
 
 _FIELDS = {
     "nodes", "gpus_per_node", "restart_cost_s", "interval_s", "max_gpus_per_job", "schedule_on_events", "stall_timeout_s",
-    "cache_bytes_per_node", "storage_bandwidth_bytes_per_s", "nic_bytes_per_s",
+    "cache_bytes_per_node", "storage_bandwidth_bytes_per_s", "nic_bytes_per_s", "gpu_type",
 }
-_NODE_FIELDS = {"name", "gpus", "count", "cache_bytes", "nic_bytes_per_s", "pool"}
+_NODE_FIELDS = {"name", "gpus", "count", "cache_bytes", "nic_bytes_per_s", "pool", "gpu_type"}
+# What nodes advertise (NodeSpec.gpu_type): lower case, so "V100" is not a type of its own.
+_GPU_TYPE = re.compile(r"[a-z0-9][a-z0-9._-]{0,31}")
 _POOLS = ("training", "inference")
 
 
@@ -54,12 +59,24 @@ def _default_nodes() -> tuple[NodeInfo, ...]:
     return uniform_nodes(DEFAULT_NODES, DEFAULT_GPUS_PER_NODE)
 
 
-def uniform_nodes(count: int, gpus: int, cache_bytes: float = 0.0, nic_bytes_per_s: float = math.inf) -> tuple[NodeInfo, ...]:
+def uniform_nodes(count: int, gpus: int, cache_bytes: float = 0.0, nic_bytes_per_s: float = math.inf,
+                  gpu_type: str = "") -> tuple[NodeInfo, ...]:
     width = max(2, len(str(count - 1)))
     return tuple(
-        NodeInfo(name=f"node-{i:0{width}d}", gpus=gpus, cache_capacity_bytes=cache_bytes, nic_bytes_per_s=nic_bytes_per_s)
+        NodeInfo(name=f"node-{i:0{width}d}", gpus=gpus, cache_capacity_bytes=cache_bytes, nic_bytes_per_s=nic_bytes_per_s,
+                 gpu_type=gpu_type)
         for i in range(count)
     )
+
+
+def _gpu_type(data: dict, where: str, default: str = "") -> str:
+    value = data.get("gpu_type", default)
+    if value is None or value == "":
+        return default
+    if not isinstance(value, str) or not _GPU_TYPE.fullmatch(value):
+        raise SimulatorInputError(f"{where} 'gpu_type': expected 1..32 characters of [a-z0-9._-] "
+                                  f"starting with a letter or digit (such as v100), got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -109,6 +126,11 @@ class ClusterSpec:
         return max(n.gpus for n in self.nodes)
 
     @property
+    def gpu_types(self) -> tuple[str, ...]:
+        """Distinct GPU types of the nodes, sorted ("" = untyped nodes)."""
+        return tuple(sorted({n.gpu_type for n in self.nodes}))
+
+    @property
     def total_cache_bytes(self) -> float:
         return float(sum(n.cache_capacity_bytes for n in self.nodes))
 
@@ -136,10 +158,14 @@ class ClusterSpec:
         shapes: dict[int, int] = {}
         for n in self.nodes:
             shapes[n.gpus] = shapes.get(n.gpus, 0) + 1
+        by_type: dict[str, int] = {}
+        for n in self.nodes:
+            by_type[n.gpu_type] = by_type.get(n.gpu_type, 0) + n.gpus
         return {
             "nodes": len(self.nodes),
             "gpus": self.total_gpus,
             "nodes_by_gpus": {str(g): c for g, c in sorted(shapes.items())},
+            "gpus_by_type": {t or "untyped": c for t, c in sorted(by_type.items())},
             "inference_gpus": self.total_gpus - self.training_gpus,
             "restart_cost_s": self.restart_cost_s,
             "interval_s": self.interval_s,
@@ -215,6 +241,7 @@ def cluster_from_dict(data: dict[str, Any] | None, source: str = "cluster spec")
     gpus_per_node = _positive_int(data, "gpus_per_node", DEFAULT_GPUS_PER_NODE, "cluster field")
     cache = _non_negative(data, "cache_bytes_per_node", 0.0, "cluster field")
     nic = _number(data, "nic_bytes_per_s", math.inf)
+    gpu_type = _gpu_type(data, "cluster field")
     raw_nodes = data.get("nodes", DEFAULT_NODES)
     if isinstance(raw_nodes, list):
         if "gpus_per_node" in data:
@@ -241,14 +268,16 @@ def cluster_from_dict(data: dict[str, Any] | None, source: str = "cluster spec")
                 raise SimulatorInputError(f"{where} field 'pool': expected one of {', '.join(_POOLS)}, got {pool!r}")
             node_cache = _non_negative(entry, "cache_bytes", cache, where + " field")
             node_nic = _number(entry, "nic_bytes_per_s", nic, where=where + " field")
+            node_type = _gpu_type(entry, where + " field", gpu_type)
             for _ in range(count):
-                nodes.append(NodeInfo(name=name or "", gpus=gpus, pool=pool, cache_capacity_bytes=node_cache, nic_bytes_per_s=node_nic))
+                nodes.append(NodeInfo(name=name or "", gpus=gpus, pool=pool, cache_capacity_bytes=node_cache,
+                                      nic_bytes_per_s=node_nic, gpu_type=node_type))
         width = max(2, len(str(len(nodes) - 1)))
         nodes = [n if n.name else dataclasses.replace(n, name=f"node-{i:0{width}d}") for i, n in enumerate(nodes)]
         node_tuple = tuple(nodes)
     else:
         count = _positive_int(data, "nodes", DEFAULT_NODES, "cluster field")
-        node_tuple = uniform_nodes(count, gpus_per_node, cache, nic)
+        node_tuple = uniform_nodes(count, gpus_per_node, cache, nic, gpu_type)
     flag = data.get("schedule_on_events", False)
     if not isinstance(flag, bool):
         raise SimulatorInputError(f"cluster field 'schedule_on_events': expected true or false, got {flag!r}")

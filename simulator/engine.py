@@ -44,13 +44,15 @@ from __future__ import annotations
 import dataclasses
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from estimator.gpu_types import typed_models
 from estimator.job_model import JobModel
+from scheduler.placement import placement_type
 from scheduler.invariants import PlanViolation, plan_problems
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan, Policy
 from scheduler.registry import get_policy
@@ -149,13 +151,15 @@ class _Job:
     """Mutable per-job state inside the engine."""
 
     __slots__ = (
-        "spec", "model", "dataset", "target", "min_gpus", "max_gpus", "requested", "done", "attained", "restarts",
+        "spec", "model", "type_models", "dataset", "target", "min_gpus", "max_gpus", "requested", "done", "attained", "restarts",
         "start", "finish", "allocation", "restart_until", "rate", "finish_at",
     )
 
-    def __init__(self, spec: JobSpec, model: JobModel, target: float, max_gpus: int, dataset: str = ""):
+    def __init__(self, spec: JobSpec, model: JobModel, target: float, max_gpus: int, dataset: str = "",
+                 type_models: Mapping[str, JobModel] | None = None):
         self.spec = spec
         self.model = model
+        self.type_models = type_models or {}
         self.dataset = dataset
         self.target = target
         self.min_gpus = 1
@@ -186,6 +190,8 @@ class _Job:
             attained_gpu_s=self.attained,
             restarts=self.restarts,
             dataset=self.dataset,
+            gpu_types=s.gpu_types,
+            type_models=self.type_models,
         )
 
 
@@ -248,8 +254,13 @@ class Simulator:
         self.observer = observer
 
         cap = self.cluster.job_gpu_cap
+        self._node_types = {node.name: node.gpu_type for node in self.cluster.nodes}
         self._jobs: list[_Job] = []
         models: dict[str, JobModel] = {}
+        # (application, Gavel job type) -> the job's model per GPU type of the cluster; shared by
+        # the jobs of one kind, so rate models and policies price each kind once.
+        typed: dict[tuple[str, str], dict[str, JobModel]] = {}
+        gpu_types = self.cluster.gpu_types
         for spec in workload.jobs:
             if spec.application not in models:
                 try:
@@ -257,13 +268,19 @@ class Simulator:
                 except KeyError as exc:
                     raise SimulatorInputError(f"job {spec.name}: {exc.args[0]}") from None
             model = models[spec.application]
-            target = target_samples(spec.application)
-            self._jobs.append(_Job(spec, model, target, max_gpus_for(model, spec.num_replicas, cap), _dataset_of(spec.application)))
+            kind = (spec.application, spec.job_type)
+            if kind not in typed:
+                typed[kind] = typed_models(model, gpu_types, job_type=spec.job_type)
+            target = spec.target_samples or target_samples(spec.application)
+            self._jobs.append(_Job(spec, model, target, max_gpus_for(model, spec.num_replicas, cap), _dataset_of(spec.application),
+                                   typed[kind]))
         if rate_model is None and (cache_mode != "none" or self.cluster.io_limited):
             rate_model = CacheIoRates(cache_mode, self.cluster.nodes, self.cluster.storage_bandwidth_bytes_per_s,
                                       gpus_per_node=self.cluster.gpus_per_node)
         # GPU-only (no cache, unlimited IO) keeps the original rate model: the same numbers as before issue 7.
-        self.rate_model: RateModel = rate_model or GoodputRates(list(models.values()), gpus_per_node=self.cluster.gpus_per_node)
+        self.rate_model: RateModel = rate_model or GoodputRates(
+            list(models.values()) + [m for by_type in typed.values() for m in by_type.values()],
+            gpus_per_node=self.cluster.gpus_per_node)
 
         self._pending = 0                    # index of the next job to arrive
         self._active: list[_Job] = []        # arrived, unfinished, in arrival order
@@ -501,7 +518,8 @@ class Simulator:
                     job.start = t
                 else:
                     job.restarts += 1
-            job.allocation = new
+            # The job runs at the speed of the GPUs it got, whatever type the plan names.
+            job.allocation = dataclasses.replace(new, gpu_type=placement_type(new.placement, self._node_types, info))
         self._set_rates(t)
 
     def _resize_cost(self, job: _Job, info: JobInfo, new: Allocation) -> float:
@@ -631,7 +649,8 @@ class Simulator:
                                         self._costs.cost_s(info, starting=False, default_s=self.cluster.restart_cost_s)) \
                         if self._costs is not None else self._charge("fixed", self.cluster.restart_cost_s)
                     job.restart_until = max(job.restart_until, t + cost)
-                    job.allocation = new
+                    job.allocation = dataclasses.replace(
+                        new, gpu_type=placement_type(new.placement, self._node_types, info))
                     job.restarts += 1  # a stopped job counts when it is placed again
             replica_id, finish = self._pool.start(decision, task, t)
             self._serving[replica_id] = (finish, index)

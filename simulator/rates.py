@@ -65,7 +65,7 @@ class GoodputRates:
     def rates(self, jobs: Sequence[JobInfo], allocations: Sequence[Allocation]) -> np.ndarray:
         if not jobs:
             return np.zeros(0)
-        index = np.array([self._index_of(job.model) for job in jobs])
+        index = np.array([self._index_of(job.model_on(a.gpu_type)) for job, a in zip(jobs, allocations)])
         gpus = np.array([a.gpus for a in allocations])
         nodes = np.array([a.nodes for a in allocations])
         batch = np.array([effective_batch_size(j, a) for j, a in zip(jobs, allocations)])

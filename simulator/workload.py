@@ -45,6 +45,9 @@ class JobSpec:
     arrival_s: float        # seconds from the start of the workload
     num_replicas: int       # GPUs the owner asked for (what rigid policies give)
     batch_size: int         # the owner's global batch size
+    job_type: str = ""      # Gavel job type whose measured speeds per GPU type the job has ("" = its application's)
+    target_samples: float = 0.0  # efficiency-weighted samples to finish; 0 = the application's (target_samples())
+    gpu_types: tuple[str, ...] = ()  # GPU types the job may run on; () = any
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,10 @@ def load_workload(source: str | Path) -> Workload:
         return _mixed(str(source), text)
     if path.is_dir():
         raise SimulatorInputError(f"workload {path}: is a directory; give one CSV file")
+    if str(source).startswith("gavel/"):
+        from simulator.gavel_trace import load_gavel_trace  # deferred: it prices jobs with the estimator
+
+        return load_gavel_trace(str(source))
     packaged = _packaged(str(source))
     if packaged is None:
         raise SimulatorInputError(

@@ -63,13 +63,17 @@ def held_lendable(snapshot: ClusterSnapshot, jobs: Sequence[JobInfo]) -> np.ndar
 
 
 def place_lending(
-    snapshot: ClusterSnapshot, gpu_counts: Mapping[str, int], order: Sequence[str] | None = None, *, lend: bool = True
+    snapshot: ClusterSnapshot, gpu_counts: Mapping[str, int], order: Sequence[str] | None = None, *, lend: bool = True,
+    types: Mapping[str, str] | None = None,
 ) -> PlacementResult:
     """Place every job with a positive count: stay in place first, then the training pool, then lent GPUs.
 
     Same contract as :func:`scheduler.placement.place` (jobs that do not fit are ``unplaced``);
     busy inference GPUs are never handed out. Without ``lend`` only the training pool is used.
+    ``types`` (job id -> GPU type) keeps each named job on nodes of its type in both pools,
+    so lent GPUs are of the job's type too; a job it omits may use any node.
     """
+    types = types or {}
     pools = BOTH_POOLS if lend else ("training",)
     anywhere = FreeGpus(snapshot, pools)
     training = FreeGpus(snapshot, ("training",))
@@ -90,6 +94,8 @@ def place_lending(
     growing: dict[str, Placement] = {}  # jobs that grow: their current GPUs, kept (AFE scale-out adds workers)
     for job_id, count in wanted.items():
         current = snapshot.current.get(job_id)
+        if job_id in types and current is not None and any(anywhere.type_of(n) != types[job_id] for n, _ in current.placement):
+            continue  # it moves to another type: a fresh placement below
         grows = current is not None and count > current.gpus > 0
         kept = keep_current(current, current.gpus if grows else count, anywhere,
                             keep_first=lambda node: node in training_nodes)
@@ -105,15 +111,16 @@ def place_lending(
             continue
         job = jobs[job_id]
         cached = cache.get(job.dataset, {}) if job.dataset else {}
+        gpu_type = types.get(job_id)
         if job_id in growing:
             placements[job_id] = _grow(job, growing[job_id], wanted[job_id], training, anywhere, training_nodes,
-                                       everything, cached, lend=lend)
+                                       everything, cached, lend=lend, gpu_type=gpu_type)
             continue
-        fresh = fresh_placement(job, wanted[job_id], training, cached)
+        fresh = fresh_placement(job, wanted[job_id], training, cached, gpu_type)
         if fresh is not None:
             mirror(fresh, anywhere, everything)
         elif lend:
-            fresh = fresh_placement(job, wanted[job_id], anywhere, cached)
+            fresh = fresh_placement(job, wanted[job_id], anywhere, cached, gpu_type)
             if fresh is not None:
                 mirror(fresh, training, training_nodes)
         if fresh is None:
@@ -124,7 +131,7 @@ def place_lending(
 
 
 def _grow(job: JobInfo, kept: Placement, count: int, training: FreeGpus, anywhere: FreeGpus, training_nodes,
-          everything, cached, *, lend: bool) -> Placement:
+          everything, cached, *, lend: bool, gpu_type: str | None = None) -> Placement:
     """``kept`` (the job's current GPUs, already reserved) plus new GPUs up to ``count``.
 
     A growing job keeps its workers (with AFE only the new ones start, DeepBoot's scale-out);
@@ -145,6 +152,8 @@ def _grow(job: JobInfo, kept: Placement, count: int, training: FreeGpus, anywher
         for node in sorted(held, key=lambda n: (-len(held[n]), n)):
             if remaining <= 0 or node not in pool_nodes or view.count(node) == 0:
                 continue
+            if gpu_type is not None and view.type_of(node) != gpu_type:
+                continue
             taken = view.reserve_any(node, min(remaining, view.count(node)))
             if other is not None:
                 other.reserve(node, taken)
@@ -152,7 +161,7 @@ def _grow(job: JobInfo, kept: Placement, count: int, training: FreeGpus, anywher
 
     on_own_nodes(training_nodes, training, anywhere)  # ``anywhere`` covers the training pool too: keep both views in step
     if remaining > 0:
-        fresh = fresh_placement(job, remaining, training, cached)
+        fresh = fresh_placement(job, remaining, training, cached, gpu_type)
         if fresh is not None:
             for node, indices in fresh:
                 anywhere.reserve(node, indices)
@@ -160,7 +169,7 @@ def _grow(job: JobInfo, kept: Placement, count: int, training: FreeGpus, anywher
     if remaining > 0 and lend:
         on_own_nodes(everything - set(training_nodes), anywhere, None)
         if remaining > 0:
-            fresh = fresh_placement(job, remaining, anywhere, cached)
+            fresh = fresh_placement(job, remaining, anywhere, cached, gpu_type)
             if fresh is not None:
                 for node, indices in fresh:
                     if node in training_nodes:

@@ -20,7 +20,8 @@ def node_info(node: common_pb2.Node) -> NodeInfo:
     # The cache server checks quotas against all its tiers (disk + memory); a node that names
     # no cache server has no cache to grant, whatever it advertises.
     cache = float(spec.cache_capacity_bytes + spec.memory_cache_bytes) if spec.cache_address else 0.0
-    return NodeInfo(name=spec.name, gpus=spec.gpus, pool=pool, cache_capacity_bytes=cache, nic_bytes_per_s=nic)
+    return NodeInfo(name=spec.name, gpus=spec.gpus, pool=pool, cache_capacity_bytes=cache, nic_bytes_per_s=nic,
+                    gpu_type=spec.gpu_type)
 
 
 def placement_of(allocation: plan_pb2.JobAllocation) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -39,7 +40,7 @@ def plan_from_proto(plan: plan_pb2.AllocationPlan | None) -> Plan:
         io = sum(g.remote_io_bytes_per_s for g in job.cache_grants)
         allocations[job.job_id] = Allocation(
             placement=placement, batch_size=job.batch_size, cache_bytes=grants,
-            remote_io_bytes_per_s=float(io) if io > 0 else math.inf,
+            remote_io_bytes_per_s=float(io) if io > 0 else math.inf, gpu_type=job.gpu_type,
         )
     return Plan(allocations)
 

@@ -37,12 +37,14 @@ from typing import TypeVar
 import grpc
 from prometheus_client import Counter
 
+from estimator.gpu_types import typed_models
 from estimator.job_model import JobModel
 from scheduler.codesign import is_active as co_active
 from scheduler.invariants import check_plan
 from scheduler.live import convert, data
 from scheduler.deepboot.replicas import LifecycleConfig, ProtectSchedule
 from scheduler.live.inference import LiveInference, is_inference_job
+from scheduler.placement import node_types, placement_type
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import get_policy
 from silod.v1 import allocation_pb2, common_pb2, estimator_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
@@ -451,6 +453,7 @@ class SchedulerCore:
         datasets = await self._datasets_of(training)
         await self._refresh_fitted(training)
         job_infos = []
+        node_gpu_types = tuple(sorted({info.gpu_type for info in infos}))
         for job in inference_jobs:
             self.specs[job.id] = job.spec
         for job in training:
@@ -462,7 +465,8 @@ class SchedulerCore:
                 min_gpus=spec.min_gpus, max_gpus=spec.max_gpus, target_samples=target,
                 samples_done=min(float(job.progress.samples_done), target * 0.999), requested_gpus=spec.max_gpus,
                 batch_size=spec.batch_size, dataset=spec.dataset, priority=spec.priority,
-                tenant=spec.tenant or "default",
+                tenant=spec.tenant or "default", gpu_types=tuple(spec.gpu_types),
+                type_models=_typed_models(model, node_gpu_types) if len(node_gpu_types) > 1 else {},
             ))
         min_gpus = {j.id: j.spec.min_gpus for j in training}  # inference tasks: LiveInference keeps them
         current: dict[str, Allocation] = {}
@@ -475,7 +479,7 @@ class SchedulerCore:
             if sum(len(idx) for _, idx in survivors) >= max(1, min_gpus[job_id]):
                 current[job_id] = Allocation(placement=survivors, batch_size=alloc.batch_size,
                                              cache_bytes={n: b for n, b in alloc.cache_bytes.items() if n in alive},
-                                             remote_io_bytes_per_s=alloc.remote_io_bytes_per_s)
+                                             remote_io_bytes_per_s=alloc.remote_io_bytes_per_s, gpu_type=alloc.gpu_type)
         silod = self.cache_mode == "silod"
         cached: dict[tuple[str, str], float] = {}
         if silod and self.cached is not None and any(i.cache_capacity_bytes > 0 for i in infos):
@@ -563,12 +567,15 @@ class SchedulerCore:
         if self.cache_mode == "silod" and math.isfinite(snap.storage_bandwidth_bytes_per_s):
             proto.storage_bandwidth_budget_bytes_per_s = int(snap.storage_bandwidth_bytes_per_s)
         proto.created_at.GetCurrentTime()
+        kinds = node_types(snap)
         for job in jobs:
             alloc = plan.get(job.id)
             entry = proto.jobs.add(job_id=job.id)
             if alloc is not None:
                 for node, idx in alloc.placement:
                     entry.placements.add(node=node, gpu_indices=list(idx))
+                # The type the job runs on, from its nodes (the policy's Allocation may leave it "").
+                entry.gpu_type = placement_type(alloc.placement, kinds, None) if alloc.placement else ""
                 entry.batch_size = alloc.batch_size or job.spec.batch_size
                 if job.id in training_ids:
                     data.add_grants(entry, alloc, self.cache_mode, job.spec.dataset, managed)
@@ -907,3 +914,9 @@ def _same_allocations(a: plan_pb2.AllocationPlan, b: plan_pb2.AllocationPlan) ->
         return sorted(job.SerializeToString(deterministic=True) for job in plan.jobs)
 
     return key(a) == key(b)
+
+
+@functools.lru_cache(maxsize=4096)
+def _typed_models(model: JobModel, gpu_types: tuple[str, ...]) -> dict[str, JobModel]:
+    """A job model's per-type models (estimator.gpu_types); jobs of one application share one."""
+    return typed_models(model, gpu_types)

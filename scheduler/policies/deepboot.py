@@ -45,6 +45,7 @@ re-pricing round as in ``pollux``). Ties go to the job with the least attained s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +56,9 @@ from scheduler.deepboot.ats_i import InferenceRound, place_inference_tasks
 from scheduler.deepboot.costs import ResizeCosts, kept_share
 from scheduler.deepboot.lending import BOTH_POOLS, held_lendable, place_lending, training_capacity
 from scheduler.deepboot.state import ReplicaView
-from scheduler.policies.pollux import _local_search, _solve_dp, _solve_hull_greedy
+from scheduler.placement import TypeRoom, blind_preferences, largest_type_gpus, node_types, placement_type
+from scheduler.policies.pollux import _current_type, base_goodput_ratio, solve_counts
+from scheduler.policies.typed_counts import assign_types, best_start
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
@@ -92,6 +95,7 @@ class DeepBootPolicy:
     solver: str = "auto"                              # "dp" (exact), "greedy", or "auto": dp within dp_limit
     dp_limit: int = 5_000_000
     local_search_moves: int = 200                     # greedy: at most this many improving moves
+    heterogeneity_aware: bool = True                  # False: one pool at the reference speed, types chosen blind
 
     def __post_init__(self):
         if self.solver not in ("auto", "dp", "greedy"):
@@ -144,8 +148,12 @@ class DeepBootPolicy:
             return np.log(s)
         return np.sign(self.p) * s**self.p
 
-    def count_table(self, snapshot: ClusterSnapshot) -> CountTable:
-        """Price every job at every count it may get (one vectorized estimator call)."""
+    def count_table(self, snapshot: ClusterSnapshot, speedup_scale: np.ndarray | None = None) -> CountTable:
+        """Price every job at every count it may get (one vectorized estimator call).
+
+        ``speedup_scale`` (per job) multiplies the speedups: on a typed cluster, the job's
+        one-GPU goodput on the type over one GPU of its reference model, so types compare.
+        """
         jobs = snapshot.jobs
         n = len(jobs)
         pools = BOTH_POOLS if self.lend else ("training",)
@@ -164,6 +172,8 @@ class DeepBootPolicy:
             rows = np.repeat(np.arange(n), sizes)
             counts = np.arange(rows.size) - np.repeat(np.cumsum(sizes) - sizes, sizes) + low[rows]
             speedup = estimates.predict(rows, counts, 0, per_node=per_node).speedup
+            if speedup_scale is not None:
+                speedup = speedup * speedup_scale[rows]
             kept = np.array([self.kept(snapshot, job, int(h)) for job, h in zip(jobs, held)])
             utility[rows, counts] = self.utility(np.where(counts == held[rows], speedup, speedup * kept[rows]))
         rank = np.empty(n)
@@ -173,16 +183,7 @@ class DeepBootPolicy:
 
     def choose_counts(self, table: CountTable) -> np.ndarray:
         """GPU count per job maximizing the summed utilities, i.e. the power mean (exact group knapsack unless too large)."""
-        n, width = table.utility.shape
-        if n == 0 or table.capacity == 0 or width == 1:
-            return np.zeros(n, dtype=np.int64)
-        solver = self.solver
-        if solver == "auto":
-            solver = "dp" if n * (table.capacity + 1) * width <= self.dp_limit else "greedy"
-        if solver == "dp":
-            return _solve_dp(table.utility, table.capacity)
-        start = _solve_hull_greedy(table.utility, table.capacity)
-        return _local_search(table.utility, table.capacity, start, self.local_search_moves)
+        return self._solve(table.utility, table.capacity)
 
     def place_inference(self, snapshot: ClusterSnapshot, applications: Sequence[str], replicas: Sequence[ReplicaView]) -> InferenceRound:
         """ATS-I for pending tasks (their applications, in queue order), pricing reclaims with this policy's costs."""
@@ -191,19 +192,63 @@ class DeepBootPolicy:
     def schedule(self, snapshot: ClusterSnapshot) -> Plan:
         if not snapshot.jobs:
             return Plan({})
-        table = self.count_table(snapshot)
-        counts = self.choose_counts(table)
+        pools = BOTH_POOLS if self.lend else ("training",)
+        types = snapshot.gpu_types(pools)
+        if len(types) > 1 and self.heterogeneity_aware:
+            tables = [self.type_table(snapshot, t) for t in types]
+            kinds = node_types(snapshot)
+            current = np.array([_current_type(snapshot, job, kinds, types) for job in snapshot.jobs], dtype=np.int64)
+            requested = np.array([job.requested for job in snapshot.jobs], dtype=np.int64)
+            utilities = [t.utility for t in tables]
+            assign, counts = assign_types(utilities, [t.capacity for t in tables], self._solve,
+                                          best_start(utilities, requested, current))
+            chosen = {job.job_id: types[a] for job, a in zip(snapshot.jobs, assign)}
+            table = dataclasses.replace(tables[0], per_node=max(t.per_node for t in tables))
+        else:
+            widest = largest_type_gpus(snapshot, pools)
+            if len(types) > 1 and widest < self.max_gpus_per_job:  # type-blind, but one type per job
+                return dataclasses.replace(self, max_gpus_per_job=widest).schedule(snapshot)
+            table = self.count_table(snapshot)
+            counts = self.choose_counts(table)
+            chosen = None
+            if len(types) > 1:  # type-blind: each job on the first type with room in a speed-blind order
+                blind = blind_preferences(snapshot, [job.job_id for job in snapshot.jobs], pools)
+                room = TypeRoom(snapshot, pools)
+                chosen = {}
+                for job, count in zip(snapshot.jobs, counts):
+                    gpu_type = room.claim(int(count), blind[job.job_id]) if count > 0 else None
+                    if gpu_type is not None:
+                        chosen[job.job_id] = gpu_type
         wanted = {job.job_id: int(c) for job, c in zip(table.jobs, counts) if c > 0}
         # New placements: jobs that fit on one node first, largest first (best-fit decreasing).
         order = sorted(wanted, key=lambda job_id: (wanted[job_id] > table.per_node, -wanted[job_id]))
-        placements = place_lending(snapshot, wanted, order, lend=self.lend).placements
+        placements = place_lending(snapshot, wanted, order, lend=self.lend, types=chosen).placements
         if not placements:
             return Plan({})
-        index = {job.job_id: k for k, job in enumerate(table.jobs)}
+        index = {job.job_id: k for k, job in enumerate(snapshot.jobs)}
         placed = list(placements)
-        rows = np.array([index[job_id] for job_id in placed])
+        kinds = node_types(snapshot)
+        on = [placement_type(placements[job_id], kinds, snapshot.jobs[index[job_id]]) for job_id in placed]
         gpus = np.array([sum(len(ix) for _, ix in placements[job_id]) for job_id in placed])
         nodes = np.array([len(placements[job_id]) for job_id in placed])
-        batch = table.estimates.predict(rows, gpus, nodes, per_node=table.per_node).batch_size
-        return Plan({job_id: Allocation(placement=placements[job_id], batch_size=int(b)) for job_id, b in zip(placed, batch)})
+        estimates = JobTable([snapshot.jobs[index[job_id]] for job_id in placed], gpu_types=on)
+        batch = estimates.predict(np.arange(len(placed)), gpus, nodes, per_node=table.per_node).batch_size
+        return Plan({job_id: Allocation(placement=placements[job_id], batch_size=int(b), gpu_type=t)
+                     for job_id, b, t in zip(placed, batch, on)})
+
+    def type_table(self, snapshot: ClusterSnapshot, gpu_type: str) -> CountTable:
+        """:meth:`count_table` over the nodes of ``gpu_type`` (both pools: a lent GPU is worth
+        its type's speed), every job priced with its model there, speedups over one GPU of
+        its reference model; -inf on a type the job does not allow."""
+        nodes = tuple(n for n in snapshot.nodes if n.gpu_type == gpu_type)
+        jobs = tuple(dataclasses.replace(job, model=job.model_on(gpu_type)) for job in snapshot.jobs)
+        table = self.count_table(dataclasses.replace(snapshot, nodes=nodes, jobs=jobs),
+                                 speedup_scale=base_goodput_ratio(snapshot.jobs, gpu_type))
+        banned = np.array([not job.allows(gpu_type) for job in snapshot.jobs])
+        utility = table.utility.copy()
+        utility[banned, 1:] = -np.inf
+        return dataclasses.replace(table, jobs=tuple(snapshot.jobs), utility=utility)
+
+    def _solve(self, utility: np.ndarray, capacity: int) -> np.ndarray:
+        return solve_counts(utility, capacity, self.solver, self.dp_limit, self.local_search_moves)
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from estimator.predict import ModelTable, predict
 from scheduler import codesign as co
-from scheduler.placement import place, plan_from_placements
+from scheduler.placement import TypeRoom, place, plan_from_placements, type_preferences
 from scheduler.policy import ClusterSnapshot, JobInfo, Plan, Pool
 
 TRAINING: tuple[Pool, ...] = ("training",)
@@ -187,17 +187,43 @@ def admit_in_order(
     Jobs that do not fit are skipped, so later (smaller) jobs may use the room (backfill).
     ``capacity`` defaults to the GPUs of ``pools``.
     """
-    free = pool_gpus(snapshot, pools) if capacity is None else capacity
-    counts: dict[str, int] = {}
+    return {job_id: count for job_id, (count, _) in admit_typed(snapshot, order, pools=pools, capacity=capacity).items()}
+
+
+def admit_typed(
+    snapshot: ClusterSnapshot,
+    order: Sequence[JobInfo],
+    *,
+    pools: Iterable[Pool] = TRAINING,
+    capacity: int | None = None,
+) -> dict[str, tuple[int, str]]:
+    """:func:`admit_in_order` with each admitted job's GPU type: job id -> (count, type).
+
+    A job is admitted on the first type of its :func:`scheduler.placement.type_preferences`
+    (its current type if it runs, else the type it is fastest on) with room for its whole count.
+    """
+    pools = tuple(pools)
+    room = TypeRoom(snapshot, pools, capacity)
+    preferences = type_preferences(snapshot, {job.job_id: job.requested for job in order}, pools)
+    admitted: dict[str, tuple[int, str]] = {}
     for job in order:
         want = job.requested
-        if job.job_id in counts or want <= 0 or want > free:
+        if job.job_id in admitted or want <= 0:
             continue
-        counts[job.job_id] = want
-        free -= want
-        if free == 0:
+        gpu_type = room.claim(want, preferences.get(job.job_id, ()))
+        if gpu_type is None:
+            continue
+        admitted[job.job_id] = (want, gpu_type)
+        if room.total == 0:
             break
-    return counts
+    return admitted
+
+
+def place_admitted(snapshot: ClusterSnapshot, admitted: Mapping[str, tuple[int, str]], order: Sequence[str],
+                   pools: Iterable[Pool] = TRAINING):
+    """Place :func:`admit_typed`'s jobs, each on the type it was admitted on."""
+    return place(snapshot, {j: n for j, (n, _) in admitted.items()}, order, pools=pools,
+                 preferences={j: (t,) for j, (_, t) in admitted.items()})
 
 
 def rigid_plan(
@@ -217,14 +243,14 @@ def rigid_plan(
     if codesign and co.is_active(snapshot):
         def admit(excluded: frozenset[str]):
             kept = [job for job in order if job.job_id not in excluded]
-            counts = admit_in_order(snapshot, kept, pools=pools)
-            ranked = [job.job_id for job in kept if job.job_id in counts]
-            return place(snapshot, counts, ranked, pools=pools).placements, ranked
+            admitted = admit_typed(snapshot, kept, pools=pools)
+            ranked = [job.job_id for job in kept if job.job_id in admitted]
+            return place_admitted(snapshot, admitted, ranked, pools).placements, ranked
 
         return co.without_starved(snapshot, admit)
-    counts = admit_in_order(snapshot, order, pools=pools)
-    result = place(snapshot, counts, [job.job_id for job in order if job.job_id in counts], pools=pools)
-    return plan_from_placements(result.placements)
+    admitted = admit_typed(snapshot, order, pools=pools)
+    result = place_admitted(snapshot, admitted, [job.job_id for job in order if job.job_id in admitted], pools)
+    return plan_from_placements(result.placements, snapshot=snapshot)
 
 
 def io_demand(snapshot: ClusterSnapshot, jobs: Sequence[JobInfo], pools: Iterable[Pool] = TRAINING) -> dict[str, float]:

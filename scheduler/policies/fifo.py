@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler import codesign as co
-from scheduler.placement import FreeGpus, place, plan_from_placements
+from scheduler.placement import TypeRoom, plan_from_placements, type_preferences
+from scheduler.policies.estimates import place_admitted
 from scheduler.policy import ClusterSnapshot, Plan
 from scheduler.registry import register
 
@@ -31,27 +32,32 @@ class FifoPolicy:
         if self.codesign and co.is_active(snapshot):
             return co.without_starved(snapshot, lambda excluded: self._admit(snapshot, excluded))
         placements, _ = self._admit(snapshot, frozenset())
-        return plan_from_placements(placements)
+        return plan_from_placements(placements, snapshot=snapshot)
 
     def _admit(self, snapshot: ClusterSnapshot, excluded: frozenset[str]):
         """``(placements, arrival order)``; jobs in ``excluded`` are passed over unless running."""
-        free = FreeGpus(snapshot).total
-        counts: dict[str, int] = {}
+        room = TypeRoom(snapshot)
+        wanted = {job.job_id: min(max(snapshot.current.gpus_of(job.job_id), job.min_gpus), job.max_gpus)
+                  if snapshot.current.gpus_of(job.job_id) else job.requested for job in snapshot.jobs}
+        # Running jobs first on their own type, the rest on the fastest type with room.
+        preferences = type_preferences(snapshot, wanted)
+        admitted: dict[str, tuple[int, str]] = {}
         # Running jobs keep what they hold (within their bounds).
         for job in snapshot.jobs:
-            held = snapshot.current.gpus_of(job.job_id)
-            if held:
-                counts[job.job_id] = min(max(held, job.min_gpus), job.max_gpus)
-                free -= counts[job.job_id]
+            if snapshot.current.gpus_of(job.job_id):
+                gpu_type = room.claim(wanted[job.job_id], preferences.get(job.job_id, ()))
+                if gpu_type is not None:
+                    admitted[job.job_id] = (wanted[job.job_id], gpu_type)
         order = sorted(snapshot.jobs, key=lambda j: (j.submit_time_s, j.job_id))
         for job in order:
-            if job.job_id in counts or job.job_id in excluded:
+            # A running job that cannot keep its count waits a round rather than restart at another.
+            if job.job_id in admitted or job.job_id in excluded or snapshot.current.gpus_of(job.job_id):
                 continue
-            if job.requested > free:
+            gpu_type = room.claim(job.requested, preferences.get(job.job_id, ()))
+            if gpu_type is None:
                 if not self.backfill:
                     break
                 continue
-            counts[job.job_id] = job.requested
-            free -= job.requested
-        result = place(snapshot, counts, [j.job_id for j in order])
+            admitted[job.job_id] = (job.requested, gpu_type)
+        result = place_admitted(snapshot, admitted, [j.job_id for j in order])
         return result.placements, [j.job_id for j in order if j.job_id in result.placements]

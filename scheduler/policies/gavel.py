@@ -1,10 +1,18 @@
 """Gavel: max-min fairness over normalized throughput, solved as an LP (Narayanan et al., OSDI'20).
 
 Gavel writes a policy as an optimization over an *allocation* ``X``: ``X[j, c]`` is the
-fraction of time job ``j`` runs with candidate allocation ``c``. Gavel's candidates are
-accelerator types (which makes it heterogeneity-aware); here, on one GPU type, a candidate
-is a GPU count: the job's requested count for a rigid job, and for an elastic job also its
-minimum, its (capped) maximum and the powers of two in between. A later issue adds cache
+fraction of time job ``j`` runs with candidate allocation ``c``. A candidate is a (GPU
+count, GPU type) pair: the count is the job's requested count for a rigid job, and for an
+elastic job also its minimum, its (capped) maximum and the powers of two in between; the
+type is any type of the pool the job allows whose GPUs hold the count. Its throughput is the
+job's goodput on that type (``JobInfo.model_on``), so the LP trades types by *effective
+throughput* as Gavel does. Each type has its own capacity row. On an untyped cluster there
+is one type and this is the homogeneous LP. ``heterogeneity_aware=False`` (the baseline)
+collapses the types into one pool priced at the job's reference model (counts capped at the
+largest type's GPUs) and lets the round put a count on a type in a speed-blind order
+(:func:`scheduler.placement.blind_preferences`). Many jobs: the LP is split POP-style
+(:func:`_partitioned_lp`). After the LP's choices, leftover GPUs go to waiting jobs at any
+count and type they fit. A later issue adds cache
 and remote IO grants as further candidate dimensions (one more column set per grant
 level, priced by the same estimator call, see :mod:`scheduler.policies.pollux_estimates`).
 
@@ -20,8 +28,13 @@ The LP (max-min fairness, Gavel's ``max_min_fairness`` policy)::
   efficiency-weighted samples/s at the job's own batch size, or at the goodput-optimal one
   with ``adapt_batch``), packed on the fewest nodes, IO not limiting.
 - Normalization (Gavel's: throughput relative to the job's throughput under an *equal
-  share* of the cluster): ``ref[j] = max_c thr[j,c] * min(1, (G/N) / gpus[c])``, the best
-  the job could do alone with ``1/N`` of the cluster's GPU-time (``G`` GPUs, ``N`` jobs). A
+  share* of the cluster): ``ref[j] = max_g sum_t (G_t/G) thr[j,(g,t)] min(1, (G/N) / g)``,
+  the best the job could do alone with ``1/N`` of every type's GPU-time (``G_t`` GPUs of
+  type ``t``, ``G`` in all, ``N`` jobs; Gavel's ``X^equal``).
+- ``objective="makespan"``: ``ref[j]`` is the job's remaining work instead, so
+  ``sum_c X thr / ref`` is the inverse of its finishing time and maximizing the minimum
+  minimizes the makespan of the remaining work (Gavel's ``min_total_duration``, solved as
+  the same LP; ``t*`` is 1 / makespan in seconds). A
   job whose hardware throughput is twice another's is therefore not favoured or
   penalized; for rigid jobs on a crowded cluster the normalized rate is proportional to
   the job's GPU-time share (Gavel's scale-factor rule: a 1-GPU job gets ``k`` times the
@@ -71,7 +84,7 @@ import scipy.sparse as sp
 from scipy.optimize import linprog
 
 from scheduler import codesign as co
-from scheduler.placement import PlacementResult, place
+from scheduler.placement import TypeRoom, blind_preferences, largest_type_gpus, node_types, place, placement_type
 from scheduler.policies.pollux import upper_hull_segments
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
@@ -82,6 +95,7 @@ from scheduler.registry import register
 _LEVEL_SLACK = 1e-7
 # Time fractions below this are solver noise.
 _NOISE = 1e-9
+OBJECTIVES = ("max_min_fairness", "makespan")
 
 
 @dataclass(frozen=True)
@@ -95,8 +109,13 @@ class GavelAllocation:
     reference: np.ndarray         # per job: throughput under an equal share (the normalizer)
     weight: np.ndarray            # per job: priority weight
     fraction: np.ndarray          # per candidate: share of time (the LP's X)
-    level: float                  # the max-min normalized throughput t*
+    level: float                  # the max-min normalized throughput t* (makespan: 1 / the makespan in s)
     io: np.ndarray | None = None  # per candidate: remote bytes/s it uses while running (codesign only)
+    types: tuple[str, ...] = ("",)  # GPU types of the pool, sorted
+    gpu_type: np.ndarray | None = None  # per candidate: index into ``types`` (None = all untyped)
+
+    def type_of(self, candidate: int) -> str:
+        return self.types[int(self.gpu_type[candidate])] if self.gpu_type is not None else self.types[0]
 
     def time_fraction(self) -> np.ndarray:
         """Per job: share of time it should run (sum over its candidates)."""
@@ -123,8 +142,16 @@ class GavelPolicy:
     water_fill: bool = True         # second LP: use capacity the max-min bottleneck leaves over
     running_bonus: float = 0.0      # priority x (1 + bonus) for jobs running now; 0 = Gavel
     codesign: bool = False          # SiloD: price with T(g, c, b), IO as an LP constraint, grant cache and IO
+    heterogeneity_aware: bool = True  # candidates per GPU type at the job's speed there; False = one pool, type-blind
+    objective: str = "max_min_fairness"  # or "makespan": finish every job's remaining work as early as possible
+    partitions: int = 0             # POP: split jobs and every type's GPUs into this many LPs; 0 = by partition_jobs
+    partition_jobs: int = 2000      # with partitions = 0: one LP per this many jobs (1 LP up to it)
 
     def __post_init__(self):
+        if self.partitions < 0 or self.partition_jobs < 1:
+            raise ValueError("partitions must be >= 0 and partition_jobs >= 1")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.max_gpus_per_job < 1:
             raise ValueError("max_gpus_per_job must be at least 1")
         if not self.priority_base > 0:
@@ -150,48 +177,98 @@ class GavelPolicy:
             power *= 2
         return sorted(counts)
 
+    def pool_types(self, snapshot: ClusterSnapshot) -> tuple[tuple[str, ...], np.ndarray]:
+        """``(types, GPUs of each)`` the LP sees: the pool's types, or one pool when type-blind."""
+        nodes = pool_nodes(snapshot)
+        if not self.heterogeneity_aware:
+            return ("",), np.array([sum(node.gpus for node in nodes)], dtype=np.int64)
+        types = tuple(sorted({node.gpu_type for node in nodes}))
+        return types, np.array([sum(n.gpus for n in nodes if n.gpu_type == t) for t in types], dtype=np.int64)
+
     def solve(self, snapshot: ClusterSnapshot) -> GavelAllocation:
         """The fractional allocation of ``snapshot`` (see the module docstring)."""
         jobs = tuple(snapshot.jobs)
-        capacity = sum(node.gpus for node in pool_nodes(snapshot))
+        types, type_capacity = self.pool_types(snapshot)
+        capacity = int(type_capacity.sum())
         per_node = gpus_per_node(snapshot)
-        options = [self.candidate_counts(job, capacity) for job in jobs]
-        sizes = np.array([len(o) for o in options], dtype=np.int64)
-        job = np.repeat(np.arange(len(jobs)), sizes)
-        gpus = np.array([g for o in options for g in o], dtype=np.int64)
+        # Candidates: (count, type) pairs; a count must fit the type's GPUs (type-blind: the
+        # largest type's, since a job still runs on one type).
+        widest = largest_type_gpus(snapshot)
+        job_list: list[int] = []
+        gpu_list: list[int] = []
+        type_list: list[int] = []
+        for j, job_ in enumerate(jobs):
+            for t, gpu_type in enumerate(types):
+                if gpu_type and not job_.allows(gpu_type):
+                    continue
+                for g in self.candidate_counts(job_, min(int(type_capacity[t]), widest)):
+                    job_list.append(j)
+                    gpu_list.append(g)
+                    type_list.append(t)
+        job = np.array(job_list, dtype=np.int64)
+        gpus = np.array(gpu_list, dtype=np.int64)
+        kind = np.array(type_list, dtype=np.int64)
         weight = np.array([self.priority_base ** job_.priority for job_ in jobs], dtype=np.float64)
         if gpus.size == 0:
             empty = np.zeros(0)
-            return GavelAllocation(jobs, job, gpus, empty, np.zeros(len(jobs)), weight, empty, 0.0)
+            return GavelAllocation(jobs, job, gpus, empty, np.zeros(len(jobs)), weight, empty, 0.0, None, types, kind)
         batch = 0 if self.adapt_batch else np.array([jobs[j].initial_batch_size for j in job], dtype=np.int64)
+        # One priced row per (job, type) pair: the job's model on that type.
+        pair, pair_of = np.unique(job * len(types) + kind, return_inverse=True)
+        table = JobTable([jobs[p // len(types)] for p in pair], gpu_types=[types[p % len(types)] for p in pair])
         io_row = None
         if self.codesign and co.is_active(snapshot):
             cache, _ = co.expected_grants(snapshot, [jobs[j] for j in job], gpus=gpus)
             budget = snapshot.storage_bandwidth_bytes_per_s
-            pred = JobTable(jobs).predict(job, gpus, 0, per_node=per_node, batch_size=batch, cache_bytes=cache,
-                                          remote_io_bytes_per_s=budget)
+            pred = table.predict(pair_of, gpus, 0, per_node=per_node, batch_size=batch, cache_bytes=cache,
+                                 remote_io_bytes_per_s=budget)
             throughput = pred.goodput_samples_per_s
             io_demand = pred.io_demand_bytes_per_s
             io_row = np.minimum(io_demand, budget)
         else:
-            throughput = JobTable(jobs).predict(job, gpus, 0, per_node=per_node, batch_size=batch).goodput_samples_per_s
-        share = capacity / len(jobs)
-        reference = np.zeros(len(jobs))
-        np.maximum.at(reference, job, throughput * np.minimum(1.0, share / gpus))
+            throughput = table.predict(pair_of, gpus, 0, per_node=per_node, batch_size=batch).goodput_samples_per_s
+        reference = self._reference(jobs, job, gpus, kind, throughput, type_capacity)
         with np.errstate(divide="ignore", invalid="ignore"):
             normalized = np.where(reference[job] > 0, throughput / reference[job], 0.0)
-        keep = _undominated(job, gpus, normalized, len(jobs))
+        keep = _undominated(pair_of, gpus, normalized, len(pair))
         if io_row is not None and np.isfinite(snapshot.storage_bandwidth_bytes_per_s):
             keep &= _growth_allowed(job, gpus, io_demand, jobs, snapshot.storage_bandwidth_bytes_per_s)
-        job, gpus, throughput, normalized = job[keep], gpus[keep], throughput[keep], normalized[keep]
+        job, gpus, kind, throughput, normalized = job[keep], gpus[keep], kind[keep], throughput[keep], normalized[keep]
+        budget = snapshot.storage_bandwidth_bytes_per_s
         if io_row is not None:
             io_row = io_row[keep]
-            budget = snapshot.storage_bandwidth_bytes_per_s
-            fraction, level = _max_min_lp(job, gpus, normalized, weight, len(jobs), capacity, self.water_fill,
-                                          io_row if np.isfinite(budget) else None, budget)
+        io_lp = io_row if io_row is not None and np.isfinite(budget) else None
+        parts = self.partition_count(len(jobs))
+        if parts <= 1:
+            fraction, level = _max_min_lp(job, gpus, normalized, weight, len(jobs), type_capacity, kind, self.water_fill,
+                                          io_lp, budget)
         else:
-            fraction, level = _max_min_lp(job, gpus, normalized, weight, len(jobs), capacity, self.water_fill)
-        return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level, io_row)
+            fraction, level = _partitioned_lp(parts, job, gpus, normalized, weight, len(jobs), type_capacity, kind,
+                                              self.water_fill, io_lp, budget)
+        return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level, io_row, types, kind)
+
+    def partition_count(self, n_jobs: int) -> int:
+        """LPs to split the round into (POP): ``partitions``, or with 0 one per ``partition_jobs`` jobs."""
+        if self.partitions:
+            return max(1, min(self.partitions, n_jobs))
+        return max(1, -(-n_jobs // self.partition_jobs))
+
+    def _reference(self, jobs, job, gpus, kind, throughput, type_capacity) -> np.ndarray:
+        """Per job: what its throughput is divided by (see the module docstring).
+
+        Max-min fairness: the job's throughput under an equal share of the cluster, ``1/N`` of
+        every type's GPU-time (Gavel's ``X^equal``), at its best count. Makespan: its remaining
+        work, so the normalized rate is the inverse of its finishing time.
+        """
+        if self.objective == "makespan":
+            return np.array([max(j.remaining_samples, 1.0) for j in jobs], dtype=np.float64)
+        capacity = float(type_capacity.sum())
+        share = capacity / len(jobs)
+        # An equal share spread over the types in proportion to their GPUs.
+        mixed = throughput * np.minimum(1.0, share / gpus) * (type_capacity[kind] / capacity)
+        by_count = np.zeros((len(jobs), int(gpus.max()) + 1))
+        np.add.at(by_count, (job, gpus), mixed)
+        return by_count.max(axis=1)
 
     # -- the round -----------------------------------------------------------------------
 
@@ -216,39 +293,109 @@ class GavelPolicy:
         jobs = allocation.jobs
         priority = self.round_priorities(snapshot, allocation)
         order = sorted(range(len(jobs)), key=lambda j: (-priority[j], jobs[j].submit_time_s, jobs[j].job_id))
-        # Each job's most-weighted candidate count (the smaller one among near-equal weights).
-        preferred = np.zeros(len(jobs), dtype=np.int64)
+        # Each job's candidates with time in the LP, most-weighted first (the smaller count among
+        # near-equal weights); a job the LP gives no time keeps its first one, for leftover GPUs.
         ranked = np.lexsort((allocation.gpus, -np.round(allocation.fraction / 1e-6), allocation.job))
-        first = ranked[np.r_[True, allocation.job[ranked][1:] != allocation.job[ranked][:-1]]] if ranked.size else ranked
-        preferred[allocation.job[first]] = allocation.gpus[first]
+        choices: dict[int, list[int]] = {}
+        for c in ranked:
+            if allocation.fraction[c] > _NOISE or not choices.get(int(allocation.job[c])):
+                choices.setdefault(int(allocation.job[c]), []).append(int(c))
+        blind = blind_preferences(snapshot, [job.job_id for job in jobs]) if not self.heterogeneity_aware else None
+        fastest: dict[int, list[int]] = {}
+        for c in np.lexsort((-allocation.throughput, allocation.job)):
+            fastest.setdefault(int(allocation.job[c]), []).append(int(c))
+
         def admit(excluded: frozenset[str]):
-            free = sum(node.gpus for node in pool_nodes(snapshot))
+            room = TypeRoom(snapshot)
             counts: dict[str, int] = {}
+            preferences: dict[str, tuple[str, ...]] = {}
+
+            def offer(choose) -> None:
+                """Jobs without GPUs yet, in round order, take what ``choose(j, job)`` claims."""
+                for j in order:
+                    if room.total == 0:
+                        break
+                    job = jobs[j]
+                    if job.job_id in counts or job.job_id in excluded:
+                        continue
+                    picked = choose(j, job)
+                    if picked is not None:
+                        counts[job.job_id], preferences[job.job_id] = picked
+
+            offer(lambda j, job: self._pick(job, allocation, choices[j], room, blind) if choices.get(j) else None)
+            # Work conservation: GPUs the LP's choices left over go to jobs still waiting, in
+            # the same order, on any type they may use (fastest first) and any count they fit.
+            offer(lambda j, job: self._fill(job, allocation, fastest.get(j, []), room, blind))
+            # Still GPUs left: elastic jobs that start (or move) this round anyway grow into them
+            # on their type; a job running in place is not restarted for a few more GPUs.
             for j in order:
-                if free == 0:
+                job = jobs[j]
+                if room.total == 0:
                     break
-                want, job = int(preferred[j]), jobs[j]
-                if want == 0 or job.job_id in excluded:
+                if job.job_id not in counts or job.rigid or not self.elastic or snapshot.current.get(job.job_id):
                     continue
-                if want > free and self.elastic and not job.rigid:
-                    want = free if free >= job.min_gpus else 0  # an elastic job takes what is left
-                if 0 < want <= free:
-                    counts[job.job_id] = want
-                    free -= want
-            return place(snapshot, counts, list(counts)).placements, list(counts)
+                gpu_type = preferences[job.job_id][0]
+                extra = min(room.room.get(gpu_type, 0), room.left,
+                            min(job.max_gpus, self.max_gpus_per_job) - counts[job.job_id])
+                if extra > 0 and room.claim(extra, (gpu_type,)) is not None:
+                    counts[job.job_id] += extra
+            return place(snapshot, counts, list(counts), preferences=preferences).placements, list(counts)
 
         if allocation.io is not None:
             return co.without_starved(snapshot, admit)
         placements, _ = admit(frozenset())
-        result = PlacementResult(placements, ())
-        batch = self._batch_sizes(snapshot, result.placements)
-        return Plan({job_id: Allocation(placement=p, batch_size=batch.get(job_id, 0)) for job_id, p in result.placements.items()})
+        batch = self._batch_sizes(snapshot, placements)
+        kinds = node_types(snapshot)
+        return Plan({job_id: Allocation(placement=p, batch_size=batch.get(job_id, 0),
+                                        gpu_type=placement_type(p, kinds, None))
+                     for job_id, p in placements.items()})
+
+    def _pick(self, job: JobInfo, allocation: GavelAllocation, candidates: list[int], room: TypeRoom,
+              blind: dict[str, tuple[str, ...]] | None) -> tuple[int, tuple[str, ...]] | None:
+        """The job's first candidate whose type has room for its count, claimed: ``(count, (type,))``.
+
+        An elastic job whose candidates do not fit takes what is left of its preferred type,
+        down to its minimum. Type-blind, a candidate's count may go to any type, in the job's
+        speed-blind order (:func:`scheduler.placement.blind_preferences`).
+        """
+        def types_of(c: int) -> tuple[str, ...]:
+            return blind[job.job_id] if blind is not None else (allocation.type_of(c),)
+
+        for c in candidates:
+            want = int(allocation.gpus[c])
+            gpu_type = room.claim(want, tuple(t for t in types_of(c) if job.allows(t)))
+            if gpu_type is not None:
+                return want, (gpu_type,)
+        if self.elastic and not job.rigid:
+            first = candidates[0]
+            for gpu_type in (t for t in types_of(first) if job.allows(t)):
+                left = min(room.room.get(gpu_type, 0), room.left, int(allocation.gpus[first]))
+                if left >= job.min_gpus and room.claim(left, (gpu_type,)) is not None:
+                    return left, (gpu_type,)
+        return None
+
+    def _fill(self, job: JobInfo, allocation: GavelAllocation, fastest: list[int], room: TypeRoom,
+              blind: dict[str, tuple[str, ...]] | None) -> tuple[int, tuple[str, ...]] | None:
+        """Leftover GPUs for a job the round passed over: its candidates ``fastest`` first, each
+        on its type (any type in the blind order, type-blind), else (elastic) what a type has left."""
+        for c in fastest:
+            types = blind[job.job_id] if blind is not None else (allocation.type_of(c),)
+            gpu_type = room.claim(int(allocation.gpus[c]), tuple(t for t in types if job.allows(t)))
+            if gpu_type is not None:
+                return int(allocation.gpus[c]), (gpu_type,)
+        if self.elastic and not job.rigid:
+            for gpu_type in sorted(room.room, key=lambda t: -room.room[t]):
+                left = min(room.room[gpu_type], room.left, job.max_gpus, self.max_gpus_per_job)
+                if job.allows(gpu_type) and left >= job.min_gpus and room.claim(left, (gpu_type,)) is not None:
+                    return left, (gpu_type,)
+        return None
 
     def _batch_sizes(self, snapshot: ClusterSnapshot, placements) -> dict[str, int]:
         if not self.adapt_batch or not placements:
             return {}
         jobs = [job for job in snapshot.jobs if job.job_id in placements]
-        table = JobTable(jobs)
+        kinds = node_types(snapshot)
+        table = JobTable(jobs, gpu_types=[placement_type(placements[job.job_id], kinds, job) for job in jobs])
         gpus = [sum(len(ix) for _, ix in placements[job.job_id]) for job in jobs]
         nodes = [len(placements[job.job_id]) for job in jobs]
         batch = table.predict(np.arange(len(jobs)), gpus, nodes, per_node=gpus_per_node(snapshot)).batch_size
@@ -291,30 +438,60 @@ def _undominated(job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, n_jo
     return on_hull[job, gpus]
 
 
+def _partitioned_lp(
+    parts: int, job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
+    type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool, io: np.ndarray | None, io_budget: float,
+) -> tuple[np.ndarray, float]:
+    """POP (Narayanan et al., NSDI'21): job ``j`` goes to sub-problem ``j mod parts`` (jobs are in
+    arrival order, so every part gets a like mix), each part gets ``1/parts`` of every type's
+    GPUs (and of the storage budget), and the parts' LPs are solved one by one. Returns the
+    stitched ``X`` and the lowest part's level."""
+    fraction = np.zeros(job.size)
+    level = np.inf
+    part_of = job % parts
+    for p in range(parts):
+        mine = np.flatnonzero(part_of == p)
+        if mine.size == 0:
+            continue
+        members = np.unique(job[mine])
+        local = np.searchsorted(members, job[mine])
+        share = np.where(p < type_capacity % parts, type_capacity // parts + 1, type_capacity // parts)  # remainders to low parts
+        x, t = _max_min_lp(local, gpus[mine], normalized[mine], weight[members], members.size, share, kind[mine],
+                           water_fill, io[mine] if io is not None else None, io_budget / parts)
+        fraction[mine] = x
+        level = min(level, t)
+    return fraction, float(level if np.isfinite(level) else 0.0)
+
+
 def _max_min_lp(
-    job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int, capacity: int, water_fill: bool,
+    job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
+    type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool,
     io: np.ndarray | None = None, io_budget: float = np.inf,
 ) -> tuple[np.ndarray, float]:
     """Solve the max-min LP (and optionally the water-filling LP); return ``(X, t*)``.
 
-    With ``io`` (bytes/s each candidate reads) the LP gets one more row: ``sum io x <= io_budget``.
+    ``kind[c]`` is candidate ``c``'s GPU type (an index into ``type_capacity``, the GPUs of
+    each type): one capacity row per type. With ``io`` (bytes/s each candidate reads) the LP
+    gets one more row: ``sum io x <= io_budget``.
     """
     m = job.size
     cols = np.arange(m)
-    # Rows 0..n-1: w_j t - sum_c norm x <= 0; rows n..2n-1: sum_c x <= 1; row 2n: sum g x <= G.
-    # Jobs without a candidate (their minimum exceeds the cluster) cannot hold the level down.
+    n_types = len(type_capacity)
+    # Rows 0..n-1: w_j t - sum_c norm x <= 0; rows n..2n-1: sum_c x <= 1; rows 2n..2n+T-1:
+    # sum_{c of type} g x <= G_type. Jobs without a candidate (their minimum exceeds every
+    # type) cannot hold the level down.
     fair = np.flatnonzero(np.bincount(job, minlength=n_jobs) > 0)
-    rows = np.concatenate([job, n_jobs + job, np.full(m, 2 * n_jobs), fair])
+    rows = np.concatenate([job, n_jobs + job, 2 * n_jobs + kind, fair])
     columns = np.concatenate([cols, cols, cols, np.full(fair.size, m)])
     values = np.concatenate([-normalized, np.ones(m), gpus.astype(np.float64), weight[fair]])
     extra = []
-    if io is not None:  # row 2n+1: the storage budget
-        rows = np.concatenate([rows, np.full(m, 2 * n_jobs + 1)])
+    if io is not None:  # the last row: the storage budget
+        rows = np.concatenate([rows, np.full(m, 2 * n_jobs + n_types)])
         columns = np.concatenate([columns, cols])
         values = np.concatenate([values, io.astype(np.float64)])
         extra = [float(io_budget)]
-    a_ub = sp.csr_matrix((values, (rows, columns)), shape=(2 * n_jobs + 1 + len(extra), m + 1))
-    b_ub = np.concatenate([np.zeros(n_jobs), np.ones(n_jobs), [float(capacity)], extra])
+    a_ub = sp.csr_matrix((values, (rows, columns)), shape=(2 * n_jobs + n_types + len(extra), m + 1))
+    b_ub = np.concatenate([np.zeros(n_jobs), np.ones(n_jobs), type_capacity.astype(np.float64), extra])
     bounds = np.zeros((m + 1, 2))
     bounds[:m, 1] = 1.0
     bounds[m, 1] = np.inf

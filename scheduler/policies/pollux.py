@@ -66,6 +66,7 @@ processor sharing on the storage: 38,601 s average JCT against 25,326 s with srp
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -73,9 +74,10 @@ from typing import Literal
 import numpy as np
 
 from scheduler import codesign as co
-from scheduler.placement import place
+from scheduler.placement import blind_preferences, largest_type_gpus, node_types, place, placement_type
 from scheduler.policies.estimates import io_demand
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
+from scheduler.policies.typed_counts import assign_types, best_start
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
 
@@ -139,6 +141,7 @@ class PolluxPolicy:
     repack_rounds: int = 3                  # re-solve when single-node-sized jobs had to be split (see schedule)
     codesign: bool = False                  # SiloD: price with T(g, c, b), grant cache and IO (scheduler.codesign)
     codesign_io: Literal["max_min", "srpt"] = "srpt"  # how co_allocate grants IO (see the module docstring)
+    heterogeneity_aware: bool = True        # False: one pool priced at the reference type, types chosen blind
 
     def __post_init__(self):
         if not math.isfinite(self.p):
@@ -300,19 +303,27 @@ class PolluxPolicy:
         n, width = utility.shape
         if n == 0 or table.capacity == 0 or width == 1:
             return np.zeros(n, dtype=np.int64)
+        if start is None:
+            return self._solve_capacity(utility, table.capacity)
         solver = self.solver
         if solver == "auto":
             solver = "dp" if n * (table.capacity + 1) * width <= self.dp_limit else "greedy"
         if solver == "dp":
             return _solve_dp(utility, table.capacity)
-        counts = _solve_hull_greedy(utility, table.capacity) if start is None else start
-        return _local_search(utility, table.capacity, counts, self.local_search_moves)
+        return _local_search(utility, table.capacity, start, self.local_search_moves)
 
     # -- the policy ----------------------------------------------------------------------
 
     def schedule(self, snapshot: ClusterSnapshot) -> Plan:
         if not snapshot.jobs:
             return Plan({})
+        if len(snapshot.gpu_types()) > 1:
+            if self.heterogeneity_aware:
+                return self._schedule_typed(snapshot)
+            # Type-blind, but a job still runs on one type: no count above the largest type's GPUs.
+            widest = largest_type_gpus(snapshot)
+            if widest < self.max_gpus_per_job:
+                return dataclasses.replace(self, max_gpus_per_job=widest).schedule(snapshot)
         table = self.speedup_table(snapshot)
         utility = table.utility
         best_value, best, counts = -np.inf, None, None
@@ -348,13 +359,104 @@ class PolluxPolicy:
             return co.co_allocate(snapshot, best, placed, sizes, io=self.codesign_io)
         return Plan({job_id: Allocation(placement=best[job_id], batch_size=int(b)) for job_id, b in zip(placed, batch)})
 
+    # -- several GPU types --------------------------------------------------------------
+
+    def type_table(self, snapshot: ClusterSnapshot, gpu_type: str) -> SpeedupTable:
+        """:meth:`speedup_table` of the training nodes of ``gpu_type``, every job priced with its
+        model on that type and its speedup over one GPU of the reference type (so speedups on
+        different types compare); -inf utility on a type the job does not allow."""
+        nodes = tuple(n for n in snapshot.nodes if n.pool != "training" or n.gpu_type == gpu_type)
+        jobs = tuple(dataclasses.replace(job, model=job.model_on(gpu_type)) for job in snapshot.jobs)
+        table = self.speedup_table(dataclasses.replace(snapshot, nodes=nodes, jobs=jobs))
+        ratio = base_goodput_ratio(snapshot.jobs, gpu_type) if self.speedup_base == "one_gpu" else np.ones(len(jobs))
+        scale = ratio[:, None]
+        speedup, split = table.speedup * scale, table.split * scale
+        utility = np.where(np.isnan(speedup), -np.inf, self.utility(np.nan_to_num(speedup)))
+        utility[:, 1:] += table.tie_break[:, None]
+        banned = np.array([not job.allows(gpu_type) for job in snapshot.jobs])
+        utility[banned, 1:] = -np.inf
+        return dataclasses.replace(table, jobs=tuple(snapshot.jobs), speedup=speedup, split=split, raw=table.raw * scale,
+                                   raw_split=table.raw_split * scale, utility=utility)
+
+    def _schedule_typed(self, snapshot: ClusterSnapshot) -> Plan:
+        """Type and count per job (:func:`scheduler.policies.typed_counts.assign_types`), then placement on that type."""
+        types = snapshot.gpu_types()
+        tables = [self.type_table(snapshot, t) for t in types]
+        kinds = node_types(snapshot)
+        current = np.array([_current_type(snapshot, job, kinds, types) for job in snapshot.jobs], dtype=np.int64)
+        requested = np.array([job.requested for job in snapshot.jobs], dtype=np.int64)
+        utilities = [t.utility for t in tables]
+        assign, counts = assign_types(utilities, [t.capacity for t in tables],
+                                      lambda u, cap: self._solve_capacity(u, cap), best_start(utilities, requested, current))
+        wanted = {job.job_id: int(c) for job, c in zip(snapshot.jobs, counts) if c > 0}
+        preferences = {job.job_id: (types[a],) for job, a in zip(snapshot.jobs, assign)}
+        order = sorted(wanted, key=lambda job_id: (wanted[job_id] > tables[0].per_node, -wanted[job_id]))
+        placements = place(snapshot, wanted, order, preferences=preferences).placements
+        if not placements:
+            return Plan({})
+        placed = list(placements)
+        index = {job.job_id: i for i, job in enumerate(snapshot.jobs)}
+        rows = np.array([index[job_id] for job_id in placed])
+        gpus = np.array([sum(len(ix) for _, ix in placements[job_id]) for job_id in placed])
+        nodes = np.array([len(placements[job_id]) for job_id in placed])
+        on = [placement_type(placements[job_id], kinds, snapshot.jobs[index[job_id]]) for job_id in placed]
+        cache, io = self.grants(snapshot, rows, gpus)
+        estimates = JobTable([snapshot.jobs[r] for r in rows], gpu_types=on)
+        batch = estimates.predict(np.arange(len(placed)), gpus, nodes, per_node=tables[0].per_node, cache_bytes=cache,
+                                  remote_io_bytes_per_s=io).batch_size
+        if self.codesign and co.is_active(snapshot):
+            return co.co_allocate(snapshot, placements, placed, {j: int(b) for j, b in zip(placed, batch)}, io=self.codesign_io)
+        return Plan({job_id: Allocation(placement=placements[job_id], batch_size=int(b), gpu_type=t)
+                     for job_id, b, t in zip(placed, batch, on)})
+
+    def _solve_capacity(self, utility: np.ndarray, capacity: int) -> np.ndarray:
+        return solve_counts(utility, capacity, self.solver, self.dp_limit, self.local_search_moves)
+
     def _place(self, snapshot: ClusterSnapshot, table: SpeedupTable, counts: np.ndarray):
         wanted = {job.job_id: int(c) for job, c in zip(table.jobs, counts) if c > 0}
         # Jobs that need new GPUs (those keeping theirs are placed first anyway): jobs that fit
         # on one node first, largest first (best-fit decreasing keeps them on one node), then
         # multi-node jobs, which lose nothing more by filling whatever GPUs are left.
         order = sorted(wanted, key=lambda job_id: (wanted[job_id] > table.per_node, -wanted[job_id]))
-        return place(snapshot, wanted, order).placements
+        blind = None if self.heterogeneity_aware else blind_preferences(snapshot, wanted)
+        return place(snapshot, wanted, order, preferences=blind).placements
+
+
+def solve_counts(utility: np.ndarray, capacity: int, solver: str = "auto", dp_limit: int = 5_000_000,
+                 moves: int = 200) -> np.ndarray:
+    """Counts maximizing ``sum_j utility[j, g_j]`` with ``sum g <= capacity``: the exact DP when
+    ``jobs x (capacity + 1) x width`` is within ``dp_limit`` (``solver="auto"``), else the hull
+    greedy and local search."""
+    n, width = utility.shape
+    if n == 0 or capacity == 0 or width == 1:
+        return np.zeros(n, dtype=np.int64)
+    if solver == "auto":
+        solver = "dp" if n * (capacity + 1) * width <= dp_limit else "greedy"
+    if solver == "dp":
+        return _solve_dp(utility, capacity)
+    return _local_search(utility, capacity, _solve_hull_greedy(utility, capacity), moves)
+
+
+def base_goodput_ratio(jobs, gpu_type: str) -> np.ndarray:
+    """Per job: its goodput on one GPU of ``gpu_type`` over one GPU of its reference model (best batches)."""
+    typed = JobTable(list(jobs), gpu_types=[gpu_type] * len(jobs))
+    reference = JobTable(list(jobs))
+    every = np.arange(len(jobs))
+    on_type = typed.predict(every, 1, 1, per_node=1).goodput_samples_per_s
+    base = reference.predict(every, 1, 1, per_node=1).goodput_samples_per_s
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(base > 0, on_type / np.where(base > 0, base, 1.0), 1.0)
+
+
+def _current_type(snapshot: ClusterSnapshot, job: JobInfo, kinds, types) -> int:
+    """Index in ``types`` of the one type the job runs on now, else -1."""
+    allocation = snapshot.current.get(job.job_id)
+    if allocation is None or not allocation.placement:
+        return -1
+    held = {kinds.get(node) for node, _ in allocation.placement}
+    if len(held) != 1 or next(iter(held)) not in types:
+        return -1
+    return types.index(next(iter(held)))
 
 
 def _solve_dp(utility: np.ndarray, capacity: int) -> np.ndarray:

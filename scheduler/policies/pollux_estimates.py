@@ -44,11 +44,19 @@ def packed_nodes(gpus: ArrayLike, per_node: int) -> np.ndarray:
 class JobTable:
     """The estimator's view of a snapshot's jobs, ready for vectorized prediction."""
 
-    def __init__(self, jobs: Sequence[JobInfo]):
+    def __init__(self, jobs: Sequence[JobInfo], gpu_types: Sequence[str] | None = None):
+        """``gpu_types[k]``: the GPU type ``jobs[k]`` is priced on (default: untyped, the job's own model).
+
+        A job may appear once per type to price it on several types in one call.
+        """
         self.jobs = tuple(jobs)
+        types = [""] * len(self.jobs) if gpu_types is None else list(gpu_types)
+        if len(types) != len(self.jobs):
+            raise ValueError("need one GPU type per job")
         unique: dict = {}
         self.model_of = np.fromiter(
-            (unique.setdefault(job.model, len(unique)) for job in self.jobs), dtype=np.int64, count=len(self.jobs)
+            (unique.setdefault(job.model_on(t), len(unique)) for job, t in zip(self.jobs, types)),
+            dtype=np.int64, count=len(self.jobs),
         )
         self.table = ModelTable(list(unique)) if unique else None
 

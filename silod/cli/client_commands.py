@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import grpc
 
@@ -34,6 +34,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                      help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 (repeatable)")
     reg.add_argument("--replace", action="store_true", help="replace the manifest of an existing dataset")
     reg.add_argument("--description", default="")
+    reg.add_argument("--format", choices=("objects", "tar-shards"), default="objects",
+                     help="objects: one sample per object (default); tar-shards: WebDataset-style .tar shards, "
+                          "indexed now (every shard is read once) so samples are read by byte range")
     reg.set_defaults(handler=_dataset_register)
     lst = ds_sub.add_parser("list", help="list registered datasets")
     lst.set_defaults(handler=_dataset_list)
@@ -142,14 +145,14 @@ def _parse_options(pairs: list[str]) -> dict[str, str]:
     return options
 
 
-def _registration_stream(args: argparse.Namespace, options: dict[str, str]) -> Iterator[object]:
-    from silod.manifest import list_objects
+def _registration_stream(args: argparse.Namespace, options: dict[str, str],
+                         objects: Iterable[object]) -> Iterator[object]:
     from silod.v1 import common_pb2, metadata_pb2
 
     spec = common_pb2.DatasetSpec(name=args.name, uri=args.uri, storage_options=options, description=args.description)
     chunk: list[common_pb2.DatasetObject] = []
     first = True
-    for obj in list_objects(args.uri, options):
+    for obj in objects:
         chunk.append(obj)
         if len(chunk) == MANIFEST_CHUNK:
             yield metadata_pb2.RegisterDatasetRequest(spec=spec if first else None, objects=chunk, replace=args.replace)
@@ -167,13 +170,20 @@ def _dataset_register(args: argparse.Namespace) -> int:
         # Fail on a bad URI before opening a stream, so the error names the argument.
         from silod.manifest import list_objects
 
-        next(iter(list_objects(args.uri, options)), None)
+        if args.format == "tar-shards":
+            from silod.data.shards import sample_objects
+
+            # Indexed before the stream opens: a shard that cannot be read fails here, named.
+            objects: Iterable[object] = list(sample_objects(args.uri, options))
+        else:
+            next(iter(list_objects(args.uri, options)), None)
+            objects = list_objects(args.uri, options)
     except (ValueError, ManifestError) as exc:
         return _fail(str(exc))
     with _channel(args.metadata, args) as channel:
         try:
             dataset = metadata_pb2_grpc.MetadataServiceStub(channel).RegisterDataset(
-                _registration_stream(args, options), timeout=600
+                _registration_stream(args, options, objects), timeout=600
             )
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.ALREADY_EXISTS:

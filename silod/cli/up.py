@@ -37,6 +37,11 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--db", default="", help="metadata database URL; default sqlite:///<state-dir>/metadata.db")
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
     p.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per emulated node (default 4)")
+    p.add_argument("--cluster", default="", metavar="FILE",
+                   help="cluster YAML in the simulator's format (nodes: [{count: 2, gpus: 4, gpu_type: v100}, "
+                        "{count: 1, gpus: 4, gpu_type: k80, pool: inference}]); replaces --nodes, "
+                        "--gpus-per-node and --inference-nodes")
+    p.add_argument("--gpu-type", default="", help="GPU type of every emulated node (e.g. v100; default untyped)")
     p.add_argument("--policy", default="", help="scheduling policy (fifo, sjf, tiresias, gavel, themis, pollux, deepboot); default: the scheduler's")
     p.add_argument("--interval-s", type=float, default=0.0, help="seconds between scheduling rounds; default: the scheduler's")
     p.add_argument("--inference-nodes", type=int, default=0,
@@ -64,6 +69,29 @@ class _Stop(Exception):
     pass
 
 
+def _node_layout(args: argparse.Namespace) -> list[tuple[str, str, int, str]]:
+    """``(pool, name, gpus, gpu_type)`` of every emulated node, from ``--cluster`` or the count flags."""
+    if not args.cluster:
+        if args.gpu_type:
+            from simulator.cluster import cluster_from_dict  # deferred: a server package
+            from simulator.errors import SimulatorInputError
+
+            try:
+                cluster_from_dict({"nodes": 1, "gpu_type": args.gpu_type}, "--gpu-type")  # validates the type
+            except SimulatorInputError as exc:
+                raise ValueError(str(exc)) from None
+        return ([("training", f"node-{i}", args.gpus_per_node, args.gpu_type) for i in range(args.nodes)]
+                + [("inference", f"infer-{i}", args.gpus_per_node, args.gpu_type) for i in range(args.inference_nodes)])
+    from simulator.cluster import load_cluster
+    from simulator.errors import SimulatorInputError
+
+    try:
+        spec = load_cluster(args.cluster)
+    except SimulatorInputError as exc:
+        raise ValueError(f"--cluster: {exc}") from None
+    return [(node.pool, node.name, node.gpus, node.gpu_type or args.gpu_type) for node in spec.nodes]
+
+
 def _up(args: argparse.Namespace) -> int:
     from silod.launcher import LaunchError, ServiceProcess, start_service
 
@@ -72,6 +100,11 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     if args.inference_nodes < 0:
         print("silod up: --inference-nodes must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        layout = _node_layout(args)
+    except ValueError as exc:
+        print(f"silod up: {exc}", file=sys.stderr)
         return 2
     if not args.storage_bandwidth_bytes_per_s >= 0 or args.storage_bandwidth_bytes_per_s == float("inf"):
         print("silod up: --storage-bandwidth-bytes-per-s must be a finite number >= 0 (0: unlimited)", file=sys.stderr)
@@ -134,15 +167,14 @@ def _up(args: argparse.Namespace) -> int:
             sched_flags += ["--storage-bandwidth-bytes-per-s", f"{args.storage_bandwidth_bytes_per_s:g}"]
         sch = start("scheduler", "scheduler", *sched_flags, tier=core)
         dashboard = f"http://{dash_future.result().address}/" if dash_future is not None else ""
-        pools = [("training", f"node-{i}") for i in range(args.nodes)]
-        pools += [("inference", f"infer-{i}") for i in range(args.inference_nodes)]
-
-        def start_node(pool: str, name: str) -> dict[str, Any]:
+        def start_node(pool: str, name: str, gpus: int, gpu_type: str) -> dict[str, Any]:
             node_dir = state / "nodes" / name
-            node: dict[str, Any] = {"name": name, "pool": pool, "gpus": args.gpus_per_node,
+            node: dict[str, Any] = {"name": name, "pool": pool, "gpus": gpus, "gpu_type": gpu_type,
                                     "work_dir": str(node_dir / "work")}
-            agent_flags = ["--node-name", name, "--gpus", str(args.gpus_per_node), "--work-dir", str(node_dir / "work"),
+            agent_flags = ["--node-name", name, "--gpus", str(gpus), "--work-dir", str(node_dir / "work"),
                            "--pool", pool, "--metadata-address", md.address, "--scheduler-address", sch.address]
+            if gpu_type:
+                agent_flags += ["--gpu-type", gpu_type]
             if not args.no_cache:
                 cache = start(f"cache-server {name}", "cache-server", "--metadata-address", md.address, "--node", name,
                               "--scheduler-address", sch.address,
@@ -163,7 +195,7 @@ def _up(args: argparse.Namespace) -> int:
             return node
 
         # Each node starts its cache server, then its agent (which needs the cache's address).
-        futures = [side.submit(start_node, pool, name) for pool, name in pools]
+        futures = [side.submit(start_node, *entry) for entry in layout]
         wait(futures)
         nodes = [f.result() for f in futures]  # re-raises the first failure (_Stop, LaunchError, ...)
         info = {"pid": os.getpid(), "state_dir": str(state), "db": db, "metadata": md.address,

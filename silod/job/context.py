@@ -17,6 +17,7 @@ from typing import Any
 
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_LOG = "checkpoints.jsonl"  # one line per save: who wrote it and the progress it holds
+FINISHED_FILE = "training-finished.json"  # rank 0 wrote it when the training ended (not at a stop)
 REPORT_INTERVAL_S = 1.0
 DIRECTIVE_INTERVAL_S = 1.0
 CALL_TIMEOUT_S = 1.0  # a training step must never wait long for the agent
@@ -96,8 +97,12 @@ class JobContext:
         self.grad_sqr = 0.0  # gradient noise statistics (see report())
         self.grad_var = 0.0
         self.leaving = False  # removed by a fast resize: exit without a checkpoint (survivors keep the state)
+        # Set by ctx.distributed(): a REFORM is held (see held_world()) instead of applied at once,
+        # so the ranks keep training in the old world while the new ranks start.
+        self.hold_resizes = False
         self._resize_callbacks: list[Callable[[World], Any]] = []
         self._new_world: World | None = None
+        self._held_world: World | None = None
         self._sigterm = threading.Event()
         self._last_report = 0.0
         self._started = time.monotonic()
@@ -187,6 +192,16 @@ class JobContext:
         world, self._new_world = self._new_world, None
         return world
 
+    def held_world(self) -> World | None:
+        """The world of a resize this rank was told of but has not switched to (``hold_resizes``)."""
+        self._poll()
+        return self._held_world
+
+    def apply_world(self, world: World) -> None:
+        """Switch to ``world`` now: rank, world size, generation and batch size take its values."""
+        self._held_world = None
+        self._resized(world)
+
     def _poll(self) -> None:
         """Ask for directives (rate-limited); off the cluster there are none."""
 
@@ -261,6 +276,15 @@ class JobContext:
         except FileNotFoundError:
             return None
         return _deserialize(data)
+
+    def mark_training_finished(self) -> None:
+        """Rank 0: record that the job's training is over, for ranks launched too late to join it."""
+        if self.rank == 0 and not self.leaving:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            (self.checkpoint_dir / FINISHED_FILE).write_text(json.dumps({"t": time.time(), "generation": self.generation}))
+
+    def training_finished(self) -> bool:
+        return (self.checkpoint_dir / FINISHED_FILE).exists()
 
     def done(self) -> None:
         """Send the final progress; call before exiting."""
@@ -482,6 +506,17 @@ class ClusterContext(JobContext):
             local_rank=directive.new_local_rank, local_world_size=max(directive.new_local_world_size, 1),
             group_rank=directive.new_group_rank,
         )
+        if self.hold_resizes:
+            held = self._held_world
+            if held is None or held.generation < world.generation:
+                print(f"silod.job: resize to {world.world_size} ranks (generation {world.generation}) held: "
+                      f"training goes on at {self.world_size} until the new ranks are ready", file=sys.stderr, flush=True)
+                self._held_world = world
+            return
+        self.apply_world(world)
+
+    def apply_world(self, world: World) -> None:
+        self._held_world = None
         self.master_addr, self.master_port = world.master_addr, world.master_port
         if self._own_env:  # so that a process group re-initialised with init_method="env://" sees the new world
             os.environ.update({

@@ -13,13 +13,21 @@
 How a resize happens in place. The worker agent tells a surviving rank its new world with a
 REFORM directive (silod.job polls for it); ranks that leave get EXIT; newcomers are launched
 with the new world. The ranks must switch at the same step, or one would wait in an all-reduce
-for a rank that already left: so at every step boundary the ranks all-reduce one flag (any
-rank saw a directive?). When it is set, every rank fetches its own directive (the agents of the
-other nodes may apply the plan a moment later; bounded by ``reform_timeout_s``), leaving ranks
-stop, and survivors destroy the process group and initialise the new one at the new rendezvous,
-where the newcomers wait. Rank 0 of the new group (always a survivor) then broadcasts the
-optimizer and sampler state and the progress counters; wrapping the model in a new DDP
-broadcasts its parameters and buffers. No surviving process restarts.
+for a rank that already left: so at every step boundary the ranks all-reduce a few flags (any
+rank stopping or leaving? any rank told of a new world? are the newcomers there?).
+
+A grow does not stop training while the newcomers start (a Python process, ``import torch``,
+the model, the dataset: seconds): the survivors hold the new world and go on training in the
+old group. Rank 0 opens the new rendezvous store at once; each newcomer checks in there when it
+is ready, and at the first step boundary after the last one did, every rank switches. A shrink
+(or any change with a leaving rank) switches at the next step boundary.
+
+At the switch every rank fetches its own directive (the agents of the other nodes may apply the
+plan a moment later; bounded by ``reform_timeout_s``), leaving ranks stop, and survivors destroy
+the process group and initialise the new one at the new rendezvous, where the newcomers wait.
+Rank 0 of the new group (always a survivor) then broadcasts the optimizer and sampler state and
+the progress counters; wrapping the model in a new DDP broadcasts its parameters and buffers. No
+surviving process restarts.
 
 A checkpoint-and-exit directive (the job is moved, preempted, or its agent stops) also goes
 through the flag, so all ranks stop at the same step and rank 0 saves the state.
@@ -38,7 +46,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 if TYPE_CHECKING:  # silod.job.context builds this module's trainer: no import back at run time
@@ -48,6 +55,9 @@ REFORM_TIMEOUT_S = 120.0
 # Exit status of a rank that gives up re-forming in place: the scheduler restarts every rank of
 # the job from the checkpoint instead (EX_TEMPFAIL; 137, a rank killed by SIGKILL, does the same).
 RESTART_EXIT_CODE = 75
+# Counter in a rendezvous store: the ranks that reached it (a held resize waits for its newcomers).
+ARRIVED_KEY = "silod/arrived"
+STORE_CONNECT_TRY_S = 3.0  # one try to reach rank 0's rendezvous store (see _rendezvous_store)
 # How often a rank asks its agent for a directive: one loopback RPC, small next to a step, and
 # the resize waits for the first rank that learns of it.
 DIRECTIVE_POLL_S = 0.2
@@ -64,7 +74,7 @@ class ReformFailed(RuntimeError):
 
 
 class GradientNoise:
-    """Pollux's gradient statistics, measured in the all-reduce DDP does anyway.
+    """Pollux's gradient statistics, measured around the all-reduce DDP does anyway.
 
     Each rank's gradient (before the all-reduce) is the mean over its ``b = B / W`` samples, the
     averaged one over the step's ``B``. With ``|g_b|^2`` the ranks' mean squared norm and
@@ -77,6 +87,12 @@ class GradientNoise:
     both smoothed over steps (an exponential moving average). Reported at the job's initial
     batch size ``B0``: grad_sqr = |G|^2, grad_var = tr(S) / B0. With one rank nothing is
     measured (b = B); nor in a step the ranks split unevenly (an epoch's last).
+
+    The local norm comes from a hook on each parameter's gradient (it runs before DDP reduces
+    it), the averaged one from the parameters' ``.grad`` after the step. Not from a DDP
+    communication hook: a Python hook gives the gloo workers' bucket tensors Python owners,
+    which they then release under the GIL, and a process group destroyed at that moment (a
+    re-form, the end of the job) deadlocks in PyTorch (pytorch/pytorch#56297).
     """
 
     SMOOTHING = 0.2  # weight of a new step's estimate
@@ -88,17 +104,18 @@ class GradientNoise:
         self.sqr = 0.0  # smoothed |G|^2; 0 until measured
         self.trace = 0.0  # smoothed tr(S)
 
-    def hook(self, state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations: none here
-        """A DDP communication hook: DDP's own average, with both norms taken on the way."""
-        self.local_sq += float(bucket.buffer().double().pow(2).sum())
+    def track(self, module: torch.nn.Module) -> None:
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_hook(self._local_gradient)
 
-        def averaged(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            value = future.value()
-            tensor = value[0] if isinstance(value, list) else value
-            self.mean_sq += float(tensor.double().pow(2).sum())
-            return tensor
+    def _local_gradient(self, grad: torch.Tensor) -> None:
+        self.local_sq += float(grad.detach().double().pow(2).sum())
 
-        return default_hooks.allreduce_hook(None, bucket).then(averaged)  # type: ignore[arg-type]
+    def averaged(self, module: torch.nn.Module) -> None:
+        """After the step's all-reduce: the averaged gradient is in every parameter's ``.grad``."""
+        self.mean_sq = sum(float(p.grad.detach().double().pow(2).sum()) for p in module.parameters()
+                           if p.grad is not None)
 
     def update(self, ranks_local_sq_sum: float, world_size: int, global_batch: int) -> None:
         """After a step of ``global_batch`` samples split evenly over ``world_size`` ranks."""
@@ -151,10 +168,22 @@ class DistributedTraining:
         self.steps = 0  # optimizer steps of the whole job
         self.samples = 0  # samples the whole job trained on
         self.reforms: list[float] = []  # seconds each in-place re-form took
+        # The process group this rank trains in; ctx.rank/world_size move with it (a held resize
+        # changes neither until the switch).
+        self.rank, self.world_size = ctx.rank, ctx.world_size
+        self._store: Any = None  # the rendezvous store of the current group (rank 0 serves it)
+        self._arrivals: tuple[tuple[str, int], Any] | None = None  # rank 0: (rendezvous, store) of a held world
+        self._held_since = 0.0
+        # The current process group, held here so that it outlives its DDP wrapper (see _release).
+        self._group: Any = None
+        ctx.hold_resizes = True
         base = int(os.environ.get("SILOD_BASE_BATCH_SIZE") or 0) or ctx.batch_size or getattr(sampler, "batch_size", 1)
         self.noise = GradientNoise(base)
+        self.noise.track(model)
         self._last_step: tuple[int, int] | None = None  # (world size, global samples) of the step just done
         self._restore()
+        if ctx.rank != 0 and ctx.training_finished():
+            self._exit_finished()
         self._init_group(ctx.rank, ctx.world_size, ctx.master_addr_port())
         self._agree_on_state(newcomer=True)
 
@@ -205,10 +234,58 @@ class DistributedTraining:
         self.ctx.set_progress(samples=self.samples, steps=self.steps, epoch=getattr(self.sampler, "epoch", None))
 
     # -- the process group
-    def _init_group(self, rank: int, world_size: int, rendezvous: tuple[str, int]) -> None:
+    def _rendezvous_store(self, rank: int, world_size: int, rendezvous: tuple[str, int]) -> Any:
+        """The TCP store of a rendezvous: rank 0 serves it, the others connect (waiting for it)."""
+        if rank == 0 and self._arrivals is not None and self._arrivals[0] == rendezvous:
+            return self._arrivals[1]  # opened while the resize was held
         host, port = rendezvous
-        dist.init_process_group(self.backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
+        if rank == 0:
+            return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
+                                 timeout=timedelta(seconds=self.reform_timeout_s))
+        # Rank 0 may be slow to open it, or gone for good: a grow that came as the training ended
+        # launched ranks that nobody will meet. Between short tries they look for rank 0's mark.
+        deadline = time.monotonic() + self.reform_timeout_s
+        while True:
+            try:
+                return dist.TCPStore(host, port, world_size, is_master=False,
+                                     timeout=timedelta(seconds=STORE_CONNECT_TRY_S))
+            except RuntimeError:  # DistNetworkError: nobody there yet
+                if self.ctx.training_finished():
+                    self._exit_finished()
+                if time.monotonic() > deadline:
+                    raise
+
+    def _exit_finished(self) -> None:
+        print("silod.job: the job's training already ended (rank 0 marked it finished): this rank has nothing "
+              "to join and exits", file=sys.stderr, flush=True)
+        self.ctx.done()
+        raise SystemExit(0)
+
+    def _init_group(self, rank: int, world_size: int, rendezvous: tuple[str, int]) -> None:
+        store = self._rendezvous_store(rank, world_size, rendezvous)
+        store.add(ARRIVED_KEY, 1)  # checks in: a held resize waits for its newcomers' check-ins
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=self.reform_timeout_s))
+        self._group = dist.group.WORLD
+        self._store, self._arrivals = store, None
+        self.rank, self.world_size = rank, world_size
+
+    def _newcomers_ready(self, held: World | None) -> bool:
+        """Rank 0, while a resize is held: have the ranks the new world adds checked in yet?"""
+        if held is None or self.rank != 0:
+            return False
+        expected = held.world_size - self.world_size  # every current rank stays: the others would be leaving
+        if expected <= 0:
+            return True
+        rendezvous = (held.master_addr, held.master_port)
+        if self._arrivals is None or self._arrivals[0] != rendezvous:  # a newer resize replaces a held one
+            self._arrivals = (rendezvous, self._rendezvous_store(0, held.world_size, rendezvous))
+            self._held_since = time.monotonic()
+        if self._arrivals[1].add(ARRIVED_KEY, 0) >= expected:
+            return True
+        # Newcomers that never check in: switch anyway, so the re-form times out and the job falls
+        # back to checkpoint-restart instead of training on at the old size for ever.
+        return time.monotonic() - self._held_since > self.reform_timeout_s
 
     def _agree_on_state(self, newcomer: bool) -> None:
         """Wrap the model in DDP and give every rank rank 0's state, when some rank lacks it: a
@@ -232,24 +309,33 @@ class DistributedTraining:
                                             find_unused_parameters=self.reproducible)
         else:
             model = DistributedDataParallel(self.module, init_sync=sync, find_unused_parameters=self.reproducible)
-        model.register_comm_hook(None, self.noise.hook)
         return model
 
     # -- the training loop's calls
     def step_boundary(self) -> Event:
         """Before each step, on every rank: CONTINUE, or the world changed (RESIZED), or STOP."""
+        return self._boundary(settle=False)
+
+    def _boundary(self, settle: bool) -> Event:
+        """``settle``: switch to a held world now, without waiting for its newcomers to check in."""
         self.ctx.poll_directive(min_interval_s=DIRECTIVE_POLL_S)
         stop = self.ctx.should_checkpoint()
-        world = self.ctx.world_changed()
-        # One all-reduce: whether any rank saw a directive, and the ranks' gradient norms of the
-        # step just done (for the noise statistics).
-        shared = torch.tensor([1.0 if (stop or world is not None) else 0.0, self.noise.local_sq], dtype=torch.float64)
+        world = self.ctx.held_world()
+        # One all-reduce: whether any rank stops or leaves, whether any was told of a new world,
+        # whether rank 0 has all its newcomers, and the ranks' gradient norms of the step just
+        # done (for the noise statistics).
+        shared = torch.tensor([float(stop), float(world is not None), float(settle or self._newcomers_ready(world)),
+                               self.noise.local_sq], dtype=torch.float64)
         dist.all_reduce(shared)
         if self._last_step is not None:
-            self.noise.update(float(shared[1]), *self._last_step)
+            self.noise.update(float(shared[3]), *self._last_step)
             self._last_step = None
-        if not shared[0].item():
+        if not (shared[0].item() or (shared[1].item() and shared[2].item())):
             return Event.CONTINUE
+        if not stop:  # the stop or the world another rank saw is likely ours too: ask now
+            self.ctx.poll_directive()
+            stop = self.ctx.should_checkpoint()
+            world = self.ctx.held_world()
         deadline = time.monotonic() + self.reform_timeout_s
         while not stop and world is None:  # another rank saw its directive first: fetch ours now
             if time.monotonic() > deadline:
@@ -257,7 +343,7 @@ class DistributedTraining:
             time.sleep(0.05)
             self.ctx.poll_directive()
             stop = self.ctx.should_checkpoint()
-            world = self.ctx.world_changed()
+            world = self.ctx.held_world()
         if stop:
             return Event.STOP
         assert world is not None
@@ -276,14 +362,16 @@ class DistributedTraining:
 
     def step_done(self, samples: int | None = None) -> int:
         """Count a finished optimizer step of ``samples`` global samples (default: the sampler's
-        step size); advances the sampler; returns the samples counted."""
+        step size); advances the sampler; returns the samples counted. Call it before clearing
+        the gradients: it reads the averaged gradient's norm from them."""
+        self.noise.averaged(self.module)
         if samples is None:
             samples = self.sampler.step_size() if self.sampler is not None else self.ctx.batch_size
         if self.sampler is not None:
             self.sampler.advance(samples)
         self.steps += 1
         self.samples += samples
-        self._last_step = (self.ctx.world_size, samples)
+        self._last_step = (self.world_size, samples)
         if self.noise.grad_sqr > 0:
             self.ctx.report(grad_sqr=self.noise.grad_sqr, grad_var=self.noise.grad_var)
         return samples
@@ -291,10 +379,13 @@ class DistributedTraining:
     def reform(self, world: World) -> None:
         """Leave the old process group and form the new one at ``world``'s rendezvous, in place."""
         started = time.monotonic()
+        previous = self._group  # outlives the old DDP wrapper, which _agree_on_state replaces (see _release)
         dist.destroy_process_group()
+        self.ctx.apply_world(world)
         try:
             self._init_group(world.rank, world.world_size, (world.master_addr, world.master_port))
             self._agree_on_state(newcomer=False)
+            del previous
         except Exception as exc:  # noqa: BLE001 - reported with what it means for the job
             raise ReformFailed(f"the new process group (rank {world.rank} of {world.world_size} at "
                                f"{world.master_addr}:{world.master_port}) did not form within "
@@ -306,5 +397,33 @@ class DistributedTraining:
               file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        """Leave the process group. A grow still held when the training ends is completed first:
+        its newcomers were launched and wait at the rendezvous, and they learn from rank 0's state
+        that the job is done (they exit at once, with status 0 like every rank)."""
+        if not dist.is_initialized():
+            return
+        if not self.ctx.leaving and not self.ctx.should_checkpoint():
+            try:
+                # Every rank ends with such boundaries until one changes nothing: the newcomers'
+                # first one is the survivors' second.
+                while self._boundary(settle=True) is Event.RESIZED:
+                    pass
+            except (ReformFailed, RuntimeError) as exc:  # a peer already gone: nothing left to hand over
+                print(f"silod.job: the held resize was not completed at the end: {exc}", file=sys.stderr, flush=True)
+            self.ctx.mark_training_finished()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._release(self._group)
+        self._group = None
+
+    def _release(self, group: Any) -> None:
+        """Drop the DDP wrapper of ``group`` (already destroyed), then the group itself.
+
+        The group's destructor waits for gloo's worker threads, and they may need the GIL to let
+        go of a finished collective's tensors. Run by the DDP wrapper's reducer (the last holder
+        otherwise), it would wait holding the GIL: a deadlock, seen at the end of jobs
+        (pytorch/pytorch#56297). Run by the group's own Python object, it gives the GIL up
+        (pytorch/pytorch#154976): so the wrapper goes first and the group last."""
+        self.model = None
+        del group
+

@@ -96,24 +96,24 @@ def test_transient_failures_are_retried_with_exponential_backoff(root: Path, mon
     real = store._read_file
     failures = iter([ConnectionResetError("reset"), TimeoutError("slow")])
 
-    def flaky(key: str, etag: str) -> bytes:
+    def flaky(key: str, etag: str, *byte_range: int) -> bytes:
         exc = next(failures, None)
         if exc is not None:
             raise exc
-        return real(key, etag)
+        return real(key, etag, *byte_range)
 
     monkeypatch.setattr(store, "_read_file", flaky)
     assert store.read("a/f.bin") == b"hello world"
     assert len(sleeps) == 2 and 0.05 <= sleeps[0] <= 0.1 and 0.1 <= sleeps[1] <= 0.2
 
     sleeps.clear()
-    monkeypatch.setattr(store, "_read_file", lambda key, etag: (_ for _ in ()).throw(OSError(5, "EIO")))
+    monkeypatch.setattr(store, "_read_file", lambda key, etag, *byte_range: (_ for _ in ()).throw(OSError(5, "EIO")))
     with pytest.raises(StoreUnavailable, match="after 4 attempts"):
         store.read("a/f.bin")
     assert len(sleeps) == 3 and sleeps[2] <= 0.4
 
     sleeps.clear()  # a bug is not retried
-    monkeypatch.setattr(store, "_read_file", lambda key, etag: (_ for _ in ()).throw(TypeError("bug")))
+    monkeypatch.setattr(store, "_read_file", lambda key, etag, *byte_range: (_ for _ in ()).throw(TypeError("bug")))
     with pytest.raises(TypeError):
         store.read("a/f.bin")
     assert sleeps == []

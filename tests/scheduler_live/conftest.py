@@ -62,9 +62,9 @@ class Cluster:
             self.metadata.stop()
 
     # -- agent side --
-    def add_node(self, name: str, gpus: int = 4, pool: int = common_pb2.NODE_POOL_TRAINING) -> None:
+    def add_node(self, name: str, gpus: int = 4, pool: int = common_pb2.NODE_POOL_TRAINING, gpu_type: str = "") -> None:
         self.md.UpsertNode(metadata_pb2.UpsertNodeRequest(spec=common_pb2.NodeSpec(
-            name=name, gpus=gpus, pool=pool, gpu_model="emulated", agent_address=f"{name}.local:7000")))
+            name=name, gpus=gpus, pool=pool, gpu_model="emulated", agent_address=f"{name}.local:7000", gpu_type=gpu_type)))
         self.md.Heartbeat(metadata_pb2.HeartbeatRequest(node=name))
 
     def heartbeat(self, name: str) -> None:

@@ -29,7 +29,9 @@ from tests.worker_agent.conftest import wait_until
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp_digits.py"
 JOB = "job-ddp-digits"
-EPOCHS = 6
+# Enough work that each resize comes mid-training: a grow is held (the ranks train on at the old
+# size) while its newcomers start, which takes seconds on a busy machine.
+EPOCHS = 20
 DIGITS = 1797
 
 
@@ -62,7 +64,10 @@ def test_a_ddp_job_grows_and_shrinks_in_place_across_two_nodes(metadata, allocat
             "cache-server", "--metadata-address", metadata.address, "--disk-cache-dir", str(tmp_path / f"cache-{i}"),
             "--memory-cache-bytes", "0", "--no-fsync", "--log-level", "warning", workdir=tmp_path / f"cache-proc-{i}"))
             for i in range(2)]
-        agents = [start_agent("--cache-address", caches[i].address, gpus=2, node=f"ddp-n{i}") for i in range(2)]
+        # One checkpoint root for both nodes, as shared storage would be in a cluster: a restart on
+        # the other node and a rank launched after the training ended (it finds rank 0's mark) need it.
+        agents = [start_agent("--cache-address", caches[i].address, "--checkpoint-root", str(tmp_path / "checkpoints"),
+                              gpus=2, node=f"ddp-n{i}") for i in range(2)]
         _train_and_resize(agents, caches, allocation)
 
 
@@ -70,7 +75,7 @@ def _train_and_resize(agents, caches, allocation) -> None:  # type: ignore[no-un
     spec = common_pb2.JobSpec(
         name="ddp-digits", min_gpus=1, max_gpus=4, batch_size=64, epochs=EPOCHS, dataset="ddp-digits",
         resize_in_place=True, command=[sys.executable, str(EXAMPLE)],
-        env={"SILOD_EXAMPLE_STEP_SLEEP_S": "0.01", "SILOD_CHECKPOINT_EVERY_S": "2"},
+        env={"SILOD_EXAMPLE_STEP_SLEEP_S": "0.04", "SILOD_CHECKPOINT_EVERY_S": "2"},
     )
     addresses = {a.node: a.address for a in agents}
     previous: dict[str, plan_pb2.JobAllocation] = {}

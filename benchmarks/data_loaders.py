@@ -1,0 +1,522 @@
+"""silod side by side with the loaders job owners pick today, on one throttled S3-protocol store
+and the same bytes, against the physical limit of every row.
+
+Run: ``python benchmarks/data_loaders.py`` (about 10 minutes on 2 cores; ``--quick`` for a
+smaller run). The anchor loaders come from the ``bench`` extra (``pip install -e '.[bench]'``);
+one that is missing or does not import is a row of the table that says why.
+
+The store is ``silod store-emulator`` (one link shared by all connections, ``--bandwidth-mb``
+MB/s, ``--latency-ms`` per request), holding the same samples (random bytes, ``--sample-bytes``
+each) three ways: one object per sample, WebDataset tar shards, LitData chunks. Every loader
+turns a sample into a uint8 tensor in its DataLoader workers (batch ``--batch-size``,
+``--workers`` workers, fork), and is timed from the arrival of its first batch to the last one,
+worker start-up included (every loader pays it).
+
+Loaders: ``plain`` (one s3fs ``cat_file`` per sample, 4 workers: what a user writes first),
+``plain-tuned`` (the same with 16 workers and prefetch_factor 8: what a user tunes it to),
+``webdataset`` (tar shards streamed through s3fs; shard shuffle plus a 1,000-sample shuffle
+buffer, as its docs recommend; ``cache_dir`` keeps the shards on local disk from the first
+epoch on), ``litdata`` (optimized chunks, its own S3 client and local chunk cache),
+``silod`` (one object per sample, through ``silod cache-server``) and ``silod-shards`` (the
+same tar shards registered with ``--format tar-shards``).
+
+Rows, each with its physical limit:
+
+- ``cold``: the first epoch, nothing cached. Limit: the link, bandwidth / sample bytes.
+- ``warm``: the epochs after the first (median of ``--repeats``; min and max printed below
+  the table). Limit: the same workers reading the same bytes from local files in tmpfs
+  (``local files`` row, measured in this run, also the median of ``--repeats``).
+- ``cache=1/2``: the dataset is twice the cache (silod: a memory tier of half the dataset,
+  uniform caching), second epoch. Limit: the link for the half that is not cached,
+  bandwidth / (sample bytes x 1/2), at most the local limit.
+- ``2 jobs``: two jobs on one node read the dataset at the same time, each its own order;
+  samples/s of both together. Limit: every byte crosses the link once,
+  2 x bandwidth / sample bytes.
+- ``compute``: ``--compute`` seconds of emulated GPU work (a sleep) per batch, warm where the
+  loader has a cache. Limit: batch / compute.
+
+Peak memory is the peak PSS (proportional set size: shared pages counted once across the
+forked workers) of the loader's processes -- the training process and its workers, plus the
+cache server for silod -- sampled every 100 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+try:
+    import silod  # noqa: F401
+except ImportError:  # run from a clone without installing
+    sys.path.insert(0, str(HERE.parent))
+
+from data_loading import PlainS3Dataset, bench_directories, make_files, to_tensor  # noqa: E402  (the sibling benchmark)
+
+BUCKET = "bench"
+SAMPLES_PER_SHARD = 256
+
+
+# -- measuring ----------------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _pss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakMemory:
+    """Peak PSS of this process, its descendants except ``exclude`` (the store, the metadata
+    service), and ``extra`` (the cache server), sampled in a thread."""
+
+    def __init__(self, exclude: set[int], extra: list[int]) -> None:
+        self.exclude, self.extra, self.peak = exclude, extra, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _tree(self) -> list[int]:
+        pids, todo = [], [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            if pid in self.exclude:
+                continue
+            pids.append(pid)
+            todo += _children(pid)
+        return pids + [p for p in self.extra if p not in pids]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, sum(_pss_bytes(p) for p in self._tree()))
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _cpu_seconds(pids: list[int]) -> tuple[float, float]:
+    """(this process and its reaped children, ``pids``): user + system CPU seconds."""
+    import resource
+
+    own = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+              for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    others = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            others += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            pass
+    return own, others
+
+
+def timed_epoch(loader: Any, compute_s: float = 0.0, max_batches: int = 0) -> tuple[int, float]:
+    """(samples, seconds) of one epoch (or its first ``max_batches``), from the start of the
+    iteration (worker start-up included: every loader pays it) to the end of the last batch."""
+    started = time.perf_counter()
+    samples = batches = 0
+    for batch in loader:
+        if compute_s:
+            time.sleep(compute_s)
+        samples += len(batch)
+        batches += 1
+        if batches == max_batches:
+            break
+    elapsed = time.perf_counter() - started
+    if os.environ.get("BENCH_DEBUG"):
+        print(f"    {samples} samples in {elapsed:.2f}s", flush=True)
+    return samples, elapsed
+
+
+@dataclass
+class Cell:
+    rate: float = 0.0  # samples/s
+    limit: float = 0.0
+    pss: int = 0
+    note: str = ""
+
+
+@dataclass
+class Table:
+    rows: list[str]
+    cells: dict[tuple[str, str], Cell] = field(default_factory=dict)
+    loaders: list[str] = field(default_factory=list)
+
+    def put(self, loader: str, row: str, cell: Cell) -> None:
+        if loader not in self.loaders:
+            self.loaders.append(loader)
+        self.cells[(loader, row)] = cell
+        shown = f"{cell.rate:,.0f}/s {cell.rate / cell.limit:.0%} {cell.pss / 2**20:,.0f} MiB" if cell.rate else cell.note
+        print(f"  {loader:<13} {row:<10} {shown}", flush=True)
+
+    def render(self) -> str:
+        lines = [f"{'loader':<13} | " + " | ".join(f"{r:^26}" for r in self.rows)]
+        lines.append(f"{'':<13} | " + " | ".join(f"{'samples/s  of limit  PSS':^26}" for _ in self.rows))
+        for loader in self.loaders:
+            parts = []
+            for row in self.rows:
+                cell = self.cells.get((loader, row))
+                if cell is None:
+                    parts.append(f"{'-':^26}")
+                elif not cell.rate:
+                    parts.append(f"{cell.note[:26]:^26}")
+                else:
+                    parts.append(f"{cell.rate:>9,.0f} {cell.rate / cell.limit:>8.0%} {cell.pss / 2**20:>5,.0f}M")
+            lines.append(f"{loader:<13} | " + " | ".join(parts))
+        return "\n".join(lines)
+
+
+# -- the stores ---------------------------------------------------------------------------------------
+
+
+def write_shards(root: pathlib.Path, files: pathlib.Path, keys: list[str]) -> list[str]:
+    """The per-sample files as WebDataset shards (member ``<sample>.jpg``); returns shard keys."""
+    root.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for s in range(0, len(keys), SAMPLES_PER_SHARD):
+        name = f"train-{s // SAMPLES_PER_SHARD:04d}.tar"
+        with tarfile.open(root / name, "w", format=tarfile.USTAR_FORMAT) as archive:
+            for key in keys[s : s + SAMPLES_PER_SHARD]:
+                archive.add(files / key, arcname=key.replace("/", "_").replace(".jpg", "") + ".jpg")
+        shards.append(name)
+    return shards
+
+
+def write_litdata(root: pathlib.Path, files: pathlib.Path, keys: list[str], work: pathlib.Path) -> str:
+    """The samples as LitData optimized chunks (its own writer), copied into the store."""
+    import litdata
+
+    out = work / "litdata-out"
+    litdata.optimize(fn=_litdata_sample, inputs=[str(files / k) for k in keys], output_dir=str(out),
+                     chunk_bytes="32MB", num_workers=1, mode="overwrite")
+    shutil.copytree(out, root)
+    return ""
+
+
+def _litdata_sample(path: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return {"data": f.read()}
+
+
+# -- the loaders ---------------------------------------------------------------------------------------
+
+
+class WdsTensor:
+    def __call__(self, sample: tuple[bytes]) -> Any:
+        return to_tensor(sample[0])
+
+
+def open_s3_for_webdataset(endpoint: str) -> Callable[..., Any]:
+    """gopen handler for s3:// URLs (webdataset ships none that speaks to an endpoint_url)."""
+    state: dict[str, Any] = {}
+
+    def opener(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
+        if state.get("pid") != os.getpid():
+            import s3fs
+
+            state["fs"] = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
+            state["pid"] = os.getpid()
+        return state["fs"].open(url, "rb", block_size=8 << 20, cache_type="readahead")
+
+    return opener
+
+
+def lit_tensor(sample: dict[str, bytes]) -> Any:
+    return to_tensor(sample["data"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--sample-bytes", type=int, default=114_000)
+    parser.add_argument("--bandwidth-mb", type=float, default=100.0)
+    parser.add_argument("--latency-ms", type=float, default=20.0)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--compute", type=float, default=2.5, help="seconds of emulated compute per batch "
+                        "in the compute row (default 2.5: more than the plain loader needs per batch)")
+    parser.add_argument("--compute-batches", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=3, help="warm epochs per loader (and local-file "
+                        "epochs): the table shows the median, min and max are printed below it (default 3)")
+    parser.add_argument("--loaders", default="plain,plain-tuned,webdataset,streaming,litdata,silod,silod-shards")
+    parser.add_argument("--rows", default="cold,warm,cache=1/2,2 jobs,compute")
+    parser.add_argument("--quick", action="store_true", help="1024 samples, compute 1.5 s")
+    args = parser.parse_args()
+    if args.quick:
+        args.samples, args.compute = 1024, 1.5
+    loaders = [name.strip() for name in args.loaders.split(",")]
+    rows = [row.strip() for row in args.rows.split(",")]
+    print("command: python benchmarks/data_loaders.py " + " ".join(sys.argv[1:]))
+    print("load average at start: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()), flush=True)
+
+    import torch.utils.data
+
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    from silod.cli.main import main as silod_main
+    from silod.data import EpochShuffleSampler, SilodDataset
+    from silod.launcher import start_service
+
+    work, shm = bench_directories()
+    services: list[Any] = []
+    caches: list[Any] = []
+    try:
+        store = work / "s3" / BUCKET
+        keys = make_files(store / "train", args.samples, args.sample_bytes)  # where PlainS3Dataset reads
+        shard_keys = write_shards(store / "shards", store / "train", keys)
+        dataset_bytes = args.samples * args.sample_bytes
+        litdata_problem = ""
+        if "litdata" in loaders:
+            try:
+                write_litdata(store / "litdata", store / "train", keys, work)
+            except Exception as exc:  # noqa: BLE001 -- the table says why
+                litdata_problem = f"{type(exc).__name__}: {exc}"
+        local = shm / "local"
+        shutil.copytree(store / "train", local)
+        emulator = start_service("store-emulator", "--root", str(work / "s3"), "--bandwidth-mb-s",
+                                 str(args.bandwidth_mb), "--latency-ms", str(args.latency_ms), "--log-level", "warning",
+                                 workdir=work / "emulator")
+        metadata = start_service("metadata", "--db", f"sqlite:///{work / 'meta.db'}", "--log-level", "warning",
+                                 workdir=work / "metadata")
+        services += [emulator, metadata]
+        endpoint = f"http://{emulator.address}"
+        for name, uri, fmt in (("bench", f"s3://{BUCKET}/train", "objects"),
+                               ("bench-shards", f"s3://{BUCKET}/shards", "tar-shards")):
+            if silod_main(["dataset", "register", name, uri, "--format", fmt, "--option", f"endpoint_url={endpoint}",
+                           "--metadata", metadata.address]):
+                raise SystemExit(f"registration of {uri} failed")
+        print(f"store emulator: {args.bandwidth_mb:g} MB/s shared, {args.latency_ms:g} ms per request; {args.samples} "
+              f"samples of {args.sample_bytes:,} B ({dataset_bytes / 1e6:.0f} MB; {len(shard_keys)} shards), "
+              f"batch {args.batch_size}, {args.workers} workers", flush=True)
+
+        service_pids = {p.pid for p in services}
+        link = args.bandwidth_mb * 1e6 / args.sample_bytes  # samples/s the link carries
+
+        def loader_of(dataset: Any, sampler: Any = None, workers: int = args.workers, prefetch: int = 2,
+                      batch_size: int | None = args.batch_size) -> Any:
+            return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                                               shuffle=sampler is None and batch_size is not None,
+                                               num_workers=workers, multiprocessing_context="fork",
+                                               prefetch_factor=prefetch, persistent_workers=False)
+
+        def measure(make: Callable[[], Any], extra_pids: list[int] | None = None, compute: float = 0.0,
+                    max_batches: int = 0, jobs: int = 1) -> tuple[float, int]:
+            cpu0 = _cpu_seconds(extra_pids or [])
+            with PeakMemory(service_pids | {c.pid for c in caches if c.pid not in (extra_pids or [])},
+                            extra_pids or []) as memory:
+                if jobs == 1:
+                    samples, seconds = timed_epoch(make(), compute, max_batches)
+                else:
+                    results: list[tuple[int, float]] = []
+                    made = [make() for _ in range(jobs)]
+                    threads = [threading.Thread(target=lambda m=m: results.append(timed_epoch(m))) for m in made]
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                    samples, seconds = sum(r[0] for r in results), max(r[1] for r in results)
+            if os.environ.get("BENCH_DEBUG"):
+                job_cpu, server_cpu = (b - a for a, b in zip(cpu0, _cpu_seconds(extra_pids or [])))
+                print(f"    cpu: job {job_cpu:.2f}s, cache server {server_cpu:.2f}s", flush=True)
+            return samples / seconds, memory.peak
+
+        spreads: dict[str, list[float]] = {}
+        # The warm limit: the same workers reading the same files from tmpfs.
+        class LocalFiles(torch.utils.data.Dataset):  # type: ignore[type-arg]
+            def __len__(self) -> int:
+                return len(keys)
+
+            def __getitem__(self, i: int) -> Any:
+                with open(local / keys[i], "rb") as f:
+                    return to_tensor(f.read())
+
+        local_runs = [measure(lambda: loader_of(LocalFiles())) for _ in range(args.repeats)]
+        local_rate, local_pss = statistics.median(r[0] for r in local_runs), max(r[1] for r in local_runs)
+        spreads["local files"] = [r[0] for r in local_runs]
+        limits = {"cold": link, "warm": local_rate, "cache=1/2": min(local_rate, 2 * link), "2 jobs": 2 * link,
+                  "compute": args.batch_size / args.compute}
+        table = Table(rows)
+        table.put("local files", "warm", Cell(local_rate, local_rate, local_pss))
+
+        def run_rows(name: str, epoch: Callable[[str], Any], has_cache: bool, extra: Callable[[], list[int]],
+                     setup: Callable[[str], None] = lambda row: None, skip: dict[str, str] | None = None) -> None:
+            for row in rows:
+                if row in (skip or {}):
+                    table.put(name, row, Cell(note=(skip or {})[row]))
+                    continue
+                try:
+                    setup(row)
+                    if row == "cold":
+                        rate, pss = measure(lambda: epoch("cold"), extra())
+                    elif row in ("warm", "cache=1/2"):
+                        if has_cache:
+                            measure(lambda: epoch("cold"), extra())  # the first epoch fills the cache
+                        repeats = args.repeats if row == "warm" and has_cache else 1
+                        runs = [measure(lambda: epoch("warm" if has_cache else "cold"), extra()) for _ in range(repeats)]
+                        rate, pss = statistics.median(r[0] for r in runs), max(r[1] for r in runs)
+                        if row == "warm":
+                            spreads[name] = [r[0] for r in runs]
+                    elif row == "2 jobs":
+                        rate, pss = measure(lambda: epoch("cold"), extra(), jobs=2)
+                    else:
+                        if has_cache:
+                            measure(lambda: epoch("cold"), extra())
+                        rate, pss = measure(lambda: epoch("warm"), extra(), compute=args.compute,
+                                            max_batches=args.compute_batches)
+                    table.put(name, row, Cell(rate, limits[row], pss))
+                except Exception as exc:  # noqa: BLE001 -- one broken loader must not hide the others
+                    table.put(name, row, Cell(note=f"failed: {type(exc).__name__}"))
+                    print(f"    {name} {row}: {type(exc).__name__}: {exc}", flush=True)
+
+        no_pids: Callable[[], list[int]] = list
+        for name in loaders:
+            print(f"{name}:", flush=True)
+            if name in ("plain", "plain-tuned"):
+                workers, prefetch = (args.workers, 2) if name == "plain" else (16, 8)
+                plain = PlainS3Dataset(endpoint, keys)  # reads s3://bench/train/<key>
+                run_rows(name, lambda phase, w=workers, p=prefetch: loader_of(plain, workers=w, prefetch=p), False,
+                         no_pids)
+            elif name == "webdataset":
+                try:
+                    import webdataset as wds
+                except ImportError as exc:
+                    table.put(name, rows[0], Cell(note=f"not installed: {exc}"))
+                    continue
+                wds.gopen_schemes["s3"] = open_s3_for_webdataset(endpoint)
+                urls = [f"s3://{BUCKET}/shards/{s}" for s in shard_keys]
+                cache_dir = {"path": ""}
+
+                def wds_epoch(phase: str) -> Any:
+                    if phase == "cold":  # every cold run starts with an empty shard cache
+                        cache_dir["path"] = tempfile.mkdtemp(prefix="wds-", dir=work)
+                    pipeline = (wds.WebDataset(urls, shardshuffle=len(urls), cache_dir=cache_dir["path"],
+                                               empty_check=False, nodesplitter=wds.single_node_only)
+                                .shuffle(1000).to_tuple("jpg").map(WdsTensor())
+                                .batched(args.batch_size, collation_fn=torch.stack))
+                    return wds.WebLoader(pipeline, batch_size=None, num_workers=args.workers,
+                                         multiprocessing_context="fork", prefetch_factor=2)
+
+                run_rows(name, wds_epoch, True, no_pids, skip={"cache=1/2": "cache_dir: no size bound"})
+            elif name == "streaming":
+                try:
+                    import streaming  # noqa: F401
+                    table.put(name, rows[0], Cell(note="imports; MDS rows not written yet"))
+                except Exception as exc:  # noqa: BLE001
+                    table.put(name, rows[0], Cell(note=f"import fails: {type(exc).__name__}"))
+                    print(f"    streaming: {type(exc).__name__}: {exc}", flush=True)
+            elif name == "litdata":
+                if litdata_problem:
+                    table.put(name, rows[0], Cell(note="optimize failed"))
+                    print(f"    litdata: {litdata_problem}", flush=True)
+                    continue
+                import litdata
+                import litdata.streaming.downloader as lit_downloader
+
+                # Its obstore client refuses plain http (the emulator on loopback) and LitData
+                # exposes no option for it: allow it, as a user with an http endpoint would have to.
+                lit_downloader._OBSTORE_CLIENT_OPTIONS = {**lit_downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
+                lit: dict[str, Any] = {"path": "", "row": ""}
+
+                def lit_epoch(phase: str) -> Any:
+                    if phase == "cold":
+                        lit["path"] = tempfile.mkdtemp(prefix="litdata-", dir=work)
+                    # Its cache bound is a whole number of chunks, at least one.
+                    bound = {"max_cache_size": dataset_bytes // 2} if lit["row"] == "cache=1/2" else {}
+                    dataset = litdata.StreamingDataset(
+                        f"s3://{BUCKET}/litdata", shuffle=True, cache_dir=lit["path"],
+                        storage_options={"endpoint_url": endpoint}, transform=lit_tensor, **bound)
+                    return litdata.StreamingDataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
+                                                       prefetch_factor=2, multiprocessing_context="fork")
+
+                run_rows(name, lit_epoch, True, no_pids, lambda row: lit.update(row=row))
+            elif name in ("silod", "silod-shards"):
+                registered = "bench" if name == "silod" else "bench-shards"
+                transform = to_tensor if name == "silod" else _shard_tensor
+                state: dict[str, Any] = {}
+
+                def new_cache(row: str, registered: str = registered) -> None:
+                    for cache in caches:
+                        cache.terminate()
+                    caches.clear()
+                    memory = dataset_bytes // 2 if row == "cache=1/2" else 2 * dataset_bytes
+                    run = tempfile.mkdtemp(prefix="cache-", dir=shm)
+                    cache = start_service("cache-server", "--metadata-address", metadata.address,
+                                          "--memory-cache-dir", run, "--memory-cache-bytes", str(memory),
+                                          "--disk-cache-bytes", "0", "--default-policy",
+                                          "uniform" if row == "cache=1/2" else "lrfu-cost",
+                                          "--log-level", "warning", workdir=work / f"cache-{name}-{row}")
+                    caches.append(cache)
+                    state["dataset"] = SilodDataset(registered, cache_addr=cache.address,
+                                                    metadata_addr=metadata.address, job_id="bench",
+                                                    transform=transform)
+                    state["epoch"] = 0
+                    state["job"] = 0
+
+                def silod_epoch(phase: str) -> Any:
+                    dataset = state["dataset"]
+                    state["job"] += 1
+                    dataset.job_id = f"bench-{state['job']}"
+                    sampler = EpochShuffleSampler(dataset, seed=state["job"], prefetch_ahead=4 * args.batch_size)
+                    sampler.set_epoch(state["epoch"])
+                    state["epoch"] += 1
+                    return loader_of(dataset, sampler)
+
+                run_rows(name, silod_epoch, True, lambda: [c.pid for c in caches], new_cache)
+        print()
+        print(table.render())
+        print(f"\nlimits (samples/s): cold {limits['cold']:,.0f} (link), warm {limits['warm']:,.0f} (local files), "
+              f"cache=1/2 {limits['cache=1/2']:,.0f}, 2 jobs {limits['2 jobs']:,.0f}, compute {limits['compute']:,.0f}")
+        print(f"warm epochs, min / median / max of {args.repeats} (samples/s):")
+        for name, rates in spreads.items():
+            print(f"  {name:<13} {min(rates):>9,.0f} {statistics.median(rates):>9,.0f} {max(rates):>9,.0f}")
+        print("load average at the end: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
+        return 0
+    finally:
+        for proc in caches + services:
+            proc.terminate()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _shard_tensor(data: bytes) -> Any:
+    from silod.data.shards import decode_sample
+
+    return to_tensor(decode_sample(data)["jpg"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
