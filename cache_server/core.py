@@ -25,10 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
 from cache_server import metrics
 from cache_server.policies import PASS_THROUGH, PLAN_POLICIES, POLICIES, FetchCostModel, Partition, make_partition
 from cache_server.ratelimit import EventRate, RateMeter, TokenBucket
 from cache_server.tiers import Entry, Tier, entry_name, is_no_space
+from services.runtime.downstream import translate
 from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from silod.data.catalog import Manifest, ManifestNotFound
 from silod.data.keys import key_problem
@@ -503,6 +506,9 @@ class CacheCore:
                 raise NotFound(f"no dataset named {name!r} is registered", field="dataset") from None
             except (InvalidArgument, NotFound):
                 raise
+            except grpc.RpcError as exc:  # the shared rule: the caller's field, or retryable, or a bug
+                raise translate(exc, "metadata (manifest of the dataset)", {"name": "dataset"},
+                                default_field="dataset") from None
             except Exception as exc:
                 raise Unavailable(f"cannot load the manifest of {name!r} from the metadata service: {exc}",
                                   field="dataset") from exc

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from cache_server.core import CacheConfig, CacheCore
 from cache_server.tiers import TierLocked
@@ -70,6 +70,13 @@ class Settings(ServiceSettings):
         "",
         description="HOST:PORT of the AllocationService to follow (plan cache quotas); empty = best-effort mode, no watch",
     )
+
+    @field_validator("node")
+    @classmethod
+    def _node_name(cls, value: str) -> str:
+        from silod.rpc.identifiers import NODE_NAME
+
+        return cls._identifier(value, NODE_NAME)
 
 
 def cache_config(settings: Settings) -> CacheConfig:

@@ -58,6 +58,17 @@ class MetadataUnavailable(Exception):
     """The metadata service could not be reached or refused us; the message says which and why."""
 
 
+class MetadataRefused(Exception):
+    """The metadata service refused a call (INVALID_ARGUMENT, NOT_FOUND, INTERNAL, ...): the
+    servicer answers it by the shared rule (services/runtime/downstream.py), which names the
+    caller's field when the refusal was about it."""
+
+    def __init__(self, method: str, error: grpc.RpcError) -> None:
+        super().__init__(f"metadata {method} answered {error.code().name}: {error.details()}")
+        self.method = method
+        self.error = error
+
+
 class UnknownJob(Exception):
     """The metadata service has no such job (PutJobModel answered NOT_FOUND)."""
 
@@ -159,7 +170,7 @@ class ModelStore:
 
         ``for_predict`` trusts a recent "no model" answer (:data:`ABSENT_TTL_S`) and gives up at
         once while the metadata service is known to be down, so a scheduling round does not wait
-        for it. Raises :class:`MetadataUnavailable` and :class:`UnusableRecord`.
+        for it. Raises :class:`MetadataUnavailable`, :class:`MetadataRefused` and :class:`UnusableRecord`.
         """
         record = self._records.get(job_id)
         if record is not None or self._stub is None:
@@ -230,5 +241,5 @@ class ModelStore:
             return MetadataUnavailable(
                 f"metadata service at {self.metadata_address} failed {method}: {exc.code().name}: {exc.details()}"
             )
-        # INVALID_ARGUMENT and the like: a bug on one side, not a condition the caller can wait out.
-        return RuntimeError(f"metadata {method} answered {exc.code().name}: {exc.details()}")
+        # INVALID_ARGUMENT and the like: not a condition the caller can wait out.
+        return MetadataRefused(method, exc)

@@ -28,6 +28,7 @@ from estimator.goodput import split_local_batch
 from estimator.job_model import JobModel
 from estimator.model_store import (
     JobRecord,
+    MetadataRefused,
     MetadataUnavailable,
     ModelStore,
     UnknownJob,
@@ -38,7 +39,10 @@ from estimator.model_store import (
 from estimator.observe import observe
 from estimator.predict import DEFAULT_GPUS_PER_NODE, ModelTable, Predictions, predict
 from estimator.profiles import application_names
-from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.runtime.downstream import translate
+from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Problems, Unavailable
+from silod.rpc.errors import MAX_VIOLATIONS
+from silod.rpc.identifiers import JOB_ID, problem
 from services.runtime.structured_logging import get_logger
 from silod.v1 import common_pb2, estimator_pb2, estimator_pb2_grpc
 
@@ -55,7 +59,6 @@ MAX_SAMPLE_BYTES = 2**40
 MAX_IO_BYTES_PER_S = 2**50  # 1 PiB/s
 MAX_STEP_TIME_S = 1e6
 MAX_GRAD_STAT = 1e100
-MAX_JOB_ID_CHARS = 64  # as the metadata store
 MAX_APPLICATION_CHARS = 128
 LOOKUP_CONCURRENCY = 32  # GetJobModel calls in flight for one Predict
 
@@ -80,10 +83,10 @@ def warm_profiles(stop: threading.Event | None = None) -> None:
 
 
 def _check_job_id(value: str, field: str, *, required: bool) -> str:
-    if required and not value:
-        raise InvalidArgument("required", field=field)
-    if len(value) > MAX_JOB_ID_CHARS:
-        raise InvalidArgument(f"must be at most {MAX_JOB_ID_CHARS} characters, got {len(value)}", field=field)
+    """The runtime already refused malformed job ids (silod/rpc/identifiers.py); this adds "required"."""
+    found = problem(JOB_ID, value, required=required)
+    if found is not None:
+        raise InvalidArgument(found, field=field)
     return value
 
 
@@ -146,12 +149,16 @@ def _read_batch(request: estimator_pb2.PredictRequest) -> _Batch:
     if total > MAX_CANDIDATES:
         raise InvalidArgument(f"at most {MAX_CANDIDATES} candidates per call (all queries together), got {total}", field="queries")
     job_ids, applications, dataset_bytes, bytes_per_sample = [], [], [], []
+    problems = Problems()
+    check = problems.check
     for i, query in enumerate(queries):
         field = f"queries[{i}]"
-        job_ids.append(_check_job_id(query.job_id, f"{field}.job_id", required=False))
-        applications.append(_check_application(query.application, f"{field}.application"))
-        _check_int(query.dataset_bytes, f"{field}.dataset_bytes", 0, MAX_DATASET_BYTES, "2**60")
-        _check_int(query.bytes_per_sample, f"{field}.bytes_per_sample", 0, MAX_SAMPLE_BYTES, "2**40")
+        check(_check_job_id, query.job_id, f"{field}.job_id", required=False)
+        check(_check_application, query.application, f"{field}.application")
+        check(_check_int, query.dataset_bytes, f"{field}.dataset_bytes", 0, MAX_DATASET_BYTES, "2**60")
+        check(_check_int, query.bytes_per_sample, f"{field}.bytes_per_sample", 0, MAX_SAMPLE_BYTES, "2**40")
+        job_ids.append(query.job_id)
+        applications.append(query.application)
         dataset_bytes.append(query.dataset_bytes)
         bytes_per_sample.append(query.bytes_per_sample)
 
@@ -162,23 +169,24 @@ def _read_batch(request: estimator_pb2.PredictRequest) -> _Batch:
     ]
     columns = np.array(rows, dtype=np.int64).reshape(total, 5).T
     batch = _Batch(job_ids, applications, dataset_bytes, bytes_per_sample, counts, *columns)
-    _check_candidates(batch)
+    _check_candidates(batch, problems)
+    problems.raise_if_any()
     return batch
 
 
-def _check_candidates(batch: _Batch) -> None:
-    """INVALID_ARGUMENT naming the first candidate field that breaks a rule, checked field by field."""
+def _check_candidates(batch: _Batch, problems: Problems) -> None:
+    """Add every candidate field that breaks a rule to ``problems`` (vectorized, rule by rule)."""
     ends = np.cumsum(batch.counts)
 
     def fail(bad: np.ndarray, name: str, message: str) -> None:
-        if not bad.any():
-            return
-        k = int(np.flatnonzero(bad)[0])
-        query = int(np.searchsorted(ends, k, side="right"))
-        candidate = k - int(ends[query] - batch.counts[query])
-        value = int(getattr(batch, name)[k])
-        raise InvalidArgument(message.format(value=value, gpus=int(batch.gpus[k])),
-                              field=f"queries[{query}].candidates[{candidate}].{name}")
+        found = np.flatnonzero(bad)
+        for k in found[:MAX_VIOLATIONS].tolist():
+            query = int(np.searchsorted(ends, k, side="right"))
+            candidate = k - int(ends[query] - batch.counts[query])
+            value = int(getattr(batch, name)[k])
+            problems.add(f"queries[{query}].candidates[{candidate}].{name}",
+                         message.format(value=value, gpus=int(batch.gpus[k])))
+        problems.omitted += max(0, len(found) - MAX_VIOLATIONS)
 
     for name, high, high_name in (
         ("gpus", MAX_GPUS, str(MAX_GPUS)),
@@ -191,7 +199,7 @@ def _check_candidates(batch: _Batch) -> None:
         fail(values < 0, name, "must be >= 0, got {value}")
         fail(values > high, name, f"must be at most {high_name}, got {{value}}")
         if name == "nodes":
-            fail(batch.nodes > batch.gpus, "nodes", "must not exceed gpus ({gpus}): every node holds a GPU of the job, got {value}")
+            fail((batch.nodes > batch.gpus) & (batch.gpus >= 0), "nodes", "must not exceed gpus ({gpus}): every node holds a GPU of the job, got {value}")
 
 
 class EstimatorServicer(estimator_pb2_grpc.EstimatorServiceServicer):
@@ -223,7 +231,7 @@ class EstimatorServicer(estimator_pb2_grpc.EstimatorServiceServicer):
                 async with limit:
                     try:
                         return await self._store.lookup(job_id, for_predict=True)
-                    except (MetadataUnavailable, UnusableRecord) as exc:
+                    except (MetadataUnavailable, MetadataRefused, UnusableRecord) as exc:
                         return exc
 
             for job_id, result in zip(missing, await asyncio.gather(*(one(j) for j in missing))):
@@ -268,6 +276,8 @@ class EstimatorServicer(estimator_pb2_grpc.EstimatorServiceServicer):
         if job_id:
             if isinstance(found, JobRecord):
                 return found.model
+            if isinstance(found, MetadataRefused):
+                raise translate(found.error, f"metadata {found.method}", {"job_id": f"{field}.job_id"})
             if isinstance(found, Exception):
                 if not application:
                     error = Unavailable if isinstance(found, MetadataUnavailable) else FailedPrecondition
@@ -289,7 +299,7 @@ class EstimatorServicer(estimator_pb2_grpc.EstimatorServiceServicer):
         # Identifies a retry of a call whose model was updated in memory but not persisted.
         digest = hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
         async with self._store.lock(job_id):
-            record = await self._record(job_id)
+            record = await self._record(job_id, "job_id")
             if record is None:
                 if not application:
                     raise InvalidArgument(
@@ -308,6 +318,8 @@ class EstimatorServicer(estimator_pb2_grpc.EstimatorServiceServicer):
                 updated = await self._store.save(updated, digest)
             except UnknownJob as exc:
                 raise NotFound(f"the metadata service has no job {job_id!r} ({exc})", field="job_id") from None
+            except MetadataRefused as exc:
+                raise translate(exc.error, f"metadata {exc.method}", {"model.job_id": "job_id"}) from None
             except MetadataUnavailable as exc:
                 raise Unavailable(
                     f"{exc}; the model was updated in this estimator's memory only and is persisted by the next "
@@ -317,17 +329,19 @@ class EstimatorServicer(estimator_pb2_grpc.EstimatorServiceServicer):
 
     async def GetJobModel(self, request: common_pb2.GetJobModelRequest, context: object) -> common_pb2.JobModelParams:
         job_id = _check_job_id(request.job_id, "job_id", required=True)
-        record = await self._record(job_id)
+        record = await self._record(job_id, "job_id")
         if record is None:
             where = "in this estimator or the metadata service" if self._store.persistent else "in this estimator"
             raise NotFound(f"no model for job {job_id!r} {where} (it has not been observed)", field="job_id")
         return record.to_proto()
 
-    async def _record(self, job_id: str) -> JobRecord | None:
+    async def _record(self, job_id: str, field: str) -> JobRecord | None:
         try:
             return await self._store.lookup(job_id)
         except MetadataUnavailable as exc:
             raise Unavailable(str(exc)) from None
+        except MetadataRefused as exc:  # the same code and the caller's field, if it was about the job id
+            raise translate(exc.error, f"metadata {exc.method}", {"job_id": field}) from None
         except UnusableRecord as exc:
             raise FailedPrecondition(str(exc), field="job_id") from None
 
@@ -416,16 +430,21 @@ class _Observations:
 def _read_observations(observations: Sequence[estimator_pb2.StepObservation]) -> _Observations:
     if not 1 <= len(observations) <= MAX_OBSERVATIONS:
         raise InvalidArgument(f"must hold 1..{MAX_OBSERVATIONS} observations, got {len(observations)}", field="observations")
+    problems = Problems()
+    check = problems.check
     for i, o in enumerate(observations):
         field = f"observations[{i}]"
-        _check_int(o.gpus, f"{field}.gpus", 1, MAX_GPUS)
-        _check_int(o.nodes, f"{field}.nodes", 1, o.gpus, f"gpus ({o.gpus}): every node holds a GPU of the job")
-        _check_int(o.batch_size, f"{field}.batch_size", o.gpus, MAX_BATCH_SIZE)
-        _check_float(o.step_time_s, f"{field}.step_time_s", 0.0, MAX_STEP_TIME_S, low_open=True)
-        _check_float(o.sync_time_s, f"{field}.sync_time_s", 0.0, o.step_time_s, high_name=f"step_time_s ({o.step_time_s:g})")
-        _check_float(o.cache_hit_ratio, f"{field}.cache_hit_ratio", 0.0, 1.0)
-        _check_float(o.grad_sqr, f"{field}.grad_sqr", 0.0, MAX_GRAD_STAT)
-        _check_float(o.grad_var, f"{field}.grad_var", 0.0, MAX_GRAD_STAT)
+        check(_check_int, o.gpus, f"{field}.gpus", 1, MAX_GPUS)
+        check(_check_int, o.nodes, f"{field}.nodes", 1, max(o.gpus, 1), f"gpus ({o.gpus}): every node holds a GPU of the job")
+        check(_check_int, o.batch_size, f"{field}.batch_size", max(o.gpus, 1), MAX_BATCH_SIZE)
+        step_ok = check(_check_float, o.step_time_s, f"{field}.step_time_s", 0.0, MAX_STEP_TIME_S, low_open=True)
+        if step_ok:
+            check(_check_float, o.sync_time_s, f"{field}.sync_time_s", 0.0, o.step_time_s,
+                  high_name=f"step_time_s ({o.step_time_s:g})")
+        check(_check_float, o.cache_hit_ratio, f"{field}.cache_hit_ratio", 0.0, 1.0)
+        check(_check_float, o.grad_sqr, f"{field}.grad_sqr", 0.0, MAX_GRAD_STAT)
+        check(_check_float, o.grad_var, f"{field}.grad_var", 0.0, MAX_GRAD_STAT)
+    problems.raise_if_any()
     rows = np.array(
         [(o.gpus, o.nodes, o.batch_size, o.step_time_s, o.sync_time_s, o.grad_sqr, o.grad_var) for o in observations],
         dtype=np.float64,

@@ -61,9 +61,36 @@ def _type_name(field: descriptor_pb2.FieldDescriptorProto, maps: set[str]) -> st
     return f"repeated {name}" if field.label == field.LABEL_REPEATED else name
 
 
+HAND_WRITTEN = PROTO_DIR / "docs" / "api_errors.md"  # the sections that are prose, not contracts
+
+
+def identifier_table() -> str:
+    """The identifier rules of silod/rpc/identifiers.py as a table: the code is the source."""
+    from silod.rpc import identifiers
+
+    fields: dict[str, list[str]] = {rule.kind: [] for rule in identifiers.RULES}
+    for name, rule in identifiers.BY_FIELD.items():
+        fields[rule.kind].append(f"`{name}`")
+    for (message, name), rule in identifiers.BY_MESSAGE_FIELD.items():
+        fields[rule.kind].append(f"`{message.rsplit('.', 1)[-1]}.{name}`")
+    rows = ["| identifier | characters | request fields | example |", "|---|---|---|---|"]
+    for rule in identifiers.RULES:
+        extra = " and `" + "`, `".join(rule.extra) + "`" if rule.extra else ""
+        rows.append(f"| {rule.kind} | 1..{rule.max_chars} of `A-Z a-z 0-9 . _ -`{extra} | "
+                    f"{', '.join(fields[rule.kind])} | {_cell(rule.examples)} |")
+    return "\n".join(rows)
+
+
+def hand_written() -> list[str]:
+    return HAND_WRITTEN.read_text().replace("{identifier_table}", identifier_table()).splitlines() + [""]
+
+
 def render(descriptors: descriptor_pb2.FileDescriptorSet) -> str:
     lines = ["# API reference (silod.v1)", "",
-             "Generated from `protos/silod/v1` by `protos/render_api_docs.py` (`make proto`); do not edit.", ""]
+             "Generated from `protos/silod/v1` by `protos/render_api_docs.py` (`make proto`); do not edit.",
+             f"The prose sections come from `{HAND_WRITTEN.relative_to(ROOT)}`, the identifier table from "
+             "`silod/rpc/identifiers.py`.", ""]
+    lines += hand_written()
     for file in descriptors.file:
         if not file.name.startswith("silod/"):
             continue

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 import grpc
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from services.runtime import errors
 from services.runtime.server import ServiceDefinition
@@ -56,6 +56,31 @@ class Settings(ServiceSettings):
     )
     stop_grace_s: float = Field(10.0, ge=0, description="Seconds tasks get to checkpoint when the agent shuts down")
 
+    @field_validator("node_name")
+    @classmethod
+    def _node_name(cls, value: str) -> str:
+        from silod.rpc.identifiers import NODE_NAME
+
+        return cls._identifier(value, NODE_NAME)
+
+
+def _check_report(request: worker_agent_pb2.ReportProgressRequest) -> None:
+    """Every problem of a job's progress report at once (the metadata store's rules for progress)."""
+    from services.metadata.validation.common import check_float, check_int
+    from services.metadata.validation.jobs import check_progress
+
+    problems = errors.Problems()
+    check = problems.check
+    check(check_int, request.rank, "rank", minimum=0, maximum=2**31 - 1)
+    check(check_int, request.generation, "generation", minimum=0, maximum=2**63 - 1)
+    check(check_progress, request.progress, "progress")
+    check(check_float, request.step_time_s, "step_time_s", minimum=0.0, maximum=1e6)
+    check(check_int, request.batch_size, "batch_size", minimum=0, maximum=2**31 - 1)
+    check(check_float, request.cache_hit_ratio, "cache_hit_ratio", minimum=0.0, maximum=1.0)
+    check(check_float, request.grad_sqr, "grad_sqr", minimum=0.0, maximum=1e100)
+    check(check_float, request.grad_var, "grad_var", minimum=0.0, maximum=1e100)
+    problems.raise_if_any()
+
 
 class WorkerAgentServicer(worker_agent_pb2_grpc.WorkerAgentServiceServicer):
     def __init__(self, holder: dict[str, Agent]) -> None:
@@ -72,6 +97,7 @@ class WorkerAgentServicer(worker_agent_pb2_grpc.WorkerAgentServiceServicer):
         return self.agent.node_status()
 
     async def ReportProgress(self, request, context):  # type: ignore[no-untyped-def]
+        _check_report(request)  # what is recorded goes on to the scheduler, the metadata store and the estimator
         self.agent.record_progress(request)
         return worker_agent_pb2.ReportProgressResponse()
 

@@ -24,6 +24,17 @@ from scheduler.deepboot.costs import INFERENCE_COLD_START_S
 from scheduler.deepboot.state import ReplicaState, ReplicaView, busy_gpus
 from scheduler.policy import Plan
 
+_NOT_ID = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def replica_id_for(application: str, number: int) -> str:
+    """``<application>#<number>``, the application's name made a valid replica id
+    (silod/rpc/identifiers.py): other characters become "_", at most 128 of them are kept."""
+    name = _NOT_ID.sub("_", application)[:128] or "replica"
+    if name[0] in ".-":
+        name = "_" + name[1:]
+    return f"{name}#{number}"
+
 PREFIX = "infer-"
 _APPLICATION = re.compile(r"^infer-(?P<model>[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*?)-(?P<k>\d+)$")
 
@@ -186,7 +197,7 @@ class InferencePool:
             return decision.replica_id, now + task.duration_s
         if decision.kind in ("sleep", "evict"):  # the sleeper, or another application's idle protected replica
             self._replicas[decision.replica_id].end(now)
-        replica_id = f"{task.application}#{self._next_id}"
+        replica_id = replica_id_for(task.application, self._next_id)
         self._next_id += 1
         self._replicas[replica_id] = Replica(replica_id, task.application, decision.node, decision.gpu, now=now, config=self.config)
         return replica_id, now + self.config.cold_start(task.application) + task.duration_s

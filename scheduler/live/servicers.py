@@ -7,13 +7,16 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import TypeVar
 
 import grpc
 
 from scheduler.live.core import ACTIVE_STATES, TERMINAL_STATES, SchedulerCore, known_applications
-from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError
+from services.metadata.validation.common import check_enum, check_float, check_int
+from services.metadata.validation.jobs import check_client_request_id, check_progress, job_spec_problems
+from services.runtime import downstream
+from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Problems, ServiceError
 from silod.v1 import (
     allocation_pb2,
     allocation_pb2_grpc,
@@ -30,24 +33,40 @@ ADMISSION_CACHE_S = 5.0
 
 
 class ForwardedError(ServiceError):
-    """An error answered by the metadata service, passed on with its code and message."""
+    """The outcome of one submission that the metadata service refused (or that could not be
+    forwarded), passed on with its code and message."""
 
-    def __init__(self, exc: grpc.aio.AioRpcError | None = None, *, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN,
-                 details: str = "") -> None:
-        if exc is not None:
-            code, details = exc.code(), exc.details() or ""
-        super().__init__(details or code.name)
-        self.code = code
+    def __init__(self, *, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN, details: str = "") -> None:
+        super().__init__(details or code.name, code=code)
 
 
-async def forward(call: Awaitable[T]) -> T:
-    try:
-        return await call
-    except grpc.aio.AioRpcError as exc:
-        raise ForwardedError(exc) from None
+async def forward(call: Awaitable[T], what: str = "metadata service",
+                  fields: Mapping[str, str] | None = downstream.PASS_THROUGH) -> T:
+    """``await call`` with a metadata failure answered by the shared rule
+    (services/runtime/downstream.py); by default the caller's request went down as it came,
+    so a refusal names the caller's own field. ``fields=None``: this service made the request."""
+    return await downstream.forward(call, what, fields)
 
 
 MAX_CREATIONS = 1000  # jobs per CreateJobs call (the metadata service's limit)
+MAX_TASK_GPUS = 1024
+
+
+def task_problems(task: allocation_pb2.TaskReport, field: str, problems: Problems) -> None:
+    """Every problem of one TaskReport (its job id's shape was checked by the runtime)."""
+    check = problems.check
+    if not task.job_id:
+        problems.add(f"{field}.job_id", "required")
+    check(check_int, task.rank, f"{field}.rank", minimum=0, maximum=2**31 - 1)
+    check(check_int, task.generation, f"{field}.generation", minimum=0, maximum=2**63 - 1)
+    check(check_enum, task.phase, allocation_pb2.TaskPhase.DESCRIPTOR, f"{field}.phase")
+    for index, gpu in enumerate(task.gpu_indices):
+        check(check_int, gpu, f"{field}.gpu_indices[{index}]", minimum=0, maximum=MAX_TASK_GPUS - 1)
+    check(check_progress, task.progress, f"{field}.progress")
+    check(check_float, task.step_time_s, f"{field}.step_time_s", minimum=0.0, maximum=1e6)
+    check(check_int, task.batch_size, f"{field}.batch_size", minimum=0, maximum=2**31 - 1)
+    check(check_float, task.grad_sqr, f"{field}.grad_sqr", minimum=0.0, maximum=1e100)
+    check(check_float, task.grad_var, f"{field}.grad_var", minimum=0.0, maximum=1e100)
 
 
 class _Creations:
@@ -98,7 +117,8 @@ class _Creations:
             reply = await self.core.md.CreateJobs(metadata_pb2.CreateJobsRequest(jobs=[r for r, _ in batch]))
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                _fail(batch, exc.code(), exc.details() or "")
+                error = downstream.translate(exc, "metadata CreateJobs", downstream.PASS_THROUGH)
+                _fail(batch, error.code, str(error))
                 return
             self._batched = False  # an older metadata service: one call each from now on
             outcomes = await asyncio.gather(*(forward(self.core.md.CreateJob(r)) for r, _ in batch),
@@ -152,23 +172,29 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
 
     async def SubmitJob(self, request, context):  # noqa: N802
         spec = request.spec
+        # Every problem of the spec at once (the metadata service's own rules, and the profile).
+        problems = Problems()
+        job_spec_problems(spec, "spec", problems)
+        if (spec.application and not spec.command and spec.kind != common_pb2.JOB_KIND_INFERENCE
+                and spec.application not in known_applications()):
+            problems.add("spec.application",
+                         f"no profile for application {spec.application!r} (known: {', '.join(sorted(known_applications()))}); "
+                         "set command to run your own program")
+        problems.check(check_client_request_id, request.client_request_id)
+        problems.raise_if_any()
         if spec.dataset and not self._recently_seen(self._datasets_seen, spec.dataset):
             try:
                 await self.md.GetDataset(metadata_pb2.GetDatasetRequest(name=spec.dataset))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     raise NotFound(f"no dataset named {spec.dataset!r} is registered", field="spec.dataset") from None
-                raise ForwardedError(exc) from None
+                raise downstream.translate(exc, "metadata GetDataset", {"name": "spec.dataset"}) from None
             self._datasets_seen[spec.dataset] = time.monotonic()
-        if (spec.application and not spec.command and spec.kind != common_pb2.JOB_KIND_INFERENCE
-                and spec.application not in known_applications()):
-            raise InvalidArgument(
-                f"no profile for application {spec.application!r} (known: {', '.join(sorted(known_applications()))}); "
-                "set command to run your own program", field="spec.application")
         # A recent count that already admits the job (no nodes yet admits any) saves listing
         # every node per submission; a rejection is always decided on a fresh count.
         if 1 <= spec.min_gpus <= spec.max_gpus and not self._admitted_by_recent_count(spec.min_gpus):
-            nodes = await forward(self.md.ListNodes(metadata_pb2.ListNodesRequest(pool=common_pb2.NODE_POOL_UNSPECIFIED)))
+            nodes = await forward(self.md.ListNodes(metadata_pb2.ListNodesRequest(pool=common_pb2.NODE_POOL_UNSPECIFIED)),
+                                  "metadata ListNodes", None)
             total = sum(n.spec.gpus for n in nodes.nodes if n.spec.pool != common_pb2.NODE_POOL_INFERENCE)
             self._gpu_count = (total, time.monotonic(), self.core.node_set_version)
             if total and spec.min_gpus > total:
@@ -202,7 +228,7 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     continue  # the state moved under us: re-read
-                raise ForwardedError(exc) from None
+                raise downstream.translate(exc, "metadata TransitionJob", {"job_id": "job_id", "message": "reason"}) from None
             self.core.trigger("cancel")
             return job
         raise FailedPrecondition("job state keeps changing; retry", field="job_id")
@@ -228,7 +254,7 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
             last = job
 
     async def RegisterDataset(self, request_iterator, context):  # noqa: N802
-        return await forward(self.md.RegisterDataset(request_iterator))
+        return await downstream.forward_stream(request_iterator, self.md.RegisterDataset, "metadata RegisterDataset")
 
     async def GetDataset(self, request, context):  # noqa: N802
         return await forward(self.md.GetDataset(request))
@@ -247,7 +273,8 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
         self.refresh_s = refresh_s
 
     async def CommitPlan(self, request, context):  # noqa: N802
-        plan = await forward(self.md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=request.plan)))
+        plan = await forward(self.md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=request.plan)), "metadata CommitPlan",
+                             {"plan": "plan"})
         await self.core.refresh_latest()
         return plan
 
@@ -257,7 +284,7 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
     async def Watch(self, request, context):  # noqa: N802
         if not request.node:
             raise InvalidArgument("required", field="node")
-        await forward(self.core.refresh_latest())
+        await forward(self.core.refresh_latest(), "metadata GetLatestPlan", None)
         sent = 0
         while True:
             plan = self.core.latest
@@ -266,7 +293,7 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
                 sent = plan.version
             await self.core.wait_newer(sent, self.refresh_s)
             if self.core.latest is None or self.core.latest.version <= sent:
-                await forward(self.core.refresh_latest())  # plans committed by someone else
+                await forward(self.core.refresh_latest(), "metadata GetLatestPlan", None)  # committed by someone else
 
     async def Ack(self, request, context):  # noqa: N802
         if not request.node:
@@ -291,15 +318,12 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
     async def ReportTasks(self, request, context):  # noqa: N802
         if not request.node:
             raise InvalidArgument("required", field="node")
+        problems = Problems()
         for i, t in enumerate(request.tasks):
-            if not t.job_id:
-                raise InvalidArgument("required", field=f"tasks[{i}].job_id")
-            if t.rank < 0 or t.generation < 0:
-                raise InvalidArgument("rank and generation must be >= 0", field=f"tasks[{i}]")
-        try:
-            acknowledged = await self.core.report_tasks(request)
-        except grpc.aio.AioRpcError as exc:
-            raise ForwardedError(exc) from None
+            task_problems(t, f"tasks[{i}]", problems)
+        problems.raise_if_any()
+        # What reaches the metadata service from here was checked above: a refusal is a bug.
+        acknowledged = await forward(self.core.report_tasks(request), "metadata (task reports)", None)
         return allocation_pb2.ReportTasksResponse(acknowledged_exits=acknowledged)
 
 

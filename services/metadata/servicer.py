@@ -152,8 +152,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             result = reply.results.add()
             if isinstance(outcome, ServiceError):  # this move is refused; the others still happen
                 result.error_code = outcome.code.name
-                field = f"transitions[{index}].{outcome.field}" if outcome.field else f"transitions[{index}]"
-                result.error = f"{field}: {outcome.detail}"
+                result.error = str(outcome.within(f"transitions[{index}]"))
             else:
                 result.job.CopyFrom(outcome)
         return reply

@@ -1,4 +1,6 @@
-"""Server interceptors every silod process runs: request log + metrics, and error mapping.
+"""Server interceptors every silod process runs: request log + metrics, and error mapping
+(with the identifier check of every request, silod/rpc/identifiers.py, before the servicer runs,
+and the downstream-error rule of services/runtime/downstream.py for what a servicer lets escape).
 
 gRPC gives an interceptor only the method name and metadata; to act around the call itself
 it has to return a new method handler. :func:`wrap_handler` does that once for the four
@@ -20,8 +22,11 @@ from typing import Any
 import grpc
 
 from services.runtime import metrics
-from services.runtime.errors import ServiceError
+from services.runtime.downstream import translate
+from services.runtime.errors import Problems, ServiceError
 from services.runtime.structured_logging import get_logger, request_id_var
+from silod.rpc.errors import DETAILS_KEY, status_details
+from silod.rpc.identifiers import message_problems
 
 Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 Around = Callable[[Behavior, Any, grpc.aio.ServicerContext], Awaitable[Any]]
@@ -162,16 +167,70 @@ class ErrorMapper(grpc.aio.ServerInterceptor):
 
 
 async def _map_errors(method: str, call: Behavior, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    stream = None
     try:
+        if hasattr(request, "DESCRIPTOR"):
+            check_identifiers(request)
+        elif hasattr(request, "__aiter__"):  # a client stream: each message as it arrives
+            stream, request = request, _checked_stream(request)
         return await call(request, context)
-    except grpc.aio.BaseError:
+    except grpc.aio.AbortError:
         raise  # an abort already sent its status; re-aborting would be a UsageError
+    except grpc.aio.AioRpcError as exc:  # a downstream call's failure the servicer let through
+        await _abort(context, translate(exc, f"a call made for {method}"), stream)
     except ServiceError as exc:
-        await context.abort(exc.code, str(exc))
+        await _abort(context, exc, stream)
     except NotImplementedError:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented")
+    except grpc.aio.BaseError:
+        raise
     except Exception:
         request_id = request_id_var.get()
         _log.exception("unhandled exception in servicer", extra={"method": method})
         # The traceback stays in our log: it may hold data the caller must not see.
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error (see server log, request id {request_id})")
+
+
+# A client stream refused before its end is read to its end (within these bounds) before the
+# answer goes out: a grpc.aio client still writing when the status arrives reports
+# "INTERNAL: Internal error from Core" instead of it (a race in grpcio's aio client).
+DRAIN_MESSAGES = 100_000
+DRAIN_S = 5.0
+
+
+async def _drain(stream: Any) -> None:
+    async def read() -> None:
+        count = 0
+        async for _ in stream:
+            count += 1
+            if count >= DRAIN_MESSAGES:
+                return
+
+    with contextlib.suppress(Exception, asyncio.TimeoutError):
+        await asyncio.wait_for(read(), DRAIN_S)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError, stream: Any = None) -> None:
+    """Abort with the error's code and message, its violations in the status details."""
+    if stream is not None:
+        await _drain(stream)
+    message = str(exc)
+    trailing = tuple(context.trailing_metadata() or ())
+    if any(v.field for v in exc.violations):
+        trailing += ((DETAILS_KEY, status_details(exc.code, message, exc.violations)),)
+    await context.abort(exc.code, message, trailing_metadata=trailing)
+
+
+def check_identifiers(message: Any) -> None:
+    """Refuse a request whose identifier fields (job ids, dataset and node names, ...) break
+    silod/rpc/identifiers.py's rules, naming each field, before any servicer sees it."""
+    problems = Problems()
+    for field, description in message_problems(message):
+        problems.add(field, description)
+    problems.raise_if_any()
+
+
+async def _checked_stream(requests: Any) -> Any:
+    async for message in requests:
+        check_identifiers(message)
+        yield message

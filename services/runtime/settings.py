@@ -59,6 +59,14 @@ class ServiceSettings(BaseSettings):
             raise ValueError(exc.detail) from None
         return value
 
+    @staticmethod
+    def _identifier(value: str, rule: Any) -> str:
+        """An identifier setting (a node name): silod/rpc/identifiers.py's rule; "" = the default."""
+        problem = rule.problem(value) if value else None
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
     ready_file: str = Field(
         "",
         description="If set, the bound address (HOST:PORT) is written to this file once serving; "

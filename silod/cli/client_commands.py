@@ -9,6 +9,8 @@ from collections.abc import Iterable, Iterator
 
 import grpc
 
+from silod.rpc.identifiers import DATASET_NAME, JOB_ID, Rule
+
 DEFAULT_METADATA_ADDR = "127.0.0.1:7070"
 MANIFEST_CHUNK = 5000  # objects per streamed message: keeps each well under gRPC's 4 MiB limit
 
@@ -26,7 +28,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     dataset = sub.add_parser("dataset", help="register and inspect datasets")
     ds_sub = dataset.add_subparsers(dest="dataset_command", metavar="ACTION", required=True)
     reg = ds_sub.add_parser("register", help="list the store at URI and register its manifest under NAME")
-    reg.add_argument("name", help="dataset name ([A-Za-z0-9._-], up to 128 chars)")
+    reg.add_argument("name", type=identifier(DATASET_NAME), help=f"dataset name ({DATASET_NAME.description})")
     reg.add_argument("uri", help="file:///path or s3://bucket/prefix")
     reg.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                      help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 (repeatable)")
@@ -39,20 +41,34 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     lst = ds_sub.add_parser("list", help="list registered datasets")
     lst.set_defaults(handler=_dataset_list)
     show = ds_sub.add_parser("show", help="show one dataset and the first objects of its manifest")
-    show.add_argument("name")
+    show.add_argument("name", type=identifier(DATASET_NAME))
     show.add_argument("--objects", type=int, default=10, help="manifest entries to print (default 10)")
     show.set_defaults(handler=_dataset_show)
     for p in (reg, lst, show):
         _add_connection_flags(p, default_addr=True)
     preload = ds_sub.add_parser("preload", help="ask a node's cache server to fetch a dataset (or some keys) ahead of use")
-    preload.add_argument("name", help="registered dataset name")
+    preload.add_argument("name", type=identifier(DATASET_NAME), help="registered dataset name")
     preload.add_argument("--cache", default=os.environ.get("SILOD_CACHE_ADDR", "127.0.0.1:7071"),
                          help="cache server HOST:PORT (env SILOD_CACHE_ADDR; default 127.0.0.1:7071)")
-    preload.add_argument("--job", default="", help="charge the fetches to this job's quota and IO rate "
+    preload.add_argument("--job", default="", type=identifier(JOB_ID, required=False), help="charge the fetches to this job's quota and IO rate "
                          "(default: node-wide preload into the shared cache)")
     preload.add_argument("--key", action="append", default=[], help="only this object key (repeatable; default all)")
     _add_connection_flags(preload)
     preload.set_defaults(handler=_dataset_preload)
+
+
+def identifier(rule: Rule, *, required: bool = True) -> object:
+    """An argparse ``type`` that refuses what is not a valid identifier of ``rule``'s kind
+    (silod/rpc/identifiers.py), before the command calls anything."""
+
+    def parse(value: str) -> str:
+        problem = None if (not value and not required) else rule.problem(value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    parse.__name__ = rule.kind
+    return parse
 
 
 def _add_connection_flags(p: argparse.ArgumentParser, default_addr: bool = False) -> None:
@@ -77,8 +93,12 @@ def _fail(message: str) -> int:
 
 
 def _rpc_failure(exc: grpc.RpcError) -> int:
-    # Status name plus the server's message (which names the offending field); no traceback.
-    return _fail(f"{exc.code().name}: {exc.details()}")
+    """Status name plus each problem the server listed, one line each (the field first); no traceback."""
+    from silod.rpc.errors import describe
+
+    for line in describe(exc):
+        print(f"silod: {line}", file=sys.stderr)
+    return 1
 
 
 def _http_health(args: argparse.Namespace) -> int:

@@ -16,7 +16,8 @@ from typing import Any
 
 import grpc
 
-from silod.cli.client_commands import _add_connection_flags, _channel, _fail, _rpc_failure
+from silod.cli.client_commands import _add_connection_flags, _channel, _fail, _rpc_failure, identifier
+from silod.rpc.identifiers import DATASET_NAME, JOB_ID, TENANT
 from silod.cli.up import default_state_dir, read_cluster_file
 
 INT_KEYS = ("min_gpus", "max_gpus", "batch_size", "max_batch_size", "epochs", "priority")
@@ -27,11 +28,21 @@ ALLOWED_KEYS = frozenset((*INT_KEYS, *FLOAT_KEYS, *STR_KEYS, "sample_budget", "c
 
 
 class JobFileError(ValueError):
-    """The job YAML is not a valid JobSpec; the message names the key."""
+    """The job YAML is not a valid JobSpec: ``problems`` lists each, the key first."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__("\n".join(f"{source}: {p}" for p in problems))
 
 
 def parse_job_yaml(text: str, source: str = "job file") -> Any:
-    """YAML mapping with JobSpec field names -> common_pb2.JobSpec. Raises JobFileError."""
+    """YAML mapping with JobSpec field names -> common_pb2.JobSpec.
+
+    Raises JobFileError listing every problem of the file (unknown keys, wrong types, malformed
+    identifiers), not only the first; the rules that need the cluster (ranges, budgets, ...)
+    are the services', which also answer with all their problems at once.
+    """
     import yaml
 
     from silod.v1 import common_pb2
@@ -39,57 +50,86 @@ def parse_job_yaml(text: str, source: str = "job file") -> Any:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise JobFileError(f"{source}: not valid YAML: {exc}") from None
+        raise JobFileError(source, [f"not valid YAML: {exc}"]) from None
     if not isinstance(data, dict):
-        raise JobFileError(f"{source}: expected a mapping of JobSpec fields, got {type(data).__name__}")
-    unknown = sorted(str(k) for k in data if k not in ALLOWED_KEYS)
-    if unknown:
-        raise JobFileError(f"{source}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(ALLOWED_KEYS))})")
+        raise JobFileError(source, [f"expected a mapping of JobSpec fields, got {type(data).__name__}"])
+    problems: list[str] = []
+    for key in sorted((k for k in data if k not in ALLOWED_KEYS), key=str):
+        problems.append(f"unknown key {str(key)!r} (allowed: {', '.join(sorted(ALLOWED_KEYS))})")
     if "epochs" in data and "sample_budget" in data:
-        raise JobFileError(f"{source}: give either 'epochs' or 'sample_budget', not both")
+        problems.append("give either 'epochs' or 'sample_budget', not both")
     spec = common_pb2.JobSpec()
     for key, value in data.items():
-        if key in INT_KEYS or key == "sample_budget":
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise JobFileError(f"{source}: key {key!r} must be an integer, got {value!r}")
-            setattr(spec, key, value)
-        elif key in FLOAT_KEYS:
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise JobFileError(f"{source}: key {key!r} must be a number, got {value!r}")
-            setattr(spec, key, float(value))
-        elif key in STR_KEYS:
-            if not isinstance(value, str):
-                raise JobFileError(f"{source}: key {key!r} must be a string, got {value!r}")
-            setattr(spec, key, value)
-        elif key == "command":
-            if isinstance(value, str):
-                value = shlex.split(value)
-            if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
-                raise JobFileError(f"{source}: key 'command' must be a list of strings or a string")
-            spec.command.extend(str(v) for v in value)
-        elif key == "env":
-            if not isinstance(value, dict):
-                raise JobFileError(f"{source}: key 'env' must be a mapping of NAME: value")
-            for k, v in value.items():
-                if isinstance(v, (dict, list)) or v is None:
-                    raise JobFileError(f"{source}: env {k!r} must be a scalar, got {v!r}")
-                spec.env[str(k)] = str(v).lower() if isinstance(v, bool) else str(v)
-        elif key == "kind":
-            name = str(value).upper()
-            name = name if name.startswith("JOB_KIND_") else f"JOB_KIND_{name}"
-            if name not in common_pb2.JobKind.keys():
-                raise JobFileError(f"{source}: key 'kind' must be 'training' or 'inference', got {value!r}")
-            spec.kind = common_pb2.JobKind.Value(name)
-        elif key == "resize_in_place":
-            if not isinstance(value, bool):
-                raise JobFileError(f"{source}: key 'resize_in_place' must be true or false, got {value!r}")
-            spec.resize_in_place = value
-        elif key == "gpu_types":  # a list, or one type as a string
-            value = [value] if isinstance(value, str) else value
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise JobFileError(f"{source}: key 'gpu_types' must be a list of GPU types such as [a100, h100]")
-            spec.gpu_types.extend(value)
+        if key not in ALLOWED_KEYS:
+            continue
+        problem = _set_key(spec, key, value, common_pb2)
+        if problem is None and key in _IDENTIFIER_KEYS and value:
+            rule = _IDENTIFIER_KEYS[key]
+            found = rule.problem(value)
+            problem = f"key {key!r}: {found}" if found else None
+        if problem is not None:
+            problems.append(problem)
+    if problems:
+        raise JobFileError(source, problems)
     return spec
+
+
+_IDENTIFIER_KEYS = {"dataset": DATASET_NAME, "tenant": TENANT}
+
+
+def _set_key(spec: Any, key: str, value: Any, common_pb2: Any) -> str | None:
+    """Set one key of the job file on ``spec``; the problem with it, or None."""
+    if key in INT_KEYS or key == "sample_budget":
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"key {key!r} must be an integer, got {value!r}"
+        try:
+            setattr(spec, key, value)
+        except ValueError:
+            return f"key {key!r} is out of range, got {value!r}"
+    elif key in FLOAT_KEYS:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return f"key {key!r} must be a number, got {value!r}"
+        try:
+            setattr(spec, key, float(value))
+        except OverflowError:
+            return f"key {key!r} is out of range, got {value!r}"
+    elif key in STR_KEYS:
+        if not isinstance(value, str):
+            return f"key {key!r} must be a string, got {value!r}"
+        setattr(spec, key, value)
+    elif key == "command":
+        if isinstance(value, str):
+            try:
+                value = shlex.split(value)
+            except ValueError as exc:
+                return f"key 'command': {exc}"
+        if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
+            return "key 'command' must be a list of strings or a string"
+        spec.command.extend(str(v) for v in value)
+    elif key == "env":
+        if not isinstance(value, dict):
+            return "key 'env' must be a mapping of NAME: value"
+        bad = [k for k, v in value.items() if isinstance(v, (dict, list)) or v is None]
+        if bad:
+            return f"env {bad[0]!r} must be a scalar, got {value[bad[0]]!r}"
+        for k, v in value.items():
+            spec.env[str(k)] = str(v).lower() if isinstance(v, bool) else str(v)
+    elif key == "kind":
+        name = str(value).upper()
+        name = name if name.startswith("JOB_KIND_") else f"JOB_KIND_{name}"
+        if name not in common_pb2.JobKind.keys():
+            return f"key 'kind' must be 'training' or 'inference', got {value!r}"
+        spec.kind = common_pb2.JobKind.Value(name)
+    elif key == "resize_in_place":
+        if not isinstance(value, bool):
+            return f"key 'resize_in_place' must be true or false, got {value!r}"
+        spec.resize_in_place = value
+    elif key == "gpu_types":  # a list, or one type as a string
+        value = [value] if isinstance(value, str) else value
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            return "key 'gpu_types' must be a list of GPU types such as [a100, h100]"
+        spec.gpu_types.extend(value)
+    return None
 
 
 def request_id_for(content: bytes) -> str:
@@ -107,16 +147,16 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     jobs.set_defaults(handler=_jobs)
 
     watch = sub.add_parser("watch", help="follow a job's state and progress until it ends")
-    watch.add_argument("job_id", metavar="JOB")
+    watch.add_argument("job_id", metavar="JOB", type=identifier(JOB_ID))
     watch.set_defaults(handler=_watch)
 
     cancel = sub.add_parser("cancel", help="cancel a job")
-    cancel.add_argument("job_id", metavar="JOB")
+    cancel.add_argument("job_id", metavar="JOB", type=identifier(JOB_ID))
     cancel.add_argument("--reason", default="cancelled from the CLI")
     cancel.set_defaults(handler=_cancel)
 
     logs = sub.add_parser("logs", help="print a job's output from the nodes that ran it")
-    logs.add_argument("job_id", metavar="JOB")
+    logs.add_argument("job_id", metavar="JOB", type=identifier(JOB_ID))
     logs.add_argument("--rank", type=int, default=-1, help="only this rank (default: all)")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the job's tasks exit")
     logs.add_argument("--metadata", default="", help="metadata HOST:PORT (env SILOD_METADATA_ADDR; default: from cluster.json)")
@@ -177,7 +217,8 @@ def _submit(args: argparse.Namespace) -> int:
     try:
         spec = parse_job_yaml(content.decode("utf-8", errors="replace"), args.file)
     except JobFileError as exc:
-        print(f"silod: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"silod: {line}", file=sys.stderr)
         return 2
     request_id = args.request_id or request_id_for(content)
 

@@ -67,3 +67,15 @@ def test_no_cluster_is_one_line_pointing_at_silod_up(tmp_path: Path, capsys: pyt
 def test_request_id_depends_only_on_content() -> None:
     assert request_id_for(b"a: 1") == request_id_for(b"a: 1") != request_id_for(b"a: 2")
     assert len(request_id_for(b"x")) <= 128
+
+
+def test_every_problem_of_a_file_is_reported_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "job.yaml"
+    f.write_text("name: a\nnum_gpus: 2\nbatch_size: big\ndataset: ../data\nepochs: 1\n")
+    assert silod(["submit", str(f), "--state-dir", str(tmp_path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3, lines
+    assert "unknown key 'num_gpus'" in lines[0]
+    assert "key 'batch_size' must be an integer, got 'big'" in lines[1]
+    assert "key 'dataset': a dataset name may not contain '/'" in lines[2]
+    assert all(line.startswith(f"silod: {f}: ") for line in lines)

@@ -148,8 +148,12 @@ def test_predict_edge_cases(stub: estimator_pb2_grpc.EstimatorServiceStub) -> No
     assert len(empty.results) == 0
     no_candidates = stub.Predict(estimator_pb2.PredictRequest(queries=[query(candidates=())]), timeout=10)
     assert len(no_candidates.results) == 1 and len(no_candidates.results[0].predictions) == 0
-    mixed = stub.Predict(estimator_pb2.PredictRequest(queries=[query(candidates=()), query(job_id="job-ü", candidates=((1, 0, 0, 0, 0), (2, 0, 0, 0, 0))), query(candidates=())]), timeout=10)
-    assert [(r.job_id, len(r.predictions)) for r in mixed.results] == [("", 0), ("job-ü", 2), ("", 0)]
+    mixed = stub.Predict(estimator_pb2.PredictRequest(queries=[query(candidates=()), query(job_id="job-x.1_Z", candidates=((1, 0, 0, 0, 0), (2, 0, 0, 0, 0))), query(candidates=())]), timeout=10)
+    assert [(r.job_id, len(r.predictions)) for r in mixed.results] == [("", 0), ("job-x.1_Z", 2), ("", 0)]
+    with pytest.raises(grpc.RpcError) as not_an_id:  # job ids are ASCII identifiers (silod/rpc/identifiers.py)
+        stub.Predict(estimator_pb2.PredictRequest(queries=[query(candidates=()), query(job_id="job-ü")]), timeout=10)
+    assert not_an_id.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not_an_id.value.details().startswith("queries[1].job_id: a job id may not contain 'ü'")
     zero_gpus = stub.Predict(estimator_pb2.PredictRequest(queries=[query(candidates=((0, 0, 0, 10**9, 0),))]), timeout=10)
     p = zero_gpus.results[0].predictions[0]
     assert p.throughput_samples_per_s == 0 and p.goodput_samples_per_s == 0 and p.batch_size == 0
@@ -276,6 +280,22 @@ def test_observe_rejects_bad_observations(stub: estimator_pb2_grpc.EstimatorServ
     request = estimator_pb2.ObserveRequest(job_id="job-bad", application="bert", observations=[obs(), obs(**fields)])
     assert_fails(lambda: stub.Observe(request, timeout=10), INVALID, field)
     assert_fails(lambda: stub.GetJobModel(common_pb2.GetJobModelRequest(job_id="job-bad"), timeout=10), NOT_FOUND, "job_id")
+
+
+def test_every_bad_observation_and_query_is_reported_at_once(stub: estimator_pb2_grpc.EstimatorServiceStub) -> None:
+    from silod.rpc.errors import field_violations
+
+    request = estimator_pb2.ObserveRequest(job_id="job-bad", application="bert",
+                                           observations=[obs(gpus=0), obs(), obs(cache_hit_ratio=2.0, grad_var=-1.0)])
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Observe(request, timeout=10)
+    assert [v.field for v in field_violations(refused.value)] == [
+        "observations[0].gpus", "observations[2].cache_hit_ratio", "observations[2].grad_var"]
+    bad = estimator_pb2.PredictRequest(queries=[query(dataset_bytes=-1, candidates=((-1, 0, 0, 0, 0), (1, 0, -5, 0, 0)))])
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Predict(bad, timeout=10)
+    assert [v.field for v in field_violations(refused.value)] == [
+        "queries[0].dataset_bytes", "queries[0].candidates[0].gpus", "queries[0].candidates[1].cache_bytes"]
 
 
 def test_observe_and_get_job_model_errors(stub: estimator_pb2_grpc.EstimatorServiceStub) -> None:

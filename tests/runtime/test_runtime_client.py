@@ -54,19 +54,19 @@ def test_default_deadline_applies_to_unary_calls_only() -> None:
                 agent = worker_agent_pb2_grpc.WorkerAgentServiceStub(channel)
                 started = time.monotonic()
                 with pytest.raises(grpc.aio.AioRpcError) as late:
-                    await agent.GetDirective(_request("sleep:2"))
+                    await agent.GetDirective(_request("sleep_2"))
                 assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 assert time.monotonic() - started < 1.5
                 # An explicit timeout wins over the default.
-                await agent.GetDirective(_request("sleep:0.4"), timeout=5)
+                await agent.GetDirective(_request("sleep_0.4"), timeout=5)
                 # Streams (watches) are long-lived: no default deadline.
-                chunks = [c async for c in agent.TailLogs(worker_agent_pb2.TailLogsRequest(job_id="sleep:0.4"))]
+                chunks = [c async for c in agent.TailLogs(worker_agent_pb2.TailLogsRequest(job_id="sleep_0.4"))]
                 assert len(chunks) == 2
 
             def sync_call() -> grpc.StatusCode:
                 with open_channel(server.address, default_timeout_s=0.2) as channel:
                     try:
-                        worker_agent_pb2_grpc.WorkerAgentServiceStub(channel).GetDirective(_request("sleep:2"))
+                        worker_agent_pb2_grpc.WorkerAgentServiceStub(channel).GetDirective(_request("sleep_2"))
                     except grpc.RpcError as exc:
                         return exc.code()
                 return grpc.StatusCode.OK
@@ -81,11 +81,11 @@ def test_unavailable_is_retried() -> None:
         async with serving() as server, open_channel(server.address, aio=True) as channel:
             agent = worker_agent_pb2_grpc.WorkerAgentServiceStub(channel)
             # Fails twice with UNAVAILABLE, then succeeds: within maxAttempts=4.
-            reply = await agent.GetDirective(_request("flaky:2"))
+            reply = await agent.GetDirective(_request("flaky_2"))
             assert reply.action == worker_agent_pb2.DIRECTIVE_ACTION_CONTINUE
             # Fails 5 times: more than the policy allows, so the caller sees it.
             with pytest.raises(grpc.aio.AioRpcError) as gave_up:
-                await agent.GetDirective(_request("flaky:5"))
+                await agent.GetDirective(_request("flaky_5"))
             assert gave_up.value.code() == grpc.StatusCode.UNAVAILABLE
             assert gave_up.value.details() == "flaky attempt 4"
 

@@ -16,7 +16,7 @@ from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, worker_agent_p
 # script -> (status the caller must see, details it must see)
 EXPECTED = {
     "not-found": (grpc.StatusCode.NOT_FOUND, "job_id: no such job"),
-    "invalid:spec.name": (grpc.StatusCode.INVALID_ARGUMENT, "spec.name: must not be empty"),
+    "invalid_spec.name": (grpc.StatusCode.INVALID_ARGUMENT, "spec.name: must not be empty"),
     "abort": (grpc.StatusCode.PERMISSION_DENIED, "aborted by the servicer"),
     "boom": (grpc.StatusCode.INTERNAL, None),  # details checked separately: they carry the request id
 }

@@ -30,7 +30,7 @@ def test_stop_flips_health_then_lets_in_flight_call_finish() -> None:
             assert (await watch.read()).status == SERVING
 
             agent = worker_agent_pb2_grpc.WorkerAgentServiceStub(channel)
-            slow = asyncio.ensure_future(agent.GetDirective(worker_agent_pb2.GetDirectiveRequest(job_id="sleep:1")))
+            slow = asyncio.ensure_future(agent.GetDirective(worker_agent_pb2.GetDirectiveRequest(job_id="sleep_1")))
             await asyncio.sleep(0.3)  # the call is now inside the servicer
             started = time.monotonic()
             stopping = asyncio.ensure_future(server.stop(grace=5))
@@ -62,7 +62,7 @@ def test_grace_period_bounds_a_call_that_would_outlive_it() -> None:
         server = await start_server(scripted_definition(stopped=stopped), ServiceSettings())
         async with open_channel(server.address, aio=True) as channel:
             agent = worker_agent_pb2_grpc.WorkerAgentServiceStub(channel)
-            slow = asyncio.ensure_future(agent.GetDirective(worker_agent_pb2.GetDirectiveRequest(job_id="sleep:30")))
+            slow = asyncio.ensure_future(agent.GetDirective(worker_agent_pb2.GetDirectiveRequest(job_id="sleep_30")))
             await asyncio.sleep(0.3)
             started = time.monotonic()
             # Two concurrent stops are one shutdown.

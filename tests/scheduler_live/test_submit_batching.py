@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from scheduler.live.servicers import ForwardedError, _Creations
+from services.runtime.errors import ServiceError
 from silod.v1 import common_pb2, metadata_pb2
 
 
@@ -96,7 +97,7 @@ def test_an_older_metadata_service_gets_one_create_job_each() -> None:
     results = _submit_all(md, ["a", "", "b"])
     assert sorted(md.calls) == [[""], ["a"], ["b"]]
     assert results[0].id == "job-a" and results[2].id == "job-b"
-    assert isinstance(results[1], ForwardedError) and results[1].code == grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(results[1], ServiceError) and results[1].code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_a_failed_call_fails_its_submissions_with_its_status() -> None:

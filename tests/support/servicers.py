@@ -2,15 +2,16 @@
 
 It implements real silod.v1 methods of every call shape the runtime must handle:
 WorkerAgentService.GetDirective (unary), WorkerAgentService.TailLogs (server streaming) and
-MetadataService.RegisterDataset (client streaming). The script is the job id or dataset name:
+MetadataService.RegisterDataset (client streaming). The script is the job id or dataset name
+(so it is a valid identifier: the runtime refuses any other before a servicer runs):
 
     ""              succeed
-    "sleep:SECONDS" succeed after sleeping
+    "sleep_SECONDS" succeed after sleeping
     "not-found"     raise errors.NotFound(field="job_id")
-    "invalid:FIELD" raise errors.InvalidArgument(field=FIELD)
+    "invalid_FIELD" raise errors.InvalidArgument(field=FIELD)
     "boom"          raise RuntimeError (a bug)
     "abort"         context.abort(PERMISSION_DENIED) directly
-    "flaky:N"       raise errors.Unavailable the first N times (per servicer), then succeed
+    "flaky_N"       raise errors.Unavailable the first N times (per servicer), then succeed
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ STREAMED_BEFORE_SCRIPT = 2  # TailLogs sends this many chunks before acting out 
 
 
 async def act(script: str, context: grpc.aio.ServicerContext, attempts: Counter[str] | None = None) -> None:
-    kind, _, arg = script.partition(":")
+    kind, _, arg = script.partition("_")
     if kind == "flaky":
         assert attempts is not None
         attempts[script] += 1

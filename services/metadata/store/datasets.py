@@ -15,7 +15,8 @@ from services.metadata import convert, paging
 from services.metadata.clock import utc_now
 from services.metadata.database import Database
 from services.metadata.models import Dataset, DatasetObject
-from services.metadata.validation.common import check_name
+from services.metadata.validation.common import check_identifier
+from silod.rpc.identifiers import DATASET_NAME
 from services.metadata.validation.datasets import Manifest, check_dataset_spec
 from services.runtime.errors import AlreadyExists, FailedPrecondition, NotFound
 
@@ -54,7 +55,7 @@ class DatasetStore:
             return convert.dataset_to_proto(self._write(session, spec, manifest, replace))
 
     def get(self, name: str) -> common_pb2.Dataset:
-        check_name(name, "name")
+        check_identifier(name, DATASET_NAME, "name")
         with self._db.read() as session:
             return convert.dataset_to_proto(_load(session, name))
 
@@ -74,7 +75,7 @@ class DatasetStore:
         self, name: str, page_size: int = 0, page_token: str = ""
     ) -> tuple[list[common_pb2.DatasetObject], str, int]:
         """One page of the current manifest ordered by key, the next token, and the manifest version."""
-        check_name(name, "name")
+        check_identifier(name, DATASET_NAME, "name")
         size = paging.DATASET_OBJECTS.size(page_size)
         after = paging.decode_token(page_token, "dataset-objects", str, int, str)
         with self._db.read() as session:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,8 +13,8 @@ from google.protobuf.descriptor import EnumDescriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from services.runtime.errors import InvalidArgument
+from silod.rpc import identifiers
 
-NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 GPU_TYPE_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,31}")
 MAX_JOB_GPU_TYPES = 16
 MAX_BYTES = 2**60  # far beyond any real disk or link, yet nowhere near int64 overflow when summed
@@ -22,9 +23,11 @@ _MIN_TIMESTAMP_S = -62135596800
 _MAX_TIMESTAMP_S = 253402300799
 
 
-def check_name(value: str, field: str) -> str:
-    if not NAME_PATTERN.fullmatch(value):
-        raise InvalidArgument(f"must be 1..128 characters of [A-Za-z0-9._-], got {_show(value)}", field=field)
+def check_identifier(value: str, rule: identifiers.Rule, field: str, *, required: bool = True) -> str:
+    """A job id, dataset or node name, ...: silod/rpc/identifiers.py's rule for its kind."""
+    problem = identifiers.problem(rule, value, required=required)
+    if problem is not None:
+        raise InvalidArgument(problem, field=field)
     return value
 
 
@@ -50,6 +53,15 @@ def check_text(value: str, field: str, *, max_chars: int, required: bool = False
         raise InvalidArgument("must not be empty", field=field)
     if len(value) > max_chars:
         raise InvalidArgument(f"must be at most {max_chars} characters, got {len(value)}", field=field)
+    return value
+
+
+def check_label(value: str, field: str, *, max_chars: int, required: bool = False) -> str:
+    """Free text shown to people (a job's name, an application): bounded, no control characters."""
+    check_text(value, field, max_chars=max_chars, required=required)
+    bad = next((ch for ch in value if unicodedata.category(ch) == "Cc"), None)
+    if bad is not None:
+        raise InvalidArgument(f"must not contain control characters, got {bad!r} in {_show(value)}", field=field)
     return value
 
 

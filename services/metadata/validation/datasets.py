@@ -8,8 +8,9 @@ from dataclasses import dataclass, field as dataclass_field
 
 from silod.v1 import common_pb2
 
-from services.metadata.validation.common import check_name, check_string_map, check_text
-from services.runtime.errors import InvalidArgument
+from services.metadata.validation.common import check_identifier, check_string_map, check_text
+from silod.rpc.identifiers import DATASET_NAME
+from services.runtime.errors import InvalidArgument, Problems
 
 SUPPORTED_SCHEMES = ("file", "s3")
 MAX_OBJECT_BYTES = 2**50
@@ -21,17 +22,20 @@ _WINDOWS_DRIVE = re.compile(r"[A-Za-z]:[\\/]")
 
 
 def check_dataset_spec(spec: common_pb2.DatasetSpec, field: str = "spec") -> None:
-    check_name(spec.name, f"{field}.name")
+    """Refused with every problem of ``spec`` at once."""
+    problems = Problems()
+    problems.check(check_identifier, spec.name, DATASET_NAME, f"{field}.name")
     scheme, separator, rest = spec.uri.partition("://")
     if not separator or scheme not in SUPPORTED_SCHEMES or not rest:
-        raise InvalidArgument(
+        problems.add(
+            f"{field}.uri",
             f"must start with one of {', '.join(s + '://' for s in SUPPORTED_SCHEMES)} and name a location, "
             f"got {spec.uri[:80]!r}",
-            field=f"{field}.uri",
         )
-    check_text(spec.uri, f"{field}.uri", max_chars=4096)
-    check_string_map(spec.storage_options, f"{field}.storage_options", max_entries=64)
-    check_text(spec.description, f"{field}.description", max_chars=4096)
+    problems.check(check_text, spec.uri, f"{field}.uri", max_chars=4096)
+    problems.check(check_string_map, spec.storage_options, f"{field}.storage_options", max_entries=64)
+    problems.check(check_text, spec.description, f"{field}.description", max_chars=4096)
+    problems.raise_if_any()
 
 
 def check_object_key(key: str, field: str) -> None:

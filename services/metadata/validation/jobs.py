@@ -12,11 +12,13 @@ from services.metadata.validation.common import (
     check_float,
     check_gpu_types,
     check_int,
-    check_name,
+    check_identifier,
+    check_label,
     check_string_map,
     check_text,
 )
-from services.runtime.errors import InvalidArgument
+from services.runtime.errors import InvalidArgument, Problems
+from silod.rpc.identifiers import DATASET_NAME, JOB_ID, TENANT
 
 MAX_GPUS = 4096
 MAX_BATCH_SIZE = 2**24
@@ -36,23 +38,10 @@ INFERENCE = common_pb2.JOB_KIND_INFERENCE
 
 def normalized_job_spec(spec: common_pb2.JobSpec, field: str = "spec") -> common_pb2.JobSpec:
     """A validated copy with the documented defaults filled in (tenant, kind), so that two
-    requests meaning the same job compare equal."""
-    check_text(spec.name, f"{field}.name", max_chars=128, required=True)
-    if spec.tenant:
-        check_name(spec.tenant, f"{field}.tenant")
-    check_enum(spec.kind, common_pb2.JobKind.DESCRIPTOR, f"{field}.kind")
-    check_text(spec.application, f"{field}.application", max_chars=128)
-    if spec.dataset:
-        check_name(spec.dataset, f"{field}.dataset")
-    check_int(spec.priority, f"{field}.priority", minimum=-(2**31), maximum=2**31 - 1)
-    check_gpu_types(spec.gpu_types, f"{field}.gpu_types")
-    if spec.kind == INFERENCE:
-        _check_inference_shape(spec, field)
-    else:
-        _check_training_shape(spec, field)
-    check_float(spec.emulated_step_compute_s, f"{field}.emulated_step_compute_s", minimum=0.0, maximum=MAX_EMULATED_STEP_S)
-    _check_command(spec, field)
-
+    requests meaning the same job compare equal. Refused with every problem found at once."""
+    problems = Problems()
+    job_spec_problems(spec, field, problems)
+    problems.raise_if_any()
     normalized = common_pb2.JobSpec()
     normalized.CopyFrom(spec)
     normalized.tenant = spec.tenant or DEFAULT_TENANT
@@ -60,46 +49,71 @@ def normalized_job_spec(spec: common_pb2.JobSpec, field: str = "spec") -> common
     return normalized
 
 
-def _check_training_shape(spec: common_pb2.JobSpec, field: str) -> None:
-    check_int(spec.min_gpus, f"{field}.min_gpus", minimum=1, maximum=MAX_GPUS)
-    check_int(spec.max_gpus, f"{field}.max_gpus", minimum=spec.min_gpus, maximum=MAX_GPUS)
-    check_int(spec.batch_size, f"{field}.batch_size", minimum=1, maximum=MAX_BATCH_SIZE)
+def job_spec_problems(spec: common_pb2.JobSpec, field: str, problems: Problems) -> None:
+    """Add every problem of ``spec`` to ``problems``."""
+    check = problems.check
+    check(check_label, spec.name, f"{field}.name", max_chars=128, required=True)
+    check(check_identifier, spec.tenant, TENANT, f"{field}.tenant", required=False)
+    check(check_enum, spec.kind, common_pb2.JobKind.DESCRIPTOR, f"{field}.kind")
+    check(check_label, spec.application, f"{field}.application", max_chars=128)
+    check(check_identifier, spec.dataset, DATASET_NAME, f"{field}.dataset", required=False)
+    check(check_int, spec.priority, f"{field}.priority", minimum=-(2**31), maximum=2**31 - 1)
+    check(check_gpu_types, spec.gpu_types, f"{field}.gpu_types")
+    if spec.kind == INFERENCE:
+        _check_inference_shape(spec, field, problems)
+    else:
+        _check_training_shape(spec, field, problems)
+    check(check_float, spec.emulated_step_compute_s, f"{field}.emulated_step_compute_s", minimum=0.0,
+          maximum=MAX_EMULATED_STEP_S)
+    _check_command(spec, field, problems)
+
+
+def _check_training_shape(spec: common_pb2.JobSpec, field: str, problems: Problems) -> None:
+    check = problems.check
+    check(check_int, spec.min_gpus, f"{field}.min_gpus", minimum=1, maximum=MAX_GPUS)
+    check(check_int, spec.max_gpus, f"{field}.max_gpus", minimum=min(max(spec.min_gpus, 1), MAX_GPUS), maximum=MAX_GPUS)
+    check(check_int, spec.batch_size, f"{field}.batch_size", minimum=1, maximum=MAX_BATCH_SIZE)
     if spec.max_batch_size != 0:
-        check_int(spec.max_batch_size, f"{field}.max_batch_size", minimum=spec.batch_size, maximum=MAX_BATCH_SIZE)
+        check(check_int, spec.max_batch_size, f"{field}.max_batch_size",
+              minimum=min(max(spec.batch_size, 1), MAX_BATCH_SIZE), maximum=MAX_BATCH_SIZE)
     budget = spec.WhichOneof("budget")
     if budget is None:
-        raise InvalidArgument("a training job needs exactly one of epochs or sample_budget", field=f"{field}.budget")
-    if budget == "epochs":
-        check_int(spec.epochs, f"{field}.epochs", minimum=1, maximum=MAX_EPOCHS)
+        problems.add(f"{field}.budget", "a training job needs exactly one of epochs or sample_budget")
+    elif budget == "epochs":
+        check(check_int, spec.epochs, f"{field}.epochs", minimum=1, maximum=MAX_EPOCHS)
     else:
-        check_int(spec.sample_budget, f"{field}.sample_budget", minimum=1, maximum=MAX_SAMPLE_BUDGET)
+        check(check_int, spec.sample_budget, f"{field}.sample_budget", minimum=1, maximum=MAX_SAMPLE_BUDGET)
     if spec.inference_duration_s != 0:
-        raise InvalidArgument("only inference jobs have a duration", field=f"{field}.inference_duration_s")
+        problems.add(f"{field}.inference_duration_s", "only inference jobs have a duration")
 
 
-def _check_inference_shape(spec: common_pb2.JobSpec, field: str) -> None:
+def _check_inference_shape(spec: common_pb2.JobSpec, field: str, problems: Problems) -> None:
     # DeepBoot inference tasks hold exactly one GPU for a fixed time.
-    check_int(spec.min_gpus, f"{field}.min_gpus", minimum=1, maximum=1)
-    check_int(spec.max_gpus, f"{field}.max_gpus", minimum=1, maximum=1)
-    check_float(spec.inference_duration_s, f"{field}.inference_duration_s", minimum=0.0, maximum=MAX_INFERENCE_DURATION_S)
-    if spec.inference_duration_s <= 0:
-        raise InvalidArgument("an inference job needs a duration > 0", field=f"{field}.inference_duration_s")
-    check_int(spec.batch_size, f"{field}.batch_size", minimum=0, maximum=MAX_BATCH_SIZE)
-    check_int(spec.max_batch_size, f"{field}.max_batch_size", minimum=0, maximum=MAX_BATCH_SIZE)
+    check = problems.check
+    check(check_int, spec.min_gpus, f"{field}.min_gpus", minimum=1, maximum=1)
+    check(check_int, spec.max_gpus, f"{field}.max_gpus", minimum=1, maximum=1)
+    duration_ok = check(check_float, spec.inference_duration_s, f"{field}.inference_duration_s", minimum=0.0,
+                        maximum=MAX_INFERENCE_DURATION_S)
+    if duration_ok and spec.inference_duration_s <= 0:
+        problems.add(f"{field}.inference_duration_s", "an inference job needs a duration > 0")
+    check(check_int, spec.batch_size, f"{field}.batch_size", minimum=0, maximum=MAX_BATCH_SIZE)
+    check(check_int, spec.max_batch_size, f"{field}.max_batch_size", minimum=0, maximum=MAX_BATCH_SIZE)
     budget = spec.WhichOneof("budget")
     if budget is not None:
-        raise InvalidArgument("inference jobs run for inference_duration_s, not a budget", field=f"{field}.{budget}")
+        problems.add(f"{field}.{budget}", "inference jobs run for inference_duration_s, not a budget")
 
 
-def _check_command(spec: common_pb2.JobSpec, field: str) -> None:
+def _check_command(spec: common_pb2.JobSpec, field: str, problems: Problems) -> None:
     if len(spec.command) > 4096:
-        raise InvalidArgument(f"at most 4096 arguments, got {len(spec.command)}", field=f"{field}.command")
-    for index, argument in enumerate(spec.command):
-        check_text(argument, f"{field}.command[{index}]", max_chars=32768)
-    check_string_map(spec.env, f"{field}.env", max_entries=256, max_key_chars=256, max_value_chars=32768)
-    for key in spec.env:
-        if not _ENV_NAME.fullmatch(key):
-            raise InvalidArgument(f"not an environment variable name: {key!r}", field=f"{field}.env")
+        problems.add(f"{field}.command", f"at most 4096 arguments, got {len(spec.command)}")
+    else:
+        for index, argument in enumerate(spec.command):
+            problems.check(check_text, argument, f"{field}.command[{index}]", max_chars=32768)
+    if problems.check(check_string_map, spec.env, f"{field}.env", max_entries=256, max_key_chars=256,
+                      max_value_chars=32768):
+        for key in spec.env:
+            if not _ENV_NAME.fullmatch(key):
+                problems.add(f"{field}.env", f"not an environment variable name: {key!r}")
 
 
 def check_client_request_id(value: str) -> None:
@@ -108,9 +122,7 @@ def check_client_request_id(value: str) -> None:
 
 def check_job_id(value: str, field: str = "job_id") -> None:
     """Only the shape; whether the job exists is the store's question."""
-    if not value:
-        raise InvalidArgument("required", field=field)
-    check_text(value, field, max_chars=64)
+    check_identifier(value, JOB_ID, field)
 
 
 def check_progress(progress: common_pb2.JobProgress, field: str = "progress") -> None:

@@ -9,7 +9,7 @@ from silod.v1 import common_pb2
 
 from services.metadata.validation.common import check_int, check_string_map, check_text, check_timestamp
 from services.metadata.validation.jobs import check_job_id
-from services.runtime.errors import InvalidArgument
+from services.runtime.errors import InvalidArgument, Problems
 
 MAX_SAMPLES_PER_APPEND = 10_000
 
@@ -19,17 +19,21 @@ def check_metric_name(name: str, field: str) -> None:
 
 
 def check_samples(samples: Sequence[common_pb2.MetricSample]) -> None:
+    """Refused with every problem of every sample at once."""
     if not 1 <= len(samples) <= MAX_SAMPLES_PER_APPEND:
         raise InvalidArgument(f"must hold 1..{MAX_SAMPLES_PER_APPEND} samples, got {len(samples)}", field="samples")
+    problems = Problems()
+    check = problems.check
     for index, sample in enumerate(samples):
         field = f"samples[{index}]"
-        check_job_id(sample.job_id, f"{field}.job_id")
-        check_metric_name(sample.name, f"{field}.name")
+        check(check_job_id, sample.job_id, f"{field}.job_id")
+        check(check_metric_name, sample.name, f"{field}.name")
         if not math.isfinite(sample.value):
-            raise InvalidArgument(f"must be a finite number, got {sample.value}", field=f"{field}.value")
+            problems.add(f"{field}.value", f"must be a finite number, got {sample.value}")
         if sample.HasField("time"):
-            check_timestamp(sample.time, f"{field}.time")
-        check_string_map(sample.labels, f"{field}.labels", max_entries=32)
+            check(check_timestamp, sample.time, f"{field}.time")
+        check(check_string_map, sample.labels, f"{field}.labels", max_entries=32)
+    problems.raise_if_any()
 
 
 def check_metrics_query(job_id: str, name: str) -> None:

@@ -8,12 +8,13 @@ from services.metadata.validation.common import (
     MAX_BYTES,
     check_enum,
     check_int,
-    check_name,
+    check_identifier,
     check_text,
     check_timestamp,
 )
 from services.metadata.validation.jobs import check_job_id
-from services.runtime.errors import InvalidArgument
+from services.runtime.errors import InvalidArgument, Problems
+from silod.rpc.identifiers import JOB_ID, NODE_NAME, REPLICA_ID
 
 MAX_GPU_INDEX = 1023
 CACHE_POLICIES = ("", "uniform", "lru", "lrfu-cost", "none")  # "none": pass-through (cache mode none)
@@ -23,57 +24,61 @@ Gpu = tuple[str, int]  # (node, device index)
 
 
 def check_plan(plan: plan_pb2.AllocationPlan, field: str = "plan") -> None:
-    check_int(plan.version, f"{field}.version", minimum=1, maximum=2**63 - 1)
+    """Refused with every problem of the plan's fields (the first of each job, replica and loan)
+    at once; then, if the fields are sound, that no GPU has two holders."""
+    problems = Problems()
+    check = problems.check
+    check(check_int, plan.version, f"{field}.version", minimum=1, maximum=2**63 - 1)
     if plan.HasField("created_at"):
-        check_timestamp(plan.created_at, f"{field}.created_at")
-    check_text(plan.policy, f"{field}.policy", max_chars=128)
+        check(check_timestamp, plan.created_at, f"{field}.created_at")
+    check(check_text, plan.policy, f"{field}.policy", max_chars=128)
     if plan.cache_mode not in CACHE_MODES:
-        raise InvalidArgument(f"must be one of {CACHE_MODES[1:]} or empty, got {plan.cache_mode[:40]!r}", field=f"{field}.cache_mode")
-    check_text(plan.reason, f"{field}.reason", max_chars=256)
-    check_int(plan.storage_bandwidth_budget_bytes_per_s, f"{field}.storage_bandwidth_budget_bytes_per_s", minimum=0, maximum=MAX_BYTES)
+        problems.add(f"{field}.cache_mode", f"must be one of {CACHE_MODES[1:]} or empty, got {plan.cache_mode[:40]!r}")
+    check(check_text, plan.reason, f"{field}.reason", max_chars=256)
+    budget_ok = check(check_int, plan.storage_bandwidth_budget_bytes_per_s, f"{field}.storage_bandwidth_budget_bytes_per_s",
+                      minimum=0, maximum=MAX_BYTES)
 
     granted_remote_io = 0
     seen_jobs: set[str] = set()
     for index, job in enumerate(plan.jobs):
         job_field = f"{field}.jobs[{index}]"
-        _check_job_allocation(job, job_field)
+        check(_check_job_allocation, job, job_field)
         if job.job_id in seen_jobs:
-            raise InvalidArgument(f"{job.job_id!r} appears twice in the plan", field=f"{job_field}.job_id")
+            problems.add(f"{job_field}.job_id", f"{job.job_id!r} appears twice in the plan")
         seen_jobs.add(job.job_id)
         granted_remote_io += sum(grant.remote_io_bytes_per_s for grant in job.cache_grants)
 
     budget = plan.storage_bandwidth_budget_bytes_per_s
-    if budget and granted_remote_io > budget:
-        raise InvalidArgument(
-            f"jobs are granted {granted_remote_io} bytes/s of remote IO in total, more than this budget of {budget}",
-            field=f"{field}.storage_bandwidth_budget_bytes_per_s",
-        )
+    if budget_ok and budget and granted_remote_io > budget:
+        problems.add(f"{field}.storage_bandwidth_budget_bytes_per_s",
+                     f"jobs are granted {granted_remote_io} bytes/s of remote IO in total, more than this budget of {budget}")
     seen_replicas: set[str] = set()
     for index, replica in enumerate(plan.replicas):
         replica_field = f"{field}.replicas[{index}]"
-        _check_replica(replica, replica_field)
+        check(_check_replica, replica, replica_field)
         if replica.replica_id in seen_replicas:
-            raise InvalidArgument(f"{replica.replica_id!r} appears twice in the plan", field=f"{replica_field}.replica_id")
+            problems.add(f"{replica_field}.replica_id", f"{replica.replica_id!r} appears twice in the plan")
         seen_replicas.add(replica.replica_id)
     for index, loan in enumerate(plan.loans):
         loan_field = f"{field}.loans[{index}]"
-        check_name(loan.node, f"{loan_field}.node")
-        check_int(loan.gpu_index, f"{loan_field}.gpu_index", minimum=0, maximum=MAX_GPU_INDEX)
-        check_job_id(loan.job_id, f"{loan_field}.job_id")
+        check(check_identifier, loan.node, NODE_NAME, f"{loan_field}.node")
+        check(check_int, loan.gpu_index, f"{loan_field}.gpu_index", minimum=0, maximum=MAX_GPU_INDEX)
+        check(check_job_id, loan.job_id, f"{loan_field}.job_id")
+    problems.raise_if_any()
     _check_gpus_held_once(plan, field)
 
 
 def _check_job_allocation(job: plan_pb2.JobAllocation, field: str) -> None:
     check_job_id(job.job_id, f"{field}.job_id")
     for index, placement in enumerate(job.placements):
-        check_name(placement.node, f"{field}.placements[{index}].node")
+        check_identifier(placement.node, NODE_NAME, f"{field}.placements[{index}].node")
         for gpu_index in placement.gpu_indices:
             check_int(gpu_index, f"{field}.placements[{index}].gpu_indices", minimum=0, maximum=MAX_GPU_INDEX)
     check_int(job.batch_size, f"{field}.batch_size", minimum=0, maximum=2**31 - 1)
     check_int(job.generation, f"{field}.generation", minimum=0, maximum=2**63 - 1)
     for index, grant in enumerate(job.cache_grants):
         grant_field = f"{field}.cache_grants[{index}]"
-        check_name(grant.node, f"{grant_field}.node")
+        check_identifier(grant.node, NODE_NAME, f"{grant_field}.node")
         check_int(grant.cache_quota_bytes, f"{grant_field}.cache_quota_bytes", minimum=0, maximum=MAX_BYTES)
         check_int(grant.remote_io_bytes_per_s, f"{grant_field}.remote_io_bytes_per_s", minimum=0, maximum=MAX_BYTES)
     if job.cache_policy not in CACHE_POLICIES:
@@ -83,12 +88,12 @@ def _check_job_allocation(job: plan_pb2.JobAllocation, field: str) -> None:
 
 
 def _check_replica(replica: plan_pb2.InferenceReplica, field: str) -> None:
-    check_text(replica.replica_id, f"{field}.replica_id", max_chars=128, required=True)
+    check_identifier(replica.replica_id, REPLICA_ID, f"{field}.replica_id")
     check_text(replica.application, f"{field}.application", max_chars=128)
-    check_name(replica.node, f"{field}.node")
+    check_identifier(replica.node, NODE_NAME, f"{field}.node")
     check_int(replica.gpu_index, f"{field}.gpu_index", minimum=0, maximum=MAX_GPU_INDEX)
     check_enum(replica.state, plan_pb2.ReplicaState.DESCRIPTOR, f"{field}.state")
-    check_text(replica.task_id, f"{field}.task_id", max_chars=64)
+    check_identifier(replica.task_id, JOB_ID, f"{field}.task_id", required=False)
     check_int(replica.reuse_count, f"{field}.reuse_count", minimum=0, maximum=2**31 - 1)
     if replica.HasField("protect_until"):
         check_timestamp(replica.protect_until, f"{field}.protect_until")
