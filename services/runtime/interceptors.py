@@ -25,7 +25,7 @@ from services.runtime import metrics
 from services.runtime.downstream import translate
 from services.runtime.errors import Problems, ServiceError
 from services.runtime.structured_logging import get_logger, request_id_var
-from silod.rpc.errors import DETAILS_KEY, status_details
+from silod.rpc.errors import DETAILS_KEY, MAX_MESSAGE_CHARS, status_details
 from silod.rpc.identifiers import message_problems
 
 Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
@@ -215,6 +215,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError, stream: A
     if stream is not None:
         await _drain(stream)
     message = str(exc)
+    if len(message) > MAX_MESSAGE_CHARS:  # trailers over 8 KiB are refused by the client
+        message = message[: MAX_MESSAGE_CHARS - 1] + "…"
     trailing = tuple(context.trailing_metadata() or ())
     if any(v.field for v in exc.violations):
         trailing += ((DETAILS_KEY, status_details(exc.code, message, exc.violations)),)

@@ -18,6 +18,12 @@ import grpc
 
 DETAILS_KEY = "grpc-status-details-bin"
 MAX_VIOLATIONS = 50  # per answer; the message says how many more there were
+# The status message and the details travel as trailers, and gRPC clients refuse trailers over
+# 8 KiB in all (RESOURCE_EXHAUSTED "metadata size exceeds soft limit", in place of the answer):
+# both are kept well inside it, the details (base64 on the wire) under ~3.4 KiB.
+MAX_MESSAGE_CHARS = 2000
+MAX_DETAILS_BYTES = 2500
+MAX_DESCRIPTION_CHARS = 300
 
 
 class FieldViolation(NamedTuple):
@@ -25,25 +31,44 @@ class FieldViolation(NamedTuple):
     description: str
 
 
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def summary(violations: Sequence[FieldViolation], omitted: int = 0) -> str:
-    """The status message for ``violations``: ``field: description`` joined by ``; ``."""
-    text = "; ".join(f"{v.field}: {v.description}" if v.field else v.description for v in violations)
+    """The status message for ``violations``: ``field: description`` joined by ``; ``, as many
+    as fit in MAX_MESSAGE_CHARS (the rest counted at the end)."""
+    parts: list[str] = []
+    size = 0
+    for v in violations:
+        part = _cut(f"{v.field}: {v.description}" if v.field else v.description, MAX_DESCRIPTION_CHARS)
+        if parts and size + len(part) + 2 > MAX_MESSAGE_CHARS - 40:
+            break
+        parts.append(part)
+        size += len(part) + 2
+    omitted += len(violations) - len(parts)
+    text = "; ".join(parts)
     if omitted:
         text += f" (and {omitted} more problems)"
     return text
 
 
 def status_details(code: grpc.StatusCode, message: str, violations: Sequence[FieldViolation]) -> bytes:
-    """A serialized ``google.rpc.Status`` holding a ``google.rpc.BadRequest``."""
+    """A serialized ``google.rpc.Status`` holding a ``google.rpc.BadRequest``: as many violations
+    as fit in MAX_DETAILS_BYTES, each description cut to MAX_DESCRIPTION_CHARS."""
     from google.protobuf import any_pb2
     from google.rpc import error_details_pb2, status_pb2
 
-    bad_request = error_details_pb2.BadRequest(
-        field_violations=[error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-                          for v in violations])
+    bad_request = error_details_pb2.BadRequest()
+    for v in violations:
+        bad_request.field_violations.add(field=_cut(v.field, MAX_DESCRIPTION_CHARS),
+                                         description=_cut(v.description, MAX_DESCRIPTION_CHARS))
+        if bad_request.ByteSize() > MAX_DETAILS_BYTES - 300 and len(bad_request.field_violations) > 1:
+            del bad_request.field_violations[-1]
+            break
     detail = any_pb2.Any()
     detail.Pack(bad_request)
-    return status_pb2.Status(code=code.value[0], message=message, details=[detail]).SerializeToString()
+    return status_pb2.Status(code=code.value[0], message=_cut(message, 200), details=[detail]).SerializeToString()
 
 
 def _trailer(exc: Any) -> bytes | None:

@@ -170,3 +170,32 @@ def test_every_identifier_looking_request_field_has_a_rule() -> None:
                         and identifiers.rule_for(message.full_name, field.name) is None:
                     unchecked.append(f"{message.full_name}.{field.name}")
     assert not unchecked, f"identifier-like fields without a rule in silod/rpc/identifiers.py: {unchecked}"
+
+
+def test_an_answer_with_many_long_problems_fits_the_trailer_limit() -> None:
+    """50 problems of 1 KB each: the client still gets INVALID_ARGUMENT with the first problems in
+    the message and the details (gRPC clients refuse trailers over 8 KiB with RESOURCE_EXHAUSTED,
+    found by the metadata fuzz test on CommitPlan)."""
+    violations = [FieldViolation(f"jobs[{i}].replicas[0].replica_id", "x" * 1000) for i in range(50)]
+
+    class Refusing(worker_agent_pb2_grpc.WorkerAgentServiceServicer):
+        async def GetDirective(self, request, context):  # type: ignore[no-untyped-def]
+            raise errors.InvalidArgument(violations=violations)
+
+    definition = ServiceDefinition(
+        name="refusing", service_names=["silod.v1.WorkerAgentService"],
+        register=lambda server: worker_agent_pb2_grpc.add_WorkerAgentServiceServicer_to_server(Refusing(), server))
+
+    async def scenario() -> None:
+        async with serving(definition) as server:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = worker_agent_pb2_grpc.WorkerAgentServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await stub.GetDirective(worker_agent_pb2.GetDirectiveRequest(job_id="j"), timeout=10)
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failed.value
+        assert failed.value.details().startswith("jobs[0].replicas[0].replica_id: xxx")
+        assert failed.value.details().endswith("more problems)")
+        got = field_violations(failed.value)
+        assert got and got[0].field == "jobs[0].replicas[0].replica_id"
+
+    asyncio.run(scenario())
