@@ -96,6 +96,12 @@ def test_every_service_is_healthy_on_its_own_host_and_reaches_the_others_by_name
     assert sorted(n.spec.agent_address for n in nodes) == ["agent-0:7074", "agent-1:7074"]
     page = urllib.request.urlopen(f"http://{lab.address('dashboard', 8080)}/", timeout=10).read().decode()
     assert "dashboard" in page.lower()
+    # The dashboard, on its own host, shows both worker hosts alive with their cache servers reached.
+    overview = json.loads(urllib.request.urlopen(f"http://{lab.address('dashboard', 8080)}/api/overview",
+                                                 timeout=20).read())
+    shown = {n["name"]: n for n in overview["nodes"]}
+    assert sorted(shown) == ["node-0", "node-1"] and all(n["alive"] for n in shown.values()), shown
+    assert all(n["cache"].get("reachable", True) and "error" not in n["cache"] for n in shown.values()), shown
 
 
 def rank_env(pid: int) -> dict[str, str]:
