@@ -23,7 +23,7 @@ MAX_VIOLATIONS = 50  # per answer; the message says how many more there were
 # both are kept well inside it, the details (base64 on the wire) under ~3.4 KiB.
 MAX_MESSAGE_CHARS = 2000
 MAX_DETAILS_BYTES = 2500
-MAX_DESCRIPTION_CHARS = 300
+MAX_DESCRIPTION_CHARS = 1000  # a hint such as the command to run must fit whole
 
 
 class FieldViolation(NamedTuple):
