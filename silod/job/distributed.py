@@ -201,7 +201,6 @@ class DistributedTraining:
         # The process group this rank trains in; ctx.rank/world_size move with it (a held resize
         # changes neither until the switch).
         self.rank, self.world_size = ctx.rank, ctx.world_size
-        self._store: Any = None  # the rendezvous store of the current group (rank 0 serves it)
         self._arrivals: tuple[tuple[str, int], Any] | None = None  # rank 0: (rendezvous, store) of a held world
         self._held_since = 0.0
         # The current process group, held here so that it outlives its DDP wrapper (see _release).
@@ -305,7 +304,7 @@ class DistributedTraining:
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=self.reform_timeout_s))
         self._group = dist.group.WORLD
-        self._store, self._arrivals = store, None
+        self._arrivals = None  # the group holds its store now
         self.rank, self.world_size = rank, world_size
 
     def _newcomers_ready(self, held: World | None) -> bool:
