@@ -67,7 +67,7 @@ def _wait(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
 
 
 class Lab:
-    def __init__(self, root: Path, hidden: int) -> None:
+    def __init__(self, root: Path, hidden: int, warm_processes: int) -> None:
         self.root = root
         self.procs = []
         self.allocation = AllocationServer().__enter__()
@@ -83,7 +83,8 @@ class Lab:
             agent = self._start("worker-agent", "--metadata-address", self.metadata, "--scheduler-address",
                                 self.allocation.address, "--node-name", f"n{i}", "--gpus", "2", "--work-dir", str(work),
                                 "--checkpoint-root", str(root / "checkpoints"), "--heartbeat-s", "0.5",
-                                "--report-s", "0.5", "--checkpoint-deadline-s", "60", "--log-level", "warning")
+                                "--report-s", "0.5", "--checkpoint-deadline-s", "60", "--log-level", "warning",
+                                "--warm-processes", str(warm_processes))
             self.nodes.append((f"n{i}", agent.address, work))
         self.hidden = hidden
         self.version = 0
@@ -160,12 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=3136, help="MLP width: 64-H-H-10 (3136: 10.0M parameters)")
+    parser.add_argument("--warm-processes", type=int, default=2,
+                        help="each agent's warm processes (worker_agent.warm_start; 0: every rank starts cold)")
+    parser.add_argument("--work-dir", type=Path, help="keep the services' and ranks' logs here (default: a temporary "
+                        "directory, removed)")
     args = parser.parse_args(argv)
     params = 64 * args.hidden + args.hidden + args.hidden * args.hidden + args.hidden + args.hidden * 10 + 10
-    print(f"model: {params / 1e6:.1f}M parameters; backend gloo on CPU (no GPU present); load {os.getloadavg()[0]:.2f}")
+    print(f"model: {params / 1e6:.1f}M parameters; backend gloo on CPU (no GPU present); "
+          f"{args.warm_processes} warm processes per agent; load {os.getloadavg()[0]:.2f}")
     results: dict[tuple[int, int, bool], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="silod-resize-bench-") as tmp:
-        lab = Lab(Path(tmp), args.hidden)
+        root = Path(tmp)
+        if args.work_dir:
+            root = args.work_dir
+            root.mkdir(parents=True, exist_ok=True)
+        lab = Lab(root, args.hidden, args.warm_processes)
         try:
             for run in range(args.runs):
                 for before, after in ((2, 4), (4, 2)):

@@ -66,6 +66,7 @@ from silod.v1 import (
     worker_agent_pb2,
 )
 from worker_agent.gpus import GpuTable, detect_gpus, resolve_gpu_type
+from worker_agent.warm_start import WarmPool
 
 _log = get_logger("silod.worker_agent")
 
@@ -210,10 +211,17 @@ class Agent:
         if settings.scheduler_address:
             self._alloc_channel = open_channel(settings.scheduler_address, token=token, aio=True)
             self._alloc = allocation_pb2_grpc.AllocationServiceStub(self._alloc_channel)
+        self.warm: WarmPool | None = None
+        if getattr(settings, "warm_processes", 0) > 0 and settings.scheduler_address:
+            preload = [m.strip() for m in settings.warm_preload.split(",") if m.strip()]
+            self.warm = WarmPool(settings.warm_processes, preload, {**self.base_env(), "PYTHONUNBUFFERED": "1"},
+                                 self.work_dir, self._spawn)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         await self._stop_leftovers()
+        if self.warm is not None:
+            await self.warm.fill()
         self._bg.append(asyncio.ensure_future(self._register_and_heartbeat()))
         if self._alloc is not None:
             self._bg.append(asyncio.ensure_future(self._watch_loop()))
@@ -237,6 +245,8 @@ class Agent:
         for t in self._bg:
             with contextlib.suppress(BaseException):
                 await t
+        if self.warm is not None:
+            await self.warm.close()
         await self._meta_channel.close()
         if self._alloc_channel is not None:
             await self._alloc_channel.close()
@@ -501,14 +511,18 @@ class Agent:
             os.killpg(task.proc.pid, sig)
 
     # ---- launching -------------------------------------------------------------------------
-    def env_for(self, a: plan_pb2.TaskAssignment) -> dict[str, str]:
-        spec = a.spec
-        # The agent's own settings (SILOD_LISTEN, SILOD_GPUS, ...) must not leak into the job;
-        # the auth token is kept on purpose (the SDK uses it to call this agent and the cache).
+    def base_env(self) -> dict[str, str]:
+        """The agent's environment without its own settings (SILOD_LISTEN, SILOD_GPUS, ...), which
+        must not leak into jobs; the auth token is kept on purpose (the SDK uses it to call this
+        agent and the cache)."""
         own = {f"SILOD_{name.upper()}" for name in type(self.settings).model_fields} | {"SILOD_CONFIG"}
         own.discard("SILOD_AUTH_TOKEN")
+        return {k: v for k, v in os.environ.items() if k not in own}
+
+    def env_for(self, a: plan_pb2.TaskAssignment) -> dict[str, str]:
+        spec = a.spec
         env = {
-            **{k: v for k, v in os.environ.items() if k not in own},
+            **self.base_env(),
             "PYTHONUNBUFFERED": "1",
             "SILOD_JOB_ID": a.job_id,
             "SILOD_RANK": str(a.rank),
@@ -535,6 +549,8 @@ class Agent:
             # The batch size gradient statistics are expressed at (the estimator's B0).
             "SILOD_BASE_BATCH_SIZE": str(spec.batch_size),
             "SILOD_STEP_COMPUTE_S": repr(spec.emulated_step_compute_s),
+            # Wall-clock launch time: the SDK says how long the rank took to be ready to train.
+            "SILOD_LAUNCH_TIME": f"{time.time():.3f}",
         }
         if spec.dataset:  # what the job reads through silod.data (the emulated job reads it each step)
             env["SILOD_DATASET"] = spec.dataset
@@ -566,19 +582,18 @@ class Agent:
         task = Task(assignment=a, log_path=log_dir / f"rank-{a.rank}.log", batch_size=a.batch_size, launch_key=key)
         self.tasks[key] = task
         command = list(a.spec.command) or [sys.executable, "-m", "silod.jobs.emulated"]
+        env = self.env_for(a)
+        warm = False
         try:
             with open(task.log_path, "ab") as log:
                 log.write(f"--- silod: generation {a.generation} rank {a.rank} gpus {list(a.gpu_indices)}\n".encode())
                 log.flush()
-                task.proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-S", "-c", _DIE_WITH_AGENT, str(os.getpid()), *command,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=asyncio.subprocess.STDOUT,
-                    env=self.env_for(a),
-                    cwd=str(log_dir),
-                    start_new_session=True,
-                )
+                if self.warm is not None and a.spec.resize_in_place:
+                    task.proc = await self.warm.take(command, env, str(log_dir), task.log_path)
+                    warm = task.proc is not None
+                if task.proc is None:
+                    task.proc = await self._spawn(*command, stdin=asyncio.subprocess.DEVNULL, stdout=log,
+                                                  stderr=asyncio.subprocess.STDOUT, env=env, cwd=str(log_dir))
         except OSError as exc:
             with open(task.log_path, "ab") as log:
                 log.write(f"--- silod: cannot launch {command!r}: {exc}\n".encode())
@@ -587,9 +602,15 @@ class Agent:
         self._run_file(task).write_text(
             json.dumps({"task": key, "pid": task.proc.pid, "start_time": self._start_time(task.proc.pid)})
         )
-        _log.info("task launched", extra={"task": key, "pid": task.proc.pid, "gpus": list(a.gpu_indices)})
+        _log.info("task launched", extra={"task": key, "pid": task.proc.pid, "gpus": list(a.gpu_indices),
+                                          "warm": warm})
         self._report_now.set()
         self._reapers.add(asyncio.ensure_future(self._reap(task)))
+
+    async def _spawn(self, *argv: str, **kwargs: Any) -> asyncio.subprocess.Process:
+        """Start ``argv`` as the leader of a new process group that dies with the agent."""
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-S", "-c", _DIE_WITH_AGENT, str(os.getpid()), *argv, start_new_session=True, **kwargs)
 
     async def _reap(self, task: Task) -> None:
         assert task.proc is not None

@@ -301,6 +301,10 @@ class DistributedTraining:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
         store = self._rendezvous_store(rank, world_size, rendezvous)
         store.add(ARRIVED_KEY, 1)  # checks in: a held resize waits for its newcomers' check-ins
+        launched = float(os.environ.get("SILOD_LAUNCH_TIME") or 0)
+        if launched and self._group is None:  # a rank's first group: how long its start-up took
+            print(f"silod.job: rank {rank} of {world_size} ready {time.time() - launched:.2f}s after its launch",
+                  file=sys.stderr, flush=True)
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=self.reform_timeout_s))
         self._group = dist.group.WORLD

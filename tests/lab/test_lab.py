@@ -362,8 +362,7 @@ def test_postgres_restarted_under_load_loses_and_duplicates_no_acknowledged_subm
 CONTROL_HOSTS = ("metadata", "scheduler", "estimator", "dashboard", "postgres")
 
 
-@pytest.mark.skipif(os.environ.get("SILOD_LAB_FULL") != "1",
-                    reason="30 s control-plane partition: `make lab-test` (SILOD_LAB_FULL=1)")
+@pytest.mark.lab_full  # 30 s control-plane partition: `make lab-test` (tests/lab/conftest.py)
 def test_control_hosts_cut_off_for_30s_jobs_keep_training_and_the_cluster_converges(lab: Lab) -> None:
     meta, jobs = stubs(lab)
     spec = common_pb2.JobSpec(name="steady", application="cifar10", min_gpus=1, max_gpus=1, batch_size=16,

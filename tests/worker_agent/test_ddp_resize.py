@@ -66,8 +66,9 @@ def test_a_ddp_job_grows_and_shrinks_in_place_across_two_nodes(metadata, allocat
             for i in range(2)]
         # One checkpoint root for both nodes, as shared storage would be in a cluster: a restart on
         # the other node and a rank launched after the training ended (it finds rank 0's mark) need it.
+        # Warm processes (worker_agent.warm_start), as deployments run agents: newcomers start in them.
         agents = [start_agent("--cache-address", caches[i].address, "--checkpoint-root", str(tmp_path / "checkpoints"),
-                              gpus=2, node=f"ddp-n{i}") for i in range(2)]
+                              "--warm-processes", "2", gpus=2, node=f"ddp-n{i}") for i in range(2)]
         _train_and_resize(agents, caches, allocation)
 
 
@@ -123,6 +124,9 @@ def _train_and_resize(agents, caches, allocation) -> None:  # type: ignore[no-un
             worlds.append(s["world"])
     assert worlds == [2, 4, 1, 4]
     assert "re-formed in place" in logs
+    # The ranks above ran in warm processes: the first grow's two newcomers on the second node at least.
+    warm = [a.proc.log().count('"warm": true') for a in agents]
+    assert warm[1] >= 2 and sum(warm) >= 4, warm
 
     # Identical replicas after every step: one hash per step, reported by every rank of that world.
     by_step: dict[int, list[dict]] = defaultdict(list)
