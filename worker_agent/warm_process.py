@@ -15,6 +15,10 @@ It then looks to the script exactly as ``python train.py --lr 0.1`` would (``arg
 are the task's, ``sys.argv``/``sys.path[0]`` are what the interpreter would have set, the
 script runs as ``__main__``, and its exit status is the process's. The agent launches it only
 when nothing read at interpreter start-up differs (see warm_start.eligible).
+
+What differs, for someone looking from outside: the command line (``ps``) stays the warm
+process's, and ``/proc/PID/environ`` shows the environment it started with (the task's is in
+effect inside). Idle, the process is named ``silod-warm`` (``pgrep silod-warm``).
 """
 
 from __future__ import annotations
@@ -27,8 +31,21 @@ import runpy
 import sys
 
 
+IDLE_NAME = "silod-warm"  # an idle warm process's name in ps -o comm, top, pgrep
+
+
+def set_name(name: str) -> None:
+    """The process name tools show (not its command line, which stays as started)."""
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(name[:15])
+    except OSError:  # not Linux: names are cosmetic
+        pass
+
+
 def become(order: dict) -> None:
     """Turn this process into the task ``order`` describes and run it (returns when it ends)."""
+    set_name(os.path.basename(sys.executable))  # what a cold start shows
     log = os.open(order["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -39,6 +56,7 @@ def become(order: dict) -> None:
     os.chdir(order["cwd"])
     os.environ.clear()
     os.environ.update(order["env"])
+    os.environ["SILOD_WARM_START"] = "1"  # the one addition: the SDK says so when the rank is ready
     argv = list(order["argv"])
     # What the interpreter says and does when there is nothing to run, as a cold start would.
     if argv[0] == "-m":
@@ -61,6 +79,7 @@ def become(order: dict) -> None:
 
 
 def main() -> int:
+    set_name(IDLE_NAME)
     for name in sys.argv[1:]:
         try:
             importlib.import_module(name)

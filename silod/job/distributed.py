@@ -303,7 +303,8 @@ class DistributedTraining:
         store.add(ARRIVED_KEY, 1)  # checks in: a held resize waits for its newcomers' check-ins
         launched = float(os.environ.get("SILOD_LAUNCH_TIME") or 0)
         if launched and self._group is None:  # a rank's first group: how long its start-up took
-            print(f"silod.job: rank {rank} of {world_size} ready {time.time() - launched:.2f}s after its launch",
+            warm = " (in a warm process)" if os.environ.get("SILOD_WARM_START") == "1" else ""
+            print(f"silod.job: rank {rank} of {world_size} ready {time.time() - launched:.2f}s after its launch{warm}",
                   file=sys.stderr, flush=True)
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=self.reform_timeout_s))

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(bool(REASON), reason=REASON or "namespaces avail
 
 from silod.lab.cluster import Lab, LabError  # noqa: E402
 from silod.v1 import cache_pb2, cache_pb2_grpc, common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from worker_agent.warm_process import IDLE_NAME  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,9 +70,17 @@ def node(meta, name: str):
 
 
 def task_pids(lab: Lab, host: str) -> list[int]:
-    """Processes in ``host``'s namespace other than its agent: the job ranks it started."""
-    pids = os.popen(f"ip netns pids {lab.net.hosts[host].netns}").read().split()
-    return [int(p) for p in pids if int(p) != lab.procs[host].pid]
+    """Processes in ``host``'s namespace other than its agent and its idle warm processes: the job
+    ranks it started."""
+    pids = [int(p) for p in os.popen(f"ip netns pids {lab.net.hosts[host].netns}").read().split()]
+    return [p for p in pids if p != lab.procs[host].pid and _name(p) != IDLE_NAME]
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def test_every_service_is_healthy_on_its_own_host_and_reaches_the_others_by_name(lab: Lab) -> None:
@@ -161,8 +170,9 @@ def test_a_ddp_job_trains_across_both_worker_hosts_on_data_from_the_storage_host
                         "AWS_DEFAULT_REGION": "us-east-1"}, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     meta, jobs = stubs(lab)
+    # resize_in_place: its ranks start in the agents' warm processes (deploy/compose.yaml turns them on).
     spec = common_pb2.JobSpec(name="ddp-lab", min_gpus=4, max_gpus=4, batch_size=64, epochs=2, dataset="digits",
-                              command=[python, str(example)])
+                              command=[python, str(example)], resize_in_place=True)
     job = jobs.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec, client_request_id="lab-ddp"), timeout=15)
     final = wait_for(lambda: (lambda j: j if j.state in (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED)
                               else None)(meta.GetJob(metadata_pb2.GetJobRequest(job_id=job.id), timeout=10)),
@@ -178,6 +188,7 @@ def test_a_ddp_job_trains_across_both_worker_hosts_on_data_from_the_storage_host
     assert sorted(int(m.group(1)) for m in done_lines) == [0, 1, 2, 3]
     assert len({m.group(4) for m in done_lines}) == 1, "the replicas on the two hosts differ"
     assert {int(m.group(3)) for m in done_lines} == {2 * 1797}
+    assert all("(in a warm process)" in text for by_rank in logs.values() for text in by_rank.values()), logs
     print(f"[lab] DDP job: 4 ranks on agent-0 and agent-1, {done_lines[0].group(2)} steps, identical parameters")
 
 

@@ -23,7 +23,8 @@ import json, os, sys
 preloaded = "wave" in sys.modules and "colorsys" in sys.modules
 with open(os.environ["SILOD_TEST_OUT"], "w") as out:
     json.dump({"argv": sys.argv, "name": __name__, "path0": sys.path[0], "cwd": os.getcwd(), "pid": os.getpid(),
-               "preloaded": preloaded, "rank": os.environ["SILOD_RANK"], "omp": os.environ.get("OMP_NUM_THREADS")},
+               "preloaded": preloaded, "rank": os.environ["SILOD_RANK"], "omp": os.environ.get("OMP_NUM_THREADS"),
+               "warm": os.environ.get("SILOD_WARM_START"), "comm": open("/proc/self/comm").read().strip()},
               out)
 print("hello from the rank", flush=True)
 sys.exit(3)
@@ -67,9 +68,12 @@ def test_an_in_place_jobs_rank_runs_in_a_warm_process_as_if_started_cold(allocat
     agent = start_agent("--warm-processes", "1", "--warm-preload", PRELOAD)
     agent_pid = agent.proc.proc.pid
     warm = wait_until(lambda: _warm_pids(agent_pid), what="a warm process")
+    assert wait_until(lambda: all(Path(f"/proc/{p}/comm").read_text().strip() == "silod-warm" for p in warm),
+                      what="the warm process named")
 
     report, seen = _run(allocation, agent, "job-warm", 1, script, tmp_path / "warm.json")
-    assert seen["pid"] in warm and seen["preloaded"]
+    assert seen["pid"] in warm and seen["preloaded"] and seen["warm"] == "1"
+    assert seen["comm"] == os.path.basename(sys.executable)[:15]  # as started cold, no longer "silod-warm"
     assert report.exit_code == 3
     assert seen["argv"] == [str(script), "two words", "--flag"]
     assert seen["name"] == "__main__" and seen["path0"] == str(script.parent)
@@ -82,7 +86,7 @@ def test_an_in_place_jobs_rank_runs_in_a_warm_process_as_if_started_cold(allocat
     # Started cold: a job that does not resize in place, and one whose environment sets a
     # variable read at interpreter start-up (too late for a warm process).
     _, cold = _run(allocation, agent, "job-rigid", 2, script, tmp_path / "rigid.json", in_place=False)
-    assert not cold["preloaded"] and cold["pid"] not in replacement
+    assert not cold["preloaded"] and cold["pid"] not in replacement and cold["warm"] is None
     _, cold = _run(allocation, agent, "job-omp", 3, script, tmp_path / "omp.json", env={"OMP_NUM_THREADS": "1"})
     assert not cold["preloaded"] and cold["omp"] == "1" and cold["pid"] not in replacement
     assert _warm_pids(agent_pid) == replacement  # still idle, unused
