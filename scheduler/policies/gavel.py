@@ -10,8 +10,9 @@ throughput* as Gavel does. Each type has its own capacity row. On an untyped clu
 is one type and this is the homogeneous LP. ``heterogeneity_aware=False`` (the baseline)
 collapses the types into one pool priced at the job's reference model (counts capped at the
 largest type's GPUs) and lets the round put a count on a type in a speed-blind order
-(:func:`scheduler.placement.blind_preferences`). Many jobs: the LP is split POP-style
-(:func:`_partitioned_lp`). After the LP's choices, leftover GPUs go to waiting jobs at any
+(:func:`scheduler.placement.blind_preferences`). Identical jobs (same candidates, throughputs
+and weight: jobs of one application with the same bounds) are one row of the LP, exactly
+(:func:`_classes_lp`); many *distinct* jobs split the LP POP-style (:func:`_partitioned_lp`). After the LP's choices, leftover GPUs go to waiting jobs at any
 count and type they fit. A later issue adds cache
 and remote IO grants as further candidate dimensions (one more column set per grant
 level, priced by the same estimator call, see :mod:`scheduler.policies.pollux_estimates`).
@@ -50,9 +51,11 @@ The LP (max-min fairness, Gavel's ``max_min_fairness`` policy)::
   points (from ``(0, 0)``) is dominated by mixing two hull candidates, so only hull
   candidates become LP columns (2-3 per elastic job). The constraint matrix is built with
   ``scipy.sparse`` and solved by HiGHS' interior-point method through
-  ``scipy.optimize.linprog`` (2,000 jobs: about 0.1 s per LP; the dual simplex stalls on
-  the degenerate max-min LP). Jobs whose minimum exceeds the cluster have no candidate and
-  no fairness row.
+  ``scipy.optimize.linprog`` (2,000 distinct jobs: about 0.1 s per LP on one type, 0.4 s on
+  three; the dual simplex stalls on the degenerate max-min LP). Jobs of one class
+  (:func:`_job_classes`) share one set of columns whose capacity use is scaled by the class
+  size, so a 20,000-job round of a few dozen kinds of job is an LP of a few dozen rows. Jobs
+  whose minimum exceeds the cluster have no candidate and no fairness row.
 
 Cache and remote IO (``codesign``, SiloD; off by default). The cache split is fixed first:
 each job is priced at the cache :func:`scheduler.codesign.expected_grants` expects for it,
@@ -145,7 +148,7 @@ class GavelPolicy:
     heterogeneity_aware: bool = True  # candidates per GPU type at the job's speed there; False = one pool, type-blind
     objective: str = "max_min_fairness"  # or "makespan": finish every job's remaining work as early as possible
     partitions: int = 0             # POP: split jobs and every type's GPUs into this many LPs; 0 = by partition_jobs
-    partition_jobs: int = 2000      # with partitions = 0: one LP per this many jobs (1 LP up to it)
+    partition_jobs: int = 2000      # with partitions = 0: one LP per this many distinct jobs (1 LP up to it)
 
     def __post_init__(self):
         if self.partitions < 0 or self.partition_jobs < 1:
@@ -238,17 +241,16 @@ class GavelPolicy:
         if io_row is not None:
             io_row = io_row[keep]
         io_lp = io_row if io_row is not None and np.isfinite(budget) else None
-        parts = self.partition_count(len(jobs))
-        if parts <= 1:
-            fraction, level = _max_min_lp(job, gpus, normalized, weight, len(jobs), type_capacity, kind, self.water_fill,
-                                          io_lp, budget)
-        else:
-            fraction, level = _partitioned_lp(parts, job, gpus, normalized, weight, len(jobs), type_capacity, kind,
-                                              self.water_fill, io_lp, budget)
+        klass = _job_classes(job, gpus, kind, normalized, weight, io_lp, len(jobs))
+        # Identical jobs share one LP row (_classes_lp), so the distinct jobs are what sizes an LP.
+        parts = self.partition_count(len(jobs) if self.partitions else int(klass.max(initial=-1)) + 1)
+        fraction, level = _partitioned_lp(parts, job, gpus, normalized, weight, len(jobs), type_capacity, kind,
+                                          self.water_fill, io_lp, budget, klass)
         return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level, io_row, types, kind)
 
     def partition_count(self, n_jobs: int) -> int:
-        """LPs to split the round into (POP): ``partitions``, or with 0 one per ``partition_jobs`` jobs."""
+        """LPs to split the round into (POP): ``partitions``, or with 0 one per ``partition_jobs`` jobs
+        (:meth:`solve` passes the number of *distinct* jobs, which is what sizes an LP)."""
         if self.partitions:
             return max(1, min(self.partitions, n_jobs))
         return max(1, -(-n_jobs // self.partition_jobs))
@@ -441,11 +443,15 @@ def _undominated(job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, n_jo
 def _partitioned_lp(
     parts: int, job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
     type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool, io: np.ndarray | None, io_budget: float,
+    klass: np.ndarray,
 ) -> tuple[np.ndarray, float]:
     """POP (Narayanan et al., NSDI'21): job ``j`` goes to sub-problem ``j mod parts`` (jobs are in
     arrival order, so every part gets a like mix), each part gets ``1/parts`` of every type's
     GPUs (and of the storage budget), and the parts' LPs are solved one by one. Returns the
-    stitched ``X`` and the lowest part's level."""
+    stitched ``X`` and the lowest part's level. One part is the whole LP. ``klass``: each job's
+    class (:func:`_job_classes`); a part's identical jobs are solved as one (:func:`_classes_lp`)."""
+    if parts <= 1:
+        return _classes_lp(job, gpus, normalized, weight, n_jobs, type_capacity, kind, water_fill, io, io_budget, klass)
     fraction = np.zeros(job.size)
     level = np.inf
     part_of = job % parts
@@ -456,25 +462,94 @@ def _partitioned_lp(
         members = np.unique(job[mine])
         local = np.searchsorted(members, job[mine])
         share = np.where(p < type_capacity % parts, type_capacity // parts + 1, type_capacity // parts)  # remainders to low parts
-        x, t = _max_min_lp(local, gpus[mine], normalized[mine], weight[members], members.size, share, kind[mine],
-                           water_fill, io[mine] if io is not None else None, io_budget / parts)
+        x, t = _classes_lp(local, gpus[mine], normalized[mine], weight[members], members.size, share, kind[mine],
+                           water_fill, io[mine] if io is not None else None, io_budget / parts, klass[members])
         fraction[mine] = x
         level = min(level, t)
     return fraction, float(level if np.isfinite(level) else 0.0)
 
 
+def _job_classes(job: np.ndarray, gpus: np.ndarray, kind: np.ndarray, normalized: np.ndarray, weight: np.ndarray,
+                 io: np.ndarray | None, n_jobs: int) -> np.ndarray:
+    """Per job: a class number (0, 1, ...), the same for jobs the LP cannot tell apart — equal
+    weight and the same candidates (count, type, normalized throughput, IO) in the same order.
+
+    Jobs of one application with the same bounds and batch size share their models, so a large
+    round has few classes (a 20,000-job benchmark round: a few dozen).
+    """
+    columns = [gpus, kind, normalized] + ([io] if io is not None else [])
+    code = _row_codes(columns)
+    order = np.argsort(job, kind="stable")
+    counts = np.bincount(job, minlength=n_jobs)
+    first = np.cumsum(counts) - counts
+    position = np.empty(job.size, dtype=np.int64)
+    position[order] = np.arange(job.size) - first[job[order]]
+    width = int(counts.max(initial=0))
+    signature = np.full((n_jobs, width + 1), -1, dtype=np.int64)
+    signature[job, position] = code
+    signature[:, width] = _row_codes([weight])
+    _, klass = np.unique(signature, axis=0, return_inverse=True)
+    return klass.ravel()
+
+
+def _row_codes(columns: list[np.ndarray]) -> np.ndarray:
+    """One integer per row of ``columns`` (parallel arrays), equal exactly for equal rows."""
+    key = np.zeros(columns[0].size, dtype=np.int64)
+    for column in columns:
+        values, codes = np.unique(column, return_inverse=True)
+        key = key * len(values) + codes.ravel()
+        if values.size and key.max(initial=0) > 2**40:  # keep the mixed-radix key small
+            _, key = np.unique(key, return_inverse=True)
+            key = key.ravel().astype(np.int64)
+    return key
+
+
+def _classes_lp(
+    job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
+    type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool, io: np.ndarray | None, io_budget: float,
+    klass: np.ndarray,
+) -> tuple[np.ndarray, float]:
+    """:func:`_max_min_lp` with each class of identical jobs (``klass``) as one row of the LP.
+
+    Exact, not an approximation: both LPs are unchanged by swapping two identical jobs, so
+    averaging an optimal ``X`` over such swaps gives an optimal ``X`` (the LPs are convex) in
+    which identical jobs have equal fractions. With ``X[j, c] = X[class, c]`` a class's
+    fairness and time rows are any member's, its capacity (and IO) use is its size times one
+    member's, and its water-filling objective is its size times one member's.
+    """
+    classes, first, size = np.unique(klass, return_index=True, return_counts=True)
+    if classes.size == n_jobs:
+        return _max_min_lp(job, gpus, normalized, weight, n_jobs, type_capacity, kind, water_fill, io, io_budget)
+    # Candidate positions within their job, to map every job's candidates onto its representative's.
+    order = np.argsort(job, kind="stable")
+    counts = np.bincount(job, minlength=n_jobs)
+    start = np.cumsum(counts) - counts
+    position = np.empty(job.size, dtype=np.int64)
+    position[order] = np.arange(job.size) - start[job[order]]
+    representative = first[np.searchsorted(classes, klass)]  # per job
+    mine = np.flatnonzero(representative[job] == job)         # the representatives' candidates
+    row = np.searchsorted(classes, klass[job[mine]])
+    x, level = _max_min_lp(row, gpus[mine], normalized[mine], weight[first], classes.size, type_capacity, kind[mine],
+                           water_fill, io[mine] if io is not None else None, io_budget, multiplicity=size)
+    solved = np.zeros(job.size)
+    solved[mine] = x
+    return solved[order[start[representative[job]] + position]], level
+
+
 def _max_min_lp(
     job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
     type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool,
-    io: np.ndarray | None = None, io_budget: float = np.inf,
+    io: np.ndarray | None = None, io_budget: float = np.inf, multiplicity: np.ndarray | None = None,
 ) -> tuple[np.ndarray, float]:
     """Solve the max-min LP (and optionally the water-filling LP); return ``(X, t*)``.
 
     ``kind[c]`` is candidate ``c``'s GPU type (an index into ``type_capacity``, the GPUs of
     each type): one capacity row per type. With ``io`` (bytes/s each candidate reads) the LP
-    gets one more row: ``sum io x <= io_budget``.
+    gets one more row: ``sum io x <= io_budget``. ``multiplicity[j]``: how many identical jobs
+    row ``j`` stands for (:func:`_classes_lp`; default 1).
     """
     m = job.size
+    many = np.ones(m) if multiplicity is None else multiplicity[job].astype(np.float64)
     cols = np.arange(m)
     n_types = len(type_capacity)
     # Rows 0..n-1: w_j t - sum_c norm x <= 0; rows n..2n-1: sum_c x <= 1; rows 2n..2n+T-1:
@@ -483,12 +558,12 @@ def _max_min_lp(
     fair = np.flatnonzero(np.bincount(job, minlength=n_jobs) > 0)
     rows = np.concatenate([job, n_jobs + job, 2 * n_jobs + kind, fair])
     columns = np.concatenate([cols, cols, cols, np.full(fair.size, m)])
-    values = np.concatenate([-normalized, np.ones(m), gpus.astype(np.float64), weight[fair]])
+    values = np.concatenate([-normalized, np.ones(m), gpus * many, weight[fair]])
     extra = []
     if io is not None:  # the last row: the storage budget
         rows = np.concatenate([rows, np.full(m, 2 * n_jobs + n_types)])
         columns = np.concatenate([columns, cols])
-        values = np.concatenate([values, io.astype(np.float64)])
+        values = np.concatenate([values, io * many])
         extra = [float(io_budget)]
     a_ub = sp.csr_matrix((values, (rows, columns)), shape=(2 * n_jobs + n_types + len(extra), m + 1))
     b_ub = np.concatenate([np.zeros(n_jobs), np.ones(n_jobs), type_capacity.astype(np.float64), extra])
@@ -504,7 +579,7 @@ def _max_min_lp(
     fraction = first.x[:m]
     if water_fill and level > 0:
         bounds[m] = level * (1 - _LEVEL_SLACK)
-        second = linprog(np.concatenate([-normalized, [0.0]]), A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs-ipm")
+        second = linprog(np.concatenate([-normalized * many, [0.0]]), A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs-ipm")
         if second.status == 0:
             fraction = second.x[:m]
     return np.clip(fraction, 0.0, 1.0), level
