@@ -24,6 +24,7 @@ that mixes types anyway is charged its job's slowest type (:func:`slowest_type`)
 
 from __future__ import annotations
 
+import heapq
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,20 +45,24 @@ class FreeGpus:
         self._type = {n.name: n.gpu_type for n in snapshot.nodes if n.pool in allowed}
         self._total = sum(len(v) for v in self._free.values())
         self._total_by_type: dict[str, int] = {}
-        # Nodes by (GPU type, number of free GPUs > 0), for tightest-fit look-ups.
+        # Nodes by (GPU type, number of free GPUs > 0), for tightest-fit look-ups: a set, and a
+        # heap of the same names for the smallest (entries of nodes that left the set are skipped).
         self._by_size: dict[tuple[str, int], set[str]] = {}
+        self._smallest: dict[tuple[str, int], list[str]] = {}
         for name, free in self._free.items():
             self._total_by_type[self._type[name]] = self._total_by_type.get(self._type[name], 0) + len(free)
             if free:
                 self._by_size.setdefault((self._type[name], len(free)), set()).add(name)
+        for key, names in self._by_size.items():
+            self._smallest[key] = sorted(names)  # a sorted list is a heap
 
     def count(self, node: str) -> int:
         return len(self._free.get(node, ()))
 
     def counts(self, gpu_type: str | None = None) -> dict[str, int]:
-        """Free GPUs per node that has any (of ``gpu_type`` if given), in node order."""
-        return {name: len(free) for name, free in self._free.items()
-                if free and (gpu_type is None or self._type[name] == gpu_type)}
+        """Free GPUs per node that has any (of ``gpu_type`` if given), in no particular order."""
+        return {name: size for (t, size), names in self._by_size.items() if gpu_type is None or t == gpu_type
+                for name in names}
 
     @property
     def total(self) -> int:
@@ -84,14 +89,15 @@ class FreeGpus:
     def tightest(self, count: int, gpu_type: str | None = None) -> str | None:
         """The node (of ``gpu_type`` if given) with the fewest free GPUs that still has ``count``
         (ties: smallest name), or None."""
-        sizes = sorted({size for (t, size), names in self._by_size.items()
-                        if size >= count and names and (gpu_type is None or t == gpu_type)})
-        for size in sizes:
-            names = set().union(*(names for (t, n), names in self._by_size.items()
-                                  if n == size and (gpu_type is None or t == gpu_type)))
-            if names:
-                return min(names)
-        return None
+        best: tuple[int, str] | None = None
+        for key, names in self._by_size.items():
+            if key[1] >= count and names and (gpu_type is None or key[0] == gpu_type):
+                heap = self._smallest[key]
+                while heap[0] not in names:
+                    heapq.heappop(heap)
+                if best is None or (key[1], heap[0]) < best:
+                    best = (key[1], heap[0])
+        return None if best is None else best[1]
 
     def reserve(self, node: str, indices: Iterable[int]) -> tuple[int, ...]:
         taken = tuple(sorted(indices))
@@ -101,17 +107,31 @@ class FreeGpus:
             for index in taken:
                 free.remove(index)  # ValueError here would be a double booking: let it surface
         finally:
-            if len(free) != before:
-                gpu_type = self._type[node]
-                self._total -= before - len(free)
-                self._total_by_type[gpu_type] -= before - len(free)
-                self._by_size[(gpu_type, before)].discard(node)
-                if free:
-                    self._by_size.setdefault((gpu_type, len(free)), set()).add(node)
+            self._shrunk(node, before)
         return taken
 
     def reserve_any(self, node: str, count: int) -> tuple[int, ...]:
-        return self.reserve(node, self._free[node][:count])
+        """The node's first ``count`` free GPUs (the free list is kept sorted)."""
+        free = self._free[node]
+        before = len(free)
+        taken = tuple(free[:count])
+        del free[:count]
+        self._shrunk(node, before)
+        return taken
+
+    def _shrunk(self, node: str, before: int) -> None:
+        """Book-keeping after ``node`` went from ``before`` free GPUs to what it has now."""
+        free = self._free[node]
+        if len(free) == before:
+            return
+        gpu_type = self._type[node]
+        self._total -= before - len(free)
+        self._total_by_type[gpu_type] -= before - len(free)
+        self._by_size[(gpu_type, before)].discard(node)
+        if free:
+            key = (gpu_type, len(free))
+            self._by_size.setdefault(key, set()).add(node)
+            heapq.heappush(self._smallest.setdefault(key, []), node)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,6 @@ from scipy.optimize import linprog
 
 from scheduler import codesign as co
 from scheduler.placement import TypeRoom, blind_preferences, largest_type_gpus, node_types, place, placement_type
-from scheduler.policies.pollux import upper_hull_segments
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
@@ -166,19 +165,47 @@ class GavelPolicy:
 
     def candidate_counts(self, job: JobInfo, capacity: int) -> list[int]:
         """GPU counts the LP may give ``job`` (empty if not even its minimum fits the cluster)."""
-        if job.min_gpus > capacity:
-            return []
-        high = min(max(min(job.max_gpus, self.max_gpus_per_job), job.min_gpus), capacity)
-        requested = min(max(job.requested, job.min_gpus), high)
-        if not self.elastic or job.rigid:
-            return [requested]
-        counts = {job.min_gpus, requested, high}
-        power = 1
-        while power < high:
-            if power > job.min_gpus:
-                counts.add(power)
-            power *= 2
-        return sorted(counts)
+        counts = self._count_matrix(*_bounds([job]), capacity)
+        return [int(g) for g in counts[0] if g > 0]
+
+    def _count_matrix(self, low: np.ndarray, top: np.ndarray, asked: np.ndarray, capacity: int) -> np.ndarray:
+        """Row ``k``: the candidate counts of the job with bounds ``low[k]..top[k]`` that asked for
+        ``asked[k]`` GPUs, on ``capacity`` GPUs, ascending, 0-padded.
+
+        A rigid job (or any job with ``elastic=False``) has its requested count; an elastic job
+        also its minimum, its maximum (capped by ``max_gpus_per_job`` and the capacity) and the
+        powers of two strictly between them. None if its minimum exceeds the capacity.
+        """
+        high = np.minimum(np.maximum(np.minimum(top, self.max_gpus_per_job), low), capacity)
+        requested = np.minimum(np.maximum(asked, low), high)
+        elastic = (low != top) & self.elastic
+        powers = 2 ** np.arange(max(int(high.max(initial=1)) - 1, 1).bit_length() + 1)
+        options = np.concatenate([requested[:, None], np.stack([low, high], axis=1),
+                                  np.broadcast_to(powers, (low.size, powers.size))], axis=1)
+        offered = np.ones(options.shape, dtype=bool)
+        offered[:, 1:] = elastic[:, None]
+        offered[:, 3:] &= (options[:, 3:] > low[:, None]) & (options[:, 3:] < high[:, None])
+        offered[low > capacity] = False
+        sentinel = np.iinfo(np.int64).max
+        options = np.sort(np.where(offered, options, sentinel), axis=1)
+        repeated = np.zeros(options.shape, dtype=bool)
+        repeated[:, 1:] = options[:, 1:] == options[:, :-1]
+        return np.where(repeated | (options == sentinel), 0, options)
+
+    def _candidates(self, jobs, types: tuple[str, ...], type_capacity: np.ndarray, widest: int):
+        """``(job, gpus, type)`` of every candidate, by job, then type, then count: a count must fit
+        its type's GPUs (type-blind: the largest type's, since a job still runs on one type) and
+        the job must allow the type."""
+        by_type = []
+        bounds = _bounds(jobs)
+        for t, gpu_type in enumerate(types):
+            counts = self._count_matrix(*bounds, min(int(type_capacity[t]), widest))
+            if gpu_type:
+                counts[[not job.allows(gpu_type) for job in jobs]] = 0
+            by_type.append(counts)
+        stacked = np.stack(by_type, axis=1)  # job x type x option
+        job, kind, _ = np.nonzero(stacked)
+        return job.astype(np.int64), stacked[stacked > 0].astype(np.int64), kind.astype(np.int64)
 
     def pool_types(self, snapshot: ClusterSnapshot) -> tuple[tuple[str, ...], np.ndarray]:
         """``(types, GPUs of each)`` the LP sees: the pool's types, or one pool when type-blind."""
@@ -192,30 +219,13 @@ class GavelPolicy:
         """The fractional allocation of ``snapshot`` (see the module docstring)."""
         jobs = tuple(snapshot.jobs)
         types, type_capacity = self.pool_types(snapshot)
-        capacity = int(type_capacity.sum())
         per_node = gpus_per_node(snapshot)
-        # Candidates: (count, type) pairs; a count must fit the type's GPUs (type-blind: the
-        # largest type's, since a job still runs on one type).
-        widest = largest_type_gpus(snapshot)
-        job_list: list[int] = []
-        gpu_list: list[int] = []
-        type_list: list[int] = []
-        for j, job_ in enumerate(jobs):
-            for t, gpu_type in enumerate(types):
-                if gpu_type and not job_.allows(gpu_type):
-                    continue
-                for g in self.candidate_counts(job_, min(int(type_capacity[t]), widest)):
-                    job_list.append(j)
-                    gpu_list.append(g)
-                    type_list.append(t)
-        job = np.array(job_list, dtype=np.int64)
-        gpus = np.array(gpu_list, dtype=np.int64)
-        kind = np.array(type_list, dtype=np.int64)
+        job, gpus, kind = self._candidates(jobs, types, type_capacity, largest_type_gpus(snapshot))
         weight = np.array([self.priority_base ** job_.priority for job_ in jobs], dtype=np.float64)
         if gpus.size == 0:
             empty = np.zeros(0)
             return GavelAllocation(jobs, job, gpus, empty, np.zeros(len(jobs)), weight, empty, 0.0, None, types, kind)
-        batch = 0 if self.adapt_batch else np.array([jobs[j].initial_batch_size for j in job], dtype=np.int64)
+        batch = 0 if self.adapt_batch else np.array([j.initial_batch_size for j in jobs], dtype=np.int64)[job]
         # One priced row per (job, type) pair: the job's model on that type.
         pair, pair_of = np.unique(job * len(types) + kind, return_inverse=True)
         table = JobTable([jobs[p // len(types)] for p in pair], gpu_types=[types[p % len(types)] for p in pair])
@@ -294,18 +304,16 @@ class GavelPolicy:
         allocation = self.solve(snapshot)
         jobs = allocation.jobs
         priority = self.round_priorities(snapshot, allocation)
-        order = sorted(range(len(jobs)), key=lambda j: (-priority[j], jobs[j].submit_time_s, jobs[j].job_id))
+        order = np.lexsort((np.array([job.job_id for job in jobs]), np.array([job.submit_time_s for job in jobs]),
+                            -priority)).tolist()
         # Each job's candidates with time in the LP, most-weighted first (the smaller count among
         # near-equal weights); a job the LP gives no time keeps its first one, for leftover GPUs.
         ranked = np.lexsort((allocation.gpus, -np.round(allocation.fraction / 1e-6), allocation.job))
-        choices: dict[int, list[int]] = {}
-        for c in ranked:
-            if allocation.fraction[c] > _NOISE or not choices.get(int(allocation.job[c])):
-                choices.setdefault(int(allocation.job[c]), []).append(int(c))
+        first = np.ones(ranked.size, dtype=bool)
+        first[1:] = allocation.job[ranked[1:]] != allocation.job[ranked[:-1]]
+        choices = _by_job(ranked[first | (allocation.fraction[ranked] > _NOISE)], allocation.job, len(jobs))
         blind = blind_preferences(snapshot, [job.job_id for job in jobs]) if not self.heterogeneity_aware else None
-        fastest: dict[int, list[int]] = {}
-        for c in np.lexsort((-allocation.throughput, allocation.job)):
-            fastest.setdefault(int(allocation.job[c]), []).append(int(c))
+        fastest = _by_job(np.lexsort((-allocation.throughput, allocation.job)), allocation.job, len(jobs))
 
         def admit(excluded: frozenset[str]):
             room = TypeRoom(snapshot)
@@ -324,10 +332,10 @@ class GavelPolicy:
                     if picked is not None:
                         counts[job.job_id], preferences[job.job_id] = picked
 
-            offer(lambda j, job: self._pick(job, allocation, choices[j], room, blind) if choices.get(j) else None)
+            offer(lambda j, job: self._pick(job, allocation, choices[j], room, blind) if choices[j] else None)
             # Work conservation: GPUs the LP's choices left over go to jobs still waiting, in
             # the same order, on any type they may use (fastest first) and any count they fit.
-            offer(lambda j, job: self._fill(job, allocation, fastest.get(j, []), room, blind))
+            offer(lambda j, job: self._fill(job, allocation, fastest[j], room, blind))
             # Still GPUs left: elastic jobs that start (or move) this round anyway grow into them
             # on their type; a job running in place is not restarted for a few more GPUs.
             for j in order:
@@ -404,6 +412,19 @@ class GavelPolicy:
         return {job.job_id: int(b) for job, b in zip(jobs, batch)}
 
 
+def _bounds(jobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(min_gpus, max_gpus, requested)`` of every job."""
+    bounds = np.array([(job.min_gpus, job.max_gpus, job.requested) for job in jobs], dtype=np.int64).reshape(-1, 3)
+    return bounds[:, 0], bounds[:, 1], bounds[:, 2]
+
+
+def _by_job(candidates: np.ndarray, job: np.ndarray, n_jobs: int) -> list[list[int]]:
+    """Per job: its entries of ``candidates`` (ordered by job, then as the caller wants them)."""
+    ends = np.cumsum(np.bincount(job[candidates], minlength=n_jobs)).tolist()
+    flat = candidates.tolist()
+    return [flat[begin:end] for begin, end in zip([0] + ends[:-1], ends)]
+
+
 def _growth_allowed(job: np.ndarray, gpus: np.ndarray, io: np.ndarray, jobs, budget: float) -> np.ndarray:
     """All candidates while the storage budget has slack; only counts up to each job's
     requested one once the jobs' IO demands at their requested counts exceed it.
@@ -424,20 +445,39 @@ def _growth_allowed(job: np.ndarray, gpus: np.ndarray, io: np.ndarray, jobs, bud
     return gpus <= requested[job]
 
 
-def _undominated(job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, n_jobs: int) -> np.ndarray:
-    """Candidates on each job's upper concave hull of ``(gpus, normalized)`` from ``(0, 0)``.
+def _undominated(pair: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, n_pairs: int) -> np.ndarray:
+    """Candidates on their (job, type) pair's upper concave hull of ``(gpus, normalized)`` from ``(0, 0)``.
 
     Any other candidate is matched or beaten, in the same time and with no more GPUs, by
     mixing two hull candidates (or a hull candidate and idling), so the LP never needs it.
+    The hull is walked for every pair at once on a pair x candidate table (a few columns).
     """
-    width = int(gpus.max()) + 1
-    value = np.full((n_jobs, width), -np.inf)
-    value[:, 0] = 0.0
-    value[job, gpus] = normalized
-    hull_job, _, hull_end, _ = upper_hull_segments(value)
-    on_hull = np.zeros((n_jobs, width), dtype=bool)
-    on_hull[hull_job, hull_end] = True
-    return on_hull[job, gpus]
+    order = np.lexsort((gpus, pair))
+    counts = np.bincount(pair, minlength=n_pairs)
+    start = np.cumsum(counts) - counts
+    column = np.empty(pair.size, dtype=np.int64)
+    column[order] = np.arange(pair.size) - start[pair[order]] + 1
+    width = int(counts.max(initial=0)) + 1
+    x = np.full((n_pairs, width), np.inf)
+    y = np.full((n_pairs, width), -np.inf)
+    x[:, 0] = y[:, 0] = 0.0  # the origin: idling
+    x[pair, column] = gpus
+    y[pair, column] = normalized
+    on_hull = np.zeros((n_pairs, width), dtype=bool)
+    at = np.zeros(n_pairs, dtype=np.int64)
+    rows = np.arange(n_pairs)
+    later = np.arange(width)[None, :]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        while rows.size:
+            here = at[rows]
+            slope = (y[rows] - y[rows, here][:, None]) / (x[rows] - x[rows, here][:, None])
+            slope = np.where((later > here[:, None]) & np.isfinite(slope), slope, -np.inf)
+            end = width - 1 - np.argmax(slope[:, ::-1], axis=1)  # the farthest among equal slopes
+            rises = slope[np.arange(rows.size), end] > 0
+            rows, end = rows[rises], end[rises]
+            on_hull[rows, end] = True
+            at[rows] = end
+    return on_hull[pair, column]
 
 
 def _partitioned_lp(
@@ -488,7 +528,15 @@ def _job_classes(job: np.ndarray, gpus: np.ndarray, kind: np.ndarray, normalized
     signature = np.full((n_jobs, width + 1), -1, dtype=np.int64)
     signature[job, position] = code
     signature[:, width] = _row_codes([weight])
-    _, klass = np.unique(signature, axis=0, return_inverse=True)
+    # Group rows by a hash of the signature, then check every row against its group's first:
+    # exact, and much faster than sorting the rows (np.unique(axis=0)) on a large round.
+    mixer = np.random.default_rng(0).integers(1, 2**61, size=width + 1, dtype=np.int64) | 1
+    with np.errstate(over="ignore"):
+        digest = (signature * mixer).sum(axis=1)
+    _, first, klass = np.unique(digest, return_index=True, return_inverse=True)
+    klass = klass.ravel()
+    if not np.array_equal(signature, signature[first[klass]]):  # a hash collision: sort the rows instead
+        _, klass = np.unique(signature, axis=0, return_inverse=True)
     return klass.ravel()
 
 
@@ -496,9 +544,13 @@ def _row_codes(columns: list[np.ndarray]) -> np.ndarray:
     """One integer per row of ``columns`` (parallel arrays), equal exactly for equal rows."""
     key = np.zeros(columns[0].size, dtype=np.int64)
     for column in columns:
-        values, codes = np.unique(column, return_inverse=True)
-        key = key * len(values) + codes.ravel()
-        if values.size and key.max(initial=0) > 2**40:  # keep the mixed-radix key small
+        if column.dtype.kind in "iu" and column.size and 0 <= column.min() and column.max() < 2**20:
+            codes, radix = column.astype(np.int64), int(column.max()) + 1  # small counts: their own codes
+        else:
+            values, codes = np.unique(column, return_inverse=True)
+            codes, radix = codes.ravel(), len(values)
+        key = key * radix + codes
+        if key.max(initial=0) > 2**40:  # keep the mixed-radix key small
             _, key = np.unique(key, return_inverse=True)
             key = key.ravel().astype(np.int64)
     return key

@@ -54,10 +54,16 @@ class JobTable:
         if len(types) != len(self.jobs):
             raise ValueError("need one GPU type per job")
         unique: dict = {}
-        self.model_of = np.fromiter(
-            (unique.setdefault(job.model_on(t), len(unique)) for job, t in zip(self.jobs, types)),
-            dtype=np.int64, count=len(self.jobs),
-        )
+        seen: dict[int, int] = {}  # id(model) -> its index: hashing a model is slow, and many jobs share one object
+
+        def index_of(model) -> int:
+            found = seen.get(id(model))
+            if found is None:
+                found = seen[id(model)] = unique.setdefault(model, len(unique))
+            return found
+
+        self.model_of = np.fromiter((index_of(job.model_on(t)) for job, t in zip(self.jobs, types)),
+                                    dtype=np.int64, count=len(self.jobs))
         self.table = ModelTable(list(unique)) if unique else None
 
     def __len__(self) -> int:
@@ -111,8 +117,12 @@ def _distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray | None, np.nda
     for column in columns:
         if size == 0 or column[0] == column[-1] and np.all(column == column[0]):
             continue  # constant: adds nothing
-        values, codes = np.unique(column, return_inverse=True)
-        key = key * len(values) + codes.ravel()
+        if 0 <= column.min() and column.max() < 2**20 and np.array_equal(column, np.floor(column)):
+            codes, radix = column.astype(np.int64), int(column.max()) + 1  # small whole numbers: their own codes
+        else:
+            values, codes = np.unique(column, return_inverse=True)
+            codes, radix = codes.ravel(), len(values)
+        key = key * radix + codes
         if key.max(initial=0) > 2**40:  # keep the mixed-radix key small
             _, key = np.unique(key, return_inverse=True)
             key = key.ravel().astype(np.int64)
