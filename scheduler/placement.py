@@ -373,13 +373,8 @@ def plan_from_placements(placements: Mapping[str, Placement], batch_sizes: Mappi
     With ``snapshot`` each allocation names its GPU type.
     """
     batch_sizes = batch_sizes or {}
+    kinds = node_types(snapshot) if snapshot is not None else {}
+    jobs = {job.job_id: job for job in snapshot.jobs} if snapshot is not None else {}
     return Plan({job_id: Allocation(placement=p, batch_size=batch_sizes.get(job_id, 0),
-                                    gpu_type=_type_of(p, snapshot, job_id))
+                                    gpu_type=placement_type(p, kinds, jobs.get(job_id)) if snapshot is not None and p else "")
                  for job_id, p in placements.items()})
-
-
-def _type_of(placement: Placement, snapshot: ClusterSnapshot | None, job_id: str) -> str:
-    if snapshot is None or not placement:
-        return ""
-    job = next((j for j in snapshot.jobs if j.job_id == job_id), None)
-    return placement_type(placement, node_types(snapshot), job)

@@ -14,6 +14,8 @@ estimator's column table: a round over thousands of jobs then prices a handful o
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import fields
 
@@ -64,7 +66,7 @@ class JobTable:
 
         self.model_of = np.fromiter((index_of(job.model_on(t)) for job, t in zip(self.jobs, types)),
                                     dtype=np.int64, count=len(self.jobs))
-        self.table = ModelTable(list(unique)) if unique else None
+        self.table = _model_table(list(unique)) if unique else None
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -105,6 +107,32 @@ class JobTable:
         if first is None:
             return result
         return Predictions(*(getattr(result, f.name)[inverse] for f in fields(Predictions)))
+
+
+_TABLES: OrderedDict[tuple[int, ...], ModelTable] = OrderedDict()
+_TABLES_LOCK = threading.Lock()
+_TABLES_KEPT = 64
+
+
+def _model_table(models: list) -> ModelTable:
+    """``ModelTable(models)``, reused while the same model objects come back (every round of a
+    simulation prices the same few shared models; building a table costs a best-batch search).
+
+    Keyed by the models' identities: a cached table holds its models, so no other object can
+    take one of their ids while the entry lives.
+    """
+    key = tuple(map(id, models))
+    with _TABLES_LOCK:
+        table = _TABLES.get(key)
+        if table is not None:
+            _TABLES.move_to_end(key)
+            return table
+    table = ModelTable(models)
+    with _TABLES_LOCK:
+        _TABLES[key] = table
+        while len(_TABLES) > _TABLES_KEPT:
+            _TABLES.popitem(last=False)
+    return table
 
 
 def _distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray | None, np.ndarray | None]:
