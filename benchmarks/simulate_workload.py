@@ -56,16 +56,16 @@ def main() -> int:
         return load_workload(args.workload)
 
     cluster = load_cluster(args.cluster)
-    name_of = load().name
+    workload = load()  # a frozen value: every policy simulates the same one
     started = time.perf_counter()
-    for application in sorted({job.application for job in load().jobs}):
+    for application in sorted({job.application for job in workload.jobs}):
         JobModel.from_profile(application)  # fits each application's profile once per process
-    print(f"{'profiles':10s} {name_of}: {time.perf_counter() - started:7.1f} s to load and fit the application profiles "
+    print(f"{'profiles':10s} {workload.name}: {time.perf_counter() - started:7.1f} s to load and fit the application profiles "
           f"({cluster.total_gpus} GPUs, types {'/'.join(t or 'untyped' for t in cluster.gpu_types)})")
     status = 0
     for name in policies:
         started = time.perf_counter()
-        result = simulate(load(), name, cluster, check_invariants=not args.no_check)
+        result = simulate(workload, name, cluster, check_invariants=not args.no_check)
         data = summary(result)
         wall = time.perf_counter() - started
         target = args.target_s if args.target_s is not None else TARGET_S.get(name)
@@ -73,7 +73,7 @@ def main() -> int:
         if target is not None and wall >= target:
             status = 1
         print(
-            f"{name:10s} {name_of}: {wall:7.1f} s wall, {result.rounds} rounds "
+            f"{name:10s} {workload.name}: {wall:7.1f} s wall, {result.rounds} rounds "
             f"({1000 * wall / max(result.rounds, 1):.1f} ms/round), avg JCT {data['avg_jct_s']:,.0f} s{verdict}",
             flush=True,
         )

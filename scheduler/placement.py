@@ -29,7 +29,6 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan, Pool
 
@@ -219,23 +218,29 @@ def type_preferences(
     ids = [job_id for job_id, n in gpu_counts.items() if n > 0 and job_id in jobs]
     if len(types) <= 1:
         return {job_id: tuple(t for t in types if jobs[job_id].allows(t)) for job_id in ids}
-    from scheduler.policies.pollux_estimates import JobTable  # deferred: the estimator is heavy
+    from scheduler.policies.pollux_estimates import packed_goodput  # deferred: the estimator is heavy
 
     pairs = [(job_id, t) for job_id in ids for t in types if jobs[job_id].allows(t)]
     if not pairs:
         return {job_id: () for job_id in ids}
-    table = JobTable([jobs[job_id] for job_id, _ in pairs], gpu_types=[t for _, t in pairs])
     per_node = max(node.gpus for node in snapshot.nodes if node.pool in tuple(pools))
-    rate = table.predict(np.arange(len(pairs)), np.array([gpu_counts[j] for j, _ in pairs]), 0, per_node=per_node,
-                         batch_size=np.array([jobs[j].initial_batch_size for j, _ in pairs])).goodput_samples_per_s
+    rate = packed_goodput([jobs[j].model_on(t) for j, t in pairs], [gpu_counts[j] for j, _ in pairs],
+                          [jobs[j].initial_batch_size for j, _ in pairs], per_node=per_node)
     ranked: dict[str, list[tuple[bool, float, str]]] = {job_id: [] for job_id in ids}
     kinds = node_types(snapshot)
-    for (job_id, gpu_type), r in zip(pairs, rate):
-        # A running job stays on its type first: moving costs a restart and its cache.
-        current = snapshot.current.get(job_id)
-        here = bool(current and current.placement) and all(kinds.get(n) == gpu_type for n, _ in current.placement)
-        ranked[job_id].append((not here, -float(r), gpu_type))
+    # A running job stays on its type first: moving costs a restart and its cache.
+    running_on = {job_id: _single_type(snapshot.current.get(job_id), kinds) for job_id in ids}
+    for (job_id, gpu_type), r in zip(pairs, rate.tolist()):
+        ranked[job_id].append((running_on[job_id] != gpu_type, -r, gpu_type))
     return {job_id: tuple(t for *_, t in sorted(options)) for job_id, options in ranked.items()}
+
+
+def _single_type(allocation: Allocation | None, kinds: Mapping[str, str]) -> str | None:
+    """The one GPU type of ``allocation``'s nodes (None: no placement, or nodes of several types)."""
+    if allocation is None or not allocation.placement:
+        return None
+    types = {kinds.get(node) for node, _ in allocation.placement}
+    return next(iter(types)) if len(types) == 1 else None
 
 
 class TypeRoom:
