@@ -80,6 +80,8 @@ limit preemption churn when rounds are short compared with the restart cost; 0 i
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -588,7 +590,39 @@ def _classes_lp(
     return solved[order[start[representative[job]] + position]], level
 
 
+_SOLVED: OrderedDict[bytes, tuple[np.ndarray, float]] = OrderedDict()
+_SOLVED_LOCK = threading.Lock()
+_SOLVED_KEPT = 8
+
+
 def _max_min_lp(
+    job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
+    type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool,
+    io: np.ndarray | None = None, io_budget: float = np.inf, multiplicity: np.ndarray | None = None,
+) -> tuple[np.ndarray, float]:
+    """:func:`_solve_max_min_lp`, remembered for the last few distinct LPs: rounds in which no
+    job arrived or left (and nothing else the LP reads changed) pose exactly the same LP, so
+    its answer is reused. The key is every input, byte for byte."""
+    arrays = [np.asarray(job, np.int64), np.asarray(gpus, np.int64), np.asarray(normalized, np.float64),
+              np.asarray(weight, np.float64), np.asarray(type_capacity, np.int64), np.asarray(kind, np.int64)]
+    arrays += [np.asarray(a, np.float64 if a is io else np.int64) for a in (io, multiplicity) if a is not None]
+    shape = (job.size, n_jobs, len(type_capacity), bool(water_fill), io is None, multiplicity is None, float(io_budget))
+    key = repr(shape).encode() + b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+    with _SOLVED_LOCK:
+        found = _SOLVED.get(key)
+        if found is not None:
+            _SOLVED.move_to_end(key)
+            return found[0].copy(), found[1]
+    fraction, level = _solve_max_min_lp(job, gpus, normalized, weight, n_jobs, type_capacity, kind, water_fill, io,
+                                        io_budget, multiplicity)
+    with _SOLVED_LOCK:
+        _SOLVED[key] = (fraction.copy(), level)
+        while len(_SOLVED) > _SOLVED_KEPT:
+            _SOLVED.popitem(last=False)
+    return fraction, level
+
+
+def _solve_max_min_lp(
     job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
     type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool,
     io: np.ndarray | None = None, io_budget: float = np.inf, multiplicity: np.ndarray | None = None,

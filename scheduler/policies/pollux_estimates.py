@@ -66,7 +66,7 @@ class JobTable:
 
         self.model_of = np.fromiter((index_of(job.model_on(t)) for job, t in zip(self.jobs, types)),
                                     dtype=np.int64, count=len(self.jobs))
-        self.table = _model_table(list(unique)) if unique else None
+        self.table = shared_model_table(list(unique)) if unique else None
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -114,7 +114,7 @@ _TABLES_LOCK = threading.Lock()
 _TABLES_KEPT = 64
 
 
-def _model_table(models: list) -> ModelTable:
+def shared_model_table(models: list) -> ModelTable:
     """``ModelTable(models)``, reused while the same model objects come back (every round of a
     simulation prices the same few shared models; building a table costs a best-batch search).
 
