@@ -430,6 +430,9 @@ def solve_counts(utility: np.ndarray, capacity: int, solver: str = "auto", dp_li
     n, width = utility.shape
     if n == 0 or capacity == 0 or width == 1:
         return np.zeros(n, dtype=np.int64)
+    wanted = np.argmax(utility, axis=1)  # each job's best count, the fewest GPUs among equals
+    if int(wanted.sum()) <= capacity:
+        return wanted.astype(np.int64)  # room for every job's best: that is the optimum
     if solver == "auto":
         solver = "dp" if n * (capacity + 1) * width <= dp_limit else "greedy"
     if solver == "dp":
