@@ -622,6 +622,12 @@ def _max_min_lp(
     return fraction, level
 
 
+def forget_lps() -> None:
+    """Drop the remembered LP answers (a benchmark times a round that solves its LP)."""
+    with _SOLVED_LOCK:
+        _SOLVED.clear()
+
+
 def _solve_max_min_lp(
     job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
     type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool,
