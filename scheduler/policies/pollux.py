@@ -465,7 +465,12 @@ def _current_type(snapshot: ClusterSnapshot, job: JobInfo, kinds, types) -> int:
 def _solve_dp(utility: np.ndarray, capacity: int) -> np.ndarray:
     """Exact: maximize ``sum_j utility[j, g_j]`` subject to ``sum_j g_j <= capacity`` (group knapsack)."""
     n, width = utility.shape
-    width = min(width, capacity + 1)
+    # A count no better than some smaller count of its job is never chosen (the table ``best``
+    # never falls with more GPUs and ties go to the smaller count): drop the columns past the
+    # last count that beats every smaller one, of any job. The answer is the same.
+    rises = utility[:, 1:] > np.maximum.accumulate(utility, axis=1)[:, :-1]
+    useful = int(np.flatnonzero(rises.any(axis=0)).max(initial=-1)) + 2
+    width = min(width, capacity + 1, useful)
     utility = utility[:, :width]
     # shift[k, c] = c - k: value[c] of the new row = max_k best[c - k] + utility[j, k].
     shift = np.arange(capacity + 1)[None, :] - np.arange(width)[:, None]
