@@ -472,17 +472,19 @@ def _solve_dp(utility: np.ndarray, capacity: int) -> np.ndarray:
     useful = int(np.flatnonzero(rises.any(axis=0)).max(initial=-1)) + 2
     width = min(width, capacity + 1, useful)
     utility = utility[:, :width]
-    # shift[k, c] = c - k: value[c] of the new row = max_k best[c - k] + utility[j, k].
-    shift = np.arange(capacity + 1)[None, :] - np.arange(width)[:, None]
-    valid = shift >= 0
-    shift = np.where(valid, shift, 0)
-    best = np.zeros(capacity + 1)  # best total using at most c GPUs over the jobs so far
+    # value[c] of the new row = max_k best[c - k] + utility[j, k]; ``before[c, k]`` is
+    # ``best[c - k]`` (-inf for k > c), a strided view of ``padded`` (no copy).
+    padded = np.full(capacity + width, -np.inf)
+    best = padded[width - 1:]  # best total using at most c GPUs over the jobs so far
+    best[:] = 0.0
+    before = np.lib.stride_tricks.sliding_window_view(padded, width)[:, ::-1]
+    columns = np.arange(capacity + 1)
     choice = np.zeros((n, capacity + 1), dtype=np.int16 if width < 2**15 else np.int32)
     for j in range(n):
-        options = np.where(valid, best[shift] + utility[j][:, None], -np.inf)
-        pick = np.argmax(options, axis=0)
+        options = before + utility[j]
+        pick = np.argmax(options, axis=1)  # the smallest count among equals
         choice[j] = pick
-        best = options[pick, np.arange(capacity + 1)]
+        best[:] = options[columns, pick]
     counts = np.zeros(n, dtype=np.int64)
     c = capacity
     for j in range(n - 1, -1, -1):
