@@ -469,8 +469,9 @@ def _solve_dp(utility: np.ndarray, capacity: int) -> np.ndarray:
     # never falls with more GPUs and ties go to the smaller count): drop the columns past the
     # last count that beats every smaller one, of any job. The answer is the same.
     rises = utility[:, 1:] > np.maximum.accumulate(utility, axis=1)[:, :-1]
-    useful = int(np.flatnonzero(rises.any(axis=0)).max(initial=-1)) + 2
-    width = min(width, capacity + 1, useful)
+    last = np.where(rises.any(axis=1), width - 1 - np.argmax(rises[:, ::-1], axis=1), 0)  # per job
+    own = np.minimum(last + 1, capacity + 1).tolist()  # each job's columns worth reading
+    width = min(width, capacity + 1, max(own))
     utility = utility[:, :width]
     # value[c] of the new row = max_k best[c - k] + utility[j, k]; ``before[c, k]`` is
     # ``best[c - k]`` (-inf for k > c), a strided view of ``padded`` (no copy).
@@ -481,7 +482,7 @@ def _solve_dp(utility: np.ndarray, capacity: int) -> np.ndarray:
     columns = np.arange(capacity + 1)
     choice = np.zeros((n, capacity + 1), dtype=np.int16 if width < 2**15 else np.int32)
     for j in range(n):
-        options = before + utility[j]
+        options = before[:, :own[j]] + utility[j, :own[j]]
         pick = np.argmax(options, axis=1)  # the smallest count among equals
         choice[j] = pick
         best[:] = options[columns, pick]
