@@ -76,7 +76,7 @@ import numpy as np
 from scheduler import codesign as co
 from scheduler.placement import blind_preferences, largest_type_gpus, node_types, place, placement_type
 from scheduler.policies.estimates import io_demand
-from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
+from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, packed_goodput, pool_nodes
 from scheduler.policies.typed_counts import assign_types, best_start
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
@@ -442,11 +442,8 @@ def solve_counts(utility: np.ndarray, capacity: int, solver: str = "auto", dp_li
 
 def base_goodput_ratio(jobs, gpu_type: str) -> np.ndarray:
     """Per job: its goodput on one GPU of ``gpu_type`` over one GPU of its reference model (best batches)."""
-    typed = JobTable(list(jobs), gpu_types=[gpu_type] * len(jobs))
-    reference = JobTable(list(jobs))
-    every = np.arange(len(jobs))
-    on_type = typed.predict(every, 1, 1, per_node=1).goodput_samples_per_s
-    base = reference.predict(every, 1, 1, per_node=1).goodput_samples_per_s
+    on_type = packed_goodput([job.model_on(gpu_type) for job in jobs], 1, 0, per_node=1)
+    base = packed_goodput([job.model for job in jobs], 1, 0, per_node=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(base > 0, on_type / np.where(base > 0, base, 1.0), 1.0)
 
