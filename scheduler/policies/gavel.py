@@ -90,7 +90,7 @@ from scipy.optimize import linprog
 
 from scheduler import codesign as co
 from scheduler.placement import TypeRoom, blind_preferences, largest_type_gpus, node_types, place, placement_type
-from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
+from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes, row_codes
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
 
@@ -520,7 +520,7 @@ def _job_classes(job: np.ndarray, gpus: np.ndarray, kind: np.ndarray, normalized
     round has few classes (a 20,000-job benchmark round: a few dozen).
     """
     columns = [gpus, kind, normalized] + ([io] if io is not None else [])
-    code = _row_codes(columns)
+    code = row_codes(columns)
     order = np.argsort(job, kind="stable")
     counts = np.bincount(job, minlength=n_jobs)
     first = np.cumsum(counts) - counts
@@ -529,7 +529,7 @@ def _job_classes(job: np.ndarray, gpus: np.ndarray, kind: np.ndarray, normalized
     width = int(counts.max(initial=0))
     signature = np.full((n_jobs, width + 1), -1, dtype=np.int64)
     signature[job, position] = code
-    signature[:, width] = _row_codes([weight])
+    signature[:, width] = row_codes([weight])
     # Group rows by a hash of the signature, then check every row against its group's first:
     # exact, and much faster than sorting the rows (np.unique(axis=0)) on a large round.
     mixer = np.random.default_rng(0).integers(1, 2**61, size=width + 1, dtype=np.int64) | 1
@@ -540,22 +540,6 @@ def _job_classes(job: np.ndarray, gpus: np.ndarray, kind: np.ndarray, normalized
     if not np.array_equal(signature, signature[first[klass]]):  # a hash collision: sort the rows instead
         _, klass = np.unique(signature, axis=0, return_inverse=True)
     return klass.ravel()
-
-
-def _row_codes(columns: list[np.ndarray]) -> np.ndarray:
-    """One integer per row of ``columns`` (parallel arrays), equal exactly for equal rows."""
-    key = np.zeros(columns[0].size, dtype=np.int64)
-    for column in columns:
-        if column.dtype.kind in "iu" and column.size and 0 <= column.min() and column.max() < 2**20:
-            codes, radix = column.astype(np.int64), int(column.max()) + 1  # small counts: their own codes
-        else:
-            values, codes = np.unique(column, return_inverse=True)
-            codes, radix = codes.ravel(), len(values)
-        key = key * radix + codes
-        if key.max(initial=0) > 2**40:  # keep the mixed-radix key small
-            _, key = np.unique(key, return_inverse=True)
-            key = key.ravel().astype(np.int64)
-    return key
 
 
 def _classes_lp(

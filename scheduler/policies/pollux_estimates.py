@@ -180,6 +180,15 @@ def _distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray | None, np.nda
     ``(None, None)`` when every row is distinct or there is nothing to gain.
     """
     size = columns[0].size
+    distinct, first, inverse = np.unique(row_codes(columns), return_index=True, return_inverse=True)
+    if distinct.size == size:
+        return None, None
+    return first, inverse.ravel()
+
+
+def row_codes(columns: list[np.ndarray]) -> np.ndarray:
+    """One integer per row of ``columns`` (parallel arrays), equal exactly for equal rows."""
+    size = columns[0].size
     key = np.zeros(size, dtype=np.int64)
     for column in columns:
         if size == 0 or column[0] == column[-1] and np.all(column == column[0]):
@@ -193,10 +202,7 @@ def _distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray | None, np.nda
         if key.max(initial=0) > 2**40:  # keep the mixed-radix key small
             _, key = np.unique(key, return_inverse=True)
             key = key.ravel().astype(np.int64)
-    distinct, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    if distinct.size == size:
-        return None, None
-    return first, inverse.ravel()
+    return key
 
 
 def held_in_place(snapshot: ClusterSnapshot, jobs: Sequence[JobInfo], pools: Sequence[Pool] = ("training",)) -> np.ndarray:
