@@ -24,11 +24,11 @@ that mixes types anyway is charged its job's slowest type (:func:`slowest_type`)
 
 from __future__ import annotations
 
+import heapq
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan, Pool
 
@@ -44,20 +44,24 @@ class FreeGpus:
         self._type = {n.name: n.gpu_type for n in snapshot.nodes if n.pool in allowed}
         self._total = sum(len(v) for v in self._free.values())
         self._total_by_type: dict[str, int] = {}
-        # Nodes by (GPU type, number of free GPUs > 0), for tightest-fit look-ups.
+        # Nodes by (GPU type, number of free GPUs > 0), for tightest-fit look-ups: a set, and a
+        # heap of the same names for the smallest (entries of nodes that left the set are skipped).
         self._by_size: dict[tuple[str, int], set[str]] = {}
+        self._smallest: dict[tuple[str, int], list[str]] = {}
         for name, free in self._free.items():
             self._total_by_type[self._type[name]] = self._total_by_type.get(self._type[name], 0) + len(free)
             if free:
                 self._by_size.setdefault((self._type[name], len(free)), set()).add(name)
+        for key, names in self._by_size.items():
+            self._smallest[key] = sorted(names)  # a sorted list is a heap
 
     def count(self, node: str) -> int:
         return len(self._free.get(node, ()))
 
     def counts(self, gpu_type: str | None = None) -> dict[str, int]:
-        """Free GPUs per node that has any (of ``gpu_type`` if given), in node order."""
-        return {name: len(free) for name, free in self._free.items()
-                if free and (gpu_type is None or self._type[name] == gpu_type)}
+        """Free GPUs per node that has any (of ``gpu_type`` if given), in no particular order."""
+        return {name: size for (t, size), names in self._by_size.items() if gpu_type is None or t == gpu_type
+                for name in names}
 
     @property
     def total(self) -> int:
@@ -84,14 +88,15 @@ class FreeGpus:
     def tightest(self, count: int, gpu_type: str | None = None) -> str | None:
         """The node (of ``gpu_type`` if given) with the fewest free GPUs that still has ``count``
         (ties: smallest name), or None."""
-        sizes = sorted({size for (t, size), names in self._by_size.items()
-                        if size >= count and names and (gpu_type is None or t == gpu_type)})
-        for size in sizes:
-            names = set().union(*(names for (t, n), names in self._by_size.items()
-                                  if n == size and (gpu_type is None or t == gpu_type)))
-            if names:
-                return min(names)
-        return None
+        best: tuple[int, str] | None = None
+        for key, names in self._by_size.items():
+            if key[1] >= count and names and (gpu_type is None or key[0] == gpu_type):
+                heap = self._smallest[key]
+                while heap[0] not in names:
+                    heapq.heappop(heap)
+                if best is None or (key[1], heap[0]) < best:
+                    best = (key[1], heap[0])
+        return None if best is None else best[1]
 
     def reserve(self, node: str, indices: Iterable[int]) -> tuple[int, ...]:
         taken = tuple(sorted(indices))
@@ -101,17 +106,31 @@ class FreeGpus:
             for index in taken:
                 free.remove(index)  # ValueError here would be a double booking: let it surface
         finally:
-            if len(free) != before:
-                gpu_type = self._type[node]
-                self._total -= before - len(free)
-                self._total_by_type[gpu_type] -= before - len(free)
-                self._by_size[(gpu_type, before)].discard(node)
-                if free:
-                    self._by_size.setdefault((gpu_type, len(free)), set()).add(node)
+            self._shrunk(node, before)
         return taken
 
     def reserve_any(self, node: str, count: int) -> tuple[int, ...]:
-        return self.reserve(node, self._free[node][:count])
+        """The node's first ``count`` free GPUs (the free list is kept sorted)."""
+        free = self._free[node]
+        before = len(free)
+        taken = tuple(free[:count])
+        del free[:count]
+        self._shrunk(node, before)
+        return taken
+
+    def _shrunk(self, node: str, before: int) -> None:
+        """Book-keeping after ``node`` went from ``before`` free GPUs to what it has now."""
+        free = self._free[node]
+        if len(free) == before:
+            return
+        gpu_type = self._type[node]
+        self._total -= before - len(free)
+        self._total_by_type[gpu_type] -= before - len(free)
+        self._by_size[(gpu_type, before)].discard(node)
+        if free:
+            key = (gpu_type, len(free))
+            self._by_size.setdefault(key, set()).add(node)
+            heapq.heappush(self._smallest.setdefault(key, []), node)
 
 
 @dataclass(frozen=True)
@@ -199,23 +218,29 @@ def type_preferences(
     ids = [job_id for job_id, n in gpu_counts.items() if n > 0 and job_id in jobs]
     if len(types) <= 1:
         return {job_id: tuple(t for t in types if jobs[job_id].allows(t)) for job_id in ids}
-    from scheduler.policies.pollux_estimates import JobTable  # deferred: the estimator is heavy
+    from scheduler.policies.pollux_estimates import packed_goodput  # deferred: the estimator is heavy
 
     pairs = [(job_id, t) for job_id in ids for t in types if jobs[job_id].allows(t)]
     if not pairs:
         return {job_id: () for job_id in ids}
-    table = JobTable([jobs[job_id] for job_id, _ in pairs], gpu_types=[t for _, t in pairs])
     per_node = max(node.gpus for node in snapshot.nodes if node.pool in tuple(pools))
-    rate = table.predict(np.arange(len(pairs)), np.array([gpu_counts[j] for j, _ in pairs]), 0, per_node=per_node,
-                         batch_size=np.array([jobs[j].initial_batch_size for j, _ in pairs])).goodput_samples_per_s
+    rate = packed_goodput([jobs[j].model_on(t) for j, t in pairs], [gpu_counts[j] for j, _ in pairs],
+                          [jobs[j].initial_batch_size for j, _ in pairs], per_node=per_node)
     ranked: dict[str, list[tuple[bool, float, str]]] = {job_id: [] for job_id in ids}
     kinds = node_types(snapshot)
-    for (job_id, gpu_type), r in zip(pairs, rate):
-        # A running job stays on its type first: moving costs a restart and its cache.
-        current = snapshot.current.get(job_id)
-        here = bool(current and current.placement) and all(kinds.get(n) == gpu_type for n, _ in current.placement)
-        ranked[job_id].append((not here, -float(r), gpu_type))
+    # A running job stays on its type first: moving costs a restart and its cache.
+    running_on = {job_id: _single_type(snapshot.current.get(job_id), kinds) for job_id in ids}
+    for (job_id, gpu_type), r in zip(pairs, rate.tolist()):
+        ranked[job_id].append((running_on[job_id] != gpu_type, -r, gpu_type))
     return {job_id: tuple(t for *_, t in sorted(options)) for job_id, options in ranked.items()}
+
+
+def _single_type(allocation: Allocation | None, kinds: Mapping[str, str]) -> str | None:
+    """The one GPU type of ``allocation``'s nodes (None: no placement, or nodes of several types)."""
+    if allocation is None or not allocation.placement:
+        return None
+    types = {kinds.get(node) for node, _ in allocation.placement}
+    return next(iter(types)) if len(types) == 1 else None
 
 
 class TypeRoom:
@@ -353,13 +378,8 @@ def plan_from_placements(placements: Mapping[str, Placement], batch_sizes: Mappi
     With ``snapshot`` each allocation names its GPU type.
     """
     batch_sizes = batch_sizes or {}
+    kinds = node_types(snapshot) if snapshot is not None else {}
+    jobs = {job.job_id: job for job in snapshot.jobs} if snapshot is not None else {}
     return Plan({job_id: Allocation(placement=p, batch_size=batch_sizes.get(job_id, 0),
-                                    gpu_type=_type_of(p, snapshot, job_id))
+                                    gpu_type=placement_type(p, kinds, jobs.get(job_id)) if snapshot is not None and p else "")
                  for job_id, p in placements.items()})
-
-
-def _type_of(placement: Placement, snapshot: ClusterSnapshot | None, job_id: str) -> str:
-    if snapshot is None or not placement:
-        return ""
-    job = next((j for j in snapshot.jobs if j.job_id == job_id), None)
-    return placement_type(placement, node_types(snapshot), job)

@@ -18,6 +18,7 @@ the rate of progress is the goodput. A job finishes when ``samples_done`` reache
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -99,8 +100,8 @@ class Allocation:
     remote_io_bytes_per_s: float = UNLIMITED    # bytes/s of remote IO granted; UNLIMITED = not managed
     gpu_type: str = ""                          # type of every GPU of the placement; "" = untyped
 
-    @property
-    def gpus(self) -> int:
+    @functools.cached_property
+    def gpus(self) -> int:  # cached: the simulator asks every running job's count several times per event
         return sum(len(indices) for _, indices in self.placement)
 
     @property

@@ -152,7 +152,7 @@ class _Job:
 
     __slots__ = (
         "spec", "model", "type_models", "dataset", "target", "min_gpus", "max_gpus", "requested", "done", "attained", "restarts",
-        "start", "finish", "allocation", "restart_until", "rate", "finish_at",
+        "start", "finish", "allocation", "restart_until", "rate", "finish_at", "_info", "_info_at",
     )
 
     def __init__(self, spec: JobSpec, model: JobModel, target: float, max_gpus: int, dataset: str = "",
@@ -174,8 +174,18 @@ class _Job:
         self.restart_until = -math.inf
         self.rate = 0.0
         self.finish_at = math.inf
+        self._info: JobInfo | None = None
+        self._info_at: tuple[float, float, int] | None = None
 
     def info(self) -> JobInfo:
+        # Only progress, attained service and restarts change while a job is active: a job that
+        # waits keeps its JobInfo from round to round.
+        state = (self.done, self.attained, self.restarts)
+        if self._info is None or self._info_at != state:
+            self._info, self._info_at = self._new_info(), state
+        return self._info
+
+    def _new_info(self) -> JobInfo:
         s = self.spec
         return JobInfo(
             job_id=s.name,
@@ -541,7 +551,7 @@ class Simulator:
     def _set_rates(self, t: float) -> None:
         """Rates and completion times of every running job from ``t`` (after their allocations changed)."""
         running_jobs = [j for j in self._active if j.allocation is not None]
-        running_infos = [j.info() for j in running_jobs]
+        running_infos = [j.info() for j in running_jobs]  # unchanged since the round's snapshot: the same objects
         if running_jobs:
             rates = np.asarray(self.rate_model.rates(running_infos, [j.allocation for j in running_jobs]), dtype=float)
             if rates.shape != (len(running_jobs),) or not np.all(np.isfinite(rates)) or np.any(rates < 0):

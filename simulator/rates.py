@@ -45,6 +45,7 @@ class GoodputRates:
         self._models: list[JobModel] = []
         self._index: dict[int, int] = {}
         self._table: ModelTable | None = None
+        self._known: dict[tuple[int, int, int, int], float] = {}  # (model, GPUs, nodes, batch) -> rate
         for model in models:
             self._index_of(model)
 
@@ -65,11 +66,14 @@ class GoodputRates:
     def rates(self, jobs: Sequence[JobInfo], allocations: Sequence[Allocation]) -> np.ndarray:
         if not jobs:
             return np.zeros(0)
-        index = np.array([self._index_of(job.model_on(a.gpu_type)) for job, a in zip(jobs, allocations)])
-        gpus = np.array([a.gpus for a in allocations])
-        nodes = np.array([a.nodes for a in allocations])
-        batch = np.array([effective_batch_size(j, a) for j, a in zip(jobs, allocations)])
-        result = predict(
-            self._model_table(), index, gpus, nodes, 0.0, math.inf, batch, gpus_per_node=self.gpus_per_node
-        )
-        return result.goodput_samples_per_s
+        # A rate depends only on (model, GPUs, nodes, batch): price each such key once per run.
+        keys = [(self._index_of(job.model_on(a.gpu_type)), a.gpus, a.nodes, effective_batch_size(job, a))
+                for job, a in zip(jobs, allocations)]
+        new = [key for key in dict.fromkeys(keys) if key not in self._known]
+        if new:
+            index, gpus, nodes, batch = (np.array(column) for column in zip(*new))
+            result = predict(
+                self._model_table(), index, gpus, nodes, 0.0, math.inf, batch, gpus_per_node=self.gpus_per_node
+            )
+            self._known.update(zip(new, result.goodput_samples_per_s.tolist()))
+        return np.array([self._known[key] for key in keys])

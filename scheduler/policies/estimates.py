@@ -40,6 +40,7 @@ import numpy as np
 from estimator.predict import ModelTable, predict
 from scheduler import codesign as co
 from scheduler.placement import TypeRoom, place, plan_from_placements, type_preferences
+from scheduler.policies.pollux_estimates import shared_model_table
 from scheduler.policy import ClusterSnapshot, JobInfo, Plan, Pool
 
 TRAINING: tuple[Pool, ...] = ("training",)
@@ -92,7 +93,7 @@ def _table(jobs: Sequence[JobInfo]) -> tuple[ModelTable, np.ndarray]:
             row = rows[id(job.model)] = len(models)
             models.append(job.model)
         index[k] = row
-    return ModelTable(models), index
+    return shared_model_table(models), index
 
 
 def current_nodes(

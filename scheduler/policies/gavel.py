@@ -10,8 +10,9 @@ throughput* as Gavel does. Each type has its own capacity row. On an untyped clu
 is one type and this is the homogeneous LP. ``heterogeneity_aware=False`` (the baseline)
 collapses the types into one pool priced at the job's reference model (counts capped at the
 largest type's GPUs) and lets the round put a count on a type in a speed-blind order
-(:func:`scheduler.placement.blind_preferences`). Many jobs: the LP is split POP-style
-(:func:`_partitioned_lp`). After the LP's choices, leftover GPUs go to waiting jobs at any
+(:func:`scheduler.placement.blind_preferences`). Identical jobs (same candidates, throughputs
+and weight: jobs of one application with the same bounds) are one row of the LP, exactly
+(:func:`_classes_lp`); many *distinct* jobs split the LP POP-style (:func:`_partitioned_lp`). After the LP's choices, leftover GPUs go to waiting jobs at any
 count and type they fit. A later issue adds cache
 and remote IO grants as further candidate dimensions (one more column set per grant
 level, priced by the same estimator call, see :mod:`scheduler.policies.pollux_estimates`).
@@ -50,9 +51,11 @@ The LP (max-min fairness, Gavel's ``max_min_fairness`` policy)::
   points (from ``(0, 0)``) is dominated by mixing two hull candidates, so only hull
   candidates become LP columns (2-3 per elastic job). The constraint matrix is built with
   ``scipy.sparse`` and solved by HiGHS' interior-point method through
-  ``scipy.optimize.linprog`` (2,000 jobs: about 0.1 s per LP; the dual simplex stalls on
-  the degenerate max-min LP). Jobs whose minimum exceeds the cluster have no candidate and
-  no fairness row.
+  ``scipy.optimize.linprog`` (2,000 distinct jobs: about 0.1 s per LP on one type, 0.4 s on
+  three; the dual simplex stalls on the degenerate max-min LP). Jobs of one class
+  (:func:`_job_classes`) share one set of columns whose capacity use is scaled by the class
+  size, so a 20,000-job round of a few dozen kinds of job is an LP of a few dozen rows. Jobs
+  whose minimum exceeds the cluster have no candidate and no fairness row.
 
 Cache and remote IO (``codesign``, SiloD; off by default). The cache split is fixed first:
 each job is priced at the cache :func:`scheduler.codesign.expected_grants` expects for it,
@@ -77,6 +80,8 @@ limit preemption churn when rounds are short compared with the restart cost; 0 i
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,8 +90,7 @@ from scipy.optimize import linprog
 
 from scheduler import codesign as co
 from scheduler.placement import TypeRoom, blind_preferences, largest_type_gpus, node_types, place, placement_type
-from scheduler.policies.pollux import upper_hull_segments
-from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
+from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes, row_codes
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
 
@@ -145,7 +149,7 @@ class GavelPolicy:
     heterogeneity_aware: bool = True  # candidates per GPU type at the job's speed there; False = one pool, type-blind
     objective: str = "max_min_fairness"  # or "makespan": finish every job's remaining work as early as possible
     partitions: int = 0             # POP: split jobs and every type's GPUs into this many LPs; 0 = by partition_jobs
-    partition_jobs: int = 2000      # with partitions = 0: one LP per this many jobs (1 LP up to it)
+    partition_jobs: int = 2000      # with partitions = 0: one LP per this many distinct jobs (1 LP up to it)
 
     def __post_init__(self):
         if self.partitions < 0 or self.partition_jobs < 1:
@@ -163,19 +167,47 @@ class GavelPolicy:
 
     def candidate_counts(self, job: JobInfo, capacity: int) -> list[int]:
         """GPU counts the LP may give ``job`` (empty if not even its minimum fits the cluster)."""
-        if job.min_gpus > capacity:
-            return []
-        high = min(max(min(job.max_gpus, self.max_gpus_per_job), job.min_gpus), capacity)
-        requested = min(max(job.requested, job.min_gpus), high)
-        if not self.elastic or job.rigid:
-            return [requested]
-        counts = {job.min_gpus, requested, high}
-        power = 1
-        while power < high:
-            if power > job.min_gpus:
-                counts.add(power)
-            power *= 2
-        return sorted(counts)
+        counts = self._count_matrix(*_bounds([job]), capacity)
+        return [int(g) for g in counts[0] if g > 0]
+
+    def _count_matrix(self, low: np.ndarray, top: np.ndarray, asked: np.ndarray, capacity: int) -> np.ndarray:
+        """Row ``k``: the candidate counts of the job with bounds ``low[k]..top[k]`` that asked for
+        ``asked[k]`` GPUs, on ``capacity`` GPUs, ascending, 0-padded.
+
+        A rigid job (or any job with ``elastic=False``) has its requested count; an elastic job
+        also its minimum, its maximum (capped by ``max_gpus_per_job`` and the capacity) and the
+        powers of two strictly between them. None if its minimum exceeds the capacity.
+        """
+        high = np.minimum(np.maximum(np.minimum(top, self.max_gpus_per_job), low), capacity)
+        requested = np.minimum(np.maximum(asked, low), high)
+        elastic = (low != top) & self.elastic
+        powers = 2 ** np.arange(max(int(high.max(initial=1)) - 1, 1).bit_length() + 1)
+        options = np.concatenate([requested[:, None], np.stack([low, high], axis=1),
+                                  np.broadcast_to(powers, (low.size, powers.size))], axis=1)
+        offered = np.ones(options.shape, dtype=bool)
+        offered[:, 1:] = elastic[:, None]
+        offered[:, 3:] &= (options[:, 3:] > low[:, None]) & (options[:, 3:] < high[:, None])
+        offered[low > capacity] = False
+        sentinel = np.iinfo(np.int64).max
+        options = np.sort(np.where(offered, options, sentinel), axis=1)
+        repeated = np.zeros(options.shape, dtype=bool)
+        repeated[:, 1:] = options[:, 1:] == options[:, :-1]
+        return np.where(repeated | (options == sentinel), 0, options)
+
+    def _candidates(self, jobs, types: tuple[str, ...], type_capacity: np.ndarray, widest: int):
+        """``(job, gpus, type)`` of every candidate, by job, then type, then count: a count must fit
+        its type's GPUs (type-blind: the largest type's, since a job still runs on one type) and
+        the job must allow the type."""
+        by_type = []
+        bounds = _bounds(jobs)
+        for t, gpu_type in enumerate(types):
+            counts = self._count_matrix(*bounds, min(int(type_capacity[t]), widest))
+            if gpu_type:
+                counts[[not job.allows(gpu_type) for job in jobs]] = 0
+            by_type.append(counts)
+        stacked = np.stack(by_type, axis=1)  # job x type x option
+        job, kind, _ = np.nonzero(stacked)
+        return job.astype(np.int64), stacked[stacked > 0].astype(np.int64), kind.astype(np.int64)
 
     def pool_types(self, snapshot: ClusterSnapshot) -> tuple[tuple[str, ...], np.ndarray]:
         """``(types, GPUs of each)`` the LP sees: the pool's types, or one pool when type-blind."""
@@ -189,30 +221,13 @@ class GavelPolicy:
         """The fractional allocation of ``snapshot`` (see the module docstring)."""
         jobs = tuple(snapshot.jobs)
         types, type_capacity = self.pool_types(snapshot)
-        capacity = int(type_capacity.sum())
         per_node = gpus_per_node(snapshot)
-        # Candidates: (count, type) pairs; a count must fit the type's GPUs (type-blind: the
-        # largest type's, since a job still runs on one type).
-        widest = largest_type_gpus(snapshot)
-        job_list: list[int] = []
-        gpu_list: list[int] = []
-        type_list: list[int] = []
-        for j, job_ in enumerate(jobs):
-            for t, gpu_type in enumerate(types):
-                if gpu_type and not job_.allows(gpu_type):
-                    continue
-                for g in self.candidate_counts(job_, min(int(type_capacity[t]), widest)):
-                    job_list.append(j)
-                    gpu_list.append(g)
-                    type_list.append(t)
-        job = np.array(job_list, dtype=np.int64)
-        gpus = np.array(gpu_list, dtype=np.int64)
-        kind = np.array(type_list, dtype=np.int64)
+        job, gpus, kind = self._candidates(jobs, types, type_capacity, largest_type_gpus(snapshot))
         weight = np.array([self.priority_base ** job_.priority for job_ in jobs], dtype=np.float64)
         if gpus.size == 0:
             empty = np.zeros(0)
             return GavelAllocation(jobs, job, gpus, empty, np.zeros(len(jobs)), weight, empty, 0.0, None, types, kind)
-        batch = 0 if self.adapt_batch else np.array([jobs[j].initial_batch_size for j in job], dtype=np.int64)
+        batch = 0 if self.adapt_batch else np.array([j.initial_batch_size for j in jobs], dtype=np.int64)[job]
         # One priced row per (job, type) pair: the job's model on that type.
         pair, pair_of = np.unique(job * len(types) + kind, return_inverse=True)
         table = JobTable([jobs[p // len(types)] for p in pair], gpu_types=[types[p % len(types)] for p in pair])
@@ -238,17 +253,16 @@ class GavelPolicy:
         if io_row is not None:
             io_row = io_row[keep]
         io_lp = io_row if io_row is not None and np.isfinite(budget) else None
-        parts = self.partition_count(len(jobs))
-        if parts <= 1:
-            fraction, level = _max_min_lp(job, gpus, normalized, weight, len(jobs), type_capacity, kind, self.water_fill,
-                                          io_lp, budget)
-        else:
-            fraction, level = _partitioned_lp(parts, job, gpus, normalized, weight, len(jobs), type_capacity, kind,
-                                              self.water_fill, io_lp, budget)
+        klass = _job_classes(job, gpus, kind, normalized, weight, io_lp, len(jobs))
+        # Identical jobs share one LP row (_classes_lp), so the distinct jobs are what sizes an LP.
+        parts = self.partition_count(len(jobs) if self.partitions else int(klass.max(initial=-1)) + 1)
+        fraction, level = _partitioned_lp(parts, job, gpus, normalized, weight, len(jobs), type_capacity, kind,
+                                          self.water_fill, io_lp, budget, klass)
         return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level, io_row, types, kind)
 
     def partition_count(self, n_jobs: int) -> int:
-        """LPs to split the round into (POP): ``partitions``, or with 0 one per ``partition_jobs`` jobs."""
+        """LPs to split the round into (POP): ``partitions``, or with 0 one per ``partition_jobs`` jobs
+        (:meth:`solve` passes the number of *distinct* jobs, which is what sizes an LP)."""
         if self.partitions:
             return max(1, min(self.partitions, n_jobs))
         return max(1, -(-n_jobs // self.partition_jobs))
@@ -292,18 +306,16 @@ class GavelPolicy:
         allocation = self.solve(snapshot)
         jobs = allocation.jobs
         priority = self.round_priorities(snapshot, allocation)
-        order = sorted(range(len(jobs)), key=lambda j: (-priority[j], jobs[j].submit_time_s, jobs[j].job_id))
+        order = np.lexsort((np.array([job.job_id for job in jobs]), np.array([job.submit_time_s for job in jobs]),
+                            -priority)).tolist()
         # Each job's candidates with time in the LP, most-weighted first (the smaller count among
         # near-equal weights); a job the LP gives no time keeps its first one, for leftover GPUs.
         ranked = np.lexsort((allocation.gpus, -np.round(allocation.fraction / 1e-6), allocation.job))
-        choices: dict[int, list[int]] = {}
-        for c in ranked:
-            if allocation.fraction[c] > _NOISE or not choices.get(int(allocation.job[c])):
-                choices.setdefault(int(allocation.job[c]), []).append(int(c))
+        first = np.ones(ranked.size, dtype=bool)
+        first[1:] = allocation.job[ranked[1:]] != allocation.job[ranked[:-1]]
+        choices = _by_job(ranked[first | (allocation.fraction[ranked] > _NOISE)], allocation.job, len(jobs))
         blind = blind_preferences(snapshot, [job.job_id for job in jobs]) if not self.heterogeneity_aware else None
-        fastest: dict[int, list[int]] = {}
-        for c in np.lexsort((-allocation.throughput, allocation.job)):
-            fastest.setdefault(int(allocation.job[c]), []).append(int(c))
+        fastest = _by_job(np.lexsort((-allocation.throughput, allocation.job)), allocation.job, len(jobs))
 
         def admit(excluded: frozenset[str]):
             room = TypeRoom(snapshot)
@@ -322,10 +334,10 @@ class GavelPolicy:
                     if picked is not None:
                         counts[job.job_id], preferences[job.job_id] = picked
 
-            offer(lambda j, job: self._pick(job, allocation, choices[j], room, blind) if choices.get(j) else None)
+            offer(lambda j, job: self._pick(job, allocation, choices[j], room, blind) if choices[j] else None)
             # Work conservation: GPUs the LP's choices left over go to jobs still waiting, in
             # the same order, on any type they may use (fastest first) and any count they fit.
-            offer(lambda j, job: self._fill(job, allocation, fastest.get(j, []), room, blind))
+            offer(lambda j, job: self._fill(job, allocation, fastest[j], room, blind))
             # Still GPUs left: elastic jobs that start (or move) this round anyway grow into them
             # on their type; a job running in place is not restarted for a few more GPUs.
             for j in order:
@@ -402,6 +414,19 @@ class GavelPolicy:
         return {job.job_id: int(b) for job, b in zip(jobs, batch)}
 
 
+def _bounds(jobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(min_gpus, max_gpus, requested)`` of every job."""
+    bounds = np.array([(job.min_gpus, job.max_gpus, job.requested) for job in jobs], dtype=np.int64).reshape(-1, 3)
+    return bounds[:, 0], bounds[:, 1], bounds[:, 2]
+
+
+def _by_job(candidates: np.ndarray, job: np.ndarray, n_jobs: int) -> list[list[int]]:
+    """Per job: its entries of ``candidates`` (ordered by job, then as the caller wants them)."""
+    ends = np.cumsum(np.bincount(job[candidates], minlength=n_jobs)).tolist()
+    flat = candidates.tolist()
+    return [flat[begin:end] for begin, end in zip([0] + ends[:-1], ends)]
+
+
 def _growth_allowed(job: np.ndarray, gpus: np.ndarray, io: np.ndarray, jobs, budget: float) -> np.ndarray:
     """All candidates while the storage budget has slack; only counts up to each job's
     requested one once the jobs' IO demands at their requested counts exceed it.
@@ -422,30 +447,53 @@ def _growth_allowed(job: np.ndarray, gpus: np.ndarray, io: np.ndarray, jobs, bud
     return gpus <= requested[job]
 
 
-def _undominated(job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, n_jobs: int) -> np.ndarray:
-    """Candidates on each job's upper concave hull of ``(gpus, normalized)`` from ``(0, 0)``.
+def _undominated(pair: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, n_pairs: int) -> np.ndarray:
+    """Candidates on their (job, type) pair's upper concave hull of ``(gpus, normalized)`` from ``(0, 0)``.
 
     Any other candidate is matched or beaten, in the same time and with no more GPUs, by
     mixing two hull candidates (or a hull candidate and idling), so the LP never needs it.
+    The hull is walked for every pair at once on a pair x candidate table (a few columns).
     """
-    width = int(gpus.max()) + 1
-    value = np.full((n_jobs, width), -np.inf)
-    value[:, 0] = 0.0
-    value[job, gpus] = normalized
-    hull_job, _, hull_end, _ = upper_hull_segments(value)
-    on_hull = np.zeros((n_jobs, width), dtype=bool)
-    on_hull[hull_job, hull_end] = True
-    return on_hull[job, gpus]
+    order = np.lexsort((gpus, pair))
+    counts = np.bincount(pair, minlength=n_pairs)
+    start = np.cumsum(counts) - counts
+    column = np.empty(pair.size, dtype=np.int64)
+    column[order] = np.arange(pair.size) - start[pair[order]] + 1
+    width = int(counts.max(initial=0)) + 1
+    x = np.full((n_pairs, width), np.inf)
+    y = np.full((n_pairs, width), -np.inf)
+    x[:, 0] = y[:, 0] = 0.0  # the origin: idling
+    x[pair, column] = gpus
+    y[pair, column] = normalized
+    on_hull = np.zeros((n_pairs, width), dtype=bool)
+    at = np.zeros(n_pairs, dtype=np.int64)
+    rows = np.arange(n_pairs)
+    later = np.arange(width)[None, :]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        while rows.size:
+            here = at[rows]
+            slope = (y[rows] - y[rows, here][:, None]) / (x[rows] - x[rows, here][:, None])
+            slope = np.where((later > here[:, None]) & np.isfinite(slope), slope, -np.inf)
+            end = width - 1 - np.argmax(slope[:, ::-1], axis=1)  # the farthest among equal slopes
+            rises = slope[np.arange(rows.size), end] > 0
+            rows, end = rows[rises], end[rises]
+            on_hull[rows, end] = True
+            at[rows] = end
+    return on_hull[pair, column]
 
 
 def _partitioned_lp(
     parts: int, job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
     type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool, io: np.ndarray | None, io_budget: float,
+    klass: np.ndarray,
 ) -> tuple[np.ndarray, float]:
     """POP (Narayanan et al., NSDI'21): job ``j`` goes to sub-problem ``j mod parts`` (jobs are in
     arrival order, so every part gets a like mix), each part gets ``1/parts`` of every type's
     GPUs (and of the storage budget), and the parts' LPs are solved one by one. Returns the
-    stitched ``X`` and the lowest part's level."""
+    stitched ``X`` and the lowest part's level. One part is the whole LP. ``klass``: each job's
+    class (:func:`_job_classes`); a part's identical jobs are solved as one (:func:`_classes_lp`)."""
+    if parts <= 1:
+        return _classes_lp(job, gpus, normalized, weight, n_jobs, type_capacity, kind, water_fill, io, io_budget, klass)
     fraction = np.zeros(job.size)
     level = np.inf
     part_of = job % parts
@@ -456,25 +504,128 @@ def _partitioned_lp(
         members = np.unique(job[mine])
         local = np.searchsorted(members, job[mine])
         share = np.where(p < type_capacity % parts, type_capacity // parts + 1, type_capacity // parts)  # remainders to low parts
-        x, t = _max_min_lp(local, gpus[mine], normalized[mine], weight[members], members.size, share, kind[mine],
-                           water_fill, io[mine] if io is not None else None, io_budget / parts)
+        x, t = _classes_lp(local, gpus[mine], normalized[mine], weight[members], members.size, share, kind[mine],
+                           water_fill, io[mine] if io is not None else None, io_budget / parts, klass[members])
         fraction[mine] = x
         level = min(level, t)
     return fraction, float(level if np.isfinite(level) else 0.0)
 
 
+def _job_classes(job: np.ndarray, gpus: np.ndarray, kind: np.ndarray, normalized: np.ndarray, weight: np.ndarray,
+                 io: np.ndarray | None, n_jobs: int) -> np.ndarray:
+    """Per job: a class number (0, 1, ...), the same for jobs the LP cannot tell apart — equal
+    weight and the same candidates (count, type, normalized throughput, IO) in the same order.
+
+    Jobs of one application with the same bounds and batch size share their models, so a large
+    round has few classes (a 20,000-job benchmark round: a few dozen).
+    """
+    columns = [gpus, kind, normalized] + ([io] if io is not None else [])
+    code = row_codes(columns)
+    order = np.argsort(job, kind="stable")
+    counts = np.bincount(job, minlength=n_jobs)
+    first = np.cumsum(counts) - counts
+    position = np.empty(job.size, dtype=np.int64)
+    position[order] = np.arange(job.size) - first[job[order]]
+    width = int(counts.max(initial=0))
+    signature = np.full((n_jobs, width + 1), -1, dtype=np.int64)
+    signature[job, position] = code
+    signature[:, width] = row_codes([weight])
+    # Group rows by a hash of the signature, then check every row against its group's first:
+    # exact, and much faster than sorting the rows (np.unique(axis=0)) on a large round.
+    mixer = np.random.default_rng(0).integers(1, 2**61, size=width + 1, dtype=np.int64) | 1
+    with np.errstate(over="ignore"):
+        digest = (signature * mixer).sum(axis=1)
+    _, first, klass = np.unique(digest, return_index=True, return_inverse=True)
+    klass = klass.ravel()
+    if not np.array_equal(signature, signature[first[klass]]):  # a hash collision: sort the rows instead
+        _, klass = np.unique(signature, axis=0, return_inverse=True)
+    return klass.ravel()
+
+
+def _classes_lp(
+    job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
+    type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool, io: np.ndarray | None, io_budget: float,
+    klass: np.ndarray,
+) -> tuple[np.ndarray, float]:
+    """:func:`_max_min_lp` with each class of identical jobs (``klass``) as one row of the LP.
+
+    Exact, not an approximation: both LPs are unchanged by swapping two identical jobs, so
+    averaging an optimal ``X`` over such swaps gives an optimal ``X`` (the LPs are convex) in
+    which identical jobs have equal fractions. With ``X[j, c] = X[class, c]`` a class's
+    fairness and time rows are any member's, its capacity (and IO) use is its size times one
+    member's, and its water-filling objective is its size times one member's.
+    """
+    classes, first, size = np.unique(klass, return_index=True, return_counts=True)
+    if classes.size == n_jobs:
+        return _max_min_lp(job, gpus, normalized, weight, n_jobs, type_capacity, kind, water_fill, io, io_budget)
+    # Candidate positions within their job, to map every job's candidates onto its representative's.
+    order = np.argsort(job, kind="stable")
+    counts = np.bincount(job, minlength=n_jobs)
+    start = np.cumsum(counts) - counts
+    position = np.empty(job.size, dtype=np.int64)
+    position[order] = np.arange(job.size) - start[job[order]]
+    representative = first[np.searchsorted(classes, klass)]  # per job
+    mine = np.flatnonzero(representative[job] == job)         # the representatives' candidates
+    row = np.searchsorted(classes, klass[job[mine]])
+    x, level = _max_min_lp(row, gpus[mine], normalized[mine], weight[first], classes.size, type_capacity, kind[mine],
+                           water_fill, io[mine] if io is not None else None, io_budget, multiplicity=size)
+    solved = np.zeros(job.size)
+    solved[mine] = x
+    return solved[order[start[representative[job]] + position]], level
+
+
+_SOLVED: OrderedDict[bytes, tuple[np.ndarray, float]] = OrderedDict()
+_SOLVED_LOCK = threading.Lock()
+_SOLVED_KEPT = 8
+
+
 def _max_min_lp(
     job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
     type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool,
-    io: np.ndarray | None = None, io_budget: float = np.inf,
+    io: np.ndarray | None = None, io_budget: float = np.inf, multiplicity: np.ndarray | None = None,
+) -> tuple[np.ndarray, float]:
+    """:func:`_solve_max_min_lp`, remembered for the last few distinct LPs: rounds in which no
+    job arrived or left (and nothing else the LP reads changed) pose exactly the same LP, so
+    its answer is reused. The key is every input, byte for byte."""
+    arrays = [np.asarray(job, np.int64), np.asarray(gpus, np.int64), np.asarray(normalized, np.float64),
+              np.asarray(weight, np.float64), np.asarray(type_capacity, np.int64), np.asarray(kind, np.int64)]
+    arrays += [np.asarray(a, np.float64 if a is io else np.int64) for a in (io, multiplicity) if a is not None]
+    shape = (job.size, n_jobs, len(type_capacity), bool(water_fill), io is None, multiplicity is None, float(io_budget))
+    key = repr(shape).encode() + b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+    with _SOLVED_LOCK:
+        found = _SOLVED.get(key)
+        if found is not None:
+            _SOLVED.move_to_end(key)
+            return found[0].copy(), found[1]
+    fraction, level = _solve_max_min_lp(job, gpus, normalized, weight, n_jobs, type_capacity, kind, water_fill, io,
+                                        io_budget, multiplicity)
+    with _SOLVED_LOCK:
+        _SOLVED[key] = (fraction.copy(), level)
+        while len(_SOLVED) > _SOLVED_KEPT:
+            _SOLVED.popitem(last=False)
+    return fraction, level
+
+
+def forget_lps() -> None:
+    """Drop the remembered LP answers (a benchmark times a round that solves its LP)."""
+    with _SOLVED_LOCK:
+        _SOLVED.clear()
+
+
+def _solve_max_min_lp(
+    job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
+    type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool,
+    io: np.ndarray | None = None, io_budget: float = np.inf, multiplicity: np.ndarray | None = None,
 ) -> tuple[np.ndarray, float]:
     """Solve the max-min LP (and optionally the water-filling LP); return ``(X, t*)``.
 
     ``kind[c]`` is candidate ``c``'s GPU type (an index into ``type_capacity``, the GPUs of
     each type): one capacity row per type. With ``io`` (bytes/s each candidate reads) the LP
-    gets one more row: ``sum io x <= io_budget``.
+    gets one more row: ``sum io x <= io_budget``. ``multiplicity[j]``: how many identical jobs
+    row ``j`` stands for (:func:`_classes_lp`; default 1).
     """
     m = job.size
+    many = np.ones(m) if multiplicity is None else multiplicity[job].astype(np.float64)
     cols = np.arange(m)
     n_types = len(type_capacity)
     # Rows 0..n-1: w_j t - sum_c norm x <= 0; rows n..2n-1: sum_c x <= 1; rows 2n..2n+T-1:
@@ -483,12 +634,12 @@ def _max_min_lp(
     fair = np.flatnonzero(np.bincount(job, minlength=n_jobs) > 0)
     rows = np.concatenate([job, n_jobs + job, 2 * n_jobs + kind, fair])
     columns = np.concatenate([cols, cols, cols, np.full(fair.size, m)])
-    values = np.concatenate([-normalized, np.ones(m), gpus.astype(np.float64), weight[fair]])
+    values = np.concatenate([-normalized, np.ones(m), gpus * many, weight[fair]])
     extra = []
     if io is not None:  # the last row: the storage budget
         rows = np.concatenate([rows, np.full(m, 2 * n_jobs + n_types)])
         columns = np.concatenate([columns, cols])
-        values = np.concatenate([values, io.astype(np.float64)])
+        values = np.concatenate([values, io * many])
         extra = [float(io_budget)]
     a_ub = sp.csr_matrix((values, (rows, columns)), shape=(2 * n_jobs + n_types + len(extra), m + 1))
     b_ub = np.concatenate([np.zeros(n_jobs), np.ones(n_jobs), type_capacity.astype(np.float64), extra])
@@ -504,7 +655,7 @@ def _max_min_lp(
     fraction = first.x[:m]
     if water_fill and level > 0:
         bounds[m] = level * (1 - _LEVEL_SLACK)
-        second = linprog(np.concatenate([-normalized, [0.0]]), A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs-ipm")
+        second = linprog(np.concatenate([-normalized * many, [0.0]]), A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs-ipm")
         if second.status == 0:
             fraction = second.x[:m]
     return np.clip(fraction, 0.0, 1.0), level

@@ -76,7 +76,7 @@ import numpy as np
 from scheduler import codesign as co
 from scheduler.placement import blind_preferences, largest_type_gpus, node_types, place, placement_type
 from scheduler.policies.estimates import io_demand
-from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes
+from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, packed_goodput, pool_nodes
 from scheduler.policies.typed_counts import assign_types, best_start
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
@@ -430,6 +430,9 @@ def solve_counts(utility: np.ndarray, capacity: int, solver: str = "auto", dp_li
     n, width = utility.shape
     if n == 0 or capacity == 0 or width == 1:
         return np.zeros(n, dtype=np.int64)
+    wanted = np.argmax(utility, axis=1)  # each job's best count, the fewest GPUs among equals
+    if int(wanted.sum()) <= capacity:
+        return wanted.astype(np.int64)  # room for every job's best: that is the optimum
     if solver == "auto":
         solver = "dp" if n * (capacity + 1) * width <= dp_limit else "greedy"
     if solver == "dp":
@@ -439,11 +442,8 @@ def solve_counts(utility: np.ndarray, capacity: int, solver: str = "auto", dp_li
 
 def base_goodput_ratio(jobs, gpu_type: str) -> np.ndarray:
     """Per job: its goodput on one GPU of ``gpu_type`` over one GPU of its reference model (best batches)."""
-    typed = JobTable(list(jobs), gpu_types=[gpu_type] * len(jobs))
-    reference = JobTable(list(jobs))
-    every = np.arange(len(jobs))
-    on_type = typed.predict(every, 1, 1, per_node=1).goodput_samples_per_s
-    base = reference.predict(every, 1, 1, per_node=1).goodput_samples_per_s
+    on_type = packed_goodput([job.model_on(gpu_type) for job in jobs], 1, 0, per_node=1)
+    base = packed_goodput([job.model for job in jobs], 1, 0, per_node=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(base > 0, on_type / np.where(base > 0, base, 1.0), 1.0)
 
@@ -462,19 +462,27 @@ def _current_type(snapshot: ClusterSnapshot, job: JobInfo, kinds, types) -> int:
 def _solve_dp(utility: np.ndarray, capacity: int) -> np.ndarray:
     """Exact: maximize ``sum_j utility[j, g_j]`` subject to ``sum_j g_j <= capacity`` (group knapsack)."""
     n, width = utility.shape
-    width = min(width, capacity + 1)
+    # A count no better than some smaller count of its job is never chosen (the table ``best``
+    # never falls with more GPUs and ties go to the smaller count): drop the columns past the
+    # last count that beats every smaller one, of any job. The answer is the same.
+    rises = utility[:, 1:] > np.maximum.accumulate(utility, axis=1)[:, :-1]
+    last = np.where(rises.any(axis=1), width - 1 - np.argmax(rises[:, ::-1], axis=1), 0)  # per job
+    own = np.minimum(last + 1, capacity + 1).tolist()  # each job's columns worth reading
+    width = min(width, capacity + 1, max(own))
     utility = utility[:, :width]
-    # shift[k, c] = c - k: value[c] of the new row = max_k best[c - k] + utility[j, k].
-    shift = np.arange(capacity + 1)[None, :] - np.arange(width)[:, None]
-    valid = shift >= 0
-    shift = np.where(valid, shift, 0)
-    best = np.zeros(capacity + 1)  # best total using at most c GPUs over the jobs so far
+    # value[c] of the new row = max_k best[c - k] + utility[j, k]; ``before[c, k]`` is
+    # ``best[c - k]`` (-inf for k > c), a strided view of ``padded`` (no copy).
+    padded = np.full(capacity + width, -np.inf)
+    best = padded[width - 1:]  # best total using at most c GPUs over the jobs so far
+    best[:] = 0.0
+    before = np.lib.stride_tricks.sliding_window_view(padded, width)[:, ::-1]
+    columns = np.arange(capacity + 1)
     choice = np.zeros((n, capacity + 1), dtype=np.int16 if width < 2**15 else np.int32)
     for j in range(n):
-        options = np.where(valid, best[shift] + utility[j][:, None], -np.inf)
-        pick = np.argmax(options, axis=0)
+        options = before[:, :own[j]] + utility[j, :own[j]]
+        pick = np.argmax(options, axis=1)  # the smallest count among equals
         choice[j] = pick
-        best = options[pick, np.arange(capacity + 1)]
+        best[:] = options[columns, pick]
     counts = np.zeros(n, dtype=np.int64)
     c = capacity
     for j in range(n - 1, -1, -1):

@@ -14,6 +14,8 @@ estimator's column table: a round over thousands of jobs then prices a handful o
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import fields
 
@@ -54,11 +56,17 @@ class JobTable:
         if len(types) != len(self.jobs):
             raise ValueError("need one GPU type per job")
         unique: dict = {}
-        self.model_of = np.fromiter(
-            (unique.setdefault(job.model_on(t), len(unique)) for job, t in zip(self.jobs, types)),
-            dtype=np.int64, count=len(self.jobs),
-        )
-        self.table = ModelTable(list(unique)) if unique else None
+        seen: dict[int, int] = {}  # id(model) -> its index: hashing a model is slow, and many jobs share one object
+
+        def index_of(model) -> int:
+            found = seen.get(id(model))
+            if found is None:
+                found = seen[id(model)] = unique.setdefault(model, len(unique))
+            return found
+
+        self.model_of = np.fromiter((index_of(job.model_on(t)) for job, t in zip(self.jobs, types)),
+                                    dtype=np.int64, count=len(self.jobs))
+        self.table = shared_model_table(list(unique)) if unique else None
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -101,25 +109,100 @@ class JobTable:
         return Predictions(*(getattr(result, f.name)[inverse] for f in fields(Predictions)))
 
 
+_TABLES: OrderedDict[tuple[int, ...], ModelTable] = OrderedDict()
+_TABLES_LOCK = threading.Lock()
+_TABLES_KEPT = 64
+
+
+def shared_model_table(models: list) -> ModelTable:
+    """``ModelTable(models)``, reused while the same model objects come back (every round of a
+    simulation prices the same few shared models; building a table costs a best-batch search).
+
+    Keyed by the models' identities: a cached table holds its models, so no other object can
+    take one of their ids while the entry lives.
+    """
+    key = tuple(map(id, models))
+    with _TABLES_LOCK:
+        table = _TABLES.get(key)
+        if table is not None:
+            _TABLES.move_to_end(key)
+            return table
+    table = ModelTable(models)
+    with _TABLES_LOCK:
+        _TABLES[key] = table
+        while len(_TABLES) > _TABLES_KEPT:
+            _TABLES.popitem(last=False)
+    return table
+
+
+_GOODPUT: dict[tuple[int, int, int, int], tuple[float, object]] = {}  # (id(model), GPUs, batch, per node) -> (goodput, model)
+_GOODPUT_KEPT = 200_000
+
+
+def packed_goodput(models: Sequence, gpus: ArrayLike, batch_size: ArrayLike, *, per_node: int) -> np.ndarray:
+    """Goodput of ``models[k]`` on ``gpus[k]`` GPUs on the fewest nodes, at global batch
+    ``batch_size[k]`` (0: the best), IO not limiting — memoized, since rounds ask the same few
+    shared models the same questions again and again (an entry holds its model, so its id stays
+    its own; the memo is emptied when it grows past a bound)."""
+    count = len(models)
+    gpus = np.broadcast_to(np.asarray(gpus, dtype=np.int64), (count,)).tolist()
+    batch = np.broadcast_to(np.asarray(batch_size, dtype=np.int64), (count,)).tolist()
+    keys = [(id(m), g, b, per_node) for m, g, b in zip(models, gpus, batch)]
+    known = {key: _GOODPUT.get(key) for key in keys}
+    missing = [k for k, key in enumerate(keys) if known[key] is None]
+    if missing:
+        first = list({keys[k]: k for k in reversed(missing)}.values())  # one row per missing key
+        table = JobTable([_Priced(models[k]) for k in first])
+        rates = table.predict(np.arange(len(first)), [gpus[k] for k in first], 0, per_node=per_node,
+                              batch_size=[batch[k] for k in first]).goodput_samples_per_s.tolist()
+        if len(_GOODPUT) > _GOODPUT_KEPT:
+            _GOODPUT.clear()
+        for k, rate in zip(first, rates):
+            known[keys[k]] = _GOODPUT[keys[k]] = (rate, models[k])
+    return np.array([known[key][0] for key in keys], dtype=np.float64)
+
+
+class _Priced:
+    """A bare model in the shape :class:`JobTable` reads (``model_on``)."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model):
+        self.model = model
+
+    def model_on(self, gpu_type: str):
+        return self.model
+
+
 def _distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray | None, np.ndarray | None]:
     """``(first, inverse)``: an index of one row per distinct row and each row's position among them.
 
     ``(None, None)`` when every row is distinct or there is nothing to gain.
     """
     size = columns[0].size
+    distinct, first, inverse = np.unique(row_codes(columns), return_index=True, return_inverse=True)
+    if distinct.size == size:
+        return None, None
+    return first, inverse.ravel()
+
+
+def row_codes(columns: list[np.ndarray]) -> np.ndarray:
+    """One integer per row of ``columns`` (parallel arrays), equal exactly for equal rows."""
+    size = columns[0].size
     key = np.zeros(size, dtype=np.int64)
     for column in columns:
         if size == 0 or column[0] == column[-1] and np.all(column == column[0]):
             continue  # constant: adds nothing
-        values, codes = np.unique(column, return_inverse=True)
-        key = key * len(values) + codes.ravel()
+        if 0 <= column.min() and column.max() < 2**20 and np.array_equal(column, np.floor(column)):
+            codes, radix = column.astype(np.int64), int(column.max()) + 1  # small whole numbers: their own codes
+        else:
+            values, codes = np.unique(column, return_inverse=True)
+            codes, radix = codes.ravel(), len(values)
+        key = key * radix + codes
         if key.max(initial=0) > 2**40:  # keep the mixed-radix key small
             _, key = np.unique(key, return_inverse=True)
             key = key.ravel().astype(np.int64)
-    distinct, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    if distinct.size == size:
-        return None, None
-    return first, inverse.ravel()
+    return key
 
 
 def held_in_place(snapshot: ClusterSnapshot, jobs: Sequence[JobInfo], pools: Sequence[Pool] = ("training",)) -> np.ndarray:

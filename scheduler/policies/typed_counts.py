@@ -49,12 +49,17 @@ def assign_types(
         return start.copy(), np.zeros(0, dtype=np.int64)
     rows = np.arange(n)
 
+    solved: dict[tuple[int, bytes], np.ndarray] = {}  # (type, its jobs) -> their counts: movers change few types
+
     def solve_all(assign: np.ndarray) -> tuple[np.ndarray, float]:
         counts = np.zeros(n, dtype=np.int64)
         for t, utility in enumerate(utilities):
             mine = np.flatnonzero(assign == t)
             if mine.size:
-                counts[mine] = solve(utility[mine], int(capacities[t]))
+                key = (t, mine.tobytes())
+                if key not in solved:
+                    solved[key] = solve(utility[mine], int(capacities[t]))
+                counts[mine] = solved[key]
         return counts, _total(utilities, assign, counts)
 
     assign = start.copy()

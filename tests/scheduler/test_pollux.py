@@ -327,3 +327,33 @@ def test_repacking_never_lowers_the_placed_fitness(seed):
         table = policy.speedup_table(snapshot)
         fitness[rounds] = power_mean(policy.placed_speedups(table, snapshot, {k: a.placement for k, a in plan.allocations.items()}), policy.p)
     assert fitness[3] >= fitness[0] * (1 - 1e-9)
+
+
+def test_count_solvers_reach_the_brute_force_optimum_on_small_tables():
+    # The DP (strided windows, columns past each job's last improving count skipped) and the
+    # "every best count fits" shortcut must both give the best sum over all count vectors.
+    from scheduler.policies.pollux import solve_counts
+
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        n, width, capacity = int(rng.integers(1, 4)), int(rng.integers(2, 6)), int(rng.integers(1, 9))
+        utility = np.round(rng.normal(size=(n, width)), 1)
+        utility[rng.random((n, width)) < 0.2] = -np.inf
+        utility[:, 0] = 0.0
+        best = max(sum(utility[j, g] for j, g in enumerate(counts))
+                   for counts in itertools.product(range(width), repeat=n) if sum(counts) <= capacity)
+        for counts in (_solve_dp(utility, capacity), solve_counts(utility, capacity, "dp")):
+            assert counts.sum() <= capacity
+            assert utility[np.arange(n), counts].sum() == pytest.approx(best)
+
+
+def test_memoized_packed_goodput_matches_a_fresh_prediction():
+    from scheduler.policies.pollux_estimates import packed_goodput
+    from tests.scheduler.conftest import model
+
+    bert, cifar = model("bert"), model("cifar10")
+    models, gpus, batch = [bert, cifar, bert, bert], [1, 4, 8, 1], [0, 0, 64, 0]
+    expected = [predict_one(m, g, 0, 0, np.inf, b, gpus_per_node=4).goodput_samples_per_s[0]
+                for m, g, b in zip(models, gpus, batch)]
+    for _ in range(2):  # the second call is answered from the memo
+        assert packed_goodput(models, gpus, batch, per_node=4) == pytest.approx(expected, rel=1e-12)
