@@ -80,7 +80,7 @@ from scheduler.policies.estimates import (
 from scheduler.policy import ClusterSnapshot, Plan
 from scheduler.registry import register
 
-IO_AWARE_KEEP_MARGIN = 0.1  # io_aware_rho's smallest keep_margin: 5 swaps instead of ~80 per 330 rounds (two ImageNet jobs)
+IO_AWARE_KEEP_MARGIN = 0.1  # io_aware_rho's smallest keep_margin: two ImageNet jobs restart 1 time in 20,000 s instead of 79
 
 
 @dataclass(frozen=True)
