@@ -81,6 +81,7 @@ class WarmPool:
         self._spawn = spawn
         self._idle: list[asyncio.subprocess.Process] = []
         self._starting = 0
+        self._refills: set[asyncio.Task[None]] = set()  # held: the event loop keeps only weak references
         self._closed = False
         self.served = 0  # tasks that ran in a warm process
 
@@ -123,10 +124,15 @@ class WarmPool:
                 await self._discard(proc)
                 continue
             self.served += 1
-            asyncio.ensure_future(self.fill())
+            self._refill()
             return proc
-        asyncio.ensure_future(self.fill())
+        self._refill()
         return None
+
+    def _refill(self) -> None:
+        task = asyncio.ensure_future(self.fill())
+        self._refills.add(task)
+        task.add_done_callback(self._refills.discard)
 
     async def close(self) -> None:
         self._closed = True
