@@ -563,6 +563,10 @@ class Agent:
         elif budget == "epochs":
             env["SILOD_EPOCHS"] = str(spec.epochs)
         env.update(spec.env)
+        if a.local_world_size > 1 and "OMP_NUM_THREADS" not in env:
+            # torchrun's default: ranks that share a node would otherwise each start a thread per
+            # core and oversubscribe it. The job's or the operator's setting wins.
+            env["OMP_NUM_THREADS"] = "1"
         return env
 
     def master_addr(self, a: plan_pb2.TaskAssignment) -> str:

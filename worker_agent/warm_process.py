@@ -43,6 +43,16 @@ def set_name(name: str) -> None:
         pass
 
 
+def apply_thread_count(value: str | None) -> None:
+    """What OMP_NUM_THREADS would have done at start-up: PyTorch's intra-op thread count (it
+    sets OpenMP's and MKL's). The agent sends only positive integers here (warm_start.eligible);
+    without it, or without PyTorch loaded, the process keeps what it started with, as a cold one
+    would."""
+    torch = sys.modules.get("torch")
+    if value and value.isdigit() and int(value) > 0 and torch is not None:
+        torch.set_num_threads(int(value))
+
+
 def become(order: dict) -> None:
     """Turn this process into the task ``order`` describes and run it (returns when it ends)."""
     set_name(os.path.basename(sys.executable))  # what a cold start shows
@@ -57,6 +67,7 @@ def become(order: dict) -> None:
     os.environ.clear()
     os.environ.update(order["env"])
     os.environ["SILOD_WARM_START"] = "1"  # the one addition: the SDK says so when the rank is ready
+    apply_thread_count(os.environ.get("OMP_NUM_THREADS"))
     argv = list(order["argv"])
     # What the interpreter says and does when there is nothing to run, as a cold start would.
     if argv[0] == "-m":

@@ -41,8 +41,14 @@ STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_
 Spawn = Callable[..., Awaitable[asyncio.subprocess.Process]]
 
 
+# Start-up variables a warm process can still apply when it becomes a rank (warm_process.become):
+# the thread count, through torch.set_num_threads. Set by the agent for ranks sharing a node.
+RUNTIME_SETTABLE = ("OMP_NUM_THREADS",)
+
+
 def startup_variables(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES)}
+    return {k: v for k, v in env.items()
+            if k.startswith(STARTUP_PREFIXES) and not (k in RUNTIME_SETTABLE and v.isdigit() and int(v) > 0)}
 
 
 def eligible(command: Sequence[str], env: Mapping[str, str], cwd: str, warm_env: Mapping[str, str],

@@ -20,7 +20,8 @@ value = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(value)
 keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 print("torchrun-env " + json.dumps({**{k: os.environ[k] for k in keys}, "sum": value.item(),
-                                    "world": dist.get_world_size()}), flush=True)
+                                    "world": dist.get_world_size(), "omp": os.environ.get("OMP_NUM_THREADS"),
+                                    "threads": torch.get_num_threads()}), flush=True)
 dist.barrier()
 dist.destroy_process_group()
 '''
@@ -58,3 +59,5 @@ def test_an_unmodified_env_rendezvous_script_runs_as_a_four_rank_job(make_cluste
         (four[0]["node"], "0", "0", "2"), (four[0]["node"], "0", "1", "2"),
         (four[2]["node"], "1", "0", "2"), (four[2]["node"], "1", "1", "2")]
     assert four[0]["node"] != four[2]["node"]
+    # As torchrun: ranks that share a node get one intra-op thread each unless the job says otherwise.
+    assert all(r["omp"] == "1" and r["threads"] == 1 for r in four)

@@ -87,15 +87,18 @@ def test_an_in_place_jobs_rank_runs_in_a_warm_process_as_if_started_cold(allocat
     # variable read at interpreter start-up (too late for a warm process).
     _, cold = _run(allocation, agent, "job-rigid", 2, script, tmp_path / "rigid.json", in_place=False)
     assert not cold["preloaded"] and cold["pid"] not in replacement and cold["warm"] is None
-    _, cold = _run(allocation, agent, "job-omp", 3, script, tmp_path / "omp.json", env={"OMP_NUM_THREADS": "1"})
-    assert not cold["preloaded"] and cold["omp"] == "1" and cold["pid"] not in replacement
+    _, cold = _run(allocation, agent, "job-arena", 3, script, tmp_path / "arena.json", env={"MALLOC_ARENA_MAX": "2"})
+    assert not cold["preloaded"] and cold["pid"] not in replacement
     assert _warm_pids(agent_pid) == replacement  # still idle, unused
+    # The thread count is the exception: a warm process applies it when it becomes the rank.
+    _, warm_omp = _run(allocation, agent, "job-omp", 4, script, tmp_path / "omp.json", env={"OMP_NUM_THREADS": "1"})
+    assert warm_omp["preloaded"] and warm_omp["omp"] == "1" and warm_omp["pid"] in replacement
 
     # A missing script: the same status and message as a cold start.
     missing = tmp_path / "scripts" / "gone.py"
     a = assignment("job-missing", 0, 1, [1], command=[sys.executable, str(missing)])
     a.spec.resize_in_place = True
-    allocation.push(node_plan(agent.node, 4, a))
+    allocation.push(node_plan(agent.node, 5, a))
     report = wait_until(lambda: next((t for t in allocation.task_reports()
                                       if t.job_id == "job-missing" and t.phase == EXITED), None), what="exit")
     assert report.exit_code == 2 and "can't open file" in agent.log("job-missing", 0)
@@ -114,3 +117,17 @@ def test_which_commands_may_run_warm(tmp_path) -> None:  # type: ignore[no-untyp
     assert not eligible([python, "train.py"], {**env, "PYTHONHASHSEED": "0"}, str(tmp_path), env)
     assert not eligible([python, "train.py"], {**env, "LD_PRELOAD": "x.so"}, str(tmp_path), env)
     assert eligible([python, "train.py"], {**env, "SILOD_RANK": "3", "CUDA_VISIBLE_DEVICES": "1"}, str(tmp_path), env)
+    # A thread count is applied when the warm process becomes the rank; other OpenMP settings are not.
+    assert eligible([python, "train.py"], {**env, "OMP_NUM_THREADS": "1"}, str(tmp_path), env)
+    assert not eligible([python, "train.py"], {**env, "OMP_NUM_THREADS": "auto"}, str(tmp_path), env)
+    assert not eligible([python, "train.py"], {**env, "OMP_PROC_BIND": "true"}, str(tmp_path), env)
+
+
+def test_a_warm_process_applies_the_ranks_thread_count_to_pytorch() -> None:
+    import subprocess
+
+    code = ("import torch; torch.set_num_threads(2); from worker_agent.warm_process import apply_thread_count; "
+            "apply_thread_count('1'); one = torch.get_num_threads(); apply_thread_count(None); "
+            "print(one, torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["1", "1"]  # set once; nothing given: left as it was
