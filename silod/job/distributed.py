@@ -51,6 +51,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from silod.job.broadcast import broadcast_state
+
 if TYPE_CHECKING:  # silod.job.context builds this module's trainer: no import back at run time
     from silod.job.context import JobContext, World
 
@@ -248,11 +250,9 @@ class DistributedTraining:
     def _sync_state(self) -> None:
         """Rank 0's optimizer, sampler and counters to every rank (DDP did the parameters)."""
         if self.ctx.world_size > 1:
-            box: list[Any] = [None]
-            if self.ctx.rank == 0:
-                box[0] = {k: v for k, v in self.state_dict().items() if k != "model"}
-            dist.broadcast_object_list(box, src=0)
-            state = box[0]
+            mine = {k: v for k, v in self.state_dict().items() if k != "model"} if self.ctx.rank == 0 else None
+            device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+            state = broadcast_state(mine, src=0, device=device)
         if self.ctx.world_size > 1 and self.ctx.rank != 0:
             self.optimizer.load_state_dict(state["optimizer"])
             if self.sampler is not None and state["sampler"] is not None:
