@@ -59,7 +59,7 @@ def _up(args: argparse.Namespace) -> int:
         print(f"silod lab: {exc}", file=sys.stderr)
         return 1
     for name, address in lab.hosts().items():
-        print(f"{name:12} {address}  (sudo ip netns exec {lab.net.hosts[name].netns} ...)")
+        print(f"{name:14} {address}  (sudo ip netns exec {lab.net.hosts[name].netns} ...)")
     print(f"dashboard: http://{lab.address('dashboard')}/  (reachable from this host through the bridge)")
     print(f"logs: {lab.state_dir / 'logs'}; Ctrl-C stops and removes the lab")
     print(f"the demo's workload on it: sudo {sys.argv[0]} lab workload --state-dir {args.state_dir}")

@@ -150,12 +150,19 @@ def upload_datasets(lab: LabInfo, workload: Workload, out: Callable[[str], None]
     the storage host's bucket, registered with its compose host name as the endpoint."""
     import s3fs
 
+    # No region: s3fs would send it as a LocationConstraint, which us-east-1 must not have.
     fs = s3fs.S3FileSystem(key=lab.s3_env.get("AWS_ACCESS_KEY_ID", "silod"),
                            secret=lab.s3_env.get("AWS_SECRET_ACCESS_KEY", "silod-secret"),
-                           client_kwargs={"endpoint_url": f"http://{lab.address('objectstore')}",
-                                          "region_name": lab.s3_env.get("AWS_DEFAULT_REGION", "us-east-1")})
-    if not fs.exists(BUCKET):
-        fs.mkdir(BUCKET)
+                           client_kwargs={"endpoint_url": f"http://{lab.address('objectstore')}"})
+    try:
+        if not fs.exists(BUCKET):
+            fs.mkdir(BUCKET)
+        _upload(lab, fs, workload, out)
+    except OSError as exc:
+        raise WorkloadError(f"uploading the datasets to objectstore ({lab.address('objectstore')}) failed: {exc}") from exc
+
+
+def _upload(lab: LabInfo, fs, workload: Workload, out: Callable[[str], None]) -> None:  # type: ignore[no-untyped-def]
     files_of = {name: files for name, files, _ in workload.datasets}
     client = next(h for h in lab.hosts if h.startswith("agent-"))
     with tempfile.TemporaryDirectory(prefix="silod-lab-workload-") as tmp:
