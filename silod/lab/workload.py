@@ -241,7 +241,8 @@ def run_workload(lab: LabInfo, workload: Workload, out: Callable[[str], None] = 
         while True:
             now = time.monotonic()
             jobs = [jobs_api.GetJob(metadata_pb2.GetJobRequest(job_id=j), timeout=10) for j in ids]
-            if first_running is None and any(j.state in ACTIVE for j in jobs):
+            # A job seen only after it ended ran too (a short one can start and end between polls).
+            if first_running is None and any(j.state in ACTIVE + TERMINAL for j in jobs):
                 first_running = now
             if not burst_sent and first_running is not None and now - first_running >= workload.burst_after_s:
                 burst_sent = True
