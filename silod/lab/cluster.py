@@ -125,6 +125,7 @@ class Lab:
             except Exception:  # noqa: BLE001 - cleanup continues whatever one process did
                 pass
         self.net.close()
+        (self.state_dir / "lab.json").unlink(missing_ok=True)   # `silod lab workload` must not find a lab that is gone
         if self._pg_dir:
             shutil.rmtree(self._pg_dir, ignore_errors=True)
 

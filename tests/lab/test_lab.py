@@ -445,15 +445,19 @@ def test_control_hosts_cut_off_for_30s_jobs_keep_training_and_the_cluster_conver
     try:
         wait_for(lambda: meta.GetJob(metadata_pb2.GetJobRequest(job_id=job.id), timeout=10).state
                  == common_pb2.JOB_STATE_RUNNING, 90, "the job running")
-        host = wait_for(lambda: next((h for h in AGENT_HOSTS if task_pids(lab, h)), ""), 30, "its rank")
-        pids = task_pids(lab, host)
+        # Its own rank: jobs of the test before (pg-*) may still be running beside it.
+        def own_pids(host: str) -> list[int]:
+            return [pid for pid in task_pids(lab, host) if rank_env(pid).get("SILOD_JOB_ID") == job.id]
+
+        host = wait_for(lambda: next((h for h in AGENT_HOSTS if own_pids(h)), ""), 30, "its rank")
+        pids = own_pids(host)
         before = meta.GetJob(metadata_pb2.GetJobRequest(job_id=job.id), timeout=10)
         for h in CONTROL_HOSTS:
             lab.link(h, up=False)
         t0 = time.monotonic()
         try:
             while time.monotonic() - t0 < 30:
-                assert task_pids(lab, host) == pids, "the rank stopped while the control hosts were cut off"
+                assert own_pids(host) == pids, "the rank stopped while the control hosts were cut off"
                 time.sleep(1)
         finally:
             for h in CONTROL_HOSTS:
@@ -467,6 +471,6 @@ def test_control_hosts_cut_off_for_30s_jobs_keep_training_and_the_cluster_conver
         print(f"[lab] control hosts cut 30 s: converged {time.monotonic() - t1:.1f}s after links up")
         after = meta.GetJob(metadata_pb2.GetJobRequest(job_id=job.id), timeout=10)
         assert after.state == common_pb2.JOB_STATE_RUNNING
-        assert task_pids(lab, host) == pids, "the job was restarted after the partition"
+        assert own_pids(host) == pids, "the job was restarted after the partition"
     finally:
         jobs.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job.id, reason="test done"), timeout=15)
