@@ -197,7 +197,7 @@ def _inference_spec(k: int, row: tuple[str, float]) -> common_pb2.JobSpec:
 
 
 def _where(nodes: dict[str, int], workers: dict[str, WorkerHost]) -> str:
-    return " ".join(f"{workers[n].host if n in workers else n}x{g}" for n, g in sorted(nodes.items())) or "-"
+    return ", ".join(f"{workers[n].host if n in workers else n} x{g}" for n, g in sorted(nodes.items())) or "-"
 
 
 def run_workload(lab: LabInfo, workload: Workload, out: Callable[[str], None] = print) -> WorkloadResult:
@@ -209,12 +209,11 @@ def run_workload(lab: LabInfo, workload: Workload, out: Callable[[str], None] = 
         meta = metadata_pb2_grpc.MetadataServiceStub(md_channel)
         jobs_api = scheduler_pb2_grpc.JobServiceStub(sch_channel)
         workers = _worker_hosts(meta)
-        by_pool = {pool: sorted(w.host for w in workers.values() if w.pool == pool) for pool in ("training", "inference")}
         out(f"silod lab workload: silod/demo.py's mixed workload ({len(workload.training)} training jobs, "
             f"{len(workload.inference)} inference tasks) on {len(workers)} worker hosts")
         for w in sorted(workers.values(), key=lambda w: (w.pool, w.host)):
             out(f"    {w.host:<16} node {w.node:<10} {w.pool:<9} {w.gpus} GPUs  {lab.hosts.get(w.host, '?')}")
-        if not by_pool["inference"]:
+        if not any(w.pool == "inference" for w in workers.values()):
             out("    (no inference host: the inference tasks will wait)")
         if "dashboard" in lab.hosts:
             out(f"    dashboard: http://{lab.address('dashboard')}/")
@@ -233,44 +232,10 @@ def run_workload(lab: LabInfo, workload: Workload, out: Callable[[str], None] = 
         ids = [submit(_training_spec(row)) for row in workload.training]
 
         out("\n[3/4] watching (job, state, hosts x GPUs, done)")
-        t0 = time.monotonic()
-        deadline = t0 + workload.timeout_s
-        first_running: float | None = None
-        burst_sent = False
-        shown: dict[str, tuple] = {}
-        while True:
-            now = time.monotonic()
-            jobs = [jobs_api.GetJob(metadata_pb2.GetJobRequest(job_id=j), timeout=10) for j in ids]
-            # A job seen only after it ended ran too (a short one can start and end between polls).
-            if first_running is None and any(j.state in ACTIVE + TERMINAL for j in jobs):
-                first_running = now
-            if not burst_sent and first_running is not None and now - first_running >= workload.burst_after_s:
-                burst_sent = True
-                out(f"    {now - t0:6.1f}s an inference burst arrives")
-                ids += [submit(_inference_spec(k, row)) for k, row in enumerate(workload.inference)]
-                continue
-            try:
-                placed = _placed(meta.GetLatestPlan(metadata_pb2.GetLatestPlanRequest(), timeout=10))
-            except grpc.RpcError:
-                placed = {}
-            for job in jobs:
-                where = _where(placed.get(job.id, {}), workers) if job.state in ACTIVE else "-"
-                state = common_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_").lower()
-                key = (state, where, int(4 * job.progress.fraction_done))
-                if shown.get(job.id) != key:
-                    shown[job.id] = key
-                    out(f"    {now - t0:6.1f}s {job.spec.name:<16} {state:<9} {where:<28} "
-                        f"{100 * job.progress.fraction_done:5.1f}%")
-            if burst_sent and all(j.state in TERMINAL for j in jobs):
-                break
-            if now > deadline:
-                out(f"    gave up after {workload.timeout_s:g} s: "
-                    f"{', '.join(j.spec.name for j in jobs if j.state not in TERMINAL)} still not done")
-                break
-            time.sleep(1.0)
-
+        jobs = _watch(meta, jobs_api, ids, lambda: [submit(_inference_spec(k, row)) for k, row in
+                                                     enumerate(workload.inference)], workload, workers, out)
         plans = _plans_since(meta, started_wall)
-        hosts: dict[str, set[str]] = {j: set() for j in ids}
+        hosts: dict[str, set[str]] = {j.id: set() for j in jobs}
         for plan in plans:
             for job_id, nodes in _placed(plan).items():
                 if job_id in hosts:
@@ -282,6 +247,48 @@ def run_workload(lab: LabInfo, workload: Workload, out: Callable[[str], None] = 
     result.dashboard_nodes = _dashboard_nodes(lab)
     _summary(result, timeline, out)
     return result
+
+
+def _watch(meta: metadata_pb2_grpc.MetadataServiceStub, jobs_api: scheduler_pb2_grpc.JobServiceStub, ids: list[str],
+           submit_burst: Callable[[], list[str]], workload: Workload, workers: dict[str, WorkerHost],
+           out: Callable[[str], None]) -> list[common_pb2.Job]:
+    """Poll the jobs until all have ended (or the workload's timeout), printing a line whenever a
+    job's state, hosts or quarter of progress changes; ``submit_burst()`` runs once,
+    ``burst_after_s`` after the first training job was seen running, and adds its job ids."""
+    t0 = time.monotonic()
+    first_running: float | None = None
+    burst_sent = False
+    shown: dict[str, tuple[str, str, int]] = {}
+    while True:
+        now = time.monotonic()
+        jobs = [jobs_api.GetJob(metadata_pb2.GetJobRequest(job_id=j), timeout=10) for j in ids]
+        # A job seen only after it ended ran too (a short one can start and end between polls).
+        if first_running is None and any(j.state in ACTIVE + TERMINAL for j in jobs):
+            first_running = now
+        if not burst_sent and first_running is not None and now - first_running >= workload.burst_after_s:
+            burst_sent = True
+            out(f"    {now - t0:6.1f}s an inference burst arrives")
+            ids = ids + submit_burst()
+            continue
+        try:
+            placed = _placed(meta.GetLatestPlan(metadata_pb2.GetLatestPlanRequest(), timeout=10))
+        except grpc.RpcError:   # NOT_FOUND before the first plan
+            placed = {}
+        for job in jobs:
+            where = _where(placed.get(job.id, {}), workers) if job.state in ACTIVE else "-"
+            state = common_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_").lower()
+            key = (state, where, int(4 * job.progress.fraction_done))
+            if shown.get(job.id) != key:
+                shown[job.id] = key
+                out(f"    {now - t0:6.1f}s {job.spec.name:<16} {state:<9} {where:<32} "
+                    f"{100 * job.progress.fraction_done:5.1f}%")
+        if burst_sent and all(j.state in TERMINAL for j in jobs):
+            return jobs
+        if now - t0 > workload.timeout_s:
+            out(f"    gave up after {workload.timeout_s:g} s: "
+                f"{', '.join(j.spec.name for j in jobs if j.state not in TERMINAL)} still not done")
+            return jobs
+        time.sleep(1.0)
 
 
 def _dashboard_nodes(lab: LabInfo) -> list[dict]:
