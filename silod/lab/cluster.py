@@ -41,10 +41,10 @@ def _pg_bin(name: str) -> str:
 class Lab:
     def __init__(self, state_dir: str | Path, nodes: int = 2, env: Mapping[str, str] | None = None,
                  prefix: str = netns.PREFIX, health_timeout_s: float = 90.0,
-                 compose_file: Path = compose.COMPOSE_FILE):
+                 compose_file: Path = compose.COMPOSE_FILE, inference_nodes: int = 1):
         self.state_dir = Path(state_dir).resolve()
         self.env = dict(env or {})
-        self.services = compose.load(nodes, self.env, compose_file)
+        self.services = compose.load(nodes, self.env, compose_file, inference_nodes=inference_nodes)
         self.net = netns.Network(list(self.services), prefix)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.health_timeout_s = health_timeout_s
@@ -59,6 +59,15 @@ class Lab:
     def hosts(self) -> dict[str, str]:
         return {name: h.address for name, h in self.net.hosts.items()}
 
+    def describe(self) -> dict[str, object]:
+        """What ``lab.json`` tells other commands (``silod lab workload``) about the running lab;
+        the object store credentials are the lab's own compose values, not an operator's."""
+        s3_env = {k: v for svc in self.services.values() if svc.kind == "silod"
+                  for k, v in svc.environment.items() if k.startswith("AWS_")}
+        return {"prefix": self.net.prefix, "hosts": self.hosts(),
+                "ports": {n: s.ports for n, s in self.services.items() if s.ports},
+                "s3_env": s3_env, "pids": {n: p.pid for n, p in self.procs.items()}}
+
     # --- lifecycle -------------------------------------------------------------------------
     def up(self) -> "Lab":
         netns.remove_leftovers(self.net.prefix)
@@ -72,9 +81,7 @@ class Lab:
             for name, svc in self.services.items():
                 if svc.healthcheck:
                     self._wait_condition(name, "service_healthy")
-            (self.state_dir / "lab.json").write_text(json.dumps(
-                {"prefix": self.net.prefix, "hosts": self.hosts(),
-                 "pids": {n: p.pid for n, p in self.procs.items()}}, indent=2))
+            (self.state_dir / "lab.json").write_text(json.dumps(self.describe(), indent=2))
         except BaseException:
             self.down()
             raise
@@ -118,6 +125,7 @@ class Lab:
             except Exception:  # noqa: BLE001 - cleanup continues whatever one process did
                 pass
         self.net.close()
+        (self.state_dir / "lab.json").unlink(missing_ok=True)   # `silod lab workload` must not find a lab that is gone
         if self._pg_dir:
             shutil.rmtree(self._pg_dir, ignore_errors=True)
 

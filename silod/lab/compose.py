@@ -55,20 +55,34 @@ def _node_copy(template: dict[str, Any], number: int) -> dict[str, Any]:
     return json.loads(text)
 
 
-def load(nodes: int = 2, env: Mapping[str, str] | None = None, path: Path = COMPOSE_FILE) -> dict[str, Service]:
-    """The services of ``path`` in start order, with ``nodes`` cache/agent pairs (>= 1)."""
+def _inference_copy(template: dict[str, Any], number: int) -> dict[str, Any]:
+    """The same for inference nodes: infer-0's services (cache-infer-0, agent-infer-0, their
+    volumes and the node name infer-0) with 0 replaced by N."""
+    return json.loads(re.sub(r"\binfer-0\b", f"infer-{number}", json.dumps(template)))
+
+
+def load(nodes: int = 2, env: Mapping[str, str] | None = None, path: Path = COMPOSE_FILE,
+         inference_nodes: int = 1) -> dict[str, Service]:
+    """The services of ``path`` in start order, with ``nodes`` training cache/agent pairs (>= 1)
+    and ``inference_nodes`` inference ones (>= 0)."""
     raw = interpolate(path.read_text(), env or {})
     doc = yaml.safe_load(raw)
     services: dict[str, Any] = copy.deepcopy(doc.get("services") or {})
-    for kept in ("cache-0", "agent-0", "cache-1", "agent-1"):
+    for kept in ("cache-0", "agent-0", "cache-1", "agent-1", "cache-infer-0", "agent-infer-0"):
         if kept not in services:
-            raise ComposeError(f"{path}: service {kept!r} is missing (the lab copies node 1 for more nodes)")
+            raise ComposeError(f"{path}: service {kept!r} is missing (the lab copies node 1 and infer-0 for more nodes)")
     for n in range(2, nodes):
         services[f"cache-{n}"] = _node_copy(services["cache-1"], n)
         services[f"agent-{n}"] = _node_copy(services["agent-1"], n)
     for n in range(nodes, 2):
         services.pop(f"cache-{n}")
         services.pop(f"agent-{n}")
+    for n in range(1, inference_nodes):
+        services[f"cache-infer-{n}"] = _inference_copy(services["cache-infer-0"], n)
+        services[f"agent-infer-{n}"] = _inference_copy(services["agent-infer-0"], n)
+    if inference_nodes < 1:
+        services.pop("cache-infer-0")
+        services.pop("agent-infer-0")
     result = {}
     for name, spec in services.items():
         if spec.get("profiles"):

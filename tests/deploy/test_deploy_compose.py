@@ -210,3 +210,13 @@ def test_stop_grace_period_covers_the_services_own_shutdown(compose: dict[str, A
 
 def test_estimator_assumes_the_nodes_gpu_count(loaded: dict[str, tuple[str, Any]]) -> None:
     check_gpus_per_node(list(loaded.values()), where="compose.yaml")
+
+
+def test_an_inference_node_whose_idle_gpus_the_default_policy_lends(loaded: dict[str, tuple[str, Any]]) -> None:
+    # The demo's mix (elastic training beside bursts of inference tasks) needs a node of the
+    # inference pool, and a policy that lends its idle GPUs to training: deepboot does, the
+    # others leave them idle between tasks.
+    pools = sorted(settings.pool for kind, settings in loaded.values() if kind == "worker-agent")
+    assert pools.count("training") >= 2 and pools.count("inference") >= 1, pools
+    _, scheduler = loaded["scheduler"]
+    assert scheduler.policy == "deepboot"
