@@ -424,9 +424,9 @@ class SchedulerCore:
         profile, target = self._profile_model(job, datasets)
         params = self._fitted.get(job.id, (None, 0.0))[0]
         if params is None:
-            return profile, target
+            return with_job_batch_bounds(profile, job.spec), target
         try:
-            return JobModel.from_params(profile.application, params), target
+            return with_job_batch_bounds(JobModel.from_params(profile.application, params), job.spec), target
         except (ValueError, KeyError):
             _log.warning("estimator returned an unusable model; using the profile model", extra={"job_id": job.id})
             self._fitted[job.id] = (None, self._fitted[job.id][1])
@@ -577,6 +577,10 @@ class SchedulerCore:
                 # The type the job runs on, from its nodes (the policy's Allocation may leave it "").
                 entry.gpu_type = placement_type(alloc.placement, kinds, None) if alloc.placement else ""
                 entry.batch_size = alloc.batch_size or job.spec.batch_size
+                if job.spec.batch_size > 0:
+                    # The goodput model rounds a batch up to whole per-GPU batches (3 GPUs: 64 -> 66);
+                    # the job's own limit is a contract, and its sampler splits 64 over 3 unevenly.
+                    entry.batch_size = min(entry.batch_size, max(job.spec.max_batch_size, job.spec.batch_size))
                 if job.id in training_ids:
                     data.add_grants(entry, alloc, self.cache_mode, job.spec.dataset, managed)
             else:
@@ -877,6 +881,34 @@ def _fit_profiles(applications: list[str]) -> None:
             if application not in _fitted_profiles:
                 JobModel.from_profile(application)
                 _fitted_profiles.add(application)
+
+
+def with_job_batch_bounds(model: JobModel, spec: common_pb2.JobSpec) -> JobModel:
+    """``model`` with the batch sizes the job's owner allows: ``batch_size`` is B0 (the batch the
+    job starts with, and the one its gradient statistics are reported at: SILOD_BASE_BATCH_SIZE)
+    and ``max_batch_size`` (0: ``batch_size``, the contract's default) the most a goodput policy
+    may retune it to. The profile's bounds describe the profiled model, not this job: left alone,
+    a policy scaled a job that allows 64 samples a step to 1,300.
+
+    A profile's gradient variance is expressed at the profile's B0; it is rescaled to the job's,
+    which keeps the noise scale ``B0 * var / sqr``. Measured statistics are already at the job's.
+    """
+    if spec.batch_size <= 0:
+        return model
+    bounds = model.bounds
+    init = spec.batch_size
+    top = max(spec.max_batch_size or init, init)
+    grad = model.grad
+    if model.grad_reports == 0 and init != bounds.init_batch_size:
+        grad = grad._replace(var=grad.var * bounds.init_batch_size / init)
+    # The batch is split over up to max_gpus ranks: a per-GPU floor above init / max_gpus would
+    # push a widened job's batch over what it allows.
+    min_local = min(bounds.min_local_bsz, max(1, init // max(spec.max_gpus, 1)))
+    new_bounds = bounds._replace(init_batch_size=init, max_batch_size=top, min_local_bsz=min_local,
+                                 max_local_bsz=max(bounds.max_local_bsz, min_local))
+    if new_bounds == bounds and grad == model.grad:
+        return model
+    return dataclasses.replace(model, bounds=new_bounds, grad=grad)
 
 
 def _application(spec: common_pb2.JobSpec) -> str:

@@ -179,10 +179,10 @@ class Cluster:
 
     # ---- jobs --------------------------------------------------------------------------------
     def submit(self, name: str, min_gpus: int, max_gpus: int, *, samples: int, step_s: float = 0.02,
-               batch_size: int = 32, env: dict[str, str] | None = None) -> str:
+               batch_size: int = 32, max_batch_size: int = 0, env: dict[str, str] | None = None) -> str:
         spec = common_pb2.JobSpec(name=name, application="cifar10", min_gpus=min_gpus, max_gpus=max_gpus,
-                                  batch_size=batch_size, sample_budget=samples, emulated_step_compute_s=step_s,
-                                  env=env or {})
+                                  batch_size=batch_size, max_batch_size=max_batch_size, sample_budget=samples,
+                                  emulated_step_compute_s=step_s, env=env or {})
         request = scheduler_pb2.SubmitJobRequest(spec=spec, client_request_id=f"e2e-{name}")
         # wait_for_ready: right after a scheduler restart the channel may still be reconnecting.
         return self.jobs.SubmitJob(request, timeout=30, wait_for_ready=True).id

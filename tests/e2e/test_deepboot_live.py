@@ -29,7 +29,9 @@ def test_elastic_job_borrows_inference_gpus_and_returns_them_to_a_burst(make_clu
     cluster = make_cluster("sqlite", nodes=1, inference_nodes=2, gpus_per_node=2, policy="deepboot",
                            restart_cost_s=0.0, scheduler_args=("--inference-protect-scale", "0.1"))
     env = {"SILOD_CHECKPOINT_EVERY_S": str(CHECKPOINT_EVERY_S)}
-    training = cluster.submit("elastic", 1, 6, samples=BUDGET, step_s=STEP_S, env=env)
+    # A job that lets the policy grow its batch (as far as cifar10's profile goes): a batch fixed
+    # at 32 gains too little from a sixth GPU for deepboot to lend any.
+    training = cluster.submit("elastic", 1, 6, samples=BUDGET, step_s=STEP_S, max_batch_size=4096, env=env)
     watcher = ProgressWatcher(cluster, training)
     try:
         wait_until(lambda: any(_lent(p, training) > 0 for p in _plans(cluster))

@@ -57,7 +57,9 @@ def test_policy_shrinks_and_grows_an_elastic_job_which_resumes_each_time(make_cl
     # it shrink to share (p = -1 favours giving every job GPUs); alone again, it grows back.
     cluster = make_cluster("sqlite", nodes=1, policy="pollux", restart_cost_s=0.0)
     env = {"SILOD_CHECKPOINT_EVERY_S": str(CHECKPOINT_EVERY_S)}
-    elastic = cluster.submit("elastic", 1, 4, samples=BUDGET, step_s=STEP_S, env=env)
+    # Its owner lets the batch grow (as far as cifar10's profile goes): at a fixed batch of 32 a
+    # fourth GPU gains pollux too little to grow the job.
+    elastic = cluster.submit("elastic", 1, 4, samples=BUDGET, step_s=STEP_S, max_batch_size=4096, env=env)
     watcher = ProgressWatcher(cluster, elastic)
     try:
         def world_sizes() -> list[int]:
@@ -70,7 +72,7 @@ def test_policy_shrinks_and_grows_an_elastic_job_which_resumes_each_time(make_cl
 
         wait_until(lambda: world_sizes() == [4] and cluster.job(elastic).progress.samples_done > 0, timeout=90,
                    what="the elastic job running on 4 GPUs")
-        competitor = cluster.submit("rigid", 2, 2, samples=15_000, step_s=STEP_S, env=env)
+        competitor = cluster.submit("rigid", 2, 2, samples=15_000, step_s=STEP_S, max_batch_size=4096, env=env)
         wait_until(lambda: world_sizes()[:2] == [4, 2], timeout=90, what="the elastic job shrunk to 2 GPUs")
         wait_until(lambda: cluster.job(competitor).state == common_pb2.JOB_STATE_SUCCEEDED, timeout=90,
                    what="the competing job finished")
