@@ -670,7 +670,18 @@ class CacheCore:
             cached = self._lookup(ds.name, key, etag)
             if pending is None and cached is not None and cached.verified and not cached.doomed:
                 break
+        paid = None  # the bucket this job's IO for the object was paid on, before claiming the flight
+        if pending is None and data is None and job.bucket is not None:
+            # Pay for the bytes at this job's IO rate BEFORE claiming the flight: a flight in the
+            # table must be a fetch at the store's speed. Claimed first, a job granted a trickle
+            # (the budget's last 1 %) made every other reader of the object wait on its bucket --
+            # a co-reader granted nearly all the budget crawled at 4 samples/s behind it.
+            paid = job.bucket
+            await paid.acquire(size)
+            pending = self._inflight.get(flight)
         if pending is not None:
+            if paid is not None:
+                paid.refund(size)  # served by someone else's fetch: no IO of its own
             return await asyncio.shield(pending)
         future: asyncio.Future[tuple[Entry | None, bytes]] = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -686,7 +697,9 @@ class CacheCore:
                 finally:
                     self._unpin(existing)
             if data is None:
-                data = await self._fetch(job, ds, key, size, etag)
+                data = await self._fetch(job, ds, key, size, etag, paid=paid is not None)
+            elif paid is not None:
+                paid.refund(size)  # read locally after all
             entry = await self._admit(job, ds, key, etag, data)
             future.set_result((entry, data))
             return entry, data
@@ -696,10 +709,12 @@ class CacheCore:
         finally:
             self._inflight.pop(flight, None)
 
-    async def _fetch(self, job: JobState, ds: DatasetState, key: str, size: int, etag: str) -> bytes:
+    async def _fetch(self, job: JobState, ds: DatasetState, key: str, size: int, etag: str,
+                     paid: bool = False) -> bytes:
+        """``paid``: the caller already waited for this job's IO tokens for these bytes."""
         while job.held:  # no IO granted (pass-through jobs come here directly)
             await job.io_granted.wait()
-        if job.bucket is not None:
+        if job.bucket is not None and not paid:
             await job.bucket.acquire(size)
         loop = asyncio.get_running_loop()
         started = time.monotonic()

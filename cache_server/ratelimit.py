@@ -33,6 +33,11 @@ class TokenBucket:
         self._next_free = start + nbytes / self.rate
         return max(0.0, start - now)
 
+    def refund(self, nbytes: int) -> None:
+        """Give back a reservation whose bytes were never transferred (another reader's fetch
+        served them). Never earlier than the burst allows: the refund buys no extra burst."""
+        self._next_free = max(self._next_free - nbytes / self.rate, self._clock() - self.burst_s)
+
     async def acquire(self, nbytes: int) -> None:
         delay = self.reserve(nbytes)
         if delay > 0:

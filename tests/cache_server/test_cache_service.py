@@ -515,6 +515,32 @@ def test_a_job_granted_no_io_reads_nothing_remote_until_a_plan_grants_it(
         assert cache.core.job("held").remote_bytes == 2 * 3000  # keys[5] came from the cache
 
 
+def test_a_reader_with_io_never_waits_behind_a_co_readers_trickle(
+    small: tuple[str, dict[str, bytes], Path], tmp_path: Path, metadata: str
+) -> None:
+    """Two jobs read one dataset; one is granted a trickle (1 kB/s: an object every 3 s), the
+    other plenty. The fast one asking for the objects the slow one is waiting to fetch gets them
+    at its own rate (the slow one's pending misses hold no claim on the objects), and the slow
+    one, when its turn comes, is served from the cache at no IO cost."""
+    name, files, _ = small
+    keys = sorted(files)
+    with InProcessCache(tmp_path, metadata) as cache:
+        assert cache.apply_quotas([quota("fast", name, 0, io_rate=10_000_000), quota("slow", name, 0, io_rate=1_000)], 1)
+        result: dict[str, cache_pb2.LeaseResponse] = {}
+        slow = threading.Thread(target=lambda: result.update(r=cache.lease("slow", name, keys[:6])))
+        slow.start()
+        time.sleep(0.5)  # the slow job's misses are waiting on its bucket
+        t0 = time.monotonic()
+        cache.lease("fast", name, keys[:6])
+        fast_took = time.monotonic() - t0
+        slow.join(30)
+        assert not slow.is_alive()
+        assert fast_took < 1.5, f"the fast reader waited {fast_took:.1f}s behind the trickle"
+        assert read_leased(result["r"]) == {k: files[k] for k in keys[:6]}
+        # What the slow job fetched itself, it paid for; the rest came from the fast one's fetches.
+        assert cache.core.job("fast").remote_bytes + cache.core.job("slow").remote_bytes == 6 * 3000
+
+
 def test_a_dataset_named_by_the_plan_is_loaded_before_its_readers_first_call(
     small: tuple[str, dict[str, bytes], Path], tmp_path: Path, metadata: str
 ) -> None:
