@@ -1,7 +1,7 @@
 """silod side by side with the loaders job owners pick today, on one throttled S3-protocol store
 and the same bytes, against the physical limit of every row.
 
-Run: ``python benchmarks/data_loaders.py`` (about 10 minutes on 2 cores; ``--quick`` for a
+Run: ``python benchmarks/data_loaders.py`` (about 15 minutes on 2 cores; ``--quick`` for a
 smaller run). The anchor loaders come from the ``bench`` extra (``pip install -e '.[bench]'``);
 one that is missing or does not import is a row of the table that says why.
 
