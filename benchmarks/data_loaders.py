@@ -1,7 +1,7 @@
 """silod side by side with the loaders job owners pick today, on one throttled S3-protocol store
 and the same bytes, against the physical limit of every row.
 
-Run: ``python benchmarks/data_loaders.py`` (about 10 minutes on 2 cores; ``--quick`` for a
+Run: ``python benchmarks/data_loaders.py`` (about 15 minutes on 2 cores; ``--quick`` for a
 smaller run). The anchor loaders come from the ``bench`` extra (``pip install -e '.[bench]'``);
 one that is missing or does not import is a row of the table that says why.
 
@@ -25,7 +25,9 @@ Rows, each with its physical limit:
 - ``cold``: the first epoch, nothing cached. Limit: the link, bandwidth / sample bytes.
 - ``warm``: the epochs after the first (median of ``--repeats``; min and max printed below
   the table). Limit: the same workers reading the same bytes from local files in tmpfs
-  (``local files`` row, measured in this run, also the median of ``--repeats``).
+  (``local files``), one such epoch run right before each warm epoch of the loader, so each
+  pair sees the same machine: the cell's share is against the median of the loader's own
+  local epochs, and the min / median / max of the per-pair ratios is printed below the table.
 - ``cache=1/2``: the dataset is twice the cache (silod: a memory tier of half the dataset,
   uniform caching), second epoch. Limit: the link for the half that is not cached,
   bandwidth / (sample bytes x 1/2), at most the local limit.
@@ -271,8 +273,8 @@ def main() -> int:
     parser.add_argument("--compute", type=float, default=2.5, help="seconds of emulated compute per batch "
                         "in the compute row (default 2.5: more than the plain loader needs per batch)")
     parser.add_argument("--compute-batches", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=3, help="warm epochs per loader (and local-file "
-                        "epochs): the table shows the median, min and max are printed below it (default 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="warm epochs per loader, each right after an epoch of "
+                        "local files: the table shows the medians, min and max are printed below it (default 5)")
     parser.add_argument("--loaders", default="plain,plain-tuned,webdataset,streaming,litdata,silod,silod-shards")
     parser.add_argument("--rows", default="cold,warm,cache=1/2,2 jobs,compute")
     parser.add_argument("--quick", action="store_true", help="1024 samples, compute 1.5 s")
@@ -355,6 +357,7 @@ def main() -> int:
             return samples / seconds, memory.peak
 
         spreads: dict[str, list[float]] = {}
+        ratios: dict[str, list[float]] = {}  # warm epoch / the local-files epoch just before it
         # The warm limit: the same workers reading the same files from tmpfs.
         class LocalFiles(torch.utils.data.Dataset):  # type: ignore[type-arg]
             def __len__(self) -> int:
@@ -382,14 +385,24 @@ def main() -> int:
                     setup(row)
                     if row == "cold":
                         rate, pss = measure(lambda: epoch("cold"), extra())
-                    elif row in ("warm", "cache=1/2"):
+                    elif row == "warm":
                         if has_cache:
                             measure(lambda: epoch("cold"), extra())  # the first epoch fills the cache
-                        repeats = args.repeats if row == "warm" and has_cache else 1
-                        runs = [measure(lambda: epoch("warm" if has_cache else "cold"), extra()) for _ in range(repeats)]
+                        # Side by side: each warm epoch right after an epoch of local files, so a
+                        # pair sees the same machine; the limit is the median of this loader's pairs.
+                        runs, locals_ = [], []
+                        for _ in range(args.repeats):
+                            locals_.append(measure(lambda: loader_of(LocalFiles()))[0])
+                            runs.append(measure(lambda: epoch("warm" if has_cache else "cold"), extra()))
                         rate, pss = statistics.median(r[0] for r in runs), max(r[1] for r in runs)
-                        if row == "warm":
-                            spreads[name] = [r[0] for r in runs]
+                        spreads[name] = [r[0] for r in runs]
+                        ratios[name] = [r[0] / lo for r, lo in zip(runs, locals_)]
+                        table.put(name, row, Cell(rate, statistics.median(locals_), pss))
+                        continue
+                    elif row == "cache=1/2":
+                        if has_cache:
+                            measure(lambda: epoch("cold"), extra())  # the first epoch fills the cache
+                        rate, pss = measure(lambda: epoch("warm" if has_cache else "cold"), extra())
                     elif row == "2 jobs":
                         rate, pss = measure(lambda: epoch("cold"), extra(), jobs=2)
                     else:
@@ -500,9 +513,12 @@ def main() -> int:
         print(table.render())
         print(f"\nlimits (samples/s): cold {limits['cold']:,.0f} (link), warm {limits['warm']:,.0f} (local files), "
               f"cache=1/2 {limits['cache=1/2']:,.0f}, 2 jobs {limits['2 jobs']:,.0f}, compute {limits['compute']:,.0f}")
-        print(f"warm epochs, min / median / max of {args.repeats} (samples/s):")
+        print(f"warm epochs, min / median / max of {args.repeats} (samples/s), and of the ratio to the local-files "
+              "epoch run just before each:")
         for name, rates in spreads.items():
-            print(f"  {name:<13} {min(rates):>9,.0f} {statistics.median(rates):>9,.0f} {max(rates):>9,.0f}")
+            pairs = ratios.get(name)
+            paired = (f"   ratio {min(pairs):.0%} / {statistics.median(pairs):.0%} / {max(pairs):.0%}" if pairs else "")
+            print(f"  {name:<13} {min(rates):>9,.0f} {statistics.median(rates):>9,.0f} {max(rates):>9,.0f}{paired}")
         print("load average at the end: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
         return 0
     finally:

@@ -209,6 +209,10 @@ class CacheCore:
         self._parts: dict[tuple[str, str], Partition] = {}  # (dataset, policy) -> quota partition
         self._leases: dict[str, Lease] = {}
         self._lease_seq = itertools.count()
+        # Admission file suffixes: random per process (a restart never reuses a name), then a
+        # counter (os.urandom per admission released the GIL to 64 fetch threads every time).
+        self._admission_prefix = secrets.token_hex(3)
+        self._admissions = itertools.count()
         self._remote_pool = ThreadPoolExecutor(max(1, config.remote_concurrency), thread_name_prefix="cache-remote")
         self._file_pool = ThreadPoolExecutor(4, thread_name_prefix="cache-file")
         self._background: set[asyncio.Task[Any]] = set()
@@ -763,7 +767,7 @@ class CacheCore:
         tier.writing += size
         # Unique per admission: a doomed (evicted, still leased) copy of the same version never
         # shares a path with its successor.
-        name = f"{entry_name(ds.name, key, etag)}.{secrets.token_hex(4)}"
+        name = f"{entry_name(ds.name, key, etag)}.{self._admission_prefix}{next(self._admissions):x}"
         try:
             digest, mtime_ns = await asyncio.get_running_loop().run_in_executor(self._file_pool, tier.write, name, data)
         except OSError as exc:
@@ -1005,6 +1009,8 @@ class CacheCore:
     async def _sweep_leases(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            for tier in self.tiers:
+                tier.flush_journal()
             now = time.monotonic()
             for lease_id in [lid for lid, lease in self._leases.items() if lease.expires <= now]:
                 self.release(lease_id)

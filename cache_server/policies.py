@@ -248,6 +248,7 @@ class FetchCostModel:
         self._samples: list[tuple[int, float]] = []
         self._window = window
         self._pos = 0
+        self._observed = 0
         self.bandwidth, self.latency = fetch_cost_default()
 
     def observe(self, nbytes: int, seconds: float) -> None:
@@ -256,7 +257,9 @@ class FetchCostModel:
         else:
             self._samples[self._pos] = (nbytes, seconds)
             self._pos = (self._pos + 1) % self._window
-        if len(self._samples) % 16 == 0 or len(self._samples) < 16:
+        self._observed += 1
+        # Every 16th fetch (a full window would otherwise be refitted on every fetch: O(window) each).
+        if self._observed % 16 == 0 or self._observed < 16:
             self._fit()
 
     def _fit(self) -> None:

@@ -116,14 +116,18 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     async def Lease(self, request: cache_pb2.LeaseRequest, context: Any) -> cache_pb2.LeaseResponse:
         lease, served = await self.core.lease(request.job_id, request.dataset, request.keys, request.lease_s)
-        return cache_pb2.LeaseResponse(
-            lease_id=lease.lease_id,
-            objects=[
-                cache_pb2.LeasedObject(key=s.key, path=s.path, size_bytes=s.size, etag=s.etag, tier=s.tier)
-                for s in served
-            ],
-            expires_at=_timestamp(lease.expires_wall),
-        )
+        response = cache_pb2.LeaseResponse(lease_id=lease.lease_id, expires_at=_timestamp(lease.expires_wall))
+        # Field by field: with the upb runtime, keyword construction of a message costs ~10x more
+        # than setting its fields, and this is the hit path (a few µs per sample otherwise).
+        add = response.objects.add
+        for s in served:
+            obj = add()
+            obj.key = s.key
+            obj.path = s.path
+            obj.size_bytes = s.size
+            obj.etag = s.etag
+            obj.tier = s.tier
+        return response
 
     async def ReleaseLease(
         self, request: cache_pb2.ReleaseLeaseRequest, context: Any

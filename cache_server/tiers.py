@@ -28,10 +28,12 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 _READ_CHUNK = 1 << 20
+JOURNAL_FLUSH_S = 0.5
 
 
 @dataclass(eq=False)
@@ -91,6 +93,7 @@ class Tier:
         self._journal_path = os.path.join(self.root, "journal.jsonl")
         self._journal: Any = None
         self._journal_lines = 0
+        self._flushed_at = 0.0
         self._lock_fd: int | None = None
 
     # -- lifecycle (blocking) ----------------------------------------------------------------
@@ -236,10 +239,26 @@ class Tier:
             return
         try:
             self._journal.write(line)
-            self._journal.flush()
             self._journal_lines += 1
+            # Flushed at most every JOURNAL_FLUSH_S (and by flush_journal, which the cache core
+            # calls every second): a flush per admission cost more than the admission. A line
+            # lost in a crash is what the layout above already tolerates (an orphan file is
+            # deleted at start, a line whose file is gone is dropped).
+            now = time.monotonic()
+            if now - self._flushed_at >= JOURNAL_FLUSH_S:
+                self._journal.flush()
+                self._flushed_at = now
         except OSError:
             pass  # a full disk: the next start re-indexes from the files that survive
+
+    def flush_journal(self) -> None:
+        if self._journal is None:
+            return
+        try:
+            self._journal.flush()
+        except OSError:
+            pass
+        self._flushed_at = time.monotonic()
 
     def journal_needs_compaction(self, live_entries: int) -> bool:
         return self._journal_lines > 100_000 and self._journal_lines > 4 * live_entries

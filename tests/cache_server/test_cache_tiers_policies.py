@@ -149,3 +149,34 @@ def test_fetch_cost_model_separates_latency_and_bandwidth() -> None:
     assert model.latency == pytest.approx(0.02, rel=1e-3)
     assert model.bandwidth == pytest.approx(50e6, rel=1e-3)
     assert model.cost(100_000) == pytest.approx(0.022, rel=1e-3)
+
+
+def test_fetch_cost_model_follows_the_store_once_its_window_is_full() -> None:
+    model = FetchCostModel(window=64)
+    fits = 0
+    real_fit = model._fit
+
+    def counting_fit() -> None:
+        nonlocal fits
+        fits += 1
+        real_fit()
+
+    model._fit = counting_fit  # type: ignore[method-assign]
+    for i in range(640):  # ten windows of a 50 MB/s store ...
+        size = 10_000 * (1 + i % 8)
+        model.observe(size, 0.02 + size / 50e6)
+    assert fits <= 15 + 640 // 16  # refitted every 16th fetch, not on every fetch of a full window
+    for i in range(64):  # ... then the store slows to 10 MB/s: one window later the model says so
+        size = 10_000 * (1 + i % 8)
+        model.observe(size, 0.02 + size / 10e6)
+    assert model.bandwidth == pytest.approx(10e6, rel=1e-3)
+
+
+def test_journal_lines_reach_the_file_without_a_close(tmp_path: Path) -> None:
+    tier = Tier("memory", str(tmp_path / "m"), 1 << 20, fsync=False)
+    tier.open()
+    entries = [_put(tier, f"k{i}", bytes([i]) * 10) for i in range(5)]
+    tier.flush_journal()  # the cache core does this every second; a crash loses at most that much
+    on_disk = (tmp_path / "m" / "journal.jsonl").read_text()
+    assert all(e.name in on_disk for e in entries)
+    tier.close()

@@ -188,3 +188,30 @@ def test_torch_stays_out_of_the_rest_of_silod() -> None:
             "assert 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_transform_applies_to_leased_and_directly_read_samples_alike(
+    store: tuple[str, dict[str, bytes]], metadata: str, tmp_path: Path
+) -> None:
+    name, files = store
+    dataset = SilodDataset(name, cache_addr="127.0.0.1:1", metadata_addr=metadata, transform=lambda b: b[::-1])
+    keys = dataset.keys[:3]
+    leased = tmp_path / "leased"
+    leased.write_bytes(files[keys[0]])
+
+    class Stub:
+        def Lease(self, request: Any, timeout: float) -> cache_pb2.LeaseResponse:
+            # The first from a leased file, the other two not materialized: read from the store.
+            return cache_pb2.LeaseResponse(lease_id="l", objects=[
+                cache_pb2.LeasedObject(key=k, path=str(leased) if i == 0 else "", size_bytes=1500,
+                                       etag=dataset.manifest.etags[i], tier="memory" if i == 0 else "remote")
+                for i, k in enumerate(keys)
+            ])
+
+        def ReleaseLease(self, request: Any, timeout: float) -> None:
+            return None
+
+    dataset._ensure_process()
+    dataset._stub = Stub()
+    assert dataset.__getitems__([0, 1, 2]) == [files[k][::-1] for k in keys]
+    assert dataset.counters["lease_unreadable"] == 2 and dataset.counters["direct"] == 2

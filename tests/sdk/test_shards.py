@@ -23,10 +23,10 @@ from silod.v1 import cache_pb2
 from tests.cache_server.harness import InProcessCache, moto_s3, quota, silod_cli
 
 
-def make_shard(samples: dict[str, dict[str, bytes]]) -> bytes:
+def make_shard(samples: dict[str, dict[str, bytes]], tar_format: int = tarfile.USTAR_FORMAT) -> bytes:
     """A tar shard as WebDataset writes it: each sample's members consecutive, named base.ext."""
     out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as archive:
+    with tarfile.open(fileobj=out, mode="w", format=tar_format) as archive:
         for base, members in samples.items():
             for ext, data in members.items():
                 info = tarfile.TarInfo(f"{base}.{ext}")
@@ -87,6 +87,25 @@ def test_index_finds_each_sample_and_its_bytes_form_a_small_tar() -> None:
     assert parse_sample_key("plain/object.jpg") is None
     with pytest.raises(ShardError, match="s/bad.tar"):
         index_tar(io.BytesIO(b"\x01" * 4096), "s/bad.tar")
+
+
+def test_decode_reads_ustar_headers_itself_and_leaves_the_rest_to_tarfile() -> None:
+    from silod.data.shards import _decode_ustar, _decode_with_tarfile
+
+    plain = {"a/0001": {"jpg": b"x" * 700, "cls": b"3", "json": b""}}
+    long_name = {"d/" + "n" * 120: {"jpg": b"y" * 1025}}  # > 100 bytes: a pax (or GNU) header
+    for samples, fast, tar_format in ((plain, True, tarfile.USTAR_FORMAT), (long_name, False, tarfile.PAX_FORMAT)):
+        shard = make_shard(samples, tar_format)
+        (r,) = index_tar(io.BytesIO(shard), "s.tar")
+        data = shard[r.offset : r.offset + r.length]
+        assert (_decode_ustar(data) is not None) == fast
+        assert decode_sample(data) == _decode_with_tarfile(data) == {"__key__": r.sample, **samples[r.sample]}
+    # A damaged header is not guessed at: tarfile's verdict stands.
+    shard = make_shard(plain)
+    (r,) = index_tar(io.BytesIO(shard), "s.tar")
+    data = bytearray(shard[r.offset : r.offset + r.length])
+    data[130] ^= 1  # inside the size field: the checksum no longer matches
+    assert _decode_ustar(bytes(data)) is None
 
 
 def test_registration_indexes_the_shards_into_the_manifest(sharded: tuple[Path, dict], metadata: str) -> None:
