@@ -171,6 +171,8 @@ def keep_current(current: Allocation | None, count: int, free: FreeGpus,
     held = [(node, index) for node, indices in current.placement for index in indices]
     if len(set(held)) != len(held):  # a malformed plan naming a GPU twice: place afresh
         return None
+    if count == len(held):  # keeps everything: no survivors to choose (most running jobs, every round)
+        return tuple(sorted((node, free.reserve(node, indices)) for node, indices in current.placement if indices))
     kept: list[tuple[str, tuple[int, ...]]] = []
     remaining = count
     for node, indices in sorted(current.placement, key=lambda p: (not keep_first(p[0]), -len(p[1]), p[0])):
