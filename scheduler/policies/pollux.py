@@ -551,15 +551,20 @@ def _solve_dp(utility: np.ndarray, capacity: int) -> np.ndarray:
     before = np.lib.stride_tricks.sliding_window_view(padded, width)[:, ::-1]
     columns = np.arange(capacity + 1)
     choice = np.zeros((n, capacity + 1), dtype=np.int16 if width < 2**15 else np.int32)
-    reach = 0  # the most GPUs the jobs so far can use: ``best`` is flat from there on
+    # Rows of job j worth computing: from ``floor[j]`` (the answer's capacity minus what the
+    # later jobs can take: the walk back from ``capacity`` never goes lower, and job j + 1 reads
+    # no row below it) up to ``reach`` (what the jobs so far can use: past it ``best`` is flat,
+    # so those rows repeat row ``reach``). Rows outside keep stale values nobody reads.
+    later = np.cumsum(np.array(own[::-1], dtype=np.int64) - 1)[::-1]  # jobs j.. together
+    floor = np.maximum(0, capacity - (later - (np.array(own, dtype=np.int64) - 1))).tolist()
+    reach = 0
     for j in range(n):
         reach = min(capacity, reach + own[j] - 1)
-        # Rows past ``reach`` read only the flat end of ``best``, so they take row ``reach``'s
-        # count and value: computing rows up to ``reach`` is enough.
-        options = before[:reach + 1, :own[j]] + utility[j, :own[j]]
+        low = min(floor[j], reach)
+        options = before[low:reach + 1, :own[j]] + utility[j, :own[j]]
         pick = np.argmax(options, axis=1)  # the smallest count among equals
-        choice[j, :reach + 1] = pick
-        best[:reach + 1] = options[columns[:reach + 1], pick]
+        choice[j, low:reach + 1] = pick
+        best[low:reach + 1] = options[columns[:reach + 1 - low], pick]
         if reach < capacity:
             choice[j, reach + 1:] = pick[-1]
             best[reach + 1:] = best[reach]
