@@ -22,7 +22,10 @@ Where the speeds come from:
   compares each measured compute time with what the reference model predicts for the same
   local batch and takes the median ratio. One observation is enough to place the job on the
   type; the estimator refits the full per-type model once enough configurations were seen
-  (:mod:`estimator.fitting`).
+  (:mod:`estimator.fitting`). Steps of several GPUs whose synchronisation time was not
+  measured (what the live scheduler reports) show no compute time on their own;
+  :func:`speed_from_step_times` then finds the speed at which the scaled reference model
+  predicts the whole measured step.
 
 An unknown type with no observation gets speed 1 (the reference's): a neutral guess that the
 first observations on the type correct.
@@ -33,15 +36,30 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import re
 from collections.abc import Iterable, Mapping
 from importlib import resources
 
 import numpy as np
 
-from estimator.goodput import PerfParams
+from estimator.goodput import PerfParams, step_time
 from estimator.job_model import JobModel
 
 REFERENCE_TYPE = "v100"
+
+# How a GPU type is written wherever it enters silod (nodes, job constraints, estimator calls):
+# lower case, so "A100" is not a type of its own. The metadata service checks the same rule
+# (services/metadata/validation/common.py; tests/estimator/test_typed_service.py keeps them equal).
+GPU_TYPE_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,31}")
+
+
+def gpu_type_problem(value: str) -> str | None:
+    """Why ``value`` is not a GPU type ("" = untyped is allowed), or None if it is one."""
+    if not value or GPU_TYPE_PATTERN.fullmatch(value):
+        return None
+    shown = value if len(value) <= 40 else value[:40] + "..."
+    return (f"must be empty (untyped) or 1..32 characters of [a-z0-9._-] starting with a letter or digit, "
+            f"lower case as nodes advertise it (e.g. v100, a100), got {shown!r}")
 
 # Each packaged application's nearest Gavel job type: same architecture family, a batch size
 # near the application's initial one (our choice; Gavel did not measure these applications).
@@ -146,3 +164,43 @@ def speed_from_observations(
         raise ValueError("no usable observation (positive batch size and compute time)")
     predicted = reference.perf.alpha_c + reference.perf.beta_c * local[usable]
     return float(np.median(predicted / measured[usable]))
+
+
+MIN_SPEED, MAX_SPEED = 1e-3, 1e3  # a type 1,000x slower or faster than the reference is a measuring error
+
+
+def speed_from_step_times(
+    reference: JobModel,
+    nodes: Iterable[float],
+    replicas: Iterable[float],
+    local_batch_sizes: Iterable[float],
+    accum_steps: Iterable[float],
+    step_times_s: Iterable[float],
+) -> float:
+    """A job's compute speed on a new type from whole step times (no sync time measured).
+
+    For each step, the speed ``s`` at which :func:`on_type` (reference, s) predicts exactly the
+    measured step time (the step time falls as ``s`` grows, so bisection in log ``s`` finds it),
+    clipped to [MIN_SPEED, MAX_SPEED] (a step faster than the reference's synchronisation alone
+    gets MAX_SPEED); the median over steps. ``ValueError`` with no usable step.
+    """
+    columns = [np.asarray(list(values), dtype=np.float64) for values in
+               (nodes, replicas, local_batch_sizes, accum_steps, step_times_s)]
+    if len({column.shape for column in columns}) != 1:
+        raise ValueError("need one value of each per step")
+    node, replica, local, accum, measured = columns
+    usable = (local > 0) & (measured > 0) & np.isfinite(measured) & (replica >= 1) & (node >= 1)
+    if not usable.any():
+        raise ValueError("no usable step (positive batch size and step time)")
+    node, replica, local, accum, measured = (column[usable] for column in columns)
+    perf = reference.perf
+    low = np.full(len(measured), np.log(MIN_SPEED))
+    high = np.full(len(measured), np.log(MAX_SPEED))
+    for _ in range(48):  # the bracket is 14 wide in log: 48 halvings leave ~5e-14
+        middle = (low + high) / 2
+        speed = np.exp(middle)
+        scaled = PerfParams(perf.alpha_c / speed, perf.beta_c / speed, *perf[2:])
+        too_slow = step_time(scaled, node, replica, local, accum) > measured
+        low = np.where(too_slow, middle, low)
+        high = np.where(too_slow, high, middle)
+    return float(np.clip(np.median(np.exp((low + high) / 2)), MIN_SPEED, MAX_SPEED))

@@ -24,16 +24,22 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from estimator.fitting import ObservationLog
-from estimator.job_model import JobModel
+from estimator.gpu_types import typed_models
+from estimator.job_model import PERF_KEYS, JobModel
+from estimator.per_type import TypedModels, is_reference, types_from_params, types_to_params
 from services.runtime.structured_logging import get_logger
 from silod.v1 import common_pb2, metadata_pb2
 
 _log = get_logger("silod.estimator")
 
-# The metadata store accepts at most 256 params per job. The model takes 16 and each log entry
-# (one configuration the job ran in) 7, so the log keeps the 32 most recently observed
-# configurations: 16 + 32 * 7 = 240.
+# The metadata store accepts at most 256 params per job. The model takes 16, each GPU type with
+# a model of its own 8 (its perf params and speed), each log entry (one configuration the job
+# ran in, on any type) 7: the logs together keep the 32 most recently observed configurations,
+# fewer once types take room (16 + 32 * 7 = 240; with 8 types 25 entries, see log_budget).
+MAX_PARAMS = 256
 MAX_LOG_ENTRIES = 32
+LOG_ENTRY_PARAMS = len(ObservationLog._FIELDS)
+MAX_GPU_TYPES_PER_JOB = 8  # GPU types besides the reference one a job keeps a model for
 # Seconds a "no model stored for this job" answer of the metadata service is trusted by Predict
 # before it asks again (this process writes models itself, so the answer only goes stale when
 # another estimator fits the same job).
@@ -82,7 +88,7 @@ class JobRecord:
     """What the estimator knows about one job. Never mutated: changes make a new record."""
 
     job_id: str
-    model: JobModel
+    model: JobModel  # on the reference type (estimator.gpu_types.REFERENCE_TYPE) or untyped nodes
     log: ObservationLog = field(default_factory=ObservationLog)  # treat as read-only; copy to change
     observations: int = 0  # StepObservations folded in over the job's life
     updated_at: datetime = field(default_factory=lambda: datetime.now(UTC))
@@ -90,10 +96,28 @@ class JobRecord:
     # from the metadata service keeps the stored values exactly (the log's running means do not
     # survive a round trip bit for bit), so what GetJobModel returns never drifts.
     params: dict[str, float] = field(default_factory=dict)
+    # Other GPU types the job was observed on (estimator.per_type): model, log, bootstrapped speed.
+    type_models: dict[str, JobModel] = field(default_factory=dict)
+    type_logs: dict[str, ObservationLog] = field(default_factory=dict)
+    type_speeds: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.params:
-            object.__setattr__(self, "params", {**self.model.to_params(), **self.log.to_params()})
+            typed = types_to_params(self.type_models, self.type_logs, self.type_speeds)
+            object.__setattr__(self, "params", {**self.model.to_params(), **self.log.to_params(), **typed})
+
+    def model_on(self, gpu_type: str) -> JobModel:
+        """The job's model on ``gpu_type``: fitted there if observed there, else the reference
+        model scaled by the application's measured speed (1 for a type the table lacks)."""
+        if is_reference(gpu_type):
+            return self.model
+        fitted = self.type_models.get(gpu_type)
+        return fitted if fitted is not None else typed_models(self.model, [gpu_type])[gpu_type]
+
+    def typed(self) -> TypedModels:
+        """A mutable copy of the per-type state to fold observations into."""
+        return TypedModels(self.model, copy_log(self.log), {t: copy_log(log) for t, log in self.type_logs.items()},
+                           dict(self.type_models), dict(self.type_speeds))
 
     def to_proto(self) -> common_pb2.JobModelParams:
         stamp = Timestamp()
@@ -113,10 +137,11 @@ class JobRecord:
         try:
             model = JobModel.from_params(proto.application, params)
             log = ObservationLog.from_params(params)
+            models, logs, speeds = types_from_params(model, params)
         except (ValueError, KeyError, IndexError) as exc:
             raise UnusableRecord(f"stored model of job {proto.job_id!r} cannot be read: {exc}") from exc
         updated = proto.updated_at.ToDatetime(tzinfo=UTC) if proto.HasField("updated_at") else datetime.now(UTC)
-        return cls(proto.job_id, model, log, int(proto.observations), updated, params)
+        return cls(proto.job_id, model, log, int(proto.observations), updated, params, models, logs, speeds)
 
 
 def copy_log(log: ObservationLog) -> ObservationLog:
@@ -125,11 +150,29 @@ def copy_log(log: ObservationLog) -> ObservationLog:
 
 def trim_log(log: ObservationLog, recent: Iterable[tuple[int, int, int, int]]) -> None:
     """Move the ``recent`` configurations to the end of ``log`` (mutated), then keep the last MAX_LOG_ENTRIES."""
+    mark_recent(log, recent)
+    trim_logs([log], MAX_LOG_ENTRIES)
+
+
+def mark_recent(log: ObservationLog, recent: Iterable[tuple[int, int, int, int]]) -> None:
+    """Move the ``recent`` configurations to the end of ``log`` (mutated): the last to be trimmed."""
     for key in recent:
         if key in log.entries:
             log.entries[key] = log.entries.pop(key)
-    while len(log.entries) > MAX_LOG_ENTRIES:
-        del log.entries[next(iter(log.entries))]
+
+
+def log_budget(model: JobModel, type_models: dict[str, JobModel], type_speeds: dict[str, float]) -> int:
+    """Log entries (over all types) that fit in MAX_PARAMS beside the models, at most MAX_LOG_ENTRIES."""
+    fixed = len(model.to_params()) + len(type_models) * len(PERF_KEYS) + len(type_speeds)
+    return max(0, min(MAX_LOG_ENTRIES, (MAX_PARAMS - fixed) // LOG_ENTRY_PARAMS))
+
+
+def trim_logs(logs: list[ObservationLog], budget: int) -> None:
+    """Drop the oldest entry of the longest log (mutated) until all hold ``budget`` entries together,
+    so a type observed briefly keeps its few entries while a long-running one gives up old ones."""
+    while sum(len(log) for log in logs) > budget:
+        longest = max(logs, key=len)
+        del longest.entries[next(iter(longest.entries))]
 
 
 class ModelStore:

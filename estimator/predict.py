@@ -138,10 +138,15 @@ def predict(
     batch_size: ArrayLike = 0,
     *,
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
+    base_index: ArrayLike | None = None,
 ) -> Predictions:
     """Predict every candidate ``k``: job ``models[model_index[k]]`` with ``gpus[k]`` GPUs on ``nodes[k]`` nodes,
     ``cache_bytes[k]`` bytes of cache, ``remote_io_bytes_per_s[k]`` bytes/s of remote IO, at global
     ``batch_size[k]`` (0 = best).
+
+    ``speedup`` divides by the base goodput of ``models[base_index[k]]`` (default: the
+    candidate's own model); a job's candidates on several GPU types pass its reference model
+    there, so their speedups compare across types.
 
     Array arguments broadcast to one length K. ``ValueError`` (naming the argument) on
     negative values, fractional counts, an unknown model index, ``nodes > gpus`` or
@@ -152,6 +157,9 @@ def predict(
     index = _integers("model_index", model_index, size)
     if np.any(index >= len(table)):
         raise ValueError(f"model_index must be below the number of models ({len(table)})")
+    base_of = index if base_index is None else _integers("base_index", base_index, size)
+    if np.any(base_of >= len(table)):
+        raise ValueError(f"base_index must be below the number of models ({len(table)})")
     gpu = _integers("gpus", gpus, size)
     node = _integers("nodes", nodes, size)
     if gpus_per_node < 1:
@@ -185,7 +193,7 @@ def predict(
 
     rate = np.minimum(compute, io_rate)
     good = rate * eff
-    base = table.base_goodput[index]
+    base = table.base_goodput[base_of]
     with np.errstate(divide="ignore", invalid="ignore"):
         speedup = np.where(base > 0, good / np.where(base > 0, base, 1.0), 0.0)
     return Predictions(

@@ -3,8 +3,10 @@
 Predict answers every candidate of every query with ONE vectorized
 :func:`estimator.predict.predict` call. A query is predicted with the job's fitted model when
 ``job_id`` is known (in memory, else in the metadata service) and with its application's
-profile otherwise. Observe folds step reports into the job's model
-(:func:`estimator.observe.observe`) and persists it; GetJobModel reads it back.
+profile otherwise; a candidate's ``gpu_type`` picks the job's model on that type
+(:meth:`estimator.model_store.JobRecord.model_on`). Observe folds step reports into the job's
+model on the type they ran on (:class:`estimator.per_type.TypedModels`) and persists it;
+GetJobModel reads it back.
 
 CPU-heavy work (reading the request into arrays, predicting, building the answer, fitting)
 runs in worker threads so the event loop keeps answering health checks and small calls.
@@ -14,6 +16,7 @@ Errors name the offending field, e.g. ``queries[3].candidates[2].gpus: must be >
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import math
@@ -25,18 +28,21 @@ from datetime import UTC, datetime
 import numpy as np
 
 from estimator.goodput import split_local_batch
+from estimator.gpu_types import gpu_type_problem, typed_models
 from estimator.job_model import JobModel
 from estimator.model_store import (
+    MAX_GPU_TYPES_PER_JOB,
     JobRecord,
     MetadataRefused,
     MetadataUnavailable,
     ModelStore,
     UnknownJob,
     UnusableRecord,
-    copy_log,
-    trim_log,
+    log_budget,
+    mark_recent,
+    trim_logs,
 )
-from estimator.observe import observe
+from estimator.per_type import is_reference
 from estimator.predict import DEFAULT_GPUS_PER_NODE, ModelTable, Predictions, predict
 from estimator.profiles import application_names
 from services.runtime.downstream import translate
@@ -138,6 +144,8 @@ class _Batch:
     cache_bytes: np.ndarray
     remote_io_bytes_per_s: np.ndarray
     batch_size: np.ndarray
+    gpu_types: list[str] = dataclasses.field(default_factory=lambda: [""])  # distinct types; [0] is "" (untyped)
+    type_index: np.ndarray | None = None  # per candidate: its gpu_types entry; None = all untyped
 
 
 def _read_batch(request: estimator_pb2.PredictRequest) -> _Batch:
@@ -169,9 +177,28 @@ def _read_batch(request: estimator_pb2.PredictRequest) -> _Batch:
     ]
     columns = np.array(rows, dtype=np.int64).reshape(total, 5).T
     batch = _Batch(job_ids, applications, dataset_bytes, bytes_per_sample, counts, *columns)
+    _read_gpu_types(queries, batch, problems)
     _check_candidates(batch, problems)
     problems.raise_if_any()
     return batch
+
+
+def _read_gpu_types(queries: Sequence[estimator_pb2.PredictQuery], batch: _Batch, problems: Problems) -> None:
+    """The candidates' GPU types as indices into ``batch.gpu_types``; each malformed name reported once."""
+    types = [c.gpu_type for query in queries for c in query.candidates]
+    distinct = dict.fromkeys(types)
+    if not distinct or list(distinct) == [""]:
+        return
+    batch.gpu_types = [""] + [t for t in distinct if t]
+    lookup = {name: i for i, name in enumerate(batch.gpu_types)}
+    batch.type_index = np.fromiter(map(lookup.__getitem__, types), dtype=np.int64, count=len(types))
+    ends = np.cumsum(batch.counts)
+    for name in batch.gpu_types:
+        found = gpu_type_problem(name)
+        if found is not None:
+            k = types.index(name)
+            query = int(np.searchsorted(ends, k, side="right"))
+            problems.add(f"queries[{query}].candidates[{k - int(ends[query] - batch.counts[query])}].gpu_type", found)
 
 
 def _check_candidates(batch: _Batch, problems: Problems) -> None:
@@ -242,8 +269,11 @@ class EstimatorServicer(estimator_pb2_grpc.EstimatorServiceServicer):
         models: dict[JobModel, int] = {}
         query_model = np.empty(len(batch.job_ids), dtype=np.int64)
         fallbacks = []
+        owners: list[JobRecord | None] = []  # per query: the record its model came from, None = a profile
         for i, (job_id, application) in enumerate(zip(batch.job_ids, batch.applications)):
-            model = self._model_for(i, job_id, application, records.get(job_id), fallbacks)
+            found = records.get(job_id)
+            model = self._model_for(i, job_id, application, found, fallbacks)
+            owners.append(found if isinstance(found, JobRecord) and found.model is model else None)
             if batch.dataset_bytes[i] or batch.bytes_per_sample[i]:
                 model = model.with_dataset(batch.dataset_bytes[i], batch.bytes_per_sample[i])
             query_model[i] = models.setdefault(model, len(models))
@@ -255,20 +285,54 @@ class EstimatorServicer(estimator_pb2_grpc.EstimatorServiceServicer):
 
         if not len(batch.gpus):
             return estimator_pb2.PredictResponse(results=[estimator_pb2.PredictResult(job_id=j) for j in batch.job_ids])
+        reference_index = np.repeat(query_model, batch.counts)
+        candidate_model = reference_index
+        if batch.type_index is not None:
+            candidate_model = self._typed_index(batch, owners, list(models), models, reference_index)
         try:
             predicted = predict(
                 ModelTable(list(models)),
-                np.repeat(query_model, batch.counts),
+                candidate_model,
                 batch.gpus,
                 batch.nodes,
                 batch.cache_bytes.astype(np.float64),
                 batch.remote_io_bytes_per_s.astype(np.float64),
                 batch.batch_size,
                 gpus_per_node=self._gpus_per_node,
+                base_index=reference_index,
             )
         except ValueError as exc:  # validation above should make this unreachable
             raise InvalidArgument(str(exc), field="queries") from None
         return estimator_pb2.PredictResponse.FromString(encode_results(batch.job_ids, batch.counts, predicted))
+
+    @staticmethod
+    def _typed_index(batch: _Batch, owners: list[JobRecord | None], query_models: list[JobModel],
+                     models: dict[JobModel, int], reference_index: np.ndarray) -> np.ndarray:
+        """Per candidate, the index in ``models`` (extended here) of its job's model on its GPU type."""
+        types = len(batch.gpu_types)
+        query_of = np.repeat(np.arange(len(batch.job_ids)), batch.counts)
+        pairs, inverse = np.unique(query_of * types + batch.type_index, return_inverse=True)
+        on_type: dict[tuple[int, str], JobModel] = {}  # (id of a profile model, type) -> its typed model
+        chosen = np.empty(len(pairs), dtype=np.int64)
+        for p, pair in enumerate(pairs.tolist()):
+            query, gpu_type = divmod(pair, types)
+            gpu_type = batch.gpu_types[gpu_type]
+            reference = query_models[int(reference_index[np.searchsorted(query_of, query)])]
+            if is_reference(gpu_type):
+                chosen[p] = models[reference]
+                continue
+            owner = owners[query]
+            if owner is not None:
+                model = owner.model_on(gpu_type)
+            else:
+                key = (id(reference), gpu_type)
+                if key not in on_type:
+                    on_type[key] = typed_models(reference, [gpu_type])[gpu_type]
+                model = on_type[key]
+            if batch.dataset_bytes[query] or batch.bytes_per_sample[query]:
+                model = model.with_dataset(batch.dataset_bytes[query], batch.bytes_per_sample[query])
+            chosen[p] = models.setdefault(model, len(models))
+        return chosen[inverse]
 
     @staticmethod
     def _model_for(i: int, job_id: str, application: str, found: JobRecord | None | Exception, fallbacks: list[str]) -> JobModel:
@@ -425,6 +489,7 @@ class _Observations:
     sync_time_s: np.ndarray
     grad_sqr: np.ndarray
     grad_var: np.ndarray
+    gpu_types: list[str]  # per observation, as reported ("" = untyped)
 
 
 def _read_observations(observations: Sequence[estimator_pb2.StepObservation]) -> _Observations:
@@ -444,24 +509,56 @@ def _read_observations(observations: Sequence[estimator_pb2.StepObservation]) ->
         check(_check_float, o.cache_hit_ratio, f"{field}.cache_hit_ratio", 0.0, 1.0)
         check(_check_float, o.grad_sqr, f"{field}.grad_sqr", 0.0, MAX_GRAD_STAT)
         check(_check_float, o.grad_var, f"{field}.grad_var", 0.0, MAX_GRAD_STAT)
+        if o.gpu_type and gpu_type_problem(o.gpu_type):
+            problems.add(f"{field}.gpu_type", gpu_type_problem(o.gpu_type))
     problems.raise_if_any()
     rows = np.array(
         [(o.gpus, o.nodes, o.batch_size, o.step_time_s, o.sync_time_s, o.grad_sqr, o.grad_var) for o in observations],
         dtype=np.float64,
     )
-    return _Observations(*rows.T)
+    return _Observations(*rows.T, gpu_types=[o.gpu_type for o in observations])
+
+
+def _check_type_count(record: JobRecord, obs: _Observations) -> None:
+    """At most MAX_GPU_TYPES_PER_JOB types with a model of their own: each takes room in the stored params."""
+    known = set(record.type_models)
+    for i, gpu_type in enumerate(obs.gpu_types):
+        if is_reference(gpu_type) or gpu_type in known:
+            continue
+        if len(known) >= MAX_GPU_TYPES_PER_JOB:
+            raise FailedPrecondition(
+                f"job {record.job_id!r} already has models for {len(known)} GPU types ({', '.join(sorted(known))}), "
+                f"the most one job keeps besides the reference type; {gpu_type!r} would be one more",
+                field=f"observations[{i}].gpu_type")
+        known.add(gpu_type)
 
 
 def _refit(record: JobRecord, obs: _Observations) -> JobRecord:
-    """The record with ``obs`` folded in: log extended (most recent configurations kept), model refitted."""
-    log = copy_log(record.log)
-    try:
-        model = observe(
-            record.model, log, obs.gpus, obs.nodes, obs.batch_size, obs.step_time_s, obs.sync_time_s, obs.grad_sqr, obs.grad_var
-        )
-    except ValueError as exc:
-        raise InvalidArgument(f"cannot fit these observations: {exc}", field="observations") from None
+    """The record with ``obs`` folded in: each run of steps on one GPU type refits the job's
+    model there (estimator.per_type); logs extended, the most recent configurations kept."""
+    _check_type_count(record, obs)
+    typed = record.typed()
     atomic, accum = split_local_batch(obs.batch_size / obs.gpus, record.model.bounds.max_local_bsz)
-    recent = zip(obs.nodes.astype(int).tolist(), obs.gpus.astype(int).tolist(), atomic.astype(int).tolist(), accum.astype(int).tolist())
-    trim_log(log, dict.fromkeys(recent))
-    return JobRecord(record.job_id, model, log, record.observations + len(obs.gpus), datetime.now(UTC))
+    keys = list(zip(obs.nodes.astype(int).tolist(), obs.gpus.astype(int).tolist(), atomic.astype(int).tolist(),
+                    accum.astype(int).tolist()))
+    recent: dict[str, list[tuple[int, int, int, int]]] = {}
+    start = 0
+    while start < len(obs.gpu_types):  # consecutive steps on one type are one refit
+        gpu_type = obs.gpu_types[start]
+        end = start + 1
+        while end < len(obs.gpu_types) and obs.gpu_types[end] == gpu_type:
+            end += 1
+        rows = slice(start, end)
+        try:
+            typed.observe(gpu_type, obs.gpus[rows], obs.nodes[rows], obs.batch_size[rows], obs.step_time_s[rows],
+                          obs.sync_time_s[rows], grad_sqr=obs.grad_sqr[rows], grad_var=obs.grad_var[rows])
+        except ValueError as exc:
+            raise InvalidArgument(f"cannot fit these observations: {exc}", field="observations") from None
+        recent.setdefault("" if is_reference(gpu_type) else gpu_type, []).extend(keys[rows])
+        start = end
+    logs = {"": typed.reference_log, **typed.logs}
+    for gpu_type, keys_seen in recent.items():
+        mark_recent(logs[gpu_type], dict.fromkeys(keys_seen))
+    trim_logs(list(logs.values()), log_budget(typed.reference, typed.models, typed.speeds))
+    return JobRecord(record.job_id, typed.reference, typed.reference_log, record.observations + len(obs.gpus),
+                     datetime.now(UTC), type_models=typed.models, type_logs=typed.logs, type_speeds=typed.speeds)

@@ -54,6 +54,8 @@ class FreeGpus:
                 self._by_size.setdefault((self._type[name], len(free)), set()).add(name)
         for key, names in self._by_size.items():
             self._smallest[key] = sorted(names)  # a sorted list is a heap
+        self._types = tuple(sorted(self._total_by_type))
+        self._widest = max((len(free) for free in self._free.values()), default=0)
 
     def count(self, node: str) -> int:
         return len(self._free.get(node, ()))
@@ -88,15 +90,22 @@ class FreeGpus:
     def tightest(self, count: int, gpu_type: str | None = None) -> str | None:
         """The node (of ``gpu_type`` if given) with the fewest free GPUs that still has ``count``
         (ties: smallest name), or None."""
-        best: tuple[int, str] | None = None
-        for key, names in self._by_size.items():
-            if key[1] >= count and names and (gpu_type is None or key[0] == gpu_type):
-                heap = self._smallest[key]
-                while heap[0] not in names:
-                    heapq.heappop(heap)
-                if best is None or (key[1], heap[0]) < best:
-                    best = (key[1], heap[0])
-        return None if best is None else best[1]
+        types = self._types if gpu_type is None else (gpu_type,)
+        by_size = self._by_size
+        # Sizes upwards: the first size any node of the types has is the tightest fit.
+        for size in range(max(count, 1), self._widest + 1):
+            best: str | None = None
+            for kind in types:
+                names = by_size.get((kind, size))
+                if names:
+                    heap = self._smallest[(kind, size)]
+                    while heap[0] not in names:
+                        heapq.heappop(heap)
+                    if best is None or heap[0] < best:
+                        best = heap[0]
+            if best is not None:
+                return best
+        return None
 
     def reserve(self, node: str, indices: Iterable[int]) -> tuple[int, ...]:
         taken = tuple(sorted(indices))
@@ -162,6 +171,8 @@ def keep_current(current: Allocation | None, count: int, free: FreeGpus,
     held = [(node, index) for node, indices in current.placement for index in indices]
     if len(set(held)) != len(held):  # a malformed plan naming a GPU twice: place afresh
         return None
+    if count == len(held):  # keeps everything: no survivors to choose (most running jobs, every round)
+        return tuple(sorted((node, free.reserve(node, indices)) for node, indices in current.placement if indices))
     kept: list[tuple[str, tuple[int, ...]]] = []
     remaining = count
     for node, indices in sorted(current.placement, key=lambda p: (not keep_first(p[0]), -len(p[1]), p[0])):
@@ -257,10 +268,11 @@ class TypeRoom:
             if node.pool in tuple(pools):
                 self.room[node.gpu_type] = self.room.get(node.gpu_type, 0) + node.gpus
         self.left = sum(self.room.values()) if capacity is None else capacity
+        self._unclaimed = sum(self.room.values())  # kept by claim: asked for every job of a round
 
     @property
     def total(self) -> int:
-        return max(0, min(self.left, sum(self.room.values())))
+        return max(0, min(self.left, self._unclaimed))
 
     def fits(self, count: int, preferences: Sequence[str]) -> str | None:
         if count > self.left:
@@ -273,6 +285,7 @@ class TypeRoom:
         if gpu_type is not None:
             self.room[gpu_type] -= count
             self.left -= count
+            self._unclaimed -= count
         return gpu_type
 
 

@@ -39,6 +39,7 @@ from prometheus_client import Counter
 
 from estimator.gpu_types import typed_models
 from estimator.job_model import JobModel
+from estimator.per_type import fitted_type_models, is_reference
 from scheduler.codesign import is_active as co_active
 from scheduler.invariants import check_plan
 from scheduler.live import convert, data
@@ -135,6 +136,7 @@ class SchedulerCore:
         self._observe_failing = False  # likewise for Observe
         self._observing: dict[str, list[estimator_pb2.StepObservation]] = {}  # job -> measured while a call is in flight
         self._observed: dict[str, tuple] = {}  # job -> key of the last observation sent
+        self._node_types: dict[str, str] = {}  # node -> GPU type, as of the last snapshot
         self._background: set[asyncio.Task[None]] = set()
         self._last_round_s = 0.0
         self._warm_up_s = 0.0  # spent fitting profiles: once per application, so not part of a round's cost
@@ -432,6 +434,22 @@ class SchedulerCore:
             self._fitted[job.id] = (None, self._fitted[job.id][1])
             return profile, target
 
+    def _type_models_now(self, job: common_pb2.Job, model: JobModel, gpu_types: tuple[str, ...]) -> dict[str, JobModel]:
+        """``job``'s model on each of ``gpu_types``: the estimator's fit on a type the job ran on
+        (GetJobModel / Observe answers carry one per type), else ``model`` scaled by the
+        measured table (estimator.gpu_types)."""
+        typed = _typed_models(model, gpu_types)
+        params = self._fitted.get(job.id, (None, 0.0))[0]
+        if not params or not any(key.startswith("type[") for key in params):
+            return typed
+        try:
+            fitted = fitted_type_models(model, params)
+        except ValueError as exc:
+            _log.warning("estimator returned unusable per-type models; using the scaled ones",
+                         extra={"job_id": job.id, "error": str(exc)})
+            return typed
+        return {t: fitted.get(t, typed.get(t)) for t in typed}
+
     async def snapshot(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
         nodes_resp = await self.md.ListNodes(
             metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self._liveness_window_s())
@@ -454,11 +472,16 @@ class SchedulerCore:
         await self._refresh_fitted(training)
         job_infos = []
         node_gpu_types = tuple(sorted({info.gpu_type for info in infos}))
+        self._node_types = {info.name: info.gpu_type for info in infos}
         for job in inference_jobs:
             self.specs[job.id] = job.spec
         for job in training:
             self.specs[job.id] = job.spec
             model, target = self._model_now(job, datasets)
+            type_models = self._type_models_now(job, model, node_gpu_types) if any(node_gpu_types) else {}
+            if len(node_gpu_types) == 1 and not is_reference(node_gpu_types[0]):
+                # One type, not the reference: policies price every job with its model there.
+                model, type_models = type_models[node_gpu_types[0]], {}
             spec = job.spec
             job_infos.append(JobInfo(
                 job_id=job.id, model=model, submit_time_s=_epoch_s(job.created_at),
@@ -466,7 +489,7 @@ class SchedulerCore:
                 samples_done=min(float(job.progress.samples_done), target * 0.999), requested_gpus=spec.max_gpus,
                 batch_size=spec.batch_size, dataset=spec.dataset, priority=spec.priority,
                 tenant=spec.tenant or "default", gpu_types=tuple(spec.gpu_types),
-                type_models=_typed_models(model, node_gpu_types) if len(node_gpu_types) > 1 else {},
+                type_models=type_models if len(node_gpu_types) > 1 else {},
             ))
         min_gpus = {j.id: j.spec.min_gpus for j in training}  # inference tasks: LiveInference keeps them
         current: dict[str, Allocation] = {}
@@ -687,13 +710,16 @@ class SchedulerCore:
             return  # the job's first steps include its start-up: fitted as compute they shrank its demand
         if self._io_bound(job, entry, report, batch / step):
             return
+        ran_on = {self._node_types.get(node, entry.gpu_type) for node, _ in ranks}
+        if len(ran_on) > 1:
+            return  # ranks on several types step at the slowest one's pace: no type's model measures that
         key = (entry.generation, gpus, batch, step, report.progress.steps_done)
         if self._observed.get(job.id) == key:
             return
         self._observed[job.id] = key
         observation = estimator_pb2.StepObservation(
             gpus=gpus, nodes=nodes, batch_size=batch, step_time_s=step,
-            cache_hit_ratio=min(max(report.progress.cache_hit_ratio, 0.0), 1.0))
+            cache_hit_ratio=min(max(report.progress.cache_hit_ratio, 0.0), 1.0), gpu_type=ran_on.pop())
         if report.grad_sqr > 0 and math.isfinite(report.grad_sqr) and 0 <= report.grad_var < math.inf:
             observation.grad_sqr, observation.grad_var = report.grad_sqr, report.grad_var
         if job.id in self._observing:

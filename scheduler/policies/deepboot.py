@@ -57,7 +57,7 @@ from scheduler.deepboot.costs import ResizeCosts, kept_share
 from scheduler.deepboot.lending import BOTH_POOLS, held_lendable, place_lending, training_capacity
 from scheduler.deepboot.state import ReplicaView
 from scheduler.placement import TypeRoom, blind_preferences, largest_type_gpus, node_types, placement_type
-from scheduler.policies.pollux import _current_type, base_goodput_ratio, solve_counts
+from scheduler.policies.pollux import _current_type, base_goodput_ratio, remembered_speedups, solve_counts, with_model
 from scheduler.policies.typed_counts import assign_types, best_start
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
@@ -171,7 +171,8 @@ class DeepBootPolicy:
         if sizes.sum():
             rows = np.repeat(np.arange(n), sizes)
             counts = np.arange(rows.size) - np.repeat(np.cumsum(sizes) - sizes, sizes) + low[rows]
-            speedup = estimates.predict(rows, counts, 0, per_node=per_node).speedup
+            # A job's row depends on its model, count range and node size only: remembered across rounds.
+            speedup = remembered_speedups(estimates, jobs, low, high, sizes, rows, None, None, per_node)
             if speedup_scale is not None:
                 speedup = speedup * speedup_scale[rows]
             kept = np.array([self.kept(snapshot, job, int(h)) for job, h in zip(jobs, held)])
@@ -241,7 +242,7 @@ class DeepBootPolicy:
         its type's speed), every job priced with its model there, speedups over one GPU of
         its reference model; -inf on a type the job does not allow."""
         nodes = tuple(n for n in snapshot.nodes if n.gpu_type == gpu_type)
-        jobs = tuple(dataclasses.replace(job, model=job.model_on(gpu_type)) for job in snapshot.jobs)
+        jobs = tuple(with_model(job, job.model_on(gpu_type)) for job in snapshot.jobs)
         table = self.count_table(dataclasses.replace(snapshot, nodes=nodes, jobs=jobs),
                                  speedup_scale=base_goodput_ratio(snapshot.jobs, gpu_type))
         banned = np.array([not job.allows(gpu_type) for job in snapshot.jobs])

@@ -200,10 +200,11 @@ class GavelPolicy:
         the job must allow the type."""
         by_type = []
         bounds = _bounds(jobs)
+        constrained = [k for k, job in enumerate(jobs) if job.gpu_types]  # most jobs allow every type
         for t, gpu_type in enumerate(types):
             counts = self._count_matrix(*bounds, min(int(type_capacity[t]), widest))
-            if gpu_type:
-                counts[[not job.allows(gpu_type) for job in jobs]] = 0
+            if gpu_type and constrained:
+                counts[[k for k in constrained if not jobs[k].allows(gpu_type)]] = 0
             by_type.append(counts)
         stacked = np.stack(by_type, axis=1)  # job x type x option
         job, kind, _ = np.nonzero(stacked)
@@ -358,8 +359,9 @@ class GavelPolicy:
         placements, _ = admit(frozenset())
         batch = self._batch_sizes(snapshot, placements)
         kinds = node_types(snapshot)
+        # place() keeps every job on one type: a one-node placement's type is its node's.
         return Plan({job_id: Allocation(placement=p, batch_size=batch.get(job_id, 0),
-                                        gpu_type=placement_type(p, kinds, None))
+                                        gpu_type=kinds[p[0][0]] if len(p) == 1 else placement_type(p, kinds, None))
                      for job_id, p in placements.items()})
 
     def _pick(self, job: JobInfo, allocation: GavelAllocation, candidates: list[int], room: TypeRoom,

@@ -115,6 +115,75 @@ class SpeedupTable:
     estimates: JobTable
 
 
+# (id of a job model, lowest count, highest count, GPUs per node, with split candidates) ->
+# (the model, packed speedups of the counts, split speedups of the counts 2..per_node among
+# them). A model is kept in its entry so its id is not reused while the entry lives.
+_SPEEDUP_ROWS: dict[tuple[int, int, int, int, bool], tuple[object, np.ndarray, np.ndarray]] = {}
+_SPEEDUP_ROWS_LIMIT = 50_000
+
+
+def remembered_speedups(estimates: JobTable, jobs, low: np.ndarray, high: np.ndarray, sizes: np.ndarray,
+                        rows: np.ndarray, spread: np.ndarray | None, nodes: np.ndarray | None, per_node: int) -> np.ndarray:
+    """Speedups (one GPU base, no cache, IO unlimited) of every candidate of :meth:`PolluxPolicy.speedup_table`:
+    the packed candidates ``rows`` then the split ones ``rows[spread]``, in that order
+    (``spread`` None: the packed ones only, as DeepBoot prices).
+
+    Every round prices every active job again though only arrivals are new; a job's row
+    depends on its model (fixed while it runs), its count range and the node size only, so
+    rows are remembered and only unseen ones predicted (the same numbers: same inputs).
+    """
+    n = len(jobs)
+    with_split = spread is not None
+    if spread is None:
+        spread = np.zeros(rows.size, dtype=bool)
+        nodes = np.zeros(rows.size, dtype=np.int64)
+    packed_start = np.cumsum(sizes) - sizes
+    split_sizes = np.bincount(rows[spread], minlength=n)
+    split_start = rows.size + np.cumsum(split_sizes) - split_sizes
+    values = np.empty(rows.size + int(split_sizes.sum()))
+    models = [job.model for job in jobs]
+    keys = [(id(m), lo, hi, per_node, with_split) for m, lo, hi in zip(models, low.tolist(), high.tolist())]
+    missing = []
+    for j, key in enumerate(keys):
+        if not sizes[j]:
+            continue
+        found = _SPEEDUP_ROWS.get(key)
+        if found is None or found[0] is not models[j]:
+            missing.append(j)
+            continue
+        values[packed_start[j]:packed_start[j] + sizes[j]] = found[1]
+        values[split_start[j]:split_start[j] + split_sizes[j]] = found[2]
+    if missing:
+        wanted = np.zeros(n, dtype=bool)
+        wanted[missing] = True
+        pick = np.concatenate([wanted[rows], wanted[rows[spread]]])
+        every_row = np.concatenate([rows, rows[spread]])
+        every_count = np.concatenate([np.arange(rows.size) - np.repeat(packed_start, sizes) + low[rows],
+                                      (np.arange(rows.size) - np.repeat(packed_start, sizes) + low[rows])[spread]])
+        predicted = estimates.predict(every_row[pick], every_count[pick], nodes[pick], per_node=per_node,
+                                      cache_bytes=np.zeros(int(pick.sum())),
+                                      remote_io_bytes_per_s=np.full(int(pick.sum()), np.inf)).speedup
+        values[pick] = predicted
+        if len(_SPEEDUP_ROWS) + len(missing) > _SPEEDUP_ROWS_LIMIT:
+            _SPEEDUP_ROWS.clear()
+        for j in missing:
+            _SPEEDUP_ROWS[keys[j]] = (models[j], values[packed_start[j]:packed_start[j] + sizes[j]].copy(),
+                                      values[split_start[j]:split_start[j] + split_sizes[j]].copy())
+    return values
+
+
+def with_model(job: JobInfo, model) -> JobInfo:
+    """``job`` priced with ``model``: ``dataclasses.replace(job, model=model)`` without its
+    per-call cost (type tables copy every job once per type and round; JobInfo has no
+    ``__post_init__`` to run, so a copy of its fields is the same object)."""
+    if job.model is model:
+        return job
+    clone = object.__new__(JobInfo)
+    clone.__dict__.update(job.__dict__)
+    clone.__dict__["model"] = model
+    return clone
+
+
 def power_mean(speedups, p: float, floor: float = 1e-3) -> float:
     """Pollux's fitness of a vector of speedups (0 for jobs without GPUs)."""
     s = np.asarray(speedups, dtype=np.float64) + floor
@@ -224,11 +293,15 @@ class PolluxPolicy:
             all_counts = np.concatenate([counts, counts[spread]])
             nodes = np.concatenate([np.zeros(rows.size, dtype=np.int64), np.full(int(spread.sum()), 2)])
             cache, io = self.grants(snapshot, all_rows, all_counts)
-            pred = estimates.predict(all_rows, all_counts, nodes, per_node=per_node, cache_bytes=cache,
-                                     remote_io_bytes_per_s=io)
-            if self.speedup_base == "one_gpu":
-                values = pred.speedup
+            if self.speedup_base == "one_gpu" and not (self.codesign and co.is_active(snapshot)):
+                # Only the job's model, count range and node size matter: remembered across rounds.
+                values = remembered_speedups(estimates, jobs, low, high, sizes, rows, spread, nodes, per_node)
+            elif self.speedup_base == "one_gpu":
+                values = estimates.predict(all_rows, all_counts, nodes, per_node=per_node, cache_bytes=cache,
+                                           remote_io_bytes_per_s=io).speedup
             else:
+                pred = estimates.predict(all_rows, all_counts, nodes, per_node=per_node, cache_bytes=cache,
+                                         remote_io_bytes_per_s=io)
                 fair = np.clip(-(-capacity // max(n, 1)), low, np.maximum(high, 1))
                 base = np.zeros(n)
                 at_base = (counts == fair[rows])
@@ -366,7 +439,7 @@ class PolluxPolicy:
         model on that type and its speedup over one GPU of the reference type (so speedups on
         different types compare); -inf utility on a type the job does not allow."""
         nodes = tuple(n for n in snapshot.nodes if n.pool != "training" or n.gpu_type == gpu_type)
-        jobs = tuple(dataclasses.replace(job, model=job.model_on(gpu_type)) for job in snapshot.jobs)
+        jobs = tuple(with_model(job, job.model_on(gpu_type)) for job in snapshot.jobs)
         table = self.speedup_table(dataclasses.replace(snapshot, nodes=nodes, jobs=jobs))
         ratio = base_goodput_ratio(snapshot.jobs, gpu_type) if self.speedup_base == "one_gpu" else np.ones(len(jobs))
         scale = ratio[:, None]
@@ -478,11 +551,23 @@ def _solve_dp(utility: np.ndarray, capacity: int) -> np.ndarray:
     before = np.lib.stride_tricks.sliding_window_view(padded, width)[:, ::-1]
     columns = np.arange(capacity + 1)
     choice = np.zeros((n, capacity + 1), dtype=np.int16 if width < 2**15 else np.int32)
+    # Rows of job j worth computing: from ``floor[j]`` (the answer's capacity minus what the
+    # later jobs can take: the walk back from ``capacity`` never goes lower, and job j + 1 reads
+    # no row below it) up to ``reach`` (what the jobs so far can use: past it ``best`` is flat,
+    # so those rows repeat row ``reach``). Rows outside keep stale values nobody reads.
+    later = np.cumsum(np.array(own[::-1], dtype=np.int64) - 1)[::-1]  # jobs j.. together
+    floor = np.maximum(0, capacity - (later - (np.array(own, dtype=np.int64) - 1))).tolist()
+    reach = 0
     for j in range(n):
-        options = before[:, :own[j]] + utility[j, :own[j]]
+        reach = min(capacity, reach + own[j] - 1)
+        low = min(floor[j], reach)
+        options = before[low:reach + 1, :own[j]] + utility[j, :own[j]]
         pick = np.argmax(options, axis=1)  # the smallest count among equals
-        choice[j] = pick
-        best[:] = options[columns, pick]
+        choice[j, low:reach + 1] = pick
+        best[low:reach + 1] = options[columns[:reach + 1 - low], pick]
+        if reach < capacity:
+            choice[j, reach + 1:] = pick[-1]
+            best[reach + 1:] = best[reach]
     counts = np.zeros(n, dtype=np.int64)
     c = capacity
     for j in range(n - 1, -1, -1):

@@ -25,31 +25,31 @@ _sym_db = _symbol_database.Default()
 from silod.v1 import common_pb2 as silod_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18silod/v1/estimator.proto\x12\x08silod.v1\x1a\x15silod/v1/common.proto\"z\n\x13\x43\x61ndidateAllocation\x12\x0c\n\x04gpus\x18\x01 \x01(\x05\x12\r\n\x05nodes\x18\x02 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x03 \x01(\x03\x12\x1d\n\x15remote_io_bytes_per_s\x18\x04 \x01(\x03\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\"\x97\x01\n\x0cPredictQuery\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61pplication\x18\x02 \x01(\t\x12\x15\n\rdataset_bytes\x18\x03 \x01(\x03\x12\x18\n\x10\x62ytes_per_sample\x18\x04 \x01(\x03\x12\x31\n\ncandidates\x18\x05 \x03(\x0b\x32\x1d.silod.v1.CandidateAllocation\"\x9d\x02\n\nPrediction\x12\x1d\n\x15\x63ompute_samples_per_s\x18\x01 \x01(\x01\x12\x1e\n\x16io_bound_samples_per_s\x18\x02 \x01(\x01\x12 \n\x18throughput_samples_per_s\x18\x03 \x01(\x01\x12\x1e\n\x16statistical_efficiency\x18\x04 \x01(\x01\x12\x1d\n\x15goodput_samples_per_s\x18\x05 \x01(\x01\x12\x11\n\thit_ratio\x18\x06 \x01(\x01\x12\x1d\n\x15io_demand_bytes_per_s\x18\x07 \x01(\x01\x12\x18\n\x10\x63\x61\x63he_efficiency\x18\x08 \x01(\x01\x12\x12\n\nbatch_size\x18\t \x01(\x05\x12\x0f\n\x07speedup\x18\n \x01(\x01\"J\n\rPredictResult\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12)\n\x0bpredictions\x18\x02 \x03(\x0b\x32\x14.silod.v1.Prediction\"9\n\x0ePredictRequest\x12\'\n\x07queries\x18\x01 \x03(\x0b\x32\x16.silod.v1.PredictQuery\";\n\x0fPredictResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.silod.v1.PredictResult\"\xa9\x01\n\x0fStepObservation\x12\x0c\n\x04gpus\x18\x01 \x01(\x05\x12\r\n\x05nodes\x18\x02 \x01(\x05\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x13\n\x0bstep_time_s\x18\x04 \x01(\x01\x12\x13\n\x0bsync_time_s\x18\x05 \x01(\x01\x12\x17\n\x0f\x63\x61\x63he_hit_ratio\x18\x06 \x01(\x01\x12\x10\n\x08grad_sqr\x18\x07 \x01(\x01\x12\x10\n\x08grad_var\x18\x08 \x01(\x01\"f\n\x0eObserveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61pplication\x18\x02 \x01(\t\x12/\n\x0cobservations\x18\x03 \x03(\x0b\x32\x19.silod.v1.StepObservation\":\n\x0fObserveResponse\x12\'\n\x05model\x18\x01 \x01(\x0b\x32\x18.silod.v1.JobModelParams2\xd9\x01\n\x10\x45stimatorService\x12>\n\x07Predict\x12\x18.silod.v1.PredictRequest\x1a\x19.silod.v1.PredictResponse\x12>\n\x07Observe\x12\x18.silod.v1.ObserveRequest\x1a\x19.silod.v1.ObserveResponse\x12\x45\n\x0bGetJobModel\x12\x1c.silod.v1.GetJobModelRequest\x1a\x18.silod.v1.JobModelParamsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18silod/v1/estimator.proto\x12\x08silod.v1\x1a\x15silod/v1/common.proto\"\x8c\x01\n\x13\x43\x61ndidateAllocation\x12\x0c\n\x04gpus\x18\x01 \x01(\x05\x12\r\n\x05nodes\x18\x02 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x03 \x01(\x03\x12\x1d\n\x15remote_io_bytes_per_s\x18\x04 \x01(\x03\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x10\n\x08gpu_type\x18\x06 \x01(\t\"\x97\x01\n\x0cPredictQuery\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61pplication\x18\x02 \x01(\t\x12\x15\n\rdataset_bytes\x18\x03 \x01(\x03\x12\x18\n\x10\x62ytes_per_sample\x18\x04 \x01(\x03\x12\x31\n\ncandidates\x18\x05 \x03(\x0b\x32\x1d.silod.v1.CandidateAllocation\"\x9d\x02\n\nPrediction\x12\x1d\n\x15\x63ompute_samples_per_s\x18\x01 \x01(\x01\x12\x1e\n\x16io_bound_samples_per_s\x18\x02 \x01(\x01\x12 \n\x18throughput_samples_per_s\x18\x03 \x01(\x01\x12\x1e\n\x16statistical_efficiency\x18\x04 \x01(\x01\x12\x1d\n\x15goodput_samples_per_s\x18\x05 \x01(\x01\x12\x11\n\thit_ratio\x18\x06 \x01(\x01\x12\x1d\n\x15io_demand_bytes_per_s\x18\x07 \x01(\x01\x12\x18\n\x10\x63\x61\x63he_efficiency\x18\x08 \x01(\x01\x12\x12\n\nbatch_size\x18\t \x01(\x05\x12\x0f\n\x07speedup\x18\n \x01(\x01\"J\n\rPredictResult\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12)\n\x0bpredictions\x18\x02 \x03(\x0b\x32\x14.silod.v1.Prediction\"9\n\x0ePredictRequest\x12\'\n\x07queries\x18\x01 \x03(\x0b\x32\x16.silod.v1.PredictQuery\";\n\x0fPredictResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.silod.v1.PredictResult\"\xbb\x01\n\x0fStepObservation\x12\x0c\n\x04gpus\x18\x01 \x01(\x05\x12\r\n\x05nodes\x18\x02 \x01(\x05\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x13\n\x0bstep_time_s\x18\x04 \x01(\x01\x12\x13\n\x0bsync_time_s\x18\x05 \x01(\x01\x12\x17\n\x0f\x63\x61\x63he_hit_ratio\x18\x06 \x01(\x01\x12\x10\n\x08grad_sqr\x18\x07 \x01(\x01\x12\x10\n\x08grad_var\x18\x08 \x01(\x01\x12\x10\n\x08gpu_type\x18\t \x01(\t\"f\n\x0eObserveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61pplication\x18\x02 \x01(\t\x12/\n\x0cobservations\x18\x03 \x03(\x0b\x32\x19.silod.v1.StepObservation\":\n\x0fObserveResponse\x12\'\n\x05model\x18\x01 \x01(\x0b\x32\x18.silod.v1.JobModelParams2\xd9\x01\n\x10\x45stimatorService\x12>\n\x07Predict\x12\x18.silod.v1.PredictRequest\x1a\x19.silod.v1.PredictResponse\x12>\n\x07Observe\x12\x18.silod.v1.ObserveRequest\x1a\x19.silod.v1.ObserveResponse\x12\x45\n\x0bGetJobModel\x12\x1c.silod.v1.GetJobModelRequest\x1a\x18.silod.v1.JobModelParamsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'silod.v1.estimator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CANDIDATEALLOCATION']._serialized_start=61
-  _globals['_CANDIDATEALLOCATION']._serialized_end=183
-  _globals['_PREDICTQUERY']._serialized_start=186
-  _globals['_PREDICTQUERY']._serialized_end=337
-  _globals['_PREDICTION']._serialized_start=340
-  _globals['_PREDICTION']._serialized_end=625
-  _globals['_PREDICTRESULT']._serialized_start=627
-  _globals['_PREDICTRESULT']._serialized_end=701
-  _globals['_PREDICTREQUEST']._serialized_start=703
-  _globals['_PREDICTREQUEST']._serialized_end=760
-  _globals['_PREDICTRESPONSE']._serialized_start=762
-  _globals['_PREDICTRESPONSE']._serialized_end=821
-  _globals['_STEPOBSERVATION']._serialized_start=824
-  _globals['_STEPOBSERVATION']._serialized_end=993
-  _globals['_OBSERVEREQUEST']._serialized_start=995
-  _globals['_OBSERVEREQUEST']._serialized_end=1097
-  _globals['_OBSERVERESPONSE']._serialized_start=1099
-  _globals['_OBSERVERESPONSE']._serialized_end=1157
-  _globals['_ESTIMATORSERVICE']._serialized_start=1160
-  _globals['_ESTIMATORSERVICE']._serialized_end=1377
+  _globals['_CANDIDATEALLOCATION']._serialized_start=62
+  _globals['_CANDIDATEALLOCATION']._serialized_end=202
+  _globals['_PREDICTQUERY']._serialized_start=205
+  _globals['_PREDICTQUERY']._serialized_end=356
+  _globals['_PREDICTION']._serialized_start=359
+  _globals['_PREDICTION']._serialized_end=644
+  _globals['_PREDICTRESULT']._serialized_start=646
+  _globals['_PREDICTRESULT']._serialized_end=720
+  _globals['_PREDICTREQUEST']._serialized_start=722
+  _globals['_PREDICTREQUEST']._serialized_end=779
+  _globals['_PREDICTRESPONSE']._serialized_start=781
+  _globals['_PREDICTRESPONSE']._serialized_end=840
+  _globals['_STEPOBSERVATION']._serialized_start=843
+  _globals['_STEPOBSERVATION']._serialized_end=1030
+  _globals['_OBSERVEREQUEST']._serialized_start=1032
+  _globals['_OBSERVEREQUEST']._serialized_end=1134
+  _globals['_OBSERVERESPONSE']._serialized_start=1136
+  _globals['_OBSERVERESPONSE']._serialized_end=1194
+  _globals['_ESTIMATORSERVICE']._serialized_start=1197
+  _globals['_ESTIMATORSERVICE']._serialized_end=1414
 # @@protoc_insertion_point(module_scope)

@@ -30,6 +30,7 @@ class CandidateAllocation(_message.Message):
     CACHE_BYTES_FIELD_NUMBER: _builtins.int
     REMOTE_IO_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    GPU_TYPE_FIELD_NUMBER: _builtins.int
     gpus: _builtins.int
     """GPUs in total"""
     nodes: _builtins.int
@@ -40,6 +41,12 @@ class CandidateAllocation(_message.Message):
     """bytes/s of remote IO"""
     batch_size: _builtins.int
     """samples per step, global; 0 = best for goodput"""
+    gpu_type: _builtins.str
+    """GPU type of the candidate's GPUs, lower case as nodes advertise it (NodeSpec.gpu_type), e.g.
+    "a100"; empty = untyped, the job's reference model. A type the job was observed on uses its
+    model fitted there; another one the reference model scaled by the measured table, or
+    unscaled for a type the table lacks (docs/estimator.md "GPU types").
+    """
     def __init__(
         self,
         *,
@@ -48,10 +55,11 @@ class CandidateAllocation(_message.Message):
         cache_bytes: _builtins.int = ...,
         remote_io_bytes_per_s: _builtins.int = ...,
         batch_size: _builtins.int = ...,
+        gpu_type: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "cache_bytes", b"cache_bytes", "gpus", b"gpus", "nodes", b"nodes", "remote_io_bytes_per_s", b"remote_io_bytes_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "cache_bytes", b"cache_bytes", "gpu_type", b"gpu_type", "gpus", b"gpus", "nodes", b"nodes", "remote_io_bytes_per_s", b"remote_io_bytes_per_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -128,7 +136,7 @@ class Prediction(_message.Message):
     batch_size: _builtins.int
     """samples per step the prediction assumes"""
     speedup: _builtins.float
-    """goodput relative to the job's base allocation"""
+    """goodput relative to the job's base allocation (one GPU of the reference type)"""
     def __init__(
         self,
         *,
@@ -229,6 +237,7 @@ class StepObservation(_message.Message):
     CACHE_HIT_RATIO_FIELD_NUMBER: _builtins.int
     GRAD_SQR_FIELD_NUMBER: _builtins.int
     GRAD_VAR_FIELD_NUMBER: _builtins.int
+    GPU_TYPE_FIELD_NUMBER: _builtins.int
     gpus: _builtins.int
     """world size when measured"""
     nodes: _builtins.int
@@ -245,6 +254,10 @@ class StepObservation(_message.Message):
     """gradient noise scale statistics (0 = not measured)"""
     grad_var: _builtins.float
     """gradient variance of the noise-scale estimate; 0 = not measured"""
+    gpu_type: _builtins.str
+    """GPU type every rank ran on (as NodeSpec.gpu_type); the step refits the job's model on that
+    type. Empty (untyped nodes) or the reference type "v100": the job's reference model.
+    """
     def __init__(
         self,
         *,
@@ -256,10 +269,11 @@ class StepObservation(_message.Message):
         cache_hit_ratio: _builtins.float = ...,
         grad_sqr: _builtins.float = ...,
         grad_var: _builtins.float = ...,
+        gpu_type: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "cache_hit_ratio", b"cache_hit_ratio", "gpus", b"gpus", "grad_sqr", b"grad_sqr", "grad_var", b"grad_var", "nodes", b"nodes", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "cache_hit_ratio", b"cache_hit_ratio", "gpu_type", b"gpu_type", "gpus", b"gpus", "grad_sqr", b"grad_sqr", "grad_var", b"grad_var", "nodes", b"nodes", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

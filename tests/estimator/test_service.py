@@ -414,8 +414,11 @@ _int64 = st.one_of(st.integers(-(2**63), 2**63 - 1), st.integers(-2, 10**11))
 _float = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(0, 10), st.sampled_from([0.0, 1e-300, 1e300]))
 _text = st.one_of(st.sampled_from(["", "cifar10", "bert", "ncf", "job-fuzz-1", "job-fuzz-2", "imagenet"]), st.text(max_size=80))
 
+_gpu_types = st.one_of(st.sampled_from(["", "v100", "k80", "p100", "h100", "a100.80gb"]), st.text(max_size=40))
+_sane_gpu_types = st.sampled_from(["", "", "v100", "k80", "p100", "h100"])
 _candidates = st.builds(
-    estimator_pb2.CandidateAllocation, gpus=_int32, nodes=_int32, cache_bytes=_int64, remote_io_bytes_per_s=_int64, batch_size=_int32
+    estimator_pb2.CandidateAllocation, gpus=_int32, nodes=_int32, cache_bytes=_int64, remote_io_bytes_per_s=_int64,
+    batch_size=_int32, gpu_type=_gpu_types,
 )
 _queries = st.builds(
     estimator_pb2.PredictQuery,
@@ -435,6 +438,7 @@ _observations = st.builds(
     cache_hit_ratio=_float,
     grad_sqr=_float,
     grad_var=_float,
+    gpu_type=_gpu_types,
 )
 _apps = st.sampled_from(["cifar10", "bert", "ncf", "imagenet", "yolov3", "deepspeech2"])
 _fuzz_jobs = st.sampled_from(["job-fuzz-1", "job-fuzz-2", "job-fuzz-3"])
@@ -449,6 +453,7 @@ def _sane_candidates(draw: st.DrawFn) -> estimator_pb2.CandidateAllocation:
         cache_bytes=draw(st.one_of(st.just(0), st.integers(0, 2 * 10**11))),
         remote_io_bytes_per_s=draw(st.one_of(st.just(0), st.integers(0, 10**10))),
         batch_size=draw(st.one_of(st.just(0), st.integers(1, 8192))),
+        gpu_type=draw(_sane_gpu_types),
     )
 
 
@@ -465,6 +470,7 @@ def _sane_observations(draw: st.DrawFn) -> estimator_pb2.StepObservation:
         cache_hit_ratio=draw(st.floats(0, 1)),
         grad_sqr=draw(st.floats(0, 10)),
         grad_var=draw(st.floats(0, 100)),
+        gpu_type=draw(_sane_gpu_types),
     )
 
 
