@@ -214,7 +214,10 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             from silod.rpc.channels import open_channel
             from silod.v1 import cache_pb2_grpc
 
-            self._channel = open_channel(self.cache_addr, token=self.token, default_timeout_s=self.timeout_s)
+            # Its own connection: the one opened to retry a cache that was down must not share
+            # the old one's reconnect backoff (it failed the first batch after the cache returned).
+            self._channel = open_channel(self.cache_addr, token=self.token, default_timeout_s=self.timeout_s,
+                                         own_connection=True)
             self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
         return self._stub
 

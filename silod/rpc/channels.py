@@ -149,13 +149,18 @@ def open_channel(
     tls_ca_file: str = "",
     aio: bool = False,
     default_timeout_s: float = 10.0,
+    own_connection: bool = False,
 ) -> Any:
     """A ``grpc.Channel`` (or ``grpc.aio.Channel`` if ``aio``) to a silod service.
 
     Unary calls without a timeout get ``default_timeout_s`` so a hung peer cannot hang the
     caller forever; TLS is used, verified against ``tls_ca_file``, when it is given.
+    ``own_connection``: do not share the process's connection to ``address`` with other
+    channels. gRPC shares one by default, with its reconnect backoff: a channel opened to
+    retry a server that was down would inherit the old connection's backoff and fail at once.
     """
-    return _open(address, token, tls_ca_file, aio, default_timeout_s, _OPTIONS)
+    options = _OPTIONS + [("grpc.use_local_subchannel_pool", 1)] if own_connection else _OPTIONS
+    return _open(address, token, tls_ca_file, aio, default_timeout_s, options)
 
 
 def _open(
