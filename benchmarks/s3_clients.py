@@ -8,6 +8,8 @@ moto runs in its own process, so ``time.process_time`` of this process counts on
 clients (all their threads, obstore's tokio threads included). Each GET reads the whole
 object (``--size`` bytes) with ``If-Match`` where the client can send it (s3_http, obstore),
 as the cache server reads one object per sample. Wall time is mostly moto's own CPU.
+obstore is not a dependency of silod (``silod/data/s3_http.py`` says why); without it its row
+says so.
 """
 
 from __future__ import annotations
@@ -105,9 +107,14 @@ def main() -> None:
         s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
         s3.create_bucket(Bucket=BUCKET)
         etag = s3.put_object(Bucket=BUCKET, Key=KEY, Body=os.urandom(args.size))["ETag"].strip('"')
-        gets = {name: make(endpoint, etag) for name, make in CLIENTS.items()}
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in CLIENTS}
-        names = list(CLIENTS)
+        gets, missing = {}, {}
+        for name, make in CLIENTS.items():
+            try:
+                gets[name] = make(endpoint, etag)
+            except ImportError as exc:  # obstore is not a dependency of silod (see s3_http.py)
+                missing[name] = f"not installed ({exc.name}): pip install {exc.name}"
+        results: dict[str, list[tuple[float, float]]] = {name: [] for name in gets}
+        names = list(gets)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
                 results[name].append(measure(gets[name], args.requests, args.threads, args.size))
@@ -119,6 +126,8 @@ def main() -> None:
             cpus = " ".join(f"{c:6.3f}" for c, _ in runs)
             walls = " ".join(f"{w:5.1f}" for _, w in runs)
             print(f"{name:10} {cpus:>22} {walls:>14} {min(c for c, _ in runs) / base:>13.1f}x")
+        for name, why in missing.items():
+            print(f"{name:10} {why}")
     finally:
         proc.terminate()
         proc.wait()
