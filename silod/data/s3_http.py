@@ -2,10 +2,21 @@
 signed with AWS Signature Version 4, one keep-alive connection per thread.
 
 Why not botocore for these: a cold epoch of 114 KB samples at 100 MB/s is ~900 GETs a second,
-and one aiobotocore GET costs ~1.5-2 ms of CPU (parameter validation, event hooks, endpoint
+and one aiobotocore GET costs ~1.5-3 ms of CPU (parameter validation, event hooks, endpoint
 rules, response parsing), more than two cores have to spare. This client does only what a
-verified read needs, for ~0.1 ms: the same credentials (botocore's provider chain: environment,
-shared files, instance role, refreshed when they expire), the same requests.
+verified read needs: the same credentials (botocore's provider chain: environment, shared
+files, instance role, refreshed when they expire), the same requests.
+
+Why not obstore (Rust ``object_store``), the well-kept library with an equally cheap request
+path: it is not fork-safe. Its tokio runtime does not survive ``fork()``: once a process has
+made one request, the first request in a forked child hangs for ever, even through a new
+store (obstore 0.12.1; its maintainers: "obstore is not fork safe", developmentseed/obstore
+PR 441). A DataLoader forks its workers from the process that built the dataset, and this
+client must keep working there (``ObjectStore`` opens a new one per process id;
+tests/sdk/test_s3_http.py proves it). Measured side by side (``benchmarks/s3_clients.py``,
+moto in its own process, 2,000 GETs of 114 KB with If-Match, 16 threads, 2 shared cores):
+CPU per GET 0.39-0.44 ms here, 0.43-0.51 ms obstore (1.1x), 2.8-3.3 ms s3fs ``cat_file`` (7x);
+one thread: 0.48, 0.44 and 3.3 ms. So obstore would be chosen for speed; fork decides.
 :class:`silod.data.store.ObjectStore` uses it when the dataset's storage options say nothing
 it does not understand (``endpoint_url``, ``region``); everything else goes through s3fs.
 """

@@ -1,11 +1,14 @@
 """The lean S3 read path (silod.data.s3_http) behind ObjectStore: signatures identical to
-botocore's, verified reads against a real S3-protocol server (moto), and the failure mapping
-(missing, changed, transient) that the cache server relies on."""
+botocore's, verified reads against a real S3-protocol server (moto), in forked children too,
+and the failure mapping (missing, changed, transient) that the cache server relies on."""
 
 from __future__ import annotations
 
 import datetime
 import http.server
+import os
+import select
+import signal
 import threading
 from collections.abc import Iterator
 from unittest import mock
@@ -60,6 +63,37 @@ def test_verified_reads_through_the_lean_client(bucket: str) -> None:
         store.read("one two.tar", len(body), "0123456789abcdef0123456789abcdef")
     with pytest.raises(ObjectMissing, match="absent.bin"):
         store.read("absent.bin")
+
+
+def test_a_forked_child_reads_after_its_parent_did(bucket: str) -> None:
+    """DataLoader workers are forked from the process that may already have read: the lean client
+    must work there (obstore, whose tokio runtime hangs in such a child, was rejected for this)."""
+    store = ObjectStore("s3://lean/data", {"endpoint_url": bucket})
+    etag = store.current_tag("one two.tar")
+    body = bytes(range(256)) * 40
+    assert store.read("one two.tar", len(body), etag) == body
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report the bytes read (or the error) through the pipe, nothing else
+        try:
+            os.close(reader)
+            data = store.read("one two.tar#000000000300+100:s", 100, etag)
+            os.write(writer, b"ok" if data == body[300:400] else b"wrong bytes")
+        except BaseException as exc:  # noqa: BLE001 -- any failure must reach the parent
+            os.write(writer, repr(exc).encode()[:500])
+        finally:
+            os._exit(0)
+    os.close(writer)
+    try:
+        ready, _, _ = select.select([reader], [], [], 30)
+        answer = os.read(reader, 1000) if ready else b"the child hung for 30 s"
+    finally:
+        os.close(reader)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert answer == b"ok"
+    assert store.read("one two.tar", len(body), etag) == body  # and the parent still reads
 
 
 def test_other_storage_options_keep_s3fs() -> None:
