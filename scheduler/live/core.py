@@ -186,20 +186,35 @@ class SchedulerCore:
     # fault: after such a blind span, a node keeps counting as alive for the span's length on top
     # of the node timeout, so no job is requeued on heartbeats that are merely stale (their
     # agents resume heartbeating within one interval of the link coming back).
+    def _unseen_for_s(self, now: float) -> float:
+        """How long the metadata has not answered, if that is longer than the node poll's own
+        rhythm allows (0 otherwise): a span in which the nodes' heartbeats may not have landed."""
+        if self._metadata_seen_at is None:
+            return 0.0
+        gap = now - self._metadata_seen_at
+        return gap if gap > max(self.node_timeout_s / 3, 2 * self.node_poll_s) else 0.0
+
     def _metadata_seen(self) -> None:
         now = time.monotonic()
-        if self._metadata_seen_at is not None and now - self._metadata_seen_at > self.node_timeout_s / 3:
-            self._blind = (self._metadata_seen_at, now)
-            _log.warning("metadata unreachable for %.1fs: node liveness extended by as much",
-                         now - self._metadata_seen_at)
+        if unseen := self._unseen_for_s(now):
+            self._blind = (now - unseen, now)
+            _log.warning("metadata unreachable for %.1fs: node liveness extended by as much", unseen)
         self._metadata_seen_at = now
 
     def _liveness_window_s(self) -> float:
+        """The heartbeat age under which a node counts as alive, for a request sent now."""
+        now = time.monotonic()
+        if unseen := self._unseen_for_s(now):
+            # This request may be the first to get through after a blind span: _metadata_seen
+            # records the span only once it returns, too late for the answer to this one
+            # (seen in the lab: the first round after a 30 s partition found every node dead
+            # and requeued their jobs).
+            return self.node_timeout_s + unseen
         if self._blind is not None:
             lost, back = self._blind
             # As long again after it: connections that backed off during the cut (TCP
             # retransmission timers double) can take that long to carry a heartbeat again.
-            if time.monotonic() - back < self.node_timeout_s + (back - lost):
+            if now - back < self.node_timeout_s + (back - lost):
                 return self.node_timeout_s + (back - lost)
         return self.node_timeout_s
 

@@ -18,6 +18,7 @@ from tests.support.fixtures import postgres_scratch
 from tests.metadata.metadata_harness import InProcessServer as MetadataServer
 from tests.metadata.metadata_harness import PostgresScratch
 from tests.support.inprocess import InProcessServer
+from tests.support.tcp_proxy import TcpProxy
 
 
 @pytest.fixture(scope="session")
@@ -35,10 +36,13 @@ def sched_postgres() -> Iterator[PostgresScratch]:
 class Cluster:
     """A metadata server plus a scheduler; helpers act as agents (register, heartbeat, report)."""
 
-    def __init__(self, db_url: str, **scheduler_settings: object) -> None:
+    def __init__(self, db_url: str, metadata_link: bool = False, **scheduler_settings: object) -> None:
+        """``metadata_link``: the scheduler reaches the metadata through ``self.link``, a relay
+        the test can cut (the test's own stubs, standing for the agents, go direct)."""
         self.metadata = MetadataServer(MetadataSettings(db=db_url, auto_migrate=True))
         self.md = self.metadata.stub
-        self._settings = SchedulerSettings(metadata_address=self.metadata.address,
+        self.link = TcpProxy(self.metadata.address) if metadata_link else None
+        self._settings = SchedulerSettings(metadata_address=self.link.address if self.link else self.metadata.address,
                                            **{"interval_s": 60.0, **scheduler_settings})
         self._start_scheduler()
 
@@ -59,6 +63,8 @@ class Cluster:
         if not getattr(self, "_closed", False):
             self._closed = True
             self.scheduler.stop()
+            if self.link:
+                self.link.close()
             self.metadata.stop()
 
     # -- agent side --
