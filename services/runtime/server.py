@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from silod.rpc.limits import MESSAGE_SIZE_OPTIONS
+from silod.rpc.keepalive import SERVER_KEEPALIVE_OPTIONS
 from services.runtime import metrics
 from services.runtime.auth import AuthInterceptor
 from services.runtime.interceptors import ErrorMapper, RequestObserver
@@ -140,7 +141,8 @@ async def start_server(definition: ServiceDefinition, settings: ServiceSettings)
     interceptors.append(ErrorMapper())
     # so_reuseport=0: otherwise a second process could "bind" a port already taken and
     # silently share its traffic instead of failing.
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0), *MESSAGE_SIZE_OPTIONS])
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[("grpc.so_reuseport", 0), *MESSAGE_SIZE_OPTIONS, *SERVER_KEEPALIVE_OPTIONS])
 
     definition.register(server)
     health_servicer = health.aio.HealthServicer()

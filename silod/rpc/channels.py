@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from silod.rpc.auth import AUTHORIZATION_KEY, bearer_metadata
+from silod.rpc.keepalive import CLIENT_KEEPALIVE_OPTIONS
 from silod.rpc.limits import MESSAGE_SIZE_OPTIONS
 
 # UNAVAILABLE means the call never reached a servicer (restart, connection refused), so any
@@ -42,6 +43,7 @@ _OPTIONS = [
     ("grpc.enable_retries", 1),
     ("grpc.service_config", _SERVICE_CONFIG),
     *_RECONNECT_OPTIONS,
+    *CLIENT_KEEPALIVE_OPTIONS,
     *MESSAGE_SIZE_OPTIONS,
 ]
 

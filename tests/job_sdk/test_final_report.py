@@ -14,6 +14,7 @@ from concurrent import futures
 
 import grpc
 
+from silod.rpc.keepalive import SERVER_KEEPALIVE_OPTIONS
 from silod.v1 import worker_agent_pb2, worker_agent_pb2_grpc
 
 
@@ -52,7 +53,7 @@ def _context(address: str, tmp_path):  # type: ignore[no-untyped-def]
 def test_final_report_is_delivered_despite_the_back_off_and_a_refusal(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # The channel retries UNAVAILABLE 4 times per call: 5 refusals fail one whole call.
     agent = RefusingAgent(stalls=1, refusals=5)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=SERVER_KEEPALIVE_OPTIONS)
     worker_agent_pb2_grpc.add_WorkerAgentServiceServicer_to_server(agent, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
