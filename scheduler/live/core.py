@@ -656,7 +656,20 @@ class SchedulerCore:
         await self._set_latest(committed)
         self._restart -= {entry.job_id for entry in committed.jobs if convert.ranks_of(entry)}
         await self._transitions(committed, old, {j.id: j for j in jobs})
+        self._log_commit(committed, old, reason)
         return committed
+
+    @staticmethod
+    def _log_commit(plan: plan_pb2.AllocationPlan, old: dict[str, plan_pb2.JobAllocation], reason: str) -> None:
+        """One line per plan: what an operator asks first when a job moved (which plan, why)."""
+        placed = [e for e in plan.jobs if convert.ranks_of(e)]
+        changed = [e for e in placed if e.job_id not in old or e.generation != old[e.job_id].generation]
+        stopped = sum(1 for e in plan.jobs if not convert.ranks_of(e) and e.job_id in old
+                      and convert.ranks_of(old[e.job_id]))
+        _log.info("plan committed", extra={
+            "version": plan.version, "reason": reason, "jobs_placed": len(placed),
+            "gpus": sum(len(convert.ranks_of(e)) for e in placed), "jobs_started_or_resized": len(changed),
+            "jobs_stopped": stopped, "changed": [e.job_id for e in changed[:20]]})
 
     def _fast_resize(self, job: common_pb2.Job, previous: plan_pb2.JobAllocation | None,
                      entry: plan_pb2.JobAllocation) -> bool:

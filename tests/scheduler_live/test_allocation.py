@@ -283,3 +283,15 @@ def test_losing_a_node_resizes_a_running_elastic_job(make_cluster) -> None:
                    allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=gen, phase=EXITED, exit_code=143),
                    allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=new_gen, phase=RUNNING, gpu_indices=[0]))
     assert cluster.state(job.id) == common_pb2.JOB_STATE_RUNNING  # the stale generation's exit is ignored
+
+
+def test_every_committed_plan_is_logged_with_its_reason_and_changes(cluster, caplog) -> None:
+    cluster.add_node("n1", gpus=2)
+    job = cluster.submit("logged", min_gpus=1, max_gpus=1)
+    with caplog.at_level("INFO", logger="silod.scheduler"):
+        plan = cluster.round("operator asked")
+    records = [r for r in caplog.records if r.getMessage() == "plan committed" and r.version == plan.version]
+    assert len(records) == 1, [r.getMessage() for r in caplog.records]
+    line = records[0]
+    assert line.jobs_placed == 1 and line.gpus == 1 and line.changed == [job.id] and line.jobs_stopped == 0
+    assert line.reason in ("operator asked", "arrival")  # a submission may trigger the round first
