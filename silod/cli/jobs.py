@@ -12,6 +12,7 @@ import os
 import shlex
 import sys
 import time
+import uuid
 from typing import Any
 
 import grpc
@@ -141,6 +142,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     submit.add_argument("file", help="YAML job file (keys: JobSpec fields, e.g. name, application, min_gpus, ...)")
     submit.add_argument("--request-id", default="",
                         help="idempotency key; default: derived from the file's content (resubmitting is a no-op)")
+    submit.add_argument("--again", action="store_true",
+                        help="submit a new job even if this file was submitted before (a fresh idempotency key)")
     submit.set_defaults(handler=_submit)
 
     jobs = sub.add_parser("jobs", help="list jobs: id, name, state, GPUs, progress, age")
@@ -220,11 +223,23 @@ def _submit(args: argparse.Namespace) -> int:
         for line in str(exc).splitlines():
             print(f"silod: {line}", file=sys.stderr)
         return 2
+    if args.again and args.request_id:
+        return _fail("--again and --request-id exclude each other")
     request_id = args.request_id or request_id_for(content)
+    if args.again:
+        request_id = f"{request_id[:40]}-{uuid.uuid4().hex[:16]}"
+    sent_at = time.time()
 
     def body(stub: Any) -> int:
         job = stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec, client_request_id=request_id), timeout=15)
         print(job.id)
+        state = _state_name(job.state)
+        # The same key returns the job it made before: say so, or a user who fixed the cause of a
+        # failure and resubmits would watch the old failed job again.
+        if state in TERMINAL or (job.created_at.seconds and job.created_at.seconds < sent_at - 5):
+            how = f"ended {state}" if state in TERMINAL else f"is {state}"
+            print(f"silod: {args.file} was already submitted as {job.id}, which {how}; nothing new was submitted. "
+                  f"To run it once more: silod submit --again {args.file}", file=sys.stderr)
         return 0
 
     return _run(args, body)

@@ -151,6 +151,14 @@ def test_up_submit_watch_logs_cancel_and_shutdown(up_cluster: tuple[subprocess.P
         assert logs.returncode == 0, logs.stderr
         assert "emulated: done samples=480" in logs.stdout
 
+        # The same file once its job ended: the old id, and a note saying how to run it again.
+        same = _silod(state, "submit", str(tmp_path / "job0.yaml"))
+        assert same.returncode == 0 and same.stdout.strip() == ids[0]
+        assert "already submitted" in same.stderr and "ended SUCCEEDED" in same.stderr and "--again" in same.stderr
+        rerun = _silod(state, "submit", "--again", str(tmp_path / "job0.yaml"))
+        assert rerun.returncode == 0 and rerun.stdout.strip() not in ids and not rerun.stderr, rerun.stderr
+        ids.append(rerun.stdout.strip())
+
         (tmp_path / "long.yaml").write_text(LONG)
         long_id = _silod(state, "submit", str(tmp_path / "long.yaml")).stdout.strip()
         # Wait through gRPC (a `silod jobs` process per poll costs seconds of imports), then
