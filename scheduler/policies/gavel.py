@@ -88,6 +88,11 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
+try:  # HiGHS' own bindings, which scipy >= 1.15 ships (and its linprog calls)
+    from scipy.optimize._highspy import _core as _highs
+except ImportError:  # older scipy: through linprog only
+    _highs = None
+
 from scheduler import codesign as co
 from scheduler.placement import TypeRoom, blind_preferences, largest_type_gpus, node_types, place, placement_type
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes, row_codes
@@ -650,14 +655,69 @@ def _solve_max_min_lp(
     bounds[m, 1] = np.inf
     objective = np.zeros(m + 1)
     objective[m] = -1.0
-    first = linprog(objective, A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs-ipm")
-    if first.status != 0:
-        raise RuntimeError(f"gavel LP failed: {first.message}")
-    level = float(first.x[m])
-    fraction = first.x[:m]
+    lp = _InteriorPoint(a_ub, b_ub)
+    x = lp.solve(objective, bounds)
+    if x is None:
+        raise RuntimeError(f"gavel LP failed: {lp.message}")
+    level = float(x[m])
+    fraction = x[:m]
     if water_fill and level > 0:
         bounds[m] = level * (1 - _LEVEL_SLACK)
-        second = linprog(np.concatenate([-normalized * many, [0.0]]), A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs-ipm")
-        if second.status == 0:
-            fraction = second.x[:m]
+        second = lp.solve(np.concatenate([-normalized * many, [0.0]]), bounds)
+        if second is not None:
+            fraction = second[:m]
     return np.clip(fraction, 0.0, 1.0), level
+
+
+class _InteriorPoint:
+    """``min c x`` subject to ``a_ub x <= b_ub`` and bounds, by HiGHS' interior-point method with
+    crossover, exactly as ``linprog(method="highs-ipm")`` solves it (same solver, same options,
+    the same answers bit for bit), for several objectives and bounds over one constraint matrix.
+
+    Where scipy ships HiGHS' bindings the model is handed to HiGHS directly: linprog's input
+    checks and result assembly cost about as much as HiGHS itself on the LPs of a simulated
+    round (a few dozen rows). Each solve starts afresh, as a new linprog call would.
+    """
+
+    def __init__(self, a_ub: sp.csr_matrix, b_ub: np.ndarray):
+        self.a_ub, self.b_ub = a_ub, b_ub
+        self.message = ""
+        self._solver = None
+        if _highs is not None:
+            a = a_ub.tocsc()
+            a.sort_indices()
+            lp = _highs.HighsLp()
+            lp.num_col_, lp.num_row_ = a.shape[1], a.shape[0]
+            lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = a.shape[1], a.shape[0]
+            lp.a_matrix_.format_ = _highs.MatrixFormat.kColwise
+            lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
+            lp.col_cost_ = np.zeros(a.shape[1])
+            lp.col_lower_, lp.col_upper_ = np.zeros(a.shape[1]), np.zeros(a.shape[1])
+            lp.row_lower_ = np.full(a.shape[0], -_highs.kHighsInf)
+            lp.row_upper_ = np.asarray(b_ub, dtype=np.float64)
+            solver = _highs._Highs()
+            # linprog's settings for method="highs-ipm" (the rest are HiGHS' defaults, as there).
+            for option, value in (("output_flag", False), ("log_to_console", False), ("presolve", "on"),
+                                  ("solver", "ipm"), ("simplex_strategy", 1)):
+                solver.setOptionValue(option, value)
+            solver.passModel(lp)
+            self._solver = solver
+            self._columns = np.arange(a.shape[1], dtype=np.int32)
+
+    def solve(self, objective: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
+        """The optimal ``x`` (None if HiGHS found none; ``message`` says why)."""
+        if self._solver is None:
+            result = linprog(objective, A_ub=self.a_ub, b_ub=self.b_ub, bounds=bounds, method="highs-ipm")
+            self.message = result.message
+            return result.x if result.status == 0 else None
+        solver, columns = self._solver, self._columns
+        solver.clearSolver()
+        solver.changeColsCost(columns.size, columns, np.asarray(objective, dtype=np.float64))
+        upper = np.where(np.isfinite(bounds[:, 1]), bounds[:, 1], _highs.kHighsInf)
+        solver.changeColsBounds(columns.size, columns, np.ascontiguousarray(bounds[:, 0], dtype=np.float64), upper)
+        solver.run()
+        status = solver.getModelStatus()
+        if status != _highs.HighsModelStatus.kOptimal:
+            self.message = solver.modelStatusToString(status)
+            return None
+        return np.array(solver.getSolution().col_value)

@@ -197,3 +197,28 @@ def test_a_job_that_cannot_fit_does_not_hold_the_others_back():
     plan = GavelPolicy().schedule(snapshot)
     assert_sound(snapshot, plan)
     assert plan.gpus_of("a") == plan.gpus_of("b") == 1 and plan.gpus_of("huge") == 0
+
+
+def test_the_lp_through_highs_bindings_matches_linprog_bit_for_bit(monkeypatch):
+    import scheduler.policies.gavel as gavel
+
+    if gavel._highs is None:
+        pytest.skip("this scipy has no HiGHS bindings: linprog is the only path")
+    rng = np.random.default_rng(4)
+    problems = []
+    for _ in range(6):
+        n_jobs, n_types = int(rng.integers(3, 12)), int(rng.integers(1, 4))
+        per_job = rng.integers(1, 5, size=n_jobs)
+        job = np.repeat(np.arange(n_jobs), per_job)
+        gpus = rng.choice([1, 2, 4, 8], size=job.size)
+        normalized = rng.uniform(0.1, 3.0, size=job.size)
+        kind = rng.integers(0, n_types, size=job.size)
+        capacity = rng.integers(4, 24, size=n_types)
+        weight = rng.choice([1.0, 2.0], size=n_jobs)
+        problems.append((job, gpus, normalized, weight, n_jobs, capacity, kind, True))
+    direct = [gavel._solve_max_min_lp(*p) for p in problems]
+    monkeypatch.setattr(gavel, "_highs", None)
+    through_linprog = [gavel._solve_max_min_lp(*p) for p in problems]
+    for (x, level), (y, expected) in zip(direct, through_linprog):
+        assert level == expected and level > 0
+        assert np.array_equal(x, y)
