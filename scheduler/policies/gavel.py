@@ -80,6 +80,7 @@ limit preemption churn when rounds are short compared with the restart cost; 0 i
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -224,11 +225,23 @@ class GavelPolicy:
         return types, np.array([sum(n.gpus for n in nodes if n.gpu_type == t) for t in types], dtype=np.int64)
 
     def solve(self, snapshot: ClusterSnapshot) -> GavelAllocation:
-        """The fractional allocation of ``snapshot`` (see the module docstring)."""
+        """The fractional allocation of ``snapshot`` (see the module docstring).
+
+        Remembered for the last few rounds (:func:`_remembered`): with the max-min objective and
+        without co-design, what the LP is built from does not change while no job arrives or
+        leaves (progress and attained service do not enter it), so such a round reuses it.
+        """
         jobs = tuple(snapshot.jobs)
         types, type_capacity = self.pool_types(snapshot)
         per_node = gpus_per_node(snapshot)
-        job, gpus, kind = self._candidates(jobs, types, type_capacity, largest_type_gpus(snapshot))
+        widest = largest_type_gpus(snapshot)
+        if self.objective == "makespan" or (self.codesign and co.is_active(snapshot)):
+            return self._solve(snapshot, jobs, types, type_capacity, per_node, widest)
+        key = (self, types, type_capacity.tobytes(), per_node, widest, tuple(map(_signature, jobs)))
+        return _remembered(key, jobs, lambda: self._solve(snapshot, jobs, types, type_capacity, per_node, widest))
+
+    def _solve(self, snapshot, jobs, types, type_capacity, per_node, widest) -> GavelAllocation:
+        job, gpus, kind = self._candidates(jobs, types, type_capacity, widest)
         weight = np.array([self.priority_base ** job_.priority for job_ in jobs], dtype=np.float64)
         if gpus.size == 0:
             empty = np.zeros(0)
@@ -581,6 +594,36 @@ def _classes_lp(
     return solved[order[start[representative[job]] + position]], level
 
 
+def _signature(job: JobInfo) -> tuple:
+    """What :meth:`GavelPolicy.solve` reads of a job, with models by identity (the remembered
+    entry holds the models, so an id is not reused while it lives)."""
+    return (job.job_id, id(job.model), tuple(job.type_models), tuple(map(id, job.type_models.values())), job.min_gpus,
+            job.max_gpus, job.requested, job.initial_batch_size, job.priority, job.gpu_types)
+
+
+_PREPARED: OrderedDict[tuple, tuple[list, GavelAllocation]] = OrderedDict()
+_PREPARED_KEPT = 4
+
+
+def _remembered(key: tuple, jobs: tuple[JobInfo, ...], solve) -> GavelAllocation:
+    """``solve()`` for ``key``, or the answer remembered for it with this round's ``jobs``."""
+    with _SOLVED_LOCK:
+        found = _PREPARED.get(key)
+        if found is not None:
+            _PREPARED.move_to_end(key)
+            return dataclasses.replace(found[1], jobs=jobs)
+    allocation = solve()
+    for value in vars(allocation).values():
+        if isinstance(value, np.ndarray):
+            value.setflags(write=False)  # shared by the rounds that reuse it
+    models = [m for job in jobs for m in (job.model, *job.type_models.values())]
+    with _SOLVED_LOCK:
+        _PREPARED[key] = (models, allocation)
+        while len(_PREPARED) > _PREPARED_KEPT:
+            _PREPARED.popitem(last=False)
+    return allocation
+
+
 _SOLVED: OrderedDict[bytes, tuple[np.ndarray, float]] = OrderedDict()
 _SOLVED_LOCK = threading.Lock()
 _SOLVED_KEPT = 8
@@ -614,9 +657,10 @@ def _max_min_lp(
 
 
 def forget_lps() -> None:
-    """Drop the remembered LP answers (a benchmark times a round that solves its LP)."""
+    """Drop the remembered LPs and their inputs (a benchmark times a round that solves its LP)."""
     with _SOLVED_LOCK:
         _SOLVED.clear()
+        _PREPARED.clear()
 
 
 def _solve_max_min_lp(

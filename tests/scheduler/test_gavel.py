@@ -222,3 +222,27 @@ def test_the_lp_through_highs_bindings_matches_linprog_bit_for_bit(monkeypatch):
     for (x, level), (y, expected) in zip(direct, through_linprog):
         assert level == expected and level > 0
         assert np.array_equal(x, y)
+
+
+def test_a_round_without_arrivals_reuses_the_lp_inputs_and_answers_as_a_fresh_solve():
+    import scheduler.policies.gavel as gavel
+
+    gavel.forget_lps()
+    nodes = make_nodes(4, 4)
+    jobs = [make_job(f"j{k}", app, gpus=g, min_gpus=1, max_gpus=8)
+            for k, (app, g) in enumerate([("cifar10", 2), ("bert", 4), ("imagenet", 1), ("ncf", 2), ("cifar10", 2)])]
+    policy = GavelPolicy()
+    first = policy.solve(make_snapshot(nodes, jobs, time=0.0))
+    # Progress and attained service do not enter the LP: the next round reuses its inputs.
+    later = [dataclasses.replace(j, samples_done=1e5, attained_gpu_s=600.0) for j in jobs]
+    again = policy.solve(make_snapshot(nodes, later, time=600.0))
+    assert again.fraction is first.fraction and again.jobs[0].samples_done == 1e5
+    with pytest.raises(ValueError):
+        again.fraction[0] = 0.5  # shared between rounds: read-only
+    # A new job (or other bounds) is another LP; and a reused answer is what a fresh solve gives.
+    grown = policy.solve(make_snapshot(nodes, later + [make_job("j9", "bert", gpus=2)], time=600.0))
+    assert grown.fraction is not first.fraction and len(grown.jobs) == 6
+    gavel.forget_lps()
+    fresh = policy.solve(make_snapshot(nodes, later, time=600.0))
+    assert np.array_equal(fresh.fraction, again.fraction) and fresh.level == again.level
+    assert policy.schedule(make_snapshot(nodes, later, time=600.0)) == policy.schedule(make_snapshot(nodes, later, time=600.0))
