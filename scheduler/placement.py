@@ -229,21 +229,48 @@ def type_preferences(
     ids = [job_id for job_id, n in gpu_counts.items() if n > 0 and job_id in jobs]
     if len(types) <= 1:
         return {job_id: tuple(t for t in types if jobs[job_id].allows(t)) for job_id in ids}
+    per_node = max(node.gpus for node in snapshot.nodes if node.pool in tuple(pools))
+    keys = [(id(jobs[j].model), id(jobs[j].type_models), jobs[j].gpu_types, gpu_counts[j], jobs[j].initial_batch_size,
+             per_node, types) for j in ids]
+    missing = {key: j for j, key in zip(ids, keys) if key not in _RANKED}
+    if missing:
+        _rank_types(missing, jobs, gpu_counts, per_node, types)
+    kinds = node_types(snapshot)
+    result = {}
+    for job_id, key in zip(ids, keys):
+        ranked = _RANKED[key][0]
+        # A running job stays on its type first: moving costs a restart and its cache.
+        running = _single_type(snapshot.current.get(job_id), kinds)
+        if running is not None and ranked and running != ranked[0] and running in ranked:
+            ranked = (running, *(t for t in ranked if t != running))
+        result[job_id] = ranked
+    return result
+
+
+# (job model and type models by identity, allowed types, count, batch, GPUs per node, the
+# pool's types) -> (the allowed types by goodput there, fastest first; the models, so that
+# their ids are not reused while the entry lives).
+_RANKED: dict[tuple, tuple[tuple[str, ...], tuple]] = {}
+_RANKED_KEPT = 100_000
+
+
+def _rank_types(missing: Mapping[tuple, str], jobs: Mapping[str, JobInfo], gpu_counts: Mapping[str, int],
+                per_node: int, types: tuple[str, ...]) -> None:
+    """Rank the types of one job per key of ``missing`` into ``_RANKED`` (ties by name), with one
+    vectorized prediction for every (job, type)."""
     from scheduler.policies.pollux_estimates import packed_goodput  # deferred: the estimator is heavy
 
-    pairs = [(job_id, t) for job_id in ids for t in types if jobs[job_id].allows(t)]
-    if not pairs:
-        return {job_id: () for job_id in ids}
-    per_node = max(node.gpus for node in snapshot.nodes if node.pool in tuple(pools))
-    rate = packed_goodput([jobs[j].model_on(t) for j, t in pairs], [gpu_counts[j] for j, _ in pairs],
-                          [jobs[j].initial_batch_size for j, _ in pairs], per_node=per_node)
-    ranked: dict[str, list[tuple[bool, float, str]]] = {job_id: [] for job_id in ids}
-    kinds = node_types(snapshot)
-    # A running job stays on its type first: moving costs a restart and its cache.
-    running_on = {job_id: _single_type(snapshot.current.get(job_id), kinds) for job_id in ids}
-    for (job_id, gpu_type), r in zip(pairs, rate.tolist()):
-        ranked[job_id].append((running_on[job_id] != gpu_type, -r, gpu_type))
-    return {job_id: tuple(t for *_, t in sorted(options)) for job_id, options in ranked.items()}
+    pairs = [(key, jobs[j], t) for key, j in missing.items() for t in types if jobs[j].allows(t)]
+    rate = packed_goodput([job.model_on(t) for _, job, t in pairs], [gpu_counts[job.job_id] for _, job, _ in pairs],
+                          [job.initial_batch_size for _, job, _ in pairs], per_node=per_node).tolist()
+    options: dict[tuple, list[tuple[float, str]]] = {key: [] for key in missing}
+    for (key, _, gpu_type), r in zip(pairs, rate):
+        options[key].append((-r, gpu_type))
+    if len(_RANKED) + len(missing) > _RANKED_KEPT:
+        _RANKED.clear()
+    for key, job_id in missing.items():
+        job = jobs[job_id]
+        _RANKED[key] = (tuple(t for _, t in sorted(options[key])), (job.model, job.type_models))
 
 
 def _single_type(allocation: Allocation | None, kinds: Mapping[str, str]) -> str | None:
