@@ -36,29 +36,34 @@ Placement = tuple[tuple[str, tuple[int, ...]], ...]
 
 
 class FreeGpus:
-    """Free GPU indices per node; ``reserve`` is the only way to take one."""
+    """Free GPU indices per node; ``reserve`` is the only way to take one.
+
+    A node's free GPUs are the set bits of an integer (bit i: GPU i is free), so checking and
+    taking a job's GPUs are a few integer operations rather than list scans.
+    """
 
     def __init__(self, snapshot: ClusterSnapshot, pools: Iterable[Pool] = ("training",)):
         allowed = set(pools)
-        self._free = {n.name: list(range(n.gpus)) for n in snapshot.nodes if n.pool in allowed}
+        self._mask = {n.name: (1 << n.gpus) - 1 for n in snapshot.nodes if n.pool in allowed}
+        self._size = {n.name: n.gpus for n in snapshot.nodes if n.pool in allowed}
         self._type = {n.name: n.gpu_type for n in snapshot.nodes if n.pool in allowed}
-        self._total = sum(len(v) for v in self._free.values())
+        self._total = sum(self._size.values())
         self._total_by_type: dict[str, int] = {}
         # Nodes by (GPU type, number of free GPUs > 0), for tightest-fit look-ups: a set, and a
         # heap of the same names for the smallest (entries of nodes that left the set are skipped).
         self._by_size: dict[tuple[str, int], set[str]] = {}
         self._smallest: dict[tuple[str, int], list[str]] = {}
-        for name, free in self._free.items():
-            self._total_by_type[self._type[name]] = self._total_by_type.get(self._type[name], 0) + len(free)
-            if free:
-                self._by_size.setdefault((self._type[name], len(free)), set()).add(name)
+        for name, size in self._size.items():
+            self._total_by_type[self._type[name]] = self._total_by_type.get(self._type[name], 0) + size
+            if size:
+                self._by_size.setdefault((self._type[name], size), set()).add(name)
         for key, names in self._by_size.items():
             self._smallest[key] = sorted(names)  # a sorted list is a heap
         self._types = tuple(sorted(self._total_by_type))
-        self._widest = max((len(free) for free in self._free.values()), default=0)
+        self._widest = max(self._size.values(), default=0)
 
     def count(self, node: str) -> int:
-        return len(self._free.get(node, ()))
+        return self._size.get(node, 0)
 
     def counts(self, gpu_type: str | None = None) -> dict[str, int]:
         """Free GPUs per node that has any (of ``gpu_type`` if given), in no particular order."""
@@ -81,11 +86,14 @@ class FreeGpus:
         return self._type.get(node, "")
 
     def nodes(self) -> list[str]:
-        return [name for name, free in self._free.items() if free]
+        return [name for name, size in self._size.items() if size]
 
     def has(self, node: str, indices: Iterable[int]) -> bool:
-        free = self._free.get(node)
-        return free is not None and all(i in free for i in indices)
+        mask = self._mask.get(node)
+        if mask is None:
+            return False
+        bits = _bits(indices)
+        return bits is not None and mask & bits == bits
 
     def tightest(self, count: int, gpu_type: str | None = None) -> str | None:
         """The node (of ``gpu_type`` if given) with the fewest free GPUs that still has ``count``
@@ -108,38 +116,71 @@ class FreeGpus:
         return None
 
     def reserve(self, node: str, indices: Iterable[int]) -> tuple[int, ...]:
+        """Take GPUs ``indices`` of ``node``; ValueError if one is not free (a double booking:
+        let it surface), KeyError for a node this view does not have."""
+        mask = self._mask[node]
         taken = tuple(sorted(indices))
-        free = self._free[node]
-        before = len(free)
-        try:
-            for index in taken:
-                free.remove(index)  # ValueError here would be a double booking: let it surface
-        finally:
-            self._shrunk(node, before)
+        bits = _bits(taken)
+        if bits is None or mask & bits != bits:
+            raise ValueError(f"GPUs {taken} of {node} are not all free")
+        self._take(node, mask, bits, len(taken))
         return taken
 
     def reserve_any(self, node: str, count: int) -> tuple[int, ...]:
-        """The node's first ``count`` free GPUs (the free list is kept sorted)."""
-        free = self._free[node]
-        before = len(free)
-        taken = tuple(free[:count])
-        del free[:count]
-        self._shrunk(node, before)
-        return taken
+        """The node's first ``count`` free GPUs (lowest indices)."""
+        mask = self._mask[node]
+        key = (mask, count)
+        found = _LOWEST.get(key)
+        if found is None:
+            taken, rest = [], mask
+            while rest and len(taken) < count:
+                low = rest & -rest
+                taken.append(low.bit_length() - 1)
+                rest ^= low
+            found = (tuple(taken), mask ^ rest)
+            if len(_LOWEST) < _MEMO_KEPT:
+                _LOWEST[key] = found
+        self._take(node, mask, found[1], len(found[0]))
+        return found[0]
 
-    def _shrunk(self, node: str, before: int) -> None:
-        """Book-keeping after ``node`` went from ``before`` free GPUs to what it has now."""
-        free = self._free[node]
-        if len(free) == before:
+    def _take(self, node: str, mask: int, bits: int, count: int) -> None:
+        """Book-keeping for taking the GPUs ``bits`` (``count`` of them) of ``node``, whose free set was ``mask``."""
+        if not count:
             return
+        self._mask[node] = mask & ~bits
+        before = self._size[node]
+        after = self._size[node] = before - count
         gpu_type = self._type[node]
-        self._total -= before - len(free)
-        self._total_by_type[gpu_type] -= before - len(free)
+        self._total -= count
+        self._total_by_type[gpu_type] -= count
         self._by_size[(gpu_type, before)].discard(node)
-        if free:
-            key = (gpu_type, len(free))
+        if after:
+            key = (gpu_type, after)
             self._by_size.setdefault(key, set()).add(node)
             heapq.heappush(self._smallest.setdefault(key, []), node)
+
+
+# GPU index tuples -> their bit sets, and (free set, count) -> the lowest free GPUs: both repeat
+# round after round (a node has a few GPUs), so they are computed once.
+_BITS: dict[tuple[int, ...], int | None] = {}
+_LOWEST: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
+_MEMO_KEPT = 100_000
+
+
+def _bits(indices: Iterable[int]) -> int | None:
+    """The bit set of GPU ``indices`` (None if one repeats or is negative)."""
+    key = indices if isinstance(indices, tuple) else tuple(indices)
+    bits = _BITS.get(key, 0)
+    if bits != 0 or not key:
+        return bits
+    for index in key:
+        if index < 0 or (bits >> index) & 1:
+            bits = None
+            break
+        bits |= 1 << index
+    if len(_BITS) < _MEMO_KEPT:
+        _BITS[key] = bits
+    return bits
 
 
 @dataclass(frozen=True)
@@ -166,16 +207,19 @@ def keep_current(current: Allocation | None, count: int, free: FreeGpus,
     """
     if current is None or not current.placement or count > current.gpus:
         return None
-    if not all(free.has(node, indices) for node, indices in current.placement):
+    placement = current.placement
+    # Every GPU still free, none named twice (a malformed plan: place afresh).
+    if len({node for node, _ in placement}) != len(placement):
+        held = [(node, index) for node, indices in placement for index in indices]
+        if len(set(held)) != len(held):
+            return None
+    if not all(free.has(node, indices) for node, indices in placement):
         return None
-    held = [(node, index) for node, indices in current.placement for index in indices]
-    if len(set(held)) != len(held):  # a malformed plan naming a GPU twice: place afresh
-        return None
-    if count == len(held):  # keeps everything: no survivors to choose (most running jobs, every round)
-        return tuple(sorted((node, free.reserve(node, indices)) for node, indices in current.placement if indices))
+    if count == current.gpus:  # keeps everything: no survivors to choose (most running jobs, every round)
+        return tuple(sorted((node, free.reserve(node, indices)) for node, indices in placement if indices))
     kept: list[tuple[str, tuple[int, ...]]] = []
     remaining = count
-    for node, indices in sorted(current.placement, key=lambda p: (not keep_first(p[0]), -len(p[1]), p[0])):
+    for node, indices in sorted(placement, key=lambda p: (not keep_first(p[0]), -len(p[1]), p[0])):
         if remaining == 0:
             break
         take = indices[:remaining]
