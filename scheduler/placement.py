@@ -25,6 +25,7 @@ that mixes types anyway is charged its job's slowest type (:func:`slowest_type`)
 from __future__ import annotations
 
 import heapq
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,10 +44,33 @@ class FreeGpus:
     """
 
     def __init__(self, snapshot: ClusterSnapshot, pools: Iterable[Pool] = ("training",)):
+        pools = tuple(pools)
+        # Every round starts from the same empty nodes: copy a view built once per node tuple.
+        key = (id(snapshot.nodes), pools)
+        found = _EMPTY.get(key)
+        if found is not None and found[0] is snapshot.nodes:
+            self._copy_from(found[1])
+            return
+        self._build(snapshot.nodes, pools)
+        with _EMPTY_LOCK:
+            if len(_EMPTY) >= _EMPTY_KEPT:
+                _EMPTY.pop(next(iter(_EMPTY)))
+            empty = object.__new__(FreeGpus)
+            empty._copy_from(self)
+            _EMPTY[key] = (snapshot.nodes, empty)  # the entry holds the tuple: its id stays its own
+
+    def _copy_from(self, other: "FreeGpus") -> None:
+        self._mask, self._size, self._type = dict(other._mask), dict(other._size), other._type  # types never change
+        self._total, self._total_by_type = other._total, dict(other._total_by_type)
+        self._by_size = {key: set(names) for key, names in other._by_size.items()}
+        self._smallest = {key: list(heap) for key, heap in other._smallest.items()}
+        self._types, self._widest = other._types, other._widest
+
+    def _build(self, nodes, pools: tuple[Pool, ...]) -> None:
         allowed = set(pools)
-        self._mask = {n.name: (1 << n.gpus) - 1 for n in snapshot.nodes if n.pool in allowed}
-        self._size = {n.name: n.gpus for n in snapshot.nodes if n.pool in allowed}
-        self._type = {n.name: n.gpu_type for n in snapshot.nodes if n.pool in allowed}
+        self._mask = {n.name: (1 << n.gpus) - 1 for n in nodes if n.pool in allowed}
+        self._size = {n.name: n.gpus for n in nodes if n.pool in allowed}
+        self._type = {n.name: n.gpu_type for n in nodes if n.pool in allowed}
         self._total = sum(self._size.values())
         self._total_by_type: dict[str, int] = {}
         # Nodes by (GPU type, number of free GPUs > 0), for tightest-fit look-ups: a set, and a
@@ -159,6 +183,11 @@ class FreeGpus:
             self._by_size.setdefault(key, set()).add(node)
             heapq.heappush(self._smallest.setdefault(key, []), node)
 
+
+# (id of a snapshot's node tuple, pools) -> (the tuple, its view with every GPU free).
+_EMPTY: dict[tuple[int, tuple], tuple[tuple, FreeGpus]] = {}
+_EMPTY_LOCK = threading.Lock()
+_EMPTY_KEPT = 16
 
 # GPU index tuples -> their bit sets, and (free set, count) -> the lowest free GPUs: both repeat
 # round after round (a node has a few GPUs), so they are computed once.
@@ -398,8 +427,20 @@ def placement_type(placement: Placement, node_types: Mapping[str, str], job: Job
     return slowest_type(job, types) if job is not None else ""
 
 
-def node_types(snapshot: ClusterSnapshot) -> dict[str, str]:
-    return {node.name: node.gpu_type for node in snapshot.nodes}
+def node_types(snapshot: ClusterSnapshot) -> Mapping[str, str]:
+    """Node name -> GPU type (read-only: one mapping per node tuple, shared by the rounds that use it)."""
+    found = _KINDS.get(id(snapshot.nodes))
+    if found is not None and found[0] is snapshot.nodes:
+        return found[1]
+    kinds = {node.name: node.gpu_type for node in snapshot.nodes}
+    with _EMPTY_LOCK:
+        if len(_KINDS) >= _EMPTY_KEPT:
+            _KINDS.pop(next(iter(_KINDS)))
+        _KINDS[id(snapshot.nodes)] = (snapshot.nodes, kinds)  # the entry holds the tuple: its id stays its own
+    return kinds
+
+
+_KINDS: dict[int, tuple[tuple, dict[str, str]]] = {}
 
 
 def place(
@@ -464,6 +505,11 @@ def plan_from_placements(placements: Mapping[str, Placement], batch_sizes: Mappi
     batch_sizes = batch_sizes or {}
     kinds = node_types(snapshot) if snapshot is not None else {}
     jobs = {job.job_id: job for job in snapshot.jobs} if snapshot is not None else {}
-    return Plan({job_id: Allocation(placement=p, batch_size=batch_sizes.get(job_id, 0),
-                                    gpu_type=placement_type(p, kinds, jobs.get(job_id)) if snapshot is not None and p else "")
+
+    def type_of(job_id: str, p: Placement) -> str:
+        if snapshot is None or not p:
+            return ""
+        return kinds.get(p[0][0], "") if len(p) == 1 else placement_type(p, kinds, jobs.get(job_id))
+
+    return Plan({job_id: Allocation(placement=p, batch_size=batch_sizes.get(job_id, 0), gpu_type=type_of(job_id, p))
                  for job_id, p in placements.items()})
