@@ -275,9 +275,14 @@ class GavelPolicy:
         klass = _job_classes(job, gpus, kind, normalized, weight, io_lp, len(jobs))
         # Identical jobs share one LP row (_classes_lp), so the distinct jobs are what sizes an LP.
         parts = self.partition_count(len(jobs) if self.partitions else int(klass.max(initial=-1)) + 1)
-        fraction, level = _partitioned_lp(parts, job, gpus, normalized, weight, len(jobs), type_capacity, kind,
+        # Makespan: 1 / finishing times are ~1e-6 per second, which the interior-point method
+        # handles badly (at 20,000 jobs one LP did not finish in minutes). The LP gets them in
+        # units of a typical job's time alone on its best candidate (same optimum, scaled).
+        scale = _time_unit(job, normalized, len(jobs)) if self.objective == "makespan" else 1.0
+        fraction, level = _partitioned_lp(parts, job, gpus, normalized * scale, weight, len(jobs), type_capacity, kind,
                                           self.water_fill, io_lp, budget, klass)
-        return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level, io_row, types, kind)
+        return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level / scale, io_row, types,
+                               kind)
 
     def partition_count(self, n_jobs: int) -> int:
         """LPs to split the round into (POP): ``partitions``, or with 0 one per ``partition_jobs`` jobs
@@ -432,6 +437,15 @@ class GavelPolicy:
         nodes = [len(placements[job.job_id]) for job in jobs]
         batch = table.predict(np.arange(len(jobs)), gpus, nodes, per_node=gpus_per_node(snapshot)).batch_size
         return {job.job_id: int(b) for job, b in zip(jobs, batch)}
+
+
+def _time_unit(job: np.ndarray, normalized: np.ndarray, n_jobs: int) -> float:
+    """Seconds: the median over jobs of 1 / the job's best normalized rate (with the makespan
+    objective, its remaining time alone on its best candidate); 1 if there is none."""
+    best = np.zeros(n_jobs)
+    np.maximum.at(best, job, normalized)
+    best = best[best > 0]
+    return float(np.median(1.0 / best)) if best.size else 1.0
 
 
 def _bounds(jobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
