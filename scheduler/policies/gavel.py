@@ -81,6 +81,7 @@ limit preemption churn when rounds are short compared with the restart cost; 0 i
 from __future__ import annotations
 
 import dataclasses
+import operator
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -237,7 +238,8 @@ class GavelPolicy:
         widest = largest_type_gpus(snapshot)
         if self.objective == "makespan" or (self.codesign and co.is_active(snapshot)):
             return self._solve(snapshot, jobs, types, type_capacity, per_node, widest)
-        key = (self, types, type_capacity.tobytes(), per_node, widest, tuple(map(_signature, jobs)))
+        key = (self, types, type_capacity.tobytes(), per_node, widest, tuple(map(_FIELDS, jobs)),
+               tuple(id(j.model) for j in jobs), tuple(id(j.type_models) for j in jobs))
         return _remembered(key, jobs, lambda: self._solve(snapshot, jobs, types, type_capacity, per_node, widest))
 
     def _solve(self, snapshot, jobs, types, type_capacity, per_node, widest) -> GavelAllocation:
@@ -608,11 +610,10 @@ def _classes_lp(
     return solved[order[start[representative[job]] + position]], level
 
 
-def _signature(job: JobInfo) -> tuple:
-    """What :meth:`GavelPolicy.solve` reads of a job, with models by identity (the remembered
-    entry holds the models, so an id is not reused while it lives)."""
-    return (job.job_id, id(job.model), tuple(job.type_models), tuple(map(id, job.type_models.values())), job.min_gpus,
-            job.max_gpus, job.requested, job.initial_batch_size, job.priority, job.gpu_types)
+# What GavelPolicy.solve reads of a job besides its models, which the key holds by identity (the
+# job's model and its type_models mapping, a frozen JobInfo's value: the remembered entry holds
+# both, so neither id is reused while it lives).
+_FIELDS = operator.attrgetter("job_id", "min_gpus", "max_gpus", "requested_gpus", "batch_size", "priority", "gpu_types")
 
 
 _PREPARED: OrderedDict[tuple, tuple[list, GavelAllocation]] = OrderedDict()
@@ -630,7 +631,7 @@ def _remembered(key: tuple, jobs: tuple[JobInfo, ...], solve) -> GavelAllocation
     for value in vars(allocation).values():
         if isinstance(value, np.ndarray):
             value.setflags(write=False)  # shared by the rounds that reuse it
-    models = [m for job in jobs for m in (job.model, *job.type_models.values())]
+    models = [(job.model, job.type_models) for job in jobs]
     with _SOLVED_LOCK:
         _PREPARED[key] = (models, allocation)
         while len(_PREPARED) > _PREPARED_KEPT:
