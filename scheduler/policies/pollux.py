@@ -638,9 +638,15 @@ def _solve_sparse_dp(utility: np.ndarray, capacity: int, job: np.ndarray, count:
             pick = np.argmax(options, axis=0)  # the smallest count among equals (counts ascend)
             padded[width:] = options[pick, columns]
             choice[j] = mine[pick]
-    counts = np.zeros(n, dtype=np.int64)
+    return _walk_back(choice, capacity)
+
+
+def _walk_back(choice: np.ndarray, capacity: int) -> np.ndarray:
+    """The counts a DP's ``choice[j, c]`` table (job j's count with at most c GPUs for jobs
+    0..j) picks, walked back from the last job at the full capacity."""
+    counts = np.zeros(choice.shape[0], dtype=np.int64)
     c = capacity
-    for j in range(n - 1, -1, -1):
+    for j in range(choice.shape[0] - 1, -1, -1):
         counts[j] = choice[j, c]
         c -= counts[j]
     return counts
@@ -682,12 +688,7 @@ def _solve_dense_dp(utility: np.ndarray, capacity: int) -> np.ndarray:
         if reach < capacity:
             choice[j, reach + 1:] = pick[-1]
             best[reach + 1:] = best[reach]
-    counts = np.zeros(n, dtype=np.int64)
-    c = capacity
-    for j in range(n - 1, -1, -1):
-        counts[j] = choice[j, c]
-        c -= counts[j]
-    return counts
+    return _walk_back(choice, capacity)
 
 
 def upper_hull_segments(utility: np.ndarray):
