@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
-from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan, Pool
+from scheduler.policy import UNLIMITED, Allocation, ClusterSnapshot, JobInfo, Plan, Pool
 
 Placement = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -511,5 +511,16 @@ def plan_from_placements(placements: Mapping[str, Placement], batch_sizes: Mappi
             return ""
         return kinds.get(p[0][0], "") if len(p) == 1 else placement_type(p, kinds, jobs.get(job_id))
 
-    return Plan({job_id: Allocation(placement=p, batch_size=batch_sizes.get(job_id, 0), gpu_type=type_of(job_id, p))
+    current = snapshot.current.allocations if snapshot is not None else {}
+    return Plan({job_id: gpu_allocation(current.get(job_id), p, batch_sizes.get(job_id, 0), type_of(job_id, p))
                  for job_id, p in placements.items()})
+
+
+def gpu_allocation(current: Allocation | None, placement: Placement, batch_size: int, gpu_type: str) -> Allocation:
+    """``Allocation(placement, batch_size, gpu_type)`` (no cache, IO unmanaged), or ``current``
+    itself when it is exactly that: most jobs keep their allocation from round to round, and the
+    object carries what was computed from it (its GPU count)."""
+    if (current is not None and current.placement == placement and current.batch_size == batch_size
+            and current.gpu_type == gpu_type and not current.cache_bytes and current.remote_io_bytes_per_s == UNLIMITED):
+        return current
+    return Allocation(placement=placement, batch_size=batch_size, gpu_type=gpu_type)

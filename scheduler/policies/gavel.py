@@ -96,9 +96,10 @@ except ImportError:  # older scipy: through linprog only
     _highs = None
 
 from scheduler import codesign as co
-from scheduler.placement import TypeRoom, blind_preferences, largest_type_gpus, node_types, place, placement_type
+from scheduler.placement import (TypeRoom, blind_preferences, gpu_allocation, largest_type_gpus, node_types, place,
+                                 placement_type)
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes, row_codes
-from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
+from scheduler.policy import ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
 
 # Relative slack on the max-min level when water-filling (keeps the second LP feasible
@@ -385,8 +386,9 @@ class GavelPolicy:
         batch = self._batch_sizes(snapshot, placements)
         kinds = node_types(snapshot)
         # place() keeps every job on one type: a one-node placement's type is its node's.
-        return Plan({job_id: Allocation(placement=p, batch_size=batch.get(job_id, 0),
-                                        gpu_type=kinds[p[0][0]] if len(p) == 1 else placement_type(p, kinds, None))
+        current = snapshot.current.allocations
+        return Plan({job_id: gpu_allocation(current.get(job_id), p, batch.get(job_id, 0),
+                                            kinds[p[0][0]] if len(p) == 1 else placement_type(p, kinds, None))
                      for job_id, p in placements.items()})
 
     def _pick(self, job: JobInfo, allocation: GavelAllocation, candidates: list[int], room: TypeRoom,
