@@ -150,8 +150,8 @@ def compare_partitions(snapshot: ClusterSnapshot, counts: list[int], runs: int, 
         if base is None:
             base = (low, mean)
         used = sum(a.gpus for a in plan.allocations.values())
-        print(f"{parts:>10d} {statistics.median(solve_times):>8.3f} {statistics.median(round_times):>8.3f} {low:>9.4f} "
-              f"{mean:>10.4f} {1 - low / base[0]:>9.2%} {1 - mean / base[1]:>10.2%} {used:>10d}")
+        print(f"{parts:>10d} {statistics.median(solve_times):>8.3f} {statistics.median(round_times):>8.3f} {low:>9.4g} "
+              f"{mean:>10.4g} {1 - low / base[0]:>9.2%} {1 - mean / base[1]:>10.2%} {used:>10d}")
 
 
 def main(argv: list[str] | None = None) -> int:
