@@ -14,6 +14,8 @@ pollux) may choose any count in the bounds.
 ``--gpu-types v100,p100,k80`` gives the nodes those types in turn and every job its models
 on them (estimator.gpu_types). ``--compare-partitions 1,2,4`` instead times gavel's LP split
 POP-style into that many parts and measures the quality lost against the first (unsplit).
+``--set OPTION=VALUE`` passes an option to the policies timed (e.g. ``--policy gavel --set
+objective=makespan``: every job its own normalizer, so no two jobs share an LP row).
 
 Each policy is called once to warm up (profile loading, imports), then ``--runs`` timed
 calls; the table shows the median and the slowest call (wall time), the median CPU time of
@@ -118,7 +120,7 @@ def time_policy(name: str, snapshot: ClusterSnapshot, runs: int,
     return statistics.median(timings), max(timings), statistics.median(cpu), running, gpus
 
 
-def compare_partitions(snapshot: ClusterSnapshot, counts: list[int], runs: int) -> None:
+def compare_partitions(snapshot: ClusterSnapshot, counts: list[int], runs: int, options: dict | None = None) -> None:
     """gavel's LP split into P parts (POP) against the whole LP: time and quality of the allocation.
 
     Quality is measured on the whole problem: the lowest and the mean normalized throughput
@@ -130,7 +132,7 @@ def compare_partitions(snapshot: ClusterSnapshot, counts: list[int], runs: int) 
     print(f"{'partitions':>10} {'solve s':>8} {'round s':>8} {'min norm':>9} {'mean norm':>10} {'loss min':>9} {'loss mean':>10} {'GPUs used':>10}")
     base = None
     for parts in counts:
-        policy = GavelPolicy(partitions=parts)
+        policy = GavelPolicy(**{**(options or {}), "partitions": parts})
         solve_times, round_times = [], []
         for _ in range(runs):
             forget_lps()
@@ -148,8 +150,8 @@ def compare_partitions(snapshot: ClusterSnapshot, counts: list[int], runs: int) 
         if base is None:
             base = (low, mean)
         used = sum(a.gpus for a in plan.allocations.values())
-        print(f"{parts:>10d} {statistics.median(solve_times):>8.3f} {statistics.median(round_times):>8.3f} {low:>9.4f} "
-              f"{mean:>10.4f} {1 - low / base[0]:>9.2%} {1 - mean / base[1]:>10.2%} {used:>10d}")
+        print(f"{parts:>10d} {statistics.median(solve_times):>8.3f} {statistics.median(round_times):>8.3f} {low:>9.4g} "
+              f"{mean:>10.4g} {1 - low / base[0]:>9.2%} {1 - mean / base[1]:>10.2%} {used:>10d}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +165,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-types", default="", help="comma list: nodes take these GPU types in turn (e.g. v100,p100,k80)")
     parser.add_argument("--compare-partitions", default="",
                         help="comma list of POP partition counts for gavel (e.g. 1,2,4): time and quality against the first")
+    parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
+                        help="policy option for the timed policies (repeat), e.g. objective=makespan")
     args = parser.parse_args(argv)
+    options = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            options[key] = int(value)
+        except ValueError:
+            try:
+                options[key] = float(value)
+            except ValueError:
+                options[key] = {"true": True, "false": False}.get(value.lower(), value)
 
     types = tuple(t for t in args.gpu_types.split(",") if t)
     snapshot = build_snapshot(args.jobs, args.nodes, args.gpus_per_node, args.seed, types)
@@ -177,11 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {args.runs} runs after a warm-up"
     )
     if args.compare_partitions:
-        compare_partitions(snapshot, [int(p) for p in args.compare_partitions.split(",")], args.runs)
+        compare_partitions(snapshot, [int(p) for p in args.compare_partitions.split(",")], args.runs, options)
         return 0
     print(f"{'policy':<12} {'median s':>9} {'max s':>8} {'CPU s':>7} {'jobs placed':>12} {'GPUs used':>10}")
     for name in names:
-        median, worst, cpu, running, gpus = time_policy(name, snapshot, args.runs)
+        median, worst, cpu, running, gpus = time_policy(name, snapshot, args.runs, options)
         print(f"{name:<12} {median:>9.3f} {worst:>8.3f} {cpu:>7.3f} {running:>12d} {gpus:>10d}")
     print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     return 0

@@ -25,40 +25,69 @@ that mixes types anyway is charged its job's slowest type (:func:`slowest_type`)
 from __future__ import annotations
 
 import heapq
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
-from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan, Pool
+from scheduler.policy import UNLIMITED, Allocation, ClusterSnapshot, JobInfo, Plan, Pool
 
 Placement = tuple[tuple[str, tuple[int, ...]], ...]
 
 
 class FreeGpus:
-    """Free GPU indices per node; ``reserve`` is the only way to take one."""
+    """Free GPU indices per node; ``reserve`` is the only way to take one.
+
+    A node's free GPUs are the set bits of an integer (bit i: GPU i is free), so checking and
+    taking a job's GPUs are a few integer operations rather than list scans.
+    """
 
     def __init__(self, snapshot: ClusterSnapshot, pools: Iterable[Pool] = ("training",)):
+        pools = tuple(pools)
+        # Every round starts from the same empty nodes: copy a view built once per node tuple.
+        key = (id(snapshot.nodes), pools)
+        found = _EMPTY.get(key)
+        if found is not None and found[0] is snapshot.nodes:
+            self._copy_from(found[1])
+            return
+        self._build(snapshot.nodes, pools)
+        with _EMPTY_LOCK:
+            if len(_EMPTY) >= _EMPTY_KEPT:
+                _EMPTY.pop(next(iter(_EMPTY)))
+            empty = object.__new__(FreeGpus)
+            empty._copy_from(self)
+            _EMPTY[key] = (snapshot.nodes, empty)  # the entry holds the tuple: its id stays its own
+
+    def _copy_from(self, other: "FreeGpus") -> None:
+        self._mask, self._size, self._type = dict(other._mask), dict(other._size), other._type  # types never change
+        self._total, self._total_by_type = other._total, dict(other._total_by_type)
+        self._by_size = {key: set(names) for key, names in other._by_size.items()}
+        self._smallest = {key: list(heap) for key, heap in other._smallest.items()}
+        self._types, self._widest = other._types, other._widest
+
+    def _build(self, nodes, pools: tuple[Pool, ...]) -> None:
         allowed = set(pools)
-        self._free = {n.name: list(range(n.gpus)) for n in snapshot.nodes if n.pool in allowed}
-        self._type = {n.name: n.gpu_type for n in snapshot.nodes if n.pool in allowed}
-        self._total = sum(len(v) for v in self._free.values())
+        self._mask = {n.name: (1 << n.gpus) - 1 for n in nodes if n.pool in allowed}
+        self._size = {n.name: n.gpus for n in nodes if n.pool in allowed}
+        self._type = {n.name: n.gpu_type for n in nodes if n.pool in allowed}
+        self._total = sum(self._size.values())
         self._total_by_type: dict[str, int] = {}
         # Nodes by (GPU type, number of free GPUs > 0), for tightest-fit look-ups: a set, and a
         # heap of the same names for the smallest (entries of nodes that left the set are skipped).
         self._by_size: dict[tuple[str, int], set[str]] = {}
         self._smallest: dict[tuple[str, int], list[str]] = {}
-        for name, free in self._free.items():
-            self._total_by_type[self._type[name]] = self._total_by_type.get(self._type[name], 0) + len(free)
-            if free:
-                self._by_size.setdefault((self._type[name], len(free)), set()).add(name)
+        for name, size in self._size.items():
+            self._total_by_type[self._type[name]] = self._total_by_type.get(self._type[name], 0) + size
+            if size:
+                self._by_size.setdefault((self._type[name], size), set()).add(name)
         for key, names in self._by_size.items():
             self._smallest[key] = sorted(names)  # a sorted list is a heap
         self._types = tuple(sorted(self._total_by_type))
-        self._widest = max((len(free) for free in self._free.values()), default=0)
+        self._widest = max(self._size.values(), default=0)
 
     def count(self, node: str) -> int:
-        return len(self._free.get(node, ()))
+        return self._size.get(node, 0)
 
     def counts(self, gpu_type: str | None = None) -> dict[str, int]:
         """Free GPUs per node that has any (of ``gpu_type`` if given), in no particular order."""
@@ -81,11 +110,14 @@ class FreeGpus:
         return self._type.get(node, "")
 
     def nodes(self) -> list[str]:
-        return [name for name, free in self._free.items() if free]
+        return [name for name, size in self._size.items() if size]
 
     def has(self, node: str, indices: Iterable[int]) -> bool:
-        free = self._free.get(node)
-        return free is not None and all(i in free for i in indices)
+        mask = self._mask.get(node)
+        if mask is None:
+            return False
+        bits = _bits(indices)
+        return bits is not None and mask & bits == bits
 
     def tightest(self, count: int, gpu_type: str | None = None) -> str | None:
         """The node (of ``gpu_type`` if given) with the fewest free GPUs that still has ``count``
@@ -108,38 +140,76 @@ class FreeGpus:
         return None
 
     def reserve(self, node: str, indices: Iterable[int]) -> tuple[int, ...]:
+        """Take GPUs ``indices`` of ``node``; ValueError if one is not free (a double booking:
+        let it surface), KeyError for a node this view does not have."""
+        mask = self._mask[node]
         taken = tuple(sorted(indices))
-        free = self._free[node]
-        before = len(free)
-        try:
-            for index in taken:
-                free.remove(index)  # ValueError here would be a double booking: let it surface
-        finally:
-            self._shrunk(node, before)
+        bits = _bits(taken)
+        if bits is None or mask & bits != bits:
+            raise ValueError(f"GPUs {taken} of {node} are not all free")
+        self._take(node, mask, bits, len(taken))
         return taken
 
     def reserve_any(self, node: str, count: int) -> tuple[int, ...]:
-        """The node's first ``count`` free GPUs (the free list is kept sorted)."""
-        free = self._free[node]
-        before = len(free)
-        taken = tuple(free[:count])
-        del free[:count]
-        self._shrunk(node, before)
-        return taken
+        """The node's first ``count`` free GPUs (lowest indices)."""
+        mask = self._mask[node]
+        key = (mask, count)
+        found = _LOWEST.get(key)
+        if found is None:
+            taken, rest = [], mask
+            while rest and len(taken) < count:
+                low = rest & -rest
+                taken.append(low.bit_length() - 1)
+                rest ^= low
+            found = (tuple(taken), mask ^ rest)
+            if len(_LOWEST) < _MEMO_KEPT:
+                _LOWEST[key] = found
+        self._take(node, mask, found[1], len(found[0]))
+        return found[0]
 
-    def _shrunk(self, node: str, before: int) -> None:
-        """Book-keeping after ``node`` went from ``before`` free GPUs to what it has now."""
-        free = self._free[node]
-        if len(free) == before:
+    def _take(self, node: str, mask: int, bits: int, count: int) -> None:
+        """Book-keeping for taking the GPUs ``bits`` (``count`` of them) of ``node``, whose free set was ``mask``."""
+        if not count:
             return
+        self._mask[node] = mask & ~bits
+        before = self._size[node]
+        after = self._size[node] = before - count
         gpu_type = self._type[node]
-        self._total -= before - len(free)
-        self._total_by_type[gpu_type] -= before - len(free)
+        self._total -= count
+        self._total_by_type[gpu_type] -= count
         self._by_size[(gpu_type, before)].discard(node)
-        if free:
-            key = (gpu_type, len(free))
+        if after:
+            key = (gpu_type, after)
             self._by_size.setdefault(key, set()).add(node)
             heapq.heappush(self._smallest.setdefault(key, []), node)
+
+
+# (id of a snapshot's node tuple, pools) -> (the tuple, its view with every GPU free).
+_EMPTY: dict[tuple[int, tuple], tuple[tuple, FreeGpus]] = {}
+_EMPTY_LOCK = threading.Lock()
+_EMPTY_KEPT = 16
+
+# GPU index tuples -> their bit sets, and (free set, count) -> the lowest free GPUs: both repeat
+# round after round (a node has a few GPUs), so they are computed once.
+_BITS: dict[tuple[int, ...], int | None] = {}
+_LOWEST: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
+_MEMO_KEPT = 100_000
+
+
+def _bits(indices: Iterable[int]) -> int | None:
+    """The bit set of GPU ``indices`` (None if one repeats or is negative)."""
+    key = indices if isinstance(indices, tuple) else tuple(indices)
+    bits = _BITS.get(key, 0)
+    if bits != 0 or not key:
+        return bits
+    for index in key:
+        if index < 0 or (bits >> index) & 1:
+            bits = None
+            break
+        bits |= 1 << index
+    if len(_BITS) < _MEMO_KEPT:
+        _BITS[key] = bits
+    return bits
 
 
 @dataclass(frozen=True)
@@ -166,16 +236,19 @@ def keep_current(current: Allocation | None, count: int, free: FreeGpus,
     """
     if current is None or not current.placement or count > current.gpus:
         return None
-    if not all(free.has(node, indices) for node, indices in current.placement):
+    placement = current.placement
+    # Every GPU still free, none named twice (a malformed plan: place afresh).
+    if len({node for node, _ in placement}) != len(placement):
+        held = [(node, index) for node, indices in placement for index in indices]
+        if len(set(held)) != len(held):
+            return None
+    if not all(free.has(node, indices) for node, indices in placement):
         return None
-    held = [(node, index) for node, indices in current.placement for index in indices]
-    if len(set(held)) != len(held):  # a malformed plan naming a GPU twice: place afresh
-        return None
-    if count == len(held):  # keeps everything: no survivors to choose (most running jobs, every round)
-        return tuple(sorted((node, free.reserve(node, indices)) for node, indices in current.placement if indices))
+    if count == current.gpus:  # keeps everything: no survivors to choose (most running jobs, every round)
+        return tuple(sorted((node, free.reserve(node, indices)) for node, indices in placement if indices))
     kept: list[tuple[str, tuple[int, ...]]] = []
     remaining = count
-    for node, indices in sorted(current.placement, key=lambda p: (not keep_first(p[0]), -len(p[1]), p[0])):
+    for node, indices in sorted(placement, key=lambda p: (not keep_first(p[0]), -len(p[1]), p[0])):
         if remaining == 0:
             break
         take = indices[:remaining]
@@ -229,21 +302,48 @@ def type_preferences(
     ids = [job_id for job_id, n in gpu_counts.items() if n > 0 and job_id in jobs]
     if len(types) <= 1:
         return {job_id: tuple(t for t in types if jobs[job_id].allows(t)) for job_id in ids}
+    per_node = max(node.gpus for node in snapshot.nodes if node.pool in tuple(pools))
+    keys = [(id(jobs[j].model), id(jobs[j].type_models), jobs[j].gpu_types, gpu_counts[j], jobs[j].initial_batch_size,
+             per_node, types) for j in ids]
+    missing = {key: j for j, key in zip(ids, keys) if key not in _RANKED}
+    if missing:
+        _rank_types(missing, jobs, gpu_counts, per_node, types)
+    kinds = node_types(snapshot)
+    result = {}
+    for job_id, key in zip(ids, keys):
+        ranked = _RANKED[key][0]
+        # A running job stays on its type first: moving costs a restart and its cache.
+        running = _single_type(snapshot.current.get(job_id), kinds)
+        if running is not None and ranked and running != ranked[0] and running in ranked:
+            ranked = (running, *(t for t in ranked if t != running))
+        result[job_id] = ranked
+    return result
+
+
+# (job model and type models by identity, allowed types, count, batch, GPUs per node, the
+# pool's types) -> (the allowed types by goodput there, fastest first; the models, so that
+# their ids are not reused while the entry lives).
+_RANKED: dict[tuple, tuple[tuple[str, ...], tuple]] = {}
+_RANKED_KEPT = 100_000
+
+
+def _rank_types(missing: Mapping[tuple, str], jobs: Mapping[str, JobInfo], gpu_counts: Mapping[str, int],
+                per_node: int, types: tuple[str, ...]) -> None:
+    """Rank the types of one job per key of ``missing`` into ``_RANKED`` (ties by name), with one
+    vectorized prediction for every (job, type)."""
     from scheduler.policies.pollux_estimates import packed_goodput  # deferred: the estimator is heavy
 
-    pairs = [(job_id, t) for job_id in ids for t in types if jobs[job_id].allows(t)]
-    if not pairs:
-        return {job_id: () for job_id in ids}
-    per_node = max(node.gpus for node in snapshot.nodes if node.pool in tuple(pools))
-    rate = packed_goodput([jobs[j].model_on(t) for j, t in pairs], [gpu_counts[j] for j, _ in pairs],
-                          [jobs[j].initial_batch_size for j, _ in pairs], per_node=per_node)
-    ranked: dict[str, list[tuple[bool, float, str]]] = {job_id: [] for job_id in ids}
-    kinds = node_types(snapshot)
-    # A running job stays on its type first: moving costs a restart and its cache.
-    running_on = {job_id: _single_type(snapshot.current.get(job_id), kinds) for job_id in ids}
-    for (job_id, gpu_type), r in zip(pairs, rate.tolist()):
-        ranked[job_id].append((running_on[job_id] != gpu_type, -r, gpu_type))
-    return {job_id: tuple(t for *_, t in sorted(options)) for job_id, options in ranked.items()}
+    pairs = [(key, jobs[j], t) for key, j in missing.items() for t in types if jobs[j].allows(t)]
+    rate = packed_goodput([job.model_on(t) for _, job, t in pairs], [gpu_counts[job.job_id] for _, job, _ in pairs],
+                          [job.initial_batch_size for _, job, _ in pairs], per_node=per_node).tolist()
+    options: dict[tuple, list[tuple[float, str]]] = {key: [] for key in missing}
+    for (key, _, gpu_type), r in zip(pairs, rate):
+        options[key].append((-r, gpu_type))
+    if len(_RANKED) + len(missing) > _RANKED_KEPT:
+        _RANKED.clear()
+    for key, job_id in missing.items():
+        job = jobs[job_id]
+        _RANKED[key] = (tuple(t for _, t in sorted(options[key])), (job.model, job.type_models))
 
 
 def _single_type(allocation: Allocation | None, kinds: Mapping[str, str]) -> str | None:
@@ -327,8 +427,20 @@ def placement_type(placement: Placement, node_types: Mapping[str, str], job: Job
     return slowest_type(job, types) if job is not None else ""
 
 
-def node_types(snapshot: ClusterSnapshot) -> dict[str, str]:
-    return {node.name: node.gpu_type for node in snapshot.nodes}
+def node_types(snapshot: ClusterSnapshot) -> Mapping[str, str]:
+    """Node name -> GPU type (read-only: one mapping per node tuple, shared by the rounds that use it)."""
+    found = _KINDS.get(id(snapshot.nodes))
+    if found is not None and found[0] is snapshot.nodes:
+        return found[1]
+    kinds = {node.name: node.gpu_type for node in snapshot.nodes}
+    with _EMPTY_LOCK:
+        if len(_KINDS) >= _EMPTY_KEPT:
+            _KINDS.pop(next(iter(_KINDS)))
+        _KINDS[id(snapshot.nodes)] = (snapshot.nodes, kinds)  # the entry holds the tuple: its id stays its own
+    return kinds
+
+
+_KINDS: dict[int, tuple[tuple, dict[str, str]]] = {}
 
 
 def place(
@@ -393,6 +505,22 @@ def plan_from_placements(placements: Mapping[str, Placement], batch_sizes: Mappi
     batch_sizes = batch_sizes or {}
     kinds = node_types(snapshot) if snapshot is not None else {}
     jobs = {job.job_id: job for job in snapshot.jobs} if snapshot is not None else {}
-    return Plan({job_id: Allocation(placement=p, batch_size=batch_sizes.get(job_id, 0),
-                                    gpu_type=placement_type(p, kinds, jobs.get(job_id)) if snapshot is not None and p else "")
+
+    def type_of(job_id: str, p: Placement) -> str:
+        if snapshot is None or not p:
+            return ""
+        return kinds.get(p[0][0], "") if len(p) == 1 else placement_type(p, kinds, jobs.get(job_id))
+
+    current = snapshot.current.allocations if snapshot is not None else {}
+    return Plan({job_id: gpu_allocation(current.get(job_id), p, batch_sizes.get(job_id, 0), type_of(job_id, p))
                  for job_id, p in placements.items()})
+
+
+def gpu_allocation(current: Allocation | None, placement: Placement, batch_size: int, gpu_type: str) -> Allocation:
+    """``Allocation(placement, batch_size, gpu_type)`` (no cache, IO unmanaged), or ``current``
+    itself when it is exactly that: most jobs keep their allocation from round to round, and the
+    object carries what was computed from it (its GPU count)."""
+    if (current is not None and current.placement == placement and current.batch_size == batch_size
+            and current.gpu_type == gpu_type and not current.cache_bytes and current.remote_io_bytes_per_s == UNLIMITED):
+        return current
+    return Allocation(placement=placement, batch_size=batch_size, gpu_type=gpu_type)

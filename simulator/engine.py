@@ -186,6 +186,12 @@ class _Job:
         return self._info
 
     def _new_info(self) -> JobInfo:
+        if self._info is not None:  # only the progress fields change: copy the rest (JobInfo has no __post_init__)
+            info = object.__new__(JobInfo)
+            info.__dict__.update(self._info.__dict__)
+            info.__dict__.update(samples_done=min(self.done, self.target), attained_gpu_s=self.attained,
+                                 restarts=self.restarts)
+            return info
         s = self.spec
         return JobInfo(
             job_id=s.name,
@@ -529,7 +535,12 @@ class Simulator:
                 else:
                     job.restarts += 1
             # The job runs at the speed of the GPUs it got, whatever type the plan names.
-            job.allocation = dataclasses.replace(new, gpu_type=placement_type(new.placement, self._node_types, info))
+            kind = self._node_types.get(new.placement[0][0], "") if len(new.placement) == 1 else \
+                placement_type(new.placement, self._node_types, info)
+            if new.gpu_type != kind:
+                new = dataclasses.replace(new, gpu_type=kind)
+            if new != job.allocation:  # an unchanged allocation keeps its object (and what it has cached)
+                job.allocation = new
         self._set_rates(t)
 
     def _resize_cost(self, job: _Job, info: JobInfo, new: Allocation) -> float:

@@ -40,7 +40,7 @@ import numpy as np
 from estimator.predict import ModelTable, predict
 from scheduler import codesign as co
 from scheduler.placement import TypeRoom, place, plan_from_placements, type_preferences
-from scheduler.policies.pollux_estimates import shared_model_table
+from scheduler.policies.pollux_estimates import goodput_on_nodes, shared_model_table
 from scheduler.policy import ClusterSnapshot, JobInfo, Plan, Pool
 
 TRAINING: tuple[Pool, ...] = ("training",)
@@ -68,18 +68,45 @@ def in_place(
 
     Such a job keeps running without a restart if a policy gives it that count again.
     """
-    allowed = set(pools)
-    sizes = {node.name: node.gpus for node in snapshot.nodes if node.pool in allowed}
+    exists = _placement_exists(snapshot, tuple(pools))
+    current = snapshot.current.allocations
     result = np.zeros(len(jobs), dtype=bool)
     for k, job in enumerate(jobs):
-        allocation = snapshot.current.get(job.job_id)
-        want = job.requested if gpus is None else int(gpus[k])
-        if allocation is None or want <= 0 or allocation.gpus != want:
+        allocation = current.get(job.job_id)
+        if allocation is None:
             continue
-        result[k] = all(
-            name in sizes and all(0 <= i < sizes[name] for i in indices) for name, indices in allocation.placement
-        )
+        want = job.requested if gpus is None else int(gpus[k])
+        if want <= 0 or allocation.gpus != want:
+            continue
+        result[k] = exists(allocation.placement)
     return result
+
+
+def _placement_exists(snapshot: ClusterSnapshot, pools: tuple[Pool, ...]):
+    """``exists(placement)``: are all of its GPUs on nodes of ``pools``? Remembered per placement
+    for the snapshot's node tuple (placements repeat round after round)."""
+    key = (id(snapshot.nodes), pools)
+    found = _EXISTS.get(key)
+    if found is None or found[0] is not snapshot.nodes:
+        allowed = set(pools)
+        sizes = {node.name: node.gpus for node in snapshot.nodes if node.pool in allowed}
+        if len(_EXISTS) >= 8:
+            _EXISTS.clear()
+        found = _EXISTS[key] = (snapshot.nodes, sizes, {})  # holds the tuple: its id stays its own
+    _, sizes, known = found
+
+    def exists(placement) -> bool:
+        answer = known.get(placement)
+        if answer is None:
+            answer = all(name in sizes and all(0 <= i < sizes[name] for i in indices) for name, indices in placement)
+            if len(known) < 200_000:
+                known[placement] = answer
+        return answer
+
+    return exists
+
+
+_EXISTS: dict[tuple[int, tuple], tuple[tuple, dict[str, int], dict]] = {}
 
 
 def _table(jobs: Sequence[JobInfo]) -> tuple[ModelTable, np.ndarray]:
@@ -133,9 +160,11 @@ def goodput(
     if counts.shape != (len(jobs),):
         raise ValueError("need one GPU count per job")
     spans = current_nodes(snapshot, jobs, counts, pools) if nodes is None else np.asarray(nodes, dtype=np.int64)
-    table, index = _table(jobs)
     batch = np.array([job.initial_batch_size for job in jobs], dtype=np.int64)
-    cache, io = co.expected_grants(snapshot, jobs, gpus=counts) if codesign and co.is_active(snapshot) else (0.0, math.inf)
+    if not (codesign and co.is_active(snapshot)):  # GPU-only: the same questions every round, remembered
+        return goodput_on_nodes([job.model for job in jobs], counts, spans, batch, per_node=gpus_per_node(snapshot, pools))
+    table, index = _table(jobs)
+    cache, io = co.expected_grants(snapshot, jobs, gpus=counts)
     predictions = predict(
         table, index, counts, spans, cache, io, batch, gpus_per_node=gpus_per_node(snapshot, pools)
     )

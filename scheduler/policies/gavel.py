@@ -80,6 +80,8 @@ limit preemption churn when rounds are short compared with the restart cost; 0 i
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -88,10 +90,16 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
+try:  # HiGHS' own bindings, which scipy >= 1.15 ships (and its linprog calls)
+    from scipy.optimize._highspy import _core as _highs
+except ImportError:  # older scipy: through linprog only
+    _highs = None
+
 from scheduler import codesign as co
-from scheduler.placement import TypeRoom, blind_preferences, largest_type_gpus, node_types, place, placement_type
+from scheduler.placement import (TypeRoom, blind_preferences, gpu_allocation, largest_type_gpus, node_types, place,
+                                 placement_type)
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes, row_codes
-from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
+from scheduler.policy import ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
 
 # Relative slack on the max-min level when water-filling (keeps the second LP feasible
@@ -219,11 +227,24 @@ class GavelPolicy:
         return types, np.array([sum(n.gpus for n in nodes if n.gpu_type == t) for t in types], dtype=np.int64)
 
     def solve(self, snapshot: ClusterSnapshot) -> GavelAllocation:
-        """The fractional allocation of ``snapshot`` (see the module docstring)."""
+        """The fractional allocation of ``snapshot`` (see the module docstring).
+
+        Remembered for the last few rounds (:func:`_remembered`): with the max-min objective and
+        without co-design, what the LP is built from does not change while no job arrives or
+        leaves (progress and attained service do not enter it), so such a round reuses it.
+        """
         jobs = tuple(snapshot.jobs)
         types, type_capacity = self.pool_types(snapshot)
         per_node = gpus_per_node(snapshot)
-        job, gpus, kind = self._candidates(jobs, types, type_capacity, largest_type_gpus(snapshot))
+        widest = largest_type_gpus(snapshot)
+        if self.objective == "makespan" or (self.codesign and co.is_active(snapshot)):
+            return self._solve(snapshot, jobs, types, type_capacity, per_node, widest)
+        key = (self, types, type_capacity.tobytes(), per_node, widest, tuple(map(_FIELDS, jobs)),
+               tuple(id(j.model) for j in jobs), tuple(id(j.type_models) for j in jobs))
+        return _remembered(key, jobs, lambda: self._solve(snapshot, jobs, types, type_capacity, per_node, widest))
+
+    def _solve(self, snapshot, jobs, types, type_capacity, per_node, widest) -> GavelAllocation:
+        job, gpus, kind = self._candidates(jobs, types, type_capacity, widest)
         weight = np.array([self.priority_base ** job_.priority for job_ in jobs], dtype=np.float64)
         if gpus.size == 0:
             empty = np.zeros(0)
@@ -257,9 +278,14 @@ class GavelPolicy:
         klass = _job_classes(job, gpus, kind, normalized, weight, io_lp, len(jobs))
         # Identical jobs share one LP row (_classes_lp), so the distinct jobs are what sizes an LP.
         parts = self.partition_count(len(jobs) if self.partitions else int(klass.max(initial=-1)) + 1)
-        fraction, level = _partitioned_lp(parts, job, gpus, normalized, weight, len(jobs), type_capacity, kind,
+        # Makespan: 1 / finishing times are ~1e-6 per second, which the interior-point method
+        # handles badly (at 20,000 jobs one LP did not finish in minutes). The LP gets them in
+        # units of a typical job's time alone on its best candidate (same optimum, scaled).
+        scale = _time_unit(job, normalized, len(jobs)) if self.objective == "makespan" else 1.0
+        fraction, level = _partitioned_lp(parts, job, gpus, normalized * scale, weight, len(jobs), type_capacity, kind,
                                           self.water_fill, io_lp, budget, klass)
-        return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level, io_row, types, kind)
+        return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level / scale, io_row, types,
+                               kind)
 
     def partition_count(self, n_jobs: int) -> int:
         """LPs to split the round into (POP): ``partitions``, or with 0 one per ``partition_jobs`` jobs
@@ -360,8 +386,9 @@ class GavelPolicy:
         batch = self._batch_sizes(snapshot, placements)
         kinds = node_types(snapshot)
         # place() keeps every job on one type: a one-node placement's type is its node's.
-        return Plan({job_id: Allocation(placement=p, batch_size=batch.get(job_id, 0),
-                                        gpu_type=kinds[p[0][0]] if len(p) == 1 else placement_type(p, kinds, None))
+        current = snapshot.current.allocations
+        return Plan({job_id: gpu_allocation(current.get(job_id), p, batch.get(job_id, 0),
+                                            kinds[p[0][0]] if len(p) == 1 else placement_type(p, kinds, None))
                      for job_id, p in placements.items()})
 
     def _pick(self, job: JobInfo, allocation: GavelAllocation, candidates: list[int], room: TypeRoom,
@@ -414,6 +441,15 @@ class GavelPolicy:
         nodes = [len(placements[job.job_id]) for job in jobs]
         batch = table.predict(np.arange(len(jobs)), gpus, nodes, per_node=gpus_per_node(snapshot)).batch_size
         return {job.job_id: int(b) for job, b in zip(jobs, batch)}
+
+
+def _time_unit(job: np.ndarray, normalized: np.ndarray, n_jobs: int) -> float:
+    """Seconds: the median over jobs of 1 / the job's best normalized rate (with the makespan
+    objective, its remaining time alone on its best candidate); 1 if there is none."""
+    best = np.zeros(n_jobs)
+    np.maximum.at(best, job, normalized)
+    best = best[best > 0]
+    return float(np.median(1.0 / best)) if best.size else 1.0
 
 
 def _bounds(jobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -576,6 +612,35 @@ def _classes_lp(
     return solved[order[start[representative[job]] + position]], level
 
 
+# What GavelPolicy.solve reads of a job besides its models, which the key holds by identity (the
+# job's model and its type_models mapping, a frozen JobInfo's value: the remembered entry holds
+# both, so neither id is reused while it lives).
+_FIELDS = operator.attrgetter("job_id", "min_gpus", "max_gpus", "requested_gpus", "batch_size", "priority", "gpu_types")
+
+
+_PREPARED: OrderedDict[tuple, tuple[list, GavelAllocation]] = OrderedDict()
+_PREPARED_KEPT = 4
+
+
+def _remembered(key: tuple, jobs: tuple[JobInfo, ...], solve) -> GavelAllocation:
+    """``solve()`` for ``key``, or the answer remembered for it with this round's ``jobs``."""
+    with _SOLVED_LOCK:
+        found = _PREPARED.get(key)
+        if found is not None:
+            _PREPARED.move_to_end(key)
+            return dataclasses.replace(found[1], jobs=jobs)
+    allocation = solve()
+    for value in vars(allocation).values():
+        if isinstance(value, np.ndarray):
+            value.setflags(write=False)  # shared by the rounds that reuse it
+    models = [(job.model, job.type_models) for job in jobs]
+    with _SOLVED_LOCK:
+        _PREPARED[key] = (models, allocation)
+        while len(_PREPARED) > _PREPARED_KEPT:
+            _PREPARED.popitem(last=False)
+    return allocation
+
+
 _SOLVED: OrderedDict[bytes, tuple[np.ndarray, float]] = OrderedDict()
 _SOLVED_LOCK = threading.Lock()
 _SOLVED_KEPT = 8
@@ -609,9 +674,10 @@ def _max_min_lp(
 
 
 def forget_lps() -> None:
-    """Drop the remembered LP answers (a benchmark times a round that solves its LP)."""
+    """Drop the remembered LPs and their inputs (a benchmark times a round that solves its LP)."""
     with _SOLVED_LOCK:
         _SOLVED.clear()
+        _PREPARED.clear()
 
 
 def _solve_max_min_lp(
@@ -650,14 +716,69 @@ def _solve_max_min_lp(
     bounds[m, 1] = np.inf
     objective = np.zeros(m + 1)
     objective[m] = -1.0
-    first = linprog(objective, A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs-ipm")
-    if first.status != 0:
-        raise RuntimeError(f"gavel LP failed: {first.message}")
-    level = float(first.x[m])
-    fraction = first.x[:m]
+    lp = _InteriorPoint(a_ub, b_ub)
+    x = lp.solve(objective, bounds)
+    if x is None:
+        raise RuntimeError(f"gavel LP failed: {lp.message}")
+    level = float(x[m])
+    fraction = x[:m]
     if water_fill and level > 0:
         bounds[m] = level * (1 - _LEVEL_SLACK)
-        second = linprog(np.concatenate([-normalized * many, [0.0]]), A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs-ipm")
-        if second.status == 0:
-            fraction = second.x[:m]
+        second = lp.solve(np.concatenate([-normalized * many, [0.0]]), bounds)
+        if second is not None:
+            fraction = second[:m]
     return np.clip(fraction, 0.0, 1.0), level
+
+
+class _InteriorPoint:
+    """``min c x`` subject to ``a_ub x <= b_ub`` and bounds, by HiGHS' interior-point method with
+    crossover, exactly as ``linprog(method="highs-ipm")`` solves it (same solver, same options,
+    the same answers bit for bit), for several objectives and bounds over one constraint matrix.
+
+    Where scipy ships HiGHS' bindings the model is handed to HiGHS directly: linprog's input
+    checks and result assembly cost about as much as HiGHS itself on the LPs of a simulated
+    round (a few dozen rows). Each solve starts afresh, as a new linprog call would.
+    """
+
+    def __init__(self, a_ub: sp.csr_matrix, b_ub: np.ndarray):
+        self.a_ub, self.b_ub = a_ub, b_ub
+        self.message = ""
+        self._solver = None
+        if _highs is not None:
+            a = a_ub.tocsc()
+            a.sort_indices()
+            lp = _highs.HighsLp()
+            lp.num_col_, lp.num_row_ = a.shape[1], a.shape[0]
+            lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = a.shape[1], a.shape[0]
+            lp.a_matrix_.format_ = _highs.MatrixFormat.kColwise
+            lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
+            lp.col_cost_ = np.zeros(a.shape[1])
+            lp.col_lower_, lp.col_upper_ = np.zeros(a.shape[1]), np.zeros(a.shape[1])
+            lp.row_lower_ = np.full(a.shape[0], -_highs.kHighsInf)
+            lp.row_upper_ = np.asarray(b_ub, dtype=np.float64)
+            solver = _highs._Highs()
+            # linprog's settings for method="highs-ipm" (the rest are HiGHS' defaults, as there).
+            for option, value in (("output_flag", False), ("log_to_console", False), ("presolve", "on"),
+                                  ("solver", "ipm"), ("simplex_strategy", 1)):
+                solver.setOptionValue(option, value)
+            solver.passModel(lp)
+            self._solver = solver
+            self._columns = np.arange(a.shape[1], dtype=np.int32)
+
+    def solve(self, objective: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
+        """The optimal ``x`` (None if HiGHS found none; ``message`` says why)."""
+        if self._solver is None:
+            result = linprog(objective, A_ub=self.a_ub, b_ub=self.b_ub, bounds=bounds, method="highs-ipm")
+            self.message = result.message
+            return result.x if result.status == 0 else None
+        solver, columns = self._solver, self._columns
+        solver.clearSolver()
+        solver.changeColsCost(columns.size, columns, np.asarray(objective, dtype=np.float64))
+        upper = np.where(np.isfinite(bounds[:, 1]), bounds[:, 1], _highs.kHighsInf)
+        solver.changeColsBounds(columns.size, columns, np.ascontiguousarray(bounds[:, 0], dtype=np.float64), upper)
+        solver.run()
+        status = solver.getModelStatus()
+        if status != _highs.HighsModelStatus.kOptimal:
+            self.message = solver.modelStatusToString(status)
+            return None
+        return np.array(solver.getSolution().col_value)

@@ -135,26 +135,34 @@ def shared_model_table(models: list) -> ModelTable:
     return table
 
 
-_GOODPUT: dict[tuple[int, int, int, int], tuple[float, object]] = {}  # (id(model), GPUs, batch, per node) -> (goodput, model)
+_GOODPUT: dict[tuple[int, int, int, int, int], tuple[float, object]] = {}  # (id(model), GPUs, nodes, batch, per node) -> (goodput, model)
 _GOODPUT_KEPT = 200_000
 
 
 def packed_goodput(models: Sequence, gpus: ArrayLike, batch_size: ArrayLike, *, per_node: int) -> np.ndarray:
     """Goodput of ``models[k]`` on ``gpus[k]`` GPUs on the fewest nodes, at global batch
-    ``batch_size[k]`` (0: the best), IO not limiting — memoized, since rounds ask the same few
-    shared models the same questions again and again (an entry holds its model, so its id stays
-    its own; the memo is emptied when it grows past a bound)."""
+    ``batch_size[k]`` (0: the best), IO not limiting (:func:`goodput_on_nodes`)."""
+    return goodput_on_nodes(models, gpus, 0, batch_size, per_node=per_node)
+
+
+def goodput_on_nodes(models: Sequence, gpus: ArrayLike, nodes: ArrayLike, batch_size: ArrayLike, *,
+                     per_node: int) -> np.ndarray:
+    """Goodput of ``models[k]`` on ``gpus[k]`` GPUs over ``nodes[k]`` nodes (0: the fewest), at
+    global batch ``batch_size[k]`` (0: the best), no cache, IO not limiting — memoized, since
+    rounds ask the same few shared models the same questions again and again (an entry holds
+    its model, so its id stays its own; the memo is emptied when it grows past a bound)."""
     count = len(models)
     gpus = np.broadcast_to(np.asarray(gpus, dtype=np.int64), (count,)).tolist()
+    nodes = np.broadcast_to(np.asarray(nodes, dtype=np.int64), (count,)).tolist()
     batch = np.broadcast_to(np.asarray(batch_size, dtype=np.int64), (count,)).tolist()
-    keys = [(id(m), g, b, per_node) for m, g, b in zip(models, gpus, batch)]
+    keys = [(id(m), g, n, b, per_node) for m, g, n, b in zip(models, gpus, nodes, batch)]
     known = {key: _GOODPUT.get(key) for key in keys}
     missing = [k for k, key in enumerate(keys) if known[key] is None]
     if missing:
         first = list({keys[k]: k for k in reversed(missing)}.values())  # one row per missing key
         table = JobTable([_Priced(models[k]) for k in first])
-        rates = table.predict(np.arange(len(first)), [gpus[k] for k in first], 0, per_node=per_node,
-                              batch_size=[batch[k] for k in first]).goodput_samples_per_s.tolist()
+        rates = table.predict(np.arange(len(first)), [gpus[k] for k in first], [nodes[k] for k in first],
+                              per_node=per_node, batch_size=[batch[k] for k in first]).goodput_samples_per_s.tolist()
         if len(_GOODPUT) > _GOODPUT_KEPT:
             _GOODPUT.clear()
         for k, rate in zip(first, rates):

@@ -197,3 +197,52 @@ def test_a_job_that_cannot_fit_does_not_hold_the_others_back():
     plan = GavelPolicy().schedule(snapshot)
     assert_sound(snapshot, plan)
     assert plan.gpus_of("a") == plan.gpus_of("b") == 1 and plan.gpus_of("huge") == 0
+
+
+def test_the_lp_through_highs_bindings_matches_linprog_bit_for_bit(monkeypatch):
+    import scheduler.policies.gavel as gavel
+
+    if gavel._highs is None:
+        pytest.skip("this scipy has no HiGHS bindings: linprog is the only path")
+    rng = np.random.default_rng(4)
+    problems = []
+    for _ in range(6):
+        n_jobs, n_types = int(rng.integers(3, 12)), int(rng.integers(1, 4))
+        per_job = rng.integers(1, 5, size=n_jobs)
+        job = np.repeat(np.arange(n_jobs), per_job)
+        gpus = rng.choice([1, 2, 4, 8], size=job.size)
+        normalized = rng.uniform(0.1, 3.0, size=job.size)
+        kind = rng.integers(0, n_types, size=job.size)
+        capacity = rng.integers(4, 24, size=n_types)
+        weight = rng.choice([1.0, 2.0], size=n_jobs)
+        problems.append((job, gpus, normalized, weight, n_jobs, capacity, kind, True))
+    direct = [gavel._solve_max_min_lp(*p) for p in problems]
+    monkeypatch.setattr(gavel, "_highs", None)
+    through_linprog = [gavel._solve_max_min_lp(*p) for p in problems]
+    for (x, level), (y, expected) in zip(direct, through_linprog):
+        assert level == expected and level > 0
+        assert np.array_equal(x, y)
+
+
+def test_a_round_without_arrivals_reuses_the_lp_inputs_and_answers_as_a_fresh_solve():
+    import scheduler.policies.gavel as gavel
+
+    gavel.forget_lps()
+    nodes = make_nodes(4, 4)
+    jobs = [make_job(f"j{k}", app, gpus=g, min_gpus=1, max_gpus=8)
+            for k, (app, g) in enumerate([("cifar10", 2), ("bert", 4), ("imagenet", 1), ("ncf", 2), ("cifar10", 2)])]
+    policy = GavelPolicy()
+    first = policy.solve(make_snapshot(nodes, jobs, time=0.0))
+    # Progress and attained service do not enter the LP: the next round reuses its inputs.
+    later = [dataclasses.replace(j, samples_done=1e5, attained_gpu_s=600.0) for j in jobs]
+    again = policy.solve(make_snapshot(nodes, later, time=600.0))
+    assert again.fraction is first.fraction and again.jobs[0].samples_done == 1e5
+    with pytest.raises(ValueError):
+        again.fraction[0] = 0.5  # shared between rounds: read-only
+    # A new job (or other bounds) is another LP; and a reused answer is what a fresh solve gives.
+    grown = policy.solve(make_snapshot(nodes, later + [make_job("j9", "bert", gpus=2)], time=600.0))
+    assert grown.fraction is not first.fraction and len(grown.jobs) == 6
+    gavel.forget_lps()
+    fresh = policy.solve(make_snapshot(nodes, later, time=600.0))
+    assert np.array_equal(fresh.fraction, again.fraction) and fresh.level == again.level
+    assert policy.schedule(make_snapshot(nodes, later, time=600.0)) == policy.schedule(make_snapshot(nodes, later, time=600.0))

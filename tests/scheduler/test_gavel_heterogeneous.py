@@ -72,6 +72,21 @@ def test_makespan_objective_gives_more_to_the_job_with_more_work():
         GavelPolicy(objective="fastest")
 
 
+def test_makespan_lp_is_solved_in_a_time_unit_that_does_not_change_its_answer():
+    # Finishing rates of ~1e-8 per second (large remaining work) are handed to the LP in units
+    # of a typical job's time alone: the allocation is the same whatever the work's scale, and
+    # the level is still 1 / the makespan in seconds.
+    jobs = [tjob(f"j{k}", app, gpus=g, min_gpus=1, max_gpus=8, remaining=w)
+            for k, (app, g, w) in enumerate([("imagenet", 2, 3e6), ("ncf", 4, 1e6), ("bert", 2, 2e6), ("cifar10", 1, 5e5)])]
+    policy = GavelPolicy(objective="makespan")
+    small = policy.solve(make_snapshot(NODES, jobs))
+    large = policy.solve(make_snapshot(NODES, [dataclasses.replace(j, target_samples=j.target_samples * 1e4) for j in jobs]))
+    assert large.level == pytest.approx(small.level / 1e4, rel=1e-5)
+    assert np.allclose(small.fraction, large.fraction, atol=1e-6)
+    rate = np.bincount(large.job, weights=large.fraction * large.throughput, minlength=len(jobs))
+    assert (np.array([j.remaining_samples for j in large.jobs]) / rate).max() == pytest.approx(1 / large.level, rel=1e-3)
+
+
 def test_type_constraints_and_one_type_per_job_hold_under_both_modes():
     jobs = [tjob(f"j{k}", app, gpus=g, min_gpus=1, max_gpus=8, submit=k)
             for k, (app, g) in enumerate([("imagenet", 2), ("ncf", 4), ("bert", 2), ("cifar10", 1)])]

@@ -347,6 +347,65 @@ def test_count_solvers_reach_the_brute_force_optimum_on_small_tables():
             assert utility[np.arange(n), counts].sum() == pytest.approx(best)
 
 
+def _reference_dp(utility, capacity):
+    """The plain group-knapsack DP: every job, every capacity, every count, the smallest count
+    among equal totals (what the fast DPs must return, ties included)."""
+    n, width = utility.shape
+    best = np.zeros(capacity + 1)
+    choice = np.zeros((n, capacity + 1), dtype=np.int64)
+    for j in range(n):
+        new = np.full(capacity + 1, -np.inf)
+        for c in range(capacity + 1):
+            for k in range(min(width, c + 1)):
+                if best[c - k] + utility[j, k] > new[c]:
+                    new[c], choice[j, c] = best[c - k] + utility[j, k], k
+        best = new
+    counts, c = np.zeros(n, dtype=np.int64), capacity
+    for j in range(n - 1, -1, -1):
+        counts[j] = choice[j, c]
+        c -= counts[j]
+    return counts
+
+
+def test_sparse_and_dense_dps_return_the_reference_answer_ties_included():
+    from scheduler.policies.pollux import _lagrangian_candidates, _solve_dense_dp, _solve_sparse_dp
+
+    rng = np.random.default_rng(11)
+    pruned = 0
+    for trial in range(400):
+        n, width, capacity = int(rng.integers(1, 7)), int(rng.integers(2, 8)), int(rng.integers(0, 14))
+        utility = np.round(rng.normal(size=(n, width)), int(rng.integers(0, 3)))  # coarse values tie
+        if trial % 3 == 0:
+            utility = np.sort(utility, axis=1)  # rising rows, as speedups are
+        utility[rng.random((n, width)) < 0.2] = -np.inf
+        utility[:, 0] = np.round(rng.normal(size=n), 1) if trial % 2 else 0.0
+        expected = _reference_dp(utility, capacity)
+        assert np.array_equal(_solve_dense_dp(utility, capacity), expected)
+        assert np.array_equal(_solve_dp(utility, capacity), expected)
+        candidates = _lagrangian_candidates(utility, capacity)
+        if candidates is not None:
+            job, count = candidates
+            assert np.array_equal(_solve_sparse_dp(utility, capacity, job, count), expected)
+            # The answer's counts survive the pruning, and the pruning removed something somewhere.
+            assert set(zip(range(n), expected.tolist())) <= set(zip(job.tolist(), count.tolist()))
+            pruned += job.size < n * width
+    assert pruned > 100
+
+
+def test_lagrangian_pruning_keeps_few_counts_on_a_policy_table():
+    from scheduler.policies.pollux import _lagrangian_candidates
+
+    rng = np.random.default_rng(21)
+    snapshot = random_snapshot(rng, jobs=60, nodes=6, per_node=8)
+    table = PolluxPolicy().speedup_table(snapshot)
+    candidates = _lagrangian_candidates(table.utility, table.capacity)
+    assert candidates is not None
+    job, count = candidates
+    finite = np.isfinite(table.utility).sum()
+    assert job.size < finite / 3
+    assert np.array_equal(_solve_dp(table.utility, table.capacity), _reference_dp(table.utility, table.capacity))
+
+
 def test_memoized_packed_goodput_matches_a_fresh_prediction():
     from scheduler.policies.pollux_estimates import packed_goodput
     from tests.scheduler.conftest import model

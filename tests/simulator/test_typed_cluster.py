@@ -92,3 +92,17 @@ def test_gavel_traces_load_with_their_job_types_and_v100_durations():
             parse_gavel_trace("job_type,total_steps,arrival_s,scale_factor\n" + bad + "\n")
     with pytest.raises(SimulatorInputError, match="no such Gavel trace"):
         load_workload("gavel/none")
+
+
+def test_the_measured_gavel_trace_is_the_full_one_without_its_unmeasured_multi_gpu_jobs():
+    # What Gavel's own simulator can run: no multi-GPU A3C, CycleGAN or Recommendation job
+    # (its throughput table has none), every other row unchanged (evaluation.md, (a)).
+    from simulator.workload import load_workload
+
+    full = load_workload("gavel/msr-seed0-0e4a51").jobs
+    measured = load_workload("gavel/msr-seed0-0e4a51-measured").jobs
+    unmeasured = ("A3C", "CycleGAN", "Recommendation")
+    kept = [j for j in full if not (j.num_replicas > 1 and j.job_type.split(" (")[0] in unmeasured)]
+    assert len(measured) == len(kept) == 984
+    strip = lambda j: (j.job_type, j.num_replicas, j.arrival_s, j.target_samples)  # noqa: E731
+    assert [strip(j) for j in measured] == [strip(j) for j in kept]
