@@ -6,7 +6,8 @@ never reads wall time or sleeps. Events:
 - **arrival** of a job (from the workload);
 - **scheduling round** every ``cluster.interval_s`` (and, with ``schedule_on_events``, also
   at every arrival and completion): the engine builds a :class:`ClusterSnapshot` of frozen
-  value objects, calls ``policy.schedule``, checks the plan with
+  value objects, calls ``policy.schedule`` (with ``--cache silod`` followed by the live
+  scheduler's data step, :func:`scheduler.data_grants.grant`), checks the plan with
   :func:`scheduler.invariants.check_plan` and applies it;
 - **restart finished**: a job whose GPU set changed (including its first start) makes no
   progress for ``cluster.restart_cost_s`` (as in the Pollux artifact simulator);
@@ -52,6 +53,7 @@ import numpy as np
 
 from estimator.gpu_types import typed_models
 from estimator.job_model import JobModel
+from scheduler import data_grants
 from scheduler.placement import placement_type
 from scheduler.invariants import PlanViolation, plan_problems
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan, Policy
@@ -508,6 +510,11 @@ class Simulator:
         snapshot = self._snapshot(t)
         infos = snapshot.jobs
         plan = self.policy.schedule(snapshot)
+        if self.cache_mode == "silod":
+            # The live scheduler's data step after its policy (which jobs start without IO, the
+            # spare budget): one rulebook for both worlds. The other modes' grants only label
+            # quotas for the cache servers; here cacheio models those caches itself.
+            plan = data_grants.grant("silod", snapshot, plan, plan, {job.job_id for job in infos}, policy_co_designs=True)
         if self.check_invariants:
             self.plans_checked += 1
             problems = plan_problems(snapshot, plan)
