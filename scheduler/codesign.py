@@ -14,8 +14,9 @@ model"):
 2. **Remote IO** up to each job's demand ``b* = T(g) s (1 - h)``, within the storage budget
    and each node's NIC (a job reads through its nodes' NICs in proportion to its GPUs).
    ``h`` is the hit ratio the job has *now* — the cached bytes the snapshot reports, up to
-   its quota, less in its first epoch the bytes it has read (it may have cached them, and
-   does not read them again in that epoch) — so a cold cache gets the IO to fill it. ``io="srpt"`` (default) serves jobs
+   its quota, less what was cached there since the job's current epoch began
+   (``snapshot.fresh_bytes``: it has read those samples in this epoch) — so a cold cache gets
+   the IO to fill it. ``io="srpt"`` (default) serves jobs
    with the fewest remote bytes still to read first (the rest of their epochs' misses plus
    the cache fill), the policy's order breaking ties: storage is the shared bottleneck, and
    shortest-remaining-work-first is what minimizes the average time jobs spend waiting on
@@ -50,7 +51,6 @@ Placement = tuple[tuple[str, tuple[int, ...]], ...]
 IoOrder = Literal["srpt", "priority", "max_min"]
 STARVED = 0.05   # a grant below this share of the demand leaves the job's GPUs (nearly) idle
 REDRAWS = 3      # re-admissions without starved jobs per round
-MISS_FLOOR = 0.02  # the smallest miss ratio a job is granted IO for (see _grant)
 
 
 def is_active(snapshot: ClusterSnapshot) -> bool:
@@ -177,26 +177,19 @@ def _grant(snapshot, placements, order, batch_sizes, io) -> tuple[Plan, dict[str
         for k in readers[key]:
             covered[k] += grant
 
-    # 2. remote IO up to b* at the hit ratio the job has now
+    # 2. remote IO up to b* at the hit ratio the job has now. A sample is a hit only if it was
+    # cached before this read: what the job's nodes cached since its current epoch began
+    # (snapshot.fresh_bytes, mostly its own misses) it has read already in this epoch.
     cached = snapshot.cached_bytes
+    fresh = snapshot.fresh_bytes
     held = np.array([
-        sum(min(cached.get((n, job.dataset), 0.0), sum(quotas[r].get(n, 0.0) for r in readers.get((n, job.dataset), [k])))
+        sum(min(max(cached.get((n, job.dataset), 0.0) - fresh.get((job.job_id, n), 0.0), 0.0),
+                sum(quotas[r].get(n, 0.0) for r in readers.get((n, job.dataset), [k])))
             for n in shares[k])
         for k, job in enumerate(jobs)
     ])
-    # A sample is a hit only if it was cached before this read: in its first epoch a job has
-    # read (and may have cached) samples_done * s bytes it will not read again in that epoch,
-    # so only the rest of what its nodes hold can hit. Without this a job that filled its own
-    # quota is granted almost nothing while every read still misses, and crawls to the end
-    # of its first epoch.
-    first_pass = np.array([job.samples_done for job in jobs]) * s
-    held = np.where(first_pass < d, np.maximum(held - first_pass, 0.0), held)
     with np.errstate(divide="ignore", invalid="ignore"):
         miss = np.where(d > 0, 1.0 - np.clip(held / np.where(d > 0, d, 1.0), 0.0, 1.0), 0.0)
-    # After its first epoch a job may still miss on content it inserted itself in this epoch
-    # (e.g. moved back to a node it filled earlier in the epoch), which the snapshot cannot
-    # tell: with a demand of 0 it would be granted nothing and never reach the next epoch.
-    miss = np.where(d > 0, np.maximum(miss, MISS_FLOOR), 0.0)
     demand = compute * s * miss
     nic = {n.name: n.nic_bytes_per_s for n in snapshot.nodes}
     budget = snapshot.storage_bandwidth_bytes_per_s

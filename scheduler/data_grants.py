@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable, Mapping
 
 from scheduler import codesign as co
 from scheduler.policy import Allocation, ClusterSnapshot, Plan
@@ -120,10 +121,9 @@ def _share_leftover(snapshot: ClusterSnapshot, placed: dict[str, Allocation], re
 
     The demand is a prediction: a live job's fitted model is measured under the IO it was
     granted (an IO-bound job looks slow, its ``b*`` shrinks to what it got, and exact grants
-    would keep it there; seen live: 0.5 of 4 MB/s granted to four cold jobs), and ``b*``
-    counts what the job's cache holds as hits although a job filling its cache in its first
-    epoch cannot hit what it cached itself in that epoch. Spare budget lets it go faster. Skipped when a NIC is limited (rates would
-    have to respect each node's NIC too)."""
+    would keep it there; seen live: 0.5 of 4 MB/s granted to four cold jobs). Spare budget
+    lets it go faster. Skipped when a NIC is limited (rates would have to respect each node's
+    NIC too)."""
     budget = snapshot.storage_bandwidth_bytes_per_s
     if not readers or not math.isfinite(budget) or any(math.isfinite(n.nic_bytes_per_s) for n in snapshot.nodes):
         return placed
@@ -137,6 +137,62 @@ def _share_leftover(snapshot: ClusterSnapshot, placed: dict[str, Allocation], re
     extra = spare / len(readers)
     return {j: dataclasses.replace(a, remote_io_bytes_per_s=a.remote_io_bytes_per_s + extra) if j in readers else a
             for j, a in placed.items()}
+
+
+class EpochStarts:
+    """What each job's nodes held of its dataset when its current epoch began, to tell the bytes
+    it can hit from those it cannot (``ClusterSnapshot.fresh_bytes``).
+
+    An epoch reads every sample once: a sample cached during the job's current epoch (its own
+    misses, mostly) was read by the job before it was cached, so it is not a hit for the job
+    before its next epoch. Content there when the epoch began is. The live scheduler and the
+    simulator both call :meth:`fresh` every round with the cached bytes they see and each
+    running job's completed epochs, so both grant IO by the same rule.
+
+    Rounds do not fall on epoch boundaries: when a job's epoch changed since the last round,
+    its epoch began somewhere in between, and the content seen at the last round stands for
+    the content at its start (content only grows while the job reads). Likewise a job new on a
+    node (or new altogether) may have read there since the last round: it counts from what the
+    node held at the last round. Every error is on the
+    side of more fresh bytes — so more IO than needed, a ceiling the job does not use — never
+    fewer: a job granted no IO because its misses were taken for hits would stall on its
+    first miss (live the cache server holds a miss until a plan grants IO; in the simulator
+    the job's rate is 0). Growth from another reader of the dataset on the node counts as
+    fresh too, for the same reason.
+    """
+
+    def __init__(self) -> None:
+        # job -> (epoch, node -> bytes at its start, node -> bytes at the last round)
+        self._seen: dict[str, tuple[int, dict[str, float], dict[str, float]]] = {}
+        self._before: Mapping[tuple[str, str], float] = {}  # the cached bytes of the last round
+
+    def fresh(self, cached: Mapping[tuple[str, str], float],
+              jobs: Iterable[tuple[str, str, int, Iterable[str]]]) -> dict[tuple[str, str], float]:
+        """``(job, node) -> bytes`` cached since the job's epoch began, for the active ``jobs``:
+        ``(job id, dataset, completed epochs, nodes it runs on)``, no nodes for a job waiting
+        (it keeps its epoch's start: paused mid-epoch, it resumes in the same epoch). Jobs not
+        passed (finished) are forgotten."""
+        out: dict[tuple[str, str], float] = {}
+        kept: dict[str, tuple[int, dict[str, float], dict[str, float]]] = {}
+        for job_id, dataset, epoch, nodes in jobs:
+            if not dataset:
+                continue
+            seen_epoch, start, last = self._seen.get(job_id, (epoch, {}, {}))
+            if seen_epoch != epoch:
+                start = dict(last)
+            now_by_node = dict(last) if not nodes else {}
+            for node in nodes:
+                now = cached.get((node, dataset), 0.0)
+                begin = start.get(node, self._before.get((node, dataset), 0.0))
+                begin = min(begin, now)  # evicted meanwhile: what is left counts from here
+                start[node] = begin
+                now_by_node[node] = now
+                if now > begin:
+                    out[(job_id, node)] = now - begin
+            kept[job_id] = (epoch, start, now_by_node)
+        self._seen = kept
+        self._before = dict(cached)
+        return out
 
 
 def problems(snapshot: ClusterSnapshot, plan: Plan) -> list[str]:

@@ -90,13 +90,18 @@ class CacheIoRates:
         # until the epoch ends), and its position in the epoch (samples read, epoch length,
         # samples/s read until the next round).
         self._own: dict[str, dict[Key, float]] = {}
-        self._epoch: dict[str, list[float]] = {}  # job id -> [position, epoch samples, samples/s]
+        self._epoch: dict[str, list[float]] = {}  # job id -> [position, epoch samples, samples/s, epochs done]
         self.bytes_read = 0.0  # remote bytes read so far (IO utilization)
 
     # --- what the policy sees ----------------------------------------------------------
 
     def cached_bytes(self) -> dict[Key, float]:
         return {key: value for key, value in self.content.items() if value > 0}
+
+    def epochs_done(self, job_id: str) -> int:
+        """Epochs the job has read completely (as its sampler would report them)."""
+        epoch = self._epoch.get(job_id)
+        return int(epoch[3]) if epoch is not None else 0
 
     # --- rates -------------------------------------------------------------------------
 
@@ -150,7 +155,7 @@ class CacheIoRates:
             for k, (job, share) in enumerate(zip(jobs, shares))
         }
         for k, job in enumerate(jobs):
-            epoch = self._epoch.setdefault(job.job_id, [0.0, d[k] / s[k] if d[k] > 0 and s[k] > 0 else math.inf, 0.0])
+            epoch = self._epoch.setdefault(job.job_id, [0.0, d[k] / s[k] if d[k] > 0 and s[k] > 0 else math.inf, 0.0, 0])
             epoch[2] = float(throughput[k])
         return throughput * eff
 
@@ -195,6 +200,7 @@ class CacheIoRates:
             if epoch is not None and epoch[2] > 0:
                 end = epoch[0] + epoch[2] * dt
                 if end >= epoch[1]:
+                    epoch[3] += int(end // epoch[1])
                     end %= epoch[1]
                     self._own.pop(job_id, None)
                     boundary = dt - end / epoch[2]

@@ -293,6 +293,7 @@ class Simulator:
         self.rate_model: RateModel = rate_model or GoodputRates(
             list(models.values()) + [m for by_type in typed.values() for m in by_type.values()],
             gpus_per_node=self.cluster.gpus_per_node)
+        self._epoch_starts = data_grants.EpochStarts()  # --cache silod: snapshot.fresh_bytes, as live
 
         self._pending = 0                    # index of the next job to arrive
         self._active: list[_Job] = []        # arrived, unfinished, in arrival order
@@ -493,6 +494,11 @@ class Simulator:
         # Only a co-designing scheduler (--cache silod) is told about the storage budget and
         # what is cached; with an independent cache the scheduler is GPU-only.
         silod = self.cache_mode == "silod"
+        cached = self.rate_model.cached_bytes() if silod and hasattr(self.rate_model, "cached_bytes") else {}
+        fresh = self._epoch_starts.fresh(cached, (
+            (j.spec.name, j.dataset, self.rate_model.epochs_done(j.spec.name),
+             [n for n, _ in j.allocation.placement] if j.allocation is not None else [])
+            for j in self._active)) if cached else {}
         return ClusterSnapshot(
             time_s=t,
             nodes=self.cluster.nodes,
@@ -501,7 +507,8 @@ class Simulator:
             restart_cost_s=self.cluster.restart_cost_s,
             interval_s=self.cluster.interval_s,
             storage_bandwidth_bytes_per_s=self.cluster.storage_bandwidth_bytes_per_s if silod else math.inf,
-            cached_bytes=self.rate_model.cached_bytes() if silod and hasattr(self.rate_model, "cached_bytes") else {},
+            cached_bytes=cached,
+            fresh_bytes=fresh,
             inference_busy=self._pool.busy(t) if self._tasks else {},
         )
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 import grpc
 
 from scheduler import codesign as co
-from scheduler.data_grants import CACHE_MODES, CACHE_POLICY, grant, problems  # noqa: F401 (the live scheduler's names)
+from scheduler.data_grants import CACHE_MODES, CACHE_POLICY, EpochStarts, grant, problems  # noqa: F401 (the live scheduler's names)
 from scheduler.policy import Allocation
 from silod.v1 import cache_pb2, cache_pb2_grpc, common_pb2, plan_pb2
 
