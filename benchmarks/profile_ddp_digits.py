@@ -87,7 +87,7 @@ def main() -> int:
     p.add_argument("--local-bsz", default="8,16,32,64")
     p.add_argument("--batch", type=int, default=32, help="global batch size of the validation trace")
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--sample-sleep-s", type=float, default=0.004)
+    p.add_argument("--sample-sleep-s", type=float, default=0.008)
     p.add_argument("--work", type=Path, default=None, help="keep logs here (default: a temporary directory)")
     args = p.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="silod-profile-"))
@@ -96,6 +96,7 @@ def main() -> int:
     rows: list[tuple[str, int, float, float]] = []
     measured: dict[tuple[str, int], float] = {}
     grad_job = ""
+    launches: list[float] = []  # seconds from the plan placing a job to its first step
     load = [os.getloadavg()[0]]
     started = time.monotonic()
     cpu0 = os.times()
@@ -114,7 +115,10 @@ def main() -> int:
                     job = cluster.wait([job_id], 900)[job_id]
                     if job.state != common_pb2.JOB_STATE_SUCCEEDED:
                         raise RuntimeError(f"{spec.name} ended {common_pb2.JobState.Name(job.state)}; logs in {work}")
-                    seconds, used = step_time(cluster.steps(job_id))
+                    steps = cluster.steps(job_id)
+                    seconds, used = step_time(steps)
+                    placed = min(plan.at for plan in cluster.plans() if job_id in plan.gpus)
+                    launches.append(min(s["t"] for s in steps) - placed)
                     measured[(placement, local)] = seconds
                     load.append(os.getloadavg()[0])
                     print(f"placement {placement} local_bsz {local}: step {seconds * 1000:.1f} ms over {used} steps "
@@ -130,6 +134,9 @@ def main() -> int:
         rows.append((placement, local, seconds, 0.0 if placement == "1" else max(seconds - alone, 0.0)))
     write_profile(args.out, rows, args.batch, grad, grad_steps)
     cpu = os.times()
+    print(f"launch (plan placing a job -> its first step): median {statistics.median(launches):.1f} s, "
+          f"{min(launches):.1f}-{max(launches):.1f} s; the simulator's restart cost stands for it "
+          f"(benchmarks/ddp_fidelity.py --launch-s)")
     print(f"wrote {args.out}; {time.monotonic() - started:.0f} s wall; this process and its children "
           f"{cpu.children_user - cpu0.children_user + cpu.user - cpu0.user:.0f} s CPU (not the cluster's); "
           f"load average {min(load):.2f}-{max(load):.2f}; logs in {work}")
