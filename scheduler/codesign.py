@@ -9,7 +9,8 @@ model"):
    ``cache_capacity_bytes``. A (node, dataset) pair serves every placed job reading that
    dataset with GPUs on the node, so its efficiency is the sum over those jobs, weighted
    by the share of the job's GPUs there. A job never gets more than ``d`` in total over its
-   nodes. The quota is written on the reader still missing the most (so per-node
+   nodes, spread first over them in proportion to its GPUs there (each rank reads through its
+   own node's cache). The quota is written on the reader still missing the most (so per-node
    quotas add up to what the node holds, never more).
 2. **Remote IO** up to each job's demand ``b* = T(g) s (1 - h)``, within the storage budget
    and each node's NIC (a job reads through its nodes' NICs in proportion to its GPUs).
@@ -166,16 +167,25 @@ def _grant(snapshot, placements, order, batch_sizes, io) -> tuple[Plan, dict[str
     room = {n.name: n.cache_capacity_bytes for n in snapshot.nodes}
     covered = np.zeros(len(jobs))
     quotas: list[dict[str, float]] = [{} for _ in jobs]
-    for key in sorted(efficiency, key=lambda key: (-efficiency[key], key)):
-        node = key[0]
-        neediest = max(readers[key], key=lambda k: (d[k] - covered[k], -k))  # the quota is written on it
-        grant = min(d[neediest] - covered[neediest], room.get(node, 0.0))
-        if grant <= 0:
-            continue
-        room[node] -= grant
-        quotas[neediest][node] = grant
-        for k in readers[key]:
-            covered[k] += grant
+    ranked = sorted(efficiency, key=lambda key: (-efficiency[key], key))
+    # Each rank reads through its own node's cache server, and a synchronous job runs at the
+    # pace of its slowest rank: a multi-node job's quota goes first to each of its nodes in
+    # proportion to its ranks there (pass 1); what a full node could not take goes to its
+    # other nodes after (pass 2). A one-node job gets all of it in pass 1.
+    for spread in (True, False):
+        for key in ranked:
+            node = key[0]
+            neediest = max(readers[key], key=lambda k: (d[k] - covered[k], -k))  # the quota is written on it
+            want = d[neediest] - covered[neediest]
+            if spread:
+                want = min(want, shares[neediest][node] * d[neediest])
+            grant = min(want, room.get(node, 0.0))
+            if grant <= 0:
+                continue
+            room[node] -= grant
+            quotas[neediest][node] = quotas[neediest].get(node, 0.0) + grant
+            for k in readers[key]:
+                covered[k] += grant
 
     # 2. remote IO up to b* at the hit ratio the job has now. A sample is a hit only if it was
     # cached before this read: what the job's nodes cached since its current epoch began
