@@ -192,9 +192,12 @@ def _grant(snapshot, placements, order, batch_sizes, io) -> tuple[Plan, dict[str
     # (snapshot.fresh_bytes, mostly its own misses) it has read already in this epoch.
     cached = snapshot.cached_bytes
     fresh = snapshot.fresh_bytes
+    room_of = [{n: sum(quotas[r].get(n, 0.0) for r in readers.get((n, job.dataset), [k])) for n in shares[k]}
+               for k, job in enumerate(jobs)]
+    filled = np.array([sum(min(cached.get((n, job.dataset), 0.0), room_of[k][n]) for n in shares[k])
+                       for k, job in enumerate(jobs)])
     held = np.array([
-        sum(min(max(cached.get((n, job.dataset), 0.0) - fresh.get((job.job_id, n), 0.0), 0.0),
-                sum(quotas[r].get(n, 0.0) for r in readers.get((n, job.dataset), [k])))
+        sum(min(max(cached.get((n, job.dataset), 0.0) - fresh.get((job.job_id, n), 0.0), 0.0), room_of[k][n])
             for n in shares[k])
         for k, job in enumerate(jobs)
     ])
@@ -212,7 +215,9 @@ def _grant(snapshot, placements, order, batch_sizes, io) -> tuple[Plan, dict[str
         ranked = range(len(jobs))
         if io == "srpt":
             steady = np.where(d > 0, 1.0 - np.clip(covered / np.where(d > 0, d, 1.0), 0.0, 1.0), 0.0)
-            fill = np.maximum(np.minimum(covered, d) - held, 0.0)
+            # The fill is what the job's cache still lacks, whoever's reads fill it: co-readers of
+            # a (node, dataset) see the same fill (fresh bytes are in the cache, only not hits yet).
+            fill = np.maximum(np.minimum(covered, d) - filled, 0.0)
             work = np.array([job.remaining_samples for job in jobs]) * s * steady + fill
             ranked = sorted(range(len(jobs)), key=lambda k: (work[k], k))
         for k in ranked:
