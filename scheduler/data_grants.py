@@ -153,12 +153,11 @@ class EpochStarts:
     its epoch began somewhere in between, and the content seen at the last round stands for
     the content at its start (content only grows while the job reads). Likewise a job new on a
     node (or new altogether) may have read there since the last round: it counts from what the
-    node held at the last round. Every error is on the
-    side of more fresh bytes — so more IO than needed, a ceiling the job does not use — never
-    fewer: a job granted no IO because its misses were taken for hits would stall on its
-    first miss (live the cache server holds a miss until a plan grants IO; in the simulator
-    the job's rate is 0). Growth from another reader of the dataset on the node counts as
-    fresh too, for the same reason.
+    node held at the last round. Every error is on the side of more fresh bytes — so more IO
+    than needed, a ceiling the job does not use — never fewer: a job granted no IO because its
+    misses were taken for hits would stall on its first miss (live the cache server holds a
+    miss until a plan grants IO; in the simulator the job's rate is 0). Growth from another
+    reader of the dataset on the node counts as fresh too, for the same reason.
     """
 
     def __init__(self) -> None:
