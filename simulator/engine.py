@@ -498,7 +498,7 @@ class Simulator:
         fresh = self._epoch_starts.fresh(cached, (
             (j.spec.name, j.dataset, self.rate_model.epochs_done(j.spec.name),
              [n for n, _ in j.allocation.placement] if j.allocation is not None else [])
-            for j in self._active)) if cached else {}
+            for j in self._active)) if silod and hasattr(self.rate_model, "epochs_done") else {}
         return ClusterSnapshot(
             time_s=t,
             nodes=self.cluster.nodes,

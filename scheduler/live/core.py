@@ -512,7 +512,7 @@ class SchedulerCore:
         # same rule as the simulator's, scheduler.data_grants.EpochStarts).
         fresh = self._epoch_starts.fresh(cached, (
             (j.id, j.spec.dataset, j.progress.epochs_done, [n for n, _ in current[j.id].placement] if j.id in current else [])
-            for j in training)) if cached else {}
+            for j in training)) if silod and self.cached is not None else {}
         snap = ClusterSnapshot(
             time_s=time.time(), nodes=infos, jobs=tuple(job_infos), current=Plan(current),
             restart_cost_s=self.restart_cost_s, interval_s=self.interval_s,
