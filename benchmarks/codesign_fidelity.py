@@ -21,8 +21,9 @@ The simulator runs the same cluster (nodes, GPUs, cache bytes per node, storage 
 round interval) with the jobs' performance models given the live datasets' size and sample
 size (``JobModel.with_dataset``) and their sample budgets. A job's throughput is its samples
 over the time it ran (first RUNNING to finished live; first placement to finish in the
-simulator, minus the simulator's restart cost, which stands for the launch). The live
-scheduler uses the same policy code with the estimator's fitted models.
+simulator, minus the simulator's restart cost, which stands for the launch). Both run fifo and
+the same data step after it (:func:`scheduler.data_grants.grant`); the live scheduler prices
+jobs with the estimator's fitted models.
 """
 
 from __future__ import annotations
@@ -72,31 +73,6 @@ def parse() -> argparse.Namespace:
 
 
 # ---- simulator -----------------------------------------------------------------------------------
-def live_decisions(mode: str):
-    """fifo followed by what the live scheduler does with its plan (``scheduler.live.data.grant``:
-    the mode's data grants; in silod mode a job it would start with an IO grant of 0 stays
-    queued, and budget co_allocate leaves over is shared by the readers). The simulator's
-    engine applies a policy's plan as it is; wrapped like this it makes the live scheduler's
-    decisions, so the two worlds differ only in how the jobs run."""
-    import dataclasses
-    from typing import Any, ClassVar
-
-    from scheduler.live import data
-    from scheduler.policies.fifo import FifoPolicy
-
-    @dataclasses.dataclass(frozen=True)
-    class LiveFifo:
-        name: ClassVar[str] = "fifo"
-        codesign: bool = False
-        inner: Any = dataclasses.field(default_factory=FifoPolicy)
-
-        def schedule(self, snapshot):
-            plan = dataclasses.replace(self.inner, codesign=self.codesign).schedule(snapshot)
-            return data.grant(mode, snapshot, plan, plan, {j.job_id for j in snapshot.jobs}, self.codesign)
-
-    return LiveFifo()
-
-
 def simulate(args: argparse.Namespace, mode: str, datasets: list[str], arrivals: dict[str, float]) -> dict[str, float]:
     from estimator.job_model import JobModel
     from simulator.cluster import ClusterSpec, uniform_nodes
@@ -112,7 +88,7 @@ def simulate(args: argparse.Namespace, mode: str, datasets: list[str], arrivals:
     # keeps its GPUs when later ones compete for IO, in both worlds.
     specs = [JobSpec(name=f"job{i}", application=APPLICATION, arrival_s=arrivals.get(f"job{i}", 0.0), num_replicas=1,
                      batch_size=BATCH) for i in range(args.jobs)]
-    sim = Simulator(workload_from_jobs(specs), live_decisions(mode), cluster, cache_mode=mode)
+    sim = Simulator(workload_from_jobs(specs), "fifo", cluster, cache_mode=mode)
     model = JobModel.from_profile(APPLICATION).with_dataset(float(args.objects * args.object_bytes), float(args.object_bytes))
     for i, job in enumerate(sim._jobs):  # the live jobs' datasets and budgets (the CSV has no columns for them)
         job.model = model

@@ -39,7 +39,7 @@ import grpc  # noqa: E402
 import estimator_predict  # noqa: E402  (the in-process benchmark next to this file)
 from estimator.job_model import JobModel  # noqa: E402
 from estimator.predict import ModelTable, Predictions, predict  # noqa: E402
-from estimator.profiles import application_names  # noqa: E402
+from estimator.profiles import POLLUX_APPLICATIONS  # noqa: E402
 from silod.launcher import start_service  # noqa: E402
 from silod.v1 import estimator_pb2, estimator_pb2_grpc  # noqa: E402
 
@@ -49,7 +49,7 @@ GRPC_TARGET_S = 0.250
 
 def _jobs(count: int, rng: np.random.Generator) -> tuple[list[JobModel], list[tuple[str, int]]]:
     """Job models and what a client sends for them: (application, dataset_bytes)."""
-    apps = application_names()
+    apps = POLLUX_APPLICATIONS
     models, wire = [], []
     for i in range(count):
         base = JobModel.from_profile(apps[i % len(apps)])
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             # Warm-up: the server fits its application profiles in the background after start;
             # wait for that so it neither slows the first timed call nor competes for the CPU
             # with the in-process timings.
-            warm = estimator_pb2.PredictRequest(queries=[estimator_pb2.PredictQuery(application=app) for app in application_names()])
+            warm = estimator_pb2.PredictRequest(queries=[estimator_pb2.PredictQuery(application=app) for app in POLLUX_APPLICATIONS])
             stub.Predict(warm, timeout=60)
             time.sleep(1.0)
             print(f"silod estimator pid {proc.pid} on {proc.address}; {args.pairs} pairs of {args.jobs} jobs per call, median of {args.runs} runs")

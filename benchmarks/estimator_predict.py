@@ -31,11 +31,11 @@ except ImportError:  # run from a clone without installing
 
 from estimator.job_model import JobModel  # noqa: E402
 from estimator.predict import ModelTable, predict  # noqa: E402
-from estimator.profiles import application_names  # noqa: E402
+from estimator.profiles import POLLUX_APPLICATIONS  # noqa: E402
 
 
 def _jobs(count: int, rng: np.random.Generator) -> list[JobModel]:
-    apps = application_names()
+    apps = POLLUX_APPLICATIONS
     jobs = []
     for i in range(count):
         base = JobModel.from_profile(apps[i % len(apps)])

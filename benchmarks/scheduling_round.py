@@ -43,7 +43,7 @@ except ImportError:  # run from a clone without installing
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from estimator.job_model import JobModel  # noqa: E402
-from estimator.profiles import application_names  # noqa: E402
+from estimator.profiles import POLLUX_APPLICATIONS  # noqa: E402
 from scheduler.invariants import check_plan  # noqa: E402
 from estimator.gpu_types import typed_models  # noqa: E402
 from scheduler.placement import TypeRoom, place, plan_from_placements  # noqa: E402
@@ -54,7 +54,7 @@ from scheduler.registry import get_policy, policy_names  # noqa: E402
 
 def build_snapshot(jobs: int, nodes: int, gpus_per_node: int, seed: int = 0, gpu_types: tuple[str, ...] = ()) -> ClusterSnapshot:
     rng = np.random.default_rng(seed)
-    apps = application_names()
+    apps = POLLUX_APPLICATIONS
     models = {app: JobModel.from_profile(app) for app in apps}
     by_type = {app: typed_models(models[app], gpu_types) for app in apps}
     now = 86_400.0

@@ -14,7 +14,9 @@ process group in place and newcomers receive the state from rank 0.
                             # min_gpus: 1, max_gpus: 4, resize_in_place: true, epochs: 5
 
 There is no GPU here: ``SILOD_EXAMPLE_STEP_SLEEP_S`` adds a sleep per step that stands in for GPU
-compute (emulated, as the DLCache paper did); 0 by default. The learning rate follows the
+compute (emulated, as the DLCache paper did), ``SILOD_EXAMPLE_SAMPLE_SLEEP_S`` one per sample of
+the rank's share of the step (GPU time that grows with the local batch, as Pollux's step-time
+model has it); both 0 by default. The learning rate follows the
 square-root rule: lr = base_lr * sqrt(batch / base_batch), applied at the next step whenever
 silod retunes the batch size.
 
@@ -89,6 +91,7 @@ def train(args: argparse.Namespace) -> int:
     dataset = SilodDataset(args.dataset or os.environ["SILOD_DATASET"], transform=decode, manifest_in_process=True)
     epochs = int(os.environ.get("SILOD_EPOCHS") or args.epochs)
     sleep_s = float(os.environ.get("SILOD_EXAMPLE_STEP_SLEEP_S") or 0.0)
+    sample_sleep_s = float(os.environ.get("SILOD_EXAMPLE_SAMPLE_SLEEP_S") or 0.0)
     checkpoint_every_s = float(os.environ.get("SILOD_CHECKPOINT_EVERY_S") or 30.0)
     torch.manual_seed(0)  # every rank builds the same model; DDP also broadcasts rank 0's
     hidden = int(os.environ.get("SILOD_EXAMPLE_HIDDEN") or 0)  # benchmarks/elastic_resize.py: a ~10M-parameter MLP
@@ -125,8 +128,8 @@ def train(args: argparse.Namespace) -> int:
             loss = loss_fn(trainer.model(inputs), labels) * (ctx.world_size / size)
             loss.backward()
             optimizer.step()
-            if sleep_s:
-                time.sleep(sleep_s)  # emulated GPU compute (no GPU here)
+            if sleep_s or sample_sleep_s:
+                time.sleep(sleep_s + sample_sleep_s * len(labels))  # emulated GPU compute (no GPU here)
             read = sampler.local_indices(start, sampler.order(epoch))  # what this batch held
             trainer.step_done(size)
             print("step " + json.dumps({

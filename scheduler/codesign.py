@@ -9,12 +9,15 @@ model"):
    ``cache_capacity_bytes``. A (node, dataset) pair serves every placed job reading that
    dataset with GPUs on the node, so its efficiency is the sum over those jobs, weighted
    by the share of the job's GPUs there. A job never gets more than ``d`` in total over its
-   nodes. The quota is written on the reader still missing the most (so per-node
+   nodes, spread first over them in proportion to its GPUs there (each rank reads through its
+   own node's cache). The quota is written on the reader still missing the most (so per-node
    quotas add up to what the node holds, never more).
 2. **Remote IO** up to each job's demand ``b* = T(g) s (1 - h)``, within the storage budget
    and each node's NIC (a job reads through its nodes' NICs in proportion to its GPUs).
    ``h`` is the hit ratio the job has *now* — the cached bytes the snapshot reports, up to
-   its quota — so a cold cache gets the IO to fill it. ``io="srpt"`` (default) serves jobs
+   its quota, less what was cached there since the job's current epoch began
+   (``snapshot.fresh_bytes``: it has read those samples in this epoch) — so a cold cache gets
+   the IO to fill it. ``io="srpt"`` (default) serves jobs
    with the fewest remote bytes still to read first (the rest of their epochs' misses plus
    the cache fill), the policy's order breaking ties: storage is the shared bottleneck, and
    shortest-remaining-work-first is what minimizes the average time jobs spend waiting on
@@ -164,21 +167,37 @@ def _grant(snapshot, placements, order, batch_sizes, io) -> tuple[Plan, dict[str
     room = {n.name: n.cache_capacity_bytes for n in snapshot.nodes}
     covered = np.zeros(len(jobs))
     quotas: list[dict[str, float]] = [{} for _ in jobs]
-    for key in sorted(efficiency, key=lambda key: (-efficiency[key], key)):
-        node = key[0]
-        neediest = max(readers[key], key=lambda k: (d[k] - covered[k], -k))  # the quota is written on it
-        grant = min(d[neediest] - covered[neediest], room.get(node, 0.0))
-        if grant <= 0:
-            continue
-        room[node] -= grant
-        quotas[neediest][node] = grant
-        for k in readers[key]:
-            covered[k] += grant
+    ranked = sorted(efficiency, key=lambda key: (-efficiency[key], key))
+    # Each rank reads through its own node's cache server, and a synchronous job runs at the
+    # pace of its slowest rank: a multi-node job's quota goes first to each of its nodes in
+    # proportion to its ranks there (pass 1); what a full node could not take goes to its
+    # other nodes after (pass 2). A one-node job gets all of it in pass 1.
+    for spread in (True, False):
+        for key in ranked:
+            node = key[0]
+            neediest = max(readers[key], key=lambda k: (d[k] - covered[k], -k))  # the quota is written on it
+            want = d[neediest] - covered[neediest]
+            if spread:
+                want = min(want, shares[neediest][node] * d[neediest])
+            grant = min(want, room.get(node, 0.0))
+            if grant <= 0:
+                continue
+            room[node] -= grant
+            quotas[neediest][node] = quotas[neediest].get(node, 0.0) + grant
+            for k in readers[key]:
+                covered[k] += grant
 
-    # 2. remote IO up to b* at the hit ratio the job has now
+    # 2. remote IO up to b* at the hit ratio the job has now. A sample is a hit only if it was
+    # cached before this read: what the job's nodes cached since its current epoch began
+    # (snapshot.fresh_bytes, mostly its own misses) it has read already in this epoch.
     cached = snapshot.cached_bytes
+    fresh = snapshot.fresh_bytes
+    room_of = [{n: sum(quotas[r].get(n, 0.0) for r in readers.get((n, job.dataset), [k])) for n in shares[k]}
+               for k, job in enumerate(jobs)]
+    filled = np.array([sum(min(cached.get((n, job.dataset), 0.0), room_of[k][n]) for n in shares[k])
+                       for k, job in enumerate(jobs)])
     held = np.array([
-        sum(min(cached.get((n, job.dataset), 0.0), sum(quotas[r].get(n, 0.0) for r in readers.get((n, job.dataset), [k])))
+        sum(min(max(cached.get((n, job.dataset), 0.0) - fresh.get((job.job_id, n), 0.0), 0.0), room_of[k][n])
             for n in shares[k])
         for k, job in enumerate(jobs)
     ])
@@ -196,7 +215,9 @@ def _grant(snapshot, placements, order, batch_sizes, io) -> tuple[Plan, dict[str
         ranked = range(len(jobs))
         if io == "srpt":
             steady = np.where(d > 0, 1.0 - np.clip(covered / np.where(d > 0, d, 1.0), 0.0, 1.0), 0.0)
-            fill = np.maximum(np.minimum(covered, d) - held, 0.0)
+            # The fill is what the job's cache still lacks, whoever's reads fill it: co-readers of
+            # a (node, dataset) see the same fill (fresh bytes are in the cache, only not hits yet).
+            fill = np.maximum(np.minimum(covered, d) - filled, 0.0)
             work = np.array([job.remaining_samples for job in jobs]) * s * steady + fill
             ranked = sorted(range(len(jobs)), key=lambda k: (work[k], k))
         for k in ranked:

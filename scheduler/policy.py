@@ -146,6 +146,10 @@ class ClusterSnapshot:
     interval_s: float = 60.0                    # seconds until the next regular round
     storage_bandwidth_bytes_per_s: float = UNLIMITED  # cluster-wide remote read budget
     cached_bytes: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (node, dataset) -> bytes cached now
+    # (job, node) -> bytes of the job's dataset cached on the node since the job's current epoch
+    # began: an epoch reads every sample once, so the job cannot hit these before its next
+    # epoch (scheduler.data_grants.EpochStarts); missing = 0
+    fresh_bytes: Mapping[tuple[str, str], float] = field(default_factory=dict)
     # Inference-pool node -> GPU indices an inference replica holds now (RUNNING or PROTECT,
     # see scheduler.deepboot). Those GPUs are not lendable to training; empty = none busy.
     inference_busy: Mapping[str, tuple[int, ...]] = field(default_factory=dict)

@@ -11,6 +11,13 @@ The world a job runs in (docs/evaluation.md, "Co-design: cache and remote IO"):
   the node is reached, so a cold cache fills during the first epoch at the rate the job's
   IO allows. Content and hit ratios are updated at every scheduling round (rates are
   constant between rounds, like everything else in the engine).
+- A sample is a hit only if it was cached before this read, as on the cache server (a miss
+  is read from remote storage, then inserted). An epoch reads every sample once, so what a
+  job inserted itself during its current epoch is not hit again in that epoch: its hit ratio
+  counts only the content others (another job, an earlier epoch) put there. A job's first
+  pass over content nobody cached is all misses; from its next epoch on, what it cached is
+  hit. The engine counts goodput, not samples read, so the model keeps each job's position
+  in its epoch itself (samples read since it started, from its throughput).
 - Remote storage serves at most ``storage_bandwidth_bytes_per_s`` in total and each node at
   most its ``nic_bytes_per_s``; a multi-node job reads through each node's NIC in
   proportion to its GPUs there.
@@ -79,12 +86,22 @@ class CacheIoRates:
         # the remote bytes/s it reads (misses, which fill the cache).
         self._fills: dict[str, tuple[list[tuple[Key, float]], float]] = {}  # job id -> (keys and GPU fractions, miss bytes/s)
         self._targets: dict[Key, float] = {}
+        # Per job: bytes it inserted per (node, dataset) in its current epoch (not hits for it
+        # until the epoch ends), and its position in the epoch (samples read, epoch length,
+        # samples/s read until the next round).
+        self._own: dict[str, dict[Key, float]] = {}
+        self._epoch: dict[str, list[float]] = {}  # job id -> [position, epoch samples, samples/s, epochs done]
         self.bytes_read = 0.0  # remote bytes read so far (IO utilization)
 
     # --- what the policy sees ----------------------------------------------------------
 
     def cached_bytes(self) -> dict[Key, float]:
         return {key: value for key, value in self.content.items() if value > 0}
+
+    def epochs_done(self, job_id: str) -> int:
+        """Epochs the job has read completely (as its sampler would report them)."""
+        epoch = self._epoch.get(job_id)
+        return int(epoch[3]) if epoch is not None else 0
 
     # --- rates -------------------------------------------------------------------------
 
@@ -115,11 +132,14 @@ class CacheIoRates:
         shares = [_node_shares(a) for a in allocations]
         self._targets = self._cache_targets(jobs, allocations, shares, compute)
         self._settle(self._targets)
-        held = np.array([sum(self.content.get((n, job.dataset), 0.0) for n in share) for job, share in zip(jobs, shares)])
+        held = np.array([self._hittable(job, share) for job, share in zip(jobs, shares)])
         if self.mode == "lru":
             hit = np.asarray(silod_model.lru_hit_ratio(held, d), dtype=float)
         else:
             hit = np.asarray(silod_model.hit_ratio(held, d), dtype=float)
+        # A whole dataset held is all hits: rounding in the content's bookkeeping must not leave a
+        # sliver of misses that a grant of 0 (b* = 0 for the scheduler) would stall on.
+        hit = np.where(hit > 1.0 - 1e-9, 1.0, hit)
         miss_bytes = s * (1.0 - hit)  # remote bytes per sample
         demand = compute * miss_bytes  # b*: IO to run at compute speed
         if self.mode == "silod":
@@ -134,7 +154,21 @@ class CacheIoRates:
             job.job_id: ([((n, job.dataset), f) for n, f in share.items()], float(reads[k]))
             for k, (job, share) in enumerate(zip(jobs, shares))
         }
+        for k, job in enumerate(jobs):
+            epoch = self._epoch.setdefault(job.job_id, [0.0, d[k] / s[k] if d[k] > 0 and s[k] > 0 else math.inf, 0.0, 0])
+            epoch[2] = float(throughput[k])
         return throughput * eff
+
+    def _hittable(self, job: JobInfo, share: Mapping[str, float]) -> float:
+        """Bytes of the job's dataset on its nodes that it can hit now: all but what it inserted
+        itself in its current epoch (it has read those samples already)."""
+        own = self._own.get(job.job_id, {})
+        total = 0.0
+        for n in share:
+            key = (n, job.dataset)
+            have = self.content.get(key, 0.0)
+            total += max(have - own.get(key, 0.0), 0.0)
+        return total
 
     def isolated_rates(self, jobs: Sequence[JobInfo], allocations: Sequence[Allocation]) -> np.ndarray:
         """Goodput alone on the cluster: the whole budget (and its nodes' NICs), its nodes' cache
@@ -158,15 +192,32 @@ class CacheIoRates:
     def advance(self, working_s: Mapping[str, float]) -> None:
         """Fill the caches with the misses each job (by id) read while working ``working_s[id]`` seconds."""
         for job_id, dt in working_s.items():
+            if dt <= 0:
+                continue
+            # Where the job is in its epoch: a new epoch makes what it inserted before hits.
+            boundary = 0.0  # seconds into this step of its last epoch start (0: none, keep counting)
+            epoch = self._epoch.get(job_id)
+            if epoch is not None and epoch[2] > 0:
+                end = epoch[0] + epoch[2] * dt
+                if end >= epoch[1]:
+                    epoch[3] += int(end // epoch[1])
+                    end %= epoch[1]
+                    self._own.pop(job_id, None)
+                    boundary = dt - end / epoch[2]
+                epoch[0] = end
             keys, miss_rate = self._fills.get(job_id, ((), 0.0))
-            if dt <= 0 or miss_rate <= 0:
+            if miss_rate <= 0:
                 continue
             self.bytes_read += miss_rate * dt
             for key, fraction in keys:
                 target = self._targets.get(key, 0.0)
                 have = self.content.get(key, 0.0)
-                if have < target:
-                    self.content[key] = min(target, have + miss_rate * fraction * dt)
+                rate = miss_rate * fraction
+                if have < target and rate > 0:
+                    filling = min(dt, (target - have) / rate)  # seconds until the target is reached
+                    self.content[key] = min(target, have + rate * filling)
+                    own = self._own.setdefault(job_id, {})
+                    own[key] = min(own.get(key, 0.0) + rate * max(filling - boundary, 0.0), self.content[key])
 
     def _settle(self, targets: Mapping[Key, float]) -> None:
         """Cut content to its target; keep idle datasets' content only in the room targets leave."""

@@ -6,7 +6,8 @@ never reads wall time or sleeps. Events:
 - **arrival** of a job (from the workload);
 - **scheduling round** every ``cluster.interval_s`` (and, with ``schedule_on_events``, also
   at every arrival and completion): the engine builds a :class:`ClusterSnapshot` of frozen
-  value objects, calls ``policy.schedule``, checks the plan with
+  value objects, calls ``policy.schedule`` (with ``--cache silod`` followed by the live
+  scheduler's data step, :func:`scheduler.data_grants.grant`), checks the plan with
   :func:`scheduler.invariants.check_plan` and applies it;
 - **restart finished**: a job whose GPU set changed (including its first start) makes no
   progress for ``cluster.restart_cost_s`` (as in the Pollux artifact simulator);
@@ -52,6 +53,7 @@ import numpy as np
 
 from estimator.gpu_types import typed_models
 from estimator.job_model import JobModel
+from scheduler import data_grants
 from scheduler.placement import placement_type
 from scheduler.invariants import PlanViolation, plan_problems
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan, Policy
@@ -297,6 +299,7 @@ class Simulator:
         self.rate_model: RateModel = rate_model or GoodputRates(
             list(models.values()) + [m for by_type in typed.values() for m in by_type.values()],
             gpus_per_node=self.cluster.gpus_per_node)
+        self._epoch_starts = data_grants.EpochStarts()  # --cache silod: snapshot.fresh_bytes, as live
 
         self._pending = 0                    # index of the next job to arrive
         self._active: list[_Job] = []        # arrived, unfinished, in arrival order
@@ -497,6 +500,11 @@ class Simulator:
         # Only a co-designing scheduler (--cache silod) is told about the storage budget and
         # what is cached; with an independent cache the scheduler is GPU-only.
         silod = self.cache_mode == "silod"
+        cached = self.rate_model.cached_bytes() if silod and hasattr(self.rate_model, "cached_bytes") else {}
+        fresh = self._epoch_starts.fresh(cached, (
+            (j.spec.name, j.dataset, self.rate_model.epochs_done(j.spec.name),
+             [n for n, _ in j.allocation.placement] if j.allocation is not None else [])
+            for j in self._active)) if silod and hasattr(self.rate_model, "epochs_done") else {}
         return ClusterSnapshot(
             time_s=t,
             nodes=self.cluster.nodes,
@@ -505,7 +513,8 @@ class Simulator:
             restart_cost_s=self.cluster.restart_cost_s,
             interval_s=self.cluster.interval_s,
             storage_bandwidth_bytes_per_s=self.cluster.storage_bandwidth_bytes_per_s if silod else math.inf,
-            cached_bytes=self.rate_model.cached_bytes() if silod and hasattr(self.rate_model, "cached_bytes") else {},
+            cached_bytes=cached,
+            fresh_bytes=fresh,
             inference_busy=self._pool.busy(t) if self._tasks else {},
         )
 
@@ -514,6 +523,11 @@ class Simulator:
         snapshot = self._snapshot(t)
         infos = snapshot.jobs
         plan = self.policy.schedule(snapshot)
+        if self.cache_mode == "silod":
+            # The live scheduler's data step after its policy (which jobs start without IO, the
+            # spare budget): one rulebook for both worlds. The other modes' grants only label
+            # quotas for the cache servers; here cacheio models those caches itself.
+            plan = data_grants.grant("silod", snapshot, plan, plan, {job.job_id for job in infos}, policy_co_designs=True)
         if self.check_invariants:
             self.plans_checked += 1
             problems = plan_problems(snapshot, plan)

@@ -13,8 +13,13 @@ from estimator.profiles.application import (
 )
 from estimator.profiles.loading import DatasetFacts, application_names, dataset_for, read_datasets
 
+# The six applications of the Pollux artifact (the evaluation workloads' and the benchmarks'
+# mix); application_names() also lists profiles measured by this project (digits).
+POLLUX_APPLICATIONS = tuple(sorted(MAX_EPOCHS))
+
 __all__ = [
     "MAX_EPOCHS",
+    "POLLUX_APPLICATIONS",
     "ApplicationProfile",
     "DatasetFacts",
     "Measurement",

@@ -111,6 +111,7 @@ class SchedulerCore:
         # of it (with an independent cache the scheduler is GPU-only, as in the simulator).
         self.storage_bandwidth_bytes_per_s = float(storage_bandwidth_bytes_per_s) if storage_bandwidth_bytes_per_s > 0 else math.inf
         self.cached = None  # data.CachedBytesProbe (what the cache servers hold) when the service wires one
+        self._epoch_starts = data.EpochStarts()  # snapshot.fresh_bytes from what the probe saw, round by round
         k = inference_protect_scale
         self.inference = LiveInference(  # inference tasks (DeepBoot ATS-I) beside the policy
             self.policy, LifecycleConfig(protect=ProtectSchedule(30.0 * k, 15.0 * k, 120.0 * k)))
@@ -522,12 +523,17 @@ class SchedulerCore:
         cached: dict[tuple[str, str], float] = {}
         if silod and self.cached is not None and any(i.cache_capacity_bytes > 0 for i in infos):
             cached = await self.cached.cached_bytes(nodes)
+        # What each running job's nodes cached since its epoch began: no hits for it yet (the
+        # same rule as the simulator's, scheduler.data_grants.EpochStarts).
+        fresh = self._epoch_starts.fresh(cached, (
+            (j.id, j.spec.dataset, j.progress.epochs_done, [n for n, _ in current[j.id].placement] if j.id in current else [])
+            for j in training)) if silod and self.cached is not None else {}
         snap = ClusterSnapshot(
             time_s=time.time(), nodes=infos, jobs=tuple(job_infos), current=Plan(current),
             restart_cost_s=self.restart_cost_s, interval_s=self.interval_s,
             inference_busy=self.inference.busy(inference_jobs),
             storage_bandwidth_bytes_per_s=self.storage_bandwidth_bytes_per_s if silod else math.inf,
-            cached_bytes=cached,
+            cached_bytes=cached, fresh_bytes=fresh,
         )
         return snap, jobs
 

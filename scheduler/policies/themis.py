@@ -41,11 +41,22 @@ then job id. The default knob 0.8 (the worst fifth of the jobs bid) leans toward
 a public Themis-on-YARN prototype defaults its ``themis.fairness.knob`` to 0.2, which under
 this module's reading lets 80% of the jobs bid.
 
+Hysteresis: since every round re-decides every GPU, two jobs that cannot both run swap
+whenever their rho cross: the waiting one's rho grows by about ``I / T_ideal`` a round while
+the running one's barely moves, and each swap costs both a restart. ``keep_margin`` ranks a
+job running in place with its rho raised by that fraction, so a challenger displaces it
+only once its rho is that much worse (roughly: a job keeps its GPUs for that fraction of its
+shared time, which makes the restart cost small next to the time it holds them). It is 0 by
+default (the original per-round leases).
+
 With ``codesign`` (SiloD) the plan's cache and IO come from
-:func:`scheduler.codesign.co_allocate`, but rho stays GPU-only unless ``io_aware_rho``: pricing
-rho with ``T(g, c, b)`` (IO = the whole budget) made the auction move jobs round after round
-on the IO-bound evaluation (workload-6: 1,906 restarts instead of 362, average JCT 5,417 s
-instead of 4,663 s; docs/evaluation.md).
+:func:`scheduler.codesign.co_allocate`, but rho stays GPU-only unless ``io_aware_rho``, which
+prices it with ``T(g, c, b)`` (IO = the whole budget). Storage-bound jobs then have a
+remaining time and an ideal time of the same storage-bound order, so the rho of two of them
+stay within fractions of a percent of each other and cross every few rounds: without
+hysteresis the two ImageNet jobs of workload-6 on the IO-bound cluster swapped GPUs some 520
+times each (1,180 restarts in all, 382 with GPU-only rho; docs/evaluation.md). So
+``io_aware_rho`` always ranks with a margin of at least ``IO_AWARE_KEEP_MARGIN``.
 """
 
 from __future__ import annotations
@@ -69,6 +80,8 @@ from scheduler.policies.estimates import (
 from scheduler.policy import ClusterSnapshot, Plan
 from scheduler.registry import register
 
+IO_AWARE_KEEP_MARGIN = 0.1  # io_aware_rho's smallest keep_margin: two ImageNet jobs restart 1 time in 20,000 s instead of 79
+
 
 @dataclass(frozen=True)
 class FairnessEstimate:
@@ -87,13 +100,16 @@ class ThemisPolicy:
     fairness_knob: float = 0.8  # f in [0, 1]: the worst ceil((1 - f) N) jobs (at least one) bid in the auction
     ideal: Literal["fair_share", "dedicated"] = "fair_share"  # T_ideal contention model (see module docstring)
     codesign: bool = False  # SiloD: grant cache and IO with the GPUs (scheduler.codesign)
-    io_aware_rho: bool = False  # with codesign, also price rho with T(g, c, b); off: it thrashed (module docstring)
+    io_aware_rho: bool = False  # with codesign, also price rho with T(g, c, b) (module docstring)
+    keep_margin: float = 0.0  # hysteresis: a job running in place ranks with rho * (1 + keep_margin)
 
     def __post_init__(self):
         if not 0.0 <= self.fairness_knob <= 1.0:
             raise ValueError(f"fairness_knob must be in [0, 1], got {self.fairness_knob}")
         if self.ideal not in ("fair_share", "dedicated"):
             raise ValueError(f"ideal must be 'fair_share' or 'dedicated', got {self.ideal!r}")
+        if not (self.keep_margin >= 0.0 and math.isfinite(self.keep_margin)):
+            raise ValueError(f"keep_margin must be a finite number >= 0, got {self.keep_margin}")
 
     def estimate(self, snapshot: ClusterSnapshot) -> FairnessEstimate:
         """Finish-time fairness of every active job (the module docstring defines each term)."""
@@ -125,7 +141,9 @@ class ThemisPolicy:
         if not jobs:
             return Plan()
         fairness = self.estimate(snapshot)
-        by_rho = sorted_by(jobs, -fairness.rho)
+        margin = max(self.keep_margin, IO_AWARE_KEEP_MARGIN) if self.codesign and self.io_aware_rho else self.keep_margin
+        rank = np.where(in_place(snapshot, jobs), fairness.rho * (1.0 + margin), fairness.rho) if margin > 0 else fairness.rho
+        by_rho = sorted_by(jobs, -rank)
         bidders = by_rho[: max(1, math.ceil((1.0 - self.fairness_knob) * len(jobs) - 1e-9))]
         position = {job.job_id: k for k, job in enumerate(jobs)}
         density = [fairness.bid[position[job.job_id]] / max(job.requested, 1) for job in bidders]

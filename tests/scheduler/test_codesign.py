@@ -69,13 +69,26 @@ def test_cache_goes_to_the_most_efficient_dataset_first_and_io_to_the_least_rema
     plan = co.co_allocate(warm, both_on_n0, ["large", "small"])
     assert plan.get("small").remote_io_bytes_per_s == 0.0
     assert plan.get("large").remote_io_bytes_per_s == pytest.approx(1e5)
+    # ... unless "small" cached those bytes itself in its current epoch (it read them before
+    # they were cached): they are no hits for it yet, it needs T * s again and is served first.
+    filling = dataclasses.replace(warm, fresh_bytes={("small", "n0"): 1e6})
+    plan = co.co_allocate(filling, both_on_n0, ["large", "small"])
+    assert plan.get("small").remote_io_bytes_per_s == pytest.approx(1e5)
+    assert plan.get("large").remote_io_bytes_per_s == 0.0
+    # Half of it fresh: half its samples miss, half the IO of all fresh (budget unlimited: grant = b*).
+    unlimited = dataclasses.replace(filling, storage_bandwidth_bytes_per_s=math.inf)
+    full = co.co_allocate(unlimited, both_on_n0, ["large", "small"]).get("small").remote_io_bytes_per_s
+    half = dataclasses.replace(unlimited, fresh_bytes={("small", "n0"): 0.5e6})
+    assert co.co_allocate(half, both_on_n0, ["large", "small"]).get("small").remote_io_bytes_per_s == pytest.approx(full / 2)
 
 
 def test_priority_order_and_a_job_never_gets_more_than_its_dataset():
     snap = _two_jobs(capacity=5e9, budget=math.inf)
     plan = co.co_allocate(snap, {"small": (("n0", (0,)), ("n1", (0,)))}, io="priority")
-    # 1 MB suffices over both nodes: the first (n0 by name among equals) gets it, n1 nothing.
+    # 1 MB suffices over both nodes; each rank reads through its own node's cache, so the job's
+    # two nodes get half each.
     assert plan.get("small").total_cache_bytes == pytest.approx(1e6)
+    assert plan.get("small").cache_bytes == {"n0": pytest.approx(0.5e6), "n1": pytest.approx(0.5e6)}
     assert math.isinf(plan.get("small").remote_io_bytes_per_s) is False  # unlimited budget: the demand itself
     snap = _two_jobs(capacity=0.0, budget=3e5)
     placed = {"small": (("n0", (0,)),), "large": (("n1", (0,)),)}
@@ -83,6 +96,17 @@ def test_priority_order_and_a_job_never_gets_more_than_its_dataset():
     t = predict_one(model("cifar10"), 1, 1, 0, math.inf, model("cifar10").bounds.init_batch_size).compute_samples_per_s[0]
     assert plan.get("large").remote_io_bytes_per_s == pytest.approx(min(3e5, t * 1000))  # first in the policy's order
     assert plan.get("small").remote_io_bytes_per_s == pytest.approx(max(0.0, 3e5 - t * 1000))
+
+
+def test_a_multi_node_job_gets_cache_on_every_node_then_where_there_is_room():
+    # 3 GPUs on n0, 1 on n1: a quarter of the dataset on n1, three quarters on n0 ...
+    snap = _two_jobs(capacity=5e9, budget=math.inf)
+    placed = {"small": (("n0", (0, 1, 2)), ("n1", (0,)))}
+    assert co.co_allocate(snap, placed).get("small").cache_bytes == {"n0": pytest.approx(0.75e6), "n1": pytest.approx(0.25e6)}
+    # ... unless n1 has room for 0.1 MB only: n0 takes the rest in the second pass.
+    nodes = (NodeInfo("n0", 4, cache_capacity_bytes=5e9), NodeInfo("n1", 4, cache_capacity_bytes=0.1e6))
+    tight = dataclasses.replace(snap, nodes=nodes)
+    assert co.co_allocate(tight, placed).get("small").cache_bytes == {"n0": pytest.approx(0.9e6), "n1": pytest.approx(0.1e6)}
 
 
 def test_starved_jobs_are_re_admitted_out():

@@ -100,7 +100,7 @@ def test_a_running_job_bids_more_than_a_waiting_twin():
     assert running(schedule(snap, fairness_knob=1.0)) == {"twin"}  # the restart makes the twin's rho worse
 
 
-@pytest.mark.parametrize("options", [{"fairness_knob": -0.1}, {"fairness_knob": 1.5}, {"ideal": "nope"}])
+@pytest.mark.parametrize("options", [{"fairness_knob": -0.1}, {"fairness_knob": 1.5}, {"ideal": "nope"}, {"keep_margin": -0.1}])
 def test_rejects_bad_options(options):
     with pytest.raises(ValueError):
         ThemisPolicy(**options)

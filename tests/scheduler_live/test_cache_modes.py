@@ -230,3 +230,40 @@ def test_silod_does_not_start_a_job_granted_no_io():
     granted = data.grant("silod", running, plan, plan, {j.job_id for j in jobs}, policy_co_designs=False)
     assert sorted(granted.allocations) == ["j0", "j1"]
     assert sum(a.remote_io_bytes_per_s for a in granted.allocations.values()) <= 4e6 * (1 + 1e-9)
+
+
+def test_silod_snapshot_tells_bytes_cached_in_the_current_epoch_apart(make_cluster):
+    """The live snapshot's fresh_bytes: what a job's node cached since the job's current epoch
+    began (its reported epochs_done), from the cache servers' Stats, round by round
+    (scheduler.data_grants.EpochStarts, as the simulator keeps them)."""
+    cluster = make_cluster(cache_mode="silod", storage_bandwidth_bytes_per_s=BUDGET)
+    for node in ("n0", "n1"):
+        _add_cache_node(cluster, node)
+    _register(cluster, "imgs", 3000, 64 << 10)
+    job = cluster.submit("j0", 1, 1, dataset="imgs", epochs=5)
+    plan = cluster.round()
+    node = next(p.node for j in plan.jobs if j.job_id == job.id for p in j.placements if p.gpu_indices)
+
+    class Probe:  # what the node's cache server reports, set by the test
+        held = 0.0
+
+        async def cached_bytes(self, nodes):
+            return {(node, "imgs"): Probe.held}
+
+        async def close(self):
+            pass
+
+    cluster.core.cached = Probe()
+
+    def fresh(held: float, epochs: int) -> dict:
+        Probe.held = held
+        cluster.md.UpdateJobProgress(metadata_pb2.UpdateJobProgressRequest(
+            job_id=job.id, progress=common_pb2.JobProgress(epochs_done=epochs)))
+        snap, _ = cluster.scheduler.submit(cluster.core.snapshot())
+        assert snap.cached_bytes == {(node, "imgs"): held}
+        return dict(snap.fresh_bytes)
+
+    assert fresh(10e6, 0) == {(job.id, node): 10e6}  # cached while it read its first epoch: none a hit yet
+    assert fresh(30e6, 0) == {(job.id, node): 30e6}
+    assert fresh(40e6, 1) == {(job.id, node): 10e6}  # epoch 1 began after the last round's 30 MB
+    assert fresh(40e6, 2) == {}                      # a whole epoch on the same content: all hits

@@ -101,10 +101,15 @@ def test_fixed_subset_cache_fills_at_the_io_rate_and_raises_the_hit_ratio():
     assert world.rates(jobs, allocs)[0] == pytest.approx(BUDGET / S * eff)
     world.advance({"a": 100.0})  # 100 s at 1 MB/s of misses: 100 MB admitted (target min(4e8, d))
     assert world.cached_bytes() == {("node-00", "ds"): pytest.approx(1e8)}
-    # h = 0.1: R_io = B / (s (1 - 0.1))
-    assert world.rates(jobs, allocs)[0] == pytest.approx(BUDGET / (S * 0.9) * eff)
+    # Still in its first epoch (1,000 of 10,000 samples): it has read what it cached, no hits yet...
+    assert world.rates(jobs, allocs)[0] == pytest.approx(BUDGET / S * eff)
+    # ... while a job joining it on the dataset hits what the first one cached: h = 0.1.
+    both = world.rates(jobs + [_info("b", model)], allocs + [_on("node-00", 1)])
+    assert both[1] == pytest.approx(BUDGET / 2 / (S * 0.9) * eff)
+    world.rates(jobs, allocs)
     world.advance({"a": 1000.0})  # would admit 1 GB more, but the node holds 400 MB (the static share)
     assert world.cached_bytes() == {("node-00", "ds"): pytest.approx(CAPACITY)}
+    # Its second epoch began at 1,000 s (all 400 MB cached by then): h = 0.4.
     assert world.rates(jobs, allocs)[0] == pytest.approx(BUDGET / (S * 0.6) * eff)
     assert world.bytes_read == pytest.approx(BUDGET * 1100.0)
     # Moved to the other node: the cache stays behind, the job reads everything remotely again.
@@ -142,6 +147,9 @@ def test_silod_uses_the_plans_quota_and_rate():
     assert world.rates(jobs, plan)[0] == pytest.approx(3e5 / S * eff)
     world.advance({"a": 1000.0})  # 300 MB of misses read, 200 MB (the quota) kept
     assert world.cached_bytes() == {("node-00", "ds"): pytest.approx(2e8)}
+    # 3,000 of its first epoch's 10,000 samples read: what it cached is not hit before its next epoch.
+    assert world.rates(jobs, plan)[0] == pytest.approx(3e5 / S * eff)
+    world.advance({"a": 2500.0})  # the second epoch begins at 3,333 s
     assert world.rates(jobs, plan)[0] == pytest.approx(3e5 / (S * 0.8) * eff)
 
 
