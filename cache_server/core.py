@@ -213,7 +213,9 @@ class CacheCore:
         # counter (os.urandom per admission released the GIL to 64 fetch threads every time).
         self._admission_prefix = secrets.token_hex(3)
         self._admissions = itertools.count()
+        # Remote reads in flight: threads for file:// and s3fs, slots on the loop for the lean client.
         self._remote_pool = ThreadPoolExecutor(max(1, config.remote_concurrency), thread_name_prefix="cache-remote")
+        self._remote_slots = asyncio.Semaphore(max(1, config.remote_concurrency))
         self._file_pool = ThreadPoolExecutor(4, thread_name_prefix="cache-file")
         self._background: set[asyncio.Task[Any]] = set()
         self._warned: set[str] = set()
@@ -247,8 +249,9 @@ class CacheCore:
             os.makedirs(self._transient_dir, exist_ok=True)
         self._spawn(self._sweep_leases())
         self._spawn(self._scrub())
-        # s3fs/aiobotocore take ~0.5 s of CPU to import: not on the first job's first miss.
-        self._spawn(loop.run_in_executor(self._remote_pool, _import_store_clients))
+        # The lean S3 client's imports (aiohttp, botocore's credentials: ~0.3 s of CPU) are not
+        # paid on the first job's first miss; s3fs's only when a dataset needs it (_load_dataset).
+        self._spawn(loop.run_in_executor(self._remote_pool, _import_store_clients, False))
         self._started = True
         self._update_gauges()
 
@@ -264,6 +267,9 @@ class CacheCore:
         for lease_id in list(self._leases):
             self.release(lease_id)
         self._remote_pool.shutdown(wait=False, cancel_futures=True)
+        for ds in self._datasets.values():
+            with contextlib.suppress(Exception):
+                await ds.store.aclose()
         self._file_pool.shutdown(wait=True)
         for tier in self.tiers:
             tier.close()
@@ -437,7 +443,9 @@ class CacheCore:
         a busy machine, counted in the job's run time)."""
         try:
             ds = await self._dataset(name)
-            if len(ds.manifest):
+            if len(ds.manifest) and ds.store.reads_async:
+                await ds.store.current_tag_async(ds.manifest.keys[0])
+            elif len(ds.manifest):
                 await asyncio.get_running_loop().run_in_executor(
                     self._remote_pool, ds.store.current_tag, ds.manifest.keys[0])
         except Exception as exc:  # the job's own calls report any problem
@@ -526,8 +534,13 @@ class CacheCore:
                 )
             except StoreConfigError as exc:
                 raise FailedPrecondition(f"dataset {name!r} cannot be read: {exc}", field="dataset") from None
+            if store.scheme == "s3" and not store.reads_async:
+                # s3fs/aiobotocore take ~0.5 s of CPU to import: in the background, now.
+                self._spawn(asyncio.get_running_loop().run_in_executor(self._remote_pool, _import_store_clients, True))
             ds = DatasetState(manifest, store, old.cost if old else FetchCostModel(), time.monotonic())
             self._datasets[name] = ds
+            if old is not None and old.store is not store:
+                self._spawn(self._close_later(old.store))
             if old is not None and old.manifest.version != manifest.version:
                 _log.info("manifest replaced", extra={"dataset": name, "from_version": old.manifest.version,
                                                       "to_version": manifest.version})
@@ -538,6 +551,13 @@ class CacheCore:
             raise
         finally:
             self._loading.pop(name, None)
+
+    async def _close_later(self, store: ObjectStore) -> None:
+        """Close a replaced manifest's store connections once its fetches in flight are over."""
+        try:
+            await asyncio.sleep(self.config.remote_timeout_s * (self.config.remote_retries + 1) + 10.0)
+        finally:  # at stop() too
+            await store.aclose()
 
     def _resolve(self, ds: DatasetState, keys: Sequence[str]) -> list[int]:
         index = ds.manifest.index
@@ -720,15 +740,18 @@ class CacheCore:
             await job.io_granted.wait()
         if job.bucket is not None and not paid:
             await job.bucket.acquire(size)
-        loop = asyncio.get_running_loop()
         started = time.monotonic()
         # The store bounds each attempt; this bounds the whole retry sequence (a hung mount).
         overall = self.config.remote_timeout_s * (self.config.remote_retries + 1) + 10.0
         try:
-            data = await asyncio.wait_for(
-                loop.run_in_executor(self._remote_pool, ds.store.read, key, size, etag), overall
-            )
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(overall):
+                if ds.store.reads_async:  # on this loop: no thread per fetch
+                    async with self._remote_slots:
+                        data = await ds.store.read_async(key, size, etag)
+                else:
+                    data = await asyncio.get_running_loop().run_in_executor(
+                        self._remote_pool, ds.store.read, key, size, etag)
+        except TimeoutError:
             raise StoreError(f"object {key!r}: no answer from the store within {overall:g}s", key) from None
         ds.cost.observe(len(data), time.monotonic() - started)
         job.remote_bytes += len(data)
@@ -1325,9 +1348,13 @@ class CacheCore:
         return self._jobs.get(job_id)
 
 
-def _import_store_clients() -> None:
+def _import_store_clients(s3fs_too: bool) -> None:
     with contextlib.suppress(ImportError):  # a server for file:// datasets only may lack them
-        import s3fs  # noqa: F401
+        import aiohttp  # noqa: F401
+        import botocore.session  # noqa: F401
+
+        if s3fs_too:
+            import s3fs  # noqa: F401
 
 
 def _read_verified(entry: Entry) -> bytes | None:
