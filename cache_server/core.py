@@ -249,8 +249,8 @@ class CacheCore:
             os.makedirs(self._transient_dir, exist_ok=True)
         self._spawn(self._sweep_leases())
         self._spawn(self._scrub())
-        # The lean S3 client's imports (aiohttp, botocore's credentials: ~0.3 s of CPU) are not
-        # paid on the first job's first miss; s3fs's only when a dataset needs it (_load_dataset).
+        # The lean S3 client's import (botocore's credentials: ~0.2 s of CPU) is not paid on the
+        # first job's first miss; s3fs's only when a dataset needs it (_load_dataset).
         self._spawn(loop.run_in_executor(self._remote_pool, _import_store_clients, False))
         self._started = True
         self._update_gauges()
@@ -1350,7 +1350,6 @@ class CacheCore:
 
 def _import_store_clients(s3fs_too: bool) -> None:
     with contextlib.suppress(ImportError):  # a server for file:// datasets only may lack them
-        import aiohttp  # noqa: F401
         import botocore.session  # noqa: F401
 
         if s3fs_too:

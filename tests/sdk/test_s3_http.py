@@ -112,6 +112,14 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
         type(self).calls += 1
         if self.path.startswith("/b/denied/"):
             self._send(403, b"<Error><Code>AccessDenied</Code><Message>no</Message></Error>")
+        elif self.path.startswith("/b/chunked/"):  # a body in chunks, then the end of the connection
+            self.send_response(200)
+            self.send_header("ETag", '"v1"')
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(b"3\r\npay\r\n4;ext=1\r\nload\r\n0\r\nx-trailer: 1\r\n\r\n")
+            self.close_connection = True
         elif type(self).calls == 1:
             self._send(503, b"<Error><Code>SlowDown</Code><Message>later</Message></Error>")
         else:
@@ -204,6 +212,8 @@ def test_asyncio_reads_retry_throttling_renew_dropped_connections_and_stop_at_re
         assert await store.read_async("k", 7, "v1") == b"payload"
         with pytest.raises(StoreError, match="AccessDenied"):
             await store.read_async("denied/k")
+        assert await store.read_async("chunked/k", 7, "v1") == b"payload"
+        assert await store.read_async("k", 7, "v1") == b"payload"  # on a new connection
         assert len(sleeps) == 1
         await store.aclose()
 
