@@ -39,7 +39,13 @@ Rows, each with its physical limit:
 
 Peak memory is the peak PSS (proportional set size: shared pages counted once across the
 forked workers) of the loader's processes -- the training process and its workers, plus the
-cache server for silod -- sampled every 100 ms.
+cache server for silod -- sampled every 0.5 s (a sweep of ~10 processes' smaps_rollup costs
+~25 ms of CPU: every 100 ms, a quarter of a core taken from the loaders on this 2-core machine),
+and the cache server's own peak RSS (the kernel's high-water mark, exact).
+
+The store emulator stands for another machine: it runs in a session of its own, so the kernel's
+autogroup scheduling gives it a CPU share of its own instead of taking it from the loader
+under test, whose processes (the cache server included) share one.
 """
 
 from __future__ import annotations
@@ -86,6 +92,45 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+PSS_INTERVAL_S = 0.5
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    """The kernel's high-water mark of ``pid``'s resident set (VmHWM)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def start_store(root: pathlib.Path, bandwidth_mb: float, latency_ms: float, workdir: pathlib.Path) -> Any:
+    """``silod store-emulator`` over ``root``, in a session of its own (see the module's doc)."""
+    import subprocess
+
+    from silod.launcher import LaunchError, ServiceProcess
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    ready, log = workdir / "emulator.ready", workdir / "emulator.log"
+    argv = [sys.executable, "-m", "silod.cli", "store-emulator", "--root", str(root), "--listen", "127.0.0.1:0",
+            "--ready-file", str(ready), "--bandwidth-mb-s", str(bandwidth_mb), "--latency-ms", str(latency_ms),
+            "--log-level", "warning"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    service = ServiceProcess("store-emulator", proc, log, workdir, False)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            service.kill()
+            raise LaunchError(f"the store emulator did not start; log:\n{service.log()}")
+        time.sleep(0.05)
+    service.address = ready.read_text().strip()
+    return service
+
+
 def _pss_bytes(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -119,7 +164,7 @@ class PeakMemory:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, sum(_pss_bytes(p) for p in self._tree()))
-            self._stop.wait(0.1)
+            self._stop.wait(PSS_INTERVAL_S)
 
     def __enter__(self) -> PeakMemory:
         self._thread.start()
@@ -130,21 +175,25 @@ class PeakMemory:
         self._thread.join()
 
 
-def _cpu_seconds(pids: list[int]) -> tuple[float, float]:
-    """(this process and its reaped children, ``pids``): user + system CPU seconds."""
+def _cpu_seconds(*groups: list[int]) -> tuple[float, ...]:
+    """User + system CPU seconds of this process and its reaped children (the training process
+    and the DataLoader workers of finished epochs), then of each group of ``pids``."""
     import resource
 
     own = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    others = 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            others += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except OSError:
-            pass
-    return own, others
+    totals = [own]
+    for pids in groups:
+        total = 0.0
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except OSError:
+                pass
+        totals.append(total)
+    return tuple(totals)
 
 
 def timed_epoch(loader: Any, compute_s: float = 0.0, max_batches: int = 0) -> tuple[int, float]:
@@ -166,11 +215,32 @@ def timed_epoch(loader: Any, compute_s: float = 0.0, max_batches: int = 0) -> tu
 
 
 @dataclass
+class Usage:
+    """What one measured epoch took: wall seconds and the CPU seconds of the job's processes
+    (training process and DataLoader workers), of the cache server and of the store emulator."""
+
+    samples: int = 0
+    wall: float = 0.0
+    cpu_job: float = 0.0
+    cpu_cache: float = 0.0
+    cpu_store: float = 0.0
+    cache_rss: int = 0  # the cache server's peak RSS so far (bytes)
+
+    def __str__(self) -> str:
+        cache = f" + cache {self.cpu_cache:.2f}" if self.cpu_cache else ""
+        rss = f"; cache server peak RSS {self.cache_rss / 2**20:,.0f} MiB" if self.cache_rss else ""
+        return (f"wall {self.wall:.2f} s, CPU job {self.cpu_job:.2f}{cache} + store {self.cpu_store:.2f} s "
+                f"({1e3 * (self.cpu_job + self.cpu_cache) / max(1, self.samples):.2f} ms a sample without the store)"
+                f"{rss}")
+
+
+@dataclass
 class Cell:
     rate: float = 0.0  # samples/s
     limit: float = 0.0
     pss: int = 0
     note: str = ""
+    usage: Usage = field(default_factory=Usage)
 
 
 @dataclass
@@ -183,7 +253,8 @@ class Table:
         if loader not in self.loaders:
             self.loaders.append(loader)
         self.cells[(loader, row)] = cell
-        shown = f"{cell.rate:,.0f}/s {cell.rate / cell.limit:.0%} {cell.pss / 2**20:,.0f} MiB" if cell.rate else cell.note
+        shown = (f"{cell.rate:,.0f}/s {cell.rate / cell.limit:.0%} {cell.pss / 2**20:,.0f} MiB; {cell.usage}"
+                 if cell.rate else cell.note)
         print(f"  {loader:<13} {row:<10} {shown}", flush=True)
 
     def render(self) -> str:
@@ -309,9 +380,7 @@ def main() -> int:
                 litdata_problem = f"{type(exc).__name__}: {exc}"
         local = shm / "local"
         shutil.copytree(store / "train", local)
-        emulator = start_service("store-emulator", "--root", str(work / "s3"), "--bandwidth-mb-s",
-                                 str(args.bandwidth_mb), "--latency-ms", str(args.latency_ms), "--log-level", "warning",
-                                 workdir=work / "emulator")
+        emulator = start_store(work / "s3", args.bandwidth_mb, args.latency_ms, work / "emulator")
         metadata = start_service("metadata", "--db", f"sqlite:///{work / 'meta.db'}", "--log-level", "warning",
                                  workdir=work / "metadata")
         services += [emulator, metadata]
@@ -336,8 +405,8 @@ def main() -> int:
                                                prefetch_factor=prefetch, persistent_workers=False)
 
         def measure(make: Callable[[], Any], extra_pids: list[int] | None = None, compute: float = 0.0,
-                    max_batches: int = 0, jobs: int = 1) -> tuple[float, int]:
-            cpu0 = _cpu_seconds(extra_pids or [])
+                    max_batches: int = 0, jobs: int = 1) -> tuple[float, int, Usage]:
+            cpu0 = _cpu_seconds(extra_pids or [], [emulator.pid])
             with PeakMemory(service_pids | {c.pid for c in caches if c.pid not in (extra_pids or [])},
                             extra_pids or []) as memory:
                 if jobs == 1:
@@ -351,10 +420,12 @@ def main() -> int:
                     for t in threads:
                         t.join()
                     samples, seconds = sum(r[0] for r in results), max(r[1] for r in results)
+            job_cpu, cache_cpu, store_cpu = (b - a for a, b in zip(cpu0, _cpu_seconds(extra_pids or [], [emulator.pid])))
+            usage = Usage(samples, seconds, job_cpu, cache_cpu, store_cpu,
+                          sum(_peak_rss_bytes(pid) for pid in extra_pids or []))
             if os.environ.get("BENCH_DEBUG"):
-                job_cpu, server_cpu = (b - a for a, b in zip(cpu0, _cpu_seconds(extra_pids or [])))
-                print(f"    cpu: job {job_cpu:.2f}s, cache server {server_cpu:.2f}s", flush=True)
-            return samples / seconds, memory.peak
+                print(f"    {usage}", flush=True)
+            return samples / seconds, memory.peak, usage
 
         spreads: dict[str, list[float]] = {}
         ratios: dict[str, list[float]] = {}  # warm epoch / the local-files epoch just before it
@@ -367,13 +438,13 @@ def main() -> int:
                 with open(local / keys[i], "rb") as f:
                     return to_tensor(f.read())
 
-        local_runs = [measure(lambda: loader_of(LocalFiles())) for _ in range(args.repeats)]
+        local_runs = sorted((measure(lambda: loader_of(LocalFiles())) for _ in range(args.repeats)), key=lambda r: r[0])
         local_rate, local_pss = statistics.median(r[0] for r in local_runs), max(r[1] for r in local_runs)
         spreads["local files"] = [r[0] for r in local_runs]
         limits = {"cold": link, "warm": local_rate, "cache=1/2": min(local_rate, 2 * link), "2 jobs": 2 * link,
                   "compute": args.batch_size / args.compute}
         table = Table(rows)
-        table.put("local files", "warm", Cell(local_rate, local_rate, local_pss))
+        table.put("local files", "warm", Cell(local_rate, local_rate, local_pss, usage=local_runs[len(local_runs) // 2][2]))
 
         def run_rows(name: str, epoch: Callable[[str], Any], has_cache: bool, extra: Callable[[], list[int]],
                      setup: Callable[[str], None] = lambda row: None, skip: dict[str, str] | None = None) -> None:
@@ -384,7 +455,7 @@ def main() -> int:
                 try:
                     setup(row)
                     if row == "cold":
-                        rate, pss = measure(lambda: epoch("cold"), extra())
+                        rate, pss, usage = measure(lambda: epoch("cold"), extra())
                     elif row == "warm":
                         if has_cache:
                             measure(lambda: epoch("cold"), extra())  # the first epoch fills the cache
@@ -397,20 +468,21 @@ def main() -> int:
                         rate, pss = statistics.median(r[0] for r in runs), max(r[1] for r in runs)
                         spreads[name] = [r[0] for r in runs]
                         ratios[name] = [r[0] / lo for r, lo in zip(runs, locals_)]
-                        table.put(name, row, Cell(rate, statistics.median(locals_), pss))
+                        middle = sorted(runs, key=lambda r: r[0])[len(runs) // 2][2]
+                        table.put(name, row, Cell(rate, statistics.median(locals_), pss, usage=middle))
                         continue
                     elif row == "cache=1/2":
                         if has_cache:
                             measure(lambda: epoch("cold"), extra())  # the first epoch fills the cache
-                        rate, pss = measure(lambda: epoch("warm" if has_cache else "cold"), extra())
+                        rate, pss, usage = measure(lambda: epoch("warm" if has_cache else "cold"), extra())
                     elif row == "2 jobs":
-                        rate, pss = measure(lambda: epoch("cold"), extra(), jobs=2)
+                        rate, pss, usage = measure(lambda: epoch("cold"), extra(), jobs=2)
                     else:
                         if has_cache:
                             measure(lambda: epoch("cold"), extra())
-                        rate, pss = measure(lambda: epoch("warm"), extra(), compute=args.compute,
-                                            max_batches=args.compute_batches)
-                    table.put(name, row, Cell(rate, limits[row], pss))
+                        rate, pss, usage = measure(lambda: epoch("warm"), extra(), compute=args.compute,
+                                                   max_batches=args.compute_batches)
+                    table.put(name, row, Cell(rate, limits[row], pss, usage=usage))
                 except Exception as exc:  # noqa: BLE001 -- one broken loader must not hide the others
                     table.put(name, row, Cell(note=f"failed: {type(exc).__name__}"))
                     print(f"    {name} {row}: {type(exc).__name__}: {exc}", flush=True)
