@@ -741,24 +741,24 @@ class CacheCore:
         if job.bucket is not None and not paid:
             await job.bucket.acquire(size)
         started = time.monotonic()
-        # The store bounds each attempt; this bounds the whole retry sequence (a hung mount).
-        overall = self.config.remote_timeout_s * (self.config.remote_retries + 1) + 10.0
-        try:
-            async with asyncio.timeout(overall):
-                if ds.store.reads_async:  # on this loop: no thread per fetch
-                    async with self._remote_slots:
-                        data = await ds.store.read_async(key, size, etag)
-                else:
+        if ds.store.reads_async:  # on this loop, no thread per fetch; the client bounds each attempt
+            async with self._remote_slots:
+                data = await ds.store.read_async(key, size, etag)
+        else:
+            # The store bounds each attempt; this bounds the whole retry sequence (a hung mount).
+            overall = self.config.remote_timeout_s * (self.config.remote_retries + 1) + 10.0
+            try:
+                async with asyncio.timeout(overall):
                     data = await asyncio.get_running_loop().run_in_executor(
                         self._remote_pool, ds.store.read, key, size, etag)
-        except TimeoutError:
-            raise StoreError(f"object {key!r}: no answer from the store within {overall:g}s", key) from None
+            except TimeoutError:
+                raise StoreError(f"object {key!r}: no answer from the store within {overall:g}s", key) from None
         ds.cost.observe(len(data), time.monotonic() - started)
         job.remote_bytes += len(data)
         job.meter.add(len(data))
         label = metrics.job_label(job.job_id)
-        metrics.REMOTE_BYTES.labels(job=label).inc(len(data))
-        metrics.REMOTE_FETCHES.labels(job=label).inc()
+        self._child(metrics.REMOTE_BYTES, label).inc(len(data))
+        self._child(metrics.REMOTE_FETCHES, label).inc()
         return data
 
     def _place(self, size: int, now: float) -> Tier | None:
