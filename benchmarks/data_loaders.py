@@ -39,7 +39,7 @@ Rows, each with its physical limit:
 
 Peak memory is the peak PSS (proportional set size: shared pages counted once across the
 forked workers) of the loader's processes -- the training process and its workers, plus the
-cache server for silod -- sampled every 0.5 s (a sweep of ~10 processes' smaps_rollup costs
+cache server for silod -- sampled every second (a sweep of ~10 processes' smaps_rollup costs
 ~25 ms of CPU: every 100 ms, a quarter of a core taken from the loaders on this 2-core machine),
 and the cache server's own peak RSS (the kernel's high-water mark, exact).
 
@@ -92,7 +92,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-PSS_INTERVAL_S = 0.5
+PSS_INTERVAL_S = 1.0
 
 
 def _peak_rss_bytes(pid: int) -> int:
@@ -142,14 +142,34 @@ def _pss_bytes(pid: int) -> int:
     return 0
 
 
+def _run_delay(pid: int) -> float:
+    """Seconds the threads of ``pid`` have spent runnable but waiting for a CPU (schedstat)."""
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    return total / 1e9
+
+
 class PeakMemory:
     """Peak PSS of this process, its descendants except ``exclude`` (the store, the metadata
-    service), and ``extra`` (the cache server), sampled in a thread."""
+    service), and ``extra`` (the cache server), sampled in a thread; and how long the job's
+    processes (this one and its descendants) waited for a CPU meanwhile (sampled too: the last
+    moments of a worker that exits between two samples are missed)."""
 
     def __init__(self, exclude: set[int], extra: list[int]) -> None:
         self.exclude, self.extra, self.peak = exclude, extra, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._delay_start = {os.getpid(): _run_delay(os.getpid())}
+        self._delay: dict[int, float] = {}
+
+    @property
+    def job_wait(self) -> float:
+        return sum(d - self._delay_start.get(pid, 0.0) for pid, d in self._delay.items())
 
     def _tree(self) -> list[int]:
         pids, todo = [], [os.getpid()]
@@ -162,8 +182,15 @@ class PeakMemory:
         return pids + [p for p in self.extra if p not in pids]
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, sum(_pss_bytes(p) for p in self._tree()))
+        while True:
+            stopping = self._stop.is_set()
+            tree = self._tree()
+            for pid in tree:
+                if pid not in self.extra:
+                    self._delay[pid] = _run_delay(pid)
+            if stopping:
+                return
+            self.peak = max(self.peak, sum(_pss_bytes(p) for p in tree))
             self._stop.wait(PSS_INTERVAL_S)
 
     def __enter__(self) -> PeakMemory:
@@ -196,6 +223,31 @@ def _cpu_seconds(*groups: list[int]) -> tuple[float, ...]:
     return tuple(totals)
 
 
+class RawGets:
+    """One "epoch" of the link probe: every object GET once, 64 at a time, nothing else."""
+
+    def __init__(self, store: Any, keys: list[str], in_flight: int = 64) -> None:
+        self.store, self.keys, self.in_flight = store, keys, in_flight
+
+    def __iter__(self) -> Any:
+        import asyncio
+
+        async def run() -> list[int]:
+            slots = asyncio.Semaphore(self.in_flight)
+
+            async def one(key: str) -> int:
+                async with slots:
+                    return len(await self.store.read_async(key))
+
+            try:
+                return await asyncio.gather(*(one(k) for k in self.keys))
+            finally:
+                await self.store.aclose()
+
+        sizes = asyncio.run(run())
+        yield sizes
+
+
 def timed_epoch(loader: Any, compute_s: float = 0.0, max_batches: int = 0) -> tuple[int, float]:
     """(samples, seconds) of one epoch (or its first ``max_batches``), from the start of the
     iteration (worker start-up included: every loader pays it) to the end of the last batch."""
@@ -225,13 +277,17 @@ class Usage:
     cpu_cache: float = 0.0
     cpu_store: float = 0.0
     cache_rss: int = 0  # the cache server's peak RSS so far (bytes)
+    wait_job: float = 0.0  # seconds runnable but waiting for a CPU (all threads added up)
+    wait_cache: float = 0.0
+    wait_store: float = 0.0
 
     def __str__(self) -> str:
         cache = f" + cache {self.cpu_cache:.2f}" if self.cpu_cache else ""
         rss = f"; cache server peak RSS {self.cache_rss / 2**20:,.0f} MiB" if self.cache_rss else ""
         return (f"wall {self.wall:.2f} s, CPU job {self.cpu_job:.2f}{cache} + store {self.cpu_store:.2f} s "
                 f"({1e3 * (self.cpu_job + self.cpu_cache) / max(1, self.samples):.2f} ms a sample without the store)"
-                f"{rss}")
+                f"{rss}; waited for a CPU: job {self.wait_job:.2f}"
+                + (f" + cache {self.wait_cache:.2f}" if self.cpu_cache else "") + f" + store {self.wait_store:.2f} s")
 
 
 @dataclass
@@ -362,6 +418,7 @@ def main() -> int:
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     from silod.cli.main import main as silod_main
     from silod.data import EpochShuffleSampler, SilodDataset
+    from silod.data.store import ObjectStore
     from silod.launcher import start_service
 
     work, shm = bench_directories()
@@ -407,6 +464,7 @@ def main() -> int:
         def measure(make: Callable[[], Any], extra_pids: list[int] | None = None, compute: float = 0.0,
                     max_batches: int = 0, jobs: int = 1) -> tuple[float, int, Usage]:
             cpu0 = _cpu_seconds(extra_pids or [], [emulator.pid])
+            wait0 = [sum(_run_delay(p) for p in pids) for pids in (extra_pids or [], [emulator.pid])]
             with PeakMemory(service_pids | {c.pid for c in caches if c.pid not in (extra_pids or [])},
                             extra_pids or []) as memory:
                 if jobs == 1:
@@ -421,8 +479,10 @@ def main() -> int:
                         t.join()
                     samples, seconds = sum(r[0] for r in results), max(r[1] for r in results)
             job_cpu, cache_cpu, store_cpu = (b - a for a, b in zip(cpu0, _cpu_seconds(extra_pids or [], [emulator.pid])))
+            wait_cache, wait_store = (sum(_run_delay(p) for p in pids) - w
+                                      for pids, w in zip((extra_pids or [], [emulator.pid]), wait0))
             usage = Usage(samples, seconds, job_cpu, cache_cpu, store_cpu,
-                          sum(_peak_rss_bytes(pid) for pid in extra_pids or []))
+                          sum(_peak_rss_bytes(pid) for pid in extra_pids or []), memory.job_wait, wait_cache, wait_store)
             if os.environ.get("BENCH_DEBUG"):
                 print(f"    {usage}", flush=True)
             return samples / seconds, memory.peak, usage
@@ -445,6 +505,12 @@ def main() -> int:
                   "compute": args.batch_size / args.compute}
         table = Table(rows)
         table.put("local files", "warm", Cell(local_rate, local_rate, local_pss, usage=local_runs[len(local_runs) // 2][2]))
+        if "cold" in rows:
+            # What the store delivers here and now to a client that does nothing but GETs with
+            # 64 requests in flight (the lean asyncio client, in this process).
+            probe = ObjectStore(f"s3://{BUCKET}/train", {"endpoint_url": endpoint})
+            rate, pss, usage = measure(lambda: RawGets(probe, keys))
+            table.put("raw GETs", "cold", Cell(rate, link, pss, usage=usage))
 
         def run_rows(name: str, epoch: Callable[[str], Any], has_cache: bool, extra: Callable[[], list[int]],
                      setup: Callable[[str], None] = lambda row: None, skip: dict[str, str] | None = None) -> None:
