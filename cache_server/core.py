@@ -34,6 +34,7 @@ from cache_server.tiers import Entry, Tier, entry_name, is_no_space
 from services.runtime.downstream import translate
 from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from silod.data.catalog import Manifest, ManifestNotFound
+from silod.rpc import identifiers
 from silod.data.keys import key_problem
 from silod.data.shards import SampleRange, parse_sample_key
 from silod.data.store import (
@@ -48,6 +49,7 @@ from silod.data.store import (
 _log = logging.getLogger("silod.cache")
 
 MAX_KEYS_PER_CALL = 4096
+MAX_RELEASES_PER_CALL = 64
 MAX_PREFETCH_KEYS = 1 << 20
 _TAR_GAP = 1024  # bytes between two samples of a shard: block padding (< 512) and nothing else
 
@@ -1012,6 +1014,18 @@ class CacheCore:
                             "gets no path for the object and reads it another way", error=str(exc))
             return ""
         return path
+
+    def release_all(self, lease_ids: Sequence[str]) -> int:
+        """Release the leases a Lease call names in ``release_lease_ids`` (before its own keys are
+        leased); unknown or expired ids are ignored, as by ReleaseLease. Returns how many were held."""
+        if len(lease_ids) > MAX_RELEASES_PER_CALL:
+            raise InvalidArgument(f"at most {MAX_RELEASES_PER_CALL} per call, got {len(lease_ids)}",
+                                  field="release_lease_ids")
+        for i, lease_id in enumerate(lease_ids):
+            bad = identifiers.problem(identifiers.LEASE_ID, lease_id)
+            if bad is not None:
+                raise InvalidArgument(bad, field=f"release_lease_ids[{i}]")
+        return sum(self.release(lease_id) for lease_id in lease_ids)
 
     def release(self, lease_id: str) -> bool:
         lease = self._leases.pop(lease_id, None)
