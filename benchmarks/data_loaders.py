@@ -268,6 +268,36 @@ def timed_epoch(loader: Any, compute_s: float = 0.0, max_batches: int = 0) -> tu
     return samples, elapsed
 
 
+def concurrent_jobs(make: Callable[[], Any], jobs: int) -> tuple[int, float]:
+    """``jobs`` epochs at once, each in a job process of its own: (samples of all, seconds of the
+    slowest). Each job's loader is made, then its process forked, before the next is made (a
+    loader made later must not change an earlier one: silod's job id is set per epoch). Two
+    jobs on a node are two processes; two DataLoaders forking their workers from two threads
+    of one process could hang for good (seen on this branch and on main)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    go = ctx.Event()
+    pipes, procs = [], []
+    for _ in range(jobs):
+        loader = make()
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_job_process, args=(loader, go, writer))
+        proc.start()
+        pipes.append(reader)
+        procs.append(proc)
+    go.set()
+    results = [pipe.recv() for pipe in pipes]
+    for proc in procs:
+        proc.join()
+    return sum(r[0] for r in results), max(r[1] for r in results)
+
+
+def _job_process(loader: Any, go: Any, writer: Any) -> None:
+    go.wait()
+    writer.send(timed_epoch(loader))
+
+
 @dataclass
 class Usage:
     """What one measured epoch took: wall seconds and the CPU seconds of the job's processes
@@ -474,14 +504,7 @@ def main() -> int:
                 if jobs == 1:
                     samples, seconds = timed_epoch(make(), compute, max_batches)
                 else:
-                    results: list[tuple[int, float]] = []
-                    made = [make() for _ in range(jobs)]
-                    threads = [threading.Thread(target=lambda m=m: results.append(timed_epoch(m))) for m in made]
-                    for t in threads:
-                        t.start()
-                    for t in threads:
-                        t.join()
-                    samples, seconds = sum(r[0] for r in results), max(r[1] for r in results)
+                    samples, seconds = concurrent_jobs(make, jobs)
             job_cpu, cache_cpu, store_cpu = (b - a for a, b in zip(cpu0, _cpu_seconds(extra_pids or [], [emulator.pid])))
             wait_cache, wait_store = (sum(_run_delay(p) for p in pids) - w
                                       for pids, w in zip((extra_pids or [], [emulator.pid]), wait0))
