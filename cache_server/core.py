@@ -218,6 +218,10 @@ class CacheCore:
         # Remote reads in flight: threads for file:// and s3fs, slots on the loop for the lean client.
         self._remote_pool = ThreadPoolExecutor(max(1, config.remote_concurrency), thread_name_prefix="cache-remote")
         self._remote_slots = asyncio.Semaphore(max(1, config.remote_concurrency))
+        # Prefetches of all jobs together take at most half of them: a Lease's misses (a batch
+        # waiting) always find slots. Two jobs' prefetches once held all 64 and their 4 MiB runs
+        # made every miss of both jobs queue behind them.
+        self._prefetch_slots = asyncio.Semaphore(max(1, config.remote_concurrency // 2))
         self._file_pool = ThreadPoolExecutor(4, thread_name_prefix="cache-file")
         self._background: set[asyncio.Task[Any]] = set()
         self._warned: set[str] = set()
@@ -1155,8 +1159,9 @@ class CacheCore:
         return int(min(self.config.prefetch_max_objects, max(self.config.prefetch_min_objects, wanted)))
 
     async def _prefetch_worker(self, job: JobState) -> None:
-        slots = asyncio.Semaphore(self.config.prefetch_concurrency if not job.preload
-                                  else max(1, self.config.remote_concurrency // 2))
+        slots = _PrefetchSlots(asyncio.Semaphore(self.config.prefetch_concurrency if not job.preload
+                                                 else max(1, self.config.remote_concurrency // 2)),
+                               self._prefetch_slots)
         tasks: set[asyncio.Task[None]] = set()
         stale_after = max(10.0, 4 * self.config.prefetch_lookahead_s)
         try:
@@ -1251,7 +1256,7 @@ class CacheCore:
         return flights
 
     async def _prefetch_run(self, job: JobState, ds: DatasetState, run: list[int],
-                            flights: list[tuple[Any, asyncio.Future[Any]]], slots: asyncio.Semaphore) -> None:
+                            flights: list[tuple[Any, asyncio.Future[Any]]], slots: _PrefetchSlots) -> None:
         try:
             await self._fetch_run(job, ds, run, flights)
         finally:
@@ -1293,7 +1298,7 @@ class CacheCore:
                     del self._inflight[flight]
 
     async def _prefetch_one(
-        self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, slots: asyncio.Semaphore
+        self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, slots: _PrefetchSlots
     ) -> None:
         try:
             entry, data = await self._obtain(job, ds, key, size, etag)
@@ -1360,6 +1365,25 @@ class CacheCore:
 
     def job(self, job_id: str) -> JobState | None:
         return self._jobs.get(job_id)
+
+
+class _PrefetchSlots:
+    """A prefetch in flight holds one of its job's slots and one of the node's."""
+
+    def __init__(self, job: asyncio.Semaphore, node: asyncio.Semaphore) -> None:
+        self.job, self.node = job, node
+
+    async def acquire(self) -> None:
+        await self.job.acquire()
+        try:
+            await self.node.acquire()
+        except BaseException:
+            self.job.release()
+            raise
+
+    def release(self) -> None:
+        self.node.release()
+        self.job.release()
 
 
 def _import_store_clients(s3fs_too: bool) -> None:
