@@ -97,16 +97,21 @@ def _children(pid: int) -> list[int]:
 PSS_INTERVAL_S = 1.0
 
 
-def _peak_rss_bytes(pid: int) -> int:
-    """The kernel's high-water mark of ``pid``'s resident set (VmHWM)."""
+def _proc_kib(pid: int, file: str, name: str) -> int:
+    """Bytes of the ``name:`` line (in kB) of ``/proc/<pid>/<file>``; 0 once the process is gone."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(f"/proc/{pid}/{file}") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(name):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    """The kernel's high-water mark of ``pid``'s resident set (VmHWM)."""
+    return _proc_kib(pid, "status", "VmHWM:")
 
 
 def start_store(root: pathlib.Path, bandwidth_mb: float, latency_ms: float, workdir: pathlib.Path) -> Any:
@@ -134,14 +139,7 @@ def start_store(root: pathlib.Path, bandwidth_mb: float, latency_ms: float, work
 
 
 def _pss_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _proc_kib(pid, "smaps_rollup", "Pss:")
 
 
 def _run_delay(pid: int) -> float:
