@@ -23,8 +23,8 @@ same tar shards registered with ``--format tar-shards``).
 Rows, each with its physical limit:
 
 - ``cold``: the first epoch, nothing cached. Limit: the link, bandwidth / sample bytes. Beside
-  the loaders, ``raw GETs``: every object read once with 64 requests in flight and nothing
-  else, what the store delivers on this machine at that moment.
+  the loaders, ``raw GETs`` (``--loaders raw-gets``): every object read once with 64 requests
+  in flight and nothing else, what the store delivers on this machine at that moment.
 - ``warm``: the epochs after the first (median of ``--repeats``; min and max printed below
   the table; a loader without a cache reads the store again, one epoch). Limit: the same workers reading the same bytes from local files in tmpfs
   (``local files``), one such epoch run right before each warm epoch of the loader, so each
@@ -434,7 +434,7 @@ def main() -> int:
     parser.add_argument("--compute-batches", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=5, help="warm epochs per loader, each right after an epoch of "
                         "local files: the table shows the medians, min and max are printed below it (default 5)")
-    parser.add_argument("--loaders", default="plain,plain-tuned,webdataset,streaming,litdata,silod,silod-shards")
+    parser.add_argument("--loaders", default="raw-gets,plain,plain-tuned,webdataset,streaming,litdata,silod,silod-shards")
     parser.add_argument("--rows", default="cold,warm,cache=1/2,2 jobs,compute")
     parser.add_argument("--quick", action="store_true", help="1024 samples, compute 1.5 s")
     args = parser.parse_args()
@@ -530,12 +530,13 @@ def main() -> int:
                   "compute": args.batch_size / args.compute}
         table = Table(rows)
         table.put("local files", "warm", Cell(local_rate, local_rate, local_pss, usage=local_runs[len(local_runs) // 2][2]))
-        if "cold" in rows:
+        if "cold" in rows and "raw-gets" in loaders:
             # What the store delivers here and now to a client that does nothing but GETs with
             # 64 requests in flight (the lean asyncio client, in this process).
             probe = ObjectStore(f"s3://{BUCKET}/train", {"endpoint_url": endpoint})
             rate, pss, usage = measure(lambda: RawGets(probe, keys))
             table.put("raw GETs", "cold", Cell(rate, link, pss, usage=usage))
+        loaders = [name for name in loaders if name != "raw-gets"]
 
         def run_rows(name: str, epoch: Callable[[str], Any], has_cache: bool, extra: Callable[[], list[int]],
                      setup: Callable[[str], None] = lambda row: None, skip: dict[str, str] | None = None) -> None:
