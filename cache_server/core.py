@@ -825,7 +825,6 @@ class CacheCore:
         current.add(entry, time.monotonic())
         tier.journal_put(entry)
         self._enforce(current)
-        self._update_gauges()
         if tier.journal_needs_compaction(len(self._index)):
             snapshot = [e for e in self._index.values() if e.tier is tier]
             self._spawn(asyncio.get_running_loop().run_in_executor(self._file_pool, tier.compact, snapshot))
@@ -1052,6 +1051,7 @@ class CacheCore:
             await asyncio.sleep(1.0)
             for tier in self.tiers:
                 tier.flush_journal()
+            self._update_gauges()  # once a second, not per admitted object
             now = time.monotonic()
             for lease_id in [lid for lid, lease in self._leases.items() if lease.expires <= now]:
                 self.release(lease_id)
