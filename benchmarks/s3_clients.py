@@ -4,7 +4,8 @@
 ``AsyncS3Http`` (asyncio streams) and aiohttp's client.
 
 Run: ``python benchmarks/s3_clients.py`` (about a minute on 2 cores; ``--requests`` GETs per
-client and round, ``--threads`` client threads, ``--rounds`` rounds in rotating order).
+client and round, ``--threads`` client threads, ``--rounds`` rounds in rotating order,
+``--store emulator`` for bodies that arrive in pieces, as from a store over a network).
 
 moto runs in its own process, so ``time.process_time`` of this process counts only the
 clients (all their threads, obstore's tokio threads included). Each GET reads the whole
@@ -54,6 +55,29 @@ def start_moto() -> tuple[subprocess.Popen[bytes], str]:
             time.sleep(0.1)
     proc.kill()
     raise SystemExit("moto server did not start")
+
+
+def start_emulator(size: int) -> tuple[subprocess.Popen[bytes], str]:
+    """``silod store-emulator`` holding one object of ``size`` random bytes."""
+    import atexit
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="s3-clients-"))
+    atexit.register(shutil.rmtree, root, True)
+    (root / BUCKET).mkdir()
+    (root / BUCKET / KEY).write_bytes(os.urandom(size))
+    ready = root / "ready"
+    proc = subprocess.Popen([sys.executable, "-m", "silod.cli", "store-emulator", "--root", str(root), "--listen",
+                             "127.0.0.1:0", "--ready-file", str(ready), "--latency-ms", "20", "--bandwidth-mb-s", "1000",
+                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit("store emulator did not start")
+        time.sleep(0.1)
+    return proc, f"http://{ready.read_text().strip()}"
 
 
 def s3_http_get(endpoint: str, etag: str) -> Callable[[], bytes]:
@@ -163,17 +187,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--size", type=int, default=114 * 1024)
+    parser.add_argument("--store", choices=("moto", "emulator"), default="moto",
+                        help="moto (answers in one burst) or silod store-emulator (20 ms a request, bodies paced "
+                             "in 64 KiB chunks over a 1 GB/s link: they arrive in pieces, as over a network)")
     args = parser.parse_args()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     import boto3
 
-    proc, endpoint = start_moto()
+    proc, endpoint = start_moto() if args.store == "moto" else start_emulator(args.size)
     try:
         s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        s3.create_bucket(Bucket=BUCKET)
-        etag = s3.put_object(Bucket=BUCKET, Key=KEY, Body=os.urandom(args.size))["ETag"].strip('"')
+        if args.store == "moto":
+            s3.create_bucket(Bucket=BUCKET)
+            etag = s3.put_object(Bucket=BUCKET, Key=KEY, Body=os.urandom(args.size))["ETag"].strip('"')
+        else:
+            etag = s3.head_object(Bucket=BUCKET, Key=KEY)["ETag"].strip('"')
         gets, missing = {}, {}
         for name, make in {**CLIENTS, **ASYNC_CLIENTS}.items():
             try:
@@ -186,7 +216,7 @@ def main() -> None:
             for name in names[r % len(names):] + names[: r % len(names)]:
                 run = measure_async if name in ASYNC_CLIENTS else measure
                 results[name].append(run(gets[name], args.requests, args.threads, args.size))
-        print(f"load average {os.getloadavg()[0]:.2f}; {args.requests} GETs x {args.rounds} rounds, "
+        print(f"{args.store}, load average {os.getloadavg()[0]:.2f}; {args.requests} GETs x {args.rounds} rounds, "
               f"{args.threads} threads, {args.size} bytes each")
         print(f"{'client':10} {'CPU ms/GET':>22} {'wall s':>14} {'x s3_http CPU':>14}")
         base = min(c for c, _ in results["s3_http"])
