@@ -1,15 +1,15 @@
 """silod side by side with the loaders job owners pick today, on one throttled S3-protocol store
 and the same bytes, against the physical limit of every row.
 
-Run: ``python benchmarks/data_loaders.py`` (about 15 minutes on 2 cores; ``--quick`` for a
-smaller run). The anchor loaders come from the ``bench`` extra (``pip install -e '.[bench]'``);
+Run: ``python benchmarks/data_loaders.py`` (about 25 minutes on 2 busy cores, most of it the
+plain loaders; ``--quick`` for a smaller run). The anchor loaders come from the ``bench`` extra (``pip install -e '.[bench]'``);
 one that is missing or does not import is a row of the table that says why.
 
 The store is ``silod store-emulator`` (one link shared by all connections, ``--bandwidth-mb``
 MB/s, ``--latency-ms`` per request), holding the same samples (random bytes, ``--sample-bytes``
 each) three ways: one object per sample, WebDataset tar shards, LitData chunks. Every loader
 turns a sample into a uint8 tensor in its DataLoader workers (batch ``--batch-size``,
-``--workers`` workers, fork), and is timed from the arrival of its first batch to the last one,
+``--workers`` workers, fork), and is timed from the start of the iteration to the last batch,
 worker start-up included (every loader pays it).
 
 Loaders: ``plain`` (one s3fs ``cat_file`` per sample, 4 workers: what a user writes first),
@@ -22,10 +22,14 @@ same tar shards registered with ``--format tar-shards``).
 
 Rows, each with its physical limit:
 
-- ``cold``: the first epoch, nothing cached. Limit: the link, bandwidth / sample bytes.
+- ``cold``: the first epoch, nothing cached. Limit: the link, bandwidth / sample bytes. Beside
+  the loaders, ``raw GETs`` (``--loaders raw-gets``): every object read once with 64 requests
+  in flight and nothing else, what the store delivers on this machine at that moment.
 - ``warm``: the epochs after the first (median of ``--repeats``; min and max printed below
-  the table). Limit: the same workers reading the same bytes from local files in tmpfs
-  (``local files``), one such epoch run right before each warm epoch of the loader, so each
+  the table; a loader without a cache reads the store again, one epoch). Limit: the same
+  workers reading the same bytes from local files in tmpfs (``local files``: a batch of files
+  per ``__getitems__`` call, as silod reads its leased files), one such epoch run right before
+  each warm epoch of the loader, so each
   pair sees the same machine: the cell's share is against the median of the loader's own
   local epochs, and the min / median / max of the per-pair ratios is printed below the table.
 - ``cache=1/2``: the dataset is twice the cache (silod: a memory tier of half the dataset,
@@ -39,7 +43,13 @@ Rows, each with its physical limit:
 
 Peak memory is the peak PSS (proportional set size: shared pages counted once across the
 forked workers) of the loader's processes -- the training process and its workers, plus the
-cache server for silod -- sampled every 100 ms.
+cache server for silod -- sampled every second (a sweep of ~10 processes' smaps_rollup costs
+~25 ms of CPU: every 100 ms, a quarter of a core taken from the loaders on this 2-core machine),
+and the cache server's own peak RSS (the kernel's high-water mark, exact).
+
+The store emulator stands for another machine: it runs in a session of its own, so the kernel's
+autogroup scheduling gives it a CPU share of its own instead of taking it from the loader
+under test, whose processes (the cache server included) share one.
 """
 
 from __future__ import annotations
@@ -86,25 +96,82 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _pss_bytes(pid: int) -> int:
+PSS_INTERVAL_S = 1.0
+
+
+def _proc_kib(pid: int, file: str, name: str) -> int:
+    """Bytes of the ``name:`` line (in kB) of ``/proc/<pid>/<file>``; 0 once the process is gone."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
+        with open(f"/proc/{pid}/{file}") as f:
             for line in f:
-                if line.startswith("Pss:"):
+                if line.startswith(name):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
 
 
+def _peak_rss_bytes(pid: int) -> int:
+    """The kernel's high-water mark of ``pid``'s resident set (VmHWM)."""
+    return _proc_kib(pid, "status", "VmHWM:")
+
+
+def start_store(root: pathlib.Path, bandwidth_mb: float, latency_ms: float, workdir: pathlib.Path) -> Any:
+    """``silod store-emulator`` over ``root``, in a session of its own (see the module's doc)."""
+    import subprocess
+
+    from silod.launcher import LaunchError, ServiceProcess
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    ready, log = workdir / "emulator.ready", workdir / "emulator.log"
+    argv = [sys.executable, "-m", "silod.cli", "store-emulator", "--root", str(root), "--listen", "127.0.0.1:0",
+            "--ready-file", str(ready), "--bandwidth-mb-s", str(bandwidth_mb), "--latency-ms", str(latency_ms),
+            "--log-level", "warning"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    service = ServiceProcess("store-emulator", proc, log, workdir, False)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            service.kill()
+            raise LaunchError(f"the store emulator did not start; log:\n{service.log()}")
+        time.sleep(0.05)
+    service.address = ready.read_text().strip()
+    return service
+
+
+def _pss_bytes(pid: int) -> int:
+    return _proc_kib(pid, "smaps_rollup", "Pss:")
+
+
+def _run_delay(pid: int) -> float:
+    """Seconds the threads of ``pid`` have spent runnable but waiting for a CPU (schedstat)."""
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    return total / 1e9
+
+
 class PeakMemory:
     """Peak PSS of this process, its descendants except ``exclude`` (the store, the metadata
-    service), and ``extra`` (the cache server), sampled in a thread."""
+    service), and ``extra`` (the cache server), sampled in a thread; and how long the job's
+    processes (this one and its descendants) waited for a CPU meanwhile (sampled too: the last
+    moments of a worker that exits between two samples are missed)."""
 
     def __init__(self, exclude: set[int], extra: list[int]) -> None:
         self.exclude, self.extra, self.peak = exclude, extra, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._delay_start = {os.getpid(): _run_delay(os.getpid())}
+        self._delay: dict[int, float] = {}
+
+    @property
+    def job_wait(self) -> float:
+        return sum(d - self._delay_start.get(pid, 0.0) for pid, d in self._delay.items())
 
     def _tree(self) -> list[int]:
         pids, todo = [], [os.getpid()]
@@ -117,9 +184,16 @@ class PeakMemory:
         return pids + [p for p in self.extra if p not in pids]
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, sum(_pss_bytes(p) for p in self._tree()))
-            self._stop.wait(0.1)
+        while True:
+            stopping = self._stop.is_set()
+            tree = self._tree()
+            for pid in tree:
+                if pid not in self.extra:
+                    self._delay[pid] = _run_delay(pid)
+            if stopping:
+                return
+            self.peak = max(self.peak, sum(_pss_bytes(p) for p in tree))
+            self._stop.wait(PSS_INTERVAL_S)
 
     def __enter__(self) -> PeakMemory:
         self._thread.start()
@@ -130,21 +204,50 @@ class PeakMemory:
         self._thread.join()
 
 
-def _cpu_seconds(pids: list[int]) -> tuple[float, float]:
-    """(this process and its reaped children, ``pids``): user + system CPU seconds."""
+def _cpu_seconds(*groups: list[int]) -> tuple[float, ...]:
+    """User + system CPU seconds of this process and its reaped children (the training process
+    and the DataLoader workers of finished epochs), then of each group of ``pids``."""
     import resource
 
     own = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    others = 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            others += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except OSError:
-            pass
-    return own, others
+    totals = [own]
+    for pids in groups:
+        total = 0.0
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except OSError:
+                pass
+        totals.append(total)
+    return tuple(totals)
+
+
+class RawGets:
+    """One "epoch" of the link probe: every object GET once, 64 at a time, nothing else."""
+
+    def __init__(self, store: Any, keys: list[str], in_flight: int = 64) -> None:
+        self.store, self.keys, self.in_flight = store, keys, in_flight
+
+    def __iter__(self) -> Any:
+        import asyncio
+
+        async def run() -> list[int]:
+            slots = asyncio.Semaphore(self.in_flight)
+
+            async def one(key: str) -> int:
+                async with slots:
+                    return len(await self.store.read_async(key))
+
+            try:
+                return await asyncio.gather(*(one(k) for k in self.keys))
+            finally:
+                await self.store.aclose()
+
+        sizes = asyncio.run(run())
+        yield sizes
 
 
 def timed_epoch(loader: Any, compute_s: float = 0.0, max_batches: int = 0) -> tuple[int, float]:
@@ -165,12 +268,67 @@ def timed_epoch(loader: Any, compute_s: float = 0.0, max_batches: int = 0) -> tu
     return samples, elapsed
 
 
+def concurrent_jobs(make: Callable[[], Any], jobs: int) -> tuple[int, float]:
+    """``jobs`` epochs at once, each in a job process of its own: (samples of all, seconds of the
+    slowest). Each job's loader is made, then its process forked, before the next is made (a
+    loader made later must not change an earlier one: silod's job id is set per epoch). Two
+    jobs on a node are two processes; two DataLoaders forking their workers from two threads
+    of one process could hang for good (seen on this branch and on main)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    go = ctx.Event()
+    pipes, procs = [], []
+    for _ in range(jobs):
+        loader = make()
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_job_process, args=(loader, go, writer))
+        proc.start()
+        pipes.append(reader)
+        procs.append(proc)
+    go.set()
+    results = [pipe.recv() for pipe in pipes]
+    for proc in procs:
+        proc.join()
+    return sum(r[0] for r in results), max(r[1] for r in results)
+
+
+def _job_process(loader: Any, go: Any, writer: Any) -> None:
+    go.wait()
+    writer.send(timed_epoch(loader))
+
+
+@dataclass
+class Usage:
+    """What one measured epoch took: wall seconds and the CPU seconds of the job's processes
+    (training process and DataLoader workers), of the cache server and of the store emulator."""
+
+    samples: int = 0
+    wall: float = 0.0
+    cpu_job: float = 0.0
+    cpu_cache: float = 0.0
+    cpu_store: float = 0.0
+    cache_rss: int = 0  # the cache server's peak RSS so far (bytes)
+    wait_job: float = 0.0  # seconds runnable but waiting for a CPU (all threads added up)
+    wait_cache: float = 0.0
+    wait_store: float = 0.0
+
+    def __str__(self) -> str:
+        cache = f" + cache {self.cpu_cache:.2f}" if self.cpu_cache else ""
+        rss = f"; cache server peak RSS {self.cache_rss / 2**20:,.0f} MiB" if self.cache_rss else ""
+        return (f"wall {self.wall:.2f} s, CPU job {self.cpu_job:.2f}{cache} + store {self.cpu_store:.2f} s "
+                f"({1e3 * (self.cpu_job + self.cpu_cache) / max(1, self.samples):.2f} ms a sample without the store)"
+                f"{rss}; waited for a CPU: job {self.wait_job:.2f}"
+                + (f" + cache {self.wait_cache:.2f}" if self.cpu_cache else "") + f" + store {self.wait_store:.2f} s")
+
+
 @dataclass
 class Cell:
     rate: float = 0.0  # samples/s
     limit: float = 0.0
     pss: int = 0
     note: str = ""
+    usage: Usage = field(default_factory=Usage)
 
 
 @dataclass
@@ -183,7 +341,8 @@ class Table:
         if loader not in self.loaders:
             self.loaders.append(loader)
         self.cells[(loader, row)] = cell
-        shown = f"{cell.rate:,.0f}/s {cell.rate / cell.limit:.0%} {cell.pss / 2**20:,.0f} MiB" if cell.rate else cell.note
+        shown = (f"{cell.rate:,.0f}/s {cell.rate / cell.limit:.0%} {cell.pss / 2**20:,.0f} MiB; {cell.usage}"
+                 if cell.rate else cell.note)
         print(f"  {loader:<13} {row:<10} {shown}", flush=True)
 
     def render(self) -> str:
@@ -264,7 +423,9 @@ def lit_tensor(sample: dict[str, bytes]) -> Any:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--samples", type=int, default=8192, help="samples in the dataset (default 8192, 934 MB: "
+                        "a cold epoch of 9.3 s at the link, so that start-up and the last batch do not weigh "
+                        "as in a 2.3 s epoch)")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--sample-bytes", type=int, default=114_000)
     parser.add_argument("--bandwidth-mb", type=float, default=100.0)
@@ -275,7 +436,7 @@ def main() -> int:
     parser.add_argument("--compute-batches", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=5, help="warm epochs per loader, each right after an epoch of "
                         "local files: the table shows the medians, min and max are printed below it (default 5)")
-    parser.add_argument("--loaders", default="plain,plain-tuned,webdataset,streaming,litdata,silod,silod-shards")
+    parser.add_argument("--loaders", default="raw-gets,plain,plain-tuned,webdataset,streaming,litdata,silod,silod-shards")
     parser.add_argument("--rows", default="cold,warm,cache=1/2,2 jobs,compute")
     parser.add_argument("--quick", action="store_true", help="1024 samples, compute 1.5 s")
     args = parser.parse_args()
@@ -291,6 +452,7 @@ def main() -> int:
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     from silod.cli.main import main as silod_main
     from silod.data import EpochShuffleSampler, SilodDataset
+    from silod.data.store import ObjectStore
     from silod.launcher import start_service
 
     work, shm = bench_directories()
@@ -309,9 +471,7 @@ def main() -> int:
                 litdata_problem = f"{type(exc).__name__}: {exc}"
         local = shm / "local"
         shutil.copytree(store / "train", local)
-        emulator = start_service("store-emulator", "--root", str(work / "s3"), "--bandwidth-mb-s",
-                                 str(args.bandwidth_mb), "--latency-ms", str(args.latency_ms), "--log-level", "warning",
-                                 workdir=work / "emulator")
+        emulator = start_store(work / "s3", args.bandwidth_mb, args.latency_ms, work / "emulator")
         metadata = start_service("metadata", "--db", f"sqlite:///{work / 'meta.db'}", "--log-level", "warning",
                                  workdir=work / "metadata")
         services += [emulator, metadata]
@@ -336,44 +496,60 @@ def main() -> int:
                                                prefetch_factor=prefetch, persistent_workers=False)
 
         def measure(make: Callable[[], Any], extra_pids: list[int] | None = None, compute: float = 0.0,
-                    max_batches: int = 0, jobs: int = 1) -> tuple[float, int]:
-            cpu0 = _cpu_seconds(extra_pids or [])
+                    max_batches: int = 0, jobs: int = 1) -> tuple[float, int, Usage]:
+            cpu0 = _cpu_seconds(extra_pids or [], [emulator.pid])
+            wait0 = [sum(_run_delay(p) for p in pids) for pids in (extra_pids or [], [emulator.pid])]
             with PeakMemory(service_pids | {c.pid for c in caches if c.pid not in (extra_pids or [])},
                             extra_pids or []) as memory:
                 if jobs == 1:
                     samples, seconds = timed_epoch(make(), compute, max_batches)
                 else:
-                    results: list[tuple[int, float]] = []
-                    made = [make() for _ in range(jobs)]
-                    threads = [threading.Thread(target=lambda m=m: results.append(timed_epoch(m))) for m in made]
-                    for t in threads:
-                        t.start()
-                    for t in threads:
-                        t.join()
-                    samples, seconds = sum(r[0] for r in results), max(r[1] for r in results)
+                    samples, seconds = concurrent_jobs(make, jobs)
+            job_cpu, cache_cpu, store_cpu = (b - a for a, b in zip(cpu0, _cpu_seconds(extra_pids or [], [emulator.pid])))
+            wait_cache, wait_store = (sum(_run_delay(p) for p in pids) - w
+                                      for pids, w in zip((extra_pids or [], [emulator.pid]), wait0))
+            usage = Usage(samples, seconds, job_cpu, cache_cpu, store_cpu,
+                          sum(_peak_rss_bytes(pid) for pid in extra_pids or []), memory.job_wait, wait_cache, wait_store)
             if os.environ.get("BENCH_DEBUG"):
-                job_cpu, server_cpu = (b - a for a, b in zip(cpu0, _cpu_seconds(extra_pids or [])))
-                print(f"    cpu: job {job_cpu:.2f}s, cache server {server_cpu:.2f}s", flush=True)
-            return samples / seconds, memory.peak
+                print(f"    {usage}", flush=True)
+            return samples / seconds, memory.peak, usage
 
         spreads: dict[str, list[float]] = {}
         ratios: dict[str, list[float]] = {}  # warm epoch / the local-files epoch just before it
         # The warm limit: the same workers reading the same files from tmpfs.
+        paths = [str(local / key) for key in keys]
+
         class LocalFiles(torch.utils.data.Dataset):  # type: ignore[type-arg]
+            """The files read as cheaply as a map-style dataset can: a batch per call (as silod's
+            ``__getitems__``), paths made once."""
+
             def __len__(self) -> int:
-                return len(keys)
+                return len(paths)
 
             def __getitem__(self, i: int) -> Any:
-                with open(local / keys[i], "rb") as f:
-                    return to_tensor(f.read())
+                return self.__getitems__([i])[0]
 
-        local_runs = [measure(lambda: loader_of(LocalFiles())) for _ in range(args.repeats)]
+            def __getitems__(self, indices: list[int]) -> list[Any]:
+                out = []
+                for i in indices:
+                    with open(paths[i], "rb") as f:
+                        out.append(to_tensor(f.read()))
+                return out
+
+        local_runs = sorted((measure(lambda: loader_of(LocalFiles())) for _ in range(args.repeats)), key=lambda r: r[0])
         local_rate, local_pss = statistics.median(r[0] for r in local_runs), max(r[1] for r in local_runs)
         spreads["local files"] = [r[0] for r in local_runs]
         limits = {"cold": link, "warm": local_rate, "cache=1/2": min(local_rate, 2 * link), "2 jobs": 2 * link,
                   "compute": args.batch_size / args.compute}
         table = Table(rows)
-        table.put("local files", "warm", Cell(local_rate, local_rate, local_pss))
+        table.put("local files", "warm", Cell(local_rate, local_rate, local_pss, usage=local_runs[len(local_runs) // 2][2]))
+        if "cold" in rows and "raw-gets" in loaders:
+            # What the store delivers here and now to a client that does nothing but GETs with
+            # 64 requests in flight (the lean asyncio client, in this process).
+            probe = ObjectStore(f"s3://{BUCKET}/train", {"endpoint_url": endpoint})
+            rate, pss, usage = measure(lambda: RawGets(probe, keys))
+            table.put("raw GETs", "cold", Cell(rate, link, pss, usage=usage))
+        loaders = [name for name in loaders if name != "raw-gets"]
 
         def run_rows(name: str, epoch: Callable[[str], Any], has_cache: bool, extra: Callable[[], list[int]],
                      setup: Callable[[str], None] = lambda row: None, skip: dict[str, str] | None = None) -> None:
@@ -384,33 +560,35 @@ def main() -> int:
                 try:
                     setup(row)
                     if row == "cold":
-                        rate, pss = measure(lambda: epoch("cold"), extra())
+                        rate, pss, usage = measure(lambda: epoch("cold"), extra())
                     elif row == "warm":
                         if has_cache:
                             measure(lambda: epoch("cold"), extra())  # the first epoch fills the cache
                         # Side by side: each warm epoch right after an epoch of local files, so a
                         # pair sees the same machine; the limit is the median of this loader's pairs.
                         runs, locals_ = [], []
-                        for _ in range(args.repeats):
+                        # A loader without a cache reads the store again: its warm epoch is a cold one.
+                        for _ in range(args.repeats if has_cache else 1):
                             locals_.append(measure(lambda: loader_of(LocalFiles()))[0])
                             runs.append(measure(lambda: epoch("warm" if has_cache else "cold"), extra()))
                         rate, pss = statistics.median(r[0] for r in runs), max(r[1] for r in runs)
                         spreads[name] = [r[0] for r in runs]
                         ratios[name] = [r[0] / lo for r, lo in zip(runs, locals_)]
-                        table.put(name, row, Cell(rate, statistics.median(locals_), pss))
+                        middle = sorted(runs, key=lambda r: r[0])[len(runs) // 2][2]
+                        table.put(name, row, Cell(rate, statistics.median(locals_), pss, usage=middle))
                         continue
                     elif row == "cache=1/2":
                         if has_cache:
                             measure(lambda: epoch("cold"), extra())  # the first epoch fills the cache
-                        rate, pss = measure(lambda: epoch("warm" if has_cache else "cold"), extra())
+                        rate, pss, usage = measure(lambda: epoch("warm" if has_cache else "cold"), extra())
                     elif row == "2 jobs":
-                        rate, pss = measure(lambda: epoch("cold"), extra(), jobs=2)
+                        rate, pss, usage = measure(lambda: epoch("cold"), extra(), jobs=2)
                     else:
                         if has_cache:
                             measure(lambda: epoch("cold"), extra())
-                        rate, pss = measure(lambda: epoch("warm"), extra(), compute=args.compute,
-                                            max_batches=args.compute_batches)
-                    table.put(name, row, Cell(rate, limits[row], pss))
+                        rate, pss, usage = measure(lambda: epoch("warm"), extra(), compute=args.compute,
+                                                   max_batches=args.compute_batches)
+                    table.put(name, row, Cell(rate, limits[row], pss, usage=usage))
                 except Exception as exc:  # noqa: BLE001 -- one broken loader must not hide the others
                     table.put(name, row, Cell(note=f"failed: {type(exc).__name__}"))
                     print(f"    {name} {row}: {type(exc).__name__}: {exc}", flush=True)

@@ -34,6 +34,7 @@ from cache_server.tiers import Entry, Tier, entry_name, is_no_space
 from services.runtime.downstream import translate
 from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from silod.data.catalog import Manifest, ManifestNotFound
+from silod.rpc import identifiers
 from silod.data.keys import key_problem
 from silod.data.shards import SampleRange, parse_sample_key
 from silod.data.store import (
@@ -48,6 +49,7 @@ from silod.data.store import (
 _log = logging.getLogger("silod.cache")
 
 MAX_KEYS_PER_CALL = 4096
+MAX_RELEASES_PER_CALL = 64
 MAX_PREFETCH_KEYS = 1 << 20
 _TAR_GAP = 1024  # bytes between two samples of a shard: block padding (< 512) and nothing else
 
@@ -213,7 +215,13 @@ class CacheCore:
         # counter (os.urandom per admission released the GIL to 64 fetch threads every time).
         self._admission_prefix = secrets.token_hex(3)
         self._admissions = itertools.count()
+        # Remote reads in flight: threads for file:// and s3fs, slots on the loop for the lean client.
         self._remote_pool = ThreadPoolExecutor(max(1, config.remote_concurrency), thread_name_prefix="cache-remote")
+        self._remote_slots = asyncio.Semaphore(max(1, config.remote_concurrency))
+        # Prefetches of all jobs together take at most half of them: a Lease's misses (a batch
+        # waiting) always find slots. Two jobs' prefetches once held all 64 and their 4 MiB runs
+        # made every miss of both jobs queue behind them.
+        self._prefetch_slots = asyncio.Semaphore(max(1, config.remote_concurrency // 2))
         self._file_pool = ThreadPoolExecutor(4, thread_name_prefix="cache-file")
         self._background: set[asyncio.Task[Any]] = set()
         self._warned: set[str] = set()
@@ -247,8 +255,9 @@ class CacheCore:
             os.makedirs(self._transient_dir, exist_ok=True)
         self._spawn(self._sweep_leases())
         self._spawn(self._scrub())
-        # s3fs/aiobotocore take ~0.5 s of CPU to import: not on the first job's first miss.
-        self._spawn(loop.run_in_executor(self._remote_pool, _import_store_clients))
+        # The lean S3 client's import (botocore's credentials: ~0.2 s of CPU) is not paid on the
+        # first job's first miss; s3fs's only when a dataset needs it (_load_dataset).
+        self._spawn(loop.run_in_executor(self._remote_pool, _import_store_clients, False))
         self._started = True
         self._update_gauges()
 
@@ -264,6 +273,9 @@ class CacheCore:
         for lease_id in list(self._leases):
             self.release(lease_id)
         self._remote_pool.shutdown(wait=False, cancel_futures=True)
+        for ds in self._datasets.values():
+            with contextlib.suppress(Exception):
+                await ds.store.aclose()
         self._file_pool.shutdown(wait=True)
         for tier in self.tiers:
             tier.close()
@@ -437,7 +449,9 @@ class CacheCore:
         a busy machine, counted in the job's run time)."""
         try:
             ds = await self._dataset(name)
-            if len(ds.manifest):
+            if len(ds.manifest) and ds.store.reads_async:
+                await ds.store.current_tag_async(ds.manifest.keys[0])
+            elif len(ds.manifest):
                 await asyncio.get_running_loop().run_in_executor(
                     self._remote_pool, ds.store.current_tag, ds.manifest.keys[0])
         except Exception as exc:  # the job's own calls report any problem
@@ -526,8 +540,13 @@ class CacheCore:
                 )
             except StoreConfigError as exc:
                 raise FailedPrecondition(f"dataset {name!r} cannot be read: {exc}", field="dataset") from None
+            if store.scheme == "s3" and not store.reads_async:
+                # s3fs/aiobotocore take ~0.5 s of CPU to import: in the background, now.
+                self._spawn(asyncio.get_running_loop().run_in_executor(self._remote_pool, _import_store_clients, True))
             ds = DatasetState(manifest, store, old.cost if old else FetchCostModel(), time.monotonic())
             self._datasets[name] = ds
+            if old is not None and old.store is not store:
+                self._spawn(self._close_later(old.store))
             if old is not None and old.manifest.version != manifest.version:
                 _log.info("manifest replaced", extra={"dataset": name, "from_version": old.manifest.version,
                                                       "to_version": manifest.version})
@@ -538,6 +557,13 @@ class CacheCore:
             raise
         finally:
             self._loading.pop(name, None)
+
+    async def _close_later(self, store: ObjectStore) -> None:
+        """Close a replaced manifest's store connections once its fetches in flight are over."""
+        try:
+            await asyncio.sleep(self.config.remote_timeout_s * (self.config.remote_retries + 1) + 10.0)
+        finally:  # at stop() too
+            await store.aclose()
 
     def _resolve(self, ds: DatasetState, keys: Sequence[str]) -> list[int]:
         index = ds.manifest.index
@@ -720,22 +746,25 @@ class CacheCore:
             await job.io_granted.wait()
         if job.bucket is not None and not paid:
             await job.bucket.acquire(size)
-        loop = asyncio.get_running_loop()
         started = time.monotonic()
-        # The store bounds each attempt; this bounds the whole retry sequence (a hung mount).
-        overall = self.config.remote_timeout_s * (self.config.remote_retries + 1) + 10.0
-        try:
-            data = await asyncio.wait_for(
-                loop.run_in_executor(self._remote_pool, ds.store.read, key, size, etag), overall
-            )
-        except asyncio.TimeoutError:
-            raise StoreError(f"object {key!r}: no answer from the store within {overall:g}s", key) from None
+        if ds.store.reads_async:  # on this loop, no thread per fetch; the client bounds each attempt
+            async with self._remote_slots:
+                data = await ds.store.read_async(key, size, etag)
+        else:
+            # The store bounds each attempt; this bounds the whole retry sequence (a hung mount).
+            overall = self.config.remote_timeout_s * (self.config.remote_retries + 1) + 10.0
+            try:
+                async with asyncio.timeout(overall):
+                    data = await asyncio.get_running_loop().run_in_executor(
+                        self._remote_pool, ds.store.read, key, size, etag)
+            except TimeoutError:
+                raise StoreError(f"object {key!r}: no answer from the store within {overall:g}s", key) from None
         ds.cost.observe(len(data), time.monotonic() - started)
         job.remote_bytes += len(data)
         job.meter.add(len(data))
         label = metrics.job_label(job.job_id)
-        metrics.REMOTE_BYTES.labels(job=label).inc(len(data))
-        metrics.REMOTE_FETCHES.labels(job=label).inc()
+        self._child(metrics.REMOTE_BYTES, label).inc(len(data))
+        self._child(metrics.REMOTE_FETCHES, label).inc()
         return data
 
     def _place(self, size: int, now: float) -> Tier | None:
@@ -796,7 +825,6 @@ class CacheCore:
         current.add(entry, time.monotonic())
         tier.journal_put(entry)
         self._enforce(current)
-        self._update_gauges()
         if tier.journal_needs_compaction(len(self._index)):
             snapshot = [e for e in self._index.values() if e.tier is tier]
             self._spawn(asyncio.get_running_loop().run_in_executor(self._file_pool, tier.compact, snapshot))
@@ -990,6 +1018,18 @@ class CacheCore:
             return ""
         return path
 
+    def release_all(self, lease_ids: Sequence[str]) -> int:
+        """Release the leases a Lease call names in ``release_lease_ids`` (before its own keys are
+        leased); unknown or expired ids are ignored, as by ReleaseLease. Returns how many were held."""
+        if len(lease_ids) > MAX_RELEASES_PER_CALL:
+            raise InvalidArgument(f"at most {MAX_RELEASES_PER_CALL} per call, got {len(lease_ids)}",
+                                  field="release_lease_ids")
+        for i, lease_id in enumerate(lease_ids):
+            bad = identifiers.problem(identifiers.LEASE_ID, lease_id)
+            if bad is not None:
+                raise InvalidArgument(bad, field=f"release_lease_ids[{i}]")
+        return sum(self.release(lease_id) for lease_id in lease_ids)
+
     def release(self, lease_id: str) -> bool:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
@@ -1011,6 +1051,7 @@ class CacheCore:
             await asyncio.sleep(1.0)
             for tier in self.tiers:
                 tier.flush_journal()
+            self._update_gauges()  # once a second, not per admitted object
             now = time.monotonic()
             for lease_id in [lid for lid, lease in self._leases.items() if lease.expires <= now]:
                 self.release(lease_id)
@@ -1118,8 +1159,9 @@ class CacheCore:
         return int(min(self.config.prefetch_max_objects, max(self.config.prefetch_min_objects, wanted)))
 
     async def _prefetch_worker(self, job: JobState) -> None:
-        slots = asyncio.Semaphore(self.config.prefetch_concurrency if not job.preload
-                                  else max(1, self.config.remote_concurrency // 2))
+        slots = _PrefetchSlots(asyncio.Semaphore(self.config.prefetch_concurrency if not job.preload
+                                                 else max(1, self.config.remote_concurrency // 2)),
+                               self._prefetch_slots)
         tasks: set[asyncio.Task[None]] = set()
         stale_after = max(10.0, 4 * self.config.prefetch_lookahead_s)
         try:
@@ -1214,7 +1256,7 @@ class CacheCore:
         return flights
 
     async def _prefetch_run(self, job: JobState, ds: DatasetState, run: list[int],
-                            flights: list[tuple[Any, asyncio.Future[Any]]], slots: asyncio.Semaphore) -> None:
+                            flights: list[tuple[Any, asyncio.Future[Any]]], slots: _PrefetchSlots) -> None:
         try:
             await self._fetch_run(job, ds, run, flights)
         finally:
@@ -1256,7 +1298,7 @@ class CacheCore:
                     del self._inflight[flight]
 
     async def _prefetch_one(
-        self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, slots: asyncio.Semaphore
+        self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, slots: _PrefetchSlots
     ) -> None:
         try:
             entry, data = await self._obtain(job, ds, key, size, etag)
@@ -1325,9 +1367,31 @@ class CacheCore:
         return self._jobs.get(job_id)
 
 
-def _import_store_clients() -> None:
+class _PrefetchSlots:
+    """A prefetch in flight holds one of its job's slots and one of the node's."""
+
+    def __init__(self, job: asyncio.Semaphore, node: asyncio.Semaphore) -> None:
+        self.job, self.node = job, node
+
+    async def acquire(self) -> None:
+        await self.job.acquire()
+        try:
+            await self.node.acquire()
+        except BaseException:
+            self.job.release()
+            raise
+
+    def release(self) -> None:
+        self.node.release()
+        self.job.release()
+
+
+def _import_store_clients(s3fs_too: bool) -> None:
     with contextlib.suppress(ImportError):  # a server for file:// datasets only may lack them
-        import s3fs  # noqa: F401
+        import botocore.session  # noqa: F401
+
+        if s3fs_too:
+            import s3fs  # noqa: F401
 
 
 def _read_verified(entry: Entry) -> bytes | None:

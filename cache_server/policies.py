@@ -258,8 +258,8 @@ class FetchCostModel:
             self._samples[self._pos] = (nbytes, seconds)
             self._pos = (self._pos + 1) % self._window
         self._observed += 1
-        # Every 16th fetch (a full window would otherwise be refitted on every fetch: O(window) each).
-        if self._observed % 16 == 0 or self._observed < 16:
+        # Every 64th fetch (a full window would otherwise be refitted on every fetch: O(window) each).
+        if self._observed % 64 == 0 or self._observed < 16:
             self._fit()
 
     def _fit(self) -> None:

@@ -115,6 +115,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self.core = core
 
     async def Lease(self, request: cache_pb2.LeaseRequest, context: Any) -> cache_pb2.LeaseResponse:
+        if request.release_lease_ids:
+            self.core.release_all(request.release_lease_ids)
         lease, served = await self.core.lease(request.job_id, request.dataset, request.keys, request.lease_s)
         response = cache_pb2.LeaseResponse(lease_id=lease.lease_id, expires_at=_timestamp(lease.expires_wall))
         # Field by field: with the upb runtime, keyword construction of a message costs ~10x more

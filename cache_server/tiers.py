@@ -199,8 +199,11 @@ class Tier:
             raise
         os.close(fd)
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except FileNotFoundError:  # the first object of its subdirectory (cheaper than makedirs each time)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.replace(tmp, path)
         except BaseException:
             _unlink(tmp)
             raise

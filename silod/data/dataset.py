@@ -6,7 +6,8 @@ Path of a batch (``DataLoader`` calls ``__getitems__`` with the batch's indices)
    fetched by the server, hits are already local);
 2. the leased files are read directly (the memory tier lives on tmpfs, the disk tier on local
    disk: both are plain paths) -- no sample bytes pass through gRPC;
-3. the lease is released asynchronously.
+3. the lease is released by the reader's next Lease call (``release_lease_ids``), the last one
+   when the process ends: one call per batch.
 
 If the cache server cannot be reached (down, restarting, never configured) the objects are
 read from the remote store directly, verified against the manifest's version tags exactly as
@@ -25,9 +26,11 @@ opens its own channel lazily. Reading samples in that process itself (``num_work
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.context
+import multiprocessing.util
 import os
 import pickle
 import queue
@@ -200,6 +203,8 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self._pool: ThreadPoolExecutor | None = None
         self._fallback_since: float | None = None
         self._background: _Background | None = None
+        self._done_leases: list[str] = []  # read, not released yet: the next Lease releases them
+        self._exit_hook = False
         self.counters = collections.Counter()
 
     def _ensure_process(self) -> None:
@@ -219,7 +224,24 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             self._channel = open_channel(self.cache_addr, token=self.token, default_timeout_s=self.timeout_s,
                                          own_connection=True)
             self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
+            if not self._exit_hook:
+                # The last lease of a DataLoader worker has no next Lease to release it: release it
+                # when the process ends (multiprocessing runs its finalizers in every exiting child).
+                multiprocessing.util.Finalize(None, self._release_done, args=(weakref.ref(self),), exitpriority=0)
+                self._exit_hook = True
         return self._stub
+
+    @staticmethod
+    def _release_done(ref: Any) -> None:
+        self = ref()
+        if self is None or not self._done_leases or self._stub is None or self._pid != os.getpid():
+            return
+        from silod.v1 import cache_pb2
+
+        for lease_id in self._done_leases:
+            with contextlib.suppress(Exception):
+                self._stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=lease_id), timeout=1)
+        self._done_leases = []
 
     def _direct_store(self) -> ObjectStore:
         if self._store is None:
@@ -231,6 +253,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         for name in ("_channel", "_stub", "_store", "_pool", "_background"):
             state[name] = None
         state["_pid"] = 0
+        state["_done_leases"], state["_exit_hook"] = [], False
         if multiprocessing.context.get_spawning_popen() is None:
             state["_fallback_logged"] = None  # only shareable with processes being spawned
         return state
@@ -322,10 +345,13 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         keys = [self.manifest.keys[p] for p in positions]
         stub = self._cache_stub()
         try:
+            # The previous batch's lease is released by this call (one call per batch, not two).
             response = stub.Lease(
-                cache_pb2.LeaseRequest(job_id=self.job_id, dataset=self.name, keys=keys, lease_s=self.lease_s),
+                cache_pb2.LeaseRequest(job_id=self.job_id, dataset=self.name, keys=keys, lease_s=self.lease_s,
+                                       release_lease_ids=self._done_leases),
                 timeout=self.timeout_s,
             )
+            self._done_leases = []
         except grpc.RpcError as exc:
             if exc.code() in _DOWN_CODES and not _server_side(exc):
                 raise _CacheDown(f"{exc.code().name}: {exc.details()}") from None
@@ -352,8 +378,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
                 else:
                     out.append(data if transform is None else transform(data))
         finally:
-            request = cache_pb2.ReleaseLeaseRequest(lease_id=response.lease_id)
-            self._in_background(lambda: stub.ReleaseLease(request, timeout=30))
+            self._done_leases.append(response.lease_id)
         self.counters["leased"] += len(keys)
         self.counters["lease_calls"] += 1
         if holes:

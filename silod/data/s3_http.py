@@ -23,6 +23,7 @@ it does not understand (``endpoint_url``, ``region``); everything else goes thro
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import hashlib
 import hmac
@@ -53,8 +54,9 @@ def usable(options: dict[str, str]) -> bool:
     return set(options) <= OPTIONS and bool(options.get("endpoint_url"))
 
 
-class S3Http:
-    """Requests to one S3 endpoint (path-style: ``<endpoint>/<bucket>/<key>``). Thread-safe."""
+class _Endpoint:
+    """One S3 endpoint (path-style: ``<endpoint>/<bucket>/<key>``): its address, region and
+    credentials, and request signing (shared by the blocking and the asyncio client)."""
 
     def __init__(self, endpoint_url: str, region: str = "", timeout_s: float = 30.0) -> None:
         parsed = urllib.parse.urlsplit(endpoint_url)
@@ -69,64 +71,10 @@ class S3Http:
         self.region = region or _default_region()
         self.timeout_s = timeout_s
         self._credentials = _credentials()
-        self._local = threading.local()
         self._keys: dict[tuple[str, str], bytes] = {}
 
-    # -- requests -------------------------------------------------------------------------------
-
-    def get(self, bucket: str, key: str, start: int = 0, length: int = -1, if_match: str = "") -> tuple[bytes, str]:
-        """(body, ETag without quotes) of ``key``, bytes ``start .. start+length-1`` if ``length`` > 0."""
-        headers = {}
-        if length > 0:
-            headers["Range"] = f"bytes={start}-{start + length - 1}"
-        if if_match:
-            headers["If-Match"] = f'"{if_match}"'
-        status, response_headers, body = self._request("GET", bucket, key, headers)
-        if status not in (200, 206):
-            raise _error(status, body)
-        return body, response_headers.get("etag", "").strip('"')
-
-    def head(self, bucket: str, key: str) -> str:
-        """The ETag (without quotes) of ``key``."""
-        status, headers, body = self._request("HEAD", bucket, key, {})
-        if status != 200:
-            raise S3HttpError(status, "NoSuchKey" if status == 404 else "", "HEAD failed")
-        return headers.get("etag", "").strip('"')
-
-    def _request(self, method: str, bucket: str, key: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
-        path = f"{self.base_path}/{urllib.parse.quote(bucket, safe='')}/{urllib.parse.quote(key, safe='/~')}"
-        headers = {**headers, **self._sign(method, path)}
-        for attempt in (0, 1):
-            conn, fresh = self._connection()
-            try:
-                conn.request(method, path, headers=headers)
-                response = conn.getresponse()
-                body = response.read()
-                got = {k.lower(): v for k, v in response.getheaders()}
-                if response.will_close:
-                    self._drop()
-                return response.status, got, body
-            except (http.client.HTTPException, OSError) as exc:
-                self._drop()
-                # A kept-alive connection the server closed meanwhile fails at once: one fresh try.
-                if fresh or attempt:
-                    raise S3ConnectionError(f"{method} {self.host_header}{path}: {type(exc).__name__}: {exc}") from exc
-        raise AssertionError("unreachable")
-
-    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            return conn, False
-        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-        conn = cls(self.host, self.port, timeout=self.timeout_s)
-        self._local.conn = conn
-        return conn, True
-
-    def _drop(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None:
-            conn.close()
+    def _path(self, bucket: str, key: str) -> str:
+        return f"{self.base_path}/{urllib.parse.quote(bucket, safe='')}/{urllib.parse.quote(key, safe='/~')}"
 
     # -- Signature Version 4 ------------------------------------------------------------------------
 
@@ -162,6 +110,188 @@ class S3Http:
                 key = hmac.new(key, part.encode(), hashlib.sha256).digest()
             cached = self._keys[(secret, day)] = key
         return cached
+
+
+
+class S3Http(_Endpoint):
+    """Blocking requests, one keep-alive connection per thread. Thread-safe."""
+
+    def __init__(self, endpoint_url: str, region: str = "", timeout_s: float = 30.0) -> None:
+        super().__init__(endpoint_url, region, timeout_s)
+        self._local = threading.local()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def get(self, bucket: str, key: str, start: int = 0, length: int = -1, if_match: str = "") -> tuple[bytes, str]:
+        """(body, ETag without quotes) of ``key``, bytes ``start .. start+length-1`` if ``length`` > 0."""
+        status, response_headers, body = self._request("GET", bucket, key, _get_headers(start, length, if_match))
+        if status not in (200, 206):
+            raise _error(status, body)
+        return body, response_headers.get("etag", "").strip('"')
+
+    def head(self, bucket: str, key: str) -> str:
+        """The ETag (without quotes) of ``key``."""
+        status, headers, _ = self._request("HEAD", bucket, key, {})
+        return _head_etag(status, headers)
+
+    def _request(self, method: str, bucket: str, key: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+        path = self._path(bucket, key)
+        headers = {**headers, **self._sign(method, path)}
+        for attempt in (0, 1):
+            conn, fresh = self._connection()
+            try:
+                conn.request(method, path, headers=headers)
+                response = conn.getresponse()
+                body = response.read()
+                got = {k.lower(): v for k, v in response.getheaders()}
+                if response.will_close:
+                    self._drop()
+                return response.status, got, body
+            except (http.client.HTTPException, OSError) as exc:
+                self._drop()
+                # A kept-alive connection the server closed meanwhile fails at once: one fresh try.
+                if fresh or attempt:
+                    raise S3ConnectionError(f"{method} {self.host_header}{path}: {type(exc).__name__}: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn, False
+        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        conn = cls(self.host, self.port, timeout=self.timeout_s)
+        self._local.conn = conn
+        return conn, True
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
+
+
+class AsyncS3Http(_Endpoint):
+    """The same requests on an asyncio event loop, over keep-alive connections of its own (at
+    most ``connections``), with asyncio's streams: for the cache server, whose remote reads then
+    need no thread each. Measured against the store emulator (3,000 GETs of 114 KB, 64 at a
+    time): ~0.2 ms of CPU a GET here, ~0.3 ms through aiohttp's client (its request and
+    response objects, a timer per received chunk), ~0.5 ms with :class:`S3Http` in 64 threads
+    (the GIL handed back and forth on every receive). HTTP/1.1 as S3 answers: a body of
+    ``Content-Length`` bytes, chunked, or up to the end of the connection. Bound to the loop it
+    is first used on; :meth:`close` it on that loop.
+    """
+
+    def __init__(self, endpoint_url: str, region: str = "", timeout_s: float = 30.0, connections: int = 128) -> None:
+        super().__init__(endpoint_url, region, timeout_s)
+        self.connections = connections
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []  # LIFO: the warmest first
+        self._slots: asyncio.Semaphore | None = None
+
+    async def get(self, bucket: str, key: str, start: int = 0, length: int = -1,
+                  if_match: str = "") -> tuple[bytes, str]:
+        """As :meth:`S3Http.get`."""
+        status, headers, body = await self._request("GET", bucket, key, _get_headers(start, length, if_match))
+        if status not in (200, 206):
+            raise _error(status, body)
+        return body, headers.get("etag", "").strip('"')
+
+    async def head(self, bucket: str, key: str) -> str:
+        """As :meth:`S3Http.head`."""
+        status, headers, _ = await self._request("HEAD", bucket, key, {})
+        return _head_etag(status, headers)
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for _, writer in idle:
+            writer.close()
+
+    async def _request(self, method: str, bucket: str, key: str,
+                       headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+        path = self._path(bucket, key)
+        head = "".join(f"{name}: {value}\r\n" for name, value in {**headers, **self._sign(method, path)}.items())
+        request = f"{method} {path} HTTP/1.1\r\n{head}\r\n".encode("latin-1")
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.connections)
+        async with self._slots:
+            for attempt in (0, 1):
+                while self._idle and self._idle[-1][0].at_eof():  # closed by the server while idle
+                    self._idle.pop()[1].close()
+                reused = bool(self._idle) and not attempt
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        reader, writer = self._idle.pop() if reused else await self._connect()
+                        try:
+                            writer.write(request)
+                            status, got, body, keep = await _response(reader, method)
+                        except BaseException:
+                            writer.close()
+                            raise
+                except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
+                        TimeoutError) as exc:
+                    # A kept-alive connection the server closed meanwhile fails at once: one fresh try.
+                    if reused and not isinstance(exc, TimeoutError):
+                        continue
+                    raise S3ConnectionError(f"{method} {self.host_header}{path}: {type(exc).__name__}: {exc}") from exc
+                if keep:
+                    self._idle.append((reader, writer))
+                else:
+                    writer.close()
+                return status, got, body
+        raise AssertionError("unreachable")
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if not self.https:
+            return await asyncio.open_connection(self.host, self.port, limit=_BUFFER_LIMIT)
+        import ssl
+
+        return await asyncio.open_connection(self.host, self.port, limit=_BUFFER_LIMIT,
+                                             ssl=ssl.create_default_context(), server_hostname=self.host)
+
+
+# Bytes a connection buffers before it stops reading from the socket (asyncio pauses at twice
+# this): a coalesced ranged read of a shard (4 MiB) is received without pausing.
+_BUFFER_LIMIT = 4 << 20
+
+
+async def _response(reader: asyncio.StreamReader, method: str) -> tuple[int, dict[str, str], bytes, bool]:
+    """(status, headers with lower-case names, body, connection reusable) of one HTTP/1.1 answer."""
+    lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    version, status_text = lines[0].split(" ", 2)[:2]
+    status = int(status_text)
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
+    if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+        return status, headers, b"", keep
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        chunks = []
+        while size := int((await reader.readline()).split(b";", 1)[0], 16):
+            chunks.append(await reader.readexactly(size))
+            await reader.readexactly(2)  # the CRLF after each chunk
+        while (await reader.readline()) not in (b"\r\n", b""):  # trailers
+            pass
+        return status, headers, b"".join(chunks), keep
+    if "content-length" in headers:
+        return status, headers, await reader.readexactly(int(headers["content-length"])), keep
+    return status, headers, await reader.read(), False  # delimited by the end of the connection
+
+
+def _get_headers(start: int, length: int, if_match: str) -> dict[str, str]:
+    headers = {}
+    if length > 0:
+        headers["Range"] = f"bytes={start}-{start + length - 1}"
+    if if_match:
+        headers["If-Match"] = f'"{if_match}"'
+    return headers
+
+
+def _head_etag(status: int, headers: Any) -> str:
+    if status != 200:
+        raise S3HttpError(status, "NoSuchKey" if status == 404 else "", "HEAD failed")
+    return str(headers.get("etag", "")).strip('"')
 
 
 def _credentials() -> Any:

@@ -21,12 +21,13 @@ environment (variables, shared config, instance role); options that look like se
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from silod.data import s3_http
@@ -128,7 +129,8 @@ class ObjectStore:
     """Verified reads of one dataset's objects. Thread-safe; safe to use after ``fork``.
 
     ``timeout_s`` bounds one attempt; ``retries`` more attempts follow a transient failure,
-    ``backoff_s * 2**n`` apart (with jitter, at most ``max_backoff_s``).
+    ``backoff_s * 2**n`` apart (with jitter, at most ``max_backoff_s``). ``max_connections``
+    bounds the connections of :meth:`read_async` (the lean ``s3://`` client on an event loop).
     """
 
     def __init__(
@@ -141,6 +143,8 @@ class ObjectStore:
         backoff_s: float = 0.1,
         max_backoff_s: float = 5.0,
         sleep: Callable[[float], None] = time.sleep,
+        async_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        max_connections: int = MAX_POOL_CONNECTIONS,
     ) -> None:
         self.uri = uri
         self.scheme, rest = parse_uri(uri)
@@ -149,12 +153,15 @@ class ObjectStore:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._sleep = sleep
+        self._async_sleep = async_sleep
+        self.max_connections = max_connections
         self._options = dict(storage_options or {})
         self._lock = threading.Lock()
         self._fs: Any = None
         self._fs_pid = 0
         self._http: s3_http.S3Http | None = None
         self._http_pid = 0
+        self._async: s3_http.AsyncS3Http | None = None
         if self.scheme == "file":
             if not rest.startswith("/"):
                 raise StoreConfigError(f"uri: file:// needs an absolute path, got {uri!r}")
@@ -175,14 +182,7 @@ class ObjectStore:
 
     def read(self, key: str, size: int = -1, etag: str = "") -> bytes:
         """The bytes of ``key``; if ``etag``/``size`` are given they must match (else ObjectChanged)."""
-        try:
-            check_key(key)
-        except BadKey as exc:
-            raise ObjectOutsideRoot(f"key {key!r} {exc}", key) from None
-        # A sample of a sharded dataset (silod.data.shards) is a byte range of its shard, which
-        # carries the version tag.
-        sample = parse_sample_key(key)
-        obj, start, length = (sample.shard, sample.offset, sample.length) if sample else (key, 0, -1)
+        obj, start, length = self._locate(key)
         attempt = 0
         while True:
             try:
@@ -190,29 +190,78 @@ class ObjectStore:
                     data = self._read_file(obj, etag, start, length)
                 else:
                     data = self._read_s3(obj, etag, start, length)
-                if size >= 0 and len(data) != size:
-                    raise ObjectChanged(key, f"{size} bytes", f"{len(data)} bytes")
-                return data
-            except (ObjectChanged, ObjectOutsideRoot, ObjectMissing, StoreConfigError):
-                raise
-            except _ChangedWhileReading:
-                error: Exception = StoreUnavailable(f"object {key!r} kept changing while being read", key)
-            except PermissionError as exc:
-                raise StoreError(f"object {key!r}: permission denied: {exc}", key) from exc
-            except Exception as exc:
-                if not _transient(exc):
-                    raise
-                error = exc
-            if attempt >= self.retries:
-                if isinstance(error, StoreError):
-                    raise error
-                raise StoreUnavailable(
-                    f"object {key!r}: store unavailable after {attempt + 1} attempts: {type(error).__name__}: {error}",
-                    key,
-                ) from error
-            delay = min(self.max_backoff_s, self.backoff_s * (2**attempt)) * random.uniform(0.5, 1.0)
+                return _sized(key, data, size)
+            except Exception as exc:  # noqa: BLE001 -- _retry_delay re-raises what is final
+                delay = self._retry_delay(key, exc, attempt)
             attempt += 1
             self._sleep(delay)
+
+    @property
+    def reads_async(self) -> bool:
+        """Whether :meth:`read_async` reads on the caller's event loop (``s3://`` through the lean
+        client); otherwise call :meth:`read` in a thread."""
+        return self.scheme == "s3" and self.lean
+
+    async def read_async(self, key: str, size: int = -1, etag: str = "") -> bytes:
+        """:meth:`read` on an asyncio loop, without a thread (only where :attr:`reads_async`): the
+        same checks, retries and backoff. Use it from one loop; :meth:`aclose` on that loop."""
+        if not self.reads_async:
+            raise StoreConfigError(f"{self.uri}: no asyncio reads for this store; call read() in a thread")
+        obj, start, length = self._locate(key)
+        attempt = 0
+        while True:
+            try:
+                return _sized(key, await self._read_s3_async(obj, etag, start, length), size)
+            except Exception as exc:  # noqa: BLE001 -- _retry_delay re-raises what is final
+                delay = self._retry_delay(key, exc, attempt)
+            attempt += 1
+            await self._async_sleep(delay)
+
+    async def current_tag_async(self, key: str) -> str:
+        """:meth:`current_tag` on an asyncio loop (only where :attr:`reads_async`)."""
+        sample = parse_sample_key(key)
+        obj = sample.shard if sample is not None else key
+        try:
+            return await self._async_http().head(self.bucket, self._s3_key(obj))
+        except s3_http.S3HttpError as exc:
+            raise self._http_head_failure(obj, exc) from None
+
+    async def aclose(self) -> None:
+        """Close the asyncio client's connections (if :meth:`read_async` opened any)."""
+        if self._async is not None:
+            client, self._async = self._async, None
+            await client.close()
+
+    def _locate(self, key: str) -> tuple[str, int, int]:
+        """(object, start, length) of ``key``: a sample of a sharded dataset (silod.data.shards) is
+        a byte range of its shard, which carries the version tag; anything else a whole object."""
+        try:
+            check_key(key)
+        except BadKey as exc:
+            raise ObjectOutsideRoot(f"key {key!r} {exc}", key) from None
+        sample = parse_sample_key(key)
+        return (sample.shard, sample.offset, sample.length) if sample else (key, 0, -1)
+
+    def _retry_delay(self, key: str, exc: Exception, attempt: int) -> float:
+        """Seconds to wait before the next attempt after ``exc``; raises what is final (a changed,
+        missing or refused object, a bug, or the last attempt's failure)."""
+        if isinstance(exc, (ObjectChanged, ObjectOutsideRoot, ObjectMissing, StoreConfigError)):
+            raise exc
+        error: Exception = exc
+        if isinstance(exc, _ChangedWhileReading):
+            error = StoreUnavailable(f"object {key!r} kept changing while being read", key)
+        elif isinstance(exc, PermissionError):
+            raise StoreError(f"object {key!r}: permission denied: {exc}", key) from exc
+        elif not _transient(exc):
+            raise exc
+        if attempt >= self.retries:
+            if isinstance(error, StoreError):
+                raise error
+            raise StoreUnavailable(
+                f"object {key!r}: store unavailable after {attempt + 1} attempts: {type(error).__name__}: {error}",
+                key,
+            ) from error
+        return min(self.max_backoff_s, self.backoff_s * (2**attempt)) * random.uniform(0.5, 1.0)
 
     def current_tag(self, key: str) -> str:
         """The version tag the store has now for ``key`` (for messages and manifest refresh)."""
@@ -333,13 +382,23 @@ class ObjectStore:
                 self._http_pid = os.getpid()
             return self._http
 
+    def _async_http(self) -> s3_http.AsyncS3Http:
+        if self._async is None:
+            self._async = s3_http.AsyncS3Http(self._options["endpoint_url"],
+                                              self._options.get("region") or self._options.get("region_name", ""),
+                                              self.timeout_s, self.max_connections)
+        return self._async
+
     def _http_head(self, key: str) -> str:
         try:
             return self._s3_http().head(self.bucket, self._s3_key(key))
         except s3_http.S3HttpError as exc:
-            if exc.status == 404:
-                raise ObjectMissing(f"object {key!r} does not exist in {self.uri}", key) from None
-            raise self._http_failure(key, exc) from None
+            raise self._http_head_failure(key, exc) from None
+
+    def _http_head_failure(self, key: str, exc: s3_http.S3HttpError) -> Exception:
+        if exc.status == 404:
+            return ObjectMissing(f"object {key!r} does not exist in {self.uri}", key)
+        return self._http_failure(key, exc)
 
     def _http_failure(self, key: str, exc: s3_http.S3HttpError) -> Exception:
         if exc.status >= 500 or exc.status in (408, 429):
@@ -353,20 +412,44 @@ class ObjectStore:
             try:
                 data, actual = self._s3_http().get(self.bucket, self._s3_key(key), start, length, etag)
             except s3_http.S3HttpError as exc:
-                if exc.status == 404:
-                    raise ObjectMissing(f"object {key!r} does not exist in {self.uri}", key) from None
-                if exc.status == 412:
-                    raise ObjectChanged(key, etag, self._http_head(key)) from None
-                if exc.status == 416:
-                    raise ObjectChanged(key, f"at least {start + length} bytes", "fewer bytes") from None
-                raise self._http_failure(key, exc) from None
-            if etag and actual != etag:
-                raise ObjectChanged(key, etag, actual)
-            return data
+                current = self._http_head(key) if exc.status == 412 else ""
+                raise self._http_get_failure(key, exc, etag, start, length, current) from None
+            return _checked(key, data, etag, actual)
         data, actual = self._s3_sync(self._s3_get, key, etag, start, length)
-        if etag and actual != etag:  # a server that ignores If-Match still reports what it sent
-            raise ObjectChanged(key, etag, actual)
-        return bytes(data)
+        return bytes(_checked(key, data, etag, actual))
+
+    async def _read_s3_async(self, key: str, etag: str, start: int = 0, length: int = -1) -> bytes:
+        try:
+            data, actual = await self._async_http().get(self.bucket, self._s3_key(key), start, length, etag)
+        except s3_http.S3HttpError as exc:
+            current = await self.current_tag_async(key) if exc.status == 412 else ""
+            raise self._http_get_failure(key, exc, etag, start, length, current) from None
+        return _checked(key, data, etag, actual)
+
+    def _http_get_failure(self, key: str, exc: s3_http.S3HttpError, etag: str, start: int, length: int,
+                          current: str) -> Exception:
+        """What a refused GET means; ``current``: the version the store has (read after a 412)."""
+        if exc.status == 404:
+            return ObjectMissing(f"object {key!r} does not exist in {self.uri}", key)
+        if exc.status == 412:
+            return ObjectChanged(key, etag, current)
+        if exc.status == 416:
+            return ObjectChanged(key, f"at least {start + length} bytes", "fewer bytes")
+        return self._http_failure(key, exc)
+
+
+def _sized(key: str, data: bytes, size: int) -> bytes:
+    if size >= 0 and len(data) != size:
+        raise ObjectChanged(key, f"{size} bytes", f"{len(data)} bytes")
+    return data
+
+
+def _checked(key: str, data: bytes, etag: str, actual: str) -> bytes:
+    """``data`` if the store says it sent version ``etag`` (a store that ignores If-Match still
+    reports the version it sent)."""
+    if etag and actual != etag:
+        raise ObjectChanged(key, etag, actual)
+    return data
 
 
 class _ChangedWhileReading(Exception):

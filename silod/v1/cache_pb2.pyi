@@ -27,6 +27,7 @@ class LeaseRequest(_message.Message):
     DATASET_FIELD_NUMBER: _builtins.int
     KEYS_FIELD_NUMBER: _builtins.int
     LEASE_S_FIELD_NUMBER: _builtins.int
+    RELEASE_LEASE_IDS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """reader; quotas and IO limits are per job"""
     dataset: _builtins.str
@@ -37,6 +38,13 @@ class LeaseRequest(_message.Message):
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """object keys, 1..4096 per call"""
 
+    @_builtins.property
+    def release_lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Leases the caller is done with, released before this call's keys are leased: a reader that
+        leases batch after batch releases the previous one here instead of calling ReleaseLease
+        (one call per batch instead of two). At most 64; unknown or expired ids are ignored.
+        """
+
     def __init__(
         self,
         *,
@@ -44,10 +52,11 @@ class LeaseRequest(_message.Message):
         dataset: _builtins.str = ...,
         keys: _abc.Iterable[_builtins.str] | None = ...,
         lease_s: _builtins.float = ...,
+        release_lease_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataset", b"dataset", "job_id", b"job_id", "keys", b"keys", "lease_s", b"lease_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataset", b"dataset", "job_id", b"job_id", "keys", b"keys", "lease_s", b"lease_s", "release_lease_ids", b"release_lease_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

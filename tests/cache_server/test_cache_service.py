@@ -551,3 +551,44 @@ def test_a_dataset_named_by_the_plan_is_loaded_before_its_readers_first_call(
         while name not in cache.core._datasets and time.monotonic() < deadline:
             time.sleep(0.05)
         assert name in cache.core._datasets and "not-registered" not in cache.core._datasets
+
+
+def test_prefetches_of_all_jobs_leave_half_the_remote_slots_to_lease_misses(
+    tmp_path: Path, metadata: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two jobs prefetching at once hold at most remote_concurrency / 2 remote reads together
+    (each alone could hold prefetch_concurrency), so a batch's misses start at once instead of
+    queueing behind them."""
+    from silod.data.store import ObjectStore
+
+    root = tmp_path / "store"
+    files = make_dataset(root, 300, 1000, seed=41)
+    register(metadata, "slots", f"file://{root}")
+    keys = sorted(files)
+    lock, state = threading.Lock(), {"now": 0, "most": 0}
+    read = ObjectStore.read
+
+    def slow_read(self: ObjectStore, key: str, size: int = -1, etag: str = "") -> bytes:
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        try:
+            time.sleep(0.05)
+            return read(self, key, size, etag)
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    monkeypatch.setattr(ObjectStore, "read", slow_read)
+    with InProcessCache(tmp_path, metadata, remote_concurrency=8, prefetch_concurrency=8) as cache:
+        for job, part in (("a", keys[:130]), ("b", keys[130:260])):
+            cache.stub.Prefetch(cache_pb2.PrefetchRequest(job_id=job, dataset="slots", keys=part))
+        time.sleep(0.3)
+        prefetch_most = state["most"]
+        started = time.monotonic()
+        response = cache.lease("c", "slots", keys[260:264])  # four misses while both prefetch
+        waited = time.monotonic() - started
+        assert read_leased(response) == {k: files[k] for k in keys[260:264]}
+    # Both jobs' prefetches together: 4 reads at most, never the 8 remote threads; the misses
+    # take one read's time, not a wait behind the 260 prefetches queued (8 at a time: ~1.6 s).
+    assert prefetch_most == 4 and waited < 0.5, (prefetch_most, waited)

@@ -105,12 +105,21 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
     """503 SlowDown for the first request, then the object; 403 for keys under ``denied/``."""
 
     calls = 0
+    hang_up = False  # close the connection after the answer, although HTTP/1.1 keeps it alive
     protocol_version = "HTTP/1.1"  # keep-alive
 
     def do_GET(self) -> None:  # noqa: N802 -- http.server's naming
         type(self).calls += 1
         if self.path.startswith("/b/denied/"):
             self._send(403, b"<Error><Code>AccessDenied</Code><Message>no</Message></Error>")
+        elif self.path.startswith("/b/chunked/"):  # a body in chunks, then the end of the connection
+            self.send_response(200)
+            self.send_header("ETag", '"v1"')
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(b"3\r\npay\r\n4;ext=1\r\nload\r\n0\r\nx-trailer: 1\r\n\r\n")
+            self.close_connection = True
         elif type(self).calls == 1:
             self._send(503, b"<Error><Code>SlowDown</Code><Message>later</Message></Error>")
         else:
@@ -123,6 +132,8 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+        if type(self).hang_up:
+            self.close_connection = True
 
     def log_message(self, *args: object) -> None:
         pass
@@ -143,6 +154,71 @@ def test_throttling_is_retried_dropped_connections_renewed_and_refusals_final() 
         with pytest.raises(StoreError, match="AccessDenied"):
             store.read("denied/k")
         assert len(sleeps) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_asyncio_reads_are_verified_like_blocking_ones(bucket: str) -> None:
+    """The cache server reads lean s3:// datasets on its event loop (read_async): same checks."""
+    import asyncio
+
+    store = ObjectStore("s3://lean/data", {"endpoint_url": bucket})
+    assert store.reads_async
+    body = bytes(range(256)) * 40
+
+    async def reads() -> None:
+        etag = await store.current_tag_async("one two.tar")
+        assert etag == store.current_tag("one two.tar")
+        assert await store.read_async("one two.tar", len(body), etag) == body
+        assert await store.read_async("one two.tar#000000000300+100:s", 100, etag) == body[300:400]
+        with pytest.raises(ObjectChanged, match=f"store has '{etag}'"):  # 412, then a HEAD names the store's version
+            await store.read_async("one two.tar", len(body), "0123456789abcdef0123456789abcdef")
+        with pytest.raises(ObjectChanged, match="fewer bytes"):  # 416: the shard is shorter than the manifest says
+            await store.read_async(f"one two.tar#{len(body) + 10:012d}+100:s", 100, etag)
+        with pytest.raises(ObjectMissing, match="absent.bin"):
+            await store.read_async("absent.bin")
+        await store.aclose()
+
+    asyncio.run(reads())
+    file_store = ObjectStore("file:///tmp")
+    assert not file_store.reads_async
+    with pytest.raises(StoreError, match="in a thread"):
+        asyncio.run(file_store.read_async("x"))
+
+
+def test_asyncio_reads_retry_throttling_renew_dropped_connections_and_stop_at_refusals() -> None:
+    import asyncio
+
+    _Flaky.calls = 0
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    sleeps: list[float] = []
+
+    async def no_wait(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    store = ObjectStore("s3://b", {"endpoint_url": f"http://127.0.0.1:{server.server_address[1]}"},
+                        async_sleep=no_wait)
+
+    async def reads() -> None:
+        assert await store.read_async("k", 7, "v1") == b"payload"
+        assert len(sleeps) == 1  # one 503, one retry
+        # The server closes the connection after answering without saying so: the next read on
+        # the kept-alive connection finds it gone and reconnects at once, no backoff.
+        _Flaky.hang_up = True
+        assert await store.read_async("k", 7, "v1") == b"payload"
+        _Flaky.hang_up = False
+        assert await store.read_async("k", 7, "v1") == b"payload"
+        with pytest.raises(StoreError, match="AccessDenied"):
+            await store.read_async("denied/k")
+        assert await store.read_async("chunked/k", 7, "v1") == b"payload"
+        assert await store.read_async("k", 7, "v1") == b"payload"  # on a new connection
+        assert len(sleeps) == 1
+        await store.aclose()
+
+    try:
+        asyncio.run(reads())
     finally:
         server.shutdown()
         server.server_close()

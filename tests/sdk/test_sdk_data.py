@@ -61,6 +61,33 @@ def test_dataset_reads_through_the_cache_with_one_lease_per_batch(
         assert job.hits + job.misses == 302
 
 
+def test_each_lease_releases_the_previous_one_and_workers_release_their_last_at_exit(
+    store: tuple[str, dict[str, bytes]], tmp_path: Path, metadata: str
+) -> None:
+    """One call per batch: the reader's next Lease carries the previous lease id
+    (release_lease_ids); a DataLoader worker's last lease is released when the worker exits."""
+    name, files = store
+    with InProcessCache(tmp_path, metadata) as cache:
+        dataset = SilodDataset(name, cache_addr=cache.address, metadata_addr=metadata, job_id="rel")
+        held = lambda: cache.call(lambda: len(cache.core._leases))  # noqa: E731
+        for start in range(0, 100, 25):
+            assert dataset.read_batch(range(start, start + 25)) == [files[k] for k in dataset.keys[start:start + 25]]
+            assert held() == 1  # this batch's lease; the one before went with this call
+        assert dataset._done_leases and cache.call(lambda: dataset._done_leases[0] in cache.core._leases)
+        # DataLoader workers (forkserver: this process runs a gRPC server) each exit holding the
+        # lease of their last batch and release it then.
+        dataset._fallback_logged = None  # a fork-context lock cannot travel to forkserver children
+        loader = torch.utils.data.DataLoader(dataset, batch_size=25, num_workers=2, collate_fn=list,
+                                             multiprocessing_context="forkserver")
+        assert sum(len(batch) for batch in loader) == 300
+        assert held() == 1  # only this process's own last lease is left
+        with pytest.raises(grpc.RpcError) as refused:  # a malformed id is refused, naming it
+            cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(cache.address)).Lease(cache_pb2.LeaseRequest(
+                job_id="rel", dataset=name, keys=dataset.keys[:1], release_lease_ids=["ok-1", "../x"]), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("release_lease_ids[1]: a lease id may not contain '/'")
+
+
 def test_dataloader_workers_open_their_own_channels(
     store: tuple[str, dict[str, bytes]], tmp_path: Path, metadata: str
 ) -> None:
