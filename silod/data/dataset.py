@@ -29,7 +29,6 @@ import collections
 import contextlib
 import logging
 import multiprocessing
-import multiprocessing.context
 import multiprocessing.util
 import os
 import pickle
@@ -161,7 +160,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             import silod.rpc.channels  # noqa: F401
             import silod.v1.cache_pb2  # noqa: F401
             import silod.v1.cache_pb2_grpc  # noqa: F401
-        # Shared with forked/spawned DataLoader workers: the fallback is announced once per run.
+        # Shared with forked DataLoader workers: the fallback is announced once per run.
         self._fallback_logged: Any = multiprocessing.Value("b", 0)
         self._reset_process_state()
 
@@ -254,8 +253,10 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             state[name] = None
         state["_pid"] = 0
         state["_done_leases"], state["_exit_hook"] = [], False
-        if multiprocessing.context.get_spawning_popen() is None:
-            state["_fallback_logged"] = None  # only shareable with processes being spawned
+        # The shared "fallback logged" flag is a fork-context lock: forked workers inherit it
+        # (no pickling), and a spawn or forkserver child cannot take it at all (Python refuses
+        # to pickle it). Such children get none and log a fallback once each.
+        state["_fallback_logged"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -76,7 +76,6 @@ def test_each_lease_releases_the_previous_one_and_workers_release_their_last_at_
         assert dataset._done_leases and cache.call(lambda: dataset._done_leases[0] in cache.core._leases)
         # DataLoader workers (forkserver: this process runs a gRPC server) each exit holding the
         # lease of their last batch and release it then.
-        dataset._fallback_logged = None  # a fork-context lock cannot travel to forkserver children
         loader = torch.utils.data.DataLoader(dataset, batch_size=25, num_workers=2, collate_fn=list,
                                              multiprocessing_context="forkserver")
         assert sum(len(batch) for batch in loader) == 300
