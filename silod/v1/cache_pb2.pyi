@@ -80,7 +80,9 @@ class LeasedObject(_message.Message):
     etag: _builtins.str
     """version tag of the object served"""
     tier: _builtins.str
-    """"memory", "disk" or "remote" (fetched by this call)"""
+    """"memory", "disk", "remote" (fetched from the store by this call) or "peer" (read from the
+    cache of another node of the job by this call; not cached on this node)
+    """
     def __init__(
         self,
         *,
@@ -171,10 +173,18 @@ class ReadRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     DATASET_FIELD_NUMBER: _builtins.int
     KEYS_FIELD_NUMBER: _builtins.int
+    CACHED_ONLY_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """job id, e.g. "job-3f9c2a1b7d4e" """
     dataset: _builtins.str
     """registered dataset name"""
+    cached_only: _builtins.bool
+    """Peer read (one cache server asking another for a job of both nodes): answer from this
+    node's cache tiers only. No store read, no admission, no prefetch, never asked of further
+    peers, not counted as the job's read here. Keys that are not cached get no chunks: the
+    stream holds the cached keys only, in request order, each with its etag. A key the
+    manifest does not list is simply not cached (no manifest is loaded for this).
+    """
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """1..4096 per call"""
@@ -185,10 +195,11 @@ class ReadRequest(_message.Message):
         job_id: _builtins.str = ...,
         dataset: _builtins.str = ...,
         keys: _abc.Iterable[_builtins.str] | None = ...,
+        cached_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataset", b"dataset", "job_id", b"job_id", "keys", b"keys"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_only", b"cached_only", "dataset", b"dataset", "job_id", b"job_id", "keys", b"keys"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -203,6 +214,7 @@ class ReadChunk(_message.Message):
     DATA_FIELD_NUMBER: _builtins.int
     LAST_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
+    ETAG_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """object key relative to the dataset root"""
     offset: _builtins.int
@@ -212,7 +224,9 @@ class ReadChunk(_message.Message):
     last: _builtins.bool
     """final chunk of this key"""
     tier: _builtins.str
-    """where it was served from"""
+    """where it was served from: "memory", "disk", "remote" or "peer" """
+    etag: _builtins.str
+    """version tag of the object (every chunk of the key)"""
     def __init__(
         self,
         *,
@@ -221,10 +235,11 @@ class ReadChunk(_message.Message):
         data: _builtins.bytes = ...,
         last: _builtins.bool = ...,
         tier: _builtins.str = ...,
+        etag: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "key", b"key", "last", b"last", "offset", b"offset", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "etag", b"etag", "key", b"key", "last", b"last", "offset", b"offset", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -353,6 +368,8 @@ class JobCacheStats(_message.Message):
     REMOTE_BYTES_FIELD_NUMBER: _builtins.int
     REMOTE_IO_LIMIT_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     REMOTE_IO_RATE_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    PEER_HITS_FIELD_NUMBER: _builtins.int
+    PEER_BYTES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """job id, e.g. "job-3f9c2a1b7d4e" """
     dataset: _builtins.str
@@ -362,7 +379,7 @@ class JobCacheStats(_message.Message):
     cached_bytes: _builtins.int
     """bytes held for the job's dataset"""
     hits: _builtins.int
-    """objects served from cache"""
+    """objects served from cache (this node's or, see peer_hits, a peer's)"""
     misses: _builtins.int
     """objects fetched from remote storage"""
     hit_ratio: _builtins.float
@@ -373,6 +390,12 @@ class JobCacheStats(_message.Message):
     """bytes/s enforced token-bucket rate; 0 = unlimited"""
     remote_io_rate_bytes_per_s: _builtins.float
     """bytes/s measured recently"""
+    peer_hits: _builtins.int
+    """Objects served from the cache of another node of the job (JobCacheQuota.peers); counted in
+    hits too (hit_ratio says how much the job did not read from remote storage).
+    """
+    peer_bytes: _builtins.int
+    """bytes of those objects"""
     def __init__(
         self,
         *,
@@ -386,10 +409,12 @@ class JobCacheStats(_message.Message):
         remote_bytes: _builtins.int = ...,
         remote_io_limit_bytes_per_s: _builtins.float = ...,
         remote_io_rate_bytes_per_s: _builtins.float = ...,
+        peer_hits: _builtins.int = ...,
+        peer_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_bytes", b"cached_bytes", "dataset", b"dataset", "hit_ratio", b"hit_ratio", "hits", b"hits", "job_id", b"job_id", "misses", b"misses", "quota_bytes", b"quota_bytes", "remote_bytes", b"remote_bytes", "remote_io_limit_bytes_per_s", b"remote_io_limit_bytes_per_s", "remote_io_rate_bytes_per_s", b"remote_io_rate_bytes_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_bytes", b"cached_bytes", "dataset", b"dataset", "hit_ratio", b"hit_ratio", "hits", b"hits", "job_id", b"job_id", "misses", b"misses", "peer_bytes", b"peer_bytes", "peer_hits", b"peer_hits", "quota_bytes", b"quota_bytes", "remote_bytes", b"remote_bytes", "remote_io_limit_bytes_per_s", b"remote_io_limit_bytes_per_s", "remote_io_rate_bytes_per_s", b"remote_io_rate_bytes_per_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

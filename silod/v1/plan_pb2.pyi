@@ -385,6 +385,32 @@ class TaskAssignment(_message.Message):
 Global___TaskAssignment: _TypeAlias = TaskAssignment  # noqa: Y015
 
 @_typing.final
+class PeerCache(_message.Message):
+    """Another node of a multi-node job, whose cache server holds the job's cached samples there."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    CACHE_ADDRESS_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """node name"""
+    cache_address: _builtins.str
+    """HOST:PORT of its CacheService; empty = unknown to the scheduler"""
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        cache_address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_address", b"cache_address", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerCache: _TypeAlias = PeerCache  # noqa: Y015
+
+@_typing.final
 class JobCacheQuota(_message.Message):
     """A job's cache quota and IO rate on this node."""
 
@@ -395,6 +421,7 @@ class JobCacheQuota(_message.Message):
     CACHE_QUOTA_BYTES_FIELD_NUMBER: _builtins.int
     REMOTE_IO_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     CACHE_POLICY_FIELD_NUMBER: _builtins.int
+    PEERS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """job id, e.g. "job-3f9c2a1b7d4e" """
     dataset: _builtins.str
@@ -405,6 +432,13 @@ class JobCacheQuota(_message.Message):
     """bytes/s; 0 = none granted"""
     cache_policy: _builtins.str
     """"uniform", "lru", "lrfu-cost" or "none" (pass-through: no cache, hit ratio 0)"""
+    @_builtins.property
+    def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerCache]:
+        """The job's other nodes (GPUs or cache grants there), by name. A miss on this node is asked of
+        their caches (ReadRequest.cached_only) before the remote store: the job's cache is the union
+        of its nodes' caches, each object cached on one of them. Empty = a single-node job.
+        """
+
     def __init__(
         self,
         *,
@@ -413,10 +447,11 @@ class JobCacheQuota(_message.Message):
         cache_quota_bytes: _builtins.int = ...,
         remote_io_bytes_per_s: _builtins.int = ...,
         cache_policy: _builtins.str = ...,
+        peers: _abc.Iterable[Global___PeerCache] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_policy", b"cache_policy", "cache_quota_bytes", b"cache_quota_bytes", "dataset", b"dataset", "job_id", b"job_id", "remote_io_bytes_per_s", b"remote_io_bytes_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_policy", b"cache_policy", "cache_quota_bytes", b"cache_quota_bytes", "dataset", b"dataset", "job_id", b"job_id", "peers", b"peers", "remote_io_bytes_per_s", b"remote_io_bytes_per_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
