@@ -7,6 +7,11 @@ threads) and one for local files, so a slow store never delays local hits.
 
 Entry points besides the RPCs: :meth:`CacheCore.apply_quotas` (the plan watcher calls it with
 a NodePlan's ``cache_quotas`` and version).
+
+Multi-node jobs: a miss of a job whose quota names peers is asked of those nodes' caches first
+(cache_server/peers.py) and, if one holds it, served without being admitted here: a job's
+content on its nodes stays disjoint, so its hit ratio is that of their union. Only what no peer
+holds is read from the store (at the job's IO rate) and admitted here.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 import grpc
 
 from cache_server import metrics
+from cache_server.peers import Peer, PeerReader
 from cache_server.policies import PASS_THROUGH, PLAN_POLICIES, POLICIES, FetchCostModel, Partition, make_partition
 from cache_server.ratelimit import EventRate, RateMeter, TokenBucket
 from cache_server.tiers import Entry, Tier, entry_name, is_no_space
@@ -109,11 +115,15 @@ class JobState:
     hits: int = 0
     misses: int = 0
     remote_bytes: int = 0
+    peers: tuple[Peer, ...] = ()  # the job's other nodes (JobCacheQuota.peers): asked before the store
+    peer_hits: int = 0  # misses here served from a peer's cache (counted in hits too)
+    peer_bytes: int = 0
     # prefetch (DLCache's on-the-fly caching ahead of the job)
     queue: OrderedDict[tuple[str, str], None] = field(default_factory=OrderedDict)
     ahead: OrderedDict[tuple[str, str], float] = field(default_factory=OrderedDict)
     staged: dict[tuple[str, str], bytes] = field(default_factory=dict)
     staged_bytes: int = 0
+    staged_from_peer: set[tuple[str, str]] = field(default_factory=set)  # staged bytes a peer served: never admitted
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     worker: asyncio.Task[None] | None = None
     preload: bool = False  # node-wide preload queue: no consumption window
@@ -148,6 +158,7 @@ class JobState:
     def consumed(self, dataset: str, key: str) -> bytes | None:
         """The job read ``key``: forget it from the prefetch bookkeeping; return staged bytes."""
         item = (dataset, key)
+        self.staged_from_peer.discard(item)
         self.queue.pop(item, None)
         if self.ahead.pop(item, None) is not None:
             self.wake.set()
@@ -184,9 +195,11 @@ VersionProbe = Callable[[str], Awaitable[int]]
 
 class CacheCore:
     def __init__(
-        self, config: CacheConfig, load_manifest: ManifestLoader, probe_version: VersionProbe | None = None
+        self, config: CacheConfig, load_manifest: ManifestLoader, probe_version: VersionProbe | None = None,
+        peers: PeerReader | None = None,
     ) -> None:
         self.config = config
+        self.peers = peers  # None: misses go to the store whatever the plan says
         if config.default_policy not in POLICIES:
             raise ValueError(f"default_policy: must be one of {', '.join(POLICIES)}, got {config.default_policy!r}")
         self._load_manifest = load_manifest
@@ -272,6 +285,8 @@ class CacheCore:
                 await task
         for lease_id in list(self._leases):
             self.release(lease_id)
+        if self.peers is not None:
+            await self.peers.close()
         self._remote_pool.shutdown(wait=False, cancel_futures=True)
         for ds in self._datasets.values():
             with contextlib.suppress(Exception):
@@ -330,6 +345,10 @@ class CacheCore:
                 raise InvalidArgument(
                     f"must be >= 0, got {q.remote_io_bytes_per_s}", field=f"{where}.remote_io_bytes_per_s"
                 )
+            for j, peer in enumerate(q.peers):
+                bad = identifiers.problem(identifiers.NODE_NAME, peer.node)
+                if bad is not None:
+                    raise InvalidArgument(bad, field=f"{where}.peers[{j}].node")
             if q.cache_policy and q.cache_policy not in PLAN_POLICIES:
                 raise InvalidArgument(
                     f"must be one of {', '.join(PLAN_POLICIES)} or empty (node default), got {q.cache_policy[:40]!r}",
@@ -396,11 +415,13 @@ class CacheCore:
             if job.quota is not None and job.job_id not in new_ids:
                 job.partition = None
                 job.quota = None
+                job.peers = ()
                 job.set_limit(0, self.config.io_burst_s)
         quota_only = all(q.remote_io_bytes_per_s == 0 for q in quotas)
         for q in quotas:
             job = self._job(q.job_id)
             job.quota = q
+            job.peers = tuple(Peer(p.node, p.cache_address) for p in q.peers if p.node != self.config.node)
             if q.dataset:
                 job.dataset = q.dataset
             policy = q.cache_policy or self.config.default_policy
@@ -411,6 +432,7 @@ class CacheCore:
                 job.queue.clear()
                 job.ahead.clear()
                 job.staged.clear()
+                job.staged_from_peer.clear()
                 job.staged_bytes = 0
             if q.remote_io_bytes_per_s > 0:
                 job.set_limit(float(q.remote_io_bytes_per_s), self.config.io_burst_s)
@@ -668,6 +690,17 @@ class CacheCore:
         self._child(metrics.MISSES, label, path).inc()
         self._child(metrics.BYTES, "remote", label, path).inc(size)
 
+    def _count_peer_hit(self, job: JobState, size: int, path: str) -> None:
+        """A miss here that a peer's cache served: a hit of the job (no remote read), of no tier here."""
+        job.hits += 1
+        job.peer_hits += 1
+        job.peer_bytes += size
+        for tier in self.tiers:
+            tier.misses += 1
+        label = metrics.job_label(job.job_id)
+        self._child(metrics.HITS, "peer", label, path).inc()
+        self._child(metrics.BYTES, "peer", label, path).inc(size)
+
     def _touch(self, job: JobState, entry: Entry, now: float) -> None:
         part = entry.partition
         if part is not None:
@@ -856,18 +889,35 @@ class CacheCore:
         self._child(metrics.PASS_THROUGH, metrics.job_label(job.job_id), PASS_THROUGH).inc()
         return None, data
 
+    async def _from_peer(self, job: JobState, ds: DatasetState, key: str, size: int, etag: str) -> bytes | None:
+        """The object from the cache of one of the job's other nodes, or None: no peers, a
+        pass-through job, or none of them holds this version. Not admitted here by anyone."""
+        if self.peers is None or not job.peers or job.pass_through:
+            return None
+        if (ds.name, key, etag) in self._inflight:
+            return None  # being fetched here already (a reader of the dataset without peers): join that
+        return await self.peers.read(job.job_id, ds.name, job.peers, key, size, etag)
+
     async def _get_bytes(
         self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, where: str
-    ) -> tuple[DatasetState, Entry | None, bytes, int, str]:
-        """Obtain a missing object, following a manifest replacement once if the store changed."""
+    ) -> tuple[DatasetState, Entry | None, bytes, int, str, str]:
+        """Obtain a missing object, following a manifest replacement once if the store changed.
+
+        The last item says where it came from: "peer" (a peer's cache; not admitted) or "remote"."""
         obtain = self._fetch_uncached if job.pass_through else self._obtain
+        from_peer = (ds.name, key) in job.staged_from_peer
         staged = job.consumed(ds.name, key)
         if staged is not None and len(staged) == size and not job.pass_through:
+            if from_peer:
+                return ds, None, staged, size, etag, "peer"
             entry, data = await self._obtain(job, ds, key, size, etag, staged)
-            return ds, entry, data, size, etag
+            return ds, entry, data, size, etag, "remote"
+        peer_data = await self._from_peer(job, ds, key, size, etag)
+        if peer_data is not None:
+            return ds, None, peer_data, size, etag, "peer"
         try:
             entry, data = await obtain(job, ds, key, size, etag)
-            return ds, entry, data, size, etag
+            return ds, entry, data, size, etag, "remote"
         except ObjectChanged as exc:
             fresh = await self._reload_for_change(ds)
             pos = fresh.manifest.index.get(key)
@@ -878,7 +928,7 @@ class CacheCore:
                 entry, data = await obtain(job, fresh, key, size, etag)
             except StoreError as again:
                 raise self._store_error(again, fresh, where) from None
-            return fresh, entry, data, size, etag
+            return fresh, entry, data, size, etag, "remote"
         except StoreError as exc:
             raise self._store_error(exc, ds, where) from None
 
@@ -991,7 +1041,10 @@ class CacheCore:
             self._unpin(entry)
             if not ok:
                 self._drop_corrupt(entry)
-        ds, entry, data, size, etag = await self._get_bytes(job, ds, key, size, etag, where)
+        ds, entry, data, size, etag, source = await self._get_bytes(job, ds, key, size, etag, where)
+        if source == "peer":
+            self._count_peer_hit(job, size, "lease")
+            return Served(key, await self._write_transient(lease, data), size, etag, "peer")
         self._count_miss(job, size, "lease")
         if entry is not None and not entry.doomed:
             entry.pins += 1
@@ -1075,8 +1128,8 @@ class CacheCore:
 
     # -- Read (bytes through gRPC) ---------------------------------------------------------------------
 
-    async def read(self, job_id: str, dataset: str, keys: Sequence[str]) -> AsyncIterator[tuple[str, str, bytes]]:
-        """Yield (key, tier, bytes) in order; misses are fetched up to 16 at a time."""
+    async def read(self, job_id: str, dataset: str, keys: Sequence[str]) -> AsyncIterator[tuple[str, str, bytes, str]]:
+        """Yield (key, tier, bytes, etag) in order; misses are fetched up to 16 at a time."""
         self._check_batch(keys)
         ds = await self._dataset(dataset)
         positions = self._resolve(ds, keys)
@@ -1087,12 +1140,58 @@ class CacheCore:
         for start in range(0, len(keys), window):
             batch = range(start, min(len(keys), start + window))
             results = await asyncio.gather(*(self._read_one(job, ds, keys[i], positions[i], f"keys[{i}]") for i in batch))
-            for i, (tier, data) in zip(batch, results):
+            for i, (tier, data, etag) in zip(batch, results):
                 label = metrics.job_label(job_id)
                 metrics.STREAMED_BYTES.labels(job=label).inc(len(data))
-                yield keys[i], tier, data
+                yield keys[i], tier, data, etag
 
-    async def _read_one(self, job: JobState, ds: DatasetState, key: str, pos: int, where: str) -> tuple[str, bytes]:
+    async def read_cached(self, job_id: str, dataset: str, keys: Sequence[str]) -> AsyncIterator[tuple[str, str, bytes, str]]:
+        """``Read(cached_only)``, what a peer cache server asks for its job's misses: yield (key,
+        tier, bytes, etag) of the keys this node's tiers hold, in order, skipping the others.
+
+        Never reads the store, admits, prefetches or asks peers (no loops between nodes), and
+        needs no manifest: the asker checks the etag against its own. Not counted as a read of
+        the job here (its hit ratio here is about its reads on this node)."""
+        self._check_batch(keys)
+        bad = identifiers.problem(identifiers.DATASET_NAME, dataset)
+        if bad is not None:
+            raise InvalidArgument(bad, field="dataset")
+        for i, key in enumerate(keys):
+            problem = key_problem(key)
+            if problem is not None:
+                raise InvalidArgument(problem, field=f"keys[{i}]")
+        label = metrics.job_label(job_id)
+        loop = asyncio.get_running_loop()
+
+        async def read_entry(entry: Entry) -> bytes | None:
+            entry.pins += 1
+            try:
+                data = await loop.run_in_executor(self._file_pool, _read_verified, entry)
+            finally:
+                self._unpin(entry)
+            if data is None:
+                if not entry.doomed:
+                    self._drop_corrupt(entry)
+                return None
+            entry.verified = True
+            if entry.partition is not None:  # the job used it: as much a use as a local hit
+                entry.partition.on_hit(entry, time.monotonic())
+            entry.tier.hits += 1
+            self._child(metrics.HITS, entry.tier.name, label, "peer").inc()
+            self._child(metrics.BYTES, entry.tier.name, label, "peer").inc(entry.size)
+            return data
+
+        window = 16
+        for start in range(0, len(keys), window):
+            entries = [(key, self._index.get((dataset, key))) for key in keys[start:start + window]]
+            held = [(key, e) for key, e in entries if e is not None and not e.doomed]
+            results = await asyncio.gather(*(read_entry(e) for _, e in held))
+            for (key, entry), data in zip(held, results):
+                if data is not None:
+                    yield key, entry.tier.name, data, entry.etag
+
+    async def _read_one(self, job: JobState, ds: DatasetState, key: str, pos: int,
+                        where: str) -> tuple[str, bytes, str]:
         manifest = ds.manifest
         size, etag = manifest.sizes[pos], manifest.etags[pos]
         entry = None if job.pass_through else self._lookup(ds.name, key, etag)
@@ -1107,12 +1206,15 @@ class CacheCore:
                 self._touch(job, entry, time.monotonic())
                 self._count_hit(job, entry, "stream")
                 job.consumed(ds.name, key)
-                return entry.tier.name, data
+                return entry.tier.name, data, etag
             if not entry.doomed:
                 self._drop_corrupt(entry)
-        _, entry, data, size, etag = await self._get_bytes(job, ds, key, size, etag, where)
-        self._count_miss(job, size, "stream")
-        return "remote", data
+        _, entry, data, size, etag, source = await self._get_bytes(job, ds, key, size, etag, where)
+        if source == "peer":
+            self._count_peer_hit(job, size, "stream")
+        else:
+            self._count_miss(job, size, "stream")
+        return source, data, etag
 
     # -- Prefetch --------------------------------------------------------------------------------------
 
@@ -1225,6 +1327,10 @@ class CacheCore:
         first = parse_sample_key(manifest.keys[pos])
         if first is None or job.pass_through or self.config.coalesce_bytes <= 0:
             return [pos]
+        if job.peers and self.peers is not None:
+            # A neighbour may be cached on another node of the job: read from the store here it
+            # would cost remote IO and be cached twice (the job's nodes must hold disjoint content).
+            return [pos]
         part = job.partition or self.shared
         budget = min(limit or self.config.coalesce_bytes, part.free() - manifest.sizes[pos])
         run, end, total = [pos], first.offset + first.length, manifest.sizes[pos]
@@ -1301,8 +1407,15 @@ class CacheCore:
         self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, slots: _PrefetchSlots
     ) -> None:
         try:
-            entry, data = await self._obtain(job, ds, key, size, etag)
             item = (ds.name, key)
+            data = await self._from_peer(job, ds, key, size, etag)
+            if data is not None:
+                if item in job.ahead:  # held for the job's read, which serves it without admitting it
+                    job.staged[item] = data
+                    job.staged_bytes += len(data)
+                    job.staged_from_peer.add(item)
+                return
+            entry, data = await self._obtain(job, ds, key, size, etag)
             if entry is None and item in job.ahead and not job.preload:
                 job.staged[item] = data  # not admitted (quota full): hold it until the job reads it
                 job.staged_bytes += len(data)
@@ -1337,6 +1450,8 @@ class CacheCore:
             "remote_bytes": job.remote_bytes,
             "remote_io_limit_bytes_per_s": job.limit,
             "remote_io_rate_bytes_per_s": job.meter.rate(),
+            "peer_hits": job.peer_hits,
+            "peer_bytes": job.peer_bytes,
         }
 
     def stats(self, job_id: str = "") -> dict[str, Any]:

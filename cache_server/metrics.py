@@ -2,7 +2,9 @@
 
 ``job`` is the reader's job id ("-" when the reader gave none); ``tier`` is memory or disk;
 ``path`` says how the bytes reached the reader: ``lease`` (the reader opened the file itself,
-no bytes through gRPC) or ``stream`` (Read RPC).
+no bytes through gRPC), ``stream`` (Read RPC) or ``peer`` (served to the cache server of another
+node of the job, ``Read(cached_only)``). ``silod_cache_peer_*`` count the other side: this
+server's misses asked of the caches of the job's other nodes (cache_server/peers.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ BYTES = Counter(
 REMOTE_BYTES = Counter("silod_cache_remote_bytes_total", "Bytes fetched from remote storage", ["job"])
 REMOTE_FETCHES = Counter("silod_cache_remote_fetches_total", "Objects fetched from remote storage", ["job"])
 STREAMED_BYTES = Counter("silod_cache_streamed_bytes_total", "Bytes sent through the Read RPC", ["job"])
+PEER_HITS = Counter(
+    "silod_cache_peer_hits_total", "Misses served from the cache of another node of the job (no remote read)", ["job"]
+)
+PEER_MISSES = Counter(
+    "silod_cache_peer_misses_total", "Misses asked of the job's other nodes that none of them held", ["job"]
+)
+PEER_BYTES = Counter("silod_cache_peer_bytes_total", "Bytes read from the caches of the job's other nodes", ["job"])
+PEER_ERRORS = Counter(
+    "silod_cache_peer_errors_total", "Calls to a peer cache server that failed (down, slow, error); skipped", ["peer"]
+)
 PASS_THROUGH = Counter(
     "silod_cache_pass_through_total", "Objects served without being cached (quota full, no space)", ["job", "reason"]
 )

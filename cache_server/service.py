@@ -15,6 +15,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from pydantic import Field, field_validator
 
 from cache_server.core import CacheConfig, CacheCore
+from cache_server.peers import PeerReader
 from cache_server.tiers import TierLocked
 from services.runtime.server import ServiceDefinition, StartupError
 from services.runtime.settings import ServiceSettings
@@ -66,6 +67,12 @@ class Settings(ServiceSettings):
         "0 = none: its misses wait until a plan grants it IO (the storage budget holds)",
     )
     fsync: bool = Field(True, description="fsync disk-tier files before they become visible")
+    peer_timeout_s: float = Field(
+        1.5, gt=0, le=30,
+        description="Seconds a peer cache server (another node of a multi-node job) may take to answer a "
+        "miss before it is skipped and the object read from the remote store",
+    )
+    peer_tls_ca_file: str = Field("", description="PEM CA to verify peer cache servers' TLS certificates")
     scheduler_address: str = Field(
         "",
         description="HOST:PORT of the AllocationService to follow (plan cache quotas); empty = best-effort mode, no watch",
@@ -139,15 +146,16 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return cache_pb2.ReleaseLeaseResponse()
 
     async def Read(self, request: cache_pb2.ReadRequest, context: Any) -> AsyncIterator[cache_pb2.ReadChunk]:
-        async for key, tier, data in self.core.read(request.job_id, request.dataset, request.keys):
+        read = self.core.read_cached if request.cached_only else self.core.read
+        async for key, tier, data, etag in read(request.job_id, request.dataset, request.keys):
             if not data:
-                yield cache_pb2.ReadChunk(key=key, offset=0, data=b"", last=True, tier=tier)
+                yield cache_pb2.ReadChunk(key=key, offset=0, data=b"", last=True, tier=tier, etag=etag)
                 continue
             view = memoryview(data)
             for offset in range(0, len(data), CHUNK_BYTES):
                 end = min(len(data), offset + CHUNK_BYTES)
                 yield cache_pb2.ReadChunk(key=key, offset=offset, data=bytes(view[offset:end]),
-                                          last=end == len(data), tier=tier)
+                                          last=end == len(data), tier=tier, etag=etag)
 
     async def Prefetch(self, request: cache_pb2.PrefetchRequest, context: Any) -> cache_pb2.PrefetchResponse:
         objects, nbytes = await self.core.prefetch(request.job_id, request.dataset, request.keys)
@@ -174,7 +182,19 @@ def definition(settings: Settings) -> ServiceDefinition:
         dataset = await state["metadata"].GetDataset(metadata_pb2.GetDatasetRequest(name=name))
         return int(dataset.manifest_version)
 
-    core = CacheCore(config, load, probe)
+    async def cache_address_of(node: str) -> str:
+        """A peer's CacheService address when the plan did not carry it (metadata's NodeSpec)."""
+        found = await state["metadata"].GetNode(metadata_pb2.GetNodeRequest(node=node))
+        return str(found.spec.cache_address)
+
+    def open_peer_channel(address: str) -> Any:
+        from silod.rpc.channels import open_channel
+
+        return open_channel(address, token=settings.auth_token, tls_ca_file=settings.peer_tls_ca_file, aio=True,
+                            default_timeout_s=settings.peer_timeout_s)
+
+    peers = PeerReader(config.node, open_peer_channel, cache_address_of, timeout_s=settings.peer_timeout_s)
+    core = CacheCore(config, load, probe, peers)
     servicer = CacheServicer(core)
 
     def register(server: grpc.aio.Server) -> None:

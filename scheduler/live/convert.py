@@ -90,6 +90,13 @@ def ranks_of(allocation: plan_pb2.JobAllocation) -> list[tuple[str, int]]:
     return [(node, index) for node, indices in placement_of(allocation) for index in indices]
 
 
+def job_nodes(allocation: plan_pb2.JobAllocation) -> list[str]:
+    """Every node the job reads on or caches on, by name: its placements' and cache grants'."""
+    nodes = {p.node for p in allocation.placements if p.gpu_indices}
+    nodes.update(g.node for g in allocation.cache_grants if g.node)
+    return sorted(nodes)
+
+
 def host_of(address: str) -> str:
     host, sep, _ = address.rpartition(":")
     return host.strip("[]") if sep else address
@@ -100,8 +107,13 @@ def node_plan(
     node: str,
     specs: Mapping[str, common_pb2.JobSpec],
     agent_addresses: Mapping[str, str],
+    cache_addresses: Mapping[str, str] | None = None,
 ) -> plan_pb2.NodePlan:
-    """The part of ``plan`` that concerns ``node``: one TaskAssignment per rank placed there."""
+    """The part of ``plan`` that concerns ``node``: one TaskAssignment per rank placed there.
+
+    A cache quota names the job's other nodes (GPUs or cache grants there) as its peers, with
+    their cache servers' addresses from ``cache_addresses`` ("" if unknown: the cache server
+    looks it up): a miss here is asked of their caches before the remote store."""
     view = plan_pb2.NodePlan(version=plan.version, node=node)
     for job in plan.jobs:
         ranks = ranks_of(job)
@@ -126,11 +138,14 @@ def node_plan(
                     task.spec.CopyFrom(spec)
         for grant in job.cache_grants:
             if grant.node == node:
-                view.cache_quotas.add(
+                quota = view.cache_quotas.add(
                     job_id=job.job_id, dataset=spec.dataset if spec is not None else "",
                     cache_quota_bytes=grant.cache_quota_bytes, remote_io_bytes_per_s=grant.remote_io_bytes_per_s,
                     cache_policy=job.cache_policy,
                 )
+                for peer in job_nodes(job):
+                    if peer != node:
+                        quota.peers.add(node=peer, cache_address=(cache_addresses or {}).get(peer, ""))
     view.replicas.extend(r for r in plan.replicas if r.node == node)
     view.loans.extend(loan for loan in plan.loans if loan.node == node)
     return view

@@ -125,6 +125,7 @@ class SchedulerCore:
         self.latest: plan_pb2.AllocationPlan | None = None
         self.specs: dict[str, common_pb2.JobSpec] = {}
         self.agent_addresses: dict[str, str] = {}
+        self.cache_addresses: dict[str, str] = {}  # node -> its CacheService (peers of multi-node jobs)
         self.pending_release: dict[tuple[str, int], tuple[str, int]] = {}  # (node, gpu) -> (job, releasing version)
         self.tasks: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}  # (job, generation) -> rank -> (phase, exit)
         # Jobs one of whose ranks was killed (SIGKILL: the OOM killer, an operator, a crash of the
@@ -343,14 +344,15 @@ class SchedulerCore:
     async def node_plan(self, plan: plan_pb2.AllocationPlan, node: str) -> plan_pb2.NodePlan:
         for job in plan.jobs:
             await self.spec_of(job.job_id)
-            for placement in job.placements:
-                if placement.node not in self.agent_addresses:
+            for name in convert.job_nodes(job):
+                if name not in self.agent_addresses or name not in self.cache_addresses:
                     try:
-                        n = await self.md.GetNode(metadata_pb2.GetNodeRequest(node=placement.node))
-                        self.agent_addresses[placement.node] = n.spec.agent_address
+                        n = await self.md.GetNode(metadata_pb2.GetNodeRequest(node=name))
+                        self.agent_addresses[name] = n.spec.agent_address
+                        self.cache_addresses[name] = n.spec.cache_address
                     except grpc.aio.AioRpcError:
                         pass
-        return convert.node_plan(plan, node, self.specs, self.agent_addresses)
+        return convert.node_plan(plan, node, self.specs, self.agent_addresses, self.cache_addresses)
 
     # ---- snapshot --------------------------------------------------------------------------
     async def _active_jobs(self) -> list[common_pb2.Job]:
@@ -474,6 +476,7 @@ class SchedulerCore:
         nodes = [n for n in nodes_resp.nodes if n.spec.gpus > 0]
         for n in nodes:
             self.agent_addresses[n.spec.name] = n.spec.agent_address
+            self.cache_addresses[n.spec.name] = n.spec.cache_address
         infos = tuple(convert.node_info(n) for n in sorted(nodes, key=lambda n: n.spec.name))
         alive = {n.name: n for n in infos}
         jobs = await self._active_jobs()
