@@ -96,8 +96,10 @@ class PeerReader:
                    etag: str) -> bytes | None:
         """The object's bytes from the cache of one of ``peers``, or None (no peer holds this version)."""
         peers = tuple(p for p in peers if p.node != self.node)
-        if not peers:
-            return None
+        now = time.monotonic()
+        if not any(self._skip_until.get(p.node, 0.0) <= now for p in peers):
+            return None  # every peer failed a moment ago: straight to the store
+
         batch_key = (job_id, dataset, peers)
         batch = self._batches.get(batch_key)
         if batch is None:
@@ -124,6 +126,7 @@ class PeerReader:
     async def _ask(self, batch: _Batch) -> None:
         label = metrics.job_label(batch.job_id)
         found: dict[str, bytes] = {}
+        asked: list[Peer] = []
         try:
             now = time.monotonic()
             asked = [p for p in batch.peers if self._skip_until.get(p.node, 0.0) <= now]
@@ -136,7 +139,8 @@ class PeerReader:
             for key, wanted in batch.keys.items():
                 data = found.get(key)
                 if data is None:
-                    metrics.PEER_MISSES.labels(job=label).inc()
+                    if asked:  # not a lookup at all when every peer was skipped
+                        metrics.PEER_MISSES.labels(job=label).inc()
                 else:
                     metrics.PEER_HITS.labels(job=label).inc()
                     metrics.PEER_BYTES.labels(job=label).inc(len(data))

@@ -99,6 +99,43 @@ def test_a_miss_on_one_node_is_served_from_the_other_nodes_cache_without_a_store
     assert _metric("silod_cache_peer_hits_total", job=job) - hits_before == 20
     # Serving a peer is not a read of the job on node-a.
     assert (_job(a, job).hits, _job(a, job).misses) == (0, 10)
+    # A cached-only read is never passed on: node-b's own peer (node-a) holds these, node-b does not.
+    request = cache_pb2.ReadRequest(job_id=job, dataset=name, keys=keys, cached_only=True)
+    assert list(b.stub.Read(request)) == []
+
+
+def test_prefetch_takes_what_a_peer_holds_from_the_peer_and_does_not_admit_it(
+    dataset: tuple[str, dict[str, bytes], Path], two_nodes: tuple[InProcessCache, InProcessCache]
+) -> None:
+    name, files, root = dataset
+    a, b = two_nodes
+    job = "job-peer-prefetch"
+    keys = sorted(files)[:10]
+    others = sorted(files)[10:15]
+    assert a.apply_quotas([_peer_quota(job, name, 40 * SIZE, b)], 1)
+    assert b.apply_quotas([_peer_quota(job, name, 40 * SIZE, a)], 1)
+    a.lease(job, name, keys)
+    for key in keys:
+        (root / key).unlink()
+
+    queued = b.stub.Prefetch(cache_pb2.PrefetchRequest(job_id=job, dataset=name, keys=keys + others))
+    assert queued.objects_queued == 15
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        state = b.call(lambda: b.core.job(job))
+        if len(b.call(lambda: set(state.staged_from_peer))) == 10 and _cached(b, name, others) == set(others):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("prefetch did not finish")
+    assert _cached(b, name, keys) == set()  # held for the job's read, not admitted
+    assert _job(b, job).remote_bytes == 5 * SIZE  # the objects no peer held, from the store
+    served = b.lease(job, name, keys + others)
+    assert [o.tier for o in served.objects] == ["peer"] * 10 + ["disk"] * 5
+    assert read_leased(served) == {k: files[k] for k in keys + others}
+    stats = _job(b, job)
+    assert (stats.hits, stats.misses, stats.peer_hits, stats.remote_bytes) == (15, 0, 10, 5 * SIZE)
+    assert _cached(b, name, keys) == set()
 
 
 def test_cached_only_reads_answer_from_the_cache_and_never_from_the_store(
