@@ -31,6 +31,15 @@ from silod.v1 import cache_pb2, cache_pb2_grpc
 _log = logging.getLogger("silod.cache.peers")
 
 MAX_KEYS_PER_CALL = 4096  # CacheService's limit per Read
+# The deadline of a peer call grows with the bytes it may return (at this rate), so a batch of
+# large objects from a healthy peer is not cut off (and the peer sent to cool down) by a
+# deadline meant to catch a dead one.
+SLOWEST_PEER_BYTES_PER_S = 100e6
+
+
+class OutdatedPeer(Exception):
+    """The peer answered without etags: a server that predates ``cached_only`` (and so read
+    the store for our keys). Not asked again for a long while."""
 
 AddressLookup = Callable[[str], Awaitable[str]]
 ChannelFactory = Callable[[str], Any]
@@ -157,10 +166,14 @@ class PeerReader:
                 raise LookupError(f"no cache address known for node {peer.node!r}")
             stub = self._stub(address)
             for start in range(0, len(keys), MAX_KEYS_PER_CALL):
-                request = cache_pb2.ReadRequest(job_id=batch.job_id, dataset=batch.dataset,
-                                                keys=keys[start:start + MAX_KEYS_PER_CALL], cached_only=True)
+                part_keys = keys[start:start + MAX_KEYS_PER_CALL]
+                request = cache_pb2.ReadRequest(job_id=batch.job_id, dataset=batch.dataset, keys=part_keys,
+                                                cached_only=True)
+                most_bytes = sum(batch.keys[k].size for k in part_keys)
                 parts: dict[str, list[bytes]] = {}
-                async for chunk in stub.Read(request, timeout=self.timeout_s):
+                async for chunk in stub.Read(request, timeout=self.timeout_s + most_bytes / SLOWEST_PEER_BYTES_PER_S):
+                    if not chunk.etag:
+                        raise OutdatedPeer("answers without etags: it does not know cached_only reads")
                     wanted = batch.keys.get(chunk.key)
                     if wanted is None or chunk.etag != wanted.etag:
                         continue  # another version than our manifest's (a re-registration under way)
@@ -173,11 +186,12 @@ class PeerReader:
             raise
         except Exception as exc:  # noqa: BLE001 - a peer never fails the reader: its keys are misses
             what = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            self._skip_until[peer.node] = time.monotonic() + self.cooldown_s
+            cooldown = self.cooldown_s if not isinstance(exc, OutdatedPeer) else max(self.cooldown_s, 600.0)
+            self._skip_until[peer.node] = time.monotonic() + cooldown
             metrics.PEER_ERRORS.labels(peer=peer.node).inc()
             _log.debug("peer cache skipped", extra={"peer": peer.node, "job_id": batch.job_id,
                                                     "dataset": batch.dataset, "error": what,
-                                                    "skipped_for_s": self.cooldown_s})
+                                                    "skipped_for_s": cooldown})
             return found  # what arrived before the failure is still good
         return found
 
