@@ -270,3 +270,27 @@ def test_peers_in_a_plan_are_checked(
         # Its own node among the peers (a plan cut for every node alike) is ignored, not asked.
         assert a.apply_quotas([_peer_quota("job-self-peer", name, SIZE, ("node-a", a.address))], 2)
         assert a.call(lambda: a.core.job("job-self-peer").peers) == ()
+
+
+def test_a_peer_without_an_address_in_the_plan_is_found_through_the_metadata_service(
+    dataset: tuple[str, dict[str, bytes], Path], two_nodes: tuple[InProcessCache, InProcessCache], metadata: str
+) -> None:
+    from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc
+
+    name, files, root = dataset
+    a, b = two_nodes
+    job = "job-peer-lookup"
+    keys = sorted(files)[:5]
+    # gpus=0: no scheduler sharing this metadata service would place anything on it.
+    with grpc.insecure_channel(metadata) as channel:
+        metadata_pb2_grpc.MetadataServiceStub(channel).UpsertNode(metadata_pb2.UpsertNodeRequest(
+            spec=common_pb2.NodeSpec(name="peer-lookup-a", gpus=0, pool=common_pb2.NODE_POOL_TRAINING,
+                                     agent_address="127.0.0.1:1", cache_address=a.address)))
+    assert a.apply_quotas([_peer_quota(job, name, 40 * SIZE)], 1)
+    assert b.apply_quotas([_peer_quota(job, name, 40 * SIZE, ("peer-lookup-a", ""))], 1)
+    a.lease(job, name, keys)
+    for key in keys:
+        (root / key).unlink()
+    served = b.lease(job, name, keys)
+    assert [o.tier for o in served.objects] == ["peer"] * len(keys)
+    assert read_leased(served) == {k: files[k] for k in keys}
