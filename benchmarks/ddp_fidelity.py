@@ -21,9 +21,13 @@ part of a step and keeps each rank's CPU use to a fraction of a core.
 
 The simulator gets the same cluster (nodes, GPUs, cache per node, budget, round interval,
 rounds on arrivals and completions), the live datasets' bytes and sample count, each job's
-live submission time, and a restart cost of ``--launch-s`` (the live jobs' measured time from
-a plan to their first step is printed next to it). JCT is finish minus submission;
-throughput is samples over the time from the first plan placing the job to its finish.
+live submission time, and the profile's measured overheads (``overheads.csv``: launch and finish
+per world size, which the simulator charges in place of its fixed restart cost; the live jobs'
+own launch and finish are printed next to them). ``--launch-s`` is the restart cost both
+schedulers are told (ClusterSnapshot.restart_cost_s); ``--fixed-restart`` runs the simulator
+the old way, charging it for every launch and nothing at a job's end. JCT is finish minus
+submission; throughput is samples over the time from the first plan placing the job to its
+finish.
 """
 
 from __future__ import annotations
@@ -61,7 +65,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--bandwidth-kb-s", type=float, default=16.0, help="store link = storage budget (1e3 B/s)")
     p.add_argument("--cache-bytes", type=int, default=200_000, help="each node's cache (disk tier; memory tier 0)")
     p.add_argument("--interval-s", type=float, default=2.0)
-    p.add_argument("--launch-s", type=float, default=6.8, help="the simulator's restart cost: a live launch, as the profiler measured it (median)")
+    p.add_argument("--launch-s", type=float, default=6.8, help="the restart cost both schedulers are told: a live launch, as the profiler measured it (median)")
+    p.add_argument("--fixed-restart", action="store_true",
+                   help="simulate with --launch-s for every launch and no finish time instead of the profile's overheads.csv")
     p.add_argument("--sample-sleep-s", type=float, default=0.008, help="as profiled (profile_ddp_digits.py)")
     p.add_argument("--timeout-s", type=float, default=1200.0)
     p.add_argument("--out", default="", help="write everything measured here (JSON)")
@@ -98,6 +104,7 @@ def live(args: argparse.Namespace, policy: str, store_address: str, work: Path) 
         out["jobs"][name] = {
             "arrival": job.created_at.ToDatetime().timestamp() - t0, "first_placed": first_plan - t0,
             "finish": job.finished_at.ToDatetime().timestamp() - t0, "launch_s": first_step - first_plan,
+            "finish_s": job.finished_at.ToDatetime().timestamp() - max((s["t"] for s in steps[name]), default=first_step),
             "samples": float(job.progress.samples_done),
         }
     last: dict[str, int] = {}
@@ -120,6 +127,7 @@ def simulate(args: argparse.Namespace, policy: str, arrivals: dict[str, float], 
     cluster = ClusterSpec(
         nodes=uniform_nodes(2, 1, cache_bytes=float(args.cache_bytes)), restart_cost_s=args.launch_s,
         interval_s=args.interval_s, schedule_on_events=True, storage_bandwidth_bytes_per_s=args.bandwidth_kb_s * 1e3,
+        job_overheads=not args.fixed_restart,
     )
     specs = [JobSpec(name=name, application=APPLICATION, arrival_s=arrivals[name], num_replicas=high, batch_size=args.batch)
              for name, _, high, _ in WORKLOAD]
@@ -170,15 +178,16 @@ def gpu_seconds_table(timeline: list, horizon: float, step: float = 10.0) -> lis
 def report(policy: str, real: dict, sim: dict, step: float) -> dict:
     lm, sm = metrics(real["jobs"]), metrics(sim["jobs"])
     print(f"\n[{policy}] per job (live vs simulated)")
-    print("| job | GPUs | arrival (s) | JCT live | JCT sim | JCT err | thr. live | thr. sim | thr. err | launch live (s) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| job | GPUs | arrival (s) | JCT live | JCT sim | JCT err | thr. live | thr. sim | thr. err | launch live (s) | finish live (s) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     errs_jct, errs_thr = [], []
     for name, low, high, _ in WORKLOAD:
         (lj, lt), (sj, st) = lm[name], sm[name]
         errs_jct.append(sj / lj - 1)
         errs_thr.append(st / lt - 1)
         print(f"| {name} | {low}-{high} | {real['jobs'][name]['arrival']:.1f} | {lj:.1f} | {sj:.1f} | {sj / lj - 1:+.0%} | "
-              f"{lt:.0f} | {st:.0f} | {st / lt - 1:+.0%} | {real['jobs'][name]['launch_s']:.1f} |")
+              f"{lt:.0f} | {st:.0f} | {st / lt - 1:+.0%} | {real['jobs'][name]['launch_s']:.1f} | "
+              f"{real['jobs'][name]['finish_s']:.1f} |")
     avg_l, avg_s = statistics.mean(v[0] for v in lm.values()), statistics.mean(v[0] for v in sm.values())
     print(f"average JCT: live {avg_l:.1f} s, sim {avg_s:.1f} s ({avg_s / avg_l - 1:+.1%}); "
           f"worst per-job throughput error {max(abs(e) for e in errs_thr):.0%}, JCT {max(abs(e) for e in errs_jct):.0%}")
@@ -199,6 +208,17 @@ def main() -> int:
     store = start_service("store-emulator", "--root", str(work / "store"), "--bandwidth-mb-s", str(args.bandwidth_kb_s / 1e3),
                           "--log-level", "warning", workdir=work / "logs")
     results = {}
+    if not args.fixed_restart:
+        from estimator.profiles.loading import read_overheads
+
+        overheads = read_overheads(APPLICATION)
+        if overheads is None:
+            print(f"the {APPLICATION} profile has no overheads.csv: the simulator charges --launch-s "
+                  f"(re-run benchmarks/profile_ddp_digits.py to measure launch and finish)", file=sys.stderr)
+        else:
+            print("simulator overheads (profile): " + ", ".join(
+                f"{n} rank(s) launch {a:.2f} s finish {b:.2f} s"
+                for n, a, b in zip(overheads.num_replicas, overheads.launch_s, overheads.finish_s)))
     try:
         for policy in [p for p in args.policies.split(",") if p]:
             load0, cpu0, wall0 = os.getloadavg(), os.times(), time.monotonic()

@@ -18,6 +18,10 @@ What is written, in the Pollux artifact's format (estimator/profiles/SOURCE.md):
   placement minus the one-rank step time at the same local batch size (0 for one rank), the
   time the extra ranks add.
 * ``scalability.csv``: no rows (no larger jobs fit this machine).
+* ``overheads.csv``: per world size, the median ``launch_s`` (the plan placing a job to its first
+  step: processes, imports, the process group, the first batch) and ``finish_s`` (its last step
+  to the job recorded as finished: final checkpoint, exit, the agent's report) of the jobs
+  profiled; the simulator charges these instead of its fixed restart cost.
 * ``validation-<B>.csv`` for the jobs' global batch size ``--batch`` (the workload's): one row
   per epoch of the two-rank job at that batch size, with the gradient statistics the job
   measured (``ctx.distributed`` compares the ranks' gradients) as the estimator stored them;
@@ -96,7 +100,8 @@ def main() -> int:
     rows: list[tuple[str, int, float, float]] = []
     measured: dict[tuple[str, int], float] = {}
     grad_job = ""
-    launches: list[float] = []  # seconds from the plan placing a job to its first step
+    launches: dict[int, list[float]] = {}  # world size -> seconds from the plan placing a job to its first step
+    finishes: dict[int, list[float]] = {}  # world size -> seconds from its last step to its recorded finish
     load = [os.getloadavg()[0]]
     started = time.monotonic()
     cpu0 = os.times()
@@ -118,7 +123,8 @@ def main() -> int:
                     steps = cluster.steps(job_id)
                     seconds, used = step_time(steps)
                     placed = min(plan.at for plan in cluster.plans() if job_id in plan.gpus)
-                    launches.append(min(s["t"] for s in steps) - placed)
+                    launches.setdefault(world, []).append(min(s["t"] for s in steps) - placed)
+                    finishes.setdefault(world, []).append(job.finished_at.ToDatetime().timestamp() - max(s["t"] for s in steps))
                     measured[(placement, local)] = seconds
                     load.append(os.getloadavg()[0])
                     print(f"placement {placement} local_bsz {local}: step {seconds * 1000:.1f} ms over {used} steps "
@@ -133,14 +139,25 @@ def main() -> int:
         alone = measured.get(("1", local), seconds)
         rows.append((placement, local, seconds, 0.0 if placement == "1" else max(seconds - alone, 0.0)))
     write_profile(args.out, rows, args.batch, grad, grad_steps)
+    write_overheads(args.out, launches, finishes)
     cpu = os.times()
-    print(f"launch (plan placing a job -> its first step): median {statistics.median(launches):.1f} s, "
-          f"{min(launches):.1f}-{max(launches):.1f} s; the simulator's restart cost stands for it "
-          f"(benchmarks/ddp_fidelity.py --launch-s)")
+    for world in sorted(launches):
+        print(f"{world} rank(s): launch (plan placing a job -> its first step) median {statistics.median(launches[world]):.2f} s "
+              f"({min(launches[world]):.1f}-{max(launches[world]):.1f}), finish (last step -> finished) median "
+              f"{statistics.median(finishes[world]):.2f} s ({min(finishes[world]):.1f}-{max(finishes[world]):.1f}): overheads.csv")
     print(f"wrote {args.out}; {time.monotonic() - started:.0f} s wall; this process and its children "
           f"{cpu.children_user - cpu0.children_user + cpu.user - cpu0.user:.0f} s CPU (not the cluster's); "
           f"load average {min(load):.2f}-{max(load):.2f}; logs in {work}")
     return 0
+
+
+def write_overheads(out: Path, launches: dict[int, list[float]], finishes: dict[int, list[float]]) -> None:
+    with open(out / "overheads.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["num_replicas", "launch_s", "finish_s", "jobs"])
+        for world in sorted(launches):
+            w.writerow([world, f"{statistics.median(launches[world]):.3f}", f"{statistics.median(finishes[world]):.3f}",
+                        len(launches[world])])
 
 
 def write_profile(out: Path, rows: list[tuple[str, int, float, float]], batch: int, grad, steps: list[dict]) -> None:

@@ -13,6 +13,8 @@ Defaults are the Pollux artifact simulator's: 16 nodes x 4 GPUs, a scheduling ro
     #   - {count: 8, gpus: 4, gpu_type: v100}     # GPU type of the node's GPUs (lower case; default: untyped)
     gpu_type: v100          # type of every node of a "nodes: N" cluster (default: untyped)
     restart_cost_s: 30      # seconds without progress after every (re)placement
+    job_overheads: true     # where an application's profile has overheads.csv (measured launch and
+                            # exit per world size), charge those instead of restart_cost_s
     interval_s: 60          # seconds between scheduling rounds
     max_gpus_per_job: 64    # cap on any job's max_gpus (default: every GPU of the cluster)
     schedule_on_events: false  # also run a round on every arrival and completion
@@ -46,7 +48,7 @@ DEFAULT_RESTART_COST_S = 30.0
 DEFAULT_STALL_TIMEOUT_S = 86400.0
 
 _FIELDS = {
-    "nodes", "gpus_per_node", "restart_cost_s", "interval_s", "max_gpus_per_job", "schedule_on_events", "stall_timeout_s",
+    "nodes", "gpus_per_node", "restart_cost_s", "job_overheads", "interval_s", "max_gpus_per_job", "schedule_on_events", "stall_timeout_s",
     "cache_bytes_per_node", "storage_bandwidth_bytes_per_s", "nic_bytes_per_s", "gpu_type",
 }
 _NODE_FIELDS = {"name", "gpus", "count", "cache_bytes", "nic_bytes_per_s", "pool", "gpu_type"}
@@ -88,6 +90,9 @@ class ClusterSpec:
     schedule_on_events: bool = False
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     storage_bandwidth_bytes_per_s: float = math.inf  # cluster-wide remote read budget; inf = not limiting
+    # A profile's measured launch and exit (estimator.profiles.read_overheads) where it has
+    # them; off, every application pays restart_cost_s and finishes at its last step.
+    job_overheads: bool = True
 
     def __post_init__(self):
         if not self.nodes:
@@ -168,6 +173,7 @@ class ClusterSpec:
             "gpus_by_type": {t or "untyped": c for t, c in sorted(by_type.items())},
             "inference_gpus": self.total_gpus - self.training_gpus,
             "restart_cost_s": self.restart_cost_s,
+            "job_overheads": self.job_overheads,
             "interval_s": self.interval_s,
             "max_gpus_per_job": self.job_gpu_cap,
             "schedule_on_events": self.schedule_on_events,
@@ -281,12 +287,16 @@ def cluster_from_dict(data: dict[str, Any] | None, source: str = "cluster spec")
     flag = data.get("schedule_on_events", False)
     if not isinstance(flag, bool):
         raise SimulatorInputError(f"cluster field 'schedule_on_events': expected true or false, got {flag!r}")
+    overheads = data.get("job_overheads", True)
+    if not isinstance(overheads, bool):
+        raise SimulatorInputError(f"cluster field 'job_overheads': expected true or false, got {overheads!r}")
     max_gpus = data.get("max_gpus_per_job")
     if max_gpus is not None:
         max_gpus = _positive_int(data, "max_gpus_per_job", 1, "cluster field")
     return ClusterSpec(
         nodes=node_tuple,
         restart_cost_s=_number(data, "restart_cost_s", DEFAULT_RESTART_COST_S),
+        job_overheads=overheads,
         interval_s=_number(data, "interval_s", DEFAULT_INTERVAL_S),
         max_gpus_per_job=max_gpus,
         schedule_on_events=flag,

@@ -13,6 +13,15 @@ never reads wall time or sleeps. Events:
   progress for ``cluster.restart_cost_s`` (as in the Pollux artifact simulator);
 - **completion**: computed exactly, ``max(now, restart end) + remaining / goodput``.
 
+**Measured job overheads.** Where an application's profile has ``overheads.csv``
+(:func:`estimator.profiles.loading.read_overheads`, written by a profiler that ran the job
+live) and ``cluster.job_overheads`` is on, a (re)placement costs the profile's launch time at
+the new world size instead of ``restart_cost_s``, and a job whose work is done holds its GPUs
+for the profile's finish time (final checkpoint, exit, the agent's report) before it counts as
+finished: what a live job does, and what a policy that starts the next job only at a finish
+waits for. Policies see such a job with nothing left to do until then, as the live scheduler
+does.
+
 Between events every running job progresses at the goodput given by the rate model
 (:mod:`simulator.rates`; one vectorized ``estimator.predict`` call per round for all running
 jobs), and holds its GPUs (attained GPU-seconds grow during restarts too). A job that loses
@@ -53,6 +62,7 @@ import numpy as np
 
 from estimator.gpu_types import typed_models
 from estimator.job_model import JobModel
+from estimator.profiles.loading import JobOverheads, read_overheads
 from scheduler import data_grants
 from scheduler.placement import placement_type
 from scheduler.invariants import PlanViolation, plan_problems
@@ -146,7 +156,7 @@ class SimulationResult:
     lent_gpu_s: float = 0.0               # GPU-seconds training held on inference-pool nodes
     reclaims: int = 0                     # lent GPUs ATS-I took back from training
     protect_scale: float = 1.0            # the replicas' protect times were scaled by this
-    restart_charges: dict = field(default_factory=dict)  # "afe"/"full"/"fixed" -> [count, seconds] charged to jobs
+    restart_charges: dict = field(default_factory=dict)  # "afe"/"full"/"fixed"/"launch" -> [count, seconds] charged to jobs
 
 
 class _Job:
@@ -155,6 +165,7 @@ class _Job:
     __slots__ = (
         "spec", "model", "type_models", "dataset", "target", "min_gpus", "max_gpus", "requested", "done", "attained", "restarts",
         "start", "finish", "allocation", "restart_until", "rate", "finish_at", "_info", "_info_at",
+        "overheads", "work_done_at",
     )
 
     def __init__(self, spec: JobSpec, model: JobModel, target: float, max_gpus: int, dataset: str = "",
@@ -178,6 +189,8 @@ class _Job:
         self.finish_at = math.inf
         self._info: JobInfo | None = None
         self._info_at: tuple[float, float, int] | None = None
+        self.overheads: JobOverheads | None = None  # measured launch/finish times (None: restart_cost_s, no tail)
+        self.work_done_at: float | None = None      # with overheads: when its last step ended
 
     def info(self) -> JobInfo:
         # Only progress, attained service and restarts change while a job is active: a job that
@@ -275,6 +288,7 @@ class Simulator:
         self._node_types = {node.name: node.gpu_type for node in self.cluster.nodes}
         self._jobs: list[_Job] = []
         models: dict[str, JobModel] = {}
+        overheads: dict[str, JobOverheads | None] = {}
         # (application, Gavel job type) -> the job's model per GPU type of the cluster; shared by
         # the jobs of one kind, so rate models and policies price each kind once.
         typed: dict[tuple[str, str], dict[str, JobModel]] = {}
@@ -292,6 +306,10 @@ class Simulator:
             target = spec.target_samples or target_samples(spec.application)
             self._jobs.append(_Job(spec, model, target, max_gpus_for(model, spec.num_replicas, cap), _dataset_of(spec.application),
                                    typed[kind]))
+            if self.cluster.job_overheads:
+                if spec.application not in overheads:
+                    overheads[spec.application] = read_overheads(spec.application)
+                self._jobs[-1].overheads = overheads[spec.application]
         if rate_model is None and (cache_mode != "none" or self.cluster.io_limited):
             rate_model = CacheIoRates(cache_mode, self.cluster.nodes, self.cluster.storage_bandwidth_bytes_per_s,
                                       gpus_per_node=self.cluster.gpus_per_node)
@@ -446,9 +464,13 @@ class Simulator:
             if self._inference_nodes:
                 self._lent_gpu_s += dt * sum(len(ix) for node, ix in allocation.placement if node in self._inference_nodes)
             working = t_next - max(t, job.restart_until)
+            if job.overheads is not None:
+                working = self._steps_until_done(job, t, working)
+                progressed |= job.work_done_at is not None  # its finish tail is progress towards the end
             working_s[job.spec.name] = max(working, 0.0)
             if working > 0 and job.rate > 0:
-                job.done += job.rate * working
+                job.done = min(job.done + job.rate * working, job.target) if job.work_done_at is not None \
+                    else job.done + job.rate * working
                 progressed = True
         advance = getattr(self.rate_model, "advance", None)
         if advance is not None and working_s:
@@ -460,6 +482,20 @@ class Simulator:
                 self._stalled_since = t
             if t_next - self._stalled_since > self.cluster.stall_timeout_s:
                 self._stuck(t_next)
+
+    @staticmethod
+    def _steps_until_done(job: _Job, t: float, working: float) -> float:
+        """Of ``working`` seconds of running from ``t``, those ``job`` still steps: none in its
+        finish tail; up to its last sample otherwise, recording when that is (``work_done_at``)."""
+        if job.work_done_at is not None:
+            return 0.0
+        if working <= 0 or job.rate <= 0:
+            return working
+        need = (job.target - job.done) / job.rate
+        if working < need - _EPS * max(1.0, need):
+            return working
+        job.work_done_at = max(t, job.restart_until) + need
+        return need
 
     def _stuck(self, t: float) -> None:
         waiting = ", ".join(
@@ -560,6 +596,8 @@ class Simulator:
     def _resize_cost(self, job: _Job, info: JobInfo, new: Allocation) -> float:
         """Seconds without progress after ``job`` moves to ``new`` (see the module docstring)."""
         if self._costs is None:
+            if job.overheads is not None:
+                return self._charge("launch", job.overheads.launch(new.gpus))
             return self._charge("fixed", self.cluster.restart_cost_s)
         old = job.allocation
         kept = old is not None and bool(_gpu_set(old) & _gpu_set(new))
@@ -585,7 +623,14 @@ class Simulator:
             for job, rate in zip(running_jobs, rates.tolist()):
                 job.rate = rate
                 begin = max(t, job.restart_until)
-                job.finish_at = begin + (job.target - job.done) / rate if rate > 0 else math.inf
+                if job.overheads is None:
+                    job.finish_at = begin + (job.target - job.done) / rate if rate > 0 else math.inf
+                    continue
+                tail = job.overheads.finish(job.allocation.gpus)
+                if job.work_done_at is not None:  # in its finish tail (re-placed since: after the launch)
+                    job.finish_at = max(job.work_done_at, job.restart_until) + tail
+                else:
+                    job.finish_at = begin + (job.target - job.done) / rate + tail if rate > 0 else math.inf
 
     def _record(self, t: float) -> None:
         allocated = sum(j.allocation.gpus for j in self._active if j.allocation is not None)
@@ -682,7 +727,7 @@ class Simulator:
                 else:
                     cost = self._charge("afe" if self._costs.afe else "full",
                                         self._costs.cost_s(info, starting=False, default_s=self.cluster.restart_cost_s)) \
-                        if self._costs is not None else self._charge("fixed", self.cluster.restart_cost_s)
+                        if self._costs is not None else self._resize_cost(job, info, new)
                     job.restart_until = max(job.restart_until, t + cost)
                     job.allocation = dataclasses.replace(
                         new, gpu_type=placement_type(new.placement, self._node_types, info))

@@ -122,6 +122,47 @@ def read_validation(app: str) -> dict[int, ValidationTrace]:
     return dict(sorted(traces.items()))
 
 
+@dataclass(frozen=True)
+class JobOverheads:
+    """``overheads.csv`` (optional): the seconds a job of the application spends around its
+    steps, per world size, as a profiler measured them on a live cluster.
+
+    ``launch_s``: from the plan placing the job to its first step (processes, imports, process
+    group, first batch); ``finish_s``: from its last step to the job recorded as finished (final
+    checkpoint, exit, the agent's report), during which it still holds its GPUs.
+    """
+
+    num_replicas: tuple[int, ...]  # world sizes measured, ascending
+    launch_s: tuple[float, ...]
+    finish_s: tuple[float, ...]
+
+    def launch(self, replicas: int) -> float:
+        return self._at(self.launch_s, replicas)
+
+    def finish(self, replicas: int) -> float:
+        return self._at(self.finish_s, replicas)
+
+    def _at(self, values: tuple[float, ...], replicas: int) -> float:
+        # Linear between measured world sizes, the nearest measured one outside them: launch
+        # and exit grow with the ranks to start and join, but no profile measures far beyond.
+        return float(np.interp(replicas, self.num_replicas, values))
+
+
+def read_overheads(app: str) -> JobOverheads | None:
+    """The application's ``overheads.csv``, or None when its profile has none (the Pollux
+    artifact's applications: the simulator then charges the cluster's ``restart_cost_s``)."""
+    if not resources.files(_PACKAGE).joinpath(app, "overheads.csv").is_file():
+        return None
+    rows = sorted(_read_rows(app, "overheads.csv"), key=lambda row: int(row["num_replicas"]))
+    if not rows:
+        return None
+    return JobOverheads(
+        num_replicas=tuple(int(row["num_replicas"]) for row in rows),
+        launch_s=tuple(float(row["launch_s"]) for row in rows),
+        finish_s=tuple(float(row["finish_s"]) for row in rows),
+    )
+
+
 def read_datasets() -> tuple[DatasetFacts, ...]:
     return tuple(
         DatasetFacts(

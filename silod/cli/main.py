@@ -103,10 +103,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         # A service process parses only its own command: the client, simulator and dashboard
         # commands import numpy, aiohttp and the simulator (~0.6 s of CPU at every start).
         return parser
-    from silod.cli import client_commands, jobs
+    from silod.cli import client_commands, jobs, nodes
 
     client_commands.register(sub)
     jobs.register(sub)
+    nodes.register(sub)
     for name, command in SERVER_COMMANDS.items():
         if name == chosen:
             _register_server_command(sub, name, command)

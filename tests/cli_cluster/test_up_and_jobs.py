@@ -170,6 +170,14 @@ def test_up_submit_watch_logs_cancel_and_shutdown(up_cluster: tuple[subprocess.P
                 assert time.monotonic() < deadline, "long job never ran"
                 time.sleep(0.2)
         assert "RUNNING" in next(l for l in _silod(state, "jobs").stdout.splitlines() if l.startswith(long_id))
+        # `silod nodes`: both emulated nodes, alive, their GPUs, and the running job's GPU in use.
+        table = _silod(state, "nodes")
+        assert table.returncode == 0, table.stderr
+        assert table.stdout.splitlines()[0].split() == ["NAME", "POOL", "TYPE", "GPUS", "CACHE", "ALIVE", "HEARTBEAT", "PLAN"]
+        rows = [json.loads(line) for line in _silod(state, "nodes", "--json").stdout.splitlines()]
+        assert [r["name"] for r in rows] == sorted(n["name"] for n in info["nodes"])
+        assert all(r["alive"] and r["gpus"] == 2 and r["pool"] == "training" and r["cache_bytes"] > 0 for r in rows)
+        assert 1 <= sum(r["gpus_used"] for r in rows) <= 4
         c = _silod(state, "cancel", long_id, "--reason", "test")
         assert c.returncode == 0, c.stderr
         w = _silod(state, "watch", long_id, timeout=60)
