@@ -85,7 +85,10 @@ def test_job_overheads_off_keeps_the_fixed_restart_cost(two_nodes):
     assert result.restart_charges == {"fixed": [1, 30.0]}
 
 
-def test_profiles_without_overheads_read_none_and_a_bad_flag_is_named():
+def test_profiles_without_overheads_read_none_and_the_digits_profile_has_them():
     assert read_overheads("cifar10") is None
+    digits = read_overheads("digits")  # measured by benchmarks/profile_ddp_digits.py
+    assert digits is not None and digits.num_replicas == (1, 2)
+    assert all(0 < s < 60 for s in digits.launch_s + digits.finish_s)
     with pytest.raises(Exception, match="job_overheads"):
         cluster_from_dict({"job_overheads": "yes"})
