@@ -346,8 +346,10 @@ def _cancel(args: argparse.Namespace) -> int:
     return _run(args, body)
 
 
-def _logs(args: argparse.Namespace) -> int:
-    from silod.v1 import metadata_pb2, metadata_pb2_grpc, worker_agent_pb2, worker_agent_pb2_grpc
+def nodes_and_plan(args: argparse.Namespace, job_id: str = "") -> tuple[list[Any], Any] | int:
+    """(registered nodes, latest plan or None before the first round) from the metadata service,
+    after checking that ``job_id`` exists if one is given; an exit status if that fails (said)."""
+    from silod.v1 import metadata_pb2, metadata_pb2_grpc
 
     try:
         md_addr = _address(args, "metadata", "metadata", "SILOD_METADATA_ADDR")
@@ -356,7 +358,8 @@ def _logs(args: argparse.Namespace) -> int:
     with _channel(md_addr, args) as channel:
         stub = metadata_pb2_grpc.MetadataServiceStub(channel)
         try:
-            stub.GetJob(metadata_pb2.GetJobRequest(job_id=args.job_id), timeout=10)
+            if job_id:
+                stub.GetJob(metadata_pb2.GetJobRequest(job_id=job_id), timeout=10)
             nodes = list(stub.ListNodes(metadata_pb2.ListNodesRequest(), timeout=10).nodes)
             try:
                 plan = stub.GetLatestPlan(metadata_pb2.GetLatestPlanRequest(), timeout=10)
@@ -368,6 +371,18 @@ def _logs(args: argparse.Namespace) -> int:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 return _unreachable(md_addr)
             return _rpc_failure(exc)
+        except KeyboardInterrupt:
+            return 130
+    return nodes, plan
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from silod.v1 import worker_agent_pb2, worker_agent_pb2_grpc
+
+    found_view = nodes_and_plan(args, args.job_id)
+    if isinstance(found_view, int):
+        return found_view
+    nodes, plan = found_view
     # Nodes of the job's current placement first; then every other node (a finished job is no
     # longer in the plan, but its logs stay on the nodes that ran it).
     placed = [p.node for a in (plan.jobs if plan else []) if a.job_id == args.job_id for p in a.placements]

@@ -13,10 +13,8 @@ import json
 from collections import Counter
 from typing import Any
 
-import grpc
-
-from silod.cli.client_commands import _add_connection_flags, _channel, _fail, _human_bytes, _rpc_failure
-from silod.cli.jobs import _address, _age, _NoCluster, _unreachable
+from silod.cli.client_commands import _add_connection_flags, _human_bytes
+from silod.cli.jobs import _age, nodes_and_plan
 from silod.cli.up import default_state_dir
 
 
@@ -30,28 +28,10 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 
 
 def _nodes(args: argparse.Namespace) -> int:
-    from silod.v1 import metadata_pb2, metadata_pb2_grpc
-
-    try:
-        address = _address(args, "metadata", "metadata", "SILOD_METADATA_ADDR")
-    except _NoCluster as exc:
-        return _fail(str(exc))
-    with _channel(address, args) as channel:
-        stub = metadata_pb2_grpc.MetadataServiceStub(channel)
-        try:
-            nodes = list(stub.ListNodes(metadata_pb2.ListNodesRequest(), timeout=10).nodes)
-            try:
-                plan = stub.GetLatestPlan(metadata_pb2.GetLatestPlanRequest(), timeout=10)
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:  # before the first round there is no plan
-                    raise
-                plan = None
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                return _unreachable(address)
-            return _rpc_failure(exc)
-        except KeyboardInterrupt:
-            return 130
+    view = nodes_and_plan(args)
+    if isinstance(view, int):
+        return view
+    nodes, plan = view
     rows = node_rows(nodes, plan)
     if args.json:
         for row in rows:
