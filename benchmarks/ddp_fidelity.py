@@ -71,6 +71,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--sample-sleep-s", type=float, default=0.008, help="as profiled (profile_ddp_digits.py)")
     p.add_argument("--timeout-s", type=float, default=1200.0)
     p.add_argument("--out", default="", help="write everything measured here (JSON)")
+    p.add_argument("--resimulate", default="", metavar="JSON",
+                   help="no live run: simulate again the live runs an earlier --out recorded (with this run's simulator flags)")
     return p.parse_args()
 
 
@@ -199,8 +201,22 @@ def report(policy: str, real: dict, sim: dict, step: float) -> dict:
             "thr_err": dict(zip([w[0] for w in WORKLOAD], errs_thr)), "jct_err": dict(zip([w[0] for w in WORKLOAD], errs_jct))}
 
 
+def resimulate(args: argparse.Namespace) -> int:
+    """The simulator side only, against live runs recorded by an earlier ``--out``."""
+    recorded = json.loads(Path(args.resimulate).read_text())
+    rerun = argparse.Namespace(**{**recorded["args"], "fixed_restart": args.fixed_restart})
+    facts = recorded.get("dataset", {"bytes": 255_258.0, "samples": 1_797})  # the digits files (runs before this key)
+    for policy, result in recorded["results"].items():
+        real = result["live"]
+        sim = simulate(rerun, policy, {n: j["arrival"] for n, j in real["jobs"].items()}, facts["bytes"], facts["samples"])
+        report(policy, real, sim, 10.0)
+    return 0
+
+
 def main() -> int:
     args = parse()
+    if args.resimulate:
+        return resimulate(args)
     work = Path(tempfile.mkdtemp(prefix="silod-ddp-fidelity-"))
     prepare_store(work / "store", DATASETS)
     files = sorted((work / "store" / "bench" / DATASETS[0]).iterdir())
@@ -236,7 +252,8 @@ def main() -> int:
           f"{args.batch}; datasets {DATASETS}; 2 nodes x 1 GPU, cache {args.cache_bytes} B/node, store = budget "
           f"{args.bandwidth_kb_s} kB/s; work dir {work}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results,
+                                              "dataset": {"bytes": dataset_bytes, "samples": samples}}, indent=1))
     return 0
 
 
