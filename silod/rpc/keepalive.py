@@ -11,6 +11,15 @@ backoff (at most 5 s, ``channels._RECONNECT_OPTIONS``) on a fresh connection.
 Both ends must agree: a gRPC server by default answers a client that pings an idle connection
 more often than every 5 minutes with GOAWAY ("too_many_pings") and drops the connection, so
 every silod server accepts pings as often as the clients send them.
+
+Even so, under load a server still dropped silod's own long-lived connections: in a benchmark
+on a 2-core machine, both cache servers' plan watches (to the scheduler), their calls to the
+metadata store and their peer channels were cut with "too_many_pings" several times within two
+minutes. A client does not only send keepalive pings (it also probes its flow-control window
+after receiving data, and more), and gRPC's default tolerates two pings it judges too early.
+Servers here only serve silod clients, so they count no such strikes at all
+(``max_ping_strikes`` 0); a dead client is still found by the server's own keepalive pings.
+tests/runtime/test_keepalive_pings.py: a client pinging every 200 ms keeps its watch.
 """
 
 KEEPALIVE_TIME_MS = 10_000  # ping a connection idle for this long
@@ -30,5 +39,6 @@ SERVER_KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),  # 0 = never answer pings with GOAWAY (see above)
     ("grpc.http2.max_pings_without_data", 0),
 ]
