@@ -95,6 +95,7 @@ def live(args: argparse.Namespace, policy: str, store_address: str, work: Path) 
         jobs = cluster.wait(list(ids), args.timeout_s)
         plans = cluster.plans()
         steps = {ids[j]: cluster.steps(j) for j in ids}
+        caches = {ids[j]: cluster.cache_stats(j) for j in ids}
     t0 = min(j.created_at.ToDatetime().timestamp() for j in jobs.values())
     out: dict = {"jobs": {}, "timeline": []}
     for job_id, job in jobs.items():
@@ -108,7 +109,15 @@ def live(args: argparse.Namespace, policy: str, store_address: str, work: Path) 
             "finish": job.finished_at.ToDatetime().timestamp() - t0, "launch_s": first_step - first_plan,
             "finish_s": job.finished_at.ToDatetime().timestamp() - max((s["t"] for s in steps[name]), default=first_step),
             "samples": float(job.progress.samples_done),
+            # per node: the job's cache stats at its first and last sample (cached bytes at the
+            # start; hits, misses = store reads, peer hits at the end)
+            "cache": {node: {"first": seen[0][1], "last": seen[-1][1]} for node, seen in caches[name].items()},
         }
+        for node, seen in sorted(caches[name].items()):
+            first, last = seen[0][1], seen[-1][1]
+            print(f"  {name} {node}: cached {int(first.get('cached_bytes', 0))} B at its first sample; "
+                  f"hits {last.get('hits', 0)} (peer {last.get('peer_hits', 0)}), misses {last.get('misses', 0)}, "
+                  f"remote {last.get('remote_bytes', 0)} B", flush=True)
     last: dict[str, int] = {}
     for plan in plans:
         now = {ids[j]: sum(n.values()) for j, n in plan.gpus.items() if j in ids}

@@ -13,13 +13,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
-from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from silod.v1 import (cache_pb2, cache_pb2_grpc, common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2,
+                      scheduler_pb2_grpc)
 
 TERMINAL = (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
 
@@ -55,6 +57,12 @@ class LiveCluster:
             self.env["SILOD_RESTART_COST_S"] = str(restart_cost_s)
         self.proc: subprocess.Popen[bytes] | None = None
         self.info: dict[str, str] = {}
+        # (time, node, the cache server's JobCacheStats of each job as a dict), sampled every
+        # cache_sample_s while the cluster runs: what each job hit, missed and read from peers.
+        self.cache_samples: list[tuple[float, str, dict[str, dict]]] = []
+        self.cache_sample_s = 0.5
+        self._stop_sampling = threading.Event()
+        self._sampler: threading.Thread | None = None
 
     def __enter__(self) -> "LiveCluster":
         self.work.mkdir(parents=True, exist_ok=True)
@@ -71,9 +79,37 @@ class LiveCluster:
                 time.sleep(0.5)
         self.md = metadata_pb2_grpc.MetadataServiceStub(grpc.insecure_channel(self.info["metadata"]))
         self.jobs = scheduler_pb2_grpc.JobServiceStub(grpc.insecure_channel(self.info["scheduler"]))
+        self._sampler = threading.Thread(target=self._sample_caches, name="cache-stats", daemon=True)
+        self._sampler.start()
         return self
 
+    def _sample_caches(self) -> None:
+        from google.protobuf.json_format import MessageToDict
+
+        stubs: dict[str, cache_pb2_grpc.CacheServiceStub] = {}
+        while not self._stop_sampling.wait(self.cache_sample_s):
+            try:
+                if not stubs:
+                    nodes = self.md.ListNodes(metadata_pb2.ListNodesRequest(), timeout=5).nodes
+                    stubs = {n.spec.name: cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(n.spec.cache_address))
+                             for n in nodes if n.spec.cache_address}
+                for node, stub in stubs.items():
+                    stats = stub.Stats(cache_pb2.StatsRequest(), timeout=2)
+                    jobs = {j.job_id: MessageToDict(j, preserving_proto_field_name=True) for j in stats.jobs}
+                    self.cache_samples.append((time.time(), node, jobs))
+            except grpc.RpcError:
+                continue  # a cache server starting or stopping: the next sample
+
+    def cache_stats(self, job_id: str) -> dict[str, list[tuple[float, dict]]]:
+        """Per node, the job's cache stats over time (``JobCacheStats`` fields, ints as strings)."""
+        out: dict[str, list[tuple[float, dict]]] = {}
+        for at, node, jobs in self.cache_samples:
+            if job_id in jobs:
+                out.setdefault(node, []).append((at, jobs[job_id]))
+        return out
+
     def __exit__(self, *exc: object) -> None:
+        self._stop_sampling.set()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
