@@ -220,6 +220,9 @@ class CacheCore:
         self._datasets: dict[str, DatasetState] = {}
         self._loading: dict[str, asyncio.Future[DatasetState]] = {}
         self._inflight: dict[tuple[str, str, str], asyncio.Future[tuple[Entry | None, bytes]]] = {}
+        # Object versions whose IO a job is paying for now (waiting in its bucket before it
+        # claims the flight): the bucket and a future set once that payment is over.
+        self._paying: dict[tuple[str, str, str], tuple[TokenBucket, asyncio.Future[None]]] = {}
         self._jobs: dict[str, JobState] = {}
         self._parts: dict[tuple[str, str], Partition] = {}  # (dataset, policy) -> quota partition
         self._leases: dict[str, Lease] = {}
@@ -734,13 +737,33 @@ class CacheCore:
             if pending is None and cached is not None and cached.verified and not cached.doomed:
                 break
         paid = None  # the bucket this job's IO for the object was paid on, before claiming the flight
+        booked = self._paying.get(flight)
+        if pending is None and data is None and booked is not None and booked[0] is job.bucket:
+            # The same job is already paying for these bytes, booked earlier in the same bucket
+            # (its prefetch, usually, a little ahead of the reader): wait for that payment and
+            # join its flight. Booking the bytes again would put the reader at the back of the
+            # bucket, behind every fetch booked since -- with a prefetch window of fetches
+            # queued, each of a batch's misses waited ~0.5 s for bytes that had long arrived,
+            # and a partly cached epoch ran at the pace of reading and computing in turn.
+            await asyncio.shield(booked[1])
+            pending = self._inflight.get(flight)
         if pending is None and data is None and job.bucket is not None:
             # Pay for the bytes at this job's IO rate BEFORE claiming the flight: a flight in the
             # table must be a fetch at the store's speed. Claimed first, a job granted a trickle
             # (the budget's last 1 %) made every other reader of the object wait on its bucket --
             # a co-reader granted nearly all the budget crawled at 4 samples/s behind it.
+            # (So only a payer of the same job is waited for, above.)
             paid = job.bucket
-            await paid.acquire(size)
+            booking = (paid, asyncio.get_running_loop().create_future())
+            first = self._paying.setdefault(flight, booking) is booking
+            try:
+                await paid.acquire(size)
+            finally:
+                if first:
+                    # Waiters resume after this task, which claims the flight below without
+                    # yielding in between, or, cancelled, never does (they then pay themselves).
+                    del self._paying[flight]
+                    booking[1].set_result(None)
             pending = self._inflight.get(flight)
         if pending is not None:
             if paid is not None:

@@ -592,3 +592,27 @@ def test_prefetches_of_all_jobs_leave_half_the_remote_slots_to_lease_misses(
     # Both jobs' prefetches together: 4 reads at most, never the 8 remote threads; the misses
     # take one read's time, not a wait behind the 260 prefetches queued (8 at a time: ~1.6 s).
     assert prefetch_most == 4 and waited < 0.5, (prefetch_most, waited)
+
+
+def test_a_read_of_what_the_jobs_prefetch_is_paying_for_waits_for_that_payment_not_behind_it(
+    tmp_path: Path, metadata: str
+) -> None:
+    """A job's prefetch books its next objects in the job's IO bucket; a read of one of them
+    joins that booking. Booked again, the read would wait behind every fetch booked since (here
+    the whole hint: ~2 s), though the prefetch brings its bytes at ~0.4 s."""
+    root = tmp_path / "paid"
+    keys = sorted(make_dataset(root, 20, 800, seed=9))
+    register(metadata, "paid", f"file://{root}")
+    rate = 8000  # 0.1 s an object
+    with InProcessCache(tmp_path, metadata) as cache:
+        cache.apply_quotas([quota("pay", "paid", 100_000, io_rate=rate)], 1)
+        cache.stub.Prefetch(cache_pb2.PrefetchRequest(job_id="pay", dataset="paid", keys=keys))
+        time.sleep(0.05)  # the prefetch has booked all 20 (2 s of this job's IO)
+        started = time.monotonic()
+        response = cache.lease("pay", "paid", [keys[3]])
+        waited = time.monotonic() - started
+        job = cache.stats("pay").jobs[0]
+    print(f"\nread of the 4th of 20 prefetched objects at {rate} B/s: {waited:.2f} s")
+    assert response.objects[0].size_bytes == 800
+    assert waited < 1.0, f"the read waited {waited:.2f} s: it booked its own IO behind the prefetch's"
+    assert job.remote_bytes <= 20 * 800  # and the object was read from the store once
