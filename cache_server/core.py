@@ -717,11 +717,14 @@ class CacheCore:
     # -- fetching and admission ---------------------------------------------------------------------
 
     async def _obtain(
-        self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, data: bytes | None = None
+        self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, data: bytes | None = None,
+        background: bool = False,
     ) -> tuple[Entry | None, bytes]:
         """Fetch (once, however many callers ask at the same time) and admit one object version.
 
         ``data``: bytes already at hand (staged by prefetch); then nothing is fetched.
+        ``background``: a prefetch; it pays for its bytes only when the job's IO is idle
+        (``TokenBucket.acquire_when_idle``), so a reader's misses never queue behind it.
         Every admission goes through here, so one version is never written twice at once.
         """
         flight = (ds.name, key, etag)
@@ -739,12 +742,9 @@ class CacheCore:
         paid = None  # the bucket this job's IO for the object was paid on, before claiming the flight
         booked = self._paying.get(flight)
         if pending is None and data is None and booked is not None and booked[0] is job.bucket:
-            # The same job is already paying for these bytes, booked earlier in the same bucket
-            # (its prefetch, usually, a little ahead of the reader): wait for that payment and
-            # join its flight. Booking the bytes again would put the reader at the back of the
-            # bucket, behind every fetch booked since -- with a prefetch window of fetches
-            # queued, each of a batch's misses waited ~0.5 s for bytes that had long arrived,
-            # and a partly cached epoch ran at the pace of reading and computing in turn.
+            # A reader of the same job is already paying for these bytes, booked earlier in the
+            # same bucket (a Lease and a Read of one object, say): wait for that payment and
+            # join its flight rather than book the bytes again behind everything booked since.
             await asyncio.shield(booked[1])
             pending = self._inflight.get(flight)
         if pending is None and data is None and job.bucket is not None:
@@ -754,10 +754,17 @@ class CacheCore:
             # a co-reader granted nearly all the budget crawled at 4 samples/s behind it.
             # (So only a payer of the same job is waited for, above.)
             paid = job.bucket
+            if background:
+                # Prefetches book only when the job's IO is idle: booked ahead, a window of them
+                # sat in the bucket and every miss a reader had to fetch itself queued behind
+                # them (~0.5 s a miss in the DDP fidelity runs, a partly cached first epoch
+                # running at the pace of reading and computing in turn).
+                await paid.acquire_when_idle(size)
             booking = (paid, asyncio.get_running_loop().create_future())
-            first = self._paying.setdefault(flight, booking) is booking
+            first = not background and self._paying.setdefault(flight, booking) is booking
             try:
-                await paid.acquire(size)
+                if not background:
+                    await paid.acquire(size)
             finally:
                 if first:
                     # Waiters resume after this task, which claims the flight below without
@@ -796,12 +803,16 @@ class CacheCore:
             self._inflight.pop(flight, None)
 
     async def _fetch(self, job: JobState, ds: DatasetState, key: str, size: int, etag: str,
-                     paid: bool = False) -> bytes:
-        """``paid``: the caller already waited for this job's IO tokens for these bytes."""
+                     paid: bool = False, background: bool = False) -> bytes:
+        """``paid``: the caller already waited for this job's IO tokens for these bytes;
+        ``background``: a prefetch, which takes only IO the job's readers leave idle."""
         while job.held:  # no IO granted (pass-through jobs come here directly)
             await job.io_granted.wait()
         if job.bucket is not None and not paid:
-            await job.bucket.acquire(size)
+            if background:
+                await job.bucket.acquire_when_idle(size)
+            else:
+                await job.bucket.acquire(size)
         started = time.monotonic()
         if ds.store.reads_async:  # on this loop, no thread per fetch; the client bounds each attempt
             async with self._remote_slots:
@@ -1387,12 +1398,12 @@ class CacheCore:
     async def _prefetch_run(self, job: JobState, ds: DatasetState, run: list[int],
                             flights: list[tuple[Any, asyncio.Future[Any]]], slots: _PrefetchSlots) -> None:
         try:
-            await self._fetch_run(job, ds, run, flights)
+            await self._fetch_run(job, ds, run, flights, background=True)
         finally:
             slots.release()
 
     async def _fetch_run(self, job: JobState, ds: DatasetState, run: list[int],
-                         flights: list[tuple[Any, asyncio.Future[Any]]]) -> None:
+                         flights: list[tuple[Any, asyncio.Future[Any]]], background: bool = False) -> None:
         """One ranged read for byte-adjacent samples of a shard (claimed as ``flights``), each
         admitted on its own; what the job prefetched but its partition did not admit is staged."""
         manifest = ds.manifest
@@ -1402,7 +1413,7 @@ class CacheCore:
         span = SampleRange(samples[0].shard, start, length, "").key  # type: ignore[union-attr]
         etag = manifest.etags[run[0]]
         try:
-            data = await self._fetch(job, ds, span, length, etag)
+            data = await self._fetch(job, ds, span, length, etag, background=background)
             for p, sample, (_, future) in zip(run, samples, flights):
                 key, size = manifest.keys[p], manifest.sizes[p]
                 offset = sample.offset - start  # type: ignore[union-attr]
@@ -1438,7 +1449,7 @@ class CacheCore:
                     job.staged_bytes += len(data)
                     job.staged_from_peer.add(item)
                 return
-            entry, data = await self._obtain(job, ds, key, size, etag)
+            entry, data = await self._obtain(job, ds, key, size, etag, background=True)
             if entry is None and item in job.ahead and not job.preload:
                 job.staged[item] = data  # not admitted (quota full): hold it until the job reads it
                 job.staged_bytes += len(data)

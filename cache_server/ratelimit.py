@@ -25,6 +25,7 @@ class TokenBucket:
         self.burst_s = burst_s
         self._clock = clock
         self._next_free = clock()
+        self._idle_turn: asyncio.Lock | None = None  # created on first use, inside a running loop
 
     def reserve(self, nbytes: int) -> float:
         """Book ``nbytes``; return the seconds to wait before transferring them."""
@@ -42,6 +43,18 @@ class TokenBucket:
         delay = self.reserve(nbytes)
         if delay > 0:
             await asyncio.sleep(delay)
+
+    async def acquire_when_idle(self, nbytes: int) -> None:
+        """Book ``nbytes`` only once the bucket is idle (nothing booked beyond now), one such
+        caller at a time: background transfers (prefetch) take the rate a reader leaves
+        unused, and a reader's ``acquire`` never queues behind more than the one background
+        transfer booked last. Over time they get the same rate as ``acquire`` would."""
+        if self._idle_turn is None:
+            self._idle_turn = asyncio.Lock()
+        async with self._idle_turn:
+            while (wait := self._next_free - self._clock()) > 0:
+                await asyncio.sleep(wait)  # a reader may book meanwhile: look again
+            self.reserve(nbytes)
 
 
 class RateMeter:
