@@ -102,6 +102,10 @@ class DatasetState:
         return self.manifest.name
 
 
+class _NoLongerWanted(Exception):
+    """A prefetch whose object the job read while the prefetch waited for idle IO."""
+
+
 @dataclass
 class JobState:
     job_id: str
@@ -760,6 +764,11 @@ class CacheCore:
                 # them (~0.5 s a miss in the DDP fidelity runs, a partly cached first epoch
                 # running at the pace of reading and computing in turn).
                 await paid.acquire_when_idle(size)
+                if (ds.name, key) not in job.ahead and flight not in self._inflight:
+                    # The job read it (and did not keep it) while this prefetch waited for idle
+                    # IO: fetching it now would spend the job's IO on bytes no one reads.
+                    paid.refund(size)
+                    raise _NoLongerWanted(key)
             booking = (paid, asyncio.get_running_loop().create_future())
             first = not background and self._paying.setdefault(flight, booking) is booking
             try:
@@ -1453,6 +1462,8 @@ class CacheCore:
             if entry is None and item in job.ahead and not job.preload:
                 job.staged[item] = data  # not admitted (quota full): hold it until the job reads it
                 job.staged_bytes += len(data)
+        except _NoLongerWanted:
+            pass
         except Exception as exc:
             job.ahead.pop((ds.name, key), None)
             _log.debug("prefetch failed", extra={"dataset": ds.name, "key": key, "error": str(exc)})

@@ -624,3 +624,20 @@ def test_a_jobs_reads_never_queue_behind_its_prefetch_in_its_io_bucket(tmp_path:
     assert waits[0] < 0.6 and waits[1] < 0.6, f"reads waited {waits}: queued behind the prefetch"
     assert job.remote_bytes == 21 * 800  # each object read from the store once
     assert elapsed >= 21 * 800 / rate - 0.2  # and no faster than the job's rate (burst 0.05 s)
+
+
+def test_a_prefetch_of_an_object_the_job_has_read_meanwhile_fetches_nothing(tmp_path: Path, metadata: str) -> None:
+    """The prefetch waits for idle IO; an object the job read (and the cache did not keep: here
+    no room) in that time is not fetched again for it. The job's store bytes are its reads'."""
+    root = tmp_path / "gone"
+    keys = sorted(make_dataset(root, 20, 800, seed=10))
+    register(metadata, "gone", f"file://{root}")
+    with InProcessCache(tmp_path, metadata, disk_cache_bytes=1000) as cache:  # no room to keep them
+        cache.apply_quotas([quota("once", "gone", 0, io_rate=8000)], 1)
+        cache.stub.Prefetch(cache_pb2.PrefetchRequest(job_id="once", dataset="gone", keys=keys))
+        for key in keys:
+            cache.lease("once", "gone", [key])
+        time.sleep(0.5)  # what the prefetch would still fetch
+        job = cache.stats("once").jobs[0]
+    print(f"\n20 objects read while prefetched, none kept: {job.remote_bytes} bytes from the store")
+    assert job.remote_bytes <= 21 * 800, f"{job.remote_bytes} bytes: objects fetched again for a prefetch"
