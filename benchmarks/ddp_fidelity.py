@@ -212,7 +212,11 @@ def report(policy: str, real: dict, sim: dict, step: float) -> dict:
 
 def resimulate(args: argparse.Namespace) -> int:
     """The simulator side only, against live runs recorded by an earlier ``--out``."""
-    recorded = json.loads(Path(args.resimulate).read_text())
+    try:
+        recorded = json.loads(Path(args.resimulate).read_text())
+        recorded["args"], recorded["results"]  # noqa: B018 - what an --out file holds
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"--resimulate {args.resimulate}: not a file written by --out ({exc})") from None
     rerun = argparse.Namespace(**{**recorded["args"], "fixed_restart": args.fixed_restart})
     facts = recorded.get("dataset", {"bytes": 255_258.0, "samples": 1_797})  # the digits files (runs before this key)
     for policy, result in recorded["results"].items():

@@ -769,17 +769,17 @@ class CacheCore:
                     # IO: fetching it now would spend the job's IO on bytes no one reads.
                     paid.refund(size)
                     raise _NoLongerWanted(key)
-            booking = (paid, asyncio.get_running_loop().create_future())
-            first = not background and self._paying.setdefault(flight, booking) is booking
-            try:
-                if not background:
+            else:
+                booking = (paid, asyncio.get_running_loop().create_future())
+                first = self._paying.setdefault(flight, booking) is booking
+                try:
                     await paid.acquire(size)
-            finally:
-                if first:
-                    # Waiters resume after this task, which claims the flight below without
-                    # yielding in between, or, cancelled, never does (they then pay themselves).
-                    del self._paying[flight]
-                    booking[1].set_result(None)
+                finally:
+                    if first:
+                        # Waiters resume after this task, which claims the flight below without
+                        # yielding in between, or, cancelled, never does (they pay themselves).
+                        del self._paying[flight]
+                        booking[1].set_result(None)
             pending = self._inflight.get(flight)
         if pending is not None:
             if paid is not None:
@@ -812,16 +812,12 @@ class CacheCore:
             self._inflight.pop(flight, None)
 
     async def _fetch(self, job: JobState, ds: DatasetState, key: str, size: int, etag: str,
-                     paid: bool = False, background: bool = False) -> bytes:
-        """``paid``: the caller already waited for this job's IO tokens for these bytes;
-        ``background``: a prefetch, which takes only IO the job's readers leave idle."""
+                     paid: bool = False) -> bytes:
+        """``paid``: the caller already waited for this job's IO tokens for these bytes."""
         while job.held:  # no IO granted (pass-through jobs come here directly)
             await job.io_granted.wait()
         if job.bucket is not None and not paid:
-            if background:
-                await job.bucket.acquire_when_idle(size)
-            else:
-                await job.bucket.acquire(size)
+            await job.bucket.acquire(size)
         started = time.monotonic()
         if ds.store.reads_async:  # on this loop, no thread per fetch; the client bounds each attempt
             async with self._remote_slots:
@@ -1407,12 +1403,14 @@ class CacheCore:
     async def _prefetch_run(self, job: JobState, ds: DatasetState, run: list[int],
                             flights: list[tuple[Any, asyncio.Future[Any]]], slots: _PrefetchSlots) -> None:
         try:
-            await self._fetch_run(job, ds, run, flights, background=True)
+            # Booked like a read, not when idle: the run's flights are claimed already, so a
+            # reader of any of its samples waits on this fetch, which must not yield to reads.
+            await self._fetch_run(job, ds, run, flights)
         finally:
             slots.release()
 
     async def _fetch_run(self, job: JobState, ds: DatasetState, run: list[int],
-                         flights: list[tuple[Any, asyncio.Future[Any]]], background: bool = False) -> None:
+                         flights: list[tuple[Any, asyncio.Future[Any]]]) -> None:
         """One ranged read for byte-adjacent samples of a shard (claimed as ``flights``), each
         admitted on its own; what the job prefetched but its partition did not admit is staged."""
         manifest = ds.manifest
@@ -1422,7 +1420,7 @@ class CacheCore:
         span = SampleRange(samples[0].shard, start, length, "").key  # type: ignore[union-attr]
         etag = manifest.etags[run[0]]
         try:
-            data = await self._fetch(job, ds, span, length, etag, background=background)
+            data = await self._fetch(job, ds, span, length, etag)
             for p, sample, (_, future) in zip(run, samples, flights):
                 key, size = manifest.keys[p], manifest.sizes[p]
                 offset = sample.offset - start  # type: ignore[union-attr]

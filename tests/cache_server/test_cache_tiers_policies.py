@@ -3,6 +3,8 @@ fetch-cost model, without any service."""
 
 from __future__ import annotations
 
+import asyncio
+
 import os
 from pathlib import Path
 
@@ -139,6 +141,31 @@ def test_token_bucket_paces_to_the_rate() -> None:
     now[0] = 100.0  # idle for long: the burst does not accumulate beyond burst_s
     assert bucket.reserve(100) == 0.0
     assert bucket.reserve(100) == pytest.approx(0.05)
+
+
+def test_token_bucket_books_a_background_transfer_only_when_idle() -> None:
+    """A background (prefetch) transfer waits until nothing is booked beyond now, and waits again
+    if a reader booked meanwhile: the reader is never queued behind it."""
+    async def scenario() -> list[tuple[str, float]]:
+        bucket = TokenBucket(1000.0, burst_s=0.0)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        done: list[tuple[str, float]] = []
+
+        async def transfer(name: str, background: bool) -> None:
+            await (bucket.acquire_when_idle(100) if background else bucket.acquire(100))
+            done.append((name, loop.time() - start))
+
+        bucket.reserve(100)  # a read in transfer until 0.1 s
+        prefetch = asyncio.ensure_future(transfer("prefetch", True))
+        await asyncio.sleep(0.05)
+        read = asyncio.ensure_future(transfer("read", False))  # booked 0.1-0.2 s, ahead of the prefetch
+        await asyncio.gather(prefetch, read)
+        return done
+
+    done = asyncio.run(scenario())
+    assert [name for name, _ in done] == ["read", "prefetch"]
+    assert done[0][1] < done[1][1] and done[1][1] >= 0.2 - 1e-3  # after the read's 100 bytes, never sooner
 
 
 def test_fetch_cost_model_separates_latency_and_bandwidth() -> None:
