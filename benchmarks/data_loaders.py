@@ -28,8 +28,9 @@ Rows, each with its physical limit:
 - ``warm``: the epochs after the first (median of ``--repeats``; min and max printed below
   the table; a loader without a cache reads the store again, one epoch). Limit: the same
   workers reading the same bytes from local files in tmpfs (``local files``: a batch of files
-  per ``__getitems__`` call, as silod reads its leased files), one such epoch run right before
-  each warm epoch of the loader, so each
+  per ``__getitems__`` call, as silod reads its leased files; for ``silod-shards``, ``local
+  shards``: the same tar shards in tmpfs, each sample's byte range read and decoded by the same
+  transform), one such epoch run right before each warm epoch of the loader, so each
   pair sees the same machine: the cell's share is against the median of the loader's own
   local epochs, and the min / median / max of the per-pair ratios is printed below the table.
 - ``cache=1/2``: the dataset is twice the cache (silod: a memory tier of half the dataset,
@@ -76,6 +77,7 @@ try:
 except ImportError:  # run from a clone without installing
     sys.path.insert(0, str(HERE.parent))
 
+from silod.data.shards import index_tar  # noqa: E402
 from data_loading import PlainS3Dataset, bench_directories, make_files, to_tensor  # noqa: E402  (the sibling benchmark)
 
 BUCKET = "bench"
@@ -515,7 +517,8 @@ def main() -> int:
             return samples / seconds, memory.peak, usage
 
         spreads: dict[str, list[float]] = {}
-        ratios: dict[str, list[float]] = {}  # warm epoch / the local-files epoch just before it
+        ratios: dict[str, list[float]] = {}  # warm epoch / the local epoch just before it
+        local_pairs: dict[str, list[float]] = {}  # those local epochs (samples/s)
         # The warm limit: the same workers reading the same files from tmpfs.
         paths = [str(local / key) for key in keys]
 
@@ -536,6 +539,33 @@ def main() -> int:
                         out.append(to_tensor(f.read()))
                 return out
 
+        # The warm limit of a sharded dataset: the same tar shards in tmpfs, each sample read at its
+        # byte range and decoded by the same transform as silod's shard samples.
+        shutil.copytree(store / "shards", shm / "local-shards")
+        ranges = []
+        for shard in shard_keys:
+            with open(shm / "local-shards" / shard, "rb") as f:
+                ranges += [(str(shm / "local-shards" / shard), r.offset, r.length) for r in index_tar(f, shard)]
+
+        class LocalShards(torch.utils.data.Dataset):  # type: ignore[type-arg]
+            """The tar shards read as cheaply as the files above: a batch per call, each sample's
+            byte range with one positioned read of its known length."""
+
+            def __len__(self) -> int:
+                return len(ranges)
+
+            def __getitem__(self, i: int) -> Any:
+                return self.__getitems__([i])[0]
+
+            def __getitems__(self, indices: list[int]) -> list[Any]:
+                out = []
+                for i in indices:
+                    path, offset, length = ranges[i]
+                    with open(path, "rb") as f:
+                        f.seek(offset)
+                        out.append(_shard_tensor(f.read(length)))
+                return out
+
         local_runs = sorted((measure(lambda: loader_of(LocalFiles())) for _ in range(args.repeats)), key=lambda r: r[0])
         local_rate, local_pss = statistics.median(r[0] for r in local_runs), max(r[1] for r in local_runs)
         spreads["local files"] = [r[0] for r in local_runs]
@@ -552,7 +582,9 @@ def main() -> int:
         loaders = [name for name in loaders if name != "raw-gets"]
 
         def run_rows(name: str, epoch: Callable[[str], Any], has_cache: bool, extra: Callable[[], list[int]],
-                     setup: Callable[[str], None] = lambda row: None, skip: dict[str, str] | None = None) -> None:
+                     setup: Callable[[str], None] = lambda row: None, skip: dict[str, str] | None = None,
+                     local: Any = LocalFiles) -> None:
+            """``local``: the dataset of the warm limit's epochs, run side by side with this loader's."""
             for row in rows:
                 if row in (skip or {}):
                     table.put(name, row, Cell(note=(skip or {})[row]))
@@ -569,11 +601,12 @@ def main() -> int:
                         runs, locals_ = [], []
                         # A loader without a cache reads the store again: its warm epoch is a cold one.
                         for _ in range(args.repeats if has_cache else 1):
-                            locals_.append(measure(lambda: loader_of(LocalFiles()))[0])
+                            locals_.append(measure(lambda: loader_of(local()))[0])
                             runs.append(measure(lambda: epoch("warm" if has_cache else "cold"), extra()))
                         rate, pss = statistics.median(r[0] for r in runs), max(r[1] for r in runs)
                         spreads[name] = [r[0] for r in runs]
                         ratios[name] = [r[0] / lo for r, lo in zip(runs, locals_)]
+                        local_pairs[name] = locals_
                         middle = sorted(runs, key=lambda r: r[0])[len(runs) // 2][2]
                         table.put(name, row, Cell(rate, statistics.median(locals_), pss, usage=middle))
                         continue
@@ -686,7 +719,13 @@ def main() -> int:
                     state["epoch"] += 1
                     return loader_of(dataset, sampler)
 
-                run_rows(name, silod_epoch, True, lambda: [c.pid for c in caches], new_cache)
+                run_rows(name, silod_epoch, True, lambda: [c.pid for c in caches], new_cache,
+                         local=LocalFiles if name == "silod" else LocalShards)
+                if name == "silod-shards" and name in local_pairs:
+                    shard_rates = local_pairs[name]
+                    spreads["local shards"] = shard_rates
+                    table.put("local shards", "warm", Cell(statistics.median(shard_rates),
+                                                           statistics.median(shard_rates)))
         print()
         print(table.render())
         print(f"\nlimits (samples/s): cold {limits['cold']:,.0f} (link), warm {limits['warm']:,.0f} (local files), "

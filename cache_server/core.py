@@ -594,7 +594,7 @@ class CacheCore:
         finally:  # at stop() too
             await store.aclose()
 
-    def _resolve(self, ds: DatasetState, keys: Sequence[str]) -> list[int]:
+    def _resolve(self, ds: DatasetState, keys: Sequence[str], field: str = "keys") -> list[int]:
         index = ds.manifest.index
         positions = []
         for i, key in enumerate(keys):
@@ -602,20 +602,21 @@ class CacheCore:
             if pos is None:
                 problem = key_problem(key)
                 if problem is not None:
-                    raise InvalidArgument(problem, field=f"keys[{i}]")
+                    raise InvalidArgument(problem, field=f"{field}[{i}]")
                 raise NotFound(
                     f"no object {key!r} in the manifest of dataset {ds.name!r} (version {ds.manifest.version})",
-                    field=f"keys[{i}]",
+                    field=f"{field}[{i}]",
                 )
             positions.append(pos)
         return positions
 
     @staticmethod
-    def _check_batch(keys: Sequence[str], limit: int = MAX_KEYS_PER_CALL, allow_empty: bool = False) -> None:
+    def _check_batch(keys: Sequence[str], limit: int = MAX_KEYS_PER_CALL, allow_empty: bool = False,
+                     field: str = "keys") -> None:
         if not keys and not allow_empty:
-            raise InvalidArgument("must name at least one key", field="keys")
+            raise InvalidArgument("must name at least one key", field=field)
         if len(keys) > limit:
-            raise InvalidArgument(f"at most {limit} keys per call, got {len(keys)}", field="keys")
+            raise InvalidArgument(f"at most {limit:,} keys per call, got {len(keys):,}", field=field)
 
     # -- cache index ------------------------------------------------------------------------------
 
@@ -1257,19 +1258,20 @@ class CacheCore:
 
     # -- Prefetch --------------------------------------------------------------------------------------
 
-    async def prefetch(self, job_id: str, dataset: str, keys: Sequence[str]) -> tuple[int, int]:
+    async def prefetch(self, job_id: str, dataset: str, keys: Sequence[str], field: str = "keys") -> tuple[int, int]:
         """Queue objects for background fetching; returns (objects, bytes) newly queued.
 
         With a job id the queue drains as fast as the job consumes (a window of
         ``prefetch_lookahead_s`` seconds of its measured read rate, between
         ``prefetch_min_objects`` and ``prefetch_max_objects``), charged to its IO rate and
         admitted into its partition; without one (dataset preload) it drains at full speed
-        into the shared partition. Empty ``keys`` = the whole manifest.
+        into the shared partition. Empty ``keys`` = the whole manifest. ``field``: the request's
+        name for ``keys``, in errors.
         """
-        self._check_batch(keys, MAX_PREFETCH_KEYS, allow_empty=True)
+        self._check_batch(keys, MAX_PREFETCH_KEYS, allow_empty=True, field=field)
         ds = await self._dataset(dataset)
         manifest = ds.manifest
-        positions = self._resolve(ds, keys) if keys else range(len(manifest))
+        positions = self._resolve(ds, keys, field) if keys else range(len(manifest))
         job = self._job(job_id)
         if job_id:
             job.dataset = job.dataset or dataset

@@ -73,6 +73,11 @@ class Settings(ServiceSettings):
         "miss before it is skipped and the object read from the remote store",
     )
     peer_tls_ca_file: str = Field("", description="PEM CA to verify peer cache servers' TLS certificates")
+    lease_socket: str = Field(
+        "auto",
+        description="Unix socket on which readers on this host may send Lease calls without gRPC's per-call cost "
+        "(path; 'auto' = a fresh directory under the system's temporary directory; 'off' = none)",
+    )
     scheduler_address: str = Field(
         "",
         description="HOST:PORT of the AllocationService to follow (plan cache quotas); empty = best-effort mode, no watch",
@@ -120,12 +125,22 @@ def _timestamp(seconds: float) -> Timestamp:
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def __init__(self, core: CacheCore) -> None:
         self.core = core
+        self.local_socket = ""  # the local lease socket's path, once it listens
 
     async def Lease(self, request: cache_pb2.LeaseRequest, context: Any) -> cache_pb2.LeaseResponse:
+        return await self.answer_lease(request)
+
+    async def answer_lease(self, request: cache_pb2.LeaseRequest) -> cache_pb2.LeaseResponse:
+        """A Lease call, from gRPC or from the local lease socket."""
         if request.release_lease_ids:
             self.core.release_all(request.release_lease_ids)
+        if request.prefetch_keys:
+            # Queued before this call's own keys are leased: a cold batch's misses may take a
+            # while, and the hint is about what comes after them.
+            await self.core.prefetch(request.job_id, request.dataset, request.prefetch_keys, field="prefetch_keys")
         lease, served = await self.core.lease(request.job_id, request.dataset, request.keys, request.lease_s)
-        response = cache_pb2.LeaseResponse(lease_id=lease.lease_id, expires_at=_timestamp(lease.expires_wall))
+        response = cache_pb2.LeaseResponse(lease_id=lease.lease_id, expires_at=_timestamp(lease.expires_wall),
+                                           local_socket=self.local_socket)
         # Field by field: with the upb runtime, keyword construction of a message costs ~10x more
         # than setting its fields, and this is the hit path (a few µs per sample otherwise).
         add = response.objects.add
@@ -220,12 +235,22 @@ def definition(settings: Settings) -> ServiceDefinition:
             state["alloc_channel"] = open_channel(settings.scheduler_address, token=settings.auth_token, aio=True)
             state["watcher"] = PlanWatcher(core, config.node, state["alloc_channel"])
             state["watcher"].start()
+        if settings.lease_socket != "off":
+            from cache_server.local_socket import LocalLeaseServer
+
+            state["local_socket"] = LocalLeaseServer(servicer.answer_lease, core.release, settings.lease_socket,
+                                                     token=settings.auth_token)
+            servicer.local_socket = await state["local_socket"].start()
         _log.info("cache ready", extra={"node": config.node, "capacity_bytes": core.capacity,
                                         "tiers": [t.name for t in core.tiers], "policy": config.default_policy,
                                         "metadata": settings.metadata_address,
+                                        "lease_socket": servicer.local_socket or "(none)",
                                         "scheduler": settings.scheduler_address or "(none: best-effort)"})
 
     async def on_stop() -> None:
+        local = state.pop("local_socket", None)
+        if local is not None:
+            await local.stop()
         watcher = state.pop("watcher", None)
         if watcher is not None:
             await watcher.stop()

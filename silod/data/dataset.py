@@ -3,7 +3,9 @@
 Path of a batch (``DataLoader`` calls ``__getitems__`` with the batch's indices):
 
 1. one ``Lease`` call to the node's cache server for all keys of the batch (misses are
-   fetched by the server, hits are already local);
+   fetched by the server, hits are already local), carrying the sampler's prefetch hint if the
+   batch has one; once a gRPC Lease has named the server's local lease socket, the calls go
+   there (the same messages, without gRPC's per-call cost);
 2. the leased files are read directly (the memory tier lives on tmpfs, the disk tier on local
    disk: both are plain paths) -- no sample bytes pass through gRPC;
 3. the lease is released by the reader's next Lease call (``release_lease_ids``), the last one
@@ -101,6 +103,38 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_drain_background)
 
 
+def _read_exactly(path: str, size: int) -> bytes | None:
+    """The file's bytes if it holds exactly ``size`` of them, else None.
+
+    One ``read`` of the known size (plus one byte, to notice a longer file) instead of
+    ``open(path).read()``, which adds a buffered reader, an fstat and a read that finds the end:
+    on a hit that is a third of the time spent reading a 100 KB sample from tmpfs."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, size + 1)
+        if 0 < len(data) < size:  # a short read (rare: signals, very large files): read the rest
+            parts = [data]
+            got = len(data)
+            while got <= size:
+                more = os.read(fd, size + 1 - got)
+                if not more:
+                    break
+                parts.append(more)
+                got += len(more)
+            data = b"".join(parts)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data if len(data) == size else None
+
+
+_SOCKET_PATH_BYTES = 256  # a Unix socket's path has at most 107
+
+
 class DataError(RuntimeError):
     """Reading the dataset failed for a reason the cache server or the store reported."""
 
@@ -126,6 +160,8 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     fetched by a helper process, so that this one stays free of gRPC until it forks its workers;
     ``manifest_in_process=True`` skips the helper (about a second) where that does not matter: no
     forked workers (``num_workers=0``, or spawn/forkserver), or a process that already uses gRPC.
+    ``use_local_socket``: send Lease calls to the cache server's local lease socket once a gRPC
+    Lease has named it (docs/cache.md); False keeps every call on gRPC.
     """
 
     def __init__(
@@ -142,6 +178,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         retry_cache_after_s: float = 30.0,
         direct_read_threads: int = 8,
         manifest_in_process: bool = False,
+        use_local_socket: bool = True,
     ) -> None:
         self.name = dataset_name
         self.cache_addr = os.environ.get("SILOD_CACHE_ADDR", "") if cache_addr is None else cache_addr
@@ -153,15 +190,20 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self.timeout_s = timeout_s
         self.retry_cache_after_s = retry_cache_after_s
         self.direct_read_threads = direct_read_threads
+        self.use_local_socket = use_local_socket
         self.manifest: Manifest = self._load_manifest(manifest_in_process)
         if self.cache_addr:
             # Imported here, once, not in every DataLoader worker of every epoch (~15 ms of CPU
             # each); importing opens no channel, so the process stays fork-safe.
+            import silod.data.local_lease  # noqa: F401
             import silod.rpc.channels  # noqa: F401
             import silod.v1.cache_pb2  # noqa: F401
             import silod.v1.cache_pb2_grpc  # noqa: F401
         # Shared with forked DataLoader workers: the fallback is announced once per run.
         self._fallback_logged: Any = multiprocessing.Value("b", 0)
+        # Shared too: the cache server's local lease socket, once a worker has learned it, so the
+        # workers of later epochs go there straight away (no gRPC channel to set up at all).
+        self._shared_socket: Any = multiprocessing.Array("c", _SOCKET_PATH_BYTES)
         self._reset_process_state()
 
     # -- manifest ---------------------------------------------------------------------------------
@@ -203,6 +245,8 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self._fallback_since: float | None = None
         self._background: _Background | None = None
         self._done_leases: list[str] = []  # read, not released yet: the next Lease releases them
+        self._local: Any = None  # LocalLeaseClient, once the cache server has named its socket
+        self._local_failed: set[str] = set()  # socket paths that failed in this process
         self._exit_hook = False
         self.counters = collections.Counter()
 
@@ -233,13 +277,17 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     @staticmethod
     def _release_done(ref: Any) -> None:
         self = ref()
-        if self is None or not self._done_leases or self._stub is None or self._pid != os.getpid():
+        if self is None or not self._done_leases or self._pid != os.getpid():
             return
         from silod.v1 import cache_pb2
 
         for lease_id in self._done_leases:
+            request = cache_pb2.ReleaseLeaseRequest(lease_id=lease_id)
             with contextlib.suppress(Exception):
-                self._stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=lease_id), timeout=1)
+                if self._local is not None:
+                    self._local.release(request.SerializeToString())
+                elif self._stub is not None:
+                    self._stub.ReleaseLease(request, timeout=1)
         self._done_leases = []
 
     def _direct_store(self) -> ObjectStore:
@@ -249,7 +297,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_channel", "_stub", "_store", "_pool", "_background"):
+        for name in ("_channel", "_stub", "_store", "_pool", "_background", "_local"):
             state[name] = None
         state["_pid"] = 0
         state["_done_leases"], state["_exit_hook"] = [], False
@@ -257,6 +305,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         # (no pickling), and a spawn or forkserver child cannot take it at all (Python refuses
         # to pickle it). Such children get none and log a fallback once each.
         state["_fallback_logged"] = None
+        state["_shared_socket"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -271,17 +320,18 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        hints: list[int] = []
         for index in indices:
             hint = getattr(index, "prefetch_hint", None)  # set by EpochShuffleSampler
             if hint:
-                self.prefetch_hint(hint)
+                hints.extend(hint)
         positions = [int(i) for i in indices]
         n = len(self.manifest)
         for i in positions:
             if not -n <= i < n:
                 raise IndexError(f"index {i} out of range for dataset {self.name!r} of {n} objects")
         positions = [i % n for i in positions]
-        return self._read(positions, self.transform)
+        return self._read(positions, self.transform, hints)
 
     # -- reading ---------------------------------------------------------------------------------------
 
@@ -289,14 +339,16 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         """The bytes of the manifest objects at ``positions`` (one Lease for all of them)."""
         return self._read(positions, None)
 
-    def _read(self, positions: Sequence[int], transform: Callable[[bytes], Any] | None) -> list[Any]:
+    def _read(self, positions: Sequence[int], transform: Callable[[bytes], Any] | None,
+              hints: Sequence[int] = ()) -> list[Any]:
         """``transform(bytes)`` of each object (or the bytes), each transformed as soon as it is
         read: a batch's raw bytes are never all alive at once, so their memory is reused from
-        one sample to the next instead of being faulted in afresh for every batch."""
+        one sample to the next instead of being faulted in afresh for every batch. ``hints``:
+        positions read next (a prefetch hint), sent with the batch's Lease call."""
         self._ensure_process()
         if self._cache_enabled():
             try:
-                data = self._read_via_cache(positions, transform)
+                data = self._read_via_cache(positions, transform, hints)
                 if self._fallback_since is not None:
                     _log.info("cache server reachable again; reading through it", extra={"cache": self.cache_addr})
                     self._fallback_since = None
@@ -340,23 +392,19 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             self.cache_addr, reason, self.name, self.manifest.uri, self.retry_cache_after_s,
         )
 
-    def _read_via_cache(self, positions: Sequence[int], transform: Callable[[bytes], Any] | None) -> list[Any]:
+    def _read_via_cache(self, positions: Sequence[int], transform: Callable[[bytes], Any] | None,
+                        hints: Sequence[int] = ()) -> list[Any]:
         from silod.v1 import cache_pb2
 
-        keys = [self.manifest.keys[p] for p in positions]
-        stub = self._cache_stub()
-        try:
-            # The previous batch's lease is released by this call (one call per batch, not two).
-            response = stub.Lease(
-                cache_pb2.LeaseRequest(job_id=self.job_id, dataset=self.name, keys=keys, lease_s=self.lease_s,
-                                       release_lease_ids=self._done_leases),
-                timeout=self.timeout_s,
-            )
-            self._done_leases = []
-        except grpc.RpcError as exc:
-            if exc.code() in _DOWN_CODES and not _server_side(exc):
-                raise _CacheDown(f"{exc.code().name}: {exc.details()}") from None
-            raise DataError(f"cache server: {exc.code().name}: {exc.details()}") from None
+        manifest_keys = self.manifest.keys
+        keys = [manifest_keys[p] for p in positions]
+        # The previous batch's lease is released by this call (one call per batch, not two), and
+        # the sampler's hint rides along (no Prefetch call of its own).
+        request = cache_pb2.LeaseRequest(job_id=self.job_id, dataset=self.name, keys=keys, lease_s=self.lease_s,
+                                         release_lease_ids=self._done_leases,
+                                         prefetch_keys=[manifest_keys[int(p)] for p in hints])
+        response = self._lease(request)
+        self._done_leases = []
         out: list[Any] = []
         holes: list[int] = []
         expected: list[tuple[int, str] | None] = []
@@ -364,13 +412,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             for i, obj in enumerate(response.objects):
                 data = None
                 if obj.path:
-                    try:
-                        with open(obj.path, "rb") as f:
-                            data = f.read()
-                    except OSError:
-                        data = None
-                    if data is not None and len(data) != obj.size_bytes:
-                        data = None
+                    data = _read_exactly(obj.path, obj.size_bytes)
                 expected.append((obj.size_bytes, obj.etag))
                 if data is None:
                     self.counters["lease_unreadable"] += 1
@@ -388,6 +430,64 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             for i in holes:
                 out[i] = filled[i] if transform is None else transform(filled[i])
         return out
+
+    def _lease(self, request: Any) -> Any:
+        """One Lease call: on the cache server's local lease socket once it has named one, else gRPC."""
+        from silod.data.local_lease import LeaseRefused, SocketTrouble
+        from silod.v1 import cache_pb2
+
+        local = self._local
+        if local is None and self.use_local_socket and self._shared_socket is not None:
+            path = self._shared_socket.value.decode()
+            if path and path not in self._local_failed:
+                self._open_local(path)
+                local = self._local
+        if local is not None:
+            try:
+                response = cache_pb2.LeaseResponse.FromString(local.lease(request.SerializeToString()))
+                self.counters["local_lease_calls"] += 1
+                return response
+            except LeaseRefused as exc:  # the server answered: as a refusal over gRPC
+                raise DataError(f"cache server: {exc}") from None
+            except SocketTrouble as exc:
+                self._drop_local(str(exc))
+                if exc.timed_out:  # as a gRPC deadline: the cache is too slow, not just the socket
+                    raise _CacheDown(f"DEADLINE_EXCEEDED: {exc}") from None
+                # Anything else (the server restarted, say): the same call over gRPC.
+        stub = self._cache_stub()
+        try:
+            response = stub.Lease(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() in _DOWN_CODES and not _server_side(exc):
+                raise _CacheDown(f"{exc.code().name}: {exc.details()}") from None
+            raise DataError(f"cache server: {exc.code().name}: {exc.details()}") from None
+        path = response.local_socket
+        if path and self.use_local_socket and path not in self._local_failed:
+            self._open_local(path)
+            shared = self._shared_socket
+            if self._local is not None and shared is not None and len(path.encode()) < _SOCKET_PATH_BYTES:
+                shared.value = path.encode()
+        return response
+
+    def _open_local(self, path: str) -> None:
+        from silod.data.local_lease import LeaseRefused, LocalLeaseClient, SocketTrouble
+
+        try:
+            self._local = LocalLeaseClient(path, self.token, self.timeout_s)
+            if not self._exit_hook:
+                multiprocessing.util.Finalize(None, self._release_done, args=(weakref.ref(self),), exitpriority=0)
+                self._exit_hook = True
+        except (SocketTrouble, LeaseRefused) as exc:
+            # Another host's socket (a shared /tmp?), a token the socket refuses, ...: gRPC it is.
+            self._local_failed.add(path)
+            _log.debug("local lease socket not usable; staying on gRPC", extra={"path": path, "error": str(exc)})
+
+    def _drop_local(self, reason: str) -> None:
+        if self._local is not None:
+            self._local_failed.add(self._local.path)
+            self._local.close()
+            self._local = None
+            _log.debug("local lease socket failed; back to gRPC", extra={"error": reason})
 
     def _read_direct(
         self,

@@ -25,39 +25,39 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14silod/v1/cache.proto\x12\x08silod.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"i\n\x0cLeaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\t\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x19\n\x11release_lease_ids\x18\x05 \x03(\t\"Y\n\x0cLeasedObject\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x0c\n\x04\x65tag\x18\x04 \x01(\t\x12\x0c\n\x04tier\x18\x05 \x01(\t\"z\n\rLeaseResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\'\n\x07objects\x18\x02 \x03(\x0b\x32\x16.silod.v1.LeasedObject\x12.\n\nexpires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x16\n\x14ReleaseLeaseResponse\"Q\n\x0bReadRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\t\x12\x13\n\x0b\x63\x61\x63hed_only\x18\x04 \x01(\x08\"`\n\tReadChunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x0c\n\x04tier\x18\x05 \x01(\t\x12\x0c\n\x04\x65tag\x18\x06 \x01(\t\"@\n\x0fPrefetchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\t\"@\n\x10PrefetchResponse\x12\x16\n\x0eobjects_queued\x18\x01 \x01(\x03\x12\x14\n\x0c\x62ytes_queued\x18\x02 \x01(\x03\"\x1e\n\x0cStatsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"c\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x03\x12\x12\n\nused_bytes\x18\x03 \x01(\x03\x12\x0c\n\x04hits\x18\x04 \x01(\x03\x12\x0e\n\x06misses\x18\x05 \x01(\x03\"\x92\x02\n\rJobCacheStats\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x13\n\x0bquota_bytes\x18\x03 \x01(\x03\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x04 \x01(\x03\x12\x0c\n\x04hits\x18\x05 \x01(\x03\x12\x0e\n\x06misses\x18\x06 \x01(\x03\x12\x11\n\thit_ratio\x18\x07 \x01(\x01\x12\x14\n\x0cremote_bytes\x18\x08 \x01(\x03\x12#\n\x1bremote_io_limit_bytes_per_s\x18\t \x01(\x01\x12\"\n\x1aremote_io_rate_bytes_per_s\x18\n \x01(\x01\x12\x11\n\tpeer_hits\x18\x0b \x01(\x03\x12\x12\n\npeer_bytes\x18\x0c \x01(\x03\"~\n\rStatsResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x14\n\x0cplan_version\x18\x02 \x01(\x03\x12\"\n\x05tiers\x18\x03 \x03(\x0b\x32\x13.silod.v1.TierStats\x12%\n\x04jobs\x18\x04 \x03(\x0b\x32\x17.silod.v1.JobCacheStats2\xca\x02\n\x0c\x43\x61\x63heService\x12\x38\n\x05Lease\x12\x16.silod.v1.LeaseRequest\x1a\x17.silod.v1.LeaseResponse\x12M\n\x0cReleaseLease\x12\x1d.silod.v1.ReleaseLeaseRequest\x1a\x1e.silod.v1.ReleaseLeaseResponse\x12\x34\n\x04Read\x12\x15.silod.v1.ReadRequest\x1a\x13.silod.v1.ReadChunk0\x01\x12\x41\n\x08Prefetch\x12\x19.silod.v1.PrefetchRequest\x1a\x1a.silod.v1.PrefetchResponse\x12\x38\n\x05Stats\x12\x16.silod.v1.StatsRequest\x1a\x17.silod.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14silod/v1/cache.proto\x12\x08silod.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x80\x01\n\x0cLeaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\t\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x19\n\x11release_lease_ids\x18\x05 \x03(\t\x12\x15\n\rprefetch_keys\x18\x06 \x03(\t\"Y\n\x0cLeasedObject\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x0c\n\x04\x65tag\x18\x04 \x01(\t\x12\x0c\n\x04tier\x18\x05 \x01(\t\"\x90\x01\n\rLeaseResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\'\n\x07objects\x18\x02 \x03(\x0b\x32\x16.silod.v1.LeasedObject\x12.\n\nexpires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0clocal_socket\x18\x04 \x01(\t\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x16\n\x14ReleaseLeaseResponse\"Q\n\x0bReadRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\t\x12\x13\n\x0b\x63\x61\x63hed_only\x18\x04 \x01(\x08\"`\n\tReadChunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x0c\n\x04tier\x18\x05 \x01(\t\x12\x0c\n\x04\x65tag\x18\x06 \x01(\t\"@\n\x0fPrefetchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\t\"@\n\x10PrefetchResponse\x12\x16\n\x0eobjects_queued\x18\x01 \x01(\x03\x12\x14\n\x0c\x62ytes_queued\x18\x02 \x01(\x03\"\x1e\n\x0cStatsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"c\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x03\x12\x12\n\nused_bytes\x18\x03 \x01(\x03\x12\x0c\n\x04hits\x18\x04 \x01(\x03\x12\x0e\n\x06misses\x18\x05 \x01(\x03\"\x92\x02\n\rJobCacheStats\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x13\n\x0bquota_bytes\x18\x03 \x01(\x03\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x04 \x01(\x03\x12\x0c\n\x04hits\x18\x05 \x01(\x03\x12\x0e\n\x06misses\x18\x06 \x01(\x03\x12\x11\n\thit_ratio\x18\x07 \x01(\x01\x12\x14\n\x0cremote_bytes\x18\x08 \x01(\x03\x12#\n\x1bremote_io_limit_bytes_per_s\x18\t \x01(\x01\x12\"\n\x1aremote_io_rate_bytes_per_s\x18\n \x01(\x01\x12\x11\n\tpeer_hits\x18\x0b \x01(\x03\x12\x12\n\npeer_bytes\x18\x0c \x01(\x03\"~\n\rStatsResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x14\n\x0cplan_version\x18\x02 \x01(\x03\x12\"\n\x05tiers\x18\x03 \x03(\x0b\x32\x13.silod.v1.TierStats\x12%\n\x04jobs\x18\x04 \x03(\x0b\x32\x17.silod.v1.JobCacheStats2\xca\x02\n\x0c\x43\x61\x63heService\x12\x38\n\x05Lease\x12\x16.silod.v1.LeaseRequest\x1a\x17.silod.v1.LeaseResponse\x12M\n\x0cReleaseLease\x12\x1d.silod.v1.ReleaseLeaseRequest\x1a\x1e.silod.v1.ReleaseLeaseResponse\x12\x34\n\x04Read\x12\x15.silod.v1.ReadRequest\x1a\x13.silod.v1.ReadChunk0\x01\x12\x41\n\x08Prefetch\x12\x19.silod.v1.PrefetchRequest\x1a\x1a.silod.v1.PrefetchResponse\x12\x38\n\x05Stats\x12\x16.silod.v1.StatsRequest\x1a\x17.silod.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'silod.v1.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LEASEREQUEST']._serialized_start=67
-  _globals['_LEASEREQUEST']._serialized_end=172
-  _globals['_LEASEDOBJECT']._serialized_start=174
-  _globals['_LEASEDOBJECT']._serialized_end=263
-  _globals['_LEASERESPONSE']._serialized_start=265
-  _globals['_LEASERESPONSE']._serialized_end=387
-  _globals['_RELEASELEASEREQUEST']._serialized_start=389
-  _globals['_RELEASELEASEREQUEST']._serialized_end=428
-  _globals['_RELEASELEASERESPONSE']._serialized_start=430
-  _globals['_RELEASELEASERESPONSE']._serialized_end=452
-  _globals['_READREQUEST']._serialized_start=454
-  _globals['_READREQUEST']._serialized_end=535
-  _globals['_READCHUNK']._serialized_start=537
-  _globals['_READCHUNK']._serialized_end=633
-  _globals['_PREFETCHREQUEST']._serialized_start=635
-  _globals['_PREFETCHREQUEST']._serialized_end=699
-  _globals['_PREFETCHRESPONSE']._serialized_start=701
-  _globals['_PREFETCHRESPONSE']._serialized_end=765
-  _globals['_STATSREQUEST']._serialized_start=767
-  _globals['_STATSREQUEST']._serialized_end=797
-  _globals['_TIERSTATS']._serialized_start=799
-  _globals['_TIERSTATS']._serialized_end=898
-  _globals['_JOBCACHESTATS']._serialized_start=901
-  _globals['_JOBCACHESTATS']._serialized_end=1175
-  _globals['_STATSRESPONSE']._serialized_start=1177
-  _globals['_STATSRESPONSE']._serialized_end=1303
-  _globals['_CACHESERVICE']._serialized_start=1306
-  _globals['_CACHESERVICE']._serialized_end=1636
+  _globals['_LEASEREQUEST']._serialized_start=68
+  _globals['_LEASEREQUEST']._serialized_end=196
+  _globals['_LEASEDOBJECT']._serialized_start=198
+  _globals['_LEASEDOBJECT']._serialized_end=287
+  _globals['_LEASERESPONSE']._serialized_start=290
+  _globals['_LEASERESPONSE']._serialized_end=434
+  _globals['_RELEASELEASEREQUEST']._serialized_start=436
+  _globals['_RELEASELEASEREQUEST']._serialized_end=475
+  _globals['_RELEASELEASERESPONSE']._serialized_start=477
+  _globals['_RELEASELEASERESPONSE']._serialized_end=499
+  _globals['_READREQUEST']._serialized_start=501
+  _globals['_READREQUEST']._serialized_end=582
+  _globals['_READCHUNK']._serialized_start=584
+  _globals['_READCHUNK']._serialized_end=680
+  _globals['_PREFETCHREQUEST']._serialized_start=682
+  _globals['_PREFETCHREQUEST']._serialized_end=746
+  _globals['_PREFETCHRESPONSE']._serialized_start=748
+  _globals['_PREFETCHRESPONSE']._serialized_end=812
+  _globals['_STATSREQUEST']._serialized_start=814
+  _globals['_STATSREQUEST']._serialized_end=844
+  _globals['_TIERSTATS']._serialized_start=846
+  _globals['_TIERSTATS']._serialized_end=945
+  _globals['_JOBCACHESTATS']._serialized_start=948
+  _globals['_JOBCACHESTATS']._serialized_end=1222
+  _globals['_STATSRESPONSE']._serialized_start=1224
+  _globals['_STATSRESPONSE']._serialized_end=1350
+  _globals['_CACHESERVICE']._serialized_start=1353
+  _globals['_CACHESERVICE']._serialized_end=1683
 # @@protoc_insertion_point(module_scope)

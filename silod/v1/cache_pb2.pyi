@@ -28,6 +28,7 @@ class LeaseRequest(_message.Message):
     KEYS_FIELD_NUMBER: _builtins.int
     LEASE_S_FIELD_NUMBER: _builtins.int
     RELEASE_LEASE_IDS_FIELD_NUMBER: _builtins.int
+    PREFETCH_KEYS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """reader; quotas and IO limits are per job"""
     dataset: _builtins.str
@@ -45,6 +46,13 @@ class LeaseRequest(_message.Message):
         (one call per batch instead of two). At most 64; unknown or expired ids are ignored.
         """
 
+    @_builtins.property
+    def prefetch_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Objects the caller will read next (a prefetch hint, as PrefetchRequest.keys), queued before
+        this call's keys are leased: a reader that hints batch after batch sends its hints here
+        instead of calling Prefetch. At most 1,048,576.
+        """
+
     def __init__(
         self,
         *,
@@ -53,10 +61,11 @@ class LeaseRequest(_message.Message):
         keys: _abc.Iterable[_builtins.str] | None = ...,
         lease_s: _builtins.float = ...,
         release_lease_ids: _abc.Iterable[_builtins.str] | None = ...,
+        prefetch_keys: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataset", b"dataset", "job_id", b"job_id", "keys", b"keys", "lease_s", b"lease_s", "release_lease_ids", b"release_lease_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataset", b"dataset", "job_id", b"job_id", "keys", b"keys", "lease_s", b"lease_s", "prefetch_keys", b"prefetch_keys", "release_lease_ids", b"release_lease_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -107,8 +116,14 @@ class LeaseResponse(_message.Message):
     LEASE_ID_FIELD_NUMBER: _builtins.int
     OBJECTS_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    LOCAL_SOCKET_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     """opaque id; pass to ReleaseLease"""
+    local_socket: _builtins.str
+    """Path of the server's local lease socket, empty if it has none: a reader on this host may send
+    its next Lease calls there instead (docs/cache.md, "The local lease socket"), skipping gRPC's
+    per-call cost on the hit path. Readers that ignore it lose nothing.
+    """
     @_builtins.property
     def objects(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeasedObject]:
         """same order as keys"""
@@ -123,10 +138,11 @@ class LeaseResponse(_message.Message):
         lease_id: _builtins.str = ...,
         objects: _abc.Iterable[Global___LeasedObject] | None = ...,
         expires_at: _timestamp_pb2.Timestamp | None = ...,
+        local_socket: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "lease_id", b"lease_id", "objects", b"objects"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "lease_id", b"lease_id", "local_socket", b"local_socket", "objects", b"objects"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -32,11 +32,12 @@ def store(tmp_path_factory: pytest.TempPathFactory, metadata: str) -> tuple[str,
     return "sdk", files
 
 
-def _lease_calls() -> float:
-    return REGISTRY.get_sample_value(
-        "silod_grpc_requests_total",
-        {"service_process": "cache-server", "method": "/silod.v1.CacheService/Lease", "code": "OK"},
-    ) or 0.0
+def _lease_calls(method: str = "") -> float:
+    """Lease calls the cache server answered OK: over gRPC, on its local lease socket, or both ("")."""
+    methods = [method] if method else ["/silod.v1.CacheService/Lease", "local:/silod.v1.CacheService/Lease"]
+    return sum(REGISTRY.get_sample_value(
+        "silod_grpc_requests_total", {"service_process": "cache-server", "method": m, "code": "OK"},
+    ) or 0.0 for m in methods)
 
 
 def test_dataset_reads_through_the_cache_with_one_lease_per_batch(
