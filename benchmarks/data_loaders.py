@@ -519,6 +519,7 @@ def main() -> int:
         spreads: dict[str, list[float]] = {}
         ratios: dict[str, list[float]] = {}  # warm epoch / the local epoch just before it
         local_pairs: dict[str, list[float]] = {}  # those local epochs (samples/s)
+        local_peaks: dict[str, int] = {}  # and their peak PSS
         # The warm limit: the same workers reading the same files from tmpfs.
         paths = [str(local / key) for key in keys]
 
@@ -601,7 +602,9 @@ def main() -> int:
                         runs, locals_ = [], []
                         # A loader without a cache reads the store again: its warm epoch is a cold one.
                         for _ in range(args.repeats if has_cache else 1):
-                            locals_.append(measure(lambda: loader_of(local()))[0])
+                            local_rate_, local_pss_, _ = measure(lambda: loader_of(local()))
+                            locals_.append(local_rate_)
+                            local_peaks[name] = max(local_peaks.get(name, 0), local_pss_)
                             runs.append(measure(lambda: epoch("warm" if has_cache else "cold"), extra()))
                         rate, pss = statistics.median(r[0] for r in runs), max(r[1] for r in runs)
                         spreads[name] = [r[0] for r in runs]
@@ -725,13 +728,13 @@ def main() -> int:
                     shard_rates = local_pairs[name]
                     spreads["local shards"] = shard_rates
                     table.put("local shards", "warm", Cell(statistics.median(shard_rates),
-                                                           statistics.median(shard_rates)))
+                                                           statistics.median(shard_rates), local_peaks[name]))
         print()
         print(table.render())
         print(f"\nlimits (samples/s): cold {limits['cold']:,.0f} (link), warm {limits['warm']:,.0f} (local files), "
               f"cache=1/2 {limits['cache=1/2']:,.0f}, 2 jobs {limits['2 jobs']:,.0f}, compute {limits['compute']:,.0f}")
-        print(f"warm epochs, min / median / max of {args.repeats} (samples/s), and of the ratio to the local-files "
-              "epoch run just before each:")
+        print(f"warm epochs, min / median / max of {args.repeats} (samples/s), and of the ratio to the local "
+              "epoch run just before each (local shards for silod-shards):")
         for name, rates in spreads.items():
             pairs = ratios.get(name)
             paired = (f"   ratio {min(pairs):.0%} / {statistics.median(pairs):.0%} / {max(pairs):.0%}" if pairs else "")
