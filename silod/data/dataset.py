@@ -520,11 +520,13 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return have  # type: ignore[return-value]
 
     def prefetch_hint(self, positions: Sequence[int]) -> None:
-        """Tell the cache server which objects come next (fire and forget; no-op without a cache).
+        """Tell the cache server which objects come next, in a Prefetch call of its own (fire and
+        forget; no-op without a cache).
 
-        EpochShuffleSampler does not call this itself: it attaches the upcoming positions to an
-        index (``index.prefetch_hint``), so the hint is sent by whichever process reads that
-        index -- a DataLoader worker -- and the process that forks the workers stays free of gRPC.
+        The samplers do not call this: they attach the upcoming positions to an index
+        (``index.prefetch_hint``), and whichever process reads that index -- a DataLoader
+        worker -- sends them with that batch's Lease; the process that forks the workers stays
+        free of gRPC.
         """
         if not positions:
             return

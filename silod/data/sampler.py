@@ -35,8 +35,8 @@ class EpochShuffleSampler(torch.utils.data.Sampler[int]):
     When the dataset reads through a cache server (a :class:`SilodDataset` with a cache
     address) the sampler hints what comes next: every ``prefetch_ahead`` indices, one index is
     a :class:`HintedIndex` carrying the following ``prefetch_ahead`` positions (the first one
-    carries two chunks); the dataset sends them as a Prefetch call from the process that reads
-    that index. The server fetches them in the background no faster than the job consumes
+    carries two chunks); the process that reads that index sends them with its batch's Lease
+    call. The server fetches them in the background no faster than the job consumes
     (docs/cache.md, best-effort mode).
     """
 
