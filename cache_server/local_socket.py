@@ -56,13 +56,18 @@ def frame(kind: int, payload: bytes) -> bytes:
 
 class LocalLeaseServer:
     """Serves ``answer(LeaseRequest) -> LeaseResponse`` and ``release(lease_id)`` on a Unix socket
-    at ``path`` (``"auto"``: a fresh directory under the system's temporary directory)."""
+    at ``path``. ``"auto"``: ``lease.sock`` in ``beside`` (the first cache tier's directory, which
+    every reader on the node sees already: it reads the leased files there), else (no such
+    directory, or a path too long for a Unix socket) in a fresh directory under the system's
+    temporary directory."""
 
     def __init__(self, answer: Callable[[cache_pb2.LeaseRequest], Awaitable[cache_pb2.LeaseResponse]],
-                 release: Callable[[str], object], path: str, token: str = "", process: str = "cache-server") -> None:
+                 release: Callable[[str], object], path: str, token: str = "", process: str = "cache-server",
+                 beside: str = "") -> None:
         self._answer = answer
         self._release = release
         self._wanted = path
+        self._beside = beside
         self._token = token.encode()
         self._process = process
         self._server: asyncio.AbstractServer | None = None
@@ -74,6 +79,10 @@ class LocalLeaseServer:
         """Bind and listen; returns the socket's path ("" if it could not be bound: logged, and
         readers stay on gRPC)."""
         path = self._wanted
+        if path == "auto" and self._beside:
+            candidate = os.path.join(self._beside, "lease.sock")
+            if len(os.fsencode(candidate)) <= MAX_PATH_BYTES:
+                path = candidate
         if path == "auto":
             # Its own directory: no other process's file can be in the way, and stop() removes it.
             self._own_dir = tempfile.mkdtemp(prefix="silod-lease-")

@@ -76,7 +76,8 @@ class Settings(ServiceSettings):
     lease_socket: str = Field(
         "auto",
         description="Unix socket on which readers on this host may send Lease calls without gRPC's per-call cost "
-        "(path; 'auto' = a fresh directory under the system's temporary directory; 'off' = none)",
+        "(path; 'auto' = lease.sock in the first tier's directory, which readers see already, or a fresh "
+        "directory under the system's temporary directory if that path is too long; 'off' = none)",
     )
     scheduler_address: str = Field(
         "",
@@ -239,7 +240,8 @@ def definition(settings: Settings) -> ServiceDefinition:
             from cache_server.local_socket import LocalLeaseServer
 
             state["local_socket"] = LocalLeaseServer(servicer.answer_lease, core.release, settings.lease_socket,
-                                                     token=settings.auth_token)
+                                                     token=settings.auth_token,
+                                                     beside=core.tiers[0].root if core.tiers else "")
             servicer.local_socket = await state["local_socket"].start()
         _log.info("cache ready", extra={"node": config.node, "capacity_bytes": core.capacity,
                                         "tiers": [t.name for t in core.tiers], "policy": config.default_policy,

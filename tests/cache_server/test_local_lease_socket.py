@@ -46,7 +46,8 @@ def test_the_sdk_moves_its_leases_to_the_local_socket_after_one_grpc_lease(
     name, files = store
     with InProcessCache(tmp_path, metadata) as cache:
         path = cache.lease("probe", name, [next(iter(files))]).local_socket
-        assert path and Path(path).is_socket()
+        # By default beside the cache's files, where a reader on the node looks already.
+        assert path == str(tmp_path / "disk" / "lease.sock") and Path(path).is_socket()
         grpc_before, local_before = _lease_calls(GRPC_LEASE), _lease_calls(LOCAL_LEASE)
         dataset = SilodDataset(name, cache_addr=cache.address, metadata_addr=metadata, job_id="moves")
         for start in range(0, 120, 30):
@@ -226,3 +227,15 @@ def test_a_given_socket_path_is_reused_when_stale_and_never_taken_from_a_live_se
         with InProcessCache(tmp_path / "b", metadata, lease_socket=str(path)) as second:
             assert second.lease("j", name, list(files)[:1]).local_socket == ""  # gRPC only, first keeps it
         assert LocalLeaseClient(str(path)).lease(_request(name, list(files)[:1]))
+
+
+def test_a_tier_path_too_long_for_a_socket_puts_it_in_a_temporary_directory(
+    store: tuple[str, dict[str, bytes]], tmp_path: Path, metadata: str
+) -> None:
+    name, files = store
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    with InProcessCache(tmp_path, metadata, disk_cache_dir=str(deep)) as cache:
+        path = cache.lease("j", name, list(files)[:1]).local_socket
+        assert Path(path).parent.name.startswith("silod-lease-") and Path(path).is_socket()
+        assert LocalLeaseClient(path).lease(_request(name, list(files)[:1]))
+    assert not Path(path).parent.exists()  # the server's own directory goes with it
