@@ -380,6 +380,15 @@ def write_shards(root: pathlib.Path, files: pathlib.Path, keys: list[str]) -> li
     return shards
 
 
+def write_mds(root: pathlib.Path, files: pathlib.Path, keys: list[str]) -> None:
+    """The samples as Mosaic streaming MDS shards of 32 MB (its own writer), in the store."""
+    from streaming import MDSWriter
+
+    with MDSWriter(out=str(root), columns={"data": "bytes"}, size_limit="32mb") as writer:
+        for key in keys:
+            writer.write({"data": (files / key).read_bytes()})
+
+
 def write_litdata(root: pathlib.Path, files: pathlib.Path, keys: list[str], work: pathlib.Path) -> str:
     """The samples as LitData optimized chunks (its own writer), copied into the store."""
     import litdata
@@ -465,6 +474,12 @@ def main() -> int:
         keys = make_files(store / "train", args.samples, args.sample_bytes)  # where PlainS3Dataset reads
         shard_keys = write_shards(store / "shards", store / "train", keys)
         dataset_bytes = args.samples * args.sample_bytes
+        streaming_problem = ""
+        if "streaming" in loaders:
+            try:
+                write_mds(store / "mds", store / "train", keys)
+            except Exception as exc:  # noqa: BLE001 -- the table says why (an import that fails, say)
+                streaming_problem = f"{type(exc).__name__}: {exc}"
         litdata_problem = ""
         if "litdata" in loaders:
             try:
@@ -493,7 +508,8 @@ def main() -> int:
         def loader_of(dataset: Any, sampler: Any = None, workers: int = args.workers, prefetch: int = 2,
                       batch_size: int | None = args.batch_size) -> Any:
             return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                                               shuffle=sampler is None and batch_size is not None,
+                                               shuffle=sampler is None and batch_size is not None
+                                               and not isinstance(dataset, torch.utils.data.IterableDataset),
                                                num_workers=workers, multiprocessing_context="fork",
                                                prefetch_factor=prefetch, persistent_workers=False)
 
@@ -659,12 +675,42 @@ def main() -> int:
 
                 run_rows(name, wds_epoch, True, no_pids, skip={"cache=1/2": "cache_dir: no size bound"})
             elif name == "streaming":
-                try:
-                    import streaming  # noqa: F401
-                    table.put(name, rows[0], Cell(note="imports; MDS rows not written yet"))
-                except Exception as exc:  # noqa: BLE001
-                    table.put(name, rows[0], Cell(note=f"import fails: {type(exc).__name__}"))
-                    print(f"    streaming: {type(exc).__name__}: {exc}", flush=True)
+                if streaming_problem:
+                    table.put(name, rows[0], Cell(note=f"fails: {streaming_problem.split(':')[0]}"))
+                    print(f"    streaming: {streaming_problem}", flush=True)
+                    continue
+                import streaming
+                from streaming.base.util import clean_stale_shared_memory
+
+                class MosaicTensors(streaming.StreamingDataset):  # type: ignore[misc]
+                    def __getitem__(self, index: int) -> Any:
+                        return to_tensor(super().__getitem__(index)["data"])
+
+                os.environ["S3_ENDPOINT_URL"] = endpoint  # its boto3 client's endpoint
+                mosaic: dict[str, Any] = {"path": "", "row": "", "live": []}
+
+                def mosaic_epoch(phase: str) -> Any:
+                    # One StreamingDataset per local directory at a time (its shared memory is
+                    # keyed by it): the previous epoch's goes first.
+                    if mosaic["row"] != "2 jobs":  # two live jobs: each keeps its own
+                        mosaic["live"].clear()
+                        clean_stale_shared_memory()
+                    if phase == "cold":
+                        mosaic["path"] = tempfile.mkdtemp(prefix="mds-", dir=work)
+                    # Its cache bound is in whole shards, evicted least recently used.
+                    bound = {"cache_limit": dataset_bytes // 2} if mosaic["row"] == "cache=1/2" else {}
+                    dataset = MosaicTensors(remote=f"s3://{BUCKET}/mds", local=mosaic["path"], shuffle=True,
+                                            batch_size=args.batch_size, **bound)
+                    # It fetched its index with a boto3 client that forked workers would share
+                    # (one connection pool in five processes: each epoch then stalled ~60 s on a
+                    # read timeout). Its own clean_up() drops it, as its pickling does for spawn.
+                    for stream in dataset.streams:
+                        stream._downloader.clean_up()
+                    mosaic["live"].append(dataset)
+                    return loader_of(dataset)
+
+                print(f"    streaming-community {streaming.__version__}", flush=True)
+                run_rows(name, mosaic_epoch, True, no_pids, lambda row: mosaic.update(row=row))
             elif name == "litdata":
                 if litdata_problem:
                     table.put(name, rows[0], Cell(note="optimize failed"))
