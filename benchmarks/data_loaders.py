@@ -17,8 +17,11 @@ Loaders: ``plain`` (one s3fs ``cat_file`` per sample, 4 workers: what a user wri
 ``webdataset`` (tar shards streamed through s3fs; shard shuffle plus a 1,000-sample shuffle
 buffer, as its docs recommend; ``cache_dir`` keeps the shards on local disk from the first
 epoch on), ``litdata`` (optimized chunks, its own S3 client and local chunk cache),
-``silod`` (one object per sample, through ``silod cache-server``) and ``silod-shards`` (the
-same tar shards registered with ``--format tar-shards``).
+``streaming`` (Mosaic's fork ``streaming-community``: MDS shards of 32 MB, its local cache;
+it imports torchvision, which needs a torch it was built for: docs/benchmarks.md shows the
+second venv it runs in here), ``silod`` (one object per sample, through ``silod
+cache-server``) and ``silod-shards`` (the same tar shards registered with ``--format
+tar-shards``).
 
 Rows, each with its physical limit:
 
