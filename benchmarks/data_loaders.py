@@ -568,8 +568,8 @@ def main() -> int:
                 ranges += [(str(shm / "local-shards" / shard), r.offset, r.length) for r in index_tar(f, shard)]
 
         class LocalShards(torch.utils.data.Dataset):  # type: ignore[type-arg]
-            """The tar shards read as cheaply as the files above: a batch per call, each sample's
-            byte range with one positioned read of its known length."""
+            """The tar shards read as plainly as the files above: a batch per call, each sample's
+            byte range with a seek and a read of its known length."""
 
             def __len__(self) -> int:
                 return len(ranges)
