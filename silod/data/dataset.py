@@ -483,10 +483,10 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             _log.debug("local lease socket not usable; staying on gRPC", extra={"path": path, "error": str(exc)})
 
     def _drop_local(self, reason: str) -> None:
-        if self._local is not None:
-            self._local_failed.add(self._local.path)
-            self._local.close()
-            self._local = None
+        local, self._local = self._local, None  # another thread may be dropping it too
+        if local is not None:
+            self._local_failed.add(local.path)
+            local.close()
             _log.debug("local lease socket failed; back to gRPC", extra={"error": reason})
 
     def _read_direct(

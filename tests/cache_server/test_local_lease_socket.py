@@ -239,3 +239,26 @@ def test_a_tier_path_too_long_for_a_socket_puts_it_in_a_temporary_directory(
         assert Path(path).parent.name.startswith("silod-lease-") and Path(path).is_socket()
         assert LocalLeaseClient(path).lease(_request(name, list(files)[:1]))
     assert not Path(path).parent.exists()  # the server's own directory goes with it
+
+
+def test_threads_of_one_reader_lease_at_the_same_time_each_on_its_own_connection(
+    store: tuple[str, dict[str, bytes]], tmp_path: Path, metadata: str
+) -> None:
+    """A job that reads ahead in a thread of its own (silod/jobs/emulated.py) leases from two
+    threads at once: each call gets a connection of its own, none waits for another's answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    name, files = store
+    with InProcessCache(tmp_path, metadata) as cache:
+        dataset = SilodDataset(name, cache_addr=cache.address, metadata_addr=metadata, job_id="threads")
+        dataset.read_batch([0])  # learns the socket
+        local_before = _lease_calls(LOCAL_LEASE)
+
+        def batch(start: int) -> bool:
+            return dataset.read_batch(range(start, start + 12)) == [files[k] for k in dataset.keys[start:start + 12]]
+
+        with ThreadPoolExecutor(6) as pool:
+            assert all(pool.map(batch, [i % 108 for i in range(0, 6 * 12 * 8, 12)]))
+        # Counted by the server (the reader's counters are not meant for several threads).
+        assert _lease_calls(LOCAL_LEASE) - local_before == 48 and dataset.counters["direct"] == 0
+        assert 1 <= len(dataset._local._idle) <= 6  # connections opened as calls overlapped, then kept
