@@ -267,12 +267,15 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             self._channel = open_channel(self.cache_addr, token=self.token, default_timeout_s=self.timeout_s,
                                          own_connection=True)
             self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
-            if not self._exit_hook:
-                # The last lease of a DataLoader worker has no next Lease to release it: release it
-                # when the process ends (multiprocessing runs its finalizers in every exiting child).
-                multiprocessing.util.Finalize(None, self._release_done, args=(weakref.ref(self),), exitpriority=0)
-                self._exit_hook = True
+            self._release_at_exit()
         return self._stub
+
+    def _release_at_exit(self) -> None:
+        """The last lease of a DataLoader worker has no next Lease to release it: release it when
+        the process ends (multiprocessing runs its finalizers in every exiting child)."""
+        if not self._exit_hook:
+            multiprocessing.util.Finalize(None, self._release_done, args=(weakref.ref(self),), exitpriority=0)
+            self._exit_hook = True
 
     @staticmethod
     def _release_done(ref: Any) -> None:
@@ -474,9 +477,7 @@ class SilodDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
         try:
             self._local = LocalLeaseClient(path, self.token, self.timeout_s)
-            if not self._exit_hook:
-                multiprocessing.util.Finalize(None, self._release_done, args=(weakref.ref(self),), exitpriority=0)
-                self._exit_hook = True
+            self._release_at_exit()
         except (SocketTrouble, LeaseRefused) as exc:
             # Another host's socket (a shared /tmp?), a token the socket refuses, ...: gRPC it is.
             self._local_failed.add(path)
