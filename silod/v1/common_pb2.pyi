@@ -532,6 +532,8 @@ class Node(_message.Message):
     LAST_HEARTBEAT_FIELD_NUMBER: _builtins.int
     ALIVE_FIELD_NUMBER: _builtins.int
     APPLIED_PLAN_VERSION_FIELD_NUMBER: _builtins.int
+    GPU_TELEMETRY_FIELD_NUMBER: _builtins.int
+    GPU_FAULTS_FIELD_NUMBER: _builtins.int
     alive: _builtins.bool
     """heartbeat seen within the liveness window"""
     applied_plan_version: _builtins.int
@@ -548,6 +550,16 @@ class Node(_message.Message):
     def last_heartbeat(self) -> _timestamp_pb2.Timestamp:
         """UTC time of the latest heartbeat"""
 
+    @_builtins.property
+    def gpu_telemetry(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuTelemetry]:
+        """Each GPU as the node's agent last sampled it from NVML; empty without NVML (emulated GPUs)."""
+
+    @_builtins.property
+    def gpu_faults(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuFault]:
+        """GPUs with a fatal fault: the scheduler places nothing on them until an operator clears the
+        fault (MetadataService.ClearGpuFault, `silod nodes clear-gpu-fault`).
+        """
+
     def __init__(
         self,
         *,
@@ -556,14 +568,117 @@ class Node(_message.Message):
         last_heartbeat: _timestamp_pb2.Timestamp | None = ...,
         alive: _builtins.bool = ...,
         applied_plan_version: _builtins.int = ...,
+        gpu_telemetry: _abc.Iterable[Global___GpuTelemetry] | None = ...,
+        gpu_faults: _abc.Iterable[Global___GpuFault] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_heartbeat", b"last_heartbeat", "registered_at", b"registered_at", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "applied_plan_version", b"applied_plan_version", "last_heartbeat", b"last_heartbeat", "registered_at", b"registered_at", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "applied_plan_version", b"applied_plan_version", "gpu_faults", b"gpu_faults", "gpu_telemetry", b"gpu_telemetry", "last_heartbeat", b"last_heartbeat", "registered_at", b"registered_at", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Node: _TypeAlias = Node  # noqa: Y015
+
+@_typing.final
+class GpuTelemetry(_message.Message):
+    """One GPU's figures as its node's agent sampled them from NVML. A figure NVML does not support
+    on that GPU (ECC on a GPU without ECC, say) is left unset.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    UTILIZATION_RATIO_FIELD_NUMBER: _builtins.int
+    MEMORY_USED_BYTES_FIELD_NUMBER: _builtins.int
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_CELSIUS_FIELD_NUMBER: _builtins.int
+    ECC_UNCORRECTABLE_ERRORS_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """GPU index on the node, 0..gpus-1 (NVML's order)"""
+    utilization_ratio: _builtins.float
+    """0..1: share of NVML's last sample period a kernel ran"""
+    memory_used_bytes: _builtins.int
+    """bytes of device memory in use"""
+    memory_total_bytes: _builtins.int
+    """bytes of device memory"""
+    temperature_celsius: _builtins.float
+    """core temperature, degrees Celsius"""
+    ecc_uncorrectable_errors: _builtins.int
+    """Uncorrectable ECC errors since the GPU was last reset (NVML's volatile count). A count above
+    the one an operator last accepted is a fatal fault.
+    """
+    lost: _builtins.bool
+    """NVML answers GPU_IS_LOST (fallen off the bus): a fatal fault"""
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        utilization_ratio: _builtins.float | None = ...,
+        memory_used_bytes: _builtins.int | None = ...,
+        memory_total_bytes: _builtins.int | None = ...,
+        temperature_celsius: _builtins.float | None = ...,
+        ecc_uncorrectable_errors: _builtins.int | None = ...,
+        lost: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ecc_uncorrectable_errors", b"_ecc_uncorrectable_errors", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_temperature_celsius", b"_temperature_celsius", "_utilization_ratio", b"_utilization_ratio", "ecc_uncorrectable_errors", b"ecc_uncorrectable_errors", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "temperature_celsius", b"temperature_celsius", "utilization_ratio", b"utilization_ratio"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ecc_uncorrectable_errors", b"_ecc_uncorrectable_errors", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_temperature_celsius", b"_temperature_celsius", "_utilization_ratio", b"_utilization_ratio", "ecc_uncorrectable_errors", b"ecc_uncorrectable_errors", "index", b"index", "lost", b"lost", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "temperature_celsius", b"temperature_celsius", "utilization_ratio", b"utilization_ratio"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__ecc_uncorrectable_errors: _TypeAlias = _typing.Literal["ecc_uncorrectable_errors"]  # noqa: Y015
+    _WhichOneofArgType__ecc_uncorrectable_errors: _TypeAlias = _typing.Literal["_ecc_uncorrectable_errors", b"_ecc_uncorrectable_errors"]  # noqa: Y015
+    _WhichOneofReturnType__memory_total_bytes: _TypeAlias = _typing.Literal["memory_total_bytes"]  # noqa: Y015
+    _WhichOneofArgType__memory_total_bytes: _TypeAlias = _typing.Literal["_memory_total_bytes", b"_memory_total_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__memory_used_bytes: _TypeAlias = _typing.Literal["memory_used_bytes"]  # noqa: Y015
+    _WhichOneofArgType__memory_used_bytes: _TypeAlias = _typing.Literal["_memory_used_bytes", b"_memory_used_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__temperature_celsius: _TypeAlias = _typing.Literal["temperature_celsius"]  # noqa: Y015
+    _WhichOneofArgType__temperature_celsius: _TypeAlias = _typing.Literal["_temperature_celsius", b"_temperature_celsius"]  # noqa: Y015
+    _WhichOneofReturnType__utilization_ratio: _TypeAlias = _typing.Literal["utilization_ratio"]  # noqa: Y015
+    _WhichOneofArgType__utilization_ratio: _TypeAlias = _typing.Literal["_utilization_ratio", b"_utilization_ratio"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ecc_uncorrectable_errors) -> _WhichOneofReturnType__ecc_uncorrectable_errors | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_total_bytes) -> _WhichOneofReturnType__memory_total_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_used_bytes) -> _WhichOneofReturnType__memory_used_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature_celsius) -> _WhichOneofReturnType__temperature_celsius | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__utilization_ratio) -> _WhichOneofReturnType__utilization_ratio | None: ...
+
+Global___GpuTelemetry: _TypeAlias = GpuTelemetry  # noqa: Y015
+
+@_typing.final
+class GpuFault(_message.Message):
+    """A fatal fault of one GPU: recorded when the GPU reports it, kept until an operator clears it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """GPU index on the node, 0..gpus-1"""
+    reason: _builtins.str
+    """what NVML reported, e.g. "Xid 79", "3 uncorrectable ECC errors"; 1..256 chars"""
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """UTC time the fault was first seen"""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "reason", b"reason", "since", b"since"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GpuFault: _TypeAlias = GpuFault  # noqa: Y015
 
 @_typing.final
 class DatasetSpec(_message.Message):

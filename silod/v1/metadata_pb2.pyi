@@ -613,19 +613,36 @@ class HeartbeatRequest(_message.Message):
 
     NODE_FIELD_NUMBER: _builtins.int
     APPLIED_PLAN_VERSION_FIELD_NUMBER: _builtins.int
+    GPU_TELEMETRY_FIELD_NUMBER: _builtins.int
+    GPU_FAULTS_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     """node name"""
     applied_plan_version: _builtins.int
     """latest plan version the agent applied; 0 = none yet"""
+    @_builtins.property
+    def gpu_telemetry(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.GpuTelemetry]:
+        """Every GPU as the agent sampled it (NVML); empty = keep what the node last reported
+        (heartbeats the scheduler forwards for plan acks carry none; so does an agent without NVML).
+        """
+
+    @_builtins.property
+    def gpu_faults(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.GpuFault]:
+        """Fatal faults the agent saw since its last heartbeat that succeeded (critical Xid events);
+        sent again until one succeeds. Faults of the ECC counts and of lost GPUs are read from
+        gpu_telemetry.
+        """
+
     def __init__(
         self,
         *,
         node: _builtins.str = ...,
         applied_plan_version: _builtins.int = ...,
+        gpu_telemetry: _abc.Iterable[_common_pb2.GpuTelemetry] | None = ...,
+        gpu_faults: _abc.Iterable[_common_pb2.GpuFault] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_plan_version", b"applied_plan_version", "node", b"node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_plan_version", b"applied_plan_version", "gpu_faults", b"gpu_faults", "gpu_telemetry", b"gpu_telemetry", "node", b"node"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -701,6 +718,30 @@ class ListNodesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListNodesResponse: _TypeAlias = ListNodesResponse  # noqa: Y015
+
+@_typing.final
+class ClearGpuFaultRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    GPU_INDEX_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """node name"""
+    gpu_index: _builtins.int
+    """GPU index on the node, 0..gpus-1"""
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        gpu_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_index", b"gpu_index", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClearGpuFaultRequest: _TypeAlias = ClearGpuFaultRequest  # noqa: Y015
 
 @_typing.final
 class CommitPlanRequest(_message.Message):

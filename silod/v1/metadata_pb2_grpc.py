@@ -121,6 +121,11 @@ class MetadataServiceStub:
                 request_serializer=silod_dot_v1_dot_metadata__pb2.ListNodesRequest.SerializeToString,
                 response_deserializer=silod_dot_v1_dot_metadata__pb2.ListNodesResponse.FromString,
                 _registered_method=True)
+        self.ClearGpuFault = channel.unary_unary(
+                '/silod.v1.MetadataService/ClearGpuFault',
+                request_serializer=silod_dot_v1_dot_metadata__pb2.ClearGpuFaultRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_common__pb2.Node.FromString,
+                _registered_method=True)
         self.CommitPlan = channel.unary_unary(
                 '/silod.v1.MetadataService/CommitPlan',
                 request_serializer=silod_dot_v1_dot_metadata__pb2.CommitPlanRequest.SerializeToString,
@@ -279,6 +284,15 @@ class MetadataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClearGpuFault(self, request, context):
+        """An operator's word that a faulted GPU is fit again: the scheduler may place on it from its
+        next round. NOT_FOUND (node), INVALID_ARGUMENT (gpu_index outside the node's GPUs),
+        FAILED_PRECONDITION (that GPU has no fault).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CommitPlan(self, request, context):
         """Allocation plans. CommitPlan succeeds only if plan.version == latest + 1.
         """
@@ -418,6 +432,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=silod_dot_v1_dot_metadata__pb2.ListNodesRequest.FromString,
                     response_serializer=silod_dot_v1_dot_metadata__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'ClearGpuFault': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearGpuFault,
+                    request_deserializer=silod_dot_v1_dot_metadata__pb2.ClearGpuFaultRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_common__pb2.Node.SerializeToString,
             ),
             'CommitPlan': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitPlan,
@@ -919,6 +938,33 @@ class MetadataService:
             '/silod.v1.MetadataService/ListNodes',
             silod_dot_v1_dot_metadata__pb2.ListNodesRequest.SerializeToString,
             silod_dot_v1_dot_metadata__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearGpuFault(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/ClearGpuFault',
+            silod_dot_v1_dot_metadata__pb2.ClearGpuFaultRequest.SerializeToString,
+            silod_dot_v1_dot_common__pb2.Node.FromString,
             options,
             channel_credentials,
             insecure,

@@ -71,6 +71,11 @@ class MetadataServiceStub:
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.HeartbeatRequest, _common_pb2.Node]
     GetNode: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.GetNodeRequest, _common_pb2.Node]
     ListNodes: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.ListNodesRequest, _metadata_pb2.ListNodesResponse]
+    ClearGpuFault: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.ClearGpuFaultRequest, _common_pb2.Node]
+    """An operator's word that a faulted GPU is fit again: the scheduler may place on it from its
+    next round. NOT_FOUND (node), INVALID_ARGUMENT (gpu_index outside the node's GPUs),
+    FAILED_PRECONDITION (that GPU has no fault).
+    """
     CommitPlan: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.CommitPlanRequest, _plan_pb2.AllocationPlan]
     """Allocation plans. CommitPlan succeeds only if plan.version == latest + 1."""
     GetLatestPlan: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.GetLatestPlanRequest, _plan_pb2.AllocationPlan]
@@ -119,6 +124,11 @@ class MetadataServiceAsyncStub(MetadataServiceStub):
     Heartbeat: _aio.UnaryUnaryMultiCallable[_metadata_pb2.HeartbeatRequest, _common_pb2.Node]  # type: ignore[assignment]
     GetNode: _aio.UnaryUnaryMultiCallable[_metadata_pb2.GetNodeRequest, _common_pb2.Node]  # type: ignore[assignment]
     ListNodes: _aio.UnaryUnaryMultiCallable[_metadata_pb2.ListNodesRequest, _metadata_pb2.ListNodesResponse]  # type: ignore[assignment]
+    ClearGpuFault: _aio.UnaryUnaryMultiCallable[_metadata_pb2.ClearGpuFaultRequest, _common_pb2.Node]  # type: ignore[assignment]
+    """An operator's word that a faulted GPU is fit again: the scheduler may place on it from its
+    next round. NOT_FOUND (node), INVALID_ARGUMENT (gpu_index outside the node's GPUs),
+    FAILED_PRECONDITION (that GPU has no fault).
+    """
     CommitPlan: _aio.UnaryUnaryMultiCallable[_metadata_pb2.CommitPlanRequest, _plan_pb2.AllocationPlan]  # type: ignore[assignment]
     """Allocation plans. CommitPlan succeeds only if plan.version == latest + 1."""
     GetLatestPlan: _aio.UnaryUnaryMultiCallable[_metadata_pb2.GetLatestPlanRequest, _plan_pb2.AllocationPlan]  # type: ignore[assignment]
@@ -266,6 +276,17 @@ class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _metadata_pb2.ListNodesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_metadata_pb2.ListNodesResponse, _abc.Awaitable[_metadata_pb2.ListNodesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ClearGpuFault(
+        self,
+        request: _metadata_pb2.ClearGpuFaultRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.Node, _abc.Awaitable[_common_pb2.Node]]:
+        """An operator's word that a faulted GPU is fit again: the scheduler may place on it from its
+        next round. NOT_FOUND (node), INVALID_ARGUMENT (gpu_index outside the node's GPUs),
+        FAILED_PRECONDITION (that GPU has no fault).
+        """
 
     @_abc_1.abstractmethod
     def CommitPlan(

@@ -25,33 +25,33 @@ _sym_db = _symbol_database.Default()
 from silod.v1 import common_pb2 as silod_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsilod/v1/worker_agent.proto\x12\x08silod.v1\x1a\x15silod/v1/common.proto\"\x16\n\x14GetNodeStatusRequest\"\x96\x01\n\nTaskStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x13\n\x0bgpu_indices\x18\x05 \x03(\x05\x12\x12\n\ngeneration\x18\x06 \x01(\x03\x12\r\n\x05state\x18\x07 \x01(\t\x12\x11\n\texit_code\x18\x08 \x01(\x05\"\x84\x01\n\nNodeStatus\x12 \n\x04spec\x18\x01 \x01(\x0b\x32\x12.silod.v1.NodeSpec\x12\x1c\n\x14\x61pplied_plan_version\x18\x02 \x01(\x03\x12#\n\x05tasks\x18\x03 \x03(\x0b\x32\x14.silod.v1.TaskStatus\x12\x11\n\tfree_gpus\x18\x04 \x03(\x05\"\xd8\x01\n\x15ReportProgressRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\'\n\x08progress\x18\x04 \x01(\x0b\x32\x15.silod.v1.JobProgress\x12\x13\n\x0bstep_time_s\x18\x05 \x01(\x01\x12\x12\n\nbatch_size\x18\x06 \x01(\x05\x12\x17\n\x0f\x63\x61\x63he_hit_ratio\x18\x07 \x01(\x01\x12\x10\n\x08grad_sqr\x18\x08 \x01(\x01\x12\x10\n\x08grad_var\x18\t \x01(\x01\"\x18\n\x16ReportProgressResponse\"G\n\x13GetDirectiveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"\x9c\x02\n\tDirective\x12)\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x19.silod.v1.DirectiveAction\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\x12\x16\n\x0enew_world_size\x18\x03 \x01(\x05\x12\x10\n\x08new_rank\x18\x04 \x01(\x05\x12\x16\n\x0enew_generation\x18\x05 \x01(\x03\x12\x13\n\x0bmaster_addr\x18\x06 \x01(\t\x12\x13\n\x0bmaster_port\x18\x07 \x01(\x05\x12\x16\n\x0enew_batch_size\x18\x08 \x01(\x05\x12\x16\n\x0enew_local_rank\x18\t \x01(\x05\x12\x1c\n\x14new_local_world_size\x18\n \x01(\x05\x12\x16\n\x0enew_group_rank\x18\x0b \x01(\x05\"S\n\x0fTailLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12\x12\n\ntail_bytes\x18\x04 \x01(\x03\"&\n\x08LogChunk\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*\xb4\x01\n\x0f\x44irectiveAction\x12 \n\x1c\x44IRECTIVE_ACTION_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x44IRECTIVE_ACTION_CONTINUE\x10\x01\x12(\n$DIRECTIVE_ACTION_CHECKPOINT_AND_EXIT\x10\x02\x12\x1b\n\x17\x44IRECTIVE_ACTION_REFORM\x10\x03\x12\x19\n\x15\x44IRECTIVE_ACTION_EXIT\x10\x04\x32\xb1\x02\n\x12WorkerAgentService\x12\x45\n\rGetNodeStatus\x12\x1e.silod.v1.GetNodeStatusRequest\x1a\x14.silod.v1.NodeStatus\x12S\n\x0eReportProgress\x12\x1f.silod.v1.ReportProgressRequest\x1a .silod.v1.ReportProgressResponse\x12\x42\n\x0cGetDirective\x12\x1d.silod.v1.GetDirectiveRequest\x1a\x13.silod.v1.Directive\x12;\n\x08TailLogs\x12\x19.silod.v1.TailLogsRequest\x1a\x12.silod.v1.LogChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsilod/v1/worker_agent.proto\x12\x08silod.v1\x1a\x15silod/v1/common.proto\"\x16\n\x14GetNodeStatusRequest\"\x96\x01\n\nTaskStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x13\n\x0bgpu_indices\x18\x05 \x03(\x05\x12\x12\n\ngeneration\x18\x06 \x01(\x03\x12\r\n\x05state\x18\x07 \x01(\t\x12\x11\n\texit_code\x18\x08 \x01(\x05\"\xdb\x01\n\nNodeStatus\x12 \n\x04spec\x18\x01 \x01(\x0b\x32\x12.silod.v1.NodeSpec\x12\x1c\n\x14\x61pplied_plan_version\x18\x02 \x01(\x03\x12#\n\x05tasks\x18\x03 \x03(\x0b\x32\x14.silod.v1.TaskStatus\x12\x11\n\tfree_gpus\x18\x04 \x03(\x05\x12-\n\rgpu_telemetry\x18\x05 \x03(\x0b\x32\x16.silod.v1.GpuTelemetry\x12&\n\ngpu_faults\x18\x06 \x03(\x0b\x32\x12.silod.v1.GpuFault\"\xd8\x01\n\x15ReportProgressRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\'\n\x08progress\x18\x04 \x01(\x0b\x32\x15.silod.v1.JobProgress\x12\x13\n\x0bstep_time_s\x18\x05 \x01(\x01\x12\x12\n\nbatch_size\x18\x06 \x01(\x05\x12\x17\n\x0f\x63\x61\x63he_hit_ratio\x18\x07 \x01(\x01\x12\x10\n\x08grad_sqr\x18\x08 \x01(\x01\x12\x10\n\x08grad_var\x18\t \x01(\x01\"\x18\n\x16ReportProgressResponse\"G\n\x13GetDirectiveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"\x9c\x02\n\tDirective\x12)\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x19.silod.v1.DirectiveAction\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\x12\x16\n\x0enew_world_size\x18\x03 \x01(\x05\x12\x10\n\x08new_rank\x18\x04 \x01(\x05\x12\x16\n\x0enew_generation\x18\x05 \x01(\x03\x12\x13\n\x0bmaster_addr\x18\x06 \x01(\t\x12\x13\n\x0bmaster_port\x18\x07 \x01(\x05\x12\x16\n\x0enew_batch_size\x18\x08 \x01(\x05\x12\x16\n\x0enew_local_rank\x18\t \x01(\x05\x12\x1c\n\x14new_local_world_size\x18\n \x01(\x05\x12\x16\n\x0enew_group_rank\x18\x0b \x01(\x05\"S\n\x0fTailLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12\x12\n\ntail_bytes\x18\x04 \x01(\x03\"&\n\x08LogChunk\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*\xb4\x01\n\x0f\x44irectiveAction\x12 \n\x1c\x44IRECTIVE_ACTION_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x44IRECTIVE_ACTION_CONTINUE\x10\x01\x12(\n$DIRECTIVE_ACTION_CHECKPOINT_AND_EXIT\x10\x02\x12\x1b\n\x17\x44IRECTIVE_ACTION_REFORM\x10\x03\x12\x19\n\x15\x44IRECTIVE_ACTION_EXIT\x10\x04\x32\xb1\x02\n\x12WorkerAgentService\x12\x45\n\rGetNodeStatus\x12\x1e.silod.v1.GetNodeStatusRequest\x1a\x14.silod.v1.NodeStatus\x12S\n\x0eReportProgress\x12\x1f.silod.v1.ReportProgressRequest\x1a .silod.v1.ReportProgressResponse\x12\x42\n\x0cGetDirective\x12\x1d.silod.v1.GetDirectiveRequest\x1a\x13.silod.v1.Directive\x12;\n\x08TailLogs\x12\x19.silod.v1.TailLogsRequest\x1a\x12.silod.v1.LogChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'silod.v1.worker_agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DIRECTIVEACTION']._serialized_start=1107
-  _globals['_DIRECTIVEACTION']._serialized_end=1287
+  _globals['_DIRECTIVEACTION']._serialized_start=1194
+  _globals['_DIRECTIVEACTION']._serialized_end=1374
   _globals['_GETNODESTATUSREQUEST']._serialized_start=64
   _globals['_GETNODESTATUSREQUEST']._serialized_end=86
   _globals['_TASKSTATUS']._serialized_start=89
   _globals['_TASKSTATUS']._serialized_end=239
   _globals['_NODESTATUS']._serialized_start=242
-  _globals['_NODESTATUS']._serialized_end=374
-  _globals['_REPORTPROGRESSREQUEST']._serialized_start=377
-  _globals['_REPORTPROGRESSREQUEST']._serialized_end=593
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=595
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=619
-  _globals['_GETDIRECTIVEREQUEST']._serialized_start=621
-  _globals['_GETDIRECTIVEREQUEST']._serialized_end=692
-  _globals['_DIRECTIVE']._serialized_start=695
-  _globals['_DIRECTIVE']._serialized_end=979
-  _globals['_TAILLOGSREQUEST']._serialized_start=981
-  _globals['_TAILLOGSREQUEST']._serialized_end=1064
-  _globals['_LOGCHUNK']._serialized_start=1066
-  _globals['_LOGCHUNK']._serialized_end=1104
-  _globals['_WORKERAGENTSERVICE']._serialized_start=1290
-  _globals['_WORKERAGENTSERVICE']._serialized_end=1595
+  _globals['_NODESTATUS']._serialized_end=461
+  _globals['_REPORTPROGRESSREQUEST']._serialized_start=464
+  _globals['_REPORTPROGRESSREQUEST']._serialized_end=680
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=682
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=706
+  _globals['_GETDIRECTIVEREQUEST']._serialized_start=708
+  _globals['_GETDIRECTIVEREQUEST']._serialized_end=779
+  _globals['_DIRECTIVE']._serialized_start=782
+  _globals['_DIRECTIVE']._serialized_end=1066
+  _globals['_TAILLOGSREQUEST']._serialized_start=1068
+  _globals['_TAILLOGSREQUEST']._serialized_end=1151
+  _globals['_LOGCHUNK']._serialized_start=1153
+  _globals['_LOGCHUNK']._serialized_end=1191
+  _globals['_WORKERAGENTSERVICE']._serialized_start=1377
+  _globals['_WORKERAGENTSERVICE']._serialized_end=1682
 # @@protoc_insertion_point(module_scope)

@@ -122,6 +122,8 @@ class NodeStatus(_message.Message):
     APPLIED_PLAN_VERSION_FIELD_NUMBER: _builtins.int
     TASKS_FIELD_NUMBER: _builtins.int
     FREE_GPUS_FIELD_NUMBER: _builtins.int
+    GPU_TELEMETRY_FIELD_NUMBER: _builtins.int
+    GPU_FAULTS_FIELD_NUMBER: _builtins.int
     applied_plan_version: _builtins.int
     """latest plan version applied on this node; 0 = none"""
     @_builtins.property
@@ -136,6 +138,14 @@ class NodeStatus(_message.Message):
     def free_gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """device indices not held by any task"""
 
+    @_builtins.property
+    def gpu_telemetry(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.GpuTelemetry]:
+        """each GPU's latest NVML sample; empty without NVML"""
+
+    @_builtins.property
+    def gpu_faults(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.GpuFault]:
+        """fatal faults as of the agent's last heartbeat (the metadata store's record)"""
+
     def __init__(
         self,
         *,
@@ -143,10 +153,12 @@ class NodeStatus(_message.Message):
         applied_plan_version: _builtins.int = ...,
         tasks: _abc.Iterable[Global___TaskStatus] | None = ...,
         free_gpus: _abc.Iterable[_builtins.int] | None = ...,
+        gpu_telemetry: _abc.Iterable[_common_pb2.GpuTelemetry] | None = ...,
+        gpu_faults: _abc.Iterable[_common_pb2.GpuFault] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_plan_version", b"applied_plan_version", "free_gpus", b"free_gpus", "spec", b"spec", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_plan_version", b"applied_plan_version", "free_gpus", b"free_gpus", "gpu_faults", b"gpu_faults", "gpu_telemetry", b"gpu_telemetry", "spec", b"spec", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
