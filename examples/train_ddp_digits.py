@@ -4,19 +4,20 @@ The data: scikit-learn's handwritten digits (1,797 images of 8x8 pixels, 10 clas
 as PNG files whose label rides in a PNG text chunk, then registered as a silod dataset (a
 directory or an S3 bucket). The job reads them through the node's cache server with
 ``silod.data`` (SilodDataset + ElasticSampler), decodes them with Pillow, and trains a small
-MLP with PyTorch DistributedDataParallel (gloo on CPU, NCCL when CUDA is there) through
-``ctx.distributed(...)``: when silod grows or shrinks the job, surviving ranks re-form the
-process group in place and newcomers receive the state from rank 0.
+MLP with PyTorch DistributedDataParallel through ``ctx.distributed(...)``: when silod grows or
+shrinks the job, surviving ranks re-form the process group in place and newcomers receive the
+state from rank 0. With a GPU visible the model and every batch live on the rank's GPU
+(``trainer.device``) and gradients go over NCCL; without one, on the CPU over gloo.
 
     python examples/train_ddp_digits.py prepare /data/digits      # write the PNG files
     silod dataset register digits file:///data/digits
     silod submit job.yaml   # command: [python, examples/train_ddp_digits.py], dataset: digits,
                             # min_gpus: 1, max_gpus: 4, resize_in_place: true, epochs: 5
 
-There is no GPU here: ``SILOD_EXAMPLE_STEP_SLEEP_S`` adds a sleep per step that stands in for GPU
-compute (emulated, as the DLCache paper did), ``SILOD_EXAMPLE_SAMPLE_SLEEP_S`` one per sample of
-the rank's share of the step (GPU time that grows with the local batch, as Pollux's step-time
-model has it); both 0 by default. The learning rate follows the
+On a machine without a GPU, ``SILOD_EXAMPLE_STEP_SLEEP_S`` adds a sleep per step that stands in
+for GPU compute (emulated, as the DLCache paper did), ``SILOD_EXAMPLE_SAMPLE_SLEEP_S`` one per
+sample of the rank's share of the step (GPU time that grows with the local batch, as Pollux's
+step-time model has it); both 0 by default, ignored on a GPU, and the job says when it emulates. The learning rate follows the
 square-root rule: lr = base_lr * sqrt(batch / base_batch), applied at the next step whenever
 silod retunes the batch size.
 
@@ -83,6 +84,7 @@ def params_hash(model: nn.Module) -> str:
 def train(args: argparse.Namespace) -> int:
     import silod.job
     from silod.data import ElasticSampler, SilodDataset
+    from silod.job.devices import rank_device
     from silod.job.distributed import Event
 
     ctx = silod.job.init(args.checkpoint_dir)
@@ -97,16 +99,25 @@ def train(args: argparse.Namespace) -> int:
     hidden = int(os.environ.get("SILOD_EXAMPLE_HIDDEN") or 0)  # benchmarks/elastic_resize.py: a ~10M-parameter MLP
     layers = [nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)] if hidden \
         else [nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)]
-    model = nn.Sequential(*layers)
+    device = rank_device()  # the rank's GPU when it has one (CUDA_VISIBLE_DEVICES, LOCAL_RANK), else the CPU
+    model = nn.Sequential(*layers).to(device)  # before the optimizer is made over its parameters
     optimizer = torch.optim.SGD(model.parameters(), lr=BASE_LR, momentum=0.9)
     sampler = ElasticSampler(dataset, ctx.batch_size or BASE_BATCH, rank=ctx.rank, world_size=ctx.world_size,
                              seed=args.seed)
     trainer = ctx.distributed(model, optimizer, sampler)
+    if device.type == "cuda":
+        sleep_s = sample_sleep_s = 0.0  # real compute: nothing to emulate
+    elif sleep_s or sample_sleep_s:
+        print(f"no GPU: emulating GPU compute with {sleep_s:g}s a step + {sample_sleep_s:g}s a sample", flush=True)
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     last_checkpoint = time.monotonic()
     while sampler.epoch < epochs:
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
+        # Pinned host memory when a GPU is there, so each batch's copy to it runs asynchronously.
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
+                                             pin_memory=device.type == "cuda")
         for inputs, labels in loader:
+            inputs = inputs.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
             event = trainer.step_boundary()
             if event is Event.STOP:
                 trainer.save()

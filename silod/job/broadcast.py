@@ -76,7 +76,7 @@ def broadcast_state(state: Any, src: int = 0, device: torch.device | None = None
     chunks: list[torch.Tensor] = []
     skeleton = _strip(state, chunks) if rank == src else None
     box: list[Any] = [(skeleton, sum(c.numel() for c in chunks))]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, device=torch.device("cpu"))  # the skeleton: a CPU object
     skeleton, nbytes = box[0]
     if nbytes == 0:
         return state if rank == src else skeleton

@@ -11,9 +11,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from silod.job.world import World
 
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_LOG = "checkpoints.jsonl"  # one line per save: who wrote it and the progress it holds
@@ -59,23 +60,6 @@ def _deserialize(data: bytes) -> dict[str, Any]:
 
         return torch.load(io.BytesIO(data), weights_only=False)
     return pickle.loads(data)
-
-
-@dataclass(frozen=True)
-class World:
-    """The job's world as a surviving rank sees it after a fast resize (AFE)."""
-
-    rank: int  # this process's rank now (survivors normally keep theirs; renumbered if the world shrank below it)
-    world_size: int  # ranks in the job now
-    generation: int  # generation this process now runs under
-    master_addr: str  # rendezvous host of the re-formed group
-    master_port: int  # rendezvous TCP port of the re-formed group
-    batch_size: int  # samples per step, global, from now on
-    previous_rank: int
-    previous_world_size: int
-    local_rank: int = 0  # position among the job's ranks on this node now
-    local_world_size: int = 1  # the job's ranks on this node now
-    group_rank: int = 0  # index of this node among the job's nodes now
 
 
 class JobContext:

@@ -32,7 +32,10 @@ surviving process restarts.
 A checkpoint-and-exit directive (the job is moved, preempted, or its agent stops) also goes
 through the flag, so all ranks stop at the same step and rank 0 saves the state.
 
-Backend: NCCL when CUDA is available (the same code), gloo on CPU.
+Devices and backends (silod.job.devices): a rank trains on the GPU it was given when CUDA is
+there (``trainer.device``; the one its ``LOCAL_RANK`` names if it sees several), else on the CPU.
+The process group serves both: gradients and the state handed to newcomers go over NCCL on the
+GPU, silod's per-step flags stay CPU tensors over gloo (``cpu:gloo,cuda:nccl``).
 """
 
 from __future__ import annotations
@@ -44,17 +47,17 @@ import socket
 import struct
 import sys
 import time
+import warnings
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from silod.job import devices
 from silod.job.broadcast import broadcast_state
-
-if TYPE_CHECKING:  # silod.job.context builds this module's trainer: no import back at run time
-    from silod.job.context import JobContext, World
+from silod.job.world import ElasticContext, World
 
 REFORM_TIMEOUT_S = 120.0
 # Exit status of a rank that gives up re-forming in place: the scheduler restarts every rank of
@@ -99,13 +102,18 @@ class GradientNoise:
     communication hook: a Python hook gives the gloo workers' bucket tensors Python owners,
     which they then release under the GIL, and a process group destroyed at that moment (a
     re-form, the end of the job) deadlocks in PyTorch (pytorch/pytorch#56297).
+
+    The norms are summed where the gradients are (a GPU's kernels queue behind the backward
+    pass) and read once a step, at the step boundary. With one rank there is nothing to measure,
+    and the hooks return at once (``active`` is set at each re-form).
     """
 
     SMOOTHING = 0.2  # weight of a new step's estimate
 
     def __init__(self, base_batch: int) -> None:
         self.base_batch = max(1, base_batch)
-        self.local_sq = 0.0  # this rank's squared gradient norm in the current step
+        self.active = False  # measuring: the group has more than one rank
+        self._local: torch.Tensor | float = 0.0  # this rank's squared gradient norm in the current step
         self.mean_sq = 0.0  # the averaged gradient's
         self.sqr = 0.0  # smoothed |G|^2; 0 until measured
         self.trace = 0.0  # smoothed tr(S)
@@ -116,12 +124,18 @@ class GradientNoise:
                 param.register_hook(self._local_gradient)
 
     def _local_gradient(self, grad: torch.Tensor) -> None:
-        self.local_sq += float(grad.detach().double().pow(2).sum())
+        if self.active:
+            self._local = self._local + _squared_norm(grad)
+
+    @property
+    def local_sq(self) -> float:
+        """This rank's squared gradient norm of the step just done (a GPU waits for it here)."""
+        return float(self._local)
 
     def averaged(self, module: torch.nn.Module) -> None:
         """After the step's all-reduce: the averaged gradient is in every parameter's ``.grad``."""
-        self.mean_sq = sum(float(p.grad.detach().double().pow(2).sum()) for p in module.parameters()
-                           if p.grad is not None)
+        grads = [p.grad for p in module.parameters() if p.grad is not None] if self.active else []
+        self.mean_sq = float(torch.stack([_squared_norm(g) for g in grads]).sum()) if grads else 0.0
 
     def update(self, ranks_local_sq_sum: float, world_size: int, global_batch: int) -> None:
         """After a step of ``global_batch`` samples split evenly over ``world_size`` ranks."""
@@ -135,7 +149,8 @@ class GradientNoise:
             else:
                 w = self.SMOOTHING
                 self.sqr, self.trace = (1 - w) * self.sqr + w * sqr, (1 - w) * self.trace + w * trace
-        self.local_sq = self.mean_sq = 0.0
+        self._local = 0.0
+        self.mean_sq = 0.0
 
     @property
     def grad_sqr(self) -> float:
@@ -144,6 +159,11 @@ class GradientNoise:
     @property
     def grad_var(self) -> float:
         return max(self.trace, 0.0) / self.base_batch
+
+
+def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of squares in double precision, on the tensor's device, without a synchronisation."""
+    return torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64).square()
 
 
 def interface_towards(host: str, port: int) -> str | None:
@@ -175,28 +195,41 @@ def interface_towards(host: str, port: int) -> str | None:
 class DistributedTraining:
     def __init__(
         self,
-        ctx: JobContext,
+        ctx: ElasticContext,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         sampler: Any = None,
         *,
         backend: str | None = None,
         reform_timeout_s: float = REFORM_TIMEOUT_S,
-        reproducible: bool = True,
+        reproducible: bool | None = None,
     ) -> None:
         self.ctx = ctx
         self.module = model
         self.optimizer = optimizer
         self.sampler = sampler
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        # The rank's device, chosen once: a survivor of a resize keeps its GPU.
+        self.device = devices.rank_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            # Before the checkpoint is loaded: the optimizer puts its state where the parameters are.
+            model.to(self.device)
+        # ``backend`` names the backend for the job's tensors (NCCL on a GPU); the group also
+        # serves the CPU, where silod's control tensors are (silod.job.devices).
+        self.backend = devices.group_backend(devices.accelerator_backend(self.device, backend))
         self.reform_timeout_s = reform_timeout_s
         # DDP lays gradients out in buckets in parameter order for a group's first step, then
         # re-buckets them in the order they became ready; the all-reduce adds floats in that
         # layout. A resumed (or re-formed) group would run its first step in the other layout
         # and drift from an uninterrupted run in the last bits. Without re-bucketing (which is
         # what find_unused_parameters=True implies, for one extra graph walk per step) the
-        # layout never changes: a resumed run is bit-identical on CPU.
-        self.reproducible = reproducible
+        # layout never changes: a resumed run is bit-identical on CPU. On a GPU, where kernels
+        # are not deterministic unless the job asks torch for it, the default is off.
+        self.reproducible = (self.device.type == "cpu") if reproducible is None else reproducible
+        if self.reproducible:
+            # Every parameter is used, and PyTorch says so at the first step of each group: the
+            # graph walk that find_unused_parameters asks for is kept for the fixed bucket layout.
+            warnings.filterwarnings("ignore", message=".*find_unused_parameters=True was specified.*")
         self.steps = 0  # optimizer steps of the whole job
         self.samples = 0  # samples the whole job trained on
         self.reforms: list[float] = []  # seconds each in-place re-form took
@@ -251,8 +284,7 @@ class DistributedTraining:
         """Rank 0's optimizer, sampler and counters to every rank (DDP did the parameters)."""
         if self.ctx.world_size > 1:
             mine = {k: v for k, v in self.state_dict().items() if k != "model"} if self.ctx.rank == 0 else None
-            device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
-            state = broadcast_state(mine, src=0, device=device)
+            state = broadcast_state(mine, src=0, device=devices.state_device(self.device))
         if self.ctx.world_size > 1 and self.ctx.rank != 0:
             self.optimizer.load_state_dict(state["optimizer"])
             if self.sampler is not None and state["sampler"] is not None:
@@ -304,13 +336,14 @@ class DistributedTraining:
         launched = float(os.environ.get("SILOD_LAUNCH_TIME") or 0)
         if launched and self._group is None:  # a rank's first group: how long its start-up took
             warm = " (in a warm process)" if os.environ.get("SILOD_WARM_START") == "1" else ""
-            print(f"silod.job: rank {rank} of {world_size} ready {time.time() - launched:.2f}s after its launch{warm}",
-                  file=sys.stderr, flush=True)
+            print(f"silod.job: rank {rank} of {world_size} ready {time.time() - launched:.2f}s after its launch{warm}, "
+                  f"training on {self.device} (backend {self.backend})", file=sys.stderr, flush=True)
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=self.reform_timeout_s))
         self._group = dist.group.WORLD
         self._arrivals = None  # the group holds its store now
         self.rank, self.world_size = rank, world_size
+        self.noise.active = world_size > 1
 
     def _newcomers_ready(self, held: World | None) -> bool:
         """Rank 0, while a resize is held: have the ranks the new world adds checked in yet?"""
@@ -333,7 +366,7 @@ class DistributedTraining:
         """Wrap the model in DDP and give every rank rank 0's state, when some rank lacks it: a
         rank that just started (it holds the checkpoint's state at best). When only ranks that
         stayed form the group (a shrink) they already hold the same state: nothing is sent."""
-        flag = torch.tensor([1 if newcomer else 0])
+        flag = torch.tensor([1 if newcomer else 0], device=devices.CONTROL_DEVICE)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         sync = bool(flag.item())
         self.model = self._wrap(sync)
@@ -344,14 +377,11 @@ class DistributedTraining:
 
     def _wrap(self, sync: bool = True) -> DistributedDataParallel:
         """DDP over the current group; ``sync``: broadcast rank 0's parameters and buffers."""
-        if self.backend == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-            self.module.to(device)
-            model = DistributedDataParallel(self.module, device_ids=[device.index], init_sync=sync,
-                                            find_unused_parameters=self.reproducible)
-        else:
-            model = DistributedDataParallel(self.module, init_sync=sync, find_unused_parameters=self.reproducible)
-        return model
+        if self.device.type == "cuda":
+            self.module.to(self.device)
+            return DistributedDataParallel(self.module, device_ids=[self.device.index], init_sync=sync,
+                                           find_unused_parameters=self.reproducible)
+        return DistributedDataParallel(self.module, init_sync=sync, find_unused_parameters=self.reproducible)
 
     # -- the training loop's calls
     def step_boundary(self) -> Event:
@@ -367,7 +397,7 @@ class DistributedTraining:
         # whether rank 0 has all its newcomers, and the ranks' gradient norms of the step just
         # done (for the noise statistics).
         shared = torch.tensor([float(stop), float(world is not None), float(settle or self._newcomers_ready(world)),
-                               self.noise.local_sq], dtype=torch.float64)
+                               self.noise.local_sq], dtype=torch.float64, device=devices.CONTROL_DEVICE)
         dist.all_reduce(shared)
         if self._last_step is not None:
             self.noise.update(float(shared[3]), *self._last_step)

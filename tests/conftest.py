@@ -1,0 +1,20 @@
+"""Suite-wide settings for every process the tests start.
+
+Every DDP job in the suite (examples, fidelity runs, resize and crash tests) names the
+``cudaonly`` backend (tests/support/cudaonly_backend.py) for its accelerator, as a GPU job names
+NCCL: a silod collective on a CPU tensor that reached it would fail as it does on a GPU. The
+ranks import the module through PYTHONPATH, which the agents pass on to them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+os.environ.setdefault("SILOD_DIST_BACKEND", "cudaonly")
+os.environ.setdefault("SILOD_DIST_BACKEND_MODULE", "tests.support.cudaonly_backend")
+_paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+if str(ROOT) not in _paths:
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *_paths])
