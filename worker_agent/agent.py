@@ -65,7 +65,9 @@ from silod.v1 import (
     plan_pb2,
     worker_agent_pb2,
 )
-from worker_agent.gpus import GpuTable, detect_gpus, resolve_gpu_type
+from worker_agent import nvml
+from worker_agent.gpu_monitor import GpuMonitor
+from worker_agent.gpus import GpuTable, resolve_gpu_type
 from worker_agent.warm_start import WarmPool
 
 _log = get_logger("silod.worker_agent")
@@ -174,7 +176,9 @@ class Agent:
     def __init__(self, settings: Any, agent_address: str) -> None:
         self.settings = settings
         self.agent_address = agent_address
-        gpus, model = detect_gpus(settings.gpus)
+        # NVML (worker_agent.nvml) gives the GPUs and their health; without it they are emulated.
+        session = nvml.open_session(getattr(settings, "nvml_module", ""))
+        gpus, model = (session.count, session.model) if session is not None else (settings.gpus, "emulated")
         self.work_dir = Path(settings.work_dir).resolve()
         (self.work_dir / "jobs").mkdir(parents=True, exist_ok=True)
         self.checkpoint_root = Path(settings.checkpoint_root or self.work_dir / "checkpoints").resolve()
@@ -191,6 +195,9 @@ class Agent:
             cache_address=settings.cache_address,
         )
         self.gpu_table = GpuTable(gpus, self.work_dir / "gpu-table.jsonl")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._heartbeat_now = asyncio.Event()
+        self.gpu_monitor = GpuMonitor(session, self.spec.name, self._gpu_fault_seen) if session is not None else None
         self.tasks: dict[str, Task] = {}  # live tasks and exited ones not yet acknowledged
         self.finished: set[str] = set()  # keys of tasks that exited; never relaunched for the same generation
         self.applied_version = 0
@@ -219,6 +226,7 @@ class Agent:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await self._stop_leftovers()
         if self.warm is not None:
             await self.warm.fill()
@@ -247,6 +255,8 @@ class Agent:
                 await t
         if self.warm is not None:
             await self.warm.close()
+        if self.gpu_monitor is not None:
+            await asyncio.to_thread(self.gpu_monitor.close)  # joins the Xid thread
         await self._meta_channel.close()
         if self._alloc_channel is not None:
             await self._alloc_channel.close()
@@ -338,6 +348,22 @@ class Agent:
         return [t for t in self.tasks.values() if not t.exited.is_set()]
 
     # ---- registration ----------------------------------------------------------------------
+    def _gpu_fault_seen(self) -> None:
+        """A GPU fault was queued (from the NVML event thread): heartbeat at once, so the
+        scheduler moves the job off that GPU without waiting for the next interval."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._heartbeat_now.set)
+
+    async def _heartbeat_request(self) -> metadata_pb2.HeartbeatRequest:
+        request = metadata_pb2.HeartbeatRequest(node=self.spec.name, applied_plan_version=self.applied_version)
+        if self.gpu_monitor is not None:
+            try:
+                request.gpu_telemetry.extend(await self.gpu_monitor.sample())
+            except Exception:  # noqa: BLE001 - a failing sample must not stop the node's heartbeats
+                _log.exception("sampling the GPUs failed")
+            request.gpu_faults.extend(self.gpu_monitor.pending_faults())
+        return request
+
     async def _register_and_heartbeat(self) -> None:
         registered = stale_retry = False
         while True:
@@ -347,10 +373,11 @@ class Agent:
                     registered = True
                     self._registered.set()
                     _log.info("registered", extra={"node": self.spec.name, "agent_address": self.agent_address})
-                await self._metadata.Heartbeat(
-                    metadata_pb2.HeartbeatRequest(node=self.spec.name, applied_plan_version=self.applied_version),
-                    timeout=5,
-                )
+                request = await self._heartbeat_request()
+                node = await self._metadata.Heartbeat(request, timeout=5)
+                if self.gpu_monitor is not None:
+                    self.gpu_monitor.delivered(list(request.gpu_faults))
+                    self.gpu_monitor.record(node)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and not stale_retry:
                     # The scheduler forwards each Ack as a heartbeat with the acked version; one
@@ -364,7 +391,9 @@ class Agent:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     registered = False
             stale_retry = False
-            await asyncio.sleep(self.settings.heartbeat_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._heartbeat_now.wait(), self.settings.heartbeat_s)
+            self._heartbeat_now.clear()
 
     # ---- plans -----------------------------------------------------------------------------
     async def _watch_loop(self) -> None:
@@ -727,4 +756,6 @@ class Agent:
             applied_plan_version=self.applied_version,
             tasks=[t.status() for t in self.tasks.values()],
             free_gpus=self.gpu_table.free(),
+            gpu_telemetry=self.gpu_monitor.telemetry if self.gpu_monitor is not None else [],
+            gpu_faults=self.gpu_monitor.faults if self.gpu_monitor is not None else [],
         )

@@ -14,29 +14,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from worker_agent import nvml
+
 
 class GpuConflict(RuntimeError):
     pass
 
 
-def detect_gpus(configured: int) -> tuple[int, str]:
-    """(count, model) from NVML when ``pynvml`` is importable and finds devices, else (configured, "emulated")."""
-    try:
-        import pynvml  # type: ignore[import-not-found]
-    except ImportError:
+def detect_gpus(configured: int, nvml_module: str = "") -> tuple[int, str]:
+    """(count, model) from NVML (worker_agent.nvml) when it loads and finds devices, else (configured, "emulated")."""
+    session = nvml.open_session(nvml_module)
+    if session is None:
         return configured, "emulated"
     try:
-        pynvml.nvmlInit()
-        try:
-            count = int(pynvml.nvmlDeviceGetCount())
-            if count <= 0:
-                return configured, "emulated"
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-            return count, name.decode() if isinstance(name, bytes) else str(name)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no driver / no devices
-        return configured, "emulated"
+        return session.count, session.model
+    finally:
+        session.close()
 
 
 _VENDOR_WORDS = {"nvidia", "tesla", "quadro"}

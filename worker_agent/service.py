@@ -59,6 +59,11 @@ class Settings(ServiceSettings):
         0, ge=0, le=64, description="Python processes kept started with warm_preload imported, so that a new rank of "
         "a job that resizes in place skips interpreter start-up (each holds ~280 MB); 0 = start every rank cold",
     )
+    nvml_module: str = Field(
+        "", pattern=r"^([A-Za-z_][A-Za-z0-9_.]*(:[A-Za-z_][A-Za-z0-9_]*)?)?$",
+        description="Test hook: MODULE:ATTRIBUTE naming an object with pynvml's functions, used in place of pynvml "
+        "(tests feed GPU figures and faults through it); empty = pynvml when installed, else emulated GPUs",
+    )
     warm_preload: str = Field(
         "torch,torch.distributed,torch.nn.parallel,torch._dynamo,silod.job,silod.data",
         description="Comma-separated modules a warm process imports ahead of its rank (absent ones are skipped); "
@@ -182,6 +187,13 @@ def definition(settings: Settings) -> ServiceDefinition:
         if not settings.metadata_address:  # raised here so `silod worker-agent` exits 2 with one line
             raise ConfigError("metadata_address: required (HOST:PORT of the metadata service)")
         Path(settings.work_dir).mkdir(parents=True, exist_ok=True)
+        if settings.nvml_module:
+            from worker_agent import nvml
+
+            try:
+                nvml.load(settings.nvml_module)
+            except (ImportError, AttributeError) as exc:
+                raise ConfigError(f"nvml_module: cannot load {settings.nvml_module!r}: {exc}") from None
         agent = Agent(settings, _advertised(settings))
         holder["agent"] = agent
         await agent.start()  # background tasks; registration retries until metadata answers
