@@ -36,7 +36,10 @@ class GpuMonitor:
         fault = common_pb2.GpuFault(index=index, reason=f"Xid {xid}")
         fault.since.GetCurrentTime()
         with self._lock:
-            self._pending.append(fault)
+            # One per GPU is enough (the store keeps a GPU's first fault until it is cleared); it
+            # also bounds what a heartbeat carries after a long time without the metadata service.
+            if all(f.index != index for f in self._pending):
+                self._pending.append(fault)
         metrics.XID_FAULTS.labels(self.node, str(index)).inc()
         metrics.HEALTHY.labels(self.node, str(index)).set(0)  # before the store confirms: it will
         self._on_fault()

@@ -178,6 +178,9 @@ def node_to_proto(row: models.Node, *, now: datetime, liveness_window_s: float) 
         last_heartbeat=to_timestamp(row.last_heartbeat),
         alive=as_utc(row.last_heartbeat) >= now - timedelta(seconds=liveness_window_s),
         applied_plan_version=row.applied_plan_version,
+        gpu_telemetry=[from_json(g, common_pb2.GpuTelemetry) for g in (row.gpu_health or {}).get("telemetry", [])],
+        gpu_faults=[from_json(f, common_pb2.GpuFault)
+                    for _, f in sorted((row.gpu_health or {}).get("faults", {}).items(), key=lambda kv: int(kv[0]))],
     )
 
 

@@ -146,6 +146,9 @@ class Node(Base):
     registered_at: Mapped[datetime] = mapped_column(UtcDateTime)
     last_heartbeat: Mapped[datetime] = mapped_column(UtcDateTime)
     applied_plan_version: Mapped[int] = mapped_column(BigInteger)
+    # The GPUs' latest NVML figures, their latched faults and accepted ECC counts
+    # (services/metadata/store/gpu_health.py); NULL for a node that never sent any.
+    gpu_health: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True, default=None)
 
 
 class Plan(Base):

@@ -185,7 +185,11 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         return await self._run(request, self._store.nodes.upsert, request.spec)
 
     async def Heartbeat(self, request: metadata_pb2.HeartbeatRequest, context: Context) -> common_pb2.Node:
-        return await self._run(request, self._store.nodes.heartbeat, request.node, request.applied_plan_version)
+        return await self._run(request, self._store.nodes.heartbeat, request.node, request.applied_plan_version,
+                               request.gpu_telemetry, request.gpu_faults)
+
+    async def ClearGpuFault(self, request: metadata_pb2.ClearGpuFaultRequest, context: Context) -> common_pb2.Node:
+        return await self._run(request, self._store.nodes.clear_gpu_fault, request.node, request.gpu_index)
 
     async def GetNode(self, request: metadata_pb2.GetNodeRequest, context: Context) -> common_pb2.Node:
         return await self._run(request, self._store.nodes.get, request.node)
