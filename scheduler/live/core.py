@@ -43,6 +43,7 @@ from estimator.per_type import fitted_type_models, is_reference
 from scheduler.codesign import is_active as co_active
 from scheduler.invariants import check_plan
 from scheduler.live import convert, data
+from scheduler.live.gpu_health import UsableGpus, faulted_gpus
 from scheduler.deepboot.replicas import LifecycleConfig, ProtectSchedule
 from scheduler.live.inference import LiveInference, is_inference_job
 from scheduler.placement import node_types, placement_type
@@ -93,6 +94,8 @@ class SchedulerCore:
         self.estimator = None  # EstimatorServiceStub when an estimator address is configured
         self.node_poll_s = node_poll_s
         self._known_nodes: frozenset[str] | None = None
+        self._known_faults: dict[str, frozenset[int]] | None = None  # faulted GPUs as the node watch last saw them
+        self.usable = UsableGpus(())  # the GPUs of the last snapshot the policy may use (scheduler.live.gpu_health)
         self.node_set_version = 0  # bumped whenever the set of live nodes changes
         self._node_task: asyncio.Task[None] | None = None
         self.policy_name = policy
@@ -235,6 +238,10 @@ class SchedulerCore:
                 self.node_set_version += 1
                 self.trigger("node-lost" if self._known_nodes - names else "node-joined")
             self._known_nodes = names
+            faults = faulted_gpus(nodes.nodes)
+            if self._known_faults is not None and faults != self._known_faults:
+                self.trigger("gpu-health")  # a GPU faulted (its job moves now) or was cleared
+            self._known_faults = faults
 
     async def _recover_releases(self) -> None:
         """After a restart: GPUs the latest plan took from a job are pending release again
@@ -474,6 +481,7 @@ class SchedulerCore:
         )
         self._metadata_seen()
         nodes = [n for n in nodes_resp.nodes if n.spec.gpus > 0]
+        self.usable = UsableGpus(nodes)
         for n in nodes:
             self.agent_addresses[n.spec.name] = n.spec.agent_address
             self.cache_addresses[n.spec.name] = n.spec.cache_address
@@ -515,9 +523,10 @@ class SchedulerCore:
         for job_id, alloc in convert.plan_from_proto(self.latest).allocations.items():
             if job_id not in min_gpus:
                 continue  # finished or cancelled: holds nothing any more
-            # Placements on lost nodes are gone; the survivors stay if the job can still run on them.
-            survivors = tuple((node, idx) for node, idx in alloc.placement
-                              if node in alive and all(i < alive[node].gpus for i in idx))
+            # Placements on lost nodes and faulted GPUs are gone; the survivors stay if the job can
+            # still run on them.
+            survivors = self.usable.without_faulted(tuple(
+                (node, idx) for node, idx in alloc.placement if node in alive and all(i < alive[node].gpus for i in idx)))
             if sum(len(idx) for _, idx in survivors) >= max(1, min_gpus[job_id]):
                 current[job_id] = Allocation(placement=survivors, batch_size=alloc.batch_size,
                                              cache_bytes={n: b for n, b in alloc.cache_bytes.items() if n in alive},
@@ -591,10 +600,10 @@ class SchedulerCore:
     async def _round(self, reason: str) -> plan_pb2.AllocationPlan | None:
         await self.refresh_latest()
         snap, jobs = await self.snapshot()
-        policy_plan = self.policy.schedule(snap)
+        policy_plan = self.usable.schedule(self.policy, snap)  # on the usable GPUs only
         check_plan(snap, policy_plan)
         inference_jobs = [j for j in jobs if is_inference_job(j)]
-        plan = self.inference.place(snap, policy_plan, inference_jobs)
+        plan = self.inference.place(snap, policy_plan, inference_jobs, unusable=self.usable.faulted)
         plan = self._hold_releases(plan, snap.current)
         inference_ids = {j.id for j in inference_jobs}
         # Cache quotas and IO rates of the cache mode, on the placements that survived the

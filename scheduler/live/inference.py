@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -32,7 +32,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from scheduler.deepboot.ats_i import place_inference_tasks
 from scheduler.deepboot.costs import ResizeCosts
 from scheduler.deepboot.replicas import InferencePool, LifecycleConfig, Replica, is_inference
-from scheduler.deepboot.state import ReplicaState
+from scheduler.deepboot.state import ReplicaState, ReplicaView
 from scheduler.policy import Allocation, ClusterSnapshot, Plan
 from silod.v1 import common_pb2, plan_pb2
 
@@ -78,11 +78,20 @@ class LiveInference:
         return self.pool.busy(now)
 
     # ---- after the policy ----------------------------------------------------------------
-    def place(self, snapshot: ClusterSnapshot, training: Plan, inference_jobs: Sequence[common_pb2.Job]) -> Plan:
-        """``training`` plus every inference task's GPU; reclaims shrink training allocations."""
+    def place(self, snapshot: ClusterSnapshot, training: Plan, inference_jobs: Sequence[common_pb2.Job],
+              unusable: Mapping[str, frozenset[int]] = {}) -> Plan:  # noqa: B006 - read only
+        """``training`` plus every inference task's GPU; reclaims shrink training allocations.
+        ``unusable``: node -> faulted GPUs (scheduler.live.gpu_health); a task running on one is
+        placed anew, and no task goes to one."""
         now = self.clock()
         self.pool.end_lent(training, now)
         allocations = dict(training.allocations)
+        for job_id, replica_id in list(self.task_replica.items()):
+            replica = self.pool.replica(replica_id)
+            if replica.gpu in unusable.get(replica.node, ()):
+                del self.task_replica[job_id]
+                if replica.state(now) is ReplicaState.RUNNING:
+                    self.pool.finish(replica_id, now)
         for job in inference_jobs:
             replica_id = self.task_replica.get(job.id)
             if replica_id is not None:
@@ -92,7 +101,11 @@ class LiveInference:
         if not pending:
             return Plan(allocations)
         view = dataclasses.replace(snapshot, current=training)
-        decided = place_inference_tasks(view, [job.spec.application for job in pending], self.pool.views(now),
+        # A faulted GPU looks to ATS-I like one a replica serves on: never free, reused or evicted.
+        replicas = [r for r in self.pool.views(now) if r.gpu not in unusable.get(r.node, ())] + [
+            ReplicaView(f"gpu-fault/{node}/{gpu}", "", node, gpu, ReplicaState.RUNNING)
+            for node, gpus in unusable.items() for gpu in sorted(gpus)]
+        decided = place_inference_tasks(view, [job.spec.application for job in pending], replicas,
                                         costs=self.costs, penalty_rounds=self.penalty_rounds)
         for job, decision in zip(pending, decided.decisions):
             if decision.kind == "wait":
