@@ -2,7 +2,8 @@
 
 One call, :func:`overview`, builds a JSON-ready dict per page refresh. It only reads: the
 latest plan tells which job holds which GPU (a training job on an inference-pool node is a
-*lent* GPU), the job table gives state and progress, each node's cache server answers
+*lent* GPU; a GPU with a fault is *faulted*, whoever the plan still names), the nodes carry
+their GPUs' NVML figures (none for emulated GPUs), the job table gives state and progress, each node's cache server answers
 ``Stats`` for hit ratios and remote IO, and the plan history comes from ``ListPlans``.
 
 A cache server that does not answer within ``cache_timeout_s`` is shown as unreachable
@@ -98,6 +99,27 @@ async def _cache_of(address: str, stats_of: CacheStats, timeout_s: float) -> dic
         return {"reachable": False, "error": f"{address}: {detail}"}
 
 
+_FIGURES = ("utilization_ratio", "memory_used_bytes", "memory_total_bytes", "temperature_celsius",
+            "ecc_uncorrectable_errors")
+
+
+def _figures(t: common_pb2.GpuTelemetry) -> dict[str, Any]:
+    """One GPU's NVML figures; those NVML does not give for it are left out."""
+    return {name: getattr(t, name) for name in _FIGURES if t.HasField(name)} | ({"lost": True} if t.lost else {})
+
+
+def _node_figures(telemetry: Any) -> dict[str, Any]:
+    """A node's mean GPU utilisation and its GPUs' memory; None without NVML figures."""
+    utils = [t.utilization_ratio for t in telemetry if t.HasField("utilization_ratio")]
+    totals = [t.memory_total_bytes for t in telemetry if t.HasField("memory_total_bytes")]
+    return {
+        "gpu_utilization_ratio": sum(utils) / len(utils) if utils else None,
+        "gpu_memory_used_bytes": sum(t.memory_used_bytes for t in telemetry if t.HasField("memory_used_bytes"))
+        if totals else None,
+        "gpu_memory_total_bytes": sum(totals) if totals else None,
+    }
+
+
 async def overview(md: metadata_pb2_grpc.MetadataServiceStub, stats_of: CacheStats, *,
                    liveness_window_s: float, cache_timeout_s: float = 1.0, plan_history: int = 20,
                    job_limit: int = 500) -> dict[str, Any]:
@@ -115,19 +137,26 @@ async def overview(md: metadata_pb2_grpc.MetadataServiceStub, stats_of: CacheSta
     node_rows = []
     for node, cache in zip(nodes, caches):
         pool = POOLS.get(node.spec.pool, "training")
+        figures = {t.index: _figures(t) for t in node.gpu_telemetry}  # NVML; none for emulated GPUs
+        faults = {f.index: f for f in node.gpu_faults}
         gpus = []
         for index in range(node.spec.gpus):
             holder = holders.get((node.spec.name, index), "")
             kind = "idle"
-            if holder.startswith("inference:"):
+            if index in faults:  # its job, if any, is being moved off it
+                kind = "faulted"
+            elif holder.startswith("inference:"):
                 kind = "inference"
             elif holder:
                 kind = "lent" if pool == "inference" else "training"
-            gpus.append({"index": index, "holder": holder, "job_name": names.get(holder, ""), "use": kind})
+            fault = faults.get(index)
+            gpus.append({"index": index, "holder": holder, "job_name": names.get(holder, ""), "use": kind,
+                         "fault": fault.reason if fault else "", "fault_since": _ts(fault.since) if fault else None,
+                         **figures.get(index, {})})
         node_rows.append({
             "name": node.spec.name, "pool": pool, "gpu_type": node.spec.gpu_type, "alive": node.alive, "gpus": gpus,
             "applied_plan_version": node.applied_plan_version,
-            "last_heartbeat": _ts(node.last_heartbeat), "cache": cache,
+            "last_heartbeat": _ts(node.last_heartbeat), "cache": cache, **_node_figures(node.gpu_telemetry),
         })
     allocated = {}
     if plan is not None:
@@ -148,6 +177,6 @@ async def overview(md: metadata_pb2_grpc.MetadataServiceStub, stats_of: CacheSta
         "loans": len(p.loans),
     } for p in plans.plans]
     totals = {use: sum(1 for n in node_rows for g in n["gpus"] if g["use"] == use)
-              for use in ("idle", "training", "lent", "inference")}
+              for use in ("idle", "training", "lent", "inference", "faulted")}
     return {"generated_at": time.time(), "latest_plan_version": plan.version if plan is not None else 0,
             "gpu_totals": totals, "nodes": node_rows, "jobs": job_rows, "plans": plan_rows}

@@ -1,6 +1,11 @@
 """``silod nodes``: the cluster's nodes as an operator checks them (metadata's ListNodes and the
 latest plan): pool, GPU type, GPUs in use by the plan, cache size, liveness, last heartbeat,
-and the plan version the node's agent applied.
+and the plan version the node's agent applied; where agents measure their GPUs (NVML), also
+the GPUs' mean utilisation, their memory in use and the faulted ones, each fault listed below
+the table.
+
+``silod nodes clear-gpu-fault NODE GPU_INDEX``: an operator's word that a faulted GPU is fit
+again (MetadataService.ClearGpuFault); the scheduler uses it from its next round.
 
 The metadata address comes from --metadata, else SILOD_METADATA_ADDR, else the cluster.json
 that `silod up` writes (like `silod logs`).
@@ -13,9 +18,12 @@ import json
 from collections import Counter
 from typing import Any
 
-from silod.cli.client_commands import _add_connection_flags, _human_bytes
-from silod.cli.jobs import _age, nodes_and_plan
+import grpc
+
+from silod.cli.client_commands import _add_connection_flags, _channel, _fail, _human_bytes, _rpc_failure, identifier
+from silod.cli.jobs import _address, _age, _NoCluster, _unreachable, nodes_and_plan
 from silod.cli.up import default_state_dir
+from silod.rpc.identifiers import NODE_NAME
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -25,6 +33,48 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     nodes.add_argument("--state-dir", default=default_state_dir(), help="where `silod up` wrote cluster.json (env SILOD_STATE_DIR)")
     _add_connection_flags(nodes)
     nodes.set_defaults(handler=_nodes)
+    actions = nodes.add_subparsers(dest="nodes_command", metavar="ACTION")
+    clear = actions.add_parser(
+        "clear-gpu-fault", help="put a faulted GPU back into use (after fixing or resetting it)",
+        description="Clear the fault of GPU GPU_INDEX of node NODE: the scheduler places on it again from its next "
+        "round. Its current uncorrectable ECC count is accepted: only new errors fault it again.")
+    clear.add_argument("node", metavar="NODE", type=identifier(NODE_NAME), help="node name, as `silod nodes` lists it")
+    clear.add_argument("gpu_index", metavar="GPU_INDEX", type=_gpu_index, help="the GPU's index on the node (0-based)")
+    clear.add_argument("--metadata", default="", help="metadata HOST:PORT (env SILOD_METADATA_ADDR; default: from cluster.json)")
+    clear.add_argument("--state-dir", default=default_state_dir(), help="where `silod up` wrote cluster.json (env SILOD_STATE_DIR)")
+    _add_connection_flags(clear)
+    clear.set_defaults(handler=_clear_gpu_fault)
+
+
+def _gpu_index(value: str) -> int:
+    try:
+        index = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {value!r}") from None
+    if index < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {index}")
+    return index
+
+
+def _clear_gpu_fault(args: argparse.Namespace) -> int:
+    from silod.v1 import metadata_pb2, metadata_pb2_grpc
+
+    try:
+        md_addr = _address(args, "metadata", "metadata", "SILOD_METADATA_ADDR")
+    except _NoCluster as exc:
+        return _fail(str(exc))
+    with _channel(md_addr, args) as channel:
+        stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+        try:
+            node = stub.ClearGpuFault(metadata_pb2.ClearGpuFaultRequest(node=args.node, gpu_index=args.gpu_index),
+                                      timeout=10)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                return _unreachable(md_addr)
+            return _rpc_failure(exc)
+    left = ", ".join(str(f.index) for f in node.gpu_faults) or "none"
+    print(f"GPU {args.gpu_index} of {args.node} is back in use (faulted GPUs left on the node: {left})")
+    return 0
 
 
 def _nodes(args: argparse.Namespace) -> int:
@@ -40,11 +90,26 @@ def _nodes(args: argparse.Namespace) -> int:
     if not rows:
         print("no nodes have registered yet (a node appears when its worker agent starts)")
         return 0
-    print(f"{'NAME':<20} {'POOL':<9} {'TYPE':<8} {'GPUS':>7} {'CACHE':>9} {'ALIVE':<5} {'HEARTBEAT':>9} {'PLAN':>6}")
+    # The GPU columns only where agents measure their GPUs (NVML): emulated GPUs have no figures.
+    measured = any(r["gpu_telemetry"] or r["gpu_faults"] for r in rows)
+    header = f"{'NAME':<20} {'POOL':<9} {'TYPE':<8} {'GPUS':>7} {'CACHE':>9} {'ALIVE':<5} {'HEARTBEAT':>9} {'PLAN':>6}"
+    print(header + (f" {'UTIL':>5} {'GPU-MEM':>19} FAULTED" if measured else ""))
     for r in rows:
-        print(f"{r['name'][:20]:<20} {r['pool']:<9} {(r['gpu_type'] or '-')[:8]:<8} {r['gpus_used']:>3}/{r['gpus']:<3} "
-              f"{_human_bytes(r['cache_bytes']):>9} {'yes' if r['alive'] else 'NO':<5} {r['heartbeat_age']:>9} "
-              f"{r['applied_plan_version'] or '-':>6}")
+        line = (f"{r['name'][:20]:<20} {r['pool']:<9} {(r['gpu_type'] or '-')[:8]:<8} {r['gpus_used']:>3}/{r['gpus']:<3} "
+                f"{_human_bytes(r['cache_bytes']):>9} {'yes' if r['alive'] else 'NO':<5} {r['heartbeat_age']:>9} "
+                f"{r['applied_plan_version'] or '-':>6}")
+        if measured:
+            util = r["gpu_utilization_ratio"]
+            memory = (f"{_human_bytes(r['gpu_memory_used_bytes'])}/{_human_bytes(r['gpu_memory_total_bytes'])}"
+                      if r["gpu_memory_total_bytes"] else "-")
+            line += (f" {'-' if util is None else f'{100 * util:.0f}%':>5} {memory:>19} "
+                     f"{','.join(str(f['index']) for f in r['gpu_faults']) or '-'}")
+        print(line)
+    faults = [(r["name"], f) for r in rows for f in r["gpu_faults"]]
+    if faults:
+        print("\nfaulted GPUs (the scheduler places nothing on them; once fixed: silod nodes clear-gpu-fault NODE GPU_INDEX):")
+        for name, f in faults:
+            print(f"  {name}:{f['index']}  {f['reason']}  (since {f['since_age']} ago)")
     return 0
 
 
@@ -77,5 +142,22 @@ def node_rows(nodes: list[Any], plan: Any | None) -> list[dict[str, Any]]:
             "applied_plan_version": node.applied_plan_version,
             "agent_address": spec.agent_address,
             "cache_address": spec.cache_address,
+            **_gpu_figures(node),
         })
     return rows
+
+
+def _gpu_figures(node: Any) -> dict[str, Any]:
+    """The node's GPU figures (NVML; empty for emulated GPUs) and faults, for the table and --json."""
+    from google.protobuf import json_format
+
+    telemetry = list(node.gpu_telemetry)
+    utils = [t.utilization_ratio for t in telemetry if t.HasField("utilization_ratio")]
+    return {
+        "gpu_utilization_ratio": sum(utils) / len(utils) if utils else None,  # mean over the GPUs reporting it
+        "gpu_memory_used_bytes": sum(t.memory_used_bytes for t in telemetry if t.HasField("memory_used_bytes")),
+        "gpu_memory_total_bytes": sum(t.memory_total_bytes for t in telemetry if t.HasField("memory_total_bytes")),
+        "gpu_telemetry": [json_format.MessageToDict(t, preserving_proto_field_name=True) for t in telemetry],
+        "gpu_faults": [{"index": f.index, "reason": f.reason, "since": f.since.ToJsonString(),
+                        "since_age": _age(f.since)} for f in node.gpu_faults],
+    }

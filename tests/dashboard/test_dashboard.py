@@ -44,8 +44,13 @@ def metadata_with_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             stub.UpsertNode(metadata_pb2.UpsertNodeRequest(spec=common_pb2.NodeSpec(
                 name="infer-0", gpus=2, pool=common_pb2.NODE_POOL_INFERENCE, gpu_model="emulated",
                 agent_address="127.0.0.1:2")))
-            for node in ("train-0", "infer-0"):
-                stub.Heartbeat(metadata_pb2.HeartbeatRequest(node=node))
+            # train-0's agent measures its GPUs (NVML); infer-0's reports a fatal fault of its idle GPU 0.
+            stub.Heartbeat(metadata_pb2.HeartbeatRequest(node="train-0", gpu_telemetry=[
+                common_pb2.GpuTelemetry(index=i, utilization_ratio=0.25 * (i + 1), memory_used_bytes=2 * 10**9,
+                                        memory_total_bytes=40 * 10**9, temperature_celsius=50.0 + i,
+                                        ecc_uncorrectable_errors=0) for i in range(2)]))
+            stub.Heartbeat(metadata_pb2.HeartbeatRequest(node="infer-0", gpu_faults=[
+                common_pb2.GpuFault(index=0, reason="Xid 79")]))
             jobs = [stub.CreateJob(metadata_pb2.CreateJobRequest(spec=common_pb2.JobSpec(
                 name=name, application="cifar10", min_gpus=1, max_gpus=3, batch_size=16, sample_budget=1000)))
                 for name in ("<b>bold</b>", "queued")]
@@ -73,10 +78,18 @@ def test_overview_labels_training_lent_and_idle_gpus_and_unreachable_caches(dash
     assert status == 200, body
     data = json.loads(body)
     assert data["latest_plan_version"] == 1
-    assert data["gpu_totals"] == {"idle": 1, "training": 2, "lent": 1, "inference": 0}
+    assert data["gpu_totals"] == {"idle": 0, "training": 2, "lent": 1, "inference": 0, "faulted": 1}
     nodes = {n["name"]: n for n in data["nodes"]}
     assert [g["use"] for g in nodes["train-0"]["gpus"]] == ["training", "training"]
-    assert [g["use"] for g in nodes["infer-0"]["gpus"]] == ["idle", "lent"]
+    assert [g["use"] for g in nodes["infer-0"]["gpus"]] == ["faulted", "lent"]
+    assert nodes["infer-0"]["gpus"][0]["fault"] == "Xid 79" and nodes["infer-0"]["gpus"][0]["fault_since"] > 0
+    # NVML figures per GPU and per node where the agent measures them; none for emulated GPUs.
+    first = nodes["train-0"]["gpus"][0]
+    assert (first["utilization_ratio"], first["memory_total_bytes"], first["temperature_celsius"]) == (0.25, 40 * 10**9, 50.0)
+    assert first["ecc_uncorrectable_errors"] == 0 and "lost" not in first
+    assert (nodes["train-0"]["gpu_utilization_ratio"], nodes["train-0"]["gpu_memory_used_bytes"],
+            nodes["train-0"]["gpu_memory_total_bytes"]) == (0.375, 4 * 10**9, 80 * 10**9)
+    assert nodes["infer-0"]["gpu_utilization_ratio"] is None and "utilization_ratio" not in nodes["infer-0"]["gpus"][1]
     assert nodes["infer-0"]["pool"] == "inference"
     assert (nodes["train-0"]["gpu_type"], nodes["infer-0"]["gpu_type"]) == ("a100", "")
     assert nodes["train-0"]["cache"]["reachable"] is False and "127.0.0.1:1" in nodes["train-0"]["cache"]["error"]

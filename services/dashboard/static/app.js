@@ -39,7 +39,13 @@ function gpuStrip(node) {
   for (const g of node.gpus) {
     const box = document.createElement("span");
     box.className = `gpu ${g.use}`;
-    box.title = `GPU ${g.index}: ${g.use}${g.holder ? " — " + (g.job_name || g.holder) : ""}`;
+    const figures = [];
+    if (g.utilization_ratio !== undefined) figures.push(`${pct(g.utilization_ratio)} busy`);
+    if (g.memory_total_bytes !== undefined) figures.push(`${bytes(g.memory_used_bytes)} / ${bytes(g.memory_total_bytes)}`);
+    if (g.temperature_celsius !== undefined) figures.push(`${g.temperature_celsius.toFixed(0)} °C`);
+    if (g.ecc_uncorrectable_errors) figures.push(`${g.ecc_uncorrectable_errors} uncorrectable ECC errors`);
+    box.title = `GPU ${g.index}: ${g.use}${g.fault ? " (" + g.fault + ")" : ""}` +
+      `${g.holder ? " — " + (g.job_name || g.holder) : ""}${figures.length ? "\n" + figures.join(", ") : ""}`;
     box.textContent = g.index;
     strip.appendChild(box);
   }
@@ -50,6 +56,7 @@ function render(data) {
   const t = data.gpu_totals;
   document.getElementById("gpu-totals").textContent =
     `${t.training} training · ${t.lent} lent to training · ${t.inference} inference · ${t.idle} idle` +
+    (t.faulted ? ` · ${t.faulted} faulted` : "") +
     ` — plan version ${data.latest_plan_version}`;
   fill("nodes", data.nodes, (tr, n) => {
     cell(tr, n.name);
@@ -57,6 +64,8 @@ function render(data) {
     cell(tr, n.gpu_type || "–");
     cell(tr, n.alive ? "up" : "down", n.alive ? "ok" : "bad");
     cell(tr, gpuStrip(n));
+    cell(tr, n.gpu_memory_total_bytes === null ? "–" :
+      `${pct(n.gpu_utilization_ratio)} · ${bytes(n.gpu_memory_used_bytes)} / ${bytes(n.gpu_memory_total_bytes)}`);
     cell(tr, n.applied_plan_version);
     cell(tr, n.cache.reachable ? pct(n.cache.hit_ratio) : (n.cache.error || "unreachable"));
     const used = n.cache.reachable ? n.cache.tiers.reduce((s, x) => s + x.used_bytes, 0) : null;
