@@ -8,10 +8,14 @@ PROTOS := $(wildcard protos/silod/v1/*.proto)
 
 .PHONY: demo test proto proto-release venv clean config-docs lab-test
 
-# A fresh machine needs only Python 3.11; everything else is installed into .venv.
+# A fresh machine needs only Python 3.11 (the SDK's tests on 3.12 and 3.13 use python3.12/python3.13
+# when installed, tests/client_install/test_sdk_pythons.py); everything else is installed into .venv.
 # pip's output goes to a log that is shown only if the install fails.
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "silod needs $(PYTHON) on PATH (set PYTHON=...)"; exit 1; }
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { \
+	  echo "make demo/test need Python 3.11 ($(PYTHON) is $$($(PYTHON) -V 2>&1)): the services, the simulator"; \
+	  echo "and the test tools are tested on it. The SDK alone (pip install silod) runs on 3.11-3.13."; exit 1; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "setting up $(VENV): installing silod and its dependencies (log: $(VENV)/install.log)"
 	@{ $(BIN)/python -m pip install --upgrade pip && $(BIN)/python -m pip install -e '.[dev]'; } \
