@@ -1,0 +1,95 @@
+"""benchmarks/gpu_check.py where there is no GPU (every GPU line skipped, with its reason), and
+the pieces that turn its measurements into lines, JSON and the docs' table."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_check, gpu_check_steps
+
+ROOT = Path(__file__).resolve().parents[2]
+LINE = re.compile(r"^(\d) (.{22}) (pass|fail|skipped)(?:: (.*))?$")
+
+
+def _gpu_here() -> bool:
+    if importlib.util.find_spec("pynvml") is not None:
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_gpu_here(), reason="a GPU (or pynvml) is here: `make gpu-check` runs the real checks")
+def test_without_a_gpu_every_check_is_skipped_with_its_reason_and_the_json_is_written(tmp_path: Path) -> None:
+    results = sorted((ROOT / "benchmarks" / "results").glob("gpu-check-*"))
+    out = tmp_path / "gpu-check.json"
+    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [m.groups() for m in map(LINE.match, done.stdout.splitlines()) if m]
+    assert [int(number) for number, *_ in lines] == [1, 2, 3, 4, 5], done.stdout
+    for number, _, status, why in lines:
+        assert status == "skipped" and why and why.startswith("no GPU ("), f"check {number}: {status}: {why}"
+    record = json.loads(out.read_text())
+    assert record["exit_status"] == 0 and record["machine"]["gpu_count"] == 0
+    assert {"host", "gpu_model", "driver", "torch", "cuda", "python"} <= record["machine"].keys()
+    assert [(c["number"], c["status"]) for c in record["checks"]] == [(n, "skipped") for n in range(1, 6)]
+    assert sorted((ROOT / "benchmarks" / "results").glob("gpu-check-*")) == results  # nothing in the repository
+
+
+def _step_result() -> dict:
+    options = gpu_check_steps.fill_defaults(argparse.Namespace(cpu=False, steps=0, reps=0, warmup=0, width=0, depth=0,
+                                                               batch=0))
+    ready = {v.name: {"params": 100_687_872, "device": "cuda:0", "noise_active": False if v.sdk else None,
+                      "backend": "cpu:gloo,cuda:nccl" if v.sdk else "nccl"} for v in gpu_check_steps.VARIANTS}
+    times = {"plain": [7.10, 7.20, 7.30], "plain-fu": [7.2, 7.2, 7.2], "sdk": [7.15, 7.25, 7.35],
+             "sdk-reproducible": [7.3, 7.3, 7.3]}
+    return gpu_check_steps.summarize(options, ready, times)
+
+
+def test_step_overhead_is_the_ratio_of_medians_of_like_for_like_pairs() -> None:
+    result = _step_result()
+    assert result["params"] == 100_687_872 and result["shape"] == {"width": 4096, "depth": 6, "batch": 512}
+    assert result["overhead"]["sdk/plain"] == pytest.approx(7.25 / 7.20 - 1)
+    assert result["overhead"]["sdk-reproducible/plain-fu"] == pytest.approx(7.3 / 7.2 - 1)
+    line = gpu_check_steps.summary_line(result)
+    assert "SDK 7.25 vs plain DDP 7.20 ms a step (+0.7 %)" in line
+    assert "100.7M parameters, batch 512, cuda:0" in line and "CUDA events" in line
+    assert "gradient-noise hooks idle at world size 1" in line
+    assert "| SDK, reproducible=True | cpu:gloo,cuda:nccl | 7.30 | 7.30, 7.30, 7.30 |" in gpu_check_steps.table(result)
+
+
+def test_docs_table_has_a_row_per_run_and_the_step_times_of_measured_ones(tmp_path: Path) -> None:
+    machine = {"host": "gpu-1", "gpu_model": "NVIDIA H200", "gpu_count": 1, "gpu_type": "h200", "driver": "580.1",
+               "torch": "2.11.0", "cuda": "13.0", "torch_sees_gpus": 1, "python": "3.12.3"}
+    checks = [gpu_check.passed(gpu_check.Check(1, "NVML discovery"), "1 x NVIDIA H200", "1 x h200"),
+              gpu_check.skipped(gpu_check.Check(4, "resize"), "one GPU (NVIDIA H200): growing to two ranks needs two"),
+              gpu_check.passed(gpu_check.Check(5, "SDK step overhead"), "...", "+0.7 %", **_step_result())]
+    results = tmp_path / "results"
+    gpu_check.write_results(results / "gpu-check-gpu-1-2026-11-28T0900.json", ["--write-docs"],
+                            gpu_check.dt.datetime(2026, 11, 28, 9, 0), 61.0, machine, checks, 0)
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"# B\n\n## GPU check\n\n{gpu_check.DOCS_BEGIN}\nold\n{gpu_check.DOCS_END}\n\n## Next\n")
+    gpu_check.write_docs(docs, results)
+    text = docs.read_text()
+    assert "old" not in text and text.endswith(f"{gpu_check.DOCS_END}\n\n## Next\n")
+    row = next(line for line in text.splitlines() if line.startswith("| [2026-11-28T09:00]"))
+    assert "gpu-1: 1 x NVIDIA H200, torch 2.11.0, CUDA 13.0, Python 3.12.3" in row
+    assert "| 1 x h200 |" in row and "| skipped: one GPU (NVIDIA H200)" in row
+    steps = next(line for line in text.splitlines() if line.count("| [2026-11-28T09:00]") and "cuda:0" in line)
+    assert "100.7M (6 x 4096), 512 | 7.20 ms | 7.20 ms | 7.25 ms | 7.30 ms | +0.7 %, +1.4 % |" in steps
+
+
+def test_the_gpu_wheels_are_pinned_for_an_offline_install() -> None:
+    lines = [line.strip() for line in (ROOT / "benchmarks" / "gpu_wheels.txt").read_text().splitlines()]
+    wheels = [line for line in lines if line and not line.startswith("#")]
+    assert wheels and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", w) for w in wheels), wheels
+    assert ".gpu-wheels" in (ROOT / ".gitignore").read_text()
