@@ -53,5 +53,22 @@ test: $(STAMP)
 lab-test: $(STAMP)
 	SILOD_LAB_FULL=1 $(BIN)/python -m pytest -q -s tests/lab
 
+# Does silod work on this machine's GPUs? One line per check (docs/benchmarks.md "GPU check");
+# without a GPU every GPU line says skipped. Flags through GPU_CHECK_ARGS (e.g. --cpu, --write-docs).
+# A machine without Python 3.11 (an offline GPU image) runs benchmarks/gpu_check.sh with the
+# wheels of `make gpu-wheels` carried in .gpu-wheels/.
+.PHONY: gpu-check gpu-wheels
+gpu-check:
+	@if command -v $(PYTHON) >/dev/null || test -x $(BIN)/python; then \
+	  $(MAKE) --no-print-directory venv && $(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS); \
+	else bash benchmarks/gpu_check.sh $(GPU_CHECK_ARGS); fi
+
+# The cp312 manylinux wheels silod needs on the offline GPU machine (benchmarks/gpu_wheels.txt),
+# into .gpu-wheels/ (ignored); carry that folder there and run `bash benchmarks/gpu_check.sh`.
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform manylinux_2_24_x86_64 -d .gpu-wheels -r benchmarks/gpu_wheels.txt
+
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
