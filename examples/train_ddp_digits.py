@@ -82,6 +82,7 @@ def params_hash(model: nn.Module) -> str:
 
 
 def train(args: argparse.Namespace) -> int:
+    import silod.data
     import silod.job
     from silod.data import ElasticSampler, SilodDataset
     from silod.job.devices import rank_device
@@ -112,12 +113,9 @@ def train(args: argparse.Namespace) -> int:
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     last_checkpoint = time.monotonic()
     while sampler.epoch < epochs:
-        # Pinned host memory when a GPU is there, so each batch's copy to it runs asynchronously.
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                                             pin_memory=device.type == "cuda")
-        for inputs, labels in loader:
-            inputs = inputs.to(device, non_blocking=True)
-            labels = labels.to(device, non_blocking=True)
+        # Pinned host memory when the batches go to a GPU, so that their copies run asynchronously.
+        for batch in silod.data.loader(dataset, batch_sampler=sampler, collate_fn=collate, device=device):
+            inputs, labels = silod.data.to_device(batch, device)
             event = trainer.step_boundary()
             if event is Event.STOP:
                 trainer.save()

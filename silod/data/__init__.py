@@ -4,6 +4,9 @@
     ds = SilodDataset("imagenet-mini", transform=decode)
     loader = DataLoader(ds, batch_size=256, sampler=EpochShuffleSampler(ds, seed=0), num_workers=4)
 
+On a GPU, ``silod.data.loader(ds, ..., device=device)`` is that DataLoader with pinned host
+memory, and ``silod.data.to_device(batch, device)`` moves a batch with asynchronous copies.
+
 Reads go through the node's cache server (``SILOD_CACHE_ADDR``): one Lease call per batch,
 then the cached files are read directly. Without a cache server (off-cluster) or when it is
 down, the remote store is read directly. See docs/cache.md.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SilodDataset", "EpochShuffleSampler", "ElasticSampler"]
+__all__ = ["SilodDataset", "EpochShuffleSampler", "ElasticSampler", "loader", "to_device"]
 
 
 def _require_torch(name: str) -> None:
@@ -47,4 +50,8 @@ def __getattr__(name: str) -> Any:
         from silod.data.sampler import EpochShuffleSampler
 
         return EpochShuffleSampler
+    if name in ("loader", "to_device"):
+        from silod.data import batches
+
+        return getattr(batches, name)
     raise AttributeError(f"module 'silod.data' has no attribute {name!r}")

@@ -242,3 +242,29 @@ def test_transform_applies_to_leased_and_directly_read_samples_alike(
     dataset._stub = Stub()
     assert dataset.__getitems__([0, 1, 2]) == [files[k][::-1] for k in keys]
     assert dataset.counters["lease_unreadable"] == 2 and dataset.counters["direct"] == 2
+
+
+def test_loader_pins_memory_only_for_a_gpu_and_to_device_moves_nested_batches(
+        store: tuple[str, dict[str, bytes]], metadata: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import collections
+
+    import torch
+
+    import silod.data
+
+    name, files = store
+    monkeypatch.delenv("SILOD_CACHE_ADDR", raising=False)
+    monkeypatch.setenv("SILOD_METADATA_ADDR", metadata)
+    dataset = SilodDataset(name, transform=len)
+    # The GPU path's choice, checked here without a GPU: batches bound for CUDA come from pinned memory.
+    assert silod.data.loader(dataset, batch_size=8, device="cuda").pin_memory is True
+    assert silod.data.loader(dataset, batch_size=8, device="cuda", pin_memory=False).pin_memory is False
+    cpu_loader = silod.data.loader(dataset, batch_size=64, device="cpu")  # the default on this machine too
+    assert cpu_loader.pin_memory is False and silod.data.loader(dataset, batch_size=8).pin_memory is False
+    sizes = sorted(int(n) for batch in cpu_loader for n in silod.data.to_device(batch, "cpu"))
+    assert sizes == sorted(len(b) for b in files.values())
+    Pair = collections.namedtuple("Pair", "x y")
+    moved = silod.data.to_device({"a": [torch.ones(2), (torch.zeros(1), "label")], "p": Pair(torch.ones(1), 3)},
+                                 torch.device("cpu"))
+    assert isinstance(moved["p"], Pair) and moved["p"].y == 3 and moved["a"][1][1] == "label"
+    assert torch.equal(moved["a"][0], torch.ones(2))

@@ -126,6 +126,8 @@ def _train_and_resize(agents, caches, allocation) -> None:  # type: ignore[no-un
             worlds.append(s["world"])
     assert worlds == [2, 4, 1, 4]
     assert "re-formed in place" in logs
+    # Every group was formed as a GPU job's is, under a backend that refuses CPU tensors as NCCL does.
+    assert "training on cpu (backend cpu:gloo,cuda:cudaonly)" in logs, logs[-4000:]
     # The ranks above ran in warm processes: the first grow's two newcomers on the second node at least.
     warm = [a.proc.log().count('"warm": true') for a in agents]
     assert warm[1] >= 2 and sum(warm) >= 4, warm
