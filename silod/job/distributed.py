@@ -41,6 +41,7 @@ GPU, silod's per-step flags stay CPU tensors over gloo (``cpu:gloo,cuda:nccl``).
 from __future__ import annotations
 
 import enum
+import inspect
 import ipaddress
 import os
 import socket
@@ -70,6 +71,11 @@ STORE_CONNECT_TRY_S = 3.0  # one try to reach rank 0's rendezvous store (see _re
 # How often a rank asks its agent for a directive: one loopback RPC, small next to a step, and
 # the resize waits for the first rank that learns of it.
 DIRECTIVE_POLL_S = 0.2
+
+
+# DDP's init_sync (torch 2.7+) lets a group of survivors, which hold the same parameters, skip
+# the broadcast of rank 0's; older releases broadcast them at every wrap.
+_DDP_HAS_INIT_SYNC = "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 class Event(enum.Enum):
@@ -377,11 +383,13 @@ class DistributedTraining:
 
     def _wrap(self, sync: bool = True) -> DistributedDataParallel:
         """DDP over the current group; ``sync``: broadcast rank 0's parameters and buffers."""
+        options: dict[str, Any] = {"find_unused_parameters": self.reproducible}
+        if _DDP_HAS_INIT_SYNC:  # torch < 2.7 always broadcasts: the same state, sent once more
+            options["init_sync"] = sync
         if self.device.type == "cuda":
             self.module.to(self.device)
-            return DistributedDataParallel(self.module, device_ids=[self.device.index], init_sync=sync,
-                                           find_unused_parameters=self.reproducible)
-        return DistributedDataParallel(self.module, init_sync=sync, find_unused_parameters=self.reproducible)
+            options["device_ids"] = [self.device.index]
+        return DistributedDataParallel(self.module, **options)
 
     # -- the training loop's calls
     def step_boundary(self) -> Event:
