@@ -60,7 +60,7 @@ from silod.job import devices
 from silod.job.broadcast import broadcast_state
 from silod.job.world import ElasticContext, World
 
-REFORM_TIMEOUT_S = 120.0
+REFORM_TIMEOUT_S = 120.0  # default; SILOD_REFORM_TIMEOUT_S (the job's env) or reform_timeout_s= overrides it
 # Exit status of a rank that gives up re-forming in place: the scheduler restarts every rank of
 # the job from the checkpoint instead (EX_TEMPFAIL; 137, a rank killed by SIGKILL, does the same).
 RESTART_EXIT_CODE = 75
@@ -207,7 +207,7 @@ class DistributedTraining:
         sampler: Any = None,
         *,
         backend: str | None = None,
-        reform_timeout_s: float = REFORM_TIMEOUT_S,
+        reform_timeout_s: float | None = None,
         reproducible: bool | None = None,
     ) -> None:
         self.ctx = ctx
@@ -223,7 +223,7 @@ class DistributedTraining:
         # ``backend`` names the backend for the job's tensors (NCCL on a GPU); the group also
         # serves the CPU, where silod's control tensors are (silod.job.devices).
         self.backend = devices.group_backend(devices.accelerator_backend(self.device, backend))
-        self.reform_timeout_s = reform_timeout_s
+        self.reform_timeout_s = reform_timeout_s or float(os.environ.get("SILOD_REFORM_TIMEOUT_S") or REFORM_TIMEOUT_S)
         # DDP lays gradients out in buckets in parameter order for a group's first step, then
         # re-buckets them in the order they became ready; the all-reduce adds floats in that
         # layout. A resumed (or re-formed) group would run its first step in the other layout

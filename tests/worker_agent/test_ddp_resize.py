@@ -162,3 +162,48 @@ def _train_and_resize(agents, caches, allocation) -> None:  # type: ignore[no-un
             stats = cache_pb2_grpc.CacheServiceStub(channel).Stats(cache_pb2.StatsRequest(job_id=JOB), timeout=10)
         served += sum(j.hits + j.misses for j in stats.jobs)
     assert served >= EPOCHS * DIGITS
+
+
+def test_a_re_form_that_cannot_complete_falls_back_to_checkpoint_restart(metadata, allocation, start_agent,  # type: ignore[no-untyped-def]
+                                                                         tmp_path) -> None:
+    """A grow whose newcomer never checks in (its node never got the plan): rank 0 holds the new
+    world for the re-form timeout, switches anyway, the group does not form, and rank 0 saves the
+    checkpoint and exits 75, the status that asks the scheduler for a restart from it. Under the
+    NCCL stand-in, as every DDP job of the suite."""
+    store = tmp_path / "digits"
+    subprocess.run([sys.executable, str(EXAMPLE), "prepare", str(store)], check=True, capture_output=True, timeout=120)
+    register(metadata.address, "ddp-digits-fallback", f"file://{store}")
+    agent = start_agent("--checkpoint-root", str(tmp_path / "checkpoints"), gpus=1, node="fallback-n0")
+    spec = common_pb2.JobSpec(
+        name="ddp-fallback", min_gpus=1, max_gpus=2, batch_size=32, epochs=50, dataset="ddp-digits-fallback",
+        resize_in_place=True, command=[sys.executable, str(EXAMPLE)],
+        env={"SILOD_EXAMPLE_STEP_SLEEP_S": "0.05", "SILOD_CHECKPOINT_EVERY_S": "600", "SILOD_REFORM_TIMEOUT_S": "4"},
+    )
+    job = "job-ddp-fallback"
+    previous: dict[str, plan_pb2.JobAllocation] = {}
+    addresses = {agent.node: agent.address, "ghost-node": "127.0.0.1:9"}
+    for version, layout in enumerate(([(agent.node, [0])], [(agent.node, [0]), ("ghost-node", [0])]), start=1):
+        plan = plan_pb2.AllocationPlan(version=version)
+        entry = plan.jobs.add(job_id=job, batch_size=32, generation=version, fast_resize=version > 1)
+        for node, gpus in layout:
+            entry.placements.add(node=node, gpu_indices=gpus)
+        convert.assign_master_ports(plan, previous)
+        previous = {job: entry}
+        allocation.push(convert.node_plan(plan, agent.node, {job: spec}, addresses))
+        if version == 1:
+            wait_until(lambda: "step {" in agent.log(job, 0), 120, "the first steps at one rank")
+
+    def exited():  # type: ignore[no-untyped-def]
+        return [t for t in allocation.task_reports()
+                if t.job_id == job and t.phase == allocation_pb2.TASK_PHASE_EXITED] or None
+
+    report = wait_until(exited, 120, "rank 0 to give up the re-form")[0]
+    log = agent.log(job, 0)
+    assert report.exit_code == 75, log[-3000:]
+    assert "falling back to checkpoint-restart (checkpoint saved), exit 75" in log, log[-3000:]
+    assert "training on cpu (backend cpu:gloo,cuda:cudaonly)" in log
+    import torch
+
+    state = torch.load(tmp_path / "checkpoints" / job / "checkpoint.pt", weights_only=False)
+    steps = [json.loads(line[5:])["step"] for line in log.splitlines() if line.startswith("step {")]
+    assert state["steps"] == max(steps) > 0  # the checkpoint holds the last step trained
