@@ -9,6 +9,7 @@ commands, and the worker agent that launches the client jobs, run without it."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -74,8 +75,6 @@ def pip_install(python: Path, *requirements: str, timeout_s: float = 600) -> Non
 
 
 def installed_distributions(python: Path) -> set[str]:
-    import json
-
     out = subprocess.run([str(python), "-m", "pip", "list", "--format", "json", "--disable-pip-version-check"],
                          check=True, capture_output=True, text=True, timeout=120, env=client_env()).stdout
     return {p["name"].lower().replace("_", "-") for p in json.loads(out)}
