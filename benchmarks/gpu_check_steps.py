@@ -226,6 +226,7 @@ class WorkerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SILOD_")}  # the SDK's defaults
         if options.cpu:
             env["CUDA_VISIBLE_DEVICES"] = ""  # the SDK would otherwise pick the GPU
+            env["OMP_NUM_THREADS"] = "1"  # a small model: threads would only fight over a busy machine's cores
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", variant.name,
                 "--width", str(options.width), "--depth", str(options.depth), "--batch", str(options.batch),
                 "--warmup", str(options.warmup), *(["--cpu"] if options.cpu else [])]
@@ -335,9 +336,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu", action="store_true",
                         help="compare on the CPU over gloo with a small model (a smoke run; the 2 %% target is "
                              "for the GPU)")
-    parser.add_argument("--steps", type=int, default=0, help="timed steps per repetition (default 50 on a GPU, 10 on the CPU)")
-    parser.add_argument("--reps", type=int, default=0, help="repetitions per variant (default 7 on a GPU, 3 on the CPU)")
-    parser.add_argument("--warmup", type=int, default=0, help="untimed steps first (default 10 on a GPU, 3 on the CPU)")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps per repetition (default 50 on a GPU, 30 on the CPU)")
+    parser.add_argument("--reps", type=int, default=0, help="repetitions per variant (default 7 on a GPU, 5 on the CPU)")
+    parser.add_argument("--warmup", type=int, default=0, help="untimed steps first (default 10 on a GPU, 5 on the CPU)")
     parser.add_argument("--width", type=int, default=0, help="layer width (default 4096 on a GPU, 256 on the CPU)")
     parser.add_argument("--depth", type=int, default=0, help="Linear layers (default 6 on a GPU, 3 on the CPU)")
     parser.add_argument("--batch", type=int, default=0, help="samples a step (default 512 on a GPU, 64 on the CPU)")
@@ -345,7 +346,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def fill_defaults(options: argparse.Namespace) -> argparse.Namespace:
     shape = CPU_SHAPE if options.cpu else GPU_SHAPE
-    counts = {"steps": 10, "reps": 3, "warmup": 3} if options.cpu else {"steps": 50, "reps": 7, "warmup": 10}
+    counts = {"steps": 30, "reps": 5, "warmup": 5} if options.cpu else {"steps": 50, "reps": 7, "warmup": 10}
     for key, value in {**shape, **counts}.items():
         if not getattr(options, key):
             setattr(options, key, value)
