@@ -223,13 +223,16 @@ class XidWatcher:
             self._thread.start()
 
     def _index_of(self, device: Any) -> int | None:
+        # pynvml's handles are ctypes pointers: a second pointer to the same device is not ==
+        # to ours, so ask NVML; equality is the fallback for libraries without GetIndex.
+        try:
+            return int(self.session.lib.nvmlDeviceGetIndex(device))
+        except Exception:  # noqa: BLE001 - a NULL device (an event of no one GPU), or no GetIndex
+            pass
         for index, handle in enumerate(self.session.handles):
             if handle is not None and handle == device:
                 return index
-        try:
-            return int(self.session.lib.nvmlDeviceGetIndex(device))
-        except Exception:  # noqa: BLE001 - an event we cannot attribute
-            return None
+        return None
 
     def _run(self) -> None:
         lib = self.session.lib
