@@ -46,9 +46,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import gpu_check_steps  # noqa: E402
+from benchmarks import gpu_check_steps  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -59,20 +58,25 @@ TRAINING_ON = re.compile(r"training on (\S+) \(backend ([^)]+)\)")
 REFORMED = re.compile(r"re-formed in place in ([0-9.]+)s: rank (\d+) of (\d+) \(was (\d+) of (\d+)\)")
 
 PASS, FAIL, SKIP = "pass", "fail", "skipped"
+NAMES = {1: "NVML discovery", 2: "silod up", 3: "digits job on CUDA", 4: "resize 1->2->1 NCCL", 5: "SDK step overhead"}
 
 
 @dataclass
 class Check:
     number: int
-    name: str
     status: str = SKIP
     detail: str = ""  # why it was skipped or failed, or what passed
     short: str = ""  # the docs table's cell
     figures: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        self.name = self.name or NAMES[self.number]
 
     def line(self) -> str:
-        sep = ": " if self.detail else ""
-        return f"{self.number} {self.name:<22} {self.status}{sep}{self.detail}"
+        """One line, whatever the detail holds (a failure may quote a log's tail)."""
+        detail = " ".join(self.detail.split())
+        return f"{self.number} {self.name:<22} {self.status}{': ' if detail else ''}{detail}"
 
 
 def passed(check: Check, detail: str, short: str, **figures: Any) -> Check:
@@ -81,13 +85,21 @@ def passed(check: Check, detail: str, short: str, **figures: Any) -> Check:
 
 
 def failed(check: Check, detail: str, **figures: Any) -> Check:
-    check.status, check.detail, check.short, check.figures = FAIL, detail, f"fail: {detail[:60]}", figures
+    check.status, check.detail, check.short, check.figures = FAIL, detail, "fail: " + " ".join(detail.split())[:60], figures
     return check
 
 
 def skipped(check: Check, why: str) -> Check:
     check.status, check.detail, check.short = SKIP, why, f"skipped: {why}"
     return check
+
+
+def guarded(number: int, run: Callable[[], Check]) -> Check:
+    """A check that raised is that check's failure, not the end of the run (silod up still stops)."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - reported on the check's line
+        return failed(Check(number), f"{type(exc).__name__}: {exc}")
 
 
 def clean_env() -> dict[str, str]:
@@ -163,7 +175,7 @@ def describe_machine(gpus: Gpus) -> dict[str, Any]:
 
 
 def check_nvml(gpus: Gpus, machine: dict[str, Any], error: str) -> Check:
-    check = Check(1, "NVML discovery")
+    check = Check(1)
     if error:
         return failed(check, f"worker_agent.gpus: {error}")
     if not gpus.count:
@@ -238,7 +250,7 @@ class SilodUp:
 
 
 def check_silod_up(up: SilodUp, gpus: Gpus) -> Check:
-    check = Check(2, "silod up")
+    check = Check(2)
     try:
         took = up.start()
         node = wait_for(up.node, 90, "live node in `silod nodes`")
@@ -272,7 +284,7 @@ def digits_job_yaml(path: Path, epochs: int) -> Path:
 
 
 def check_digits_job(up: SilodUp, work: Path, epochs: int = 2) -> Check:
-    check = Check(3, "digits job on CUDA")
+    check = Check(3)
     try:
         data = prepare_digits(work)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
@@ -360,7 +372,7 @@ class ResizeLab:
         spec = common_pb2.JobSpec(
             name="gpu-check-resize", min_gpus=1, max_gpus=2, batch_size=64, epochs=1000, dataset="digits",
             resize_in_place=True, command=[sys.executable, str(EXAMPLE)],
-            env={"SILOD_EXAMPLE_HIDDEN": "3136", "SILOD_CHECKPOINT_EVERY_S": "3600"},  # 10.0M parameters
+            env={"SILOD_EXAMPLE_HIDDEN": "3136", "SILOD_CHECKPOINT_EVERY_S": "3600"},  # 10.1M parameters
         )
         self.version += 1
         plan = plan_pb2.AllocationPlan(version=self.version)
@@ -425,8 +437,8 @@ def _differing_hashes(rank0: list[dict[str, Any]], rank1: list[dict[str, Any]]) 
     return sorted(s["step"] for s in rank1 if s["step"] in mine and mine[s["step"]] != s["hash"])
 
 
-def check_resize(gpus: Gpus, work: Path) -> Check:
-    check = Check(4, "resize 1->2->1 NCCL")
+def check_resize(work: Path) -> Check:
+    check = Check(4)
     try:
         data = prepare_digits(work)
         lab = ResizeLab(work, data)
@@ -453,14 +465,14 @@ def check_resize(gpus: Gpus, work: Path) -> Check:
         return failed(check, "; ".join(problems), **result)
     grow, shrink = result["to_new_size_s"]
     return passed(check, f"re-formed in place in {reforms[0]:.2f} s (1->2) and {reforms[1]:.2f} s (2->1); plan to "
-                         f"first step at the new size {grow:.1f} s and {shrink:.1f} s; 10.0M parameters, rank 0 never "
+                         f"first step at the new size {grow:.1f} s and {shrink:.1f} s; 10.1M parameters, rank 0 never "
                          f"relaunched", f"re-form {reforms[0]:.2f} s / {reforms[1]:.2f} s", **result)
 
 
 # ---- check 5: the SDK's time per step -----------------------------------------------------------
 
 def check_step_overhead(options: argparse.Namespace, machine: dict[str, Any]) -> Check:
-    check = Check(5, "SDK step overhead")
+    check = Check(5)
     if machine["torch"] == "not installed":
         return skipped(check, "PyTorch is not installed")
     if not options.cpu and not machine["torch_sees_gpus"]:
@@ -497,22 +509,22 @@ def run_checks(options: argparse.Namespace, gpus: Gpus, machine: dict[str, Any],
         work = Path(options.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
         if nvml.status != PASS:
-            for check in (Check(2, "silod up"), Check(3, "digits job on CUDA"), Check(4, "resize 1->2->1 NCCL")):
+            for check in (Check(2), Check(3), Check(4)):
                 report(skipped(check, why))
         else:
             up = SilodUp(work, gpus.count)
             try:
-                if report(check_silod_up(up, gpus)).status == PASS:
-                    report(check_digits_job(up, work))
+                if report(guarded(2, lambda: check_silod_up(up, gpus))).status == PASS:
+                    report(guarded(3, lambda: check_digits_job(up, work)))
                 else:
-                    report(skipped(Check(3, "digits job on CUDA"), "silod up did not come up (check 2)"))
+                    report(skipped(Check(3), "silod up did not come up (check 2)"))
             finally:
                 up.stop()
             if gpus.count < 2:
-                report(skipped(Check(4, "resize 1->2->1 NCCL"), f"one GPU ({gpus.model}): growing to two ranks needs two"))
+                report(skipped(Check(4), f"one GPU ({gpus.model}): growing to two ranks needs two"))
             else:
-                report(check_resize(gpus, work))
-    report(check_step_overhead(options, machine))
+                report(guarded(4, lambda: check_resize(work)))
+    report(guarded(5, lambda: check_step_overhead(options, machine)))
     return checks
 
 
