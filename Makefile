@@ -60,7 +60,7 @@ lab-test: $(STAMP)
 .PHONY: gpu-check gpu-wheels
 gpu-check:
 	@if command -v $(PYTHON) >/dev/null || test -x $(BIN)/python; then \
-	  $(MAKE) --no-print-directory venv && $(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS); \
+	  $(MAKE) -s --no-print-directory venv && $(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS); \
 	else bash benchmarks/gpu_check.sh $(GPU_CHECK_ARGS); fi
 
 # The cp312 manylinux wheels silod needs on the offline GPU machine (benchmarks/gpu_wheels.txt),
