@@ -550,28 +550,39 @@ def machine_cell(machine: dict[str, Any]) -> str:
     return f"{machine['host']}: {gpus}, torch {machine['torch']}{cuda}, Python {machine['python']}"
 
 
+RUNS_HEADER = ("| run | machine | 1 NVML | 2 silod up | 3 digits job | 4 resize 1→2→1 | 5 SDK vs plain DDP, a step |\n"
+               "|---|---|---|---|---|---|---|")
+STEPS_HEADER = ("| run | device | model, batch | plain DDP | plain DDP, find_unused | SDK, reproducible=False | "
+                "SDK, reproducible=True | SDK over plain: reproducible=False, reproducible=True |\n"
+                "|---|---|---|---|---|---|---|---|")
+
+
+def _run_row(run: str, record: dict[str, Any]) -> str:
+    cells = [c["short"].replace("|", "/") for c in sorted(record["checks"], key=lambda c: c["number"])]
+    return f"| {run} | {machine_cell(record['machine'])} | " + " | ".join(cells) + " |"
+
+
+def _steps_row(run: str, figures: dict[str, Any]) -> str:
+    shape, times, overhead = figures["shape"], figures["variants"], figures["overhead"]
+    medians = " | ".join(f"{times[v.name]['ms_per_step']:.2f} ms" for v in gpu_check_steps.VARIANTS)
+    return (f"| {run} | {figures['device']} | {figures['params'] / 1e6:.1f}M ({shape['depth']} x {shape['width']}), "
+            f"{shape['batch']} | {medians} | {overhead['sdk/plain'] * 100:+.1f} %, "
+            f"{overhead['sdk-reproducible/plain-fu'] * 100:+.1f} % |")
+
+
 def docs_tables(records: list[tuple[str, dict[str, Any]]]) -> str:
-    """The checks of every run, then the step times of the runs that measured them."""
-    lines = ["| run | machine | 1 NVML | 2 silod up | 3 digits job | 4 resize 1→2→1 | 5 SDK vs plain DDP, a step |",
-             "|---|---|---|---|---|---|---|"]
-    steps = ["| run | device | model, batch | plain DDP | plain DDP, find_unused | SDK, reproducible=False | "
-             "SDK, reproducible=True | SDK over plain: reproducible=False, reproducible=True |",
-             "|---|---|---|---|---|---|---|---|"]
+    """A row per run with a cell per check, then the step times of the runs that measured them."""
+    runs, steps = [RUNS_HEADER], [STEPS_HEADER]
     for name, record in records:
         run = f"[{record['started'][:16]}](../benchmarks/results/{name})"
-        cells = [c["short"].replace("|", "/") for c in sorted(record["checks"], key=lambda c: c["number"])]
-        lines.append(f"| {run} | {machine_cell(record['machine'])} | " + " | ".join(cells) + " |")
+        runs.append(_run_row(run, record))
         figures = next(c for c in record["checks"] if c["number"] == 5)["figures"]
         if figures.get("variants"):
-            v, o = figures["variants"], figures["overhead"]
-            shape = figures["shape"]
-            steps.append(f"| {run} | {figures['device']} | {figures['params'] / 1e6:.1f}M ({shape['depth']} x "
-                         f"{shape['width']}), {shape['batch']} | " +
-                         " | ".join(f"{v[k]['ms_per_step']:.2f} ms" for k in ("plain", "plain-fu", "sdk", "sdk-reproducible"))
-                         + f" | {o['sdk/plain'] * 100:+.1f} %, {o['sdk-reproducible/plain-fu'] * 100:+.1f} % |")
-    text = "\n".join(lines)
-    if len(steps) > 2:
-        text += "\n\nStep times (median of the repetitions; CUDA events on a GPU, the wall clock on the CPU):\n\n" + "\n".join(steps)
+            steps.append(_steps_row(run, figures))
+    text = "\n".join(runs)
+    if len(steps) > 1:
+        text += ("\n\nStep times (median of the repetitions; CUDA events on a GPU, the wall clock on the CPU):\n\n"
+                 + "\n".join(steps))
     return text
 
 
