@@ -25,7 +25,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from silod.v1 import (common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_agent_pb2,
+                      worker_agent_pb2_grpc)
 from tests.support.procs import REPO_ROOT, ServiceProcess, free_port, start_service
 from tests.worker_agent.conftest import wait_until
 from tests.worker_agent.fake_nvml import STATE_ENV, gpu, write_state
@@ -180,8 +181,10 @@ def test_gpu_figures_faults_requeue_and_clear(cluster: dict[str, Any]) -> None:
     assert "checkpointed at samples=" in _log(cluster, where, job)  # the stop on the faulted node saved it
     assert victim.metrics()[("silod_gpu_healthy", "1")] == 0 and victim.metrics()[("silod_gpu_healthy", "0")] == 1
     assert victim.metrics()[("silod_gpu_xid_faults_total", "1")] == 1  # Xid 13 not counted
-    status = victim.proc  # still the same processes: nothing was restarted
-    assert status.running()
+    with grpc.insecure_channel(victim.proc.address) as channel:  # the agent's own view, as of its last heartbeat
+        status = worker_agent_pb2_grpc.WorkerAgentServiceStub(channel).GetNodeStatus(
+            worker_agent_pb2.GetNodeStatusRequest(), timeout=10)
+    assert {f.index: f.reason for f in status.gpu_faults} == {1: "Xid 79"} and len(status.gpu_telemetry) == 2
 
     # -- new uncorrectable ECC errors take GPU 0 of that node too ---------------------------------
     victim.state["gpus"][0]["ecc"] = 3
