@@ -3,7 +3,7 @@ detect_gpus, figures tolerated per GPU and per figure, lost GPUs, Xid events."""
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 import threading
 from pathlib import Path
 
@@ -21,10 +21,18 @@ def test_detect_gpus_reads_nvml_through_the_hook(tmp_path: Path, monkeypatch: py
     assert detect_gpus(4, "tests.worker_agent.fake_nvml:nvml") == (2, "NVIDIA H100 80GB HBM3")
 
 
-def test_without_pynvml_gpus_are_emulated() -> None:
-    if importlib.util.find_spec("pynvml") is not None:
-        pytest.skip("pynvml is installed here")
+def test_without_pynvml_gpus_are_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError, as where it is absent
     assert nvml.load() is None
+    assert nvml.open_session() is None
+    assert detect_gpus(3) == (3, "emulated")
+
+
+def test_the_real_pynvml_without_a_driver_gives_emulated_gpus() -> None:
+    """The dev install brings nvidia-ml-py; this machine has no NVIDIA driver."""
+    pynvml = pytest.importorskip("pynvml")
+    with pytest.raises(pynvml.NVMLError):
+        pynvml.nvmlInit()
     assert nvml.open_session() is None
     assert detect_gpus(3) == (3, "emulated")
 
