@@ -20,7 +20,7 @@ and its first at the new size was (the gap minus the median gap between its step
 resize), i.e. the training time the resize cost. In place, a grow keeps training at the old
 size while its newcomers start, so its stall is only the switch.
 
-No GPU is present here: this measures gloo on CPU only (NCCL runs the same code with CUDA).
+No GPU is present here: this measures gloo on CPU only (`make gpu-check` resizes over NCCL where GPUs are).
 """
 
 from __future__ import annotations
