@@ -26,33 +26,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
-import threading
 import time
 from collections.abc import Awaitable, Iterable
-from typing import TypeVar
 
 import grpc
 from prometheus_client import Counter
 
-from estimator.gpu_types import typed_models
 from estimator.job_model import JobModel
-from estimator.per_type import fitted_type_models, is_reference
+from estimator.per_type import is_reference
 from scheduler.codesign import is_active as co_active
 from scheduler.invariants import check_plan
 from scheduler.live import convert, data
+from scheduler.live.clients import Clients
 from scheduler.live.gpu_health import UsableGpus, faulted_gpus
 from scheduler.deepboot.replicas import LifecycleConfig, ProtectSchedule
 from scheduler.live.inference import LiveInference, is_inference_job
+from scheduler.live.models import JobModels, application_of, known_applications, with_job_batch_bounds  # noqa: F401 (servicers, tests)
 from scheduler.placement import node_types, placement_type
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import get_policy
 from silod.v1 import allocation_pb2, common_pb2, estimator_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
 
 _log = logging.getLogger("silod.scheduler")
-T = TypeVar("T")
 
 GPU_DOUBLE_HELD = Counter(
     "silod_scheduler_gpu_double_held_total", "Reports of one (node, GPU) held by tasks of two different jobs"
@@ -63,26 +60,15 @@ ACTIVE_STATES = (common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED,
                  common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_RESIZING)
 PLACED_STATES = (common_pb2.JOB_STATE_SCHEDULED, common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_RESIZING)
 TERMINAL_STATES = (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
-FALLBACK_APPLICATION = "cifar10"  # performance model of jobs whose application has no profile (command jobs)
 EVENT_COALESCE_S = 0.05  # an event waits this long before its round, so a burst of events makes one round
 ROUND_GAP_FACTOR = 1.0  # an event round waits this many times the last round's duration after it ...
 ARRIVAL_GAP_FACTOR = 3.0  # ... or this many when only submissions wait for it (they need no prompt answer)
 MAX_ROUND_GAP_S = 5.0
-ESTIMATE_TTL_S = 30.0  # a job's fitted model is re-read from the estimator at most this often ...
-RPC_CONCURRENCY = 16  # ... and per-job calls of a round are sent this many at a time
-ESTIMATOR_TIMEOUT_S = 2.0  # a round must not hang on a stuck estimator: the profile model will do
 OBSERVE_TIMEOUT_S = 30.0  # in the background; a job's first Observe fits its profile in the estimator (seconds)
 MAX_QUEUED_OBSERVATIONS = 100  # measurements of one job kept while the estimator is slow (the newest)
 IO_BOUND_SHARE = 0.25  # a step whose misses, read at the job's IO grant, take this share of it measures data, not compute
 WARMUP_STEPS = 2  # a job's first steps (connections, manifests, cold reads) are not its speed: not observed
 
-
-@functools.lru_cache(maxsize=1)
-def known_applications() -> frozenset[str]:
-    """The packaged profiles: read once (a directory listing), asked for every job of a round."""
-    from estimator.profiles.loading import application_names
-
-    return frozenset(application_names())
 
 
 class SchedulerCore:
@@ -90,8 +76,8 @@ class SchedulerCore:
                  restart_cost_s: float, node_timeout_s: float, cache_mode: str,
                  node_poll_s: float = 1.0, inference_protect_scale: float = 1.0,
                  storage_bandwidth_bytes_per_s: float = 0.0) -> None:
-        self.md = metadata
-        self.estimator = None  # EstimatorServiceStub when an estimator address is configured
+        self.clients = Clients(md=metadata)
+        self.models = JobModels(self.clients)
         self.node_poll_s = node_poll_s
         self._known_nodes: frozenset[str] | None = None
         self._known_faults: dict[str, frozenset[int]] | None = None  # faulted GPUs as the node watch last saw them
@@ -113,7 +99,6 @@ class SchedulerCore:
         # The cluster's remote-read budget; 0 = unlimited. Only a co-designing scheduler is told
         # of it (with an independent cache the scheduler is GPU-only, as in the simulator).
         self.storage_bandwidth_bytes_per_s = float(storage_bandwidth_bytes_per_s) if storage_bandwidth_bytes_per_s > 0 else math.inf
-        self.cached = None  # data.CachedBytesProbe (what the cache servers hold) when the service wires one
         self._epoch_starts = data.EpochStarts()  # snapshot.fresh_bytes from what the probe saw, round by round
         k = inference_protect_scale
         self.inference = LiveInference(  # inference tasks (DeepBoot ATS-I) beside the policy
@@ -135,16 +120,12 @@ class SchedulerCore:
         # rank alone): restarted from their checkpoint in a new generation, a few times per job.
         self.crash_restarts: dict[str, int] = {}
         self._restart: set[str] = set()
-        self._models: dict[str, tuple[JobModel, float]] = {}  # job -> (profile model, samples to finish)
-        self._fitted: dict[str, tuple[dict[str, float] | None, float]] = {}  # job -> (estimator params, monotonic read time)
-        self._estimator_down = False  # logged once per outage, not once per job
         self._observe_failing = False  # likewise for Observe
         self._observing: dict[str, list[estimator_pb2.StepObservation]] = {}  # job -> measured while a call is in flight
         self._observed: dict[str, tuple] = {}  # job -> key of the last observation sent
         self._node_types: dict[str, str] = {}  # node -> GPU type, as of the last snapshot
         self._background: set[asyncio.Task[None]] = set()
         self._last_round_s = 0.0
-        self._warm_up_s = 0.0  # spent fitting profiles: once per application, so not part of a round's cost
         self._last_round_end = -math.inf
         self._round_lock = asyncio.Lock()
         self._plan_changed = asyncio.Condition()
@@ -152,17 +133,32 @@ class SchedulerCore:
         self._reasons: list[str] = []
         self._loop_task: asyncio.Task[None] | None = None
 
-    # ---- lifecycle -------------------------------------------------------------------------
-    async def warm_up(self, applications: Iterable[str] | None = None) -> None:
-        """Fit the packaged profiles of ``applications`` (default: all), in a worker thread:
-        seconds of CPU for all of them, which must not stall the event loop."""
-        names = sorted(known_applications() if applications is None else set(applications))
-        missing = [a for a in names if a not in _fitted_profiles]
-        if missing:
-            started = time.monotonic()
-            await asyncio.to_thread(_fit_profiles, missing)
-            self._warm_up_s += time.monotonic() - started
+    # The service sets these once its event loop runs (scheduler.live.clients).
+    @property
+    def md(self) -> metadata_pb2_grpc.MetadataServiceStub:
+        return self.clients.md
 
+    @md.setter
+    def md(self, stub: metadata_pb2_grpc.MetadataServiceStub) -> None:
+        self.clients.md = stub
+
+    @property
+    def estimator(self):  # type: ignore[no-untyped-def]
+        return self.clients.estimator
+
+    @estimator.setter
+    def estimator(self, stub) -> None:  # type: ignore[no-untyped-def]
+        self.clients.estimator = stub
+
+    @property
+    def cached(self) -> data.CachedBytesProbe | None:
+        return self.clients.cached
+
+    @cached.setter
+    def cached(self, probe: data.CachedBytesProbe | None) -> None:
+        self.clients.cached = probe
+
+    # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         # Profiles are fitted when a round first needs them, not here: fitting all of them
         # would compete with serving for seconds after every start.
@@ -372,108 +368,16 @@ class SchedulerCore:
             if not token:
                 return jobs
 
-    def _profile_model(self, job: common_pb2.Job, datasets: dict[str, common_pb2.Dataset | None]) -> tuple[JobModel, float]:
-        """(profile model, samples to finish) of ``job``, cached per job: neither changes once submitted."""
-        if job.id in self._models:
-            return self._models[job.id]
-        spec = job.spec
-        model = JobModel.from_profile(_application(spec))
-        samples_per_epoch = model.dataset_bytes / model.bytes_per_sample if model.bytes_per_sample else 1.0
-        ds = datasets.get(spec.dataset) if spec.dataset else None
-        if ds is not None and ds.total_bytes > 0 and ds.num_objects > 0:
-            model = model.with_dataset(ds.total_bytes, ds.total_bytes / ds.num_objects)
-            samples_per_epoch = float(ds.num_objects)
-        budget = spec.WhichOneof("budget")
-        if budget == "sample_budget":
-            target = float(spec.sample_budget)
-        elif budget == "epochs":
-            target = spec.epochs * samples_per_epoch
-        else:
-            target = samples_per_epoch
-        self._models[job.id] = (model, max(target, 1.0))
-        return self._models[job.id]
-
     def _forget_finished(self, active: set[str]) -> None:
-        for cache in (self._models, self._fitted, self._observed):
-            for job_id in [j for j in cache if j not in active]:
-                del cache[job_id]
+        self.models.forget_finished(active)
+        for job_id in [j for j in self._observed if j not in active]:
+            del self._observed[job_id]
 
-    async def _datasets_of(self, jobs: list[common_pb2.Job]) -> dict[str, common_pb2.Dataset | None]:
-        """One GetDataset per dataset named by a job the scheduler has no model of yet."""
-        names = {j.spec.dataset for j in jobs if j.spec.dataset and j.id not in self._models}
-
-        async def get(name: str) -> common_pb2.Dataset | None:
-            try:
-                return await self.md.GetDataset(metadata_pb2.GetDatasetRequest(name=name))
-            except grpc.aio.AioRpcError:
-                return None
-
-        found = await _bounded_gather([get(name) for name in sorted(names)])
-        return dict(zip(sorted(names), found))
-
-    async def _refresh_fitted(self, jobs: list[common_pb2.Job]) -> None:
-        """Re-read from the estimator the fitted models older than ESTIMATE_TTL_S."""
-        if self.estimator is None:
-            return
-        now = time.monotonic()
-        stale = [j.id for j in jobs if now - self._fitted.get(j.id, (None, -math.inf))[1] >= ESTIMATE_TTL_S]
-        if self._estimator_down:
-            stale = stale[:1]  # one probe per round until it answers, not a timeout per job
-
-        async def get(job_id: str) -> None:
-            try:
-                params = await self.estimator.GetJobModel(common_pb2.GetJobModelRequest(job_id=job_id),
-                                                          timeout=ESTIMATOR_TIMEOUT_S)
-                self._fitted[job_id] = (dict(params.params), now)
-                self._estimator_down = False
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    self._fitted[job_id] = (None, now)  # not observed yet: the profile's model
-                    return
-                # Remembered too, so that an estimator outage costs one timeout per job per TTL, not per round.
-                self._fitted[job_id] = (self._fitted.get(job_id, (None, 0.0))[0], now)
-                if not self._estimator_down:
-                    self._estimator_down = True
-                    _log.warning("estimator unavailable; using the profile models",
-                                 extra={"job_id": job_id, "code": exc.code().name})
-
-        await _bounded_gather([get(job_id) for job_id in stale])
+    async def warm_up(self, applications: Iterable[str] | None = None) -> None:
+        await self.models.warm_up(applications)
 
     async def model_of(self, job: common_pb2.Job) -> tuple[JobModel, float]:
-        """(performance model, samples to finish) of ``job``: the estimator's fitted model when
-        one is known, else the application profile's."""
-        await self.warm_up([_application(job.spec)])
-        datasets = await self._datasets_of([job])
-        await self._refresh_fitted([job])
-        return self._model_now(job, datasets)
-
-    def _model_now(self, job: common_pb2.Job, datasets: dict[str, common_pb2.Dataset | None]) -> tuple[JobModel, float]:
-        profile, target = self._profile_model(job, datasets)
-        params = self._fitted.get(job.id, (None, 0.0))[0]
-        if params is None:
-            return with_job_batch_bounds(profile, job.spec), target
-        try:
-            return with_job_batch_bounds(JobModel.from_params(profile.application, params), job.spec), target
-        except (ValueError, KeyError):
-            _log.warning("estimator returned an unusable model; using the profile model", extra={"job_id": job.id})
-            self._fitted[job.id] = (None, self._fitted[job.id][1])
-            return profile, target
-
-    def _type_models_now(self, job: common_pb2.Job, model: JobModel, gpu_types: tuple[str, ...]) -> dict[str, JobModel]:
-        """``job``'s model on each of ``gpu_types``: the estimator's fit on a type the job ran on
-        (GetJobModel / Observe answers carry one per type), else ``model`` scaled by the
-        measured table (estimator.gpu_types)."""
-        typed = _typed_models(model, gpu_types)
-        params = self._fitted.get(job.id, (None, 0.0))[0]
-        if not params or not any(key.startswith("type[") for key in params):
-            return typed
-        try:
-            fitted = fitted_type_models(model, params)
-        except ValueError as exc:
-            _log.warning("estimator returned unusable per-type models; using the scaled ones",
-                         extra={"job_id": job.id, "error": str(exc)})
-            return typed
-        return {t: fitted.get(t, typed.get(t)) for t in typed}
+        return await self.models.model_of(job)
 
     async def snapshot(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
         nodes_resp = await self.md.ListNodes(
@@ -494,9 +398,9 @@ class SchedulerCore:
             self._inference_restored = True
         inference_jobs = [j for j in jobs if is_inference_job(j)]
         training = [j for j in jobs if not is_inference_job(j)]
-        await self.warm_up({_application(j.spec) for j in training if j.id not in self._models})
-        datasets = await self._datasets_of(training)
-        await self._refresh_fitted(training)
+        await self.models.warm_up({application_of(j.spec) for j in training if j.id not in self.models.profiles})
+        datasets = await self.models.datasets_of(training)
+        await self.models.refresh_fitted(training)
         job_infos = []
         node_gpu_types = tuple(sorted({info.gpu_type for info in infos}))
         self._node_types = {info.name: info.gpu_type for info in infos}
@@ -504,8 +408,8 @@ class SchedulerCore:
             self.specs[job.id] = job.spec
         for job in training:
             self.specs[job.id] = job.spec
-            model, target = self._model_now(job, datasets)
-            type_models = self._type_models_now(job, model, node_gpu_types) if any(node_gpu_types) else {}
+            model, target = self.models.model_now(job, datasets)
+            type_models = self.models.type_models_now(job, model, node_gpu_types) if any(node_gpu_types) else {}
             if len(node_gpu_types) == 1 and not is_reference(node_gpu_types[0]):
                 # One type, not the reference: policies price every job with its model there.
                 model, type_models = type_models[node_gpu_types[0]], {}
@@ -590,12 +494,12 @@ class SchedulerCore:
     # ---- rounds ----------------------------------------------------------------------------
     async def run_round(self, reason: str = "interval") -> plan_pb2.AllocationPlan | None:
         async with self._round_lock:
-            started, warm_up_before = time.monotonic(), self._warm_up_s
+            started, warm_up_before = time.monotonic(), self.models.warm_up_s
             try:
                 return await self._round(reason)
             finally:
                 self._last_round_end = time.monotonic()
-                self._last_round_s = self._last_round_end - started - (self._warm_up_s - warm_up_before)
+                self._last_round_s = self._last_round_end - started - (self.models.warm_up_s - warm_up_before)
 
     async def _round(self, reason: str) -> plan_pb2.AllocationPlan | None:
         await self.refresh_latest()
@@ -772,7 +676,7 @@ class SchedulerCore:
             self._observing[job.id] = self._observing[job.id][-(MAX_QUEUED_OBSERVATIONS - 1):] + [observation]
             return
         self._observing[job.id] = []
-        self._spawn(self._send_observations(job.id, _application(job.spec), [observation]))
+        self._spawn(self._send_observations(job.id, application_of(job.spec), [observation]))
 
     def _io_bound(self, job: common_pb2.Job, entry: plan_pb2.JobAllocation, report: allocation_pb2.TaskReport,
                   samples_per_s: float) -> bool:
@@ -788,7 +692,7 @@ class SchedulerCore:
         it as compute starts the spiral above; a skipped measurement only keeps the model."""
         if self.cache_mode != "silod" or not job.spec.dataset or not entry.cache_grants:
             return False
-        model = self._models.get(job.id)
+        model = self.models.profiles.get(job.id)
         if model is None or model[0].bytes_per_sample <= 0:
             return False
         granted = sum(g.remote_io_bytes_per_s for g in entry.cache_grants)
@@ -820,7 +724,7 @@ class SchedulerCore:
             self._observe_failing = False
             _log.info("estimator Observe works again", extra={"job_id": request.job_id})
         # The refitted model is in the answer: the next round uses it without asking again.
-        self._fitted[request.job_id] = (dict(response.model.params), time.monotonic())
+        self.models.fitted[request.job_id] = (dict(response.model.params), time.monotonic())
 
     # ---- node feedback ---------------------------------------------------------------------
     def release(self, node: str, jobs: Iterable[str]) -> bool:
@@ -941,68 +845,6 @@ RESTART_EXIT_CODES = {
 }
 MAX_CRASH_RESTARTS = 3
 
-_fitted_profiles: set[str] = set()
-_profile_lock = threading.Lock()
-
-
-def _fit_profiles(applications: list[str]) -> None:
-    """JobModel.from_profile caches its result; the lock keeps two threads from fitting one
-    profile twice, and is taken per application so a round waits for at most one foreign fit."""
-    for application in applications:
-        with _profile_lock:
-            if application not in _fitted_profiles:
-                JobModel.from_profile(application)
-                _fitted_profiles.add(application)
-
-
-def with_job_batch_bounds(model: JobModel, spec: common_pb2.JobSpec) -> JobModel:
-    """``model`` with the batch sizes the job's owner allows: ``batch_size`` is B0 (the batch the
-    job starts with, and the one its gradient statistics are reported at: SILOD_BASE_BATCH_SIZE)
-    and ``max_batch_size`` (0: ``batch_size``, the contract's default) the most a goodput policy
-    may retune it to. The profile's bounds describe the profiled model, not this job: left alone,
-    a policy scaled a job that allows 64 samples a step to 1,300.
-
-    A profile's gradient variance is expressed at the profile's B0; it is rescaled to the job's,
-    which keeps the noise scale ``B0 * var / sqr``. Measured statistics are already at the job's.
-    """
-    if spec.batch_size <= 0:
-        return model
-    bounds = model.bounds
-    init = spec.batch_size
-    top = max(spec.max_batch_size or init, init)
-    grad = model.grad
-    if model.grad_reports == 0 and init != bounds.init_batch_size:
-        grad = grad._replace(var=grad.var * bounds.init_batch_size / init)
-    # The batch is split over up to max_gpus ranks: a per-GPU floor above init / max_gpus would
-    # push a widened job's batch over what it allows.
-    min_local = min(bounds.min_local_bsz, max(1, init // max(spec.max_gpus, 1)))
-    new_bounds = bounds._replace(init_batch_size=init, max_batch_size=top, min_local_bsz=min_local,
-                                 max_local_bsz=max(bounds.max_local_bsz, min_local))
-    if new_bounds == bounds and grad == model.grad:
-        return model
-    return dataclasses.replace(model, bounds=new_bounds, grad=grad)
-
-
-def _application(spec: common_pb2.JobSpec) -> str:
-    return spec.application if spec.application in known_applications() else FALLBACK_APPLICATION
-
-
-async def _bounded_gather(calls: list[Awaitable[T]], limit: int = RPC_CONCURRENCY) -> list[T]:
-    """Await ``calls`` with at most ``limit`` in flight; results in order, first exception raised
-    once all have finished (none is left running unobserved)."""
-    gate = asyncio.Semaphore(limit)
-
-    async def one(call: Awaitable[T]) -> T:
-        async with gate:
-            return await call
-
-    results = await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results  # type: ignore[return-value]
-
-
 def _epoch_s(stamp) -> float:
     """Seconds since the epoch of a Timestamp, as the UTC datetime's timestamp() gives them
     (microseconds, one rounding), without building the datetime: once per job per round."""
@@ -1019,8 +861,3 @@ def _same_allocations(a: plan_pb2.AllocationPlan, b: plan_pb2.AllocationPlan) ->
 
     return key(a) == key(b)
 
-
-@functools.lru_cache(maxsize=4096)
-def _typed_models(model: JobModel, gpu_types: tuple[str, ...]) -> dict[str, JobModel]:
-    """A job model's per-type models (estimator.gpu_types); jobs of one application share one."""
-    return typed_models(model, gpu_types)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from estimator.job_model import JobModel
-from scheduler.live.core import with_job_batch_bounds
+from scheduler.live.models import with_job_batch_bounds
 from silod.v1 import common_pb2, plan_pb2
 
 

@@ -178,7 +178,7 @@ def test_io_bound_measurements_are_not_fitted_as_compute():
     core = SchedulerCore(None, policy="fifo", interval_s=60, restart_cost_s=1, node_timeout_s=10,
                          cache_mode="silod", storage_bandwidth_bytes_per_s=4e6)
     job = common_pb2.Job(id="job-000000000001", spec=common_pb2.JobSpec(dataset="d"))
-    core._models[job.id] = (JobModel.from_profile("cifar10").with_dataset(1e7, 32768.0), 1e4)
+    core.models.profiles[job.id] = (JobModel.from_profile("cifar10").with_dataset(1e7, 32768.0), 1e4)
     entry = plan_pb2.JobAllocation(job_id=job.id)
     entry.cache_grants.add(node="n0", cache_quota_bytes=0, remote_io_bytes_per_s=1_000_000)
 
