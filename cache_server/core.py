@@ -24,18 +24,20 @@ import os
 import secrets
 import shutil
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from cache_server import metrics
+from cache_server.config import CacheConfig
+from cache_server.jobs import JobState, JobTable
+from cache_server.runtime import Runtime
+from cache_server.stats import Statistics
 from cache_server.peers import Peer, PeerReader
 from cache_server.policies import PASS_THROUGH, PLAN_POLICIES, POLICIES, FetchCostModel, Partition, make_partition
-from cache_server.ratelimit import EventRate, RateMeter, TokenBucket
+from cache_server.ratelimit import TokenBucket
 from cache_server.tiers import Entry, Tier, entry_name, is_no_space
 from services.runtime.downstream import translate
 from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -61,35 +63,6 @@ _TAR_GAP = 1024  # bytes between two samples of a shard: block padding (< 512) a
 
 
 @dataclass
-class CacheConfig:
-    node: str = "node"
-    memory_dir: str = ""  # "" = no memory tier
-    memory_bytes: int = 0
-    disk_dir: str = ""  # "" = no disk tier
-    disk_bytes: int = 0
-    default_policy: str = "lrfu-cost"
-    lease_default_s: float = 60.0
-    lease_max_s: float = 3600.0
-    remote_timeout_s: float = 30.0
-    remote_retries: int = 3
-    # A store 20 ms away serves 114 KB objects at 100 MB/s only with ~20 requests in flight.
-    remote_concurrency: int = 64
-    manifest_refresh_s: float = 30.0
-    prefetch_lookahead_s: float = 2.0
-    prefetch_min_objects: int = 64
-    prefetch_max_objects: int = 8192
-    prefetch_max_staged_bytes: int = 256 << 20
-    prefetch_concurrency: int = 32
-    coalesce_bytes: int = 4 << 20  # longest ranged read of byte-adjacent shard samples while prefetching
-    lease_coalesce_bytes: int = 1 << 20  # the same for the misses of a Lease (the batch waits for them)
-    lrfu_half_life_s: float = 300.0
-    unallocated_io_trickle_bytes_per_s: float = 0.0  # 0: a job granted no IO reads nothing remote
-    io_burst_s: float = 0.05
-    fsync: bool = True
-    no_space_backoff_s: float = 30.0
-
-
-@dataclass
 class DatasetState:
     manifest: Manifest
     store: ObjectStore
@@ -104,72 +77,6 @@ class DatasetState:
 
 class _NoLongerWanted(Exception):
     """A prefetch whose object the job read while the prefetch waited for idle IO."""
-
-
-@dataclass
-class JobState:
-    job_id: str
-    dataset: str = ""
-    quota: Any = None  # JobCacheQuota from the plan, or None (best effort)
-    partition: Partition | None = None
-    bucket: TokenBucket | None = None
-    limit: float = 0.0  # bytes/s enforced; 0 = unlimited
-    meter: RateMeter = field(default_factory=RateMeter)
-    consumption: EventRate = field(default_factory=EventRate)
-    hits: int = 0
-    misses: int = 0
-    remote_bytes: int = 0
-    peers: tuple[Peer, ...] = ()  # the job's other nodes (JobCacheQuota.peers): asked before the store
-    peer_hits: int = 0  # misses here served from a peer's cache (counted in hits too)
-    peer_bytes: int = 0
-    # prefetch (DLCache's on-the-fly caching ahead of the job)
-    queue: OrderedDict[tuple[str, str], None] = field(default_factory=OrderedDict)
-    ahead: OrderedDict[tuple[str, str], float] = field(default_factory=OrderedDict)
-    staged: dict[tuple[str, str], bytes] = field(default_factory=dict)
-    staged_bytes: int = 0
-    staged_from_peer: set[tuple[str, str]] = field(default_factory=set)  # staged bytes a peer served: never admitted
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    worker: asyncio.Task[None] | None = None
-    preload: bool = False  # node-wide preload queue: no consumption window
-    held: bool = False  # granted no IO by a plan that grants IO to others: remote reads wait
-    io_granted: asyncio.Event = field(default_factory=asyncio.Event)  # set while not held
-
-    def __post_init__(self) -> None:
-        self.io_granted.set()
-
-    @property
-    def pass_through(self) -> bool:
-        """The plan gives this job cache policy "none": no reads from or admissions into the tiers."""
-        return self.quota is not None and self.quota.cache_policy == PASS_THROUGH
-
-    def set_limit(self, rate: float, burst_s: float, *, hold: bool = False) -> None:
-        """Enforce ``rate`` bytes/s (0 = unlimited); ``hold``: no remote reads at all for now
-        (the plan grants the job no IO while granting some to others): its fetches wait for
-        a plan that grants it a rate or stops limiting it."""
-        self.limit = rate
-        self.held = hold
-        if hold:
-            self.io_granted.clear()
-        else:
-            self.io_granted.set()
-        if rate <= 0:
-            self.bucket = None
-        elif self.bucket is None:
-            self.bucket = TokenBucket(rate, burst_s)
-        else:
-            self.bucket.rate = rate
-
-    def consumed(self, dataset: str, key: str) -> bytes | None:
-        """The job read ``key``: forget it from the prefetch bookkeeping; return staged bytes."""
-        item = (dataset, key)
-        self.staged_from_peer.discard(item)
-        self.queue.pop(item, None)
-        if self.ahead.pop(item, None) is not None:
-            self.wake.set()
-        data = self.staged.pop(item, None)
-        if data is not None:
-            self.staged_bytes -= len(data)
-        return data
 
 
 @dataclass
@@ -227,7 +134,7 @@ class CacheCore:
         # Object versions whose IO a job is paying for now (waiting in its bucket before it
         # claims the flight): the bucket and a future set once that payment is over.
         self._paying: dict[tuple[str, str, str], tuple[TokenBucket, asyncio.Future[None]]] = {}
-        self._jobs: dict[str, JobState] = {}
+        self._jobs = JobTable()
         self._parts: dict[tuple[str, str], Partition] = {}  # (dataset, policy) -> quota partition
         self._leases: dict[str, Lease] = {}
         self._lease_seq = itertools.count()
@@ -235,17 +142,8 @@ class CacheCore:
         # counter (os.urandom per admission released the GIL to 64 fetch threads every time).
         self._admission_prefix = secrets.token_hex(3)
         self._admissions = itertools.count()
-        # Remote reads in flight: threads for file:// and s3fs, slots on the loop for the lean client.
-        self._remote_pool = ThreadPoolExecutor(max(1, config.remote_concurrency), thread_name_prefix="cache-remote")
-        self._remote_slots = asyncio.Semaphore(max(1, config.remote_concurrency))
-        # Prefetches of all jobs together take at most half of them: a Lease's misses (a batch
-        # waiting) always find slots. Two jobs' prefetches once held all 64 and their 4 MiB runs
-        # made every miss of both jobs queue behind them.
-        self._prefetch_slots = asyncio.Semaphore(max(1, config.remote_concurrency // 2))
-        self._file_pool = ThreadPoolExecutor(4, thread_name_prefix="cache-file")
-        self._background: set[asyncio.Task[Any]] = set()
-        self._warned: set[str] = set()
-        self._metric_children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.runtime = Runtime(config.remote_concurrency)
+        self.statistics = Statistics(config.node, self.tiers, self._index)
         transient_base = config.memory_dir or config.disk_dir
         self._transient_dir = os.path.join(transient_base, "transient") if transient_base else ""
         self._started = False
@@ -255,7 +153,7 @@ class CacheCore:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         for tier in self.tiers:
-            entries = await loop.run_in_executor(self._file_pool, tier.open)
+            entries = await loop.run_in_executor(self.runtime.file_pool, tier.open)
             for entry in entries:
                 old = self._index.get((entry.dataset, entry.key))
                 if old is not None:  # the same object in two tiers after a crash: keep one
@@ -273,45 +171,31 @@ class CacheCore:
         if self._transient_dir:
             shutil.rmtree(self._transient_dir, ignore_errors=True)
             os.makedirs(self._transient_dir, exist_ok=True)
-        self._spawn(self._sweep_leases())
-        self._spawn(self._scrub())
+        self.runtime.spawn(self._sweep_leases())
+        self.runtime.spawn(self._scrub())
         # The lean S3 client's import (botocore's credentials: ~0.2 s of CPU) is not paid on the
         # first job's first miss; s3fs's only when a dataset needs it (_load_dataset).
-        self._spawn(loop.run_in_executor(self._remote_pool, _import_store_clients, False))
+        self.runtime.spawn(loop.run_in_executor(self.runtime.remote_pool, _import_store_clients, False))
         self._started = True
-        self._update_gauges()
+        self.statistics.update_gauges()
 
     async def stop(self) -> None:
-        for task in list(self._background):
-            task.cancel()
+        self.runtime.cancel_background()
         for job in self._jobs.values():
             if job.worker is not None:
                 job.worker.cancel()
-        for task in list(self._background):
-            with contextlib.suppress(BaseException):
-                await task
+        await self.runtime.background_done()
         for lease_id in list(self._leases):
             self.release(lease_id)
         if self.peers is not None:
             await self.peers.close()
-        self._remote_pool.shutdown(wait=False, cancel_futures=True)
+        self.runtime.stop_remote_reads()
         for ds in self._datasets.values():
             with contextlib.suppress(Exception):
                 await ds.store.aclose()
-        self._file_pool.shutdown(wait=True)
+        self.runtime.stop_file_work()
         for tier in self.tiers:
             tier.close()
-
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
-
-    def _warn_once(self, what: str, message: str, **extra: Any) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            _log.warning(message, extra=extra)
 
     # -- plan ----------------------------------------------------------------------------------
 
@@ -364,7 +248,7 @@ class CacheCore:
             if q.cache_policy == PASS_THROUGH and q.cache_quota_bytes > 0:
                 # Not worth refusing the node's whole plan for: the job caches nothing either way,
                 # so its bytes are not reserved (the shared part keeps them). Said once per job.
-                self._warn_once(
+                self.runtime.warn_once(
                     f"none-quota-{q.job_id}",
                     f"{where}.cache_quota_bytes: ignored for job {q.job_id!r}: cache_policy \"none\" caches nothing",
                     job=q.job_id, cache_quota_bytes=q.cache_quota_bytes,
@@ -426,7 +310,7 @@ class CacheCore:
                 job.set_limit(0, self.config.io_burst_s)
         quota_only = all(q.remote_io_bytes_per_s == 0 for q in quotas)
         for q in quotas:
-            job = self._job(q.job_id)
+            job = self._jobs.ensure(q.job_id)
             job.quota = q
             job.peers = tuple(Peer(p.node, p.cache_address) for p in q.peers if p.node != self.config.node)
             if q.dataset:
@@ -462,7 +346,7 @@ class CacheCore:
         for name in {q.dataset for q in quotas if q.dataset} - set(self._datasets) - set(self._loading):
             with contextlib.suppress(RuntimeError):  # no running loop (a direct call): nothing to prepare
                 asyncio.get_running_loop()
-                self._spawn(self._prepare(name))
+                self.runtime.spawn(self._prepare(name))
         self.plan_version = plan_version
         metrics.PLAN_VERSION.set(plan_version)
         _log.info(
@@ -482,7 +366,7 @@ class CacheCore:
                 await ds.store.current_tag_async(ds.manifest.keys[0])
             elif len(ds.manifest):
                 await asyncio.get_running_loop().run_in_executor(
-                    self._remote_pool, ds.store.current_tag, ds.manifest.keys[0])
+                    self.runtime.remote_pool, ds.store.current_tag, ds.manifest.keys[0])
         except Exception as exc:  # the job's own calls report any problem
             _log.debug("dataset not prepared", extra={"dataset": name, "error": str(exc)})
 
@@ -508,12 +392,6 @@ class CacheCore:
 
     # -- jobs and datasets --------------------------------------------------------------------------
 
-    def _job(self, job_id: str) -> JobState:
-        job = self._jobs.get(job_id)
-        if job is None:
-            job = self._jobs[job_id] = JobState(job_id)
-        return job
-
     async def _dataset(self, name: str) -> DatasetState:
         if not name:
             raise InvalidArgument("must name a registered dataset", field="dataset")
@@ -522,7 +400,7 @@ class CacheCore:
             return await self._load_dataset(name)
         if time.monotonic() - ds.checked_at > self.config.manifest_refresh_s and not ds.refreshing:
             ds.refreshing = True
-            self._spawn(self._refresh_in_background(ds))
+            self.runtime.spawn(self._refresh_in_background(ds))
         return ds
 
     async def _refresh_in_background(self, ds: DatasetState) -> None:
@@ -571,11 +449,11 @@ class CacheCore:
                 raise FailedPrecondition(f"dataset {name!r} cannot be read: {exc}", field="dataset") from None
             if store.scheme == "s3" and not store.reads_async:
                 # s3fs/aiobotocore take ~0.5 s of CPU to import: in the background, now.
-                self._spawn(asyncio.get_running_loop().run_in_executor(self._remote_pool, _import_store_clients, True))
+                self.runtime.spawn(asyncio.get_running_loop().run_in_executor(self.runtime.remote_pool, _import_store_clients, True))
             ds = DatasetState(manifest, store, old.cost if old else FetchCostModel(), time.monotonic())
             self._datasets[name] = ds
             if old is not None and old.store is not store:
-                self._spawn(self._close_later(old.store))
+                self.runtime.spawn(self._close_later(old.store))
             if old is not None and old.manifest.version != manifest.version:
                 _log.info("manifest replaced", extra={"dataset": name, "from_version": old.manifest.version,
                                                       "to_version": manifest.version})
@@ -668,47 +546,6 @@ class CacheCore:
                      extra={"tier": entry.tier.name, "dataset": entry.dataset, "key": entry.key, "path": entry.path})
         self._evict(entry)
 
-    def _child(self, metric: Any, *labels: str) -> Any:
-        """``metric.labels(*labels)``, cached: prometheus_client's labels() costs microseconds."""
-        key = (id(metric), labels)
-        child = self._metric_children.get(key)
-        if child is None:
-            child = self._metric_children[key] = metric.labels(*labels)
-        return child
-
-    def _count_hits(self, job: JobState, tier: Tier, count: int, nbytes: int, path: str) -> None:
-        job.hits += count
-        for t in self.tiers:
-            if t is tier:
-                t.hits += count
-                break
-            t.misses += count
-        label = metrics.job_label(job.job_id)
-        self._child(metrics.HITS, tier.name, label, path).inc(count)
-        self._child(metrics.BYTES, tier.name, label, path).inc(nbytes)
-
-    def _count_hit(self, job: JobState, entry: Entry, path: str) -> None:
-        self._count_hits(job, entry.tier, 1, entry.size, path)
-
-    def _count_miss(self, job: JobState, size: int, path: str) -> None:
-        job.misses += 1
-        for tier in self.tiers:
-            tier.misses += 1
-        label = metrics.job_label(job.job_id)
-        self._child(metrics.MISSES, label, path).inc()
-        self._child(metrics.BYTES, "remote", label, path).inc(size)
-
-    def _count_peer_hit(self, job: JobState, size: int, path: str) -> None:
-        """A miss here that a peer's cache served: a hit of the job (no remote read), of no tier here."""
-        job.hits += 1
-        job.peer_hits += 1
-        job.peer_bytes += size
-        for tier in self.tiers:
-            tier.misses += 1
-        label = metrics.job_label(job.job_id)
-        self._child(metrics.HITS, "peer", label, path).inc()
-        self._child(metrics.BYTES, "peer", label, path).inc(size)
-
     def _touch(self, job: JobState, entry: Entry, now: float) -> None:
         part = entry.partition
         if part is not None:
@@ -796,7 +633,7 @@ class CacheCore:
                 # Admitted by someone else since the caller looked: a local read beats a remote one.
                 existing.pins += 1
                 try:
-                    data = await asyncio.get_running_loop().run_in_executor(self._file_pool, _read_verified, existing)
+                    data = await asyncio.get_running_loop().run_in_executor(self.runtime.file_pool, _read_verified, existing)
                 finally:
                     self._unpin(existing)
             if data is None:
@@ -821,7 +658,7 @@ class CacheCore:
             await job.bucket.acquire(size)
         started = time.monotonic()
         if ds.store.reads_async:  # on this loop, no thread per fetch; the client bounds each attempt
-            async with self._remote_slots:
+            async with self.runtime.remote_slots:
                 data = await ds.store.read_async(key, size, etag)
         else:
             # The store bounds each attempt; this bounds the whole retry sequence (a hung mount).
@@ -829,15 +666,15 @@ class CacheCore:
             try:
                 async with asyncio.timeout(overall):
                     data = await asyncio.get_running_loop().run_in_executor(
-                        self._remote_pool, ds.store.read, key, size, etag)
+                        self.runtime.remote_pool, ds.store.read, key, size, etag)
             except TimeoutError:
                 raise StoreError(f"object {key!r}: no answer from the store within {overall:g}s", key) from None
         ds.cost.observe(len(data), time.monotonic() - started)
         job.remote_bytes += len(data)
         job.meter.add(len(data))
         label = metrics.job_label(job.job_id)
-        self._child(metrics.REMOTE_BYTES, label).inc(len(data))
-        self._child(metrics.REMOTE_FETCHES, label).inc()
+        metrics.labelled(metrics.REMOTE_BYTES, label).inc(len(data))
+        metrics.labelled(metrics.REMOTE_FETCHES, label).inc()
         return data
 
     def _place(self, size: int, now: float) -> Tier | None:
@@ -871,14 +708,14 @@ class CacheCore:
         # shares a path with its successor.
         name = f"{entry_name(ds.name, key, etag)}.{self._admission_prefix}{next(self._admissions):x}"
         try:
-            digest, mtime_ns = await asyncio.get_running_loop().run_in_executor(self._file_pool, tier.write, name, data)
+            digest, mtime_ns = await asyncio.get_running_loop().run_in_executor(self.runtime.file_pool, tier.write, name, data)
         except OSError as exc:
             tier.writing -= size
             part.reserved -= size
             tier.used -= size
             if is_no_space(exc):
                 tier.full_until = time.monotonic() + self.config.no_space_backoff_s
-                self._warn_once(f"enospc-{tier.name}-{int(tier.full_until)}",
+                self.runtime.warn_once(f"enospc-{tier.name}-{int(tier.full_until)}",
                                 "cache tier out of space; serving without caching for a while",
                                 tier=tier.name, dir=tier.root, retry_after_s=self.config.no_space_backoff_s)
                 metrics.PASS_THROUGH.labels(job=metrics.job_label(job.job_id), reason="no-space").inc()
@@ -900,7 +737,7 @@ class CacheCore:
         self._enforce(current)
         if tier.journal_needs_compaction(len(self._index)):
             snapshot = [e for e in self._index.values() if e.tier is tier]
-            self._spawn(asyncio.get_running_loop().run_in_executor(self._file_pool, tier.compact, snapshot))
+            self.runtime.spawn(asyncio.get_running_loop().run_in_executor(self.runtime.file_pool, tier.compact, snapshot))
         return entry
 
     def _store_error(self, exc: StoreError, ds: DatasetState, where: str) -> Exception:
@@ -926,7 +763,7 @@ class CacheCore:
         No single flight with other readers either: sharing a fetch another job admits would
         hand this job bytes it did not pay remote IO for."""
         data = await self._fetch(job, ds, key, size, etag)
-        self._child(metrics.PASS_THROUGH, metrics.job_label(job.job_id), PASS_THROUGH).inc()
+        metrics.labelled(metrics.PASS_THROUGH, metrics.job_label(job.job_id), PASS_THROUGH).inc()
         return None, data
 
     async def _from_peer(self, job: JobState, ds: DatasetState, key: str, size: int, etag: str) -> bytes | None:
@@ -996,7 +833,7 @@ class CacheCore:
         ds = await self._dataset(dataset)
         positions = self._resolve(ds, keys)
         manifest = ds.manifest
-        job = self._job(job_id)
+        job = self._jobs.ensure(job_id)
         job.dataset = job.dataset or dataset
         duration = lease_s or self.config.lease_default_s
         lease = Lease(f"{self.config.node}-{next(self._lease_seq):x}-{secrets.token_hex(4)}", job_id, [], [],
@@ -1038,7 +875,7 @@ class CacheCore:
                     self._drop_corrupt(entry)
             missing.append(i)
         for tier, (count, nbytes) in hits.items():
-            self._count_hits(job, tier, count, nbytes, "lease")
+            self.statistics.hits(job, tier, count, nbytes, "lease")
         job.consumption.add(len(keys))
         if missing and not job.pass_through:
             self._read_ahead(job, ds, [positions[i] for i in missing])
@@ -1065,17 +902,17 @@ class CacheCore:
             entry.pins += 1
             lease.entries.append(entry)
             self._touch(job, entry, time.monotonic())
-            self._count_hit(job, entry, "lease")
+            self.statistics.hit(job, entry, "lease")
             job.consumed(ds.name, key)
             return Served(key, entry.path, entry.size, etag, entry.tier.name)
         if entry is not None and not entry.verified and not entry.doomed:
             entry.pins += 1  # keep it while it is hashed
-            ok = await asyncio.get_running_loop().run_in_executor(self._file_pool, entry.tier.verify, entry)
+            ok = await asyncio.get_running_loop().run_in_executor(self.runtime.file_pool, entry.tier.verify, entry)
             if ok and not entry.doomed:
                 entry.verified = True
                 lease.entries.append(entry)
                 self._touch(job, entry, time.monotonic())
-                self._count_hit(job, entry, "lease")
+                self.statistics.hit(job, entry, "lease")
                 job.consumed(ds.name, key)
                 return Served(key, entry.path, entry.size, etag, entry.tier.name)
             self._unpin(entry)
@@ -1083,9 +920,9 @@ class CacheCore:
                 self._drop_corrupt(entry)
         ds, entry, data, size, etag, source = await self._get_bytes(job, ds, key, size, etag, where)
         if source == "peer":
-            self._count_peer_hit(job, size, "lease")
+            self.statistics.peer_hit(job, size, "lease")
             return Served(key, await self._write_transient(lease, data), size, etag, "peer")
-        self._count_miss(job, size, "lease")
+        self.statistics.miss(job, size, "lease")
         if entry is not None and not entry.doomed:
             entry.pins += 1
             lease.entries.append(entry)
@@ -1104,9 +941,9 @@ class CacheCore:
                 f.write(data)
 
         try:
-            await asyncio.get_running_loop().run_in_executor(self._file_pool, write)
+            await asyncio.get_running_loop().run_in_executor(self.runtime.file_pool, write)
         except OSError as exc:
-            self._warn_once("transient-" + str(exc.errno), "cannot write a pass-through file; the reader "
+            self.runtime.warn_once("transient-" + str(exc.errno), "cannot write a pass-through file; the reader "
                             "gets no path for the object and reads it another way", error=str(exc))
             return ""
         return path
@@ -1144,7 +981,7 @@ class CacheCore:
             await asyncio.sleep(1.0)
             for tier in self.tiers:
                 tier.flush_journal()
-            self._update_gauges()  # once a second, not per admitted object
+            self.statistics.update_gauges()  # once a second, not per admitted object
             now = time.monotonic()
             for lease_id in [lid for lid, lease in self._leases.items() if lease.expires <= now]:
                 self.release(lease_id)
@@ -1157,7 +994,7 @@ class CacheCore:
                 continue
             entry.pins += 1
             try:
-                ok = await loop.run_in_executor(self._file_pool, entry.tier.verify, entry)
+                ok = await loop.run_in_executor(self.runtime.file_pool, entry.tier.verify, entry)
             finally:
                 self._unpin(entry)
             if ok:
@@ -1173,7 +1010,7 @@ class CacheCore:
         self._check_batch(keys)
         ds = await self._dataset(dataset)
         positions = self._resolve(ds, keys)
-        job = self._job(job_id)
+        job = self._jobs.ensure(job_id)
         job.dataset = job.dataset or dataset
         job.consumption.add(len(keys))
         window = 16
@@ -1206,7 +1043,7 @@ class CacheCore:
         async def read_entry(entry: Entry) -> bytes | None:
             entry.pins += 1
             try:
-                data = await loop.run_in_executor(self._file_pool, _read_verified, entry)
+                data = await loop.run_in_executor(self.runtime.file_pool, _read_verified, entry)
             finally:
                 self._unpin(entry)
             if data is None:
@@ -1217,8 +1054,8 @@ class CacheCore:
             if entry.partition is not None:  # the job used it: as much a use as a local hit
                 entry.partition.on_hit(entry, time.monotonic())
             entry.tier.hits += 1
-            self._child(metrics.HITS, entry.tier.name, label, "peer").inc()
-            self._child(metrics.BYTES, entry.tier.name, label, "peer").inc(entry.size)
+            metrics.labelled(metrics.HITS, entry.tier.name, label, "peer").inc()
+            metrics.labelled(metrics.BYTES, entry.tier.name, label, "peer").inc(entry.size)
             return data
 
         window = 16
@@ -1238,22 +1075,22 @@ class CacheCore:
         if entry is not None and not entry.doomed:
             entry.pins += 1
             try:
-                data = await asyncio.get_running_loop().run_in_executor(self._file_pool, _read_verified, entry)
+                data = await asyncio.get_running_loop().run_in_executor(self.runtime.file_pool, _read_verified, entry)
             finally:
                 self._unpin(entry)
             if data is not None:
                 entry.verified = True
                 self._touch(job, entry, time.monotonic())
-                self._count_hit(job, entry, "stream")
+                self.statistics.hit(job, entry, "stream")
                 job.consumed(ds.name, key)
                 return entry.tier.name, data, etag
             if not entry.doomed:
                 self._drop_corrupt(entry)
         _, entry, data, size, etag, source = await self._get_bytes(job, ds, key, size, etag, where)
         if source == "peer":
-            self._count_peer_hit(job, size, "stream")
+            self.statistics.peer_hit(job, size, "stream")
         else:
-            self._count_miss(job, size, "stream")
+            self.statistics.miss(job, size, "stream")
         return source, data, etag
 
     # -- Prefetch --------------------------------------------------------------------------------------
@@ -1272,7 +1109,7 @@ class CacheCore:
         ds = await self._dataset(dataset)
         manifest = ds.manifest
         positions = self._resolve(ds, keys, field) if keys else range(len(manifest))
-        job = self._job(job_id)
+        job = self._jobs.ensure(job_id)
         if job_id:
             job.dataset = job.dataset or dataset
         else:
@@ -1304,7 +1141,7 @@ class CacheCore:
     async def _prefetch_worker(self, job: JobState) -> None:
         slots = _PrefetchSlots(asyncio.Semaphore(self.config.prefetch_concurrency if not job.preload
                                                  else max(1, self.config.remote_concurrency // 2)),
-                               self._prefetch_slots)
+                               self.runtime.prefetch_slots)
         tasks: set[asyncio.Task[None]] = set()
         stale_after = max(10.0, 4 * self.config.prefetch_lookahead_s)
         try:
@@ -1356,7 +1193,7 @@ class CacheCore:
                 continue
             run = self._coalesce(job, ds, pos, self.config.lease_coalesce_bytes)
             if len(run) > 1:
-                self._spawn(self._fetch_run(job, ds, run, self._claim_flights(ds, run)))
+                self.runtime.spawn(self._fetch_run(job, ds, run, self._claim_flights(ds, run)))
 
     def _coalesce(self, job: JobState, ds: DatasetState, pos: int, limit: int = 0) -> list[int]:
         """Manifest positions to fetch with ``pos`` in one ranged read: for a sample of a sharded
@@ -1472,51 +1309,8 @@ class CacheCore:
 
     # -- Stats -------------------------------------------------------------------------------------------
 
-    def _update_gauges(self) -> None:
-        for tier in self.tiers:
-            metrics.USED.labels(tier=tier.name).set(tier.used)
-
-    def job_stats(self, job: JobState) -> dict[str, Any]:
-        reads = job.hits + job.misses
-        if job.partition is not None:
-            cached = job.partition.used
-        elif job.pass_through:
-            cached = 0
-        else:
-            cached = sum(e.size for (d, _), e in self._index.items() if d == job.dataset) if job.dataset else 0
-        return {
-            "job_id": job.job_id,
-            "dataset": job.dataset,
-            "quota_bytes": job.quota.cache_quota_bytes if job.quota is not None and not job.pass_through else 0,
-            "cached_bytes": cached,
-            "hits": job.hits,
-            "misses": job.misses,
-            "hit_ratio": job.hits / reads if reads else 0.0,
-            "remote_bytes": job.remote_bytes,
-            "remote_io_limit_bytes_per_s": job.limit,
-            "remote_io_rate_bytes_per_s": job.meter.rate(),
-            "peer_hits": job.peer_hits,
-            "peer_bytes": job.peer_bytes,
-        }
-
     def stats(self, job_id: str = "") -> dict[str, Any]:
-        self._update_gauges()
-        if job_id:
-            job = self._jobs.get(job_id)
-            if job is None:
-                raise NotFound(f"no job {job_id!r} has used this cache server", field="job_id")
-            jobs = [job]
-        else:
-            jobs = list(self._jobs.values())
-        return {
-            "node": self.config.node,
-            "plan_version": self.plan_version,
-            "tiers": [
-                {"tier": t.name, "capacity_bytes": t.capacity, "used_bytes": t.used - t.writing, "hits": t.hits, "misses": t.misses}
-                for t in self.tiers
-            ],
-            "jobs": [self.job_stats(j) for j in jobs],
-        }
+        return self.statistics.report(self._jobs, self.plan_version, job_id)
 
     # -- introspection for tests and tools ------------------------------------------------------------
 
