@@ -186,19 +186,19 @@ def test_io_bound_measurements_are_not_fitted_as_compute():
         return allocation_pb2.TaskReport(progress=common_pb2.JobProgress(cache_hit_ratio=hit_ratio))
 
     # 30 samples/s of 32 KiB, all misses: 0.98 MB/s of a 1 MB/s grant -> IO-bound
-    assert core._io_bound(job, entry, report(0.0), 30.0)
+    assert core.feedback.io_bound(job, entry, report(0.0), 30.0)
     # the same rate with 90 % hits uses a tenth of the grant: the GPU (compute) is the limit
-    assert not core._io_bound(job, entry, report(0.9), 30.0)
+    assert not core.feedback.io_bound(job, entry, report(0.9), 30.0)
     # half of it hits: its reads at the grant take half of each step (a slow step of a job
     # waiting for data, e.g. under CPU contention, is not fitted as compute)
-    assert core._io_bound(job, entry, report(0.5), 30.0)
+    assert core.feedback.io_bound(job, entry, report(0.5), 30.0)
     # no grant under a managed budget: the cache server trickles the misses
     bare = plan_pb2.JobAllocation(job_id=job.id)
     bare.cache_grants.add(node="n0", cache_quota_bytes=1 << 20, remote_io_bytes_per_s=0)
-    assert core._io_bound(job, bare, report(0.0), 1.0)
+    assert core.feedback.io_bound(job, bare, report(0.0), 1.0)
     # other modes do not manage IO: every measurement is fitted as before
-    core.cache_mode = "lru"
-    assert not core._io_bound(job, entry, report(0.0), 30.0)
+    core.feedback.cache_mode = "lru"
+    assert not core.feedback.io_bound(job, entry, report(0.0), 30.0)
 
 
 def test_silod_does_not_start_a_job_granted_no_io():
