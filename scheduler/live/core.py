@@ -1,14 +1,6 @@
 """The scheduler's mechanism: scheduling rounds, plan commits, task reports, release tracking.
 
-Release-before-reuse: when a committed plan takes GPUs away from a job (resize, preemption,
-completion, cancel), those (node, GPU) pairs are recorded as *pending release* for that job.
-Until the node acknowledges the release (AckPlan.released_jobs naming the job, or a
-ReportTasks at or after the releasing plan version that shows no live task of the job on the
-GPU), the policy's output is filtered: an allocation that uses a GPU pending release by
-*another* job is replaced by the job's current allocation if that one is conflict-free, else
-dropped (the job waits). The policy stays a pure function; the filter runs after check_plan.
-The pending set lives in memory: after a scheduler restart it starts empty (agents still stop
-old tasks before starting new ones on their node).
+Release-before-reuse: scheduler.live.releases.
 
 Generations: a job's generation increments whenever its GPU set changes (including to none);
 it stays when the placement is unchanged.
@@ -40,6 +32,8 @@ from scheduler.codesign import is_active as co_active
 from scheduler.invariants import check_plan
 from scheduler.live import convert, data
 from scheduler.live.clients import Clients
+from scheduler.live.plans import PlanStore
+from scheduler.live.releases import ReleaseTracker, hold_releases
 from scheduler.live.feedback import EstimatorFeedback
 from scheduler.live.gpu_health import UsableGpus, faulted_gpus
 from scheduler.deepboot.replicas import LifecycleConfig, ProtectSchedule
@@ -107,11 +101,8 @@ class SchedulerCore:
         self._metadata_seen_at: float | None = None   # last ListNodes answered (monotonic)
         self._blind: tuple[float, float] | None = None   # latest span we could not see the metadata
         self.cache_mode = cache_mode
-        self.latest: plan_pb2.AllocationPlan | None = None
-        self.specs: dict[str, common_pb2.JobSpec] = {}
-        self.agent_addresses: dict[str, str] = {}
-        self.cache_addresses: dict[str, str] = {}  # node -> its CacheService (peers of multi-node jobs)
-        self.pending_release: dict[tuple[str, int], tuple[str, int]] = {}  # (node, gpu) -> (job, releasing version)
+        self.plans = PlanStore(self.clients)
+        self.releases = ReleaseTracker()
         self.tasks: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}  # (job, generation) -> rank -> (phase, exit)
         # Jobs one of whose ranks was killed (SIGKILL: the OOM killer, an operator, a crash of the
         # rank alone): restarted from their checkpoint in a new generation, a few times per job.
@@ -126,7 +117,6 @@ class SchedulerCore:
         self._last_round_s = 0.0
         self._last_round_end = -math.inf
         self._round_lock = asyncio.Lock()
-        self._plan_changed = asyncio.Condition()
         self._wake = asyncio.Event()
         self._reasons: list[str] = []
         self._loop_task: asyncio.Task[None] | None = None
@@ -156,12 +146,41 @@ class SchedulerCore:
     def cached(self, probe: data.CachedBytesProbe | None) -> None:
         self.clients.cached = probe
 
+    # ---- the plan in force (scheduler.live.plans) -------------------------------------------
+    @property
+    def latest(self) -> plan_pb2.AllocationPlan | None:
+        return self.plans.latest
+
+    @property
+    def latest_version(self) -> int:
+        return self.plans.latest_version
+
+    @property
+    def specs(self) -> dict[str, common_pb2.JobSpec]:
+        return self.plans.specs
+
+    @property
+    def agent_addresses(self) -> dict[str, str]:
+        return self.plans.agent_addresses
+
+    async def refresh_latest(self) -> plan_pb2.AllocationPlan | None:
+        return await self.plans.refresh()
+
+    async def wait_newer(self, version: int, timeout: float) -> None:
+        await self.plans.wait_newer(version, timeout)
+
+    async def node_plan(self, plan: plan_pb2.AllocationPlan, node: str) -> plan_pb2.NodePlan:
+        return await self.plans.node_plan(plan, node)
+
+    def allocation(self, job_id: str) -> plan_pb2.JobAllocation | None:
+        return self.plans.allocation(job_id)
+
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         # Profiles are fitted when a round first needs them, not here: fitting all of them
         # would compete with serving for seconds after every start.
-        await self.refresh_latest()
-        await self._recover_releases()
+        await self.plans.refresh()
+        await self.releases.recover(self.md, self.plans.latest)
         self._loop_task = asyncio.create_task(self._loop())
         self._node_task = asyncio.create_task(self._watch_nodes())
 
@@ -237,25 +256,6 @@ class SchedulerCore:
                 self.trigger("gpu-health")  # a GPU faulted (its job moves now) or was cleared
             self._known_faults = faults
 
-    async def _recover_releases(self) -> None:
-        """After a restart: GPUs the latest plan took from a job are pending release again
-        (conservative: a release acked before the crash is re-proven by the agent's next report)."""
-        if self.latest is None or self.latest.version < 2:
-            return
-        try:
-            previous = await self.md.GetPlan(metadata_pb2.GetPlanRequest(version=self.latest.version - 1))
-        except grpc.aio.AioRpcError:
-            return
-        self._record_releases(previous, self.latest)
-
-    def _record_releases(self, previous: plan_pb2.AllocationPlan, new: plan_pb2.AllocationPlan) -> None:
-        entries = {e.job_id: e for e in new.jobs}
-        for entry in previous.jobs:
-            kept = set(convert.ranks_of(entries[entry.job_id])) if entry.job_id in entries else set()
-            for gpu in convert.ranks_of(entry):
-                if gpu not in kept:
-                    self.pending_release[gpu] = (entry.job_id, new.version)
-
     def trigger(self, reason: str) -> None:
         self._reasons.append(reason)
         self._wake.set()
@@ -295,66 +295,6 @@ class SchedulerCore:
             except Exception:
                 _log.exception("scheduling round failed")
 
-    # ---- plans -----------------------------------------------------------------------------
-    async def refresh_latest(self) -> plan_pb2.AllocationPlan | None:
-        try:
-            plan = await self.md.GetLatestPlan(metadata_pb2.GetLatestPlanRequest())
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-            return self.latest
-        await self._set_latest(plan)
-        return self.latest
-
-    async def _set_latest(self, plan: plan_pb2.AllocationPlan) -> None:
-        if self.latest is None or plan.version > self.latest.version:
-            self.latest = plan
-            async with self._plan_changed:
-                self._plan_changed.notify_all()
-
-    async def wait_newer(self, version: int, timeout: float) -> None:
-        async with self._plan_changed:
-            try:
-                await asyncio.wait_for(
-                    self._plan_changed.wait_for(lambda: self.latest is not None and self.latest.version > version), timeout
-                )
-            except asyncio.TimeoutError:
-                pass
-
-    @property
-    def latest_version(self) -> int:
-        return self.latest.version if self.latest is not None else 0
-
-    def allocation(self, job_id: str) -> plan_pb2.JobAllocation | None:
-        if self.latest is None:
-            return None
-        for job in self.latest.jobs:
-            if job.job_id == job_id:
-                return job
-        return None
-
-    async def spec_of(self, job_id: str) -> common_pb2.JobSpec | None:
-        if job_id not in self.specs:
-            try:
-                job = await self.md.GetJob(metadata_pb2.GetJobRequest(job_id=job_id))
-            except grpc.aio.AioRpcError:
-                return None
-            self.specs[job_id] = job.spec
-        return self.specs[job_id]
-
-    async def node_plan(self, plan: plan_pb2.AllocationPlan, node: str) -> plan_pb2.NodePlan:
-        for job in plan.jobs:
-            await self.spec_of(job.job_id)
-            for name in convert.job_nodes(job):
-                if name not in self.agent_addresses or name not in self.cache_addresses:
-                    try:
-                        n = await self.md.GetNode(metadata_pb2.GetNodeRequest(node=name))
-                        self.agent_addresses[name] = n.spec.agent_address
-                        self.cache_addresses[name] = n.spec.cache_address
-                    except grpc.aio.AioRpcError:
-                        pass
-        return convert.node_plan(plan, node, self.specs, self.agent_addresses, self.cache_addresses)
-
     # ---- snapshot --------------------------------------------------------------------------
     async def _active_jobs(self) -> list[common_pb2.Job]:
         jobs: list[common_pb2.Job] = []
@@ -383,9 +323,7 @@ class SchedulerCore:
         self._metadata_seen()
         nodes = [n for n in nodes_resp.nodes if n.spec.gpus > 0]
         self.usable = UsableGpus(nodes)
-        for n in nodes:
-            self.agent_addresses[n.spec.name] = n.spec.agent_address
-            self.cache_addresses[n.spec.name] = n.spec.cache_address
+        self.plans.remember_nodes(nodes)
         infos = tuple(convert.node_info(n) for n in sorted(nodes, key=lambda n: n.spec.name))
         alive = {n.name: n for n in infos}
         jobs = await self._active_jobs()
@@ -450,44 +388,6 @@ class SchedulerCore:
         )
         return snap, jobs
 
-    def _hold_releases(self, plan: Plan, current: Plan) -> Plan:
-        """Drop allocations that would use a GPU another job has not released yet."""
-
-        # GPUs held under the plan in force count as busy for every other job: handing one over
-        # means its holder releases it in this plan, and it is reusable only once that is acked.
-        busy = {gpu: job for gpu, (job, _) in self.pending_release.items()}
-        if self.latest is not None:
-            for entry in self.latest.jobs:
-                for gpu in convert.ranks_of(entry):
-                    busy.setdefault(gpu, entry.job_id)
-
-        def conflicts(job_id: str, alloc: Allocation | None) -> bool:
-            if alloc is None:
-                return False
-            return any(busy.get((node, i), job_id) != job_id for node, idx in alloc.placement for i in idx)
-
-        result: dict[str, Allocation] = {}
-        kept_old: set[str] = set()
-        for job_id, alloc in plan.allocations.items():
-            if not alloc.gpus:
-                continue
-            if conflicts(job_id, alloc):
-                old = current.get(job_id)
-                if old is not None and old.gpus and not conflicts(job_id, old):
-                    result[job_id] = old
-                    kept_old.add(job_id)
-                continue
-            result[job_id] = alloc
-        # A kept (running) allocation wins over a new one of another job on the same GPU.
-        used: set[tuple[str, int]] = set()
-        for job_id in sorted(result, key=lambda j: j not in kept_old):
-            gpus = {(node, i) for node, idx in result[job_id].placement for i in idx}
-            if gpus & used:
-                del result[job_id]
-            else:
-                used |= gpus
-        return Plan(result)
-
     # ---- rounds ----------------------------------------------------------------------------
     async def run_round(self, reason: str = "interval") -> plan_pb2.AllocationPlan | None:
         async with self._round_lock:
@@ -505,7 +405,7 @@ class SchedulerCore:
         check_plan(snap, policy_plan)
         inference_jobs = [j for j in jobs if is_inference_job(j)]
         plan = self.inference.place(snap, policy_plan, inference_jobs, unusable=self.usable.faulted)
-        plan = self._hold_releases(plan, snap.current)
+        plan = hold_releases(plan, snap.current, self.releases.busy(self.plans.latest))
         inference_ids = {j.id for j in inference_jobs}
         # Cache quotas and IO rates of the cache mode, on the placements that survived the
         # release holds and inference reclaims (inference tasks read no dataset).
@@ -571,8 +471,8 @@ class SchedulerCore:
             raise
         # GPUs taken from a job are pending release until the node acknowledges them.
         if self.latest is not None:
-            self._record_releases(self.latest, committed)
-        await self._set_latest(committed)
+            self.releases.record(self.latest, committed)
+        await self.plans.set_latest(committed)
         self._restart -= {entry.job_id for entry in committed.jobs if convert.ranks_of(entry)}
         await self._transitions(committed, old, {j.id: j for j in jobs})
         self._log_commit(committed, old, reason)
@@ -639,11 +539,7 @@ class SchedulerCore:
 
     # ---- node feedback ---------------------------------------------------------------------
     def release(self, node: str, jobs: Iterable[str]) -> bool:
-        jobs = set(jobs)
-        freed = [gpu for gpu, (job, _) in self.pending_release.items() if gpu[0] == node and job in jobs]
-        for gpu in freed:
-            del self.pending_release[gpu]
-        return bool(freed)
+        return self.releases.release(node, jobs)
 
     async def report_tasks(self, request: allocation_pb2.ReportTasksRequest) -> list[str]:
         node = request.node
@@ -658,12 +554,7 @@ class SchedulerCore:
                         GPU_DOUBLE_HELD.inc()
                         _log.error("GPU held by two jobs", extra={"node": node, "gpu": i, "jobs": [holders[i], t.job_id]})
                     holders.setdefault(i, t.job_id)
-        # Releases proven by the report: no live task of the job on the GPU, at or after the releasing plan.
-        freed = [gpu for gpu, (job, version) in self.pending_release.items()
-                 if gpu[0] == node and request.applied_plan_version >= version and (job, gpu[1]) not in live_held]
-        for gpu in freed:
-            del self.pending_release[gpu]
-        if freed:
+        if self.releases.proven_by_report(node, request.applied_plan_version, live_held):
             self.trigger("release")
 
         acknowledged: list[str] = []

@@ -1,0 +1,107 @@
+"""Release-before-reuse: GPUs a committed plan took from a job stay its own until it let go.
+
+When a committed plan takes GPUs away from a job (resize, preemption, completion, cancel),
+those (node, GPU) pairs are recorded as *pending release* for that job. Until the node
+acknowledges the release (AckPlan.released_jobs naming the job, or a ReportTasks at or after
+the releasing plan version that shows no live task of the job on the GPU), the policy's output
+is filtered: an allocation that uses a GPU pending release by *another* job is replaced by the
+job's current allocation if that one is conflict-free, else dropped (the job waits). The
+policy stays a pure function; the filter runs after check_plan. The pending set lives in
+memory: after a scheduler restart it starts empty (agents still stop old tasks before starting
+new ones on their node).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import grpc
+
+from scheduler.live import convert
+from scheduler.policy import Allocation, Plan
+from silod.v1 import metadata_pb2, plan_pb2
+
+Gpu = tuple[str, int]  # (node, GPU index)
+
+
+class ReleaseTracker:
+    def __init__(self) -> None:
+        self.pending: dict[Gpu, tuple[str, int]] = {}  # (node, gpu) -> (job, releasing version)
+
+    def record(self, previous: plan_pb2.AllocationPlan, new: plan_pb2.AllocationPlan) -> None:
+        entries = {e.job_id: e for e in new.jobs}
+        for entry in previous.jobs:
+            kept = set(convert.ranks_of(entries[entry.job_id])) if entry.job_id in entries else set()
+            for gpu in convert.ranks_of(entry):
+                if gpu not in kept:
+                    self.pending[gpu] = (entry.job_id, new.version)
+
+    async def recover(self, md, latest: plan_pb2.AllocationPlan | None) -> None:  # type: ignore[no-untyped-def]
+        """After a restart: GPUs the latest plan took from a job are pending release again
+        (conservative: a release acked before the crash is re-proven by the agent's next report)."""
+        if latest is None or latest.version < 2:
+            return
+        try:
+            previous = await md.GetPlan(metadata_pb2.GetPlanRequest(version=latest.version - 1))
+        except grpc.aio.AioRpcError:
+            return
+        self.record(previous, latest)
+
+    def release(self, node: str, jobs: Iterable[str]) -> bool:
+        """The node acknowledged that ``jobs`` let go of their GPUs there; whether any was pending."""
+        jobs = set(jobs)
+        freed = [gpu for gpu, (job, _) in self.pending.items() if gpu[0] == node and job in jobs]
+        for gpu in freed:
+            del self.pending[gpu]
+        return bool(freed)
+
+    def proven_by_report(self, node: str, applied_version: int, live_held: set[tuple[str, int]]) -> bool:
+        """Releases proven by a task report: no live task of the job on the GPU, at or after the
+        releasing plan. ``live_held``: (job, GPU index) of the node's live tasks. Whether any was freed."""
+        freed = [gpu for gpu, (job, version) in self.pending.items()
+                 if gpu[0] == node and applied_version >= version and (job, gpu[1]) not in live_held]
+        for gpu in freed:
+            del self.pending[gpu]
+        return bool(freed)
+
+    def busy(self, latest: plan_pb2.AllocationPlan | None) -> dict[Gpu, str]:
+        """GPU -> the job it belongs to until released."""
+        # GPUs held under the plan in force count as busy for every other job: handing one over
+        # means its holder releases it in this plan, and it is reusable only once that is acked.
+        busy = {gpu: job for gpu, (job, _) in self.pending.items()}
+        if latest is not None:
+            for entry in latest.jobs:
+                for gpu in convert.ranks_of(entry):
+                    busy.setdefault(gpu, entry.job_id)
+        return busy
+
+
+def hold_releases(plan: Plan, current: Plan, busy: Mapping[Gpu, str]) -> Plan:
+    """Drop allocations that would use a GPU another job has not released yet."""
+
+    def conflicts(job_id: str, alloc: Allocation | None) -> bool:
+        if alloc is None:
+            return False
+        return any(busy.get((node, i), job_id) != job_id for node, idx in alloc.placement for i in idx)
+
+    result: dict[str, Allocation] = {}
+    kept_old: set[str] = set()
+    for job_id, alloc in plan.allocations.items():
+        if not alloc.gpus:
+            continue
+        if conflicts(job_id, alloc):
+            old = current.get(job_id)
+            if old is not None and old.gpus and not conflicts(job_id, old):
+                result[job_id] = old
+                kept_old.add(job_id)
+            continue
+        result[job_id] = alloc
+    # A kept (running) allocation wins over a new one of another job on the same GPU.
+    used: set[Gpu] = set()
+    for job_id in sorted(result, key=lambda j: j not in kept_old):
+        gpus = {(node, i) for node, idx in result[job_id].placement for i in idx}
+        if gpus & used:
+            del result[job_id]
+        else:
+            used |= gpus
+    return Plan(result)
