@@ -24,24 +24,30 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
 from cache_server import metrics
+from cache_server.catalog import (
+    DatasetCatalog,
+    DatasetState,
+    ManifestLoader,
+    VersionProbe,
+    check_batch,
+    import_store_clients,
+    resolve,
+)
 from cache_server.config import CacheConfig
+from cache_server.entries import EntryStore
 from cache_server.jobs import JobState, JobTable
 from cache_server.runtime import Runtime
 from cache_server.stats import Statistics
 from cache_server.peers import Peer, PeerReader
-from cache_server.policies import PASS_THROUGH, PLAN_POLICIES, POLICIES, FetchCostModel, Partition, make_partition
+from cache_server.policies import PASS_THROUGH, PLAN_POLICIES, POLICIES, Partition, make_partition
 from cache_server.ratelimit import TokenBucket
-from cache_server.tiers import Entry, Tier, entry_name, is_no_space
-from services.runtime.downstream import translate
-from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from silod.data.catalog import Manifest, ManifestNotFound
+from cache_server.tiers import Entry, Tier
+from services.runtime.errors import FailedPrecondition, InvalidArgument, Unavailable
 from silod.rpc import identifiers
 from silod.data.keys import key_problem
 from silod.data.shards import SampleRange, parse_sample_key
@@ -49,30 +55,14 @@ from silod.data.store import (
     ObjectChanged,
     ObjectMissing,
     ObjectOutsideRoot,
-    ObjectStore,
-    StoreConfigError,
     StoreError,
 )
 
 _log = logging.getLogger("silod.cache")
 
-MAX_KEYS_PER_CALL = 4096
 MAX_RELEASES_PER_CALL = 64
 MAX_PREFETCH_KEYS = 1 << 20
 _TAR_GAP = 1024  # bytes between two samples of a shard: block padding (< 512) and nothing else
-
-
-@dataclass
-class DatasetState:
-    manifest: Manifest
-    store: ObjectStore
-    cost: FetchCostModel
-    checked_at: float
-    refreshing: bool = False
-
-    @property
-    def name(self) -> str:
-        return self.manifest.name
 
 
 class _NoLongerWanted(Exception):
@@ -100,10 +90,6 @@ class Served:
     tier: str  # memory, disk, or remote (fetched by this call)
 
 
-ManifestLoader = Callable[[str], Awaitable[Manifest]]
-VersionProbe = Callable[[str], Awaitable[int]]
-
-
 class CacheCore:
     def __init__(
         self, config: CacheConfig, load_manifest: ManifestLoader, probe_version: VersionProbe | None = None,
@@ -113,23 +99,11 @@ class CacheCore:
         self.peers = peers  # None: misses go to the store whatever the plan says
         if config.default_policy not in POLICIES:
             raise ValueError(f"default_policy: must be one of {', '.join(POLICIES)}, got {config.default_policy!r}")
-        self._load_manifest = load_manifest
-        self._probe_version = probe_version
-        self.tiers: list[Tier] = []
-        if config.memory_dir and config.memory_bytes > 0:
-            # tmpfs: no fsync needed (and none possible that matters)
-            self.tiers.append(Tier("memory", config.memory_dir, config.memory_bytes, fsync=False))
-        if config.disk_dir and config.disk_bytes > 0:
-            self.tiers.append(Tier("disk", config.disk_dir, config.disk_bytes, fsync=config.fsync))
-        self.capacity = sum(t.capacity for t in self.tiers)
-        self.shared: Partition = make_partition(
-            config.default_policy, "shared", self.capacity, half_life_s=config.lrfu_half_life_s
-        )
+        self.runtime = Runtime(config.remote_concurrency)
+        self.entries = EntryStore(config, self.runtime)
+        self.catalog = DatasetCatalog(config, self.runtime, load_manifest, probe_version)
         self.plan_version = 0
         self._quota_only_plan = True
-        self._index: dict[tuple[str, str], Entry] = {}
-        self._datasets: dict[str, DatasetState] = {}
-        self._loading: dict[str, asyncio.Future[DatasetState]] = {}
         self._inflight: dict[tuple[str, str, str], asyncio.Future[tuple[Entry | None, bytes]]] = {}
         # Object versions whose IO a job is paying for now (waiting in its bucket before it
         # claims the flight): the bucket and a future set once that payment is over.
@@ -138,12 +112,7 @@ class CacheCore:
         self._parts: dict[tuple[str, str], Partition] = {}  # (dataset, policy) -> quota partition
         self._leases: dict[str, Lease] = {}
         self._lease_seq = itertools.count()
-        # Admission file suffixes: random per process (a restart never reuses a name), then a
-        # counter (os.urandom per admission released the GIL to 64 fetch threads every time).
-        self._admission_prefix = secrets.token_hex(3)
-        self._admissions = itertools.count()
-        self.runtime = Runtime(config.remote_concurrency)
-        self.statistics = Statistics(config.node, self.tiers, self._index)
+        self.statistics = Statistics(config.node, self.entries.tiers, self.entries.index)
         transient_base = config.memory_dir or config.disk_dir
         self._transient_dir = os.path.join(transient_base, "transient") if transient_base else ""
         self._started = False
@@ -151,31 +120,15 @@ class CacheCore:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        for tier in self.tiers:
-            entries = await loop.run_in_executor(self.runtime.file_pool, tier.open)
-            for entry in entries:
-                old = self._index.get((entry.dataset, entry.key))
-                if old is not None:  # the same object in two tiers after a crash: keep one
-                    self._delete_file(entry)
-                    continue
-                self._index[(entry.dataset, entry.key)] = entry
-                self.shared.add(entry, 0.0)
-            metrics.CAPACITY.labels(tier=tier.name).set(tier.capacity)
-            _log.info(
-                "cache tier ready",
-                extra={"tier": tier.name, "dir": tier.root, "capacity_bytes": tier.capacity,
-                       "reindexed_objects": len(entries), "reindexed_bytes": sum(e.size for e in entries)},
-            )
-        self._enforce(self.shared)
+        await self.entries.open()
         if self._transient_dir:
             shutil.rmtree(self._transient_dir, ignore_errors=True)
             os.makedirs(self._transient_dir, exist_ok=True)
         self.runtime.spawn(self._sweep_leases())
-        self.runtime.spawn(self._scrub())
+        self.runtime.spawn(self.entries.scrub())
         # The lean S3 client's import (botocore's credentials: ~0.2 s of CPU) is not paid on the
         # first job's first miss; s3fs's only when a dataset needs it (_load_dataset).
-        self.runtime.spawn(loop.run_in_executor(self.runtime.remote_pool, _import_store_clients, False))
+        self.runtime.spawn(self.runtime.on_remote(import_store_clients, False))
         self._started = True
         self.statistics.update_gauges()
 
@@ -190,12 +143,9 @@ class CacheCore:
         if self.peers is not None:
             await self.peers.close()
         self.runtime.stop_remote_reads()
-        for ds in self._datasets.values():
-            with contextlib.suppress(Exception):
-                await ds.store.aclose()
+        await self.catalog.close()
         self.runtime.stop_file_work()
-        for tier in self.tiers:
-            tier.close()
+        self.entries.close()
 
     # -- plan ----------------------------------------------------------------------------------
 
@@ -254,9 +204,9 @@ class CacheCore:
                     job=q.job_id, cache_quota_bytes=q.cache_quota_bytes,
                 )
         total = sum(q.cache_quota_bytes for q in quotas if q.cache_policy != PASS_THROUGH)
-        if total > self.capacity:
+        if total > self.entries.capacity:
             raise InvalidArgument(
-                f"quotas add up to {total} bytes, more than this node's cache capacity of {self.capacity} bytes",
+                f"quotas add up to {total} bytes, more than this node's cache capacity of {self.entries.capacity} bytes",
                 field="cache_quotas",
             )
         now = time.monotonic()
@@ -278,12 +228,12 @@ class CacheCore:
                 )
                 # A policy change of the dataset: its objects move to the new partition.
                 for other in [k for k in self._parts if k[0] == key[0] and k not in wanted]:
-                    for entry in self._dissolve(self._parts.pop(other)):
+                    for entry in self.entries.dissolve(self._parts.pop(other)):
                         part.add(entry, now)
             part.capacity = capacity
         orphans: list[Entry] = []
         for key in [k for k in self._parts if k not in wanted]:
-            orphans.extend(self._dissolve(self._parts.pop(key)))
+            orphans.extend(self.entries.dissolve(self._parts.pop(key)))
         # A dataset's partition takes its cached objects that nobody's quota holds now (a
         # departed partition's, or the shared part's: a dataset read again after a plan
         # without it) while it has room, before the shared part shrinks below them.
@@ -291,7 +241,7 @@ class CacheCore:
         for key, part in self._parts.items():
             by_dataset.setdefault(key[0], []).append(part)
         kept: list[Entry] = []
-        for entry in orphans + [e for e in list(self.shared.entries.values()) if e.dataset in by_dataset]:
+        for entry in orphans + [e for e in list(self.entries.shared.entries.values()) if e.dataset in by_dataset]:
             home = next((p for p in by_dataset.get(entry.dataset, []) if entry.size <= p.free()), None)
             if home is None:
                 if entry.partition is None:
@@ -334,41 +284,24 @@ class CacheCore:
             else:
                 job.set_limit(0.0, self.config.io_burst_s, hold=True)
         for part in self._parts.values():
-            self._enforce(part)
-        self.shared.capacity = self.capacity - total
-        self._enforce(self.shared)
+            self.entries.enforce(part)
+        self.entries.shared.capacity = self.entries.capacity - total
+        self.entries.enforce(self.entries.shared)
         for entry in orphans:  # a departed job's objects stay cached while the shared part has room
-            if entry.size <= self.shared.free():
-                self.shared.add(entry, now)
+            if entry.size <= self.entries.shared.free():
+                self.entries.shared.add(entry, now)
             else:
-                self._evict(entry)
+                self.entries.evict(entry)
         self._quota_only_plan = quota_only
-        for name in {q.dataset for q in quotas if q.dataset} - set(self._datasets) - set(self._loading):
-            with contextlib.suppress(RuntimeError):  # no running loop (a direct call): nothing to prepare
-                asyncio.get_running_loop()
-                self.runtime.spawn(self._prepare(name))
+        self.catalog.prepare(q.dataset for q in quotas if q.dataset)
         self.plan_version = plan_version
         metrics.PLAN_VERSION.set(plan_version)
         _log.info(
             "plan applied",
             extra={"plan_version": plan_version, "jobs": len(quotas), "quota_bytes": total,
-                   "shared_bytes": self.shared.capacity},
+                   "shared_bytes": self.entries.shared.capacity},
         )
         return True
-
-    async def _prepare(self, name: str) -> None:
-        """Load a dataset a plan names for a job here before the job's first call: its manifest and
-        a store connection (one HEAD), which its first Lease would otherwise wait for (seconds on
-        a busy machine, counted in the job's run time)."""
-        try:
-            ds = await self._dataset(name)
-            if len(ds.manifest) and ds.store.reads_async:
-                await ds.store.current_tag_async(ds.manifest.keys[0])
-            elif len(ds.manifest):
-                await asyncio.get_running_loop().run_in_executor(
-                    self.runtime.remote_pool, ds.store.current_tag, ds.manifest.keys[0])
-        except Exception as exc:  # the job's own calls report any problem
-            _log.debug("dataset not prepared", extra={"dataset": name, "error": str(exc)})
 
     def _partition_key(self, q: Any) -> tuple[str, str] | None:
         """The quota partition a JobCacheQuota contributes to: (dataset, policy), or None."""
@@ -379,182 +312,9 @@ class CacheCore:
         dataset = q.dataset or (job.dataset if job is not None else "")
         return (dataset or f"job:{q.job_id}", policy)
 
-    def _dissolve(self, part: Partition) -> list[Entry]:
-        entries = list(part.entries.values())
-        for entry in entries:
-            part.remove(entry)
-        return entries
-
-    def _enforce(self, part: Partition) -> None:
-        if part.used + part.reserved > part.capacity:
-            for victim in part.shrink_victims():
-                self._evict(victim)
-
     # -- jobs and datasets --------------------------------------------------------------------------
 
-    async def _dataset(self, name: str) -> DatasetState:
-        if not name:
-            raise InvalidArgument("must name a registered dataset", field="dataset")
-        ds = self._datasets.get(name)
-        if ds is None:
-            return await self._load_dataset(name)
-        if time.monotonic() - ds.checked_at > self.config.manifest_refresh_s and not ds.refreshing:
-            ds.refreshing = True
-            self.runtime.spawn(self._refresh_in_background(ds))
-        return ds
-
-    async def _refresh_in_background(self, ds: DatasetState) -> None:
-        try:
-            if self._probe_version is not None:
-                version = await self._probe_version(ds.name)
-                if version == ds.manifest.version:
-                    ds.checked_at = time.monotonic()
-                    return
-            await self._load_dataset(ds.name)
-        except Exception as exc:  # metadata down: keep serving the manifest we have
-            _log.warning("manifest refresh failed", extra={"dataset": ds.name, "error": str(exc)})
-            ds.checked_at = time.monotonic()
-        finally:
-            ds.refreshing = False
-
-    async def _load_dataset(self, name: str) -> DatasetState:
-        pending = self._loading.get(name)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future: asyncio.Future[DatasetState] = asyncio.get_running_loop().create_future()
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._loading[name] = future
-        try:
-            try:
-                manifest = await self._load_manifest(name)
-            except ManifestNotFound:
-                raise NotFound(f"no dataset named {name!r} is registered", field="dataset") from None
-            except (InvalidArgument, NotFound):
-                raise
-            except grpc.RpcError as exc:  # the shared rule: the caller's field, or retryable, or a bug
-                raise translate(exc, "metadata (manifest of the dataset)", {"name": "dataset"},
-                                default_field="dataset") from None
-            except Exception as exc:
-                raise Unavailable(f"cannot load the manifest of {name!r} from the metadata service: {exc}",
-                                  field="dataset") from exc
-            old = self._datasets.get(name)
-            try:
-                store = ObjectStore(
-                    manifest.uri,
-                    manifest.storage_options,
-                    timeout_s=self.config.remote_timeout_s,
-                    retries=self.config.remote_retries,
-                )
-            except StoreConfigError as exc:
-                raise FailedPrecondition(f"dataset {name!r} cannot be read: {exc}", field="dataset") from None
-            if store.scheme == "s3" and not store.reads_async:
-                # s3fs/aiobotocore take ~0.5 s of CPU to import: in the background, now.
-                self.runtime.spawn(asyncio.get_running_loop().run_in_executor(self.runtime.remote_pool, _import_store_clients, True))
-            ds = DatasetState(manifest, store, old.cost if old else FetchCostModel(), time.monotonic())
-            self._datasets[name] = ds
-            if old is not None and old.store is not store:
-                self.runtime.spawn(self._close_later(old.store))
-            if old is not None and old.manifest.version != manifest.version:
-                _log.info("manifest replaced", extra={"dataset": name, "from_version": old.manifest.version,
-                                                      "to_version": manifest.version})
-            future.set_result(ds)
-            return ds
-        except BaseException as exc:
-            future.set_exception(exc)
-            raise
-        finally:
-            self._loading.pop(name, None)
-
-    async def _close_later(self, store: ObjectStore) -> None:
-        """Close a replaced manifest's store connections once its fetches in flight are over."""
-        try:
-            await asyncio.sleep(self.config.remote_timeout_s * (self.config.remote_retries + 1) + 10.0)
-        finally:  # at stop() too
-            await store.aclose()
-
-    def _resolve(self, ds: DatasetState, keys: Sequence[str], field: str = "keys") -> list[int]:
-        index = ds.manifest.index
-        positions = []
-        for i, key in enumerate(keys):
-            pos = index.get(key)
-            if pos is None:
-                problem = key_problem(key)
-                if problem is not None:
-                    raise InvalidArgument(problem, field=f"{field}[{i}]")
-                raise NotFound(
-                    f"no object {key!r} in the manifest of dataset {ds.name!r} (version {ds.manifest.version})",
-                    field=f"{field}[{i}]",
-                )
-            positions.append(pos)
-        return positions
-
-    @staticmethod
-    def _check_batch(keys: Sequence[str], limit: int = MAX_KEYS_PER_CALL, allow_empty: bool = False,
-                     field: str = "keys") -> None:
-        if not keys and not allow_empty:
-            raise InvalidArgument("must name at least one key", field=field)
-        if len(keys) > limit:
-            raise InvalidArgument(f"at most {limit:,} keys per call, got {len(keys):,}", field=field)
-
     # -- cache index ------------------------------------------------------------------------------
-
-    def _lookup(self, dataset: str, key: str, etag: str) -> Entry | None:
-        entry = self._index.get((dataset, key))
-        if entry is None:
-            return None
-        if entry.etag != etag:  # the manifest moved on: that copy is another version
-            self._evict(entry)
-            return None
-        return entry
-
-    def _evict(self, entry: Entry) -> None:
-        """Take ``entry`` out of the cache; its file goes now, or when its last pin goes."""
-        if entry.partition is not None:
-            entry.partition.remove(entry)
-        if self._index.get((entry.dataset, entry.key)) is entry:
-            del self._index[(entry.dataset, entry.key)]
-            metrics.EVICTIONS.labels(tier=entry.tier.name).inc()
-        entry.doomed = True
-        if entry.pins == 0:
-            self._delete_file(entry)
-
-    def _delete_file(self, entry: Entry) -> None:
-        if entry.deleted:
-            return
-        entry.deleted = True
-        entry.doomed = True
-        entry.tier.unlink(entry)
-        entry.tier.used -= entry.size
-        entry.tier.journal_del(entry)
-
-    def _unpin(self, entry: Entry) -> None:
-        entry.pins -= 1
-        if entry.pins == 0 and entry.doomed:
-            self._delete_file(entry)
-
-    def _intact(self, entry: Entry) -> bool:
-        """Cheap check that nobody wrote to the file since it was cached (size and mtime)."""
-        try:
-            st = os.stat(entry.path)
-        except OSError:
-            return False
-        return st.st_size == entry.size and st.st_mtime_ns == entry.mtime_ns
-
-    def _drop_corrupt(self, entry: Entry) -> None:
-        metrics.CORRUPT.labels(tier=entry.tier.name).inc()
-        _log.warning("cached file failed verification; dropped and fetched again",
-                     extra={"tier": entry.tier.name, "dataset": entry.dataset, "key": entry.key, "path": entry.path})
-        self._evict(entry)
-
-    def _touch(self, job: JobState, entry: Entry, now: float) -> None:
-        part = entry.partition
-        if part is not None:
-            part.on_hit(entry, now)
-            # A job with its own quota adopts objects it reads from the shared part while it has room.
-            mine = job.partition
-            if mine is not None and part is self.shared and entry.size <= mine.free():
-                part.remove(entry)
-                mine.add(entry, now)
 
     # -- fetching and admission ---------------------------------------------------------------------
 
@@ -578,7 +338,7 @@ class CacheCore:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(job.io_granted.wait(), 0.5)
             pending = self._inflight.get(flight)
-            cached = self._lookup(ds.name, key, etag)
+            cached = self.entries.lookup(ds.name, key, etag)
             if pending is None and cached is not None and cached.verified and not cached.doomed:
                 break
         paid = None  # the bucket this job's IO for the object was paid on, before claiming the flight
@@ -627,20 +387,16 @@ class CacheCore:
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._inflight[flight] = future
         try:
-            existing = self._index.get((ds.name, key))
+            existing = self.entries.index.get((ds.name, key))
             if data is None and existing is not None and existing.etag == etag and existing.verified \
                     and not existing.doomed:
                 # Admitted by someone else since the caller looked: a local read beats a remote one.
-                existing.pins += 1
-                try:
-                    data = await asyncio.get_running_loop().run_in_executor(self.runtime.file_pool, _read_verified, existing)
-                finally:
-                    self._unpin(existing)
+                data = await self.entries.read_pinned(existing)
             if data is None:
                 data = await self._fetch(job, ds, key, size, etag, paid=paid is not None)
             elif paid is not None:
                 paid.refund(size)  # read locally after all
-            entry = await self._admit(job, ds, key, etag, data)
+            entry = await self.entries.admit(job, ds.name, key, etag, data, ds.cost)
             future.set_result((entry, data))
             return entry, data
         except BaseException as exc:
@@ -662,7 +418,7 @@ class CacheCore:
                 data = await ds.store.read_async(key, size, etag)
         else:
             # The store bounds each attempt; this bounds the whole retry sequence (a hung mount).
-            overall = self.config.remote_timeout_s * (self.config.remote_retries + 1) + 10.0
+            overall = self.config.remote_deadline_s
             try:
                 async with asyncio.timeout(overall):
                     data = await asyncio.get_running_loop().run_in_executor(
@@ -676,69 +432,6 @@ class CacheCore:
         metrics.labelled(metrics.REMOTE_BYTES, label).inc(len(data))
         metrics.labelled(metrics.REMOTE_FETCHES, label).inc()
         return data
-
-    def _place(self, size: int, now: float) -> Tier | None:
-        for tier in self.tiers:
-            if tier.free() >= size and tier.full_until <= now:
-                return tier
-        return None
-
-    async def _admit(self, job: JobState, ds: DatasetState, key: str, etag: str, data: bytes) -> Entry | None:
-        existing = self._index.get((ds.name, key))
-        if existing is not None and existing.etag == etag and not existing.doomed:
-            return existing
-        size = len(data)
-        now = time.monotonic()
-        part = job.partition or self.shared
-        cost = ds.cost.cost(size)
-        victims = part.plan_admission(size, cost, now)
-        if victims is None:
-            metrics.PASS_THROUGH.labels(job=metrics.job_label(job.job_id), reason="policy").inc()
-            return None
-        for victim in victims:
-            self._evict(victim)
-        tier = self._place(size, now)
-        if tier is None:
-            metrics.PASS_THROUGH.labels(job=metrics.job_label(job.job_id), reason="no-space").inc()
-            return None
-        part.reserved += size
-        tier.used += size
-        tier.writing += size
-        # Unique per admission: a doomed (evicted, still leased) copy of the same version never
-        # shares a path with its successor.
-        name = f"{entry_name(ds.name, key, etag)}.{self._admission_prefix}{next(self._admissions):x}"
-        try:
-            digest, mtime_ns = await asyncio.get_running_loop().run_in_executor(self.runtime.file_pool, tier.write, name, data)
-        except OSError as exc:
-            tier.writing -= size
-            part.reserved -= size
-            tier.used -= size
-            if is_no_space(exc):
-                tier.full_until = time.monotonic() + self.config.no_space_backoff_s
-                self.runtime.warn_once(f"enospc-{tier.name}-{int(tier.full_until)}",
-                                "cache tier out of space; serving without caching for a while",
-                                tier=tier.name, dir=tier.root, retry_after_s=self.config.no_space_backoff_s)
-                metrics.PASS_THROUGH.labels(job=metrics.job_label(job.job_id), reason="no-space").inc()
-            else:
-                _log.warning("cannot write a cache file; serving without caching",
-                             extra={"tier": tier.name, "error": str(exc)})
-                metrics.PASS_THROUGH.labels(job=metrics.job_label(job.job_id), reason="write-error").inc()
-            return None
-        part.reserved -= size
-        tier.writing -= size
-        old = self._index.get((ds.name, key))
-        if old is not None:
-            self._evict(old)
-        entry = Entry(ds.name, key, etag, size, tier, name, digest, mtime_ns, cost_s=cost)
-        self._index[(ds.name, key)] = entry
-        current = job.partition or self.shared  # a plan may have arrived while writing
-        current.add(entry, time.monotonic())
-        tier.journal_put(entry)
-        self._enforce(current)
-        if tier.journal_needs_compaction(len(self._index)):
-            snapshot = [e for e in self._index.values() if e.tier is tier]
-            self.runtime.spawn(asyncio.get_running_loop().run_in_executor(self.runtime.file_pool, tier.compact, snapshot))
-        return entry
 
     def _store_error(self, exc: StoreError, ds: DatasetState, where: str) -> Exception:
         if isinstance(exc, ObjectOutsideRoot):
@@ -796,7 +489,7 @@ class CacheCore:
             entry, data = await obtain(job, ds, key, size, etag)
             return ds, entry, data, size, etag, "remote"
         except ObjectChanged as exc:
-            fresh = await self._reload_for_change(ds)
+            fresh = await self.catalog.reload_for_change(ds)
             pos = fresh.manifest.index.get(key)
             if pos is None or fresh.manifest.etags[pos] == etag:
                 raise self._store_error(exc, ds, where) from None
@@ -809,29 +502,15 @@ class CacheCore:
         except StoreError as exc:
             raise self._store_error(exc, ds, where) from None
 
-    async def _reload_for_change(self, ds: DatasetState) -> DatasetState:
-        """The store has another version than our manifest: was the dataset re-registered?"""
-        current = self._datasets.get(ds.name, ds)
-        if current is not ds:
-            return current  # someone reloaded it meanwhile
-        try:
-            if self._probe_version is not None and await self._probe_version(ds.name) == ds.manifest.version:
-                ds.checked_at = time.monotonic()
-                return ds
-            return await self._load_dataset(ds.name)
-        except Exception as exc:
-            _log.warning("manifest reload failed", extra={"dataset": ds.name, "error": str(exc)})
-            return ds
-
     # -- Lease / ReleaseLease ------------------------------------------------------------------------
 
     async def lease(self, job_id: str, dataset: str, keys: Sequence[str], lease_s: float) -> tuple[Lease, list[Served]]:
-        self._check_batch(keys)
+        check_batch(keys)
         if not (lease_s >= 0) or lease_s > self.config.lease_max_s:  # "not >=" also catches NaN
             raise InvalidArgument(f"must be between 0 and {self.config.lease_max_s:g} seconds, got {lease_s}",
                                   field="lease_s")
-        ds = await self._dataset(dataset)
-        positions = self._resolve(ds, keys)
+        ds = await self.catalog.get(dataset)
+        positions = resolve(ds, keys)
         manifest = ds.manifest
         job = self._jobs.ensure(job_id)
         job.dataset = job.dataset or dataset
@@ -844,7 +523,7 @@ class CacheCore:
         hits: dict[Tier, list[int]] = {}  # counted once per call: this is the hot path
         prefetching = bool(job.ahead or job.queue or job.staged)
         # Cache policy "none": nothing is served from the tiers, every key is a miss.
-        index: dict[tuple[str, str], Entry] = {} if job.pass_through else self._index
+        index: dict[tuple[str, str], Entry] = {} if job.pass_through else self.entries.index
         stat = os.stat
         for i, pos in enumerate(positions):
             key = manifest.keys[pos]
@@ -852,7 +531,7 @@ class CacheCore:
             entry = index.get((dataset, key))
             if entry is not None:
                 if entry.etag != etag:
-                    self._evict(entry)
+                    self.entries.evict(entry)
                 elif entry.verified and not entry.doomed:
                     try:
                         st = stat(entry.path)
@@ -862,7 +541,7 @@ class CacheCore:
                     if intact:
                         entry.pins += 1
                         lease.entries.append(entry)
-                        self._touch(job, entry, now)
+                        self.entries.touch(job, entry, now)
                         tally = hits.get(entry.tier)
                         if tally is None:
                             tally = hits[entry.tier] = [0, 0]
@@ -872,7 +551,7 @@ class CacheCore:
                             job.consumed(dataset, key)
                         served[i] = Served(key, entry.path, entry.size, etag, entry.tier.name)
                         continue
-                    self._drop_corrupt(entry)
+                    self.entries.drop_corrupt(entry)
             missing.append(i)
         for tier, (count, nbytes) in hits.items():
             self.statistics.hits(job, tier, count, nbytes, "lease")
@@ -896,12 +575,12 @@ class CacheCore:
     async def _lease_miss(self, job: JobState, ds: DatasetState, lease: Lease, key: str, pos: int, where: str) -> Served:
         manifest = ds.manifest
         size, etag = manifest.sizes[pos], manifest.etags[pos]
-        entry = None if job.pass_through else self._lookup(ds.name, key, etag)
-        if entry is not None and entry.verified and not entry.doomed and self._intact(entry):
+        entry = None if job.pass_through else self.entries.lookup(ds.name, key, etag)
+        if entry is not None and entry.verified and not entry.doomed and self.entries.intact(entry):
             # Admitted (by a prefetch, another reader) since lease() looked.
             entry.pins += 1
             lease.entries.append(entry)
-            self._touch(job, entry, time.monotonic())
+            self.entries.touch(job, entry, time.monotonic())
             self.statistics.hit(job, entry, "lease")
             job.consumed(ds.name, key)
             return Served(key, entry.path, entry.size, etag, entry.tier.name)
@@ -911,13 +590,13 @@ class CacheCore:
             if ok and not entry.doomed:
                 entry.verified = True
                 lease.entries.append(entry)
-                self._touch(job, entry, time.monotonic())
+                self.entries.touch(job, entry, time.monotonic())
                 self.statistics.hit(job, entry, "lease")
                 job.consumed(ds.name, key)
                 return Served(key, entry.path, entry.size, etag, entry.tier.name)
-            self._unpin(entry)
+            self.entries.unpin(entry)
             if not ok:
-                self._drop_corrupt(entry)
+                self.entries.drop_corrupt(entry)
         ds, entry, data, size, etag, source = await self._get_bytes(job, ds, key, size, etag, where)
         if source == "peer":
             self.statistics.peer_hit(job, size, "lease")
@@ -969,7 +648,7 @@ class CacheCore:
 
     def _release(self, lease: Lease) -> None:
         for entry in lease.entries:
-            self._unpin(entry)
+            self.entries.unpin(entry)
         lease.entries = []
         for path in lease.transients:
             with contextlib.suppress(OSError):
@@ -979,37 +658,19 @@ class CacheCore:
     async def _sweep_leases(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            for tier in self.tiers:
-                tier.flush_journal()
+            self.entries.flush_journals()
             self.statistics.update_gauges()  # once a second, not per admitted object
             now = time.monotonic()
             for lease_id in [lid for lid, lease in self._leases.items() if lease.expires <= now]:
                 self.release(lease_id)
 
-    async def _scrub(self) -> None:
-        """Verify, in the background, the entries re-indexed at start (first use verifies too)."""
-        loop = asyncio.get_running_loop()
-        for entry in [e for e in self._index.values() if not e.verified]:
-            if entry.verified or entry.doomed or self._index.get((entry.dataset, entry.key)) is not entry:
-                continue
-            entry.pins += 1
-            try:
-                ok = await loop.run_in_executor(self.runtime.file_pool, entry.tier.verify, entry)
-            finally:
-                self._unpin(entry)
-            if ok:
-                entry.verified = True
-            elif not entry.doomed:
-                self._drop_corrupt(entry)
-            await asyncio.sleep(0)
-
     # -- Read (bytes through gRPC) ---------------------------------------------------------------------
 
     async def read(self, job_id: str, dataset: str, keys: Sequence[str]) -> AsyncIterator[tuple[str, str, bytes, str]]:
         """Yield (key, tier, bytes, etag) in order; misses are fetched up to 16 at a time."""
-        self._check_batch(keys)
-        ds = await self._dataset(dataset)
-        positions = self._resolve(ds, keys)
+        check_batch(keys)
+        ds = await self.catalog.get(dataset)
+        positions = resolve(ds, keys)
         job = self._jobs.ensure(job_id)
         job.dataset = job.dataset or dataset
         job.consumption.add(len(keys))
@@ -1029,7 +690,7 @@ class CacheCore:
         Never reads the store, admits, prefetches or asks peers (no loops between nodes), and
         needs no manifest: the asker checks the etag against its own. Not counted as a read of
         the job here (its hit ratio here is about its reads on this node)."""
-        self._check_batch(keys)
+        check_batch(keys)
         bad = identifiers.problem(identifiers.DATASET_NAME, dataset)
         if bad is not None:
             raise InvalidArgument(bad, field="dataset")
@@ -1038,17 +699,12 @@ class CacheCore:
             if problem is not None:
                 raise InvalidArgument(problem, field=f"keys[{i}]")
         label = metrics.job_label(job_id)
-        loop = asyncio.get_running_loop()
 
         async def read_entry(entry: Entry) -> bytes | None:
-            entry.pins += 1
-            try:
-                data = await loop.run_in_executor(self.runtime.file_pool, _read_verified, entry)
-            finally:
-                self._unpin(entry)
+            data = await self.entries.read_pinned(entry)
             if data is None:
                 if not entry.doomed:
-                    self._drop_corrupt(entry)
+                    self.entries.drop_corrupt(entry)
                 return None
             entry.verified = True
             if entry.partition is not None:  # the job used it: as much a use as a local hit
@@ -1060,7 +716,7 @@ class CacheCore:
 
         window = 16
         for start in range(0, len(keys), window):
-            entries = [(key, self._index.get((dataset, key))) for key in keys[start:start + window]]
+            entries = [(key, self.entries.index.get((dataset, key))) for key in keys[start:start + window]]
             held = [(key, e) for key, e in entries if e is not None and not e.doomed]
             results = await asyncio.gather(*(read_entry(e) for _, e in held))
             for (key, entry), data in zip(held, results):
@@ -1071,21 +727,17 @@ class CacheCore:
                         where: str) -> tuple[str, bytes, str]:
         manifest = ds.manifest
         size, etag = manifest.sizes[pos], manifest.etags[pos]
-        entry = None if job.pass_through else self._lookup(ds.name, key, etag)
+        entry = None if job.pass_through else self.entries.lookup(ds.name, key, etag)
         if entry is not None and not entry.doomed:
-            entry.pins += 1
-            try:
-                data = await asyncio.get_running_loop().run_in_executor(self.runtime.file_pool, _read_verified, entry)
-            finally:
-                self._unpin(entry)
+            data = await self.entries.read_pinned(entry)
             if data is not None:
                 entry.verified = True
-                self._touch(job, entry, time.monotonic())
+                self.entries.touch(job, entry, time.monotonic())
                 self.statistics.hit(job, entry, "stream")
                 job.consumed(ds.name, key)
                 return entry.tier.name, data, etag
             if not entry.doomed:
-                self._drop_corrupt(entry)
+                self.entries.drop_corrupt(entry)
         _, entry, data, size, etag, source = await self._get_bytes(job, ds, key, size, etag, where)
         if source == "peer":
             self.statistics.peer_hit(job, size, "stream")
@@ -1105,10 +757,10 @@ class CacheCore:
         into the shared partition. Empty ``keys`` = the whole manifest. ``field``: the request's
         name for ``keys``, in errors.
         """
-        self._check_batch(keys, MAX_PREFETCH_KEYS, allow_empty=True, field=field)
-        ds = await self._dataset(dataset)
+        check_batch(keys, MAX_PREFETCH_KEYS, allow_empty=True, field=field)
+        ds = await self.catalog.get(dataset)
         manifest = ds.manifest
-        positions = self._resolve(ds, keys, field) if keys else range(len(manifest))
+        positions = resolve(ds, keys, field) if keys else range(len(manifest))
         job = self._jobs.ensure(job_id)
         if job_id:
             job.dataset = job.dataset or dataset
@@ -1122,7 +774,7 @@ class CacheCore:
             item = (dataset, key)
             if item in job.queue or item in job.ahead:
                 continue
-            entry = self._index.get(item)
+            entry = self.entries.index.get(item)
             if entry is not None and entry.etag == manifest.etags[pos]:
                 continue
             job.queue[item] = None
@@ -1155,12 +807,12 @@ class CacheCore:
                         await asyncio.wait_for(job.wake.wait(), 0.2)
                     continue
                 (dataset, key), _ = job.queue.popitem(last=False)
-                ds = self._datasets.get(dataset)
+                ds = self.catalog.loaded(dataset)
                 pos = ds.manifest.index.get(key) if ds is not None else None
                 if ds is None or pos is None:
                     continue
                 etag, size = ds.manifest.etags[pos], ds.manifest.sizes[pos]
-                if self._lookup(dataset, key, etag) is not None or (dataset, key, etag) in self._inflight:
+                if self.entries.lookup(dataset, key, etag) is not None or (dataset, key, etag) in self._inflight:
                     continue
                 job.ahead[(dataset, key)] = now
                 await slots.acquire()
@@ -1209,7 +861,7 @@ class CacheCore:
             # A neighbour may be cached on another node of the job: read from the store here it
             # would cost remote IO and be cached twice (the job's nodes must hold disjoint content).
             return [pos]
-        part = job.partition or self.shared
+        part = job.partition or self.entries.shared
         budget = min(limit or self.config.coalesce_bytes, part.free() - manifest.sizes[pos])
         run, end, total = [pos], first.offset + first.length, manifest.sizes[pos]
         for nxt in range(pos + 1, len(manifest)):
@@ -1219,7 +871,7 @@ class CacheCore:
             if total + manifest.sizes[nxt] > budget or manifest.etags[nxt] != manifest.etags[pos]:
                 break
             item = (ds.name, manifest.keys[nxt])
-            if item in self._index or (ds.name, manifest.keys[nxt], manifest.etags[nxt]) in self._inflight:
+            if item in self.entries.index or (ds.name, manifest.keys[nxt], manifest.etags[nxt]) in self._inflight:
                 break
             run.append(nxt)
             end, total = sample.offset + sample.length, total + manifest.sizes[nxt]
@@ -1264,7 +916,7 @@ class CacheCore:
                 key, size = manifest.keys[p], manifest.sizes[p]
                 offset = sample.offset - start  # type: ignore[union-attr]
                 piece = data[offset : offset + size]
-                entry = await self._admit(job, ds, key, etag, piece)
+                entry = await self.entries.admit(job, ds.name, key, etag, piece, ds.cost)
                 future.set_result((entry, piece))
                 item = (ds.name, key)
                 if entry is None and item in job.ahead and not job.preload:
@@ -1314,8 +966,20 @@ class CacheCore:
 
     # -- introspection for tests and tools ------------------------------------------------------------
 
+    @property
+    def tiers(self) -> list[Tier]:
+        return self.entries.tiers
+
+    @property
+    def capacity(self) -> int:
+        return self.entries.capacity
+
+    @property
+    def shared(self) -> Partition:
+        return self.entries.shared
+
     def entry(self, dataset: str, key: str) -> Entry | None:
-        return self._index.get((dataset, key))
+        return self.entries.index.get((dataset, key))
 
     def job(self, job_id: str) -> JobState | None:
         return self._jobs.get(job_id)
@@ -1338,25 +1002,3 @@ class _PrefetchSlots:
     def release(self) -> None:
         self.node.release()
         self.job.release()
-
-
-def _import_store_clients(s3fs_too: bool) -> None:
-    with contextlib.suppress(ImportError):  # a server for file:// datasets only may lack them
-        import botocore.session  # noqa: F401
-
-        if s3fs_too:
-            import s3fs  # noqa: F401
-
-
-def _read_verified(entry: Entry) -> bytes | None:
-    """The file's bytes if they still hash to what was cached, else None (blocking)."""
-    import hashlib
-
-    try:
-        with open(entry.path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
-        return None
-    return data

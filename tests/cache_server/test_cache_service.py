@@ -130,7 +130,7 @@ def test_bad_keys_and_unknown_datasets_are_refused_naming_the_field(
             _assert_error(lambda: cache.lease("j", name, [good], lease_s), grpc.StatusCode.INVALID_ARGUMENT, "lease_s")
         # The good key still works: no failed call left a pin or a file behind.
         assert read_leased(cache.lease("j", name, [good])) == {good: files[good]}
-        assert all(e.pins == 0 for e in cache.core._index.values() if e.key != good)
+        assert all(e.pins == 0 for e in cache.core.entries.index.values() if e.key != good)
 
 
 def test_a_replaced_object_is_never_served_stale(
@@ -159,10 +159,10 @@ def test_a_replaced_object_is_never_served_stale(
         (root / cached).write_bytes(newer)
         os.utime(root / cached, ns=(1, 2 * 10**18))
         register(metadata, name, f"file://{root}", replace=True)
-        cache.call(lambda: setattr(cache.core._datasets[name], "checked_at", 0.0))  # as after manifest_refresh_s
+        cache.call(lambda: setattr(cache.core.catalog.datasets[name], "checked_at", 0.0))  # as after manifest_refresh_s
         cache.lease("j", name, [changed])  # notices the new manifest version in the background
         deadline = time.monotonic() + 10
-        while cache.core._datasets[name].manifest.version < 3 and time.monotonic() < deadline:
+        while cache.core.catalog.datasets[name].manifest.version < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert read_leased(cache.lease("j", name, [cached])) == {cached: newer}
 
@@ -323,7 +323,7 @@ def test_uniform_keeps_quota_over_size_hits_and_lru_thrashes(tmp_path: Path, met
         cache.apply_quotas([quota("u", "many", half, policy="uniform"), quota("l", "many", half, policy="lru")], 1)
         # One run after the other, the first run's objects dropped in between.
         uniform = _epoch_hit_ratios(cache, "u", "many", keys, 3)
-        cache.call(lambda: [cache.core._evict(e) for e in list(cache.core._index.values())])
+        cache.call(lambda: [cache.core.entries.evict(e) for e in list(cache.core.entries.index.values())])
         lru = _epoch_hit_ratios(cache, "l", "many", keys, 3)
     print(f"\nper-epoch hit ratio at quota = dataset/2: uniform {uniform}, lru {lru} "
           f"(closed form: uniform 0.5, lru 0.5 + 0.5 ln 0.5 = {0.5 + 0.5 * math.log(0.5):.3f})")
@@ -367,7 +367,7 @@ def test_best_effort_prefetch_runs_ahead_no_further_than_the_job_consumes(
         time.sleep(0.8)
         # The job has not read anything: only the minimum window (64 objects) was fetched.
         window = cache.core.config.prefetch_min_objects
-        assert len(cache.core._index) == window
+        assert len(cache.core.entries.index) == window
         # The job consumes: the window slides along and what it reads next is already cached.
         tiers: list[str] = []
         for start in range(0, 400, 40):
@@ -376,14 +376,14 @@ def test_best_effort_prefetch_runs_ahead_no_further_than_the_job_consumes(
             cache.stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=response.lease_id))
             time.sleep(0.05)
         assert tiers.count("disk") > 300, tiers.count("disk")
-        assert len(cache.core._index) < 600  # still bounded by the window, not the whole queue
+        assert len(cache.core.entries.index) < 600  # still bounded by the window, not the whole queue
 
         # Dataset preload (no job): everything, as fast as the store allows.
         cache.stub.Prefetch(cache_pb2.PrefetchRequest(dataset="pf"))
         deadline = time.monotonic() + 10
-        while len(cache.core._index) < 600 and time.monotonic() < deadline:
+        while len(cache.core.entries.index) < 600 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(cache.core._index) == 600
+        assert len(cache.core.entries.index) == 600
 
 
 def _prefetched_ahead(cache: InProcessCache, job: str, name: str, keys: list[str], per_s: float,
@@ -548,9 +548,9 @@ def test_a_dataset_named_by_the_plan_is_loaded_before_its_readers_first_call(
     with InProcessCache(tmp_path, metadata) as cache:
         assert cache.apply_quotas([quota("a", name, 0, io_rate=1_000_000), quota("b", "not-registered", 0)], 1)
         deadline = time.monotonic() + 10
-        while name not in cache.core._datasets and time.monotonic() < deadline:
+        while name not in cache.core.catalog.datasets and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert name in cache.core._datasets and "not-registered" not in cache.core._datasets
+        assert name in cache.core.catalog.datasets and "not-registered" not in cache.core.catalog.datasets
 
 
 def test_prefetches_of_all_jobs_leave_half_the_remote_slots_to_lease_misses(

@@ -200,7 +200,7 @@ def test_prefetch_hints_ride_on_the_lease(store: tuple[str, dict[str, bytes]], t
         first = cache.stub.Lease(cache_pb2.LeaseRequest(job_id="hint", dataset=name, keys=keys[:10],
                                                         prefetch_keys=keys[10:40]))
         assert {o.tier for o in first.objects} == {"remote"}
-        cached = lambda: cache.call(lambda: sum((name, k) in cache.core._index for k in keys[10:40]))  # noqa: E731
+        cached = lambda: cache.call(lambda: sum((name, k) in cache.core.entries.index for k in keys[10:40]))  # noqa: E731
         deadline = time.monotonic() + 20
         while cached() < 30 and time.monotonic() < deadline:
             time.sleep(0.05)
