@@ -32,10 +32,12 @@ from scheduler.codesign import is_active as co_active
 from scheduler.invariants import check_plan
 from scheduler.live import convert, data
 from scheduler.live.clients import Clients
+from scheduler.live.liveness import NodeLiveness
+from scheduler.live.rounds import RoundPacer
 from scheduler.live.plans import PlanStore
 from scheduler.live.releases import ReleaseTracker, hold_releases
 from scheduler.live.feedback import EstimatorFeedback
-from scheduler.live.gpu_health import UsableGpus, faulted_gpus
+from scheduler.live.gpu_health import UsableGpus
 from scheduler.deepboot.replicas import LifecycleConfig, ProtectSchedule
 from scheduler.live.inference import LiveInference, is_inference_job
 from scheduler.live.models import JobModels, application_of, known_applications, with_job_batch_bounds  # noqa: F401 (servicers, tests)
@@ -55,10 +57,6 @@ ACTIVE_STATES = (common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED,
                  common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_RESIZING)
 PLACED_STATES = (common_pb2.JOB_STATE_SCHEDULED, common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_RESIZING)
 TERMINAL_STATES = (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
-EVENT_COALESCE_S = 0.05  # an event waits this long before its round, so a burst of events makes one round
-ROUND_GAP_FACTOR = 1.0  # an event round waits this many times the last round's duration after it ...
-ARRIVAL_GAP_FACTOR = 3.0  # ... or this many when only submissions wait for it (they need no prompt answer)
-MAX_ROUND_GAP_S = 5.0
 
 
 
@@ -69,11 +67,7 @@ class SchedulerCore:
                  storage_bandwidth_bytes_per_s: float = 0.0) -> None:
         self.clients = Clients(md=metadata)
         self.models = JobModels(self.clients)
-        self.node_poll_s = node_poll_s
-        self._known_nodes: frozenset[str] | None = None
-        self._known_faults: dict[str, frozenset[int]] | None = None  # faulted GPUs as the node watch last saw them
         self.usable = UsableGpus(())  # the GPUs of the last snapshot the policy may use (scheduler.live.gpu_health)
-        self.node_set_version = 0  # bumped whenever the set of live nodes changes
         self._node_task: asyncio.Task[None] | None = None
         self.policy_name = policy
         if cache_mode not in data.CACHE_MODES:
@@ -98,8 +92,6 @@ class SchedulerCore:
         self.interval_s = interval_s
         self.restart_cost_s = restart_cost_s
         self.node_timeout_s = node_timeout_s
-        self._metadata_seen_at: float | None = None   # last ListNodes answered (monotonic)
-        self._blind: tuple[float, float] | None = None   # latest span we could not see the metadata
         self.cache_mode = cache_mode
         self.plans = PlanStore(self.clients)
         self.releases = ReleaseTracker()
@@ -114,11 +106,10 @@ class SchedulerCore:
             storage_bandwidth_bytes_per_s=self.storage_bandwidth_bytes_per_s,
             node_types=lambda: self._node_types, spawn=self._spawn)
         self._background: set[asyncio.Task[None]] = set()
-        self._last_round_s = 0.0
-        self._last_round_end = -math.inf
-        self._round_lock = asyncio.Lock()
-        self._wake = asyncio.Event()
-        self._reasons: list[str] = []
+        self.rounds: RoundPacer[plan_pb2.AllocationPlan | None] = RoundPacer(
+            self._round, interval_s=interval_s, uncounted_s=lambda: self.models.warm_up_s)
+        self.liveness = NodeLiveness(self.clients, node_timeout_s=node_timeout_s, node_poll_s=node_poll_s,
+                                     trigger=self.trigger)
         self._loop_task: asyncio.Task[None] | None = None
 
     # The service sets these once its event loop runs (scheduler.live.clients).
@@ -175,14 +166,25 @@ class SchedulerCore:
     def allocation(self, job_id: str) -> plan_pb2.JobAllocation | None:
         return self.plans.allocation(job_id)
 
+    # ---- rounds (scheduler.live.rounds) ------------------------------------------------------
+    def trigger(self, reason: str) -> None:
+        self.rounds.trigger(reason)
+
+    async def run_round(self, reason: str = "interval") -> plan_pb2.AllocationPlan | None:
+        return await self.rounds.run(reason)
+
+    @property
+    def node_set_version(self) -> int:
+        return self.liveness.node_set_version
+
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         # Profiles are fitted when a round first needs them, not here: fitting all of them
         # would compete with serving for seconds after every start.
         await self.plans.refresh()
         await self.releases.recover(self.md, self.plans.latest)
-        self._loop_task = asyncio.create_task(self._loop())
-        self._node_task = asyncio.create_task(self._watch_nodes())
+        self._loop_task = asyncio.create_task(self.rounds.loop())
+        self._node_task = asyncio.create_task(self.liveness.watch())
 
     def _spawn(self, call: Awaitable[None]) -> None:
         """Run ``call`` in the background, cancelled by stop()."""
@@ -198,102 +200,6 @@ class SchedulerCore:
                     await task
                 except (asyncio.CancelledError, Exception):
                     pass
-
-    # --- partitions of the control plane --------------------------------------------------
-    # Heartbeats that could not reach the control plane while it was cut off are not the nodes'
-    # fault: after such a blind span, a node keeps counting as alive for the span's length on top
-    # of the node timeout, so no job is requeued on heartbeats that are merely stale (their
-    # agents resume heartbeating within one interval of the link coming back).
-    def _unseen_for_s(self, now: float) -> float:
-        """How long the metadata has not answered, if that is longer than the node poll's own
-        rhythm allows (0 otherwise): a span in which the nodes' heartbeats may not have landed."""
-        if self._metadata_seen_at is None:
-            return 0.0
-        gap = now - self._metadata_seen_at
-        return gap if gap > max(self.node_timeout_s / 3, 2 * self.node_poll_s) else 0.0
-
-    def _metadata_seen(self) -> None:
-        now = time.monotonic()
-        if unseen := self._unseen_for_s(now):
-            self._blind = (now - unseen, now)
-            _log.warning("metadata unreachable for %.1fs: node liveness extended by as much", unseen)
-        self._metadata_seen_at = now
-
-    def _liveness_window_s(self) -> float:
-        """The heartbeat age under which a node counts as alive, for a request sent now."""
-        now = time.monotonic()
-        if unseen := self._unseen_for_s(now):
-            # This request may be the first to get through after a blind span: _metadata_seen
-            # records the span only once it returns, too late for the answer to this one
-            # (seen in the lab: the first round after a 30 s partition found every node dead
-            # and requeued their jobs).
-            return self.node_timeout_s + unseen
-        if self._blind is not None:
-            lost, back = self._blind
-            # As long again after it: connections that backed off during the cut (TCP
-            # retransmission timers double) can take that long to carry a heartbeat again.
-            if now - back < self.node_timeout_s + (back - lost):
-                return self.node_timeout_s + (back - lost)
-        return self.node_timeout_s
-
-    async def _watch_nodes(self) -> None:
-        """Trigger a round when the set of live nodes changes (arrival, or loss by heartbeat timeout)."""
-        while True:
-            await asyncio.sleep(self.node_poll_s)
-            try:
-                nodes = await self.md.ListNodes(
-                    metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self._liveness_window_s()))
-            except grpc.aio.AioRpcError:
-                continue
-            self._metadata_seen()
-            names = frozenset(n.spec.name for n in nodes.nodes)
-            if self._known_nodes is not None and names != self._known_nodes:
-                self.node_set_version += 1
-                self.trigger("node-lost" if self._known_nodes - names else "node-joined")
-            self._known_nodes = names
-            faults = faulted_gpus(nodes.nodes)
-            if self._known_faults is not None and faults != self._known_faults:
-                self.trigger("gpu-health")  # a GPU faulted (its job moves now) or was cleared
-            self._known_faults = faults
-
-    def trigger(self, reason: str) -> None:
-        self._reasons.append(reason)
-        self._wake.set()
-
-    async def _wait_for_event_round(self) -> None:
-        """Hold an event's round back: EVENT_COALESCE_S when the scheduler was idle, so a burst
-        of events makes one round; right after a round of d seconds, until ROUND_GAP_FACTOR * d
-        has passed since it ended (ARRIVAL_GAP_FACTOR * d when only submissions are waiting),
-        so a stream of events cannot keep rounds running back to back."""
-        event_at = time.monotonic()
-        while True:
-            factor = ARRIVAL_GAP_FACTOR if all(r == "arrival" for r in self._reasons) else ROUND_GAP_FACTOR
-            gap = min(factor * self._last_round_s, MAX_ROUND_GAP_S, self.interval_s)
-            remaining = max(event_at + EVENT_COALESCE_S, self._last_round_end + gap) - time.monotonic()
-            if remaining <= 0:
-                return
-            self._wake.clear()  # a new event re-evaluates: a completion need not wait like an arrival
-            try:
-                await asyncio.wait_for(self._wake.wait(), remaining)
-            except asyncio.TimeoutError:
-                return
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
-                await self._wait_for_event_round()
-            except asyncio.TimeoutError:
-                pass
-            self._wake.clear()
-            reasons, self._reasons = self._reasons, []
-            reason = ",".join(dict.fromkeys(reasons)) or "interval"
-            try:
-                await self.run_round(reason)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                _log.exception("scheduling round failed")
 
     # ---- snapshot --------------------------------------------------------------------------
     async def _active_jobs(self) -> list[common_pb2.Job]:
@@ -318,9 +224,9 @@ class SchedulerCore:
 
     async def snapshot(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
         nodes_resp = await self.md.ListNodes(
-            metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self._liveness_window_s())
+            metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self.liveness.window_s())
         )
-        self._metadata_seen()
+        self.liveness.metadata_seen()
         nodes = [n for n in nodes_resp.nodes if n.spec.gpus > 0]
         self.usable = UsableGpus(nodes)
         self.plans.remember_nodes(nodes)
@@ -389,15 +295,6 @@ class SchedulerCore:
         return snap, jobs
 
     # ---- rounds ----------------------------------------------------------------------------
-    async def run_round(self, reason: str = "interval") -> plan_pb2.AllocationPlan | None:
-        async with self._round_lock:
-            started, warm_up_before = time.monotonic(), self.models.warm_up_s
-            try:
-                return await self._round(reason)
-            finally:
-                self._last_round_end = time.monotonic()
-                self._last_round_s = self._last_round_end - started - (self.models.warm_up_s - warm_up_before)
-
     async def _round(self, reason: str) -> plan_pb2.AllocationPlan | None:
         await self.refresh_latest()
         snap, jobs = await self.snapshot()

@@ -1,0 +1,89 @@
+"""Which nodes are alive: the heartbeat window the scheduler asks the metadata store with, and
+the watch that triggers a round when the set of live nodes (or of faulted GPUs) changes.
+
+Partitions of the control plane: heartbeats that could not reach the control plane while it
+was cut off are not the nodes' fault: after such a blind span, a node keeps counting as alive
+for the span's length on top of the node timeout, so no job is requeued on heartbeats that are
+merely stale (their agents resume heartbeating within one interval of the link coming back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from scheduler.live.clients import Clients
+from scheduler.live.gpu_health import faulted_gpus
+from silod.v1 import metadata_pb2
+
+_log = logging.getLogger("silod.scheduler")
+
+
+class NodeLiveness:
+    def __init__(self, clients: Clients, *, node_timeout_s: float, node_poll_s: float,
+                 trigger: Callable[[str], None]) -> None:
+        self.clients = clients
+        self.node_timeout_s = node_timeout_s
+        self.node_poll_s = node_poll_s
+        self._trigger = trigger
+        self._metadata_seen_at: float | None = None   # last ListNodes answered (monotonic)
+        self._blind: tuple[float, float] | None = None   # latest span we could not see the metadata
+        self._known_nodes: frozenset[str] | None = None
+        self._known_faults: dict[str, frozenset[int]] | None = None  # faulted GPUs as the node watch last saw them
+        self.node_set_version = 0  # bumped whenever the set of live nodes changes
+
+    def _unseen_for_s(self, now: float) -> float:
+        """How long the metadata has not answered, if that is longer than the node poll's own
+        rhythm allows (0 otherwise): a span in which the nodes' heartbeats may not have landed."""
+        if self._metadata_seen_at is None:
+            return 0.0
+        gap = now - self._metadata_seen_at
+        return gap if gap > max(self.node_timeout_s / 3, 2 * self.node_poll_s) else 0.0
+
+    def metadata_seen(self) -> None:
+        now = time.monotonic()
+        if unseen := self._unseen_for_s(now):
+            self._blind = (now - unseen, now)
+            _log.warning("metadata unreachable for %.1fs: node liveness extended by as much", unseen)
+        self._metadata_seen_at = now
+
+    def window_s(self) -> float:
+        """The heartbeat age under which a node counts as alive, for a request sent now."""
+        now = time.monotonic()
+        if unseen := self._unseen_for_s(now):
+            # This request may be the first to get through after a blind span: metadata_seen
+            # records the span only once it returns, too late for the answer to this one
+            # (seen in the lab: the first round after a 30 s partition found every node dead
+            # and requeued their jobs).
+            return self.node_timeout_s + unseen
+        if self._blind is not None:
+            lost, back = self._blind
+            # As long again after it: connections that backed off during the cut (TCP
+            # retransmission timers double) can take that long to carry a heartbeat again.
+            if now - back < self.node_timeout_s + (back - lost):
+                return self.node_timeout_s + (back - lost)
+        return self.node_timeout_s
+
+    async def watch(self) -> None:
+        """Trigger a round when the set of live nodes changes (arrival, or loss by heartbeat timeout)."""
+        while True:
+            await asyncio.sleep(self.node_poll_s)
+            try:
+                nodes = await self.clients.md.ListNodes(
+                    metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self.window_s()))
+            except grpc.aio.AioRpcError:
+                continue
+            self.metadata_seen()
+            names = frozenset(n.spec.name for n in nodes.nodes)
+            if self._known_nodes is not None and names != self._known_nodes:
+                self.node_set_version += 1
+                self._trigger("node-lost" if self._known_nodes - names else "node-joined")
+            self._known_nodes = names
+            faults = faulted_gpus(nodes.nodes)
+            if self._known_faults is not None and faults != self._known_faults:
+                self._trigger("gpu-health")  # a GPU faulted (its job moves now) or was cleared
+            self._known_faults = faults
