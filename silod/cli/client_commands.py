@@ -3,26 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import grpc
 
-from silod.rpc.identifiers import DATASET_NAME, JOB_ID, Rule
+from silod.cli import locate
+from silod.rpc.identifiers import DATASET_NAME, JOB_ID, NODE_NAME, Rule
 
-DEFAULT_METADATA_ADDR = "127.0.0.1:7070"
 MANIFEST_CHUNK = 5000  # objects per streamed message: keeps each well under gRPC's 4 MiB limit
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Add the client subcommands to the ``silod`` parser."""
-    health = sub.add_parser("health", help="exit 0 if the service at ADDR reports SERVING (for healthchecks)")
-    health.add_argument("address", metavar="ADDR", help="HOST:PORT of any silod gRPC service, or the "
-                        "http://HOST:PORT/healthz URL of the dashboard")
+    health = sub.add_parser("health", help="exit 0 if the service at ADDR (default: every service of the cluster) "
+                            "reports SERVING (for healthchecks)")
+    health.add_argument("address", metavar="ADDR", nargs="?", default="",
+                        help="HOST:PORT of any silod gRPC service, or the http://HOST:PORT/healthz URL of the "
+                             "dashboard; default: each service of the cluster, found as every command finds it")
     health.add_argument("--service", default="", help="service name to check; default: the whole server")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait (default 3)")
-    _add_connection_flags(health)
+    locate.add_flags(health, "metadata", "scheduler")
     health.set_defaults(handler=_health)
 
     dataset = sub.add_parser("dataset", help="register and inspect datasets")
@@ -45,15 +47,15 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     show.add_argument("--objects", type=int, default=10, help="manifest entries to print (default 10)")
     show.set_defaults(handler=_dataset_show)
     for p in (reg, lst, show):
-        _add_connection_flags(p, default_addr=True)
+        locate.add_flags(p, "metadata")
     preload = ds_sub.add_parser("preload", help="ask a node's cache server to fetch a dataset (or some keys) ahead of use")
     preload.add_argument("name", type=identifier(DATASET_NAME), help="registered dataset name")
-    preload.add_argument("--cache", default=os.environ.get("SILOD_CACHE_ADDR", "127.0.0.1:7071"),
-                         help="cache server HOST:PORT (env SILOD_CACHE_ADDR; default 127.0.0.1:7071)")
+    preload.add_argument("--node", default="", type=identifier(NODE_NAME, required=False),
+                         help="the node whose cache server `silod up` started (default: the first)")
     preload.add_argument("--job", default="", type=identifier(JOB_ID, required=False), help="charge the fetches to this job's quota and IO rate "
                          "(default: node-wide preload into the shared cache)")
     preload.add_argument("--key", action="append", default=[], help="only this object key (repeatable; default all)")
-    _add_connection_flags(preload)
+    locate.add_flags(preload, "cache")
     preload.set_defaults(handler=_dataset_preload)
 
 
@@ -71,20 +73,15 @@ def identifier(rule: Rule, *, required: bool = True) -> object:
     return parse
 
 
-def _add_connection_flags(p: argparse.ArgumentParser, default_addr: bool = False) -> None:
-    if default_addr:
-        p.add_argument("--metadata", default=os.environ.get("SILOD_METADATA_ADDR", DEFAULT_METADATA_ADDR),
-                       help=f"metadata service HOST:PORT (env SILOD_METADATA_ADDR; default {DEFAULT_METADATA_ADDR})")
-    p.add_argument("--token", default=os.environ.get("SILOD_AUTH_TOKEN", ""),
-                   help="bearer token when the service requires one (env SILOD_AUTH_TOKEN)")
-    p.add_argument("--tls-ca-file", default=os.environ.get("SILOD_TLS_CA_FILE", ""),
-                   help="PEM CA to verify a TLS server (env SILOD_TLS_CA_FILE)")
-
-
 def _channel(address: str, args: argparse.Namespace) -> grpc.Channel:
     from silod.rpc.channels import open_channel
 
-    return open_channel(address, token=args.token, tls_ca_file=args.tls_ca_file)
+    token, tls_ca_file = locate.credentials(args)
+    return open_channel(address, token=token, tls_ca_file=tls_ca_file)
+
+
+def unreachable(found: locate.Found) -> int:
+    return _fail(f"UNAVAILABLE: cannot reach the silod cluster at {found}; is it running? start one with `silod up`")
 
 
 def _fail(message: str) -> int:
@@ -118,21 +115,69 @@ def _http_health(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+    if not args.address:
+        return _cluster_health(args)
     if args.address.startswith(("http://", "https://")):
         return _http_health(args)
-
-    with _channel(args.address, args) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
-            )
-        except grpc.RpcError as exc:
-            return _rpc_failure(exc)
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    try:
+        status = _grpc_health(args.address, args)
+    except grpc.RpcError as exc:
+        return _rpc_failure(exc)
     print(status)
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+    return 0 if status == "SERVING" else 1
+
+
+def _grpc_health(address: str, args: argparse.Namespace) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with _channel(address, args) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def _cluster_health(args: argparse.Namespace) -> int:
+    """Every gRPC service of the cluster: those `silod up` lists in cluster.json, else the
+    metadata service and the scheduler as every command finds them. One line each."""
+    try:
+        info = locate.read_cluster_file(args.state_dir)
+        if info and not (args.metadata or args.scheduler):
+            targets = [(name, str(info[name])) for name in ("metadata", "estimator", "scheduler") if info.get(name)]
+            for node in info.get("nodes") or []:
+                targets += [(f"{kind} {node.get('name', '?')}", str(node[kind])) for kind in ("cache", "agent")
+                            if node.get(kind)]
+        else:
+            targets = [(name, locate.find(args, name).address) for name in ("metadata", "scheduler")]
+    except locate.ConfigError as exc:
+        return _fail(str(exc))
+    healthy = True
+    width = max(len(name) for name, _ in targets)
+    for name, address in targets:
+        try:
+            status = _grpc_health(address, args)
+        except grpc.RpcError as exc:
+            status = f"{exc.code().name}: {exc.details()}"
+        healthy &= status == "SERVING"
+        print(f"{name:<{width}}  {address:<21}  {status}")
+    return 0 if healthy else 1
+
+
+def call(args: argparse.Namespace, service: str, body: "Callable[[grpc.Channel], int]") -> int:
+    """``body(channel)`` against ``service`` (found by silod.cli.locate): its exit status, or the
+    refusal said one line per problem, or where the address came from when nothing answers."""
+    try:
+        found = locate.find(args, service)
+        with _channel(found.address, args) as channel:
+            try:
+                return int(body(channel) or 0)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    return unreachable(found)
+                return _rpc_failure(exc)
+            except KeyboardInterrupt:
+                return 130
+    except locate.ConfigError as exc:
+        return _fail(str(exc))
 
 
 def _parse_options(pairs: list[str]) -> dict[str, str]:
@@ -180,7 +225,8 @@ def _dataset_register(args: argparse.Namespace) -> int:
             objects = list_objects(args.uri, options)
     except (ValueError, ManifestError) as exc:
         return _fail(str(exc))
-    with _channel(args.metadata, args) as channel:
+
+    def body(channel: grpc.Channel) -> int:
         try:
             dataset = metadata_pb2_grpc.MetadataServiceStub(channel).RegisterDataset(
                 _registration_stream(args, options, objects), timeout=600
@@ -188,46 +234,51 @@ def _dataset_register(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                 return _fail(f"{exc.details()} (run again with --replace to register the new manifest)")
-            return _rpc_failure(exc)
-    print(f"registered {dataset.spec.name}: {dataset.num_objects} objects, {_human_bytes(dataset.total_bytes)}, "
-          f"manifest version {dataset.manifest_version}")
-    return 0
+            raise
+        print(f"registered {dataset.spec.name}: {dataset.num_objects} objects, {_human_bytes(dataset.total_bytes)}, "
+              f"manifest version {dataset.manifest_version}")
+        return 0
+
+    return call(args, "metadata", body)
 
 
 def _dataset_list(args: argparse.Namespace) -> int:
     from silod.v1 import metadata_pb2, metadata_pb2_grpc
 
-    rows = []
-    with _channel(args.metadata, args) as channel:
+    def body(channel: grpc.Channel) -> int:
         stub = metadata_pb2_grpc.MetadataServiceStub(channel)
-        token = ""
-        try:
-            while True:
-                page = stub.ListDatasets(metadata_pb2.ListDatasetsRequest(page_size=100, page_token=token))
-                rows.extend(page.datasets)
-                token = page.next_page_token
-                if not token:
-                    break
-        except grpc.RpcError as exc:
-            return _rpc_failure(exc)
-    print(f"{'NAME':<24} {'OBJECTS':>9} {'SIZE':>10} {'VERSION':>7}  URI")
-    for d in rows:
-        print(f"{d.spec.name:<24} {d.num_objects:>9} {_human_bytes(d.total_bytes):>10} {d.manifest_version:>7}  {d.spec.uri}")
-    return 0
+        rows, token = [], ""
+        while True:
+            page = stub.ListDatasets(metadata_pb2.ListDatasetsRequest(page_size=100, page_token=token), timeout=30)
+            rows.extend(page.datasets)
+            token = page.next_page_token
+            if not token:
+                break
+        print(f"{'NAME':<24} {'OBJECTS':>9} {'SIZE':>10} {'VERSION':>7}  URI")
+        for d in rows:
+            print(f"{d.spec.name:<24} {d.num_objects:>9} {_human_bytes(d.total_bytes):>10} {d.manifest_version:>7}  "
+                  f"{d.spec.uri}")
+        return 0
+
+    return call(args, "metadata", body)
 
 
 def _dataset_show(args: argparse.Namespace) -> int:
     from silod.v1 import metadata_pb2, metadata_pb2_grpc
 
-    with _channel(args.metadata, args) as channel:
+    def body(channel: grpc.Channel) -> int:
         stub = metadata_pb2_grpc.MetadataServiceStub(channel)
-        try:
-            d = stub.GetDataset(metadata_pb2.GetDatasetRequest(name=args.name))
-            objects = stub.ListDatasetObjects(
-                metadata_pb2.ListDatasetObjectsRequest(name=args.name, page_size=max(1, min(args.objects, 10000)))
-            ).objects if args.objects > 0 else []
-        except grpc.RpcError as exc:
-            return _rpc_failure(exc)
+        d = stub.GetDataset(metadata_pb2.GetDatasetRequest(name=args.name), timeout=30)
+        objects = stub.ListDatasetObjects(
+            metadata_pb2.ListDatasetObjectsRequest(name=args.name, page_size=max(1, min(args.objects, 10000))),
+            timeout=30).objects if args.objects > 0 else []
+        _print_dataset(d, objects)
+        return 0
+
+    return call(args, "metadata", body)
+
+
+def _print_dataset(d: Any, objects: Any) -> None:
     print(f"name:             {d.spec.name}\nuri:              {d.spec.uri}\nobjects:          {d.num_objects}")
     print(f"size:             {_human_bytes(d.total_bytes)} ({d.total_bytes} bytes)")
     print(f"manifest version: {d.manifest_version}")
@@ -235,22 +286,19 @@ def _dataset_show(args: argparse.Namespace) -> int:
         print(f"  {obj.key}  {obj.size_bytes} B  etag {obj.etag}")
     if d.num_objects > len(objects):
         print(f"  ... {d.num_objects - len(objects)} more")
-    return 0
 
 
 def _dataset_preload(args: argparse.Namespace) -> int:
     from silod.v1 import cache_pb2, cache_pb2_grpc
 
-    with _channel(args.cache, args) as channel:
-        try:
-            reply = cache_pb2_grpc.CacheServiceStub(channel).Prefetch(
-                cache_pb2.PrefetchRequest(job_id=args.job, dataset=args.name, keys=args.key), timeout=120
-            )
-        except grpc.RpcError as exc:
-            return _rpc_failure(exc)
-    print(f"queued {reply.objects_queued} objects ({_human_bytes(reply.bytes_queued)}) of {args.name} "
-          f"at {args.cache}; fetching in the background")
-    return 0
+    def body(channel: grpc.Channel) -> int:
+        reply = cache_pb2_grpc.CacheServiceStub(channel).Prefetch(
+            cache_pb2.PrefetchRequest(job_id=args.job, dataset=args.name, keys=args.key), timeout=120)
+        print(f"queued {reply.objects_queued} objects ({_human_bytes(reply.bytes_queued)}) of {args.name} "
+              f"at {locate.find(args, 'cache').address}; fetching in the background")
+        return 0
+
+    return call(args, "cache", body)
 
 
 def _human_bytes(n: int) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import shlex
 import sys
 import time
@@ -17,9 +16,9 @@ from typing import Any
 
 import grpc
 
-from silod.cli.client_commands import _add_connection_flags, _channel, _fail, _rpc_failure, identifier
+from silod.cli import locate
+from silod.cli.client_commands import _channel, _fail, _rpc_failure, call, identifier
 from silod.rpc.identifiers import DATASET_NAME, JOB_ID, TENANT
-from silod.cli.up import default_state_dir, read_cluster_file
 
 INT_KEYS = ("min_gpus", "max_gpus", "batch_size", "max_batch_size", "epochs", "priority")
 FLOAT_KEYS = ("emulated_step_compute_s", "inference_duration_s")
@@ -162,51 +161,18 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     logs.add_argument("job_id", metavar="JOB", type=identifier(JOB_ID))
     logs.add_argument("--rank", type=int, default=-1, help="only this rank (default: all)")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the job's tasks exit")
-    logs.add_argument("--metadata", default="", help="metadata HOST:PORT (env SILOD_METADATA_ADDR; default: from cluster.json)")
+    locate.add_flags(logs, "metadata")
     logs.set_defaults(handler=_logs)
 
-    for p in (submit, jobs, watch, cancel, logs):
-        p.add_argument("--scheduler", default="", help="scheduler HOST:PORT (env SILOD_SCHEDULER_ADDR; default: from cluster.json)")
-        p.add_argument("--state-dir", default=default_state_dir(),
-                       help="where `silod up` wrote cluster.json (env SILOD_STATE_DIR)")
-        _add_connection_flags(p)
-
-
-class _NoCluster(Exception):
-    pass
-
-
-def _address(args: argparse.Namespace, key: str, flag: str, env: str) -> str:
-    explicit = getattr(args, flag, "") or os.environ.get(env, "")
-    if explicit:
-        return str(explicit)
-    info = read_cluster_file(args.state_dir)
-    if info and info.get(key):
-        return str(info[key])
-    raise _NoCluster(f"no silod cluster found (no {os.path.join(args.state_dir, 'cluster.json')}, "
-                     f"no --{flag} or {env}); start one with `silod up`")
-
-
-def _unreachable(address: str) -> int:
-    return _fail(f"cannot reach the silod cluster at {address}; is it running? start one with `silod up`")
+    for p in (submit, jobs, watch, cancel):
+        locate.add_flags(p, "scheduler")
 
 
 def _run(args: argparse.Namespace, body: Any) -> int:
-    try:
-        address = _address(args, "scheduler", "scheduler", "SILOD_SCHEDULER_ADDR")
-    except _NoCluster as exc:
-        return _fail(str(exc))
+    """``body(JobServiceStub)`` against the scheduler."""
     from silod.v1 import scheduler_pb2_grpc
 
-    with _channel(address, args) as channel:
-        try:
-            return int(body(scheduler_pb2_grpc.JobServiceStub(channel)) or 0)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                return _unreachable(address)
-            return _rpc_failure(exc)
-        except KeyboardInterrupt:
-            return 130
+    return call(args, "scheduler", lambda channel: body(scheduler_pb2_grpc.JobServiceStub(channel)))
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -351,29 +317,24 @@ def nodes_and_plan(args: argparse.Namespace, job_id: str = "") -> tuple[list[Any
     after checking that ``job_id`` exists if one is given; an exit status if that fails (said)."""
     from silod.v1 import metadata_pb2, metadata_pb2_grpc
 
-    try:
-        md_addr = _address(args, "metadata", "metadata", "SILOD_METADATA_ADDR")
-    except _NoCluster as exc:
-        return _fail(str(exc))
-    with _channel(md_addr, args) as channel:
+    found: list[tuple[list[Any], Any]] = []
+
+    def body(channel: grpc.Channel) -> int:
         stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+        if job_id:
+            stub.GetJob(metadata_pb2.GetJobRequest(job_id=job_id), timeout=10)
+        nodes = list(stub.ListNodes(metadata_pb2.ListNodesRequest(), timeout=10).nodes)
         try:
-            if job_id:
-                stub.GetJob(metadata_pb2.GetJobRequest(job_id=job_id), timeout=10)
-            nodes = list(stub.ListNodes(metadata_pb2.ListNodesRequest(), timeout=10).nodes)
-            try:
-                plan = stub.GetLatestPlan(metadata_pb2.GetLatestPlanRequest(), timeout=10)
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
-                plan = None
+            plan = stub.GetLatestPlan(metadata_pb2.GetLatestPlanRequest(), timeout=10)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                return _unreachable(md_addr)
-            return _rpc_failure(exc)
-        except KeyboardInterrupt:
-            return 130
-    return nodes, plan
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            plan = None
+        found.append((nodes, plan))
+        return 0
+
+    code = call(args, "metadata", body)
+    return found[0] if not code and found else code
 
 
 def _logs(args: argparse.Namespace) -> int:

@@ -20,18 +20,16 @@ from typing import Any
 
 import grpc
 
-from silod.cli.client_commands import _add_connection_flags, _channel, _fail, _human_bytes, _rpc_failure, identifier
-from silod.cli.jobs import _address, _age, _NoCluster, _unreachable, nodes_and_plan
-from silod.cli.up import default_state_dir
+from silod.cli import locate
+from silod.cli.client_commands import _human_bytes, call, identifier
+from silod.cli.jobs import _age, nodes_and_plan
 from silod.rpc.identifiers import NODE_NAME
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     nodes = sub.add_parser("nodes", help="list nodes: pool, GPU type, GPUs in use, cache, alive, last heartbeat")
     nodes.add_argument("--json", action="store_true", help="one JSON object per node instead of the table")
-    nodes.add_argument("--metadata", default="", help="metadata HOST:PORT (env SILOD_METADATA_ADDR; default: from cluster.json)")
-    nodes.add_argument("--state-dir", default=default_state_dir(), help="where `silod up` wrote cluster.json (env SILOD_STATE_DIR)")
-    _add_connection_flags(nodes)
+    locate.add_flags(nodes, "metadata")
     nodes.set_defaults(handler=_nodes)
     actions = nodes.add_subparsers(dest="nodes_command", metavar="ACTION")
     clear = actions.add_parser(
@@ -40,9 +38,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
         "round. Its current uncorrectable ECC count is accepted: only new errors fault it again.")
     clear.add_argument("node", metavar="NODE", type=identifier(NODE_NAME), help="node name, as `silod nodes` lists it")
     clear.add_argument("gpu_index", metavar="GPU_INDEX", type=_gpu_index, help="the GPU's index on the node (0-based)")
-    clear.add_argument("--metadata", default="", help="metadata HOST:PORT (env SILOD_METADATA_ADDR; default: from cluster.json)")
-    clear.add_argument("--state-dir", default=default_state_dir(), help="where `silod up` wrote cluster.json (env SILOD_STATE_DIR)")
-    _add_connection_flags(clear)
+    locate.add_flags(clear, "metadata")
     clear.set_defaults(handler=_clear_gpu_fault)
 
 
@@ -59,22 +55,18 @@ def _gpu_index(value: str) -> int:
 def _clear_gpu_fault(args: argparse.Namespace) -> int:
     from silod.v1 import metadata_pb2, metadata_pb2_grpc
 
-    try:
-        md_addr = _address(args, "metadata", "metadata", "SILOD_METADATA_ADDR")
-    except _NoCluster as exc:
-        return _fail(str(exc))
-    with _channel(md_addr, args) as channel:
-        stub = metadata_pb2_grpc.MetadataServiceStub(channel)
-        try:
-            node = stub.ClearGpuFault(metadata_pb2.ClearGpuFaultRequest(node=args.node, gpu_index=args.gpu_index),
-                                      timeout=10)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                return _unreachable(md_addr)
-            return _rpc_failure(exc)
+    def body(channel: grpc.Channel) -> int:
+        node = metadata_pb2_grpc.MetadataServiceStub(channel).ClearGpuFault(
+            metadata_pb2.ClearGpuFaultRequest(node=args.node, gpu_index=args.gpu_index), timeout=10)
+        _say_cleared(args, node)
+        return 0
+
+    return call(args, "metadata", body)
+
+
+def _say_cleared(args: argparse.Namespace, node: Any) -> None:
     left = ", ".join(str(f.index) for f in node.gpu_faults) or "none"
     print(f"GPU {args.gpu_index} of {args.node} is back in use (faulted GPUs left on the node: {left})")
-    return 0
 
 
 def _nodes(args: argparse.Namespace) -> int:

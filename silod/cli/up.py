@@ -3,8 +3,9 @@
 Metadata (SQLite under --state-dir unless --db), estimator, scheduler, the web dashboard
 (unless --no-dashboard; its URL is printed) and N emulated nodes (a worker agent, plus a
 cache server unless --no-cache), all on loopback with OS-chosen
-ports. The addresses are printed and written to ``<state-dir>/cluster.json``, which the job
-commands (`silod submit`, `silod jobs`, ...) read. If a child dies, `silod up` says which
+ports. The addresses are printed and written to ``<state-dir>/cluster.json``, where every
+client command (`silod submit`, `silod dataset`, `silod health`, ...) finds them
+(silod.cli.locate). If a child dies, `silod up` says which
 and shows its log tail, then stops the rest (exit 1). SIGINT/SIGTERM stop everything
 cleanly (agents first, then cache servers, scheduler, estimator, metadata) and exit 0.
 """
@@ -21,12 +22,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-DEFAULT_STATE_DIR = ".silod/cluster"
-CLUSTER_FILE = "cluster.json"
-
-
-def default_state_dir() -> str:
-    return os.environ.get("SILOD_STATE_DIR", DEFAULT_STATE_DIR)
+from silod.cli.locate import CLUSTER_FILE, DEFAULT_STATE_DIR, default_state_dir, read_cluster_file
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -280,9 +276,3 @@ def _print_table(info: dict[str, Any], logs: Path) -> None:
     print("submit jobs with `silod submit job.yaml`; Ctrl-C stops the cluster", flush=True)
 
 
-def read_cluster_file(state_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    path = Path(state_dir) / CLUSTER_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None

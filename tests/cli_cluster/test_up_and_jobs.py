@@ -22,9 +22,11 @@ SMALL = "application: cifar10\nmin_gpus: 1\nmax_gpus: 2\nbatch_size: 16\nsample_
 LONG = "name: long\napplication: cifar10\nmin_gpus: 1\nmax_gpus: 1\nbatch_size: 16\nsample_budget: 100000000\nemulated_step_compute_s: 0.05\n"
 
 
-def _silod(state: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("SILOD_SCHEDULER_ADDR", "SILOD_METADATA_ADDR")}
-    env["SILOD_STATE_DIR"] = str(state)
+def _silod(state: Path, *args: str, timeout: float = 60, **env_extra: str) -> subprocess.CompletedProcess[str]:
+    """A client command as a user runs it beside `silod up`: no address given, only the state dir
+    (and no user config file unless ``env_extra`` names one)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SILOD_")}
+    env.update({"SILOD_STATE_DIR": str(state), "SILOD_CLIENT_CONFIG": str(state / "no-client-config.yaml"), **env_extra})
     return subprocess.run([sys.executable, "-m", "silod.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -103,6 +105,54 @@ def test_page_in_chromium_shows_a_live_cluster(up_cluster: tuple[subprocess.Pope
     finally:
         # Its GPUs go back to the next test's jobs.
         _silod(state, "cancel", job_id)
+
+
+def test_every_client_command_finds_the_cluster_of_silod_up_without_an_address(
+        up_cluster: tuple[subprocess.Popen[str], Path], tmp_path: Path) -> None:
+    up, state = up_cluster
+    info = json.loads((state / "cluster.json").read_text())
+    health = _silod(state, "health")
+    assert health.returncode == 0, health.stdout + health.stderr
+    names = [line.split("  ")[0].strip() for line in health.stdout.splitlines()]
+    assert names == ["metadata", "estimator", "scheduler", *(f"{kind} {n['name']}" for n in info["nodes"]
+                                                             for kind in ("cache", "agent"))], health.stdout
+    assert all(line.endswith("SERVING") for line in health.stdout.splitlines())
+
+    data = tmp_path / "files"
+    data.mkdir()
+    for i in range(5):
+        (data / f"{i}.bin").write_bytes(bytes([i]) * 1000)
+    reg = _silod(state, "dataset", "register", "located", f"file://{data}")
+    assert reg.returncode == 0 and reg.stdout.startswith("registered located: 5 objects"), reg.stdout + reg.stderr
+    listing = _silod(state, "dataset", "list")
+    assert listing.returncode == 0 and "located" in listing.stdout, listing.stderr
+    show = _silod(state, "dataset", "show", "located", "--objects", "2")
+    assert show.returncode == 0 and "objects:          5" in show.stdout, show.stderr
+    preload = _silod(state, "dataset", "preload", "located")
+    first_cache = info["nodes"][0]["cache"]
+    assert preload.returncode == 0 and f"at {first_cache}" in preload.stdout, preload.stdout + preload.stderr
+    second = info["nodes"][1]
+    preload = _silod(state, "dataset", "preload", "located", "--node", second["name"])
+    assert preload.returncode == 0 and f"at {second['cache']}" in preload.stdout, preload.stdout + preload.stderr
+    # Reaching the metadata service: the refusal is its own (the GPU has no fault), not a connection error.
+    clear = _silod(state, "nodes", "clear-gpu-fault", second["name"], "0")
+    assert clear.returncode == 1 and clear.stderr.startswith("silod: FAILED_PRECONDITION"), clear.stderr
+
+    # Without cluster.json, the user's config file; a flag beats everything and is named when it fails.
+    elsewhere = tmp_path / "no-cluster"
+    config = tmp_path / "client.yaml"
+    config.write_text(f"metadata: {info['metadata']}\nscheduler: {info['scheduler']}\n")
+    by_config = _silod(elsewhere, "dataset", "list", SILOD_CLIENT_CONFIG=str(config))
+    assert by_config.returncode == 0 and "located" in by_config.stdout, by_config.stderr
+    assert _silod(elsewhere, "jobs", SILOD_CLIENT_CONFIG=str(config)).returncode == 0
+    wrong = _silod(state, "dataset", "list", "--metadata", "127.0.0.1:1")
+    assert wrong.returncode == 1 and "127.0.0.1:1 (from --metadata)" in wrong.stderr, wrong.stderr
+    by_env = _silod(state, "jobs", SILOD_SCHEDULER_ADDR="127.0.0.1:1")
+    assert by_env.returncode == 1 and "(from SILOD_SCHEDULER_ADDR)" in by_env.stderr, by_env.stderr
+    config.write_text("metadata: 7070\n")
+    bad = _silod(elsewhere, "dataset", "list", SILOD_CLIENT_CONFIG=str(config))
+    assert bad.returncode == 1 and f"{config}: metadata: expected a string" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr + wrong.stderr + by_env.stderr
 
 
 def test_up_submit_watch_logs_cancel_and_shutdown(up_cluster: tuple[subprocess.Popen[str], Path], tmp_path: Path) -> None:

@@ -138,3 +138,16 @@ def test_stop_timeout_covers_the_services_own_shutdown(units: dict[str, Any]) ->
 
 def test_estimator_assumes_the_nodes_gpu_count(units: dict[str, Any]) -> None:
     check_gpus_per_node([(kind, settings) for kind, settings, _ in units.values()], where="deploy/systemd")
+
+
+def test_the_clients_fallback_ports_are_the_deployed_ones() -> None:
+    """A client command with nothing else to go on tries this machine at the port a bare-metal
+    install (these unit files) gives the service."""
+    from silod.cli.locate import SERVICES
+
+    deployed = {}
+    for unit, service in (("metadata", "metadata"), ("scheduler", "scheduler"), ("cache-server", "cache")):
+        line = next(l for l in (SYSTEMD / f"{unit}.env").read_text().splitlines()
+                    if l.startswith("SILOD_LISTEN="))
+        deployed[service] = line.rsplit(":", 1)[1]
+    assert {name: s.default.rsplit(":", 1)[1] for name, s in SERVICES.items()} == deployed
