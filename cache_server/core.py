@@ -41,10 +41,11 @@ from cache_server.catalog import (
 from cache_server.config import CacheConfig
 from cache_server.entries import EntryStore
 from cache_server.jobs import JobState, JobTable
+from cache_server.quotas import Quotas
 from cache_server.runtime import Runtime
 from cache_server.stats import Statistics
-from cache_server.peers import Peer, PeerReader
-from cache_server.policies import PASS_THROUGH, PLAN_POLICIES, POLICIES, Partition, make_partition
+from cache_server.peers import PeerReader
+from cache_server.policies import PASS_THROUGH, POLICIES, Partition
 from cache_server.ratelimit import TokenBucket
 from cache_server.tiers import Entry, Tier
 from services.runtime.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -102,14 +103,12 @@ class CacheCore:
         self.runtime = Runtime(config.remote_concurrency)
         self.entries = EntryStore(config, self.runtime)
         self.catalog = DatasetCatalog(config, self.runtime, load_manifest, probe_version)
-        self.plan_version = 0
-        self._quota_only_plan = True
         self._inflight: dict[tuple[str, str, str], asyncio.Future[tuple[Entry | None, bytes]]] = {}
         # Object versions whose IO a job is paying for now (waiting in its bucket before it
         # claims the flight): the bucket and a future set once that payment is over.
         self._paying: dict[tuple[str, str, str], tuple[TokenBucket, asyncio.Future[None]]] = {}
         self._jobs = JobTable()
-        self._parts: dict[tuple[str, str], Partition] = {}  # (dataset, policy) -> quota partition
+        self.quotas = Quotas(config, self.runtime, self.entries, self._jobs, self.catalog)
         self._leases: dict[str, Lease] = {}
         self._lease_seq = itertools.count()
         self.statistics = Statistics(config.node, self.entries.tiers, self.entries.index)
@@ -150,167 +149,13 @@ class CacheCore:
     # -- plan ----------------------------------------------------------------------------------
 
     def apply_quotas(self, quotas: Sequence[Any], plan_version: int) -> bool:
-        """Enforce a NodePlan's ``cache_quotas`` (JobCacheQuota messages) of ``plan_version``.
+        """Enforce a NodePlan's ``cache_quotas`` of ``plan_version`` (see :meth:`Quotas.apply`);
+        False for a version not newer than the applied one."""
+        return self.quotas.apply(quotas, plan_version)
 
-        Returns False (and changes nothing) for a version not newer than the applied one, so
-        a plan is applied at most once. Raises InvalidArgument, naming the field, for a plan
-        that breaks the node's invariants (sum of quotas above the cache capacity, ...); the
-        previous quotas stay in force then.
-
-        Jobs with a quota get their own partition (policy from the quota, else the node
-        default); everything else shares what is left. IO rates: ``remote_io_bytes_per_s > 0``
-        is enforced with a token bucket. 0 means "none granted": in a plan that grants IO to
-        no job on this node (a quota-only plan) it is not limited; in a plan that grants IO to
-        some jobs, a job with 0 gets no remote IO (its misses wait for a plan that grants it
-        some, as the SiloD model's b = 0), or ``unallocated_io_trickle_bytes_per_s`` if that is
-        set. Jobs absent from the plan are unlimited. Quota partitions are per (dataset, policy):
-        the quotas of a dataset's readers add up, and every reader of the dataset here
-        admits into and hits the same partition, so its content survives a change of reader.
-        Policy ``"none"`` (pass-through, the no-cache baseline): no partition, its quota bytes
-        are not reserved, and its reads neither hit nor fill the tiers (hit ratio 0); its IO
-        rate applies as for any job.
-        """
-        if plan_version <= self.plan_version:
-            return False
-        seen: set[str] = set()
-        for i, q in enumerate(quotas):
-            where = f"cache_quotas[{i}]"
-            if not q.job_id:
-                raise InvalidArgument("must not be empty", field=f"{where}.job_id")
-            if q.job_id in seen:
-                raise InvalidArgument(f"job {q.job_id!r} appears twice", field=f"{where}.job_id")
-            seen.add(q.job_id)
-            if q.cache_quota_bytes < 0:
-                raise InvalidArgument(f"must be >= 0, got {q.cache_quota_bytes}", field=f"{where}.cache_quota_bytes")
-            if q.remote_io_bytes_per_s < 0:
-                raise InvalidArgument(
-                    f"must be >= 0, got {q.remote_io_bytes_per_s}", field=f"{where}.remote_io_bytes_per_s"
-                )
-            for j, peer in enumerate(q.peers):
-                bad = identifiers.problem(identifiers.NODE_NAME, peer.node)
-                if bad is not None:
-                    raise InvalidArgument(bad, field=f"{where}.peers[{j}].node")
-            if q.cache_policy and q.cache_policy not in PLAN_POLICIES:
-                raise InvalidArgument(
-                    f"must be one of {', '.join(PLAN_POLICIES)} or empty (node default), got {q.cache_policy[:40]!r}",
-                    field=f"{where}.cache_policy",
-                )
-            if q.cache_policy == PASS_THROUGH and q.cache_quota_bytes > 0:
-                # Not worth refusing the node's whole plan for: the job caches nothing either way,
-                # so its bytes are not reserved (the shared part keeps them). Said once per job.
-                self.runtime.warn_once(
-                    f"none-quota-{q.job_id}",
-                    f"{where}.cache_quota_bytes: ignored for job {q.job_id!r}: cache_policy \"none\" caches nothing",
-                    job=q.job_id, cache_quota_bytes=q.cache_quota_bytes,
-                )
-        total = sum(q.cache_quota_bytes for q in quotas if q.cache_policy != PASS_THROUGH)
-        if total > self.entries.capacity:
-            raise InvalidArgument(
-                f"quotas add up to {total} bytes, more than this node's cache capacity of {self.entries.capacity} bytes",
-                field="cache_quotas",
-            )
-        now = time.monotonic()
-        # Quota partitions belong to a (dataset, policy) on this node, not to one job: the
-        # plan writes a dataset's quota on one of its readers (co_allocate: the one missing the
-        # most) and may move it to another reader of the same dataset from one plan to the
-        # next; the cached content must survive that, and every reader of the dataset here
-        # fills and hits the same content (as in the simulator's bytes[(node, dataset)]).
-        wanted: dict[tuple[str, str], int] = {}
-        for q in quotas:
-            key = self._partition_key(q)
-            if key is not None:
-                wanted[key] = wanted.get(key, 0) + q.cache_quota_bytes
-        for key, capacity in wanted.items():
-            part = self._parts.get(key)
-            if part is None:
-                part = self._parts[key] = make_partition(
-                    key[1], f"{key[0]}/{key[1]}", capacity, half_life_s=self.config.lrfu_half_life_s
-                )
-                # A policy change of the dataset: its objects move to the new partition.
-                for other in [k for k in self._parts if k[0] == key[0] and k not in wanted]:
-                    for entry in self.entries.dissolve(self._parts.pop(other)):
-                        part.add(entry, now)
-            part.capacity = capacity
-        orphans: list[Entry] = []
-        for key in [k for k in self._parts if k not in wanted]:
-            orphans.extend(self.entries.dissolve(self._parts.pop(key)))
-        # A dataset's partition takes its cached objects that nobody's quota holds now (a
-        # departed partition's, or the shared part's: a dataset read again after a plan
-        # without it) while it has room, before the shared part shrinks below them.
-        by_dataset: dict[str, list[Partition]] = {}
-        for key, part in self._parts.items():
-            by_dataset.setdefault(key[0], []).append(part)
-        kept: list[Entry] = []
-        for entry in orphans + [e for e in list(self.entries.shared.entries.values()) if e.dataset in by_dataset]:
-            home = next((p for p in by_dataset.get(entry.dataset, []) if entry.size <= p.free()), None)
-            if home is None:
-                if entry.partition is None:
-                    kept.append(entry)
-                continue
-            if entry.partition is not None:
-                entry.partition.remove(entry)
-            home.add(entry, now)
-        orphans = kept
-        new_ids = {q.job_id for q in quotas}
-        for job in self._jobs.values():
-            if job.quota is not None and job.job_id not in new_ids:
-                job.partition = None
-                job.quota = None
-                job.peers = ()
-                job.set_limit(0, self.config.io_burst_s)
-        quota_only = all(q.remote_io_bytes_per_s == 0 for q in quotas)
-        for q in quotas:
-            job = self._jobs.ensure(q.job_id)
-            job.quota = q
-            job.peers = tuple(Peer(p.node, p.cache_address) for p in q.peers if p.node != self.config.node)
-            if q.dataset:
-                job.dataset = q.dataset
-            policy = q.cache_policy or self.config.default_policy
-            key = (job.dataset or f"job:{q.job_id}", policy)
-            # A reader with quota 0 of a dataset that has a quota here shares its partition.
-            job.partition = self._parts.get(key) if policy != PASS_THROUGH else None
-            if policy == PASS_THROUGH:  # what was queued or staged ahead for the job is a cache too
-                job.queue.clear()
-                job.ahead.clear()
-                job.staged.clear()
-                job.staged_from_peer.clear()
-                job.staged_bytes = 0
-            if q.remote_io_bytes_per_s > 0:
-                job.set_limit(float(q.remote_io_bytes_per_s), self.config.io_burst_s)
-            elif quota_only:
-                job.set_limit(0.0, self.config.io_burst_s)
-            elif self.config.unallocated_io_trickle_bytes_per_s > 0:
-                job.set_limit(self.config.unallocated_io_trickle_bytes_per_s, self.config.io_burst_s)
-            else:
-                job.set_limit(0.0, self.config.io_burst_s, hold=True)
-        for part in self._parts.values():
-            self.entries.enforce(part)
-        self.entries.shared.capacity = self.entries.capacity - total
-        self.entries.enforce(self.entries.shared)
-        for entry in orphans:  # a departed job's objects stay cached while the shared part has room
-            if entry.size <= self.entries.shared.free():
-                self.entries.shared.add(entry, now)
-            else:
-                self.entries.evict(entry)
-        self._quota_only_plan = quota_only
-        self.catalog.prepare(q.dataset for q in quotas if q.dataset)
-        self.plan_version = plan_version
-        metrics.PLAN_VERSION.set(plan_version)
-        _log.info(
-            "plan applied",
-            extra={"plan_version": plan_version, "jobs": len(quotas), "quota_bytes": total,
-                   "shared_bytes": self.entries.shared.capacity},
-        )
-        return True
-
-    def _partition_key(self, q: Any) -> tuple[str, str] | None:
-        """The quota partition a JobCacheQuota contributes to: (dataset, policy), or None."""
-        policy = q.cache_policy or self.config.default_policy
-        if q.cache_quota_bytes <= 0 or policy == PASS_THROUGH:
-            return None
-        job = self._jobs.get(q.job_id)
-        dataset = q.dataset or (job.dataset if job is not None else "")
-        return (dataset or f"job:{q.job_id}", policy)
+    @property
+    def plan_version(self) -> int:
+        return self.quotas.plan_version
 
     # -- jobs and datasets --------------------------------------------------------------------------
 
