@@ -16,22 +16,22 @@ submissions cannot keep the scheduler (and the metadata store) busy with back-to
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import math
 import time
 from collections.abc import Awaitable, Iterable
 
-import grpc
-from prometheus_client import Counter
 
 from estimator.job_model import JobModel
 from estimator.per_type import is_reference
 from scheduler.codesign import is_active as co_active
 from scheduler.invariants import check_plan
 from scheduler.live import convert, data
-from scheduler.live.clients import Clients
+from scheduler.live.clients import ACTIVE_STATES, TERMINAL_STATES, Clients  # noqa: F401 (servicers)
+from scheduler.live.commit import Committer
+from scheduler.live.reports import TaskReports
+from scheduler.live.resizes import CrashRestarts, set_generation
 from scheduler.live.liveness import NodeLiveness
 from scheduler.live.rounds import RoundPacer
 from scheduler.live.plans import PlanStore
@@ -48,15 +48,6 @@ from silod.v1 import allocation_pb2, common_pb2, metadata_pb2, metadata_pb2_grpc
 
 _log = logging.getLogger("silod.scheduler")
 
-GPU_DOUBLE_HELD = Counter(
-    "silod_scheduler_gpu_double_held_total", "Reports of one (node, GPU) held by tasks of two different jobs"
-)
-
-MAX_MOVES = 1000  # state moves per TransitionJobs call (the metadata service's limit)
-ACTIVE_STATES = (common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED,
-                 common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_RESIZING)
-PLACED_STATES = (common_pb2.JOB_STATE_SCHEDULED, common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_RESIZING)
-TERMINAL_STATES = (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
 
 
 
@@ -95,11 +86,7 @@ class SchedulerCore:
         self.cache_mode = cache_mode
         self.plans = PlanStore(self.clients)
         self.releases = ReleaseTracker()
-        self.tasks: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}  # (job, generation) -> rank -> (phase, exit)
-        # Jobs one of whose ranks was killed (SIGKILL: the OOM killer, an operator, a crash of the
-        # rank alone): restarted from their checkpoint in a new generation, a few times per job.
-        self.crash_restarts: dict[str, int] = {}
-        self._restart: set[str] = set()
+        self.restarts = CrashRestarts()
         self._node_types: dict[str, str] = {}  # node -> GPU type, as of the last snapshot
         self.feedback = EstimatorFeedback(
             self.clients, self.models, cache_mode=cache_mode,
@@ -108,6 +95,9 @@ class SchedulerCore:
         self._background: set[asyncio.Task[None]] = set()
         self.rounds: RoundPacer[plan_pb2.AllocationPlan | None] = RoundPacer(
             self._round, interval_s=interval_s, uncounted_s=lambda: self.models.warm_up_s)
+        self.committer = Committer(self.clients, self.plans, self.releases, self.restarts, self.trigger)
+        self.reports = TaskReports(self.clients, self.plans, self.releases, self.restarts, self.feedback,
+                                   transition=self.committer.transition, trigger=self.trigger)
         self.liveness = NodeLiveness(self.clients, node_timeout_s=node_timeout_s, node_poll_s=node_poll_s,
                                      trigger=self.trigger)
         self._loop_task: asyncio.Task[None] | None = None
@@ -339,224 +329,21 @@ class SchedulerCore:
                     data.add_grants(entry, alloc, self.cache_mode, job.spec.dataset, managed)
             else:
                 entry.batch_size = job.spec.batch_size
-            previous = old.get(job.id)
-            generation = previous.generation if previous is not None else 0
-            if job.id in self._restart and convert.ranks_of(entry):
-                generation += 1  # every rank again, from the checkpoint: no survivors to keep
-            elif convert.placement_of(entry) != (convert.placement_of(previous) if previous is not None else ()):
-                generation += 1
-                entry.fast_resize = self._fast_resize(job, previous, entry)
-            elif job.spec.resize_in_place and previous is not None and convert.ranks_of(entry) \
-                    and entry.batch_size != previous.batch_size:
-                # A retuned batch size reaches ranks that re-form in place as a resize to the same
-                # GPUs: every rank switches at the same step (silod.job.distributed).
-                generation += 1
-                entry.fast_resize = True
-            entry.generation = generation
+            set_generation(entry, job, old.get(job.id), restarting=job.id in self.restarts.waiting,
+                           policy_afe=bool(getattr(self.policy, "afe", False)))
         convert.assign_master_ports(proto, old)
         self.inference.describe(proto, {n.name for n in snap.nodes if n.pool == "inference"})
-        if self.latest is not None and _same_allocations(self.latest, proto):
-            return None  # nothing changed: no new version
-        try:
-            committed = await self.md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=proto))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.ABORTED:
-                _log.warning("plan commit lost a race; retrying next round", extra={"version": proto.version})
-                await self.refresh_latest()
-                self.trigger("retry")
-                return None
-            raise
-        # GPUs taken from a job are pending release until the node acknowledges them.
-        if self.latest is not None:
-            self.releases.record(self.latest, committed)
-        await self.plans.set_latest(committed)
-        self._restart -= {entry.job_id for entry in committed.jobs if convert.ranks_of(entry)}
-        await self._transitions(committed, old, {j.id: j for j in jobs})
-        self._log_commit(committed, old, reason)
-        return committed
-
-    @staticmethod
-    def _log_commit(plan: plan_pb2.AllocationPlan, old: dict[str, plan_pb2.JobAllocation], reason: str) -> None:
-        """One line per plan: what an operator asks first when a job moved (which plan, why)."""
-        placed = [e for e in plan.jobs if convert.ranks_of(e)]
-        changed = [e for e in placed if e.job_id not in old or e.generation != old[e.job_id].generation]
-        stopped = sum(1 for e in plan.jobs if not convert.ranks_of(e) and e.job_id in old
-                      and convert.ranks_of(old[e.job_id]))
-        _log.info("plan committed", extra={
-            "version": plan.version, "reason": reason, "jobs_placed": len(placed),
-            "gpus": sum(len(convert.ranks_of(e)) for e in placed), "jobs_started_or_resized": len(changed),
-            "jobs_stopped": stopped, "changed": [e.job_id for e in changed[:20]]})
-
-    def _fast_resize(self, job: common_pb2.Job, previous: plan_pb2.JobAllocation | None,
-                     entry: plan_pb2.JobAllocation) -> bool:
-        """Survivors keep running when some ranks keep their GPUs and the ranks can re-form in
-        place: jobs that say so (``resize_in_place``: silod.job's ctx.distributed() re-forms the
-        process group), and the emulated job under a policy that prices resizes that way (AFE,
-        DeepBoot). Other commands get the checkpoint-and-relaunch path."""
-        if previous is None:
-            return False
-        if not job.spec.resize_in_place and (job.spec.command or not getattr(self.policy, "afe", False)):
-            return False
-        return bool(set(convert.ranks_of(previous)) & set(convert.ranks_of(entry)))
-
-    async def _transitions(self, plan: plan_pb2.AllocationPlan, old: dict, jobs: dict[str, common_pb2.Job]) -> None:
-        # Each job moves independently (a compare-and-set of its own); they go out in one
-        # TransitionJobs call per MAX_MOVES, since per-call overhead dominated a big round.
-        moves: list[metadata_pb2.TransitionJobRequest] = []
-        for entry in plan.jobs:
-            job = jobs.get(entry.job_id)
-            if job is None:
-                continue
-            placed = bool(convert.ranks_of(entry))
-            if placed and job.state == common_pb2.JOB_STATE_PENDING:
-                moves.append(_move(job, common_pb2.JOB_STATE_SCHEDULED,
-                                   f"placed by plan {plan.version} (generation {entry.generation})"))
-            elif placed and job.state == common_pb2.JOB_STATE_RUNNING and entry.job_id in old \
-                    and entry.generation != old[entry.job_id].generation:
-                moves.append(_move(job, common_pb2.JOB_STATE_RESIZING,
-                                   f"resized by plan {plan.version} (generation {entry.generation})"))
-            elif not placed and job.state in PLACED_STATES:
-                moves.append(_move(job, common_pb2.JOB_STATE_PENDING, f"preempted by plan {plan.version}; requeued"))
-        for start in range(0, len(moves), MAX_MOVES):
-            batch = moves[start:start + MAX_MOVES]
-            reply = await self.md.TransitionJobs(metadata_pb2.TransitionJobsRequest(transitions=batch))
-            for move, result in zip(batch, reply.results):
-                if result.error_code:  # moved meanwhile (a report, a cancel): the next round sees it
-                    _log.info("transition skipped", extra={"job_id": move.job_id, "reason": result.error})
-
-    async def transition(self, job_id: str, expected: int, new: int, message: str) -> common_pb2.Job | None:
-        try:
-            return await self.md.TransitionJob(metadata_pb2.TransitionJobRequest(
-                job_id=job_id, expected_state=expected, new_state=new, message=message))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
-                _log.info("transition skipped", extra={"job_id": job_id, "reason": exc.details()})
-                return None
-            raise
+        return await self.committer.commit(proto, self.latest, {j.id: j for j in jobs}, reason)
 
     # ---- node feedback ---------------------------------------------------------------------
     def release(self, node: str, jobs: Iterable[str]) -> bool:
         return self.releases.release(node, jobs)
 
     async def report_tasks(self, request: allocation_pb2.ReportTasksRequest) -> list[str]:
-        node = request.node
-        holders: dict[int, str] = {}
-        live_held: set[tuple[str, int]] = set()
-        for t in request.tasks:
-            self.tasks.setdefault((t.job_id, t.generation), {})[t.rank] = (t.phase, t.exit_code)
-            if t.phase != allocation_pb2.TASK_PHASE_EXITED:
-                for i in t.gpu_indices:
-                    live_held.add((t.job_id, i))
-                    if i in holders and holders[i] != t.job_id:
-                        GPU_DOUBLE_HELD.inc()
-                        _log.error("GPU held by two jobs", extra={"node": node, "gpu": i, "jobs": [holders[i], t.job_id]})
-                    holders.setdefault(i, t.job_id)
-        if self.releases.proven_by_report(node, request.applied_plan_version, live_held):
-            self.trigger("release")
-
-        acknowledged: list[str] = []
-        finished = False
-        for job_id in dict.fromkeys(t.job_id for t in request.tasks):
-            mine = [t for t in request.tasks if t.job_id == job_id]
-            entry = self.allocation(job_id)
-            generation = entry.generation if entry is not None else -1
-            current = [t for t in mine if t.generation == generation]
-            if current:
-                finished |= await self._apply_reports(job_id, entry, current, node)
-            acknowledged.extend(f"{t.job_id}/{t.rank}/{t.generation}" for t in mine
-                                if t.phase == allocation_pb2.TASK_PHASE_EXITED)
-        if finished:
-            self.trigger("completion")
-        return acknowledged
-
-    async def _apply_reports(self, job_id: str, entry: plan_pb2.JobAllocation, reports: list, node: str) -> bool:
-        try:
-            job = await self.md.GetJob(metadata_pb2.GetJobRequest(job_id=job_id))
-        except grpc.aio.AioRpcError:
-            return False
-        if job.state in TERMINAL_STATES:
-            return False
-        rank0 = next((t for t in reports if t.rank == 0), None)
-        if rank0 is not None and (rank0.progress.ByteSize() or rank0.step_time_s):
-            if rank0.progress.ByteSize():
-                await self.md.UpdateJobProgress(metadata_pb2.UpdateJobProgressRequest(
-                    job_id=job_id, progress=rank0.progress,
-                    allocated=common_pb2.ResourceVector(gpus=len(convert.ranks_of(entry)))))
-            samples = []
-            for name, value in (("step_time_s", rank0.step_time_s),
-                                ("samples_per_s", rank0.progress.throughput_samples_per_s)):
-                if value > 0:
-                    sample = common_pb2.MetricSample(job_id=job_id, name=name, value=value,
-                                                     labels={"node": node, "rank": "0"})
-                    sample.time.GetCurrentTime()
-                    samples.append(sample)
-            if samples:
-                await self.md.AppendMetrics(metadata_pb2.AppendMetricsRequest(samples=samples))
-            self.feedback.observe(job, entry, rank0)
-        failed = next((t for t in reports if t.phase == allocation_pb2.TASK_PHASE_EXITED and t.exit_code != 0), None)
-        if failed is not None and failed.exit_code in RESTART_EXIT_CODES \
-                and self.crash_restarts.get(job_id, 0) < MAX_CRASH_RESTARTS and job.id not in self._restart:
-            self.crash_restarts[job_id] = self.crash_restarts.get(job_id, 0) + 1
-            self._restart.add(job_id)
-            why = (f"rank {failed.rank} (generation {failed.generation}) on {node} "
-                   f"{RESTART_EXIT_CODES[failed.exit_code]} (exit {failed.exit_code}); restarting every rank "
-                   f"from the last checkpoint ({self.crash_restarts[job_id]} of {MAX_CRASH_RESTARTS})")
-            if job.state == common_pb2.JOB_STATE_RUNNING:
-                await self.transition(job_id, job.state, common_pb2.JOB_STATE_RESIZING, why)
-            else:  # already RESIZING or SCHEDULED: the move says nothing, an event does
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    await self.md.AppendJobEvent(metadata_pb2.AppendJobEventRequest(job_id=job_id, type="restart",
-                                                                                     message=why))
-            _log.warning("a rank ended for a restart; the job restarts from its checkpoint",
-                         extra={"job_id": job_id, "rank": failed.rank, "node": node,
-                                "restart": self.crash_restarts[job_id]})
-            return True
-        if failed is not None and job_id in self._restart:
-            return False  # the other ranks of the killed generation fail as their peer vanished
-        if failed is not None:
-            await self.transition(job_id, job.state, common_pb2.JOB_STATE_FAILED,
-                                  f"rank {failed.rank} (generation {failed.generation}) on {node} exited with code {failed.exit_code}")
-            return True
-        world = len(convert.ranks_of(entry))
-        seen = self.tasks.get((job_id, entry.generation), {})
-        all_up = world > 0 and all(
-            r in seen and (seen[r][0] == allocation_pb2.TASK_PHASE_RUNNING
-                           or (seen[r][0] == allocation_pb2.TASK_PHASE_EXITED and seen[r][1] == 0))
-            for r in range(world))
-        all_done = world > 0 and all(seen.get(r, (0, 1)) == (allocation_pb2.TASK_PHASE_EXITED, 0) for r in range(world))
-        rank0_done = seen.get(0) == (allocation_pb2.TASK_PHASE_EXITED, 0)
-        state = job.state
-        if state in (common_pb2.JOB_STATE_SCHEDULED, common_pb2.JOB_STATE_RESIZING) and (all_up or rank0_done):
-            updated = await self.transition(job_id, state, common_pb2.JOB_STATE_RUNNING,
-                                            f"all {world} ranks of generation {entry.generation} running")
-            state = updated.state if updated is not None else state
-        if state == common_pb2.JOB_STATE_RUNNING and (all_done or rank0_done):
-            await self.transition(job_id, state, common_pb2.JOB_STATE_SUCCEEDED,
-                                  f"generation {entry.generation} finished")
-            return True
-        return False
-
-
-# Exit statuses after which a job restarts from its checkpoint instead of failing.
-RESTART_EXIT_CODES = {
-    128 + 9: "was killed",  # SIGKILL, as the agent reports it: the OOM killer, an operator
-    75: "gave up re-forming in place",  # silod.job.distributed.RESTART_EXIT_CODE (EX_TEMPFAIL)
-}
-MAX_CRASH_RESTARTS = 3
+        return await self.reports.report(request)
 
 def _epoch_s(stamp) -> float:
     """Seconds since the epoch of a Timestamp, as the UTC datetime's timestamp() gives them
     (microseconds, one rounding), without building the datetime: once per job per round."""
     return (stamp.seconds * 1_000_000 + stamp.nanos // 1000) / 1_000_000
-
-
-def _move(job: common_pb2.Job, new_state: int, message: str) -> metadata_pb2.TransitionJobRequest:
-    return metadata_pb2.TransitionJobRequest(job_id=job.id, expected_state=job.state, new_state=new_state, message=message)
-
-
-def _same_allocations(a: plan_pb2.AllocationPlan, b: plan_pb2.AllocationPlan) -> bool:
-    def key(plan: plan_pb2.AllocationPlan) -> list[bytes]:
-        return sorted(job.SerializeToString(deterministic=True) for job in plan.jobs)
-
-    return key(a) == key(b)
 

@@ -177,7 +177,7 @@ def test_node_timeout_requeues_jobs(make_cluster) -> None:
 
 
 def test_gpu_held_by_two_jobs_is_counted(cluster) -> None:
-    from scheduler.live.core import GPU_DOUBLE_HELD
+    from scheduler.live.reports import GPU_DOUBLE_HELD
 
     cluster.add_node("n1", gpus=2)
     before = GPU_DOUBLE_HELD._value.get()

@@ -1,0 +1,118 @@
+"""Carrying out a plan: commit it to the metadata store (a new version, or none when nothing
+changed), record the GPUs it takes from jobs as pending release, move the jobs' states, log it.
+
+Cost: one CommitPlan, and one TransitionJobs call per MAX_MOVES jobs whose state the plan
+changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+import grpc
+
+from scheduler.live import convert
+from scheduler.live.clients import PLACED_STATES, Clients
+from scheduler.live.plans import PlanStore
+from scheduler.live.releases import ReleaseTracker
+from scheduler.live.resizes import CrashRestarts
+from silod.v1 import common_pb2, metadata_pb2, plan_pb2
+
+_log = logging.getLogger("silod.scheduler")
+
+MAX_MOVES = 1000  # state moves per TransitionJobs call (the metadata service's limit)
+
+
+class Committer:
+    def __init__(self, clients: Clients, plans: PlanStore, releases: ReleaseTracker, restarts: CrashRestarts,
+                 trigger: Callable[[str], None]) -> None:
+        self.clients = clients
+        self.plans = plans
+        self.releases = releases
+        self.restarts = restarts
+        self._trigger = trigger
+
+    async def commit(self, proto: plan_pb2.AllocationPlan, base: plan_pb2.AllocationPlan | None,
+                     jobs: Mapping[str, common_pb2.Job], reason: str) -> plan_pb2.AllocationPlan | None:
+        """Commit ``proto``, built on ``base`` (the plan in force), and carry it out; None when it
+        changes nothing or another commit won the race (a retry round is triggered)."""
+        latest = base
+        if latest is not None and same_allocations(latest, proto):
+            return None  # nothing changed: no new version
+        old = {a.job_id: a for a in (latest.jobs if latest is not None else [])}
+        try:
+            committed = await self.clients.md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=proto))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.ABORTED:
+                _log.warning("plan commit lost a race; retrying next round", extra={"version": proto.version})
+                await self.plans.refresh()
+                self._trigger("retry")
+                return None
+            raise
+        # GPUs taken from a job are pending release until the node acknowledges them.
+        if latest is not None:
+            self.releases.record(latest, committed)
+        await self.plans.set_latest(committed)
+        self.restarts.placed(committed)
+        await self._transitions(committed, old, jobs)
+        _log_commit(committed, old, reason)
+        return committed
+
+    async def _transitions(self, plan: plan_pb2.AllocationPlan, old: dict, jobs: Mapping[str, common_pb2.Job]) -> None:
+        # Each job moves independently (a compare-and-set of its own); they go out in one
+        # TransitionJobs call per MAX_MOVES, since per-call overhead dominated a big round.
+        moves: list[metadata_pb2.TransitionJobRequest] = []
+        for entry in plan.jobs:
+            job = jobs.get(entry.job_id)
+            if job is None:
+                continue
+            placed = bool(convert.ranks_of(entry))
+            if placed and job.state == common_pb2.JOB_STATE_PENDING:
+                moves.append(_move(job, common_pb2.JOB_STATE_SCHEDULED,
+                                   f"placed by plan {plan.version} (generation {entry.generation})"))
+            elif placed and job.state == common_pb2.JOB_STATE_RUNNING and entry.job_id in old \
+                    and entry.generation != old[entry.job_id].generation:
+                moves.append(_move(job, common_pb2.JOB_STATE_RESIZING,
+                                   f"resized by plan {plan.version} (generation {entry.generation})"))
+            elif not placed and job.state in PLACED_STATES:
+                moves.append(_move(job, common_pb2.JOB_STATE_PENDING, f"preempted by plan {plan.version}; requeued"))
+        for start in range(0, len(moves), MAX_MOVES):
+            batch = moves[start:start + MAX_MOVES]
+            reply = await self.clients.md.TransitionJobs(metadata_pb2.TransitionJobsRequest(transitions=batch))
+            for move, result in zip(batch, reply.results):
+                if result.error_code:  # moved meanwhile (a report, a cancel): the next round sees it
+                    _log.info("transition skipped", extra={"job_id": move.job_id, "reason": result.error})
+
+    async def transition(self, job_id: str, expected: int, new: int, message: str) -> common_pb2.Job | None:
+        try:
+            return await self.clients.md.TransitionJob(metadata_pb2.TransitionJobRequest(
+                job_id=job_id, expected_state=expected, new_state=new, message=message))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                _log.info("transition skipped", extra={"job_id": job_id, "reason": exc.details()})
+                return None
+            raise
+
+
+def _log_commit(plan: plan_pb2.AllocationPlan, old: dict[str, plan_pb2.JobAllocation], reason: str) -> None:
+    """One line per plan: what an operator asks first when a job moved (which plan, why)."""
+    placed = [e for e in plan.jobs if convert.ranks_of(e)]
+    changed = [e for e in placed if e.job_id not in old or e.generation != old[e.job_id].generation]
+    stopped = sum(1 for e in plan.jobs if not convert.ranks_of(e) and e.job_id in old
+                  and convert.ranks_of(old[e.job_id]))
+    _log.info("plan committed", extra={
+        "version": plan.version, "reason": reason, "jobs_placed": len(placed),
+        "gpus": sum(len(convert.ranks_of(e)) for e in placed), "jobs_started_or_resized": len(changed),
+        "jobs_stopped": stopped, "changed": [e.job_id for e in changed[:20]]})
+
+
+def _move(job: common_pb2.Job, new_state: int, message: str) -> metadata_pb2.TransitionJobRequest:
+    return metadata_pb2.TransitionJobRequest(job_id=job.id, expected_state=job.state, new_state=new_state, message=message)
+
+
+def same_allocations(a: plan_pb2.AllocationPlan, b: plan_pb2.AllocationPlan) -> bool:
+    def key(plan: plan_pb2.AllocationPlan) -> list[bytes]:
+        return sorted(job.SerializeToString(deterministic=True) for job in plan.jobs)
+
+    return key(a) == key(b)

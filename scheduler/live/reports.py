@@ -1,0 +1,139 @@
+"""What the agents report about their tasks (ReportTasks): releases proven, GPUs held twice,
+progress and metrics forwarded, measurements fed to the estimator, and the job state moves
+the ranks' phases imply (running, succeeded, failed, restarted from a checkpoint)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+from prometheus_client import Counter
+
+from scheduler.live import convert
+from scheduler.live.clients import TERMINAL_STATES, Clients
+from scheduler.live.feedback import EstimatorFeedback
+from scheduler.live.plans import PlanStore
+from scheduler.live.releases import ReleaseTracker
+from scheduler.live.resizes import MAX_CRASH_RESTARTS, RESTART_EXIT_CODES, CrashRestarts
+from silod.v1 import allocation_pb2, common_pb2, metadata_pb2, plan_pb2
+
+_log = logging.getLogger("silod.scheduler")
+
+GPU_DOUBLE_HELD = Counter(
+    "silod_scheduler_gpu_double_held_total", "Reports of one (node, GPU) held by tasks of two different jobs"
+)
+
+Transition = Callable[[str, int, int, str], Awaitable[common_pb2.Job | None]]
+
+
+class TaskReports:
+    def __init__(self, clients: Clients, plans: PlanStore, releases: ReleaseTracker, restarts: CrashRestarts,
+                 feedback: EstimatorFeedback, *, transition: Transition, trigger: Callable[[str], None]) -> None:
+        self.clients = clients
+        self.plans = plans
+        self.releases = releases
+        self.restarts = restarts
+        self.feedback = feedback
+        self._transition = transition
+        self._trigger = trigger
+        self.tasks: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}  # (job, generation) -> rank -> (phase, exit)
+
+    async def report(self, request: allocation_pb2.ReportTasksRequest) -> list[str]:
+        """Apply one node's report; the exits it acknowledges (``job/rank/generation``)."""
+        node = request.node
+        holders: dict[int, str] = {}
+        live_held: set[tuple[str, int]] = set()
+        for t in request.tasks:
+            self.tasks.setdefault((t.job_id, t.generation), {})[t.rank] = (t.phase, t.exit_code)
+            if t.phase != allocation_pb2.TASK_PHASE_EXITED:
+                for i in t.gpu_indices:
+                    live_held.add((t.job_id, i))
+                    if i in holders and holders[i] != t.job_id:
+                        GPU_DOUBLE_HELD.inc()
+                        _log.error("GPU held by two jobs", extra={"node": node, "gpu": i, "jobs": [holders[i], t.job_id]})
+                    holders.setdefault(i, t.job_id)
+        if self.releases.proven_by_report(node, request.applied_plan_version, live_held):
+            self._trigger("release")
+
+        acknowledged: list[str] = []
+        finished = False
+        for job_id in dict.fromkeys(t.job_id for t in request.tasks):
+            mine = [t for t in request.tasks if t.job_id == job_id]
+            entry = self.plans.allocation(job_id)
+            generation = entry.generation if entry is not None else -1
+            current = [t for t in mine if t.generation == generation]
+            if current:
+                finished |= await self._apply(job_id, entry, current, node)
+            acknowledged.extend(f"{t.job_id}/{t.rank}/{t.generation}" for t in mine
+                                if t.phase == allocation_pb2.TASK_PHASE_EXITED)
+        if finished:
+            self._trigger("completion")
+        return acknowledged
+
+    async def _apply(self, job_id: str, entry: plan_pb2.JobAllocation, reports: list, node: str) -> bool:
+        """Apply the reports of the job's current generation; whether the job finished or restarts."""
+        md = self.clients.md
+        try:
+            job = await md.GetJob(metadata_pb2.GetJobRequest(job_id=job_id))
+        except grpc.aio.AioRpcError:
+            return False
+        if job.state in TERMINAL_STATES:
+            return False
+        rank0 = next((t for t in reports if t.rank == 0), None)
+        if rank0 is not None and (rank0.progress.ByteSize() or rank0.step_time_s):
+            if rank0.progress.ByteSize():
+                await md.UpdateJobProgress(metadata_pb2.UpdateJobProgressRequest(
+                    job_id=job_id, progress=rank0.progress,
+                    allocated=common_pb2.ResourceVector(gpus=len(convert.ranks_of(entry)))))
+            samples = []
+            for name, value in (("step_time_s", rank0.step_time_s),
+                                ("samples_per_s", rank0.progress.throughput_samples_per_s)):
+                if value > 0:
+                    sample = common_pb2.MetricSample(job_id=job_id, name=name, value=value,
+                                                     labels={"node": node, "rank": "0"})
+                    sample.time.GetCurrentTime()
+                    samples.append(sample)
+            if samples:
+                await md.AppendMetrics(metadata_pb2.AppendMetricsRequest(samples=samples))
+            self.feedback.observe(job, entry, rank0)
+        failed = next((t for t in reports if t.phase == allocation_pb2.TASK_PHASE_EXITED and t.exit_code != 0), None)
+        if failed is not None and self.restarts.allows(job_id, failed.exit_code):
+            count = self.restarts.begin(job_id)
+            why = (f"rank {failed.rank} (generation {failed.generation}) on {node} "
+                   f"{RESTART_EXIT_CODES[failed.exit_code]} (exit {failed.exit_code}); restarting every rank "
+                   f"from the last checkpoint ({count} of {MAX_CRASH_RESTARTS})")
+            if job.state == common_pb2.JOB_STATE_RUNNING:
+                await self._transition(job_id, job.state, common_pb2.JOB_STATE_RESIZING, why)
+            else:  # already RESIZING or SCHEDULED: the move says nothing, an event does
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await md.AppendJobEvent(metadata_pb2.AppendJobEventRequest(job_id=job_id, type="restart",
+                                                                               message=why))
+            _log.warning("a rank ended for a restart; the job restarts from its checkpoint",
+                         extra={"job_id": job_id, "rank": failed.rank, "node": node, "restart": count})
+            return True
+        if failed is not None and job_id in self.restarts.waiting:
+            return False  # the other ranks of the killed generation fail as their peer vanished
+        if failed is not None:
+            await self._transition(job_id, job.state, common_pb2.JOB_STATE_FAILED,
+                                   f"rank {failed.rank} (generation {failed.generation}) on {node} exited with code {failed.exit_code}")
+            return True
+        world = len(convert.ranks_of(entry))
+        seen = self.tasks.get((job_id, entry.generation), {})
+        all_up = world > 0 and all(
+            r in seen and (seen[r][0] == allocation_pb2.TASK_PHASE_RUNNING
+                           or (seen[r][0] == allocation_pb2.TASK_PHASE_EXITED and seen[r][1] == 0))
+            for r in range(world))
+        all_done = world > 0 and all(seen.get(r, (0, 1)) == (allocation_pb2.TASK_PHASE_EXITED, 0) for r in range(world))
+        rank0_done = seen.get(0) == (allocation_pb2.TASK_PHASE_EXITED, 0)
+        state = job.state
+        if state in (common_pb2.JOB_STATE_SCHEDULED, common_pb2.JOB_STATE_RESIZING) and (all_up or rank0_done):
+            updated = await self._transition(job_id, state, common_pb2.JOB_STATE_RUNNING,
+                                             f"all {world} ranks of generation {entry.generation} running")
+            state = updated.state if updated is not None else state
+        if state == common_pb2.JOB_STATE_RUNNING and (all_done or rank0_done):
+            await self._transition(job_id, state, common_pb2.JOB_STATE_SUCCEEDED,
+                                   f"generation {entry.generation} finished")
+            return True
+        return False
