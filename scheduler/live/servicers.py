@@ -1,5 +1,6 @@
 """JobService and AllocationService servicers: validation and forwarding to the metadata store,
-state-driving calls handed to :class:`SchedulerCore`."""
+state-driving calls handed to the scheduler through the narrow :class:`Scheduler` interface
+(scheduler.live.core.SchedulerCore implements it)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from scheduler.live.core import ACTIVE_STATES, TERMINAL_STATES, SchedulerCore, known_applications
+from scheduler.live.clients import ACTIVE_STATES, TERMINAL_STATES
+from scheduler.live.models import known_applications
 from services.metadata.validation.common import check_enum, check_float, check_int
 from services.metadata.validation.jobs import check_client_request_id, check_progress, job_spec_problems
 from services.runtime import downstream
@@ -22,6 +24,7 @@ from silod.v1 import (
     allocation_pb2_grpc,
     common_pb2,
     metadata_pb2,
+    plan_pb2,
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
@@ -46,6 +49,25 @@ async def forward(call: Awaitable[T], what: str = "metadata service",
     (services/runtime/downstream.py); by default the caller's request went down as it came,
     so a refusal names the caller's own field. ``fields=None``: this service made the request."""
     return await downstream.forward(call, what, fields)
+
+
+class Scheduler(Protocol):
+    """What the servicers need of the scheduler: the metadata stub to forward to, the plan in
+    force and its node views, and the events that trigger rounds."""
+
+    md: Any  # metadata_pb2_grpc.MetadataServiceStub
+    node_set_version: int  # changes whenever the set of live nodes does
+    latest: plan_pb2.AllocationPlan | None
+    latest_version: int
+
+    def spawn(self, call: Awaitable[None]) -> None: ...  # in the background, cancelled when the scheduler stops
+    def trigger(self, reason: str) -> None: ...
+    def job_submitted(self, job: common_pb2.Job) -> None: ...
+    def release(self, node: str, jobs: Iterable[str]) -> bool: ...
+    async def report_tasks(self, request: allocation_pb2.ReportTasksRequest) -> list[str]: ...
+    async def refresh_latest(self) -> plan_pb2.AllocationPlan | None: ...
+    async def wait_newer(self, version: int, timeout: float) -> None: ...
+    async def node_plan(self, plan: plan_pb2.AllocationPlan, node: str) -> plan_pb2.NodePlan: ...
 
 
 MAX_CREATIONS = 1000  # jobs per CreateJobs call (the metadata service's limit)
@@ -78,7 +100,7 @@ class _Creations:
     service without CreateJobs gets one CreateJob per submission, as before.
     """
 
-    def __init__(self, core: SchedulerCore) -> None:
+    def __init__(self, core: Scheduler) -> None:
         self.core = core
         self._queue: list[tuple[metadata_pb2.CreateJobRequest, asyncio.Future[common_pb2.Job]]] = []
         self._sending = False
@@ -91,7 +113,7 @@ class _Creations:
         self._queue.append((request, future))
         if not self._sending:
             self._sending = True
-            self.core._spawn(self._send())
+            self.core.spawn(self._send())
         return await future
 
     async def _send(self) -> None:
@@ -153,7 +175,7 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
     def md(self):  # the metadata stub exists once the server started
         return self.core.md
 
-    def __init__(self, core: SchedulerCore) -> None:
+    def __init__(self, core: Scheduler) -> None:
         self.core = core
         self._creations = _Creations(core)
         # Admission checks that need not hit the metadata store on every submission: datasets
@@ -203,8 +225,7 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
                     field="spec.min_gpus")
         job = await self._creations.create(
             metadata_pb2.CreateJobRequest(spec=spec, client_request_id=request.client_request_id))
-        self.core.specs[job.id] = job.spec
-        self.core.trigger("arrival")
+        self.core.job_submitted(job)
         return job
 
     async def GetJob(self, request, context):  # noqa: N802
@@ -268,7 +289,7 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
     def md(self):
         return self.core.md
 
-    def __init__(self, core: SchedulerCore, *, refresh_s: float = 5.0) -> None:
+    def __init__(self, core: Scheduler, *, refresh_s: float = 5.0) -> None:
         self.core = core
         self.refresh_s = refresh_s
 

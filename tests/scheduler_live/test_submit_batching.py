@@ -54,7 +54,7 @@ class _FakeCore:
     def __init__(self, md: _FakeMetadata) -> None:
         self.md = md
 
-    def _spawn(self, call) -> None:
+    def spawn(self, call) -> None:
         asyncio.ensure_future(call)
 
 

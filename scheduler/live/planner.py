@@ -1,0 +1,112 @@
+"""One round's plan, from a snapshot: the policy on the usable GPUs, inference tasks beside it,
+release holds, the cache mode's data grants, the invariants, then the plan proto with each
+job's generation and rendezvous port. No I/O: what it reads comes in as arguments, so a
+caller may plan from any snapshot (and commit elsewhere).
+
+The data step after the policy is the simulator's too (scheduler.data_grants.grant, as in
+simulator/engine.py), and so are the invariants (scheduler.invariants.check_plan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Mapping, Sequence
+
+from scheduler.codesign import is_active as co_active
+from scheduler.invariants import check_plan
+from scheduler.live import convert, data
+from scheduler.live.gpu_health import UsableGpus
+from scheduler.live.inference import LiveInference, is_inference_job
+from scheduler.live.releases import Gpu, hold_releases
+from scheduler.live.resizes import set_generation
+from scheduler.placement import node_types, placement_type
+from scheduler.policy import ClusterSnapshot, Plan
+from scheduler.registry import get_policy
+from silod.v1 import common_pb2, plan_pb2
+
+
+def configured_policy(name: str, cache_mode: str) -> tuple[object, bool]:
+    """The policy ``name`` for ``cache_mode``, and whether it grants cache and IO itself."""
+    if cache_mode not in data.CACHE_MODES:
+        raise ValueError(f"cache_mode: must be one of {', '.join(data.CACHE_MODES)}, got {cache_mode!r}")
+    # --cache silod: the policy prices jobs with T(g, c, b) and grants cache and IO with the
+    # GPUs (its codesign option), as in the simulator; a policy without one gets co_allocate's
+    # grants after it (scheduler.live.data).
+    policy = get_policy(name)
+    if cache_mode == "silod" and dataclasses.is_dataclass(policy) \
+            and "codesign" in {f.name for f in dataclasses.fields(policy)}:
+        return dataclasses.replace(policy, codesign=True), True
+    return policy, False
+
+
+@dataclasses.dataclass
+class RoundPlanner:
+    policy: object
+    policy_name: str
+    policy_co_designs: bool
+    cache_mode: str
+    inference: LiveInference
+
+    def plan(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], usable: UsableGpus, *,
+             base: plan_pb2.AllocationPlan | None, busy: Mapping[Gpu, str], restarting: Collection[str],
+             reason: str) -> plan_pb2.AllocationPlan:
+        """The plan that follows ``base`` (the plan in force) for ``snap`` and its ``jobs``.
+        ``busy``: GPUs not yet released, by owner (ReleaseTracker.busy); ``restarting``: jobs
+        that start every rank anew from their checkpoint (CrashRestarts.waiting)."""
+        plan, training_ids = self._allocate(snap, jobs, usable, busy)
+        return self._proto(snap, jobs, plan, training_ids, base=base, restarting=restarting, reason=reason)
+
+    def _allocate(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], usable: UsableGpus,
+                  busy: Mapping[Gpu, str]) -> tuple[Plan, set[str]]:
+        policy_plan = usable.schedule(self.policy, snap)  # on the usable GPUs only
+        check_plan(snap, policy_plan)
+        inference_jobs = [j for j in jobs if is_inference_job(j)]
+        plan = self.inference.place(snap, policy_plan, inference_jobs, unusable=usable.faulted)
+        plan = hold_releases(plan, snap.current, busy)
+        inference_ids = {j.id for j in inference_jobs}
+        # Cache quotas and IO rates of the cache mode, on the placements that survived the
+        # release holds and inference reclaims (inference tasks read no dataset).
+        training_ids = {j.id for j in jobs} - inference_ids
+        plan = data.grant(self.cache_mode, snap, plan, policy_plan, training_ids, self.policy_co_designs)
+        training_plan = Plan({k: a for k, a in plan.allocations.items() if k not in inference_ids})
+        check_plan(snap, training_plan)
+        broken = data.problems(snap, training_plan)
+        if broken:  # a bug, not a condition to live with: the cache servers would refuse the plan
+            raise AssertionError("data grants exceed the cluster: " + "; ".join(broken))
+        return plan, training_ids
+
+    def _proto(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], plan: Plan, training_ids: set[str], *,
+               base: plan_pb2.AllocationPlan | None, restarting: Collection[str], reason: str) -> plan_pb2.AllocationPlan:
+        managed = self.cache_mode != "silod" or co_active(snap)
+        old = {a.job_id: a for a in (base.jobs if base is not None else [])}
+        proto = plan_pb2.AllocationPlan(
+            version=(base.version if base is not None else 0) + 1, policy=self.policy_name,
+            cache_mode=self.cache_mode, reason=reason,
+        )
+        if self.cache_mode == "silod" and math.isfinite(snap.storage_bandwidth_bytes_per_s):
+            proto.storage_bandwidth_budget_bytes_per_s = int(snap.storage_bandwidth_bytes_per_s)
+        proto.created_at.GetCurrentTime()
+        kinds = node_types(snap)
+        policy_afe = bool(getattr(self.policy, "afe", False))
+        for job in jobs:
+            alloc = plan.get(job.id)
+            entry = proto.jobs.add(job_id=job.id)
+            if alloc is not None:
+                for node, idx in alloc.placement:
+                    entry.placements.add(node=node, gpu_indices=list(idx))
+                # The type the job runs on, from its nodes (the policy's Allocation may leave it "").
+                entry.gpu_type = placement_type(alloc.placement, kinds, None) if alloc.placement else ""
+                entry.batch_size = alloc.batch_size or job.spec.batch_size
+                if job.spec.batch_size > 0:
+                    # The goodput model rounds a batch up to whole per-GPU batches (3 GPUs: 64 -> 66);
+                    # the job's own limit is a contract, and its sampler splits 64 over 3 unevenly.
+                    entry.batch_size = min(entry.batch_size, max(job.spec.max_batch_size, job.spec.batch_size))
+                if job.id in training_ids:
+                    data.add_grants(entry, alloc, self.cache_mode, job.spec.dataset, managed)
+            else:
+                entry.batch_size = job.spec.batch_size
+            set_generation(entry, job, old.get(job.id), restarting=job.id in restarting, policy_afe=policy_afe)
+        convert.assign_master_ports(proto, old)
+        self.inference.describe(proto, {n.name for n in snap.nodes if n.pool == "inference"})
+        return proto

@@ -1,0 +1,139 @@
+"""The policy's view of the cluster, built from the metadata store: live nodes and their usable
+GPUs, active jobs with their models, what each job holds under the plan in force (minus lost
+nodes and faulted GPUs), and what the cache servers hold.
+
+Cost: one ListNodes, one ListJobs page per 1,000 active jobs, the job models' calls
+(scheduler.live.models), and one Stats per cache server every few seconds (--cache silod).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from estimator.per_type import is_reference
+from scheduler.live import convert, data
+from scheduler.live.clients import ACTIVE_STATES, Clients
+from scheduler.live.gpu_health import UsableGpus
+from scheduler.live.inference import LiveInference, is_inference_job
+from scheduler.live.liveness import NodeLiveness
+from scheduler.live.models import JobModels, application_of
+from scheduler.live.plans import PlanStore
+from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
+from silod.v1 import common_pb2, metadata_pb2
+
+
+class SnapshotBuilder:
+    def __init__(self, clients: Clients, plans: PlanStore, liveness: NodeLiveness, models: JobModels,
+                 inference: LiveInference, *, forget_finished: Callable[[set[str]], None], cache_mode: str,
+                 restart_cost_s: float, interval_s: float, storage_bandwidth_bytes_per_s: float) -> None:
+        self.clients = clients
+        self.plans = plans
+        self.liveness = liveness
+        self.models = models
+        self.inference = inference
+        self._forget_finished = forget_finished  # of every part that keeps something per job
+        self.cache_mode = cache_mode
+        self.restart_cost_s = restart_cost_s
+        self.interval_s = interval_s
+        self.storage_bandwidth_bytes_per_s = storage_bandwidth_bytes_per_s
+        self.usable = UsableGpus(())  # the GPUs of the last snapshot the policy may use (scheduler.live.gpu_health)
+        self.node_types: dict[str, str] = {}  # node -> GPU type, as of the last snapshot
+        self._epoch_starts = data.EpochStarts()  # snapshot.fresh_bytes from what the probe saw, round by round
+        self._inference_restored = False
+
+    async def _active_jobs(self) -> list[common_pb2.Job]:
+        jobs: list[common_pb2.Job] = []
+        token = ""
+        while True:
+            page = await self.clients.md.ListJobs(metadata_pb2.ListJobsRequest(states=ACTIVE_STATES, page_size=1000, page_token=token))
+            jobs.extend(page.jobs)
+            token = page.next_page_token
+            if not token:
+                return jobs
+
+    async def build(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
+        nodes_resp = await self.clients.md.ListNodes(
+            metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self.liveness.window_s())
+        )
+        self.liveness.metadata_seen()
+        nodes = [n for n in nodes_resp.nodes if n.spec.gpus > 0]
+        self.usable = UsableGpus(nodes)
+        self.plans.remember_nodes(nodes)
+        infos = tuple(convert.node_info(n) for n in sorted(nodes, key=lambda n: n.spec.name))
+        alive = {n.name: n for n in infos}
+        jobs = await self._active_jobs()
+        self._forget_finished({j.id for j in jobs})
+        if not self._inference_restored:  # replicas the previous scheduler left on the plan
+            self.inference.restore(self.plans.latest, {j.id for j in jobs})
+            self._inference_restored = True
+        inference_jobs = [j for j in jobs if is_inference_job(j)]
+        training = [j for j in jobs if not is_inference_job(j)]
+        await self.models.warm_up({application_of(j.spec) for j in training if j.id not in self.models.profiles})
+        datasets = await self.models.datasets_of(training)
+        await self.models.refresh_fitted(training)
+        job_infos = []
+        node_gpu_types = tuple(sorted({info.gpu_type for info in infos}))
+        self.node_types = {info.name: info.gpu_type for info in infos}
+        specs = self.plans.specs
+        for job in inference_jobs:
+            specs[job.id] = job.spec
+        for job in training:
+            specs[job.id] = job.spec
+            model, target = self.models.model_now(job, datasets)
+            type_models = self.models.type_models_now(job, model, node_gpu_types) if any(node_gpu_types) else {}
+            if len(node_gpu_types) == 1 and not is_reference(node_gpu_types[0]):
+                # One type, not the reference: policies price every job with its model there.
+                model, type_models = type_models[node_gpu_types[0]], {}
+            spec = job.spec
+            job_infos.append(JobInfo(
+                job_id=job.id, model=model, submit_time_s=_epoch_s(job.created_at),
+                min_gpus=spec.min_gpus, max_gpus=spec.max_gpus, target_samples=target,
+                samples_done=min(float(job.progress.samples_done), target * 0.999), requested_gpus=spec.max_gpus,
+                batch_size=spec.batch_size, dataset=spec.dataset, priority=spec.priority,
+                tenant=spec.tenant or "default", gpu_types=tuple(spec.gpu_types),
+                type_models=type_models if len(node_gpu_types) > 1 else {},
+            ))
+        current = self._current(training, alive)
+        silod = self.cache_mode == "silod"
+        probe = self.clients.cached
+        cached: dict[tuple[str, str], float] = {}
+        if silod and probe is not None and any(i.cache_capacity_bytes > 0 for i in infos):
+            cached = await probe.cached_bytes(nodes)
+        # What each running job's nodes cached since its epoch began: no hits for it yet (the
+        # same rule as the simulator's, scheduler.data_grants.EpochStarts).
+        fresh = self._epoch_starts.fresh(cached, (
+            (j.id, j.spec.dataset, j.progress.epochs_done, [n for n, _ in current[j.id].placement] if j.id in current else [])
+            for j in training)) if silod and probe is not None else {}
+        snap = ClusterSnapshot(
+            time_s=time.time(), nodes=infos, jobs=tuple(job_infos), current=Plan(current),
+            restart_cost_s=self.restart_cost_s, interval_s=self.interval_s,
+            inference_busy=self.inference.busy(inference_jobs),
+            storage_bandwidth_bytes_per_s=self.storage_bandwidth_bytes_per_s if silod else math.inf,
+            cached_bytes=cached, fresh_bytes=fresh,
+        )
+        return snap, jobs
+
+    def _current(self, training: list[common_pb2.Job], alive: dict) -> dict[str, Allocation]:
+        """What each training job holds under the plan in force and can still run on."""
+        min_gpus = {j.id: j.spec.min_gpus for j in training}  # inference tasks: LiveInference keeps them
+        current: dict[str, Allocation] = {}
+        for job_id, alloc in convert.plan_from_proto(self.plans.latest).allocations.items():
+            if job_id not in min_gpus:
+                continue  # finished or cancelled: holds nothing any more
+            # Placements on lost nodes and faulted GPUs are gone; the survivors stay if the job can
+            # still run on them.
+            survivors = self.usable.without_faulted(tuple(
+                (node, idx) for node, idx in alloc.placement if node in alive and all(i < alive[node].gpus for i in idx)))
+            if sum(len(idx) for _, idx in survivors) >= max(1, min_gpus[job_id]):
+                current[job_id] = Allocation(placement=survivors, batch_size=alloc.batch_size,
+                                             cache_bytes={n: b for n, b in alloc.cache_bytes.items() if n in alive},
+                                             remote_io_bytes_per_s=alloc.remote_io_bytes_per_s, gpu_type=alloc.gpu_type)
+        return current
+
+
+def _epoch_s(stamp) -> float:
+    """Seconds since the epoch of a Timestamp, as the UTC datetime's timestamp() gives them
+    (microseconds, one rounding), without building the datetime: once per job per round."""
+    return (stamp.seconds * 1_000_000 + stamp.nanos // 1000) / 1_000_000
