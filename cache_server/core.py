@@ -40,34 +40,23 @@ from cache_server.catalog import (
 )
 from cache_server.config import CacheConfig
 from cache_server.entries import EntryStore
+from cache_server.fetch import FetchPipeline, NoLongerWanted
 from cache_server.jobs import JobState, JobTable
 from cache_server.quotas import Quotas
+from cache_server.ranges import ShardRuns
 from cache_server.runtime import Runtime
 from cache_server.stats import Statistics
 from cache_server.peers import PeerReader
-from cache_server.policies import PASS_THROUGH, POLICIES, Partition
-from cache_server.ratelimit import TokenBucket
+from cache_server.policies import POLICIES, Partition
 from cache_server.tiers import Entry, Tier
-from services.runtime.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.runtime.errors import InvalidArgument
 from silod.rpc import identifiers
 from silod.data.keys import key_problem
-from silod.data.shards import SampleRange, parse_sample_key
-from silod.data.store import (
-    ObjectChanged,
-    ObjectMissing,
-    ObjectOutsideRoot,
-    StoreError,
-)
 
 _log = logging.getLogger("silod.cache")
 
 MAX_RELEASES_PER_CALL = 64
 MAX_PREFETCH_KEYS = 1 << 20
-_TAR_GAP = 1024  # bytes between two samples of a shard: block padding (< 512) and nothing else
-
-
-class _NoLongerWanted(Exception):
-    """A prefetch whose object the job read while the prefetch waited for idle IO."""
 
 
 @dataclass
@@ -103,18 +92,15 @@ class CacheCore:
         self.runtime = Runtime(config.remote_concurrency)
         self.entries = EntryStore(config, self.runtime)
         self.catalog = DatasetCatalog(config, self.runtime, load_manifest, probe_version)
-        self._inflight: dict[tuple[str, str, str], asyncio.Future[tuple[Entry | None, bytes]]] = {}
-        # Object versions whose IO a job is paying for now (waiting in its bucket before it
-        # claims the flight): the bucket and a future set once that payment is over.
-        self._paying: dict[tuple[str, str, str], tuple[TokenBucket, asyncio.Future[None]]] = {}
         self._jobs = JobTable()
         self.quotas = Quotas(config, self.runtime, self.entries, self._jobs, self.catalog)
+        self.statistics = Statistics(config.node, self.entries.tiers, self.entries.index)
+        self.fetch = FetchPipeline(config, self.runtime, self.entries, self.catalog, self.statistics, peers)
+        self.runs = ShardRuns(config, self.runtime, self.entries, self.fetch)
         self._leases: dict[str, Lease] = {}
         self._lease_seq = itertools.count()
-        self.statistics = Statistics(config.node, self.entries.tiers, self.entries.index)
         transient_base = config.memory_dir or config.disk_dir
         self._transient_dir = os.path.join(transient_base, "transient") if transient_base else ""
-        self._started = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -128,7 +114,6 @@ class CacheCore:
         # The lean S3 client's import (botocore's credentials: ~0.2 s of CPU) is not paid on the
         # first job's first miss; s3fs's only when a dataset needs it (_load_dataset).
         self.runtime.spawn(self.runtime.on_remote(import_store_clients, False))
-        self._started = True
         self.statistics.update_gauges()
 
     async def stop(self) -> None:
@@ -162,190 +147,6 @@ class CacheCore:
     # -- cache index ------------------------------------------------------------------------------
 
     # -- fetching and admission ---------------------------------------------------------------------
-
-    async def _obtain(
-        self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, data: bytes | None = None,
-        background: bool = False,
-    ) -> tuple[Entry | None, bytes]:
-        """Fetch (once, however many callers ask at the same time) and admit one object version.
-
-        ``data``: bytes already at hand (staged by prefetch); then nothing is fetched.
-        ``background``: a prefetch; it pays for its bytes only when the job's IO is idle
-        (``TokenBucket.acquire_when_idle``), so a reader's misses never queue behind it.
-        Every admission goes through here, so one version is never written twice at once.
-        """
-        flight = (ds.name, key, etag)
-        pending = self._inflight.get(flight)
-        while pending is None and data is None and job.held:
-            # Granted no IO: a fetch of its own waits for a grant, outside the single-flight
-            # table (a reader with IO must not wait behind it); a flight someone else starts
-            # meanwhile, or a copy admitted meanwhile, serves it at no IO cost.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(job.io_granted.wait(), 0.5)
-            pending = self._inflight.get(flight)
-            cached = self.entries.lookup(ds.name, key, etag)
-            if pending is None and cached is not None and cached.verified and not cached.doomed:
-                break
-        paid = None  # the bucket this job's IO for the object was paid on, before claiming the flight
-        booked = self._paying.get(flight)
-        if pending is None and data is None and booked is not None and booked[0] is job.bucket:
-            # A reader of the same job is already paying for these bytes, booked earlier in the
-            # same bucket (a Lease and a Read of one object, say): wait for that payment and
-            # join its flight rather than book the bytes again behind everything booked since.
-            await asyncio.shield(booked[1])
-            pending = self._inflight.get(flight)
-        if pending is None and data is None and job.bucket is not None:
-            # Pay for the bytes at this job's IO rate BEFORE claiming the flight: a flight in the
-            # table must be a fetch at the store's speed. Claimed first, a job granted a trickle
-            # (the budget's last 1 %) made every other reader of the object wait on its bucket --
-            # a co-reader granted nearly all the budget crawled at 4 samples/s behind it.
-            # (So only a payer of the same job is waited for, above.)
-            paid = job.bucket
-            if background:
-                # Prefetches book only when the job's IO is idle: booked ahead, a window of them
-                # sat in the bucket and every miss a reader had to fetch itself queued behind
-                # them (~0.5 s a miss in the DDP fidelity runs, a partly cached first epoch
-                # running at the pace of reading and computing in turn).
-                await paid.acquire_when_idle(size)
-                if (ds.name, key) not in job.ahead and flight not in self._inflight:
-                    # The job read it (and did not keep it) while this prefetch waited for idle
-                    # IO: fetching it now would spend the job's IO on bytes no one reads.
-                    paid.refund(size)
-                    raise _NoLongerWanted(key)
-            else:
-                booking = (paid, asyncio.get_running_loop().create_future())
-                first = self._paying.setdefault(flight, booking) is booking
-                try:
-                    await paid.acquire(size)
-                finally:
-                    if first:
-                        # Waiters resume after this task, which claims the flight below without
-                        # yielding in between, or, cancelled, never does (they pay themselves).
-                        del self._paying[flight]
-                        booking[1].set_result(None)
-            pending = self._inflight.get(flight)
-        if pending is not None:
-            if paid is not None:
-                paid.refund(size)  # served by someone else's fetch: no IO of its own
-            return await asyncio.shield(pending)
-        future: asyncio.Future[tuple[Entry | None, bytes]] = asyncio.get_running_loop().create_future()
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._inflight[flight] = future
-        try:
-            existing = self.entries.index.get((ds.name, key))
-            if data is None and existing is not None and existing.etag == etag and existing.verified \
-                    and not existing.doomed:
-                # Admitted by someone else since the caller looked: a local read beats a remote one.
-                data = await self.entries.read_pinned(existing)
-            if data is None:
-                data = await self._fetch(job, ds, key, size, etag, paid=paid is not None)
-            elif paid is not None:
-                paid.refund(size)  # read locally after all
-            entry = await self.entries.admit(job, ds.name, key, etag, data, ds.cost)
-            future.set_result((entry, data))
-            return entry, data
-        except BaseException as exc:
-            future.set_exception(exc)
-            raise
-        finally:
-            self._inflight.pop(flight, None)
-
-    async def _fetch(self, job: JobState, ds: DatasetState, key: str, size: int, etag: str,
-                     paid: bool = False) -> bytes:
-        """``paid``: the caller already waited for this job's IO tokens for these bytes."""
-        while job.held:  # no IO granted (pass-through jobs come here directly)
-            await job.io_granted.wait()
-        if job.bucket is not None and not paid:
-            await job.bucket.acquire(size)
-        started = time.monotonic()
-        if ds.store.reads_async:  # on this loop, no thread per fetch; the client bounds each attempt
-            async with self.runtime.remote_slots:
-                data = await ds.store.read_async(key, size, etag)
-        else:
-            # The store bounds each attempt; this bounds the whole retry sequence (a hung mount).
-            overall = self.config.remote_deadline_s
-            try:
-                async with asyncio.timeout(overall):
-                    data = await asyncio.get_running_loop().run_in_executor(
-                        self.runtime.remote_pool, ds.store.read, key, size, etag)
-            except TimeoutError:
-                raise StoreError(f"object {key!r}: no answer from the store within {overall:g}s", key) from None
-        ds.cost.observe(len(data), time.monotonic() - started)
-        job.remote_bytes += len(data)
-        job.meter.add(len(data))
-        label = metrics.job_label(job.job_id)
-        metrics.labelled(metrics.REMOTE_BYTES, label).inc(len(data))
-        metrics.labelled(metrics.REMOTE_FETCHES, label).inc()
-        return data
-
-    def _store_error(self, exc: StoreError, ds: DatasetState, where: str) -> Exception:
-        if isinstance(exc, ObjectOutsideRoot):
-            return InvalidArgument(str(exc), field=where)
-        if isinstance(exc, ObjectMissing):
-            return FailedPrecondition(
-                f"{exc} although the manifest of {ds.name!r} lists it; re-register the dataset", field=where
-            )
-        if isinstance(exc, ObjectChanged):
-            return FailedPrecondition(
-                f"{exc}; the cache serves only the registered version: re-register the dataset "
-                f"(silod dataset register {ds.name} {ds.manifest.uri} --replace)",
-                field=where,
-            )
-        return Unavailable(f"remote store: {exc}", field=where)
-
-    async def _fetch_uncached(
-        self, job: JobState, ds: DatasetState, key: str, size: int, etag: str
-    ) -> tuple[Entry | None, bytes]:
-        """Cache policy "none": the object from the store, at the job's IO rate, admitted nowhere.
-
-        No single flight with other readers either: sharing a fetch another job admits would
-        hand this job bytes it did not pay remote IO for."""
-        data = await self._fetch(job, ds, key, size, etag)
-        metrics.labelled(metrics.PASS_THROUGH, metrics.job_label(job.job_id), PASS_THROUGH).inc()
-        return None, data
-
-    async def _from_peer(self, job: JobState, ds: DatasetState, key: str, size: int, etag: str) -> bytes | None:
-        """The object from the cache of one of the job's other nodes, or None: no peers, a
-        pass-through job, or none of them holds this version. Not admitted here by anyone."""
-        if self.peers is None or not job.peers or job.pass_through:
-            return None
-        if (ds.name, key, etag) in self._inflight:
-            return None  # being fetched here already (a reader of the dataset without peers): join that
-        return await self.peers.read(job.job_id, ds.name, job.peers, key, size, etag)
-
-    async def _get_bytes(
-        self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, where: str
-    ) -> tuple[DatasetState, Entry | None, bytes, int, str, str]:
-        """Obtain a missing object, following a manifest replacement once if the store changed.
-
-        The last item says where it came from: "peer" (a peer's cache; not admitted) or "remote"."""
-        obtain = self._fetch_uncached if job.pass_through else self._obtain
-        from_peer = (ds.name, key) in job.staged_from_peer
-        staged = job.consumed(ds.name, key)
-        if staged is not None and len(staged) == size and not job.pass_through:
-            if from_peer:
-                return ds, None, staged, size, etag, "peer"
-            entry, data = await self._obtain(job, ds, key, size, etag, staged)
-            return ds, entry, data, size, etag, "remote"
-        peer_data = await self._from_peer(job, ds, key, size, etag)
-        if peer_data is not None:
-            return ds, None, peer_data, size, etag, "peer"
-        try:
-            entry, data = await obtain(job, ds, key, size, etag)
-            return ds, entry, data, size, etag, "remote"
-        except ObjectChanged as exc:
-            fresh = await self.catalog.reload_for_change(ds)
-            pos = fresh.manifest.index.get(key)
-            if pos is None or fresh.manifest.etags[pos] == etag:
-                raise self._store_error(exc, ds, where) from None
-            size, etag = fresh.manifest.sizes[pos], fresh.manifest.etags[pos]
-            try:
-                entry, data = await obtain(job, fresh, key, size, etag)
-            except StoreError as again:
-                raise self._store_error(again, fresh, where) from None
-            return fresh, entry, data, size, etag, "remote"
-        except StoreError as exc:
-            raise self._store_error(exc, ds, where) from None
 
     # -- Lease / ReleaseLease ------------------------------------------------------------------------
 
@@ -402,7 +203,7 @@ class CacheCore:
             self.statistics.hits(job, tier, count, nbytes, "lease")
         job.consumption.add(len(keys))
         if missing and not job.pass_through:
-            self._read_ahead(job, ds, [positions[i] for i in missing])
+            self.runs.read_ahead(job, ds, [positions[i] for i in missing])
         if missing:
             results = await asyncio.gather(
                 *(self._lease_miss(job, ds, lease, keys[i], positions[i], f"keys[{i}]") for i in missing),
@@ -442,7 +243,7 @@ class CacheCore:
             self.entries.unpin(entry)
             if not ok:
                 self.entries.drop_corrupt(entry)
-        ds, entry, data, size, etag, source = await self._get_bytes(job, ds, key, size, etag, where)
+        ds, entry, data, size, etag, source = await self.fetch.get_bytes(job, ds, key, size, etag, where)
         if source == "peer":
             self.statistics.peer_hit(job, size, "lease")
             return Served(key, await self._write_transient(lease, data), size, etag, "peer")
@@ -583,7 +384,7 @@ class CacheCore:
                 return entry.tier.name, data, etag
             if not entry.doomed:
                 self.entries.drop_corrupt(entry)
-        _, entry, data, size, etag, source = await self._get_bytes(job, ds, key, size, etag, where)
+        _, entry, data, size, etag, source = await self.fetch.get_bytes(job, ds, key, size, etag, where)
         if source == "peer":
             self.statistics.peer_hit(job, size, "stream")
         else:
@@ -657,14 +458,14 @@ class CacheCore:
                 if ds is None or pos is None:
                     continue
                 etag, size = ds.manifest.etags[pos], ds.manifest.sizes[pos]
-                if self.entries.lookup(dataset, key, etag) is not None or (dataset, key, etag) in self._inflight:
+                if self.entries.lookup(dataset, key, etag) is not None or self.fetch.in_flight((dataset, key, etag)):
                     continue
                 job.ahead[(dataset, key)] = now
                 await slots.acquire()
-                run = self._coalesce(job, ds, pos)
+                run = self.runs.coalesce(job, ds, pos)
                 if len(run) > 1:
                     # Claimed now, before the next item is coalesced: runs never overlap.
-                    flights = self._claim_flights(ds, run)
+                    flights = self.runs.claim(ds, run)
                     task = asyncio.ensure_future(self._prefetch_run(job, ds, run, flights, slots))
                 else:
                     task = asyncio.ensure_future(self._prefetch_one(job, ds, key, size, etag, slots))
@@ -677,126 +478,32 @@ class CacheCore:
             if job.preload and not job.queue:
                 job.preload = False
 
-    def _read_ahead(self, job: JobState, ds: DatasetState, positions: list[int]) -> None:
-        """Misses of a sharded dataset are fetched with the samples that follow them in their
-        shard (see _coalesce), up to ``lease_coalesce_bytes`` per read: a few samples more per
-        request than the batch asked for, each a later hit of this epoch. The batch's own
-        misses then wait for these flights instead of fetching one range each."""
-        if self.config.lease_coalesce_bytes <= 0 or parse_sample_key(ds.manifest.keys[positions[0]]) is None:
-            return
-        for pos in positions:
-            flight = (ds.name, ds.manifest.keys[pos], ds.manifest.etags[pos])
-            if flight in self._inflight:
-                continue
-            run = self._coalesce(job, ds, pos, self.config.lease_coalesce_bytes)
-            if len(run) > 1:
-                self.runtime.spawn(self._fetch_run(job, ds, run, self._claim_flights(ds, run)))
-
-    def _coalesce(self, job: JobState, ds: DatasetState, pos: int, limit: int = 0) -> list[int]:
-        """Manifest positions to fetch with ``pos`` in one ranged read: for a sample of a sharded
-        dataset, the samples that follow it in its shard (byte-adjacent, not cached, not being
-        fetched), up to ``coalesce_bytes`` and only as far as the job's partition has free
-        space for them -- every sample is read once per epoch, so a neighbour fetched now is a
-        hit later, as long as nothing has to be evicted for it. Otherwise just ``pos``."""
-        manifest = ds.manifest
-        first = parse_sample_key(manifest.keys[pos])
-        if first is None or job.pass_through or self.config.coalesce_bytes <= 0:
-            return [pos]
-        if job.peers and self.peers is not None:
-            # A neighbour may be cached on another node of the job: read from the store here it
-            # would cost remote IO and be cached twice (the job's nodes must hold disjoint content).
-            return [pos]
-        part = job.partition or self.entries.shared
-        budget = min(limit or self.config.coalesce_bytes, part.free() - manifest.sizes[pos])
-        run, end, total = [pos], first.offset + first.length, manifest.sizes[pos]
-        for nxt in range(pos + 1, len(manifest)):
-            sample = parse_sample_key(manifest.keys[nxt])
-            if sample is None or sample.shard != first.shard or not 0 <= sample.offset - end < _TAR_GAP:
-                break
-            if total + manifest.sizes[nxt] > budget or manifest.etags[nxt] != manifest.etags[pos]:
-                break
-            item = (ds.name, manifest.keys[nxt])
-            if item in self.entries.index or (ds.name, manifest.keys[nxt], manifest.etags[nxt]) in self._inflight:
-                break
-            run.append(nxt)
-            end, total = sample.offset + sample.length, total + manifest.sizes[nxt]
-        return run
-
-    def _claim_flights(self, ds: DatasetState, run: list[int]) -> list[tuple[Any, asyncio.Future[Any]]]:
-        """Every sample of a coalesced run becomes a flight of its own at once, so a reader (or
-        another prefetch) asking for one of them meanwhile waits for these bytes instead of
-        fetching them again."""
-        loop = asyncio.get_running_loop()
-        flights: list[tuple[Any, asyncio.Future[Any]]] = []
-        for p in run:
-            future: asyncio.Future[Any] = loop.create_future()
-            future.add_done_callback(lambda f: f.cancelled() or f.exception())
-            flight = (ds.name, ds.manifest.keys[p], ds.manifest.etags[p])
-            self._inflight[flight] = future
-            flights.append((flight, future))
-        return flights
-
     async def _prefetch_run(self, job: JobState, ds: DatasetState, run: list[int],
                             flights: list[tuple[Any, asyncio.Future[Any]]], slots: _PrefetchSlots) -> None:
         try:
             # Booked like a read, not when idle: the run's flights are claimed already, so a
             # reader of any of its samples waits on this fetch, which must not yield to reads.
-            await self._fetch_run(job, ds, run, flights)
+            await self.runs.fetch_run(job, ds, run, flights)
         finally:
             slots.release()
-
-    async def _fetch_run(self, job: JobState, ds: DatasetState, run: list[int],
-                         flights: list[tuple[Any, asyncio.Future[Any]]]) -> None:
-        """One ranged read for byte-adjacent samples of a shard (claimed as ``flights``), each
-        admitted on its own; what the job prefetched but its partition did not admit is staged."""
-        manifest = ds.manifest
-        samples = [parse_sample_key(manifest.keys[p]) for p in run]
-        start = samples[0].offset  # type: ignore[union-attr]
-        length = samples[-1].offset + samples[-1].length - start  # type: ignore[union-attr]
-        span = SampleRange(samples[0].shard, start, length, "").key  # type: ignore[union-attr]
-        etag = manifest.etags[run[0]]
-        try:
-            data = await self._fetch(job, ds, span, length, etag)
-            for p, sample, (_, future) in zip(run, samples, flights):
-                key, size = manifest.keys[p], manifest.sizes[p]
-                offset = sample.offset - start  # type: ignore[union-attr]
-                piece = data[offset : offset + size]
-                entry = await self.entries.admit(job, ds.name, key, etag, piece, ds.cost)
-                future.set_result((entry, piece))
-                item = (ds.name, key)
-                if entry is None and item in job.ahead and not job.preload:
-                    job.staged[item] = piece
-                    job.staged_bytes += len(piece)
-        except Exception as exc:
-            job.ahead.pop((ds.name, manifest.keys[run[0]]), None)
-            for _, future in flights:
-                if not future.done():
-                    future.set_exception(exc)
-            _log.debug("coalesced read failed", extra={"dataset": ds.name, "key": span, "error": str(exc)})
-        finally:
-            for flight, future in flights:
-                if not future.done():
-                    future.cancel()
-                if self._inflight.get(flight) is future:
-                    del self._inflight[flight]
 
     async def _prefetch_one(
         self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, slots: _PrefetchSlots
     ) -> None:
         try:
             item = (ds.name, key)
-            data = await self._from_peer(job, ds, key, size, etag)
+            data = await self.fetch.from_peer(job, ds, key, size, etag)
             if data is not None:
                 if item in job.ahead:  # held for the job's read, which serves it without admitting it
                     job.staged[item] = data
                     job.staged_bytes += len(data)
                     job.staged_from_peer.add(item)
                 return
-            entry, data = await self._obtain(job, ds, key, size, etag, background=True)
+            entry, data = await self.fetch.obtain(job, ds, key, size, etag, background=True)
             if entry is None and item in job.ahead and not job.preload:
                 job.staged[item] = data  # not admitted (quota full): hold it until the job reads it
                 job.staged_bytes += len(data)
-        except _NoLongerWanted:
+        except NoLongerWanted:
             pass
         except Exception as exc:
             job.ahead.pop((ds.name, key), None)
