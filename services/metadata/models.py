@@ -182,3 +182,36 @@ class JobModel(Base):
     params: Mapped[dict[str, float]] = mapped_column(JSON)
     observations: Mapped[int] = mapped_column(BigInteger)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class Tenant(Base):
+    """A team sharing the cluster; JobSpec.tenant names one. Users see and act on its jobs
+    through membership (TenantMember)."""
+
+    __tablename__ = "tenants"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class TenantMember(Base):
+    __tablename__ = "tenant_members"
+
+    tenant: Mapped[str] = mapped_column(String(128), ForeignKey("tenants.name", ondelete="CASCADE"), primary_key=True)
+    # Users exist only as names their credentials and memberships share: there is no user table.
+    user: Mapped[str] = mapped_column(String(128), primary_key=True, index=True)
+
+
+class Credential(Base):
+    """A bearer credential: only the SHA-256 of its random secret is kept (the token is shown once)."""
+
+    __tablename__ = "credentials"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    secret_sha256: Mapped[str] = mapped_column(String(64))
+    kind: Mapped[int] = mapped_column(Integer)  # PrincipalKind number
+    name: Mapped[str] = mapped_column(String(128), index=True)
+    description: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime)

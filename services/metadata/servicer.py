@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import Message
 from sqlalchemy.exc import OperationalError
-from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
+from silod.v1 import access_pb2, common_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
 
 from services.metadata.store import MetadataStore
 from services.metadata.validation.common import reject_nul_characters
@@ -249,3 +249,42 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
 
     async def GetJobModel(self, request: metadata_pb2.GetJobModelRequest, context: Context) -> common_pb2.JobModelParams:
         return await self._run(request, self._store.metrics.get_model, request.job_id)
+
+    # -- identities and access (who may call what: services/runtime/access_rules.py) ------
+
+    async def CreateCredential(
+        self, request: access_pb2.CreateCredentialRequest, context: Context
+    ) -> access_pb2.IssuedCredential:
+        return await self._run(request, self._store.access.create_credential, request)
+
+    async def ListCredentials(
+        self, request: access_pb2.ListCredentialsRequest, context: Context
+    ) -> access_pb2.ListCredentialsResponse:
+        found = await self._run(request, self._store.access.list_credentials, request.kind, request.name,
+                                request.include_revoked)
+        return access_pb2.ListCredentialsResponse(credentials=found)
+
+    async def RevokeCredential(self, request: access_pb2.RevokeCredentialRequest, context: Context) -> access_pb2.Credential:
+        return await self._run(request, self._store.access.revoke_credential, request.id)
+
+    async def RotateCredential(
+        self, request: access_pb2.RotateCredentialRequest, context: Context
+    ) -> access_pb2.IssuedCredential:
+        return await self._run(request, self._store.access.rotate_credential, request.id, request.ttl_s)
+
+    async def ResolveCredential(
+        self, request: access_pb2.ResolveCredentialRequest, context: Context
+    ) -> access_pb2.ResolveCredentialResponse:
+        principal = await self._run(request, self._store.access.resolve, request.token)
+        return access_pb2.ResolveCredentialResponse(principal=principal.to_proto(),
+                                                    credential_id=principal.credential_id)
+
+    async def CreateTenant(self, request: access_pb2.CreateTenantRequest, context: Context) -> access_pb2.Tenant:
+        return await self._run(request, self._store.access.create_tenant, request.name, list(request.members))
+
+    async def ListTenants(self, request: access_pb2.ListTenantsRequest, context: Context) -> access_pb2.ListTenantsResponse:
+        return access_pb2.ListTenantsResponse(
+            tenants=await self._run(request, self._store.access.list_tenants, request.member))
+
+    async def SetTenantMembers(self, request: access_pb2.SetTenantMembersRequest, context: Context) -> access_pb2.Tenant:
+        return await self._run(request, self._store.access.set_members, request.name, list(request.members))

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from silod.v1 import access_pb2 as silod_dot_v1_dot_access__pb2
 from silod.v1 import common_pb2 as silod_dot_v1_dot_common__pb2
 from silod.v1 import metadata_pb2 as silod_dot_v1_dot_metadata__pb2
 from silod.v1 import plan_pb2 as silod_dot_v1_dot_plan__pb2
@@ -165,6 +166,46 @@ class MetadataServiceStub:
                 '/silod.v1.MetadataService/GetJobModel',
                 request_serializer=silod_dot_v1_dot_common__pb2.GetJobModelRequest.SerializeToString,
                 response_deserializer=silod_dot_v1_dot_common__pb2.JobModelParams.FromString,
+                _registered_method=True)
+        self.CreateCredential = channel.unary_unary(
+                '/silod.v1.MetadataService/CreateCredential',
+                request_serializer=silod_dot_v1_dot_access__pb2.CreateCredentialRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_access__pb2.IssuedCredential.FromString,
+                _registered_method=True)
+        self.ListCredentials = channel.unary_unary(
+                '/silod.v1.MetadataService/ListCredentials',
+                request_serializer=silod_dot_v1_dot_access__pb2.ListCredentialsRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_access__pb2.ListCredentialsResponse.FromString,
+                _registered_method=True)
+        self.RevokeCredential = channel.unary_unary(
+                '/silod.v1.MetadataService/RevokeCredential',
+                request_serializer=silod_dot_v1_dot_access__pb2.RevokeCredentialRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_access__pb2.Credential.FromString,
+                _registered_method=True)
+        self.RotateCredential = channel.unary_unary(
+                '/silod.v1.MetadataService/RotateCredential',
+                request_serializer=silod_dot_v1_dot_access__pb2.RotateCredentialRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_access__pb2.IssuedCredential.FromString,
+                _registered_method=True)
+        self.ResolveCredential = channel.unary_unary(
+                '/silod.v1.MetadataService/ResolveCredential',
+                request_serializer=silod_dot_v1_dot_access__pb2.ResolveCredentialRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_access__pb2.ResolveCredentialResponse.FromString,
+                _registered_method=True)
+        self.CreateTenant = channel.unary_unary(
+                '/silod.v1.MetadataService/CreateTenant',
+                request_serializer=silod_dot_v1_dot_access__pb2.CreateTenantRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_access__pb2.Tenant.FromString,
+                _registered_method=True)
+        self.ListTenants = channel.unary_unary(
+                '/silod.v1.MetadataService/ListTenants',
+                request_serializer=silod_dot_v1_dot_access__pb2.ListTenantsRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_access__pb2.ListTenantsResponse.FromString,
+                _registered_method=True)
+        self.SetTenantMembers = channel.unary_unary(
+                '/silod.v1.MetadataService/SetTenantMembers',
+                request_serializer=silod_dot_v1_dot_access__pb2.SetTenantMembersRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_access__pb2.Tenant.FromString,
                 _registered_method=True)
 
 
@@ -345,6 +386,58 @@ class MetadataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateCredential(self, request, context):
+        """Identities and access (access.proto). Admin only; ResolveCredential is how the other services
+        learn who presented a token (UNAUTHENTICATED for an unknown, revoked or expired one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCredentials(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeCredential(self, request, context):
+        """idempotent
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RotateCredential(self, request, context):
+        """FAILED_PRECONDITION if revoked
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResolveCredential(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateTenant(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTenants(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetTenantMembers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetadataServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -477,6 +570,46 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.GetJobModel,
                     request_deserializer=silod_dot_v1_dot_common__pb2.GetJobModelRequest.FromString,
                     response_serializer=silod_dot_v1_dot_common__pb2.JobModelParams.SerializeToString,
+            ),
+            'CreateCredential': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateCredential,
+                    request_deserializer=silod_dot_v1_dot_access__pb2.CreateCredentialRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_access__pb2.IssuedCredential.SerializeToString,
+            ),
+            'ListCredentials': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCredentials,
+                    request_deserializer=silod_dot_v1_dot_access__pb2.ListCredentialsRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_access__pb2.ListCredentialsResponse.SerializeToString,
+            ),
+            'RevokeCredential': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeCredential,
+                    request_deserializer=silod_dot_v1_dot_access__pb2.RevokeCredentialRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_access__pb2.Credential.SerializeToString,
+            ),
+            'RotateCredential': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateCredential,
+                    request_deserializer=silod_dot_v1_dot_access__pb2.RotateCredentialRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_access__pb2.IssuedCredential.SerializeToString,
+            ),
+            'ResolveCredential': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveCredential,
+                    request_deserializer=silod_dot_v1_dot_access__pb2.ResolveCredentialRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_access__pb2.ResolveCredentialResponse.SerializeToString,
+            ),
+            'CreateTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateTenant,
+                    request_deserializer=silod_dot_v1_dot_access__pb2.CreateTenantRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_access__pb2.Tenant.SerializeToString,
+            ),
+            'ListTenants': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTenants,
+                    request_deserializer=silod_dot_v1_dot_access__pb2.ListTenantsRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_access__pb2.ListTenantsResponse.SerializeToString,
+            ),
+            'SetTenantMembers': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTenantMembers,
+                    request_deserializer=silod_dot_v1_dot_access__pb2.SetTenantMembersRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_access__pb2.Tenant.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1181,6 +1314,222 @@ class MetadataService:
             '/silod.v1.MetadataService/GetJobModel',
             silod_dot_v1_dot_common__pb2.GetJobModelRequest.SerializeToString,
             silod_dot_v1_dot_common__pb2.JobModelParams.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateCredential(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/CreateCredential',
+            silod_dot_v1_dot_access__pb2.CreateCredentialRequest.SerializeToString,
+            silod_dot_v1_dot_access__pb2.IssuedCredential.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCredentials(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/ListCredentials',
+            silod_dot_v1_dot_access__pb2.ListCredentialsRequest.SerializeToString,
+            silod_dot_v1_dot_access__pb2.ListCredentialsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeCredential(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/RevokeCredential',
+            silod_dot_v1_dot_access__pb2.RevokeCredentialRequest.SerializeToString,
+            silod_dot_v1_dot_access__pb2.Credential.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateCredential(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/RotateCredential',
+            silod_dot_v1_dot_access__pb2.RotateCredentialRequest.SerializeToString,
+            silod_dot_v1_dot_access__pb2.IssuedCredential.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveCredential(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/ResolveCredential',
+            silod_dot_v1_dot_access__pb2.ResolveCredentialRequest.SerializeToString,
+            silod_dot_v1_dot_access__pb2.ResolveCredentialResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/CreateTenant',
+            silod_dot_v1_dot_access__pb2.CreateTenantRequest.SerializeToString,
+            silod_dot_v1_dot_access__pb2.Tenant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTenants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/ListTenants',
+            silod_dot_v1_dot_access__pb2.ListTenantsRequest.SerializeToString,
+            silod_dot_v1_dot_access__pb2.ListTenantsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTenantMembers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/SetTenantMembers',
+            silod_dot_v1_dot_access__pb2.SetTenantMembersRequest.SerializeToString,
+            silod_dot_v1_dot_access__pb2.Tenant.FromString,
             options,
             channel_credentials,
             insecure,

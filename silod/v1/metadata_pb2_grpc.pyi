@@ -11,6 +11,7 @@ ABORTED (lost a plan-commit race: re-read the latest plan and retry).
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from silod.v1 import access_pb2 as _access_pb2
 from silod.v1 import common_pb2 as _common_pb2
 from silod.v1 import metadata_pb2 as _metadata_pb2
 from silod.v1 import plan_pb2 as _plan_pb2
@@ -88,6 +89,19 @@ class MetadataServiceStub:
     QueryMetrics: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.QueryMetricsRequest, _metadata_pb2.QueryMetricsResponse]
     PutJobModel: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.PutJobModelRequest, _common_pb2.JobModelParams]
     GetJobModel: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetJobModelRequest, _common_pb2.JobModelParams]
+    CreateCredential: _grpc.UnaryUnaryMultiCallable[_access_pb2.CreateCredentialRequest, _access_pb2.IssuedCredential]
+    """Identities and access (access.proto). Admin only; ResolveCredential is how the other services
+    learn who presented a token (UNAUTHENTICATED for an unknown, revoked or expired one).
+    """
+    ListCredentials: _grpc.UnaryUnaryMultiCallable[_access_pb2.ListCredentialsRequest, _access_pb2.ListCredentialsResponse]
+    RevokeCredential: _grpc.UnaryUnaryMultiCallable[_access_pb2.RevokeCredentialRequest, _access_pb2.Credential]
+    """idempotent"""
+    RotateCredential: _grpc.UnaryUnaryMultiCallable[_access_pb2.RotateCredentialRequest, _access_pb2.IssuedCredential]
+    """FAILED_PRECONDITION if revoked"""
+    ResolveCredential: _grpc.UnaryUnaryMultiCallable[_access_pb2.ResolveCredentialRequest, _access_pb2.ResolveCredentialResponse]
+    CreateTenant: _grpc.UnaryUnaryMultiCallable[_access_pb2.CreateTenantRequest, _access_pb2.Tenant]
+    ListTenants: _grpc.UnaryUnaryMultiCallable[_access_pb2.ListTenantsRequest, _access_pb2.ListTenantsResponse]
+    SetTenantMembers: _grpc.UnaryUnaryMultiCallable[_access_pb2.SetTenantMembersRequest, _access_pb2.Tenant]
 
 @_typing.type_check_only
 class MetadataServiceAsyncStub(MetadataServiceStub):
@@ -141,6 +155,19 @@ class MetadataServiceAsyncStub(MetadataServiceStub):
     QueryMetrics: _aio.UnaryUnaryMultiCallable[_metadata_pb2.QueryMetricsRequest, _metadata_pb2.QueryMetricsResponse]  # type: ignore[assignment]
     PutJobModel: _aio.UnaryUnaryMultiCallable[_metadata_pb2.PutJobModelRequest, _common_pb2.JobModelParams]  # type: ignore[assignment]
     GetJobModel: _aio.UnaryUnaryMultiCallable[_common_pb2.GetJobModelRequest, _common_pb2.JobModelParams]  # type: ignore[assignment]
+    CreateCredential: _aio.UnaryUnaryMultiCallable[_access_pb2.CreateCredentialRequest, _access_pb2.IssuedCredential]  # type: ignore[assignment]
+    """Identities and access (access.proto). Admin only; ResolveCredential is how the other services
+    learn who presented a token (UNAUTHENTICATED for an unknown, revoked or expired one).
+    """
+    ListCredentials: _aio.UnaryUnaryMultiCallable[_access_pb2.ListCredentialsRequest, _access_pb2.ListCredentialsResponse]  # type: ignore[assignment]
+    RevokeCredential: _aio.UnaryUnaryMultiCallable[_access_pb2.RevokeCredentialRequest, _access_pb2.Credential]  # type: ignore[assignment]
+    """idempotent"""
+    RotateCredential: _aio.UnaryUnaryMultiCallable[_access_pb2.RotateCredentialRequest, _access_pb2.IssuedCredential]  # type: ignore[assignment]
+    """FAILED_PRECONDITION if revoked"""
+    ResolveCredential: _aio.UnaryUnaryMultiCallable[_access_pb2.ResolveCredentialRequest, _access_pb2.ResolveCredentialResponse]  # type: ignore[assignment]
+    CreateTenant: _aio.UnaryUnaryMultiCallable[_access_pb2.CreateTenantRequest, _access_pb2.Tenant]  # type: ignore[assignment]
+    ListTenants: _aio.UnaryUnaryMultiCallable[_access_pb2.ListTenantsRequest, _access_pb2.ListTenantsResponse]  # type: ignore[assignment]
+    SetTenantMembers: _aio.UnaryUnaryMultiCallable[_access_pb2.SetTenantMembersRequest, _access_pb2.Tenant]  # type: ignore[assignment]
 
 class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -347,5 +374,66 @@ class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _common_pb2.GetJobModelRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.JobModelParams, _abc.Awaitable[_common_pb2.JobModelParams]]: ...
+
+    @_abc_1.abstractmethod
+    def CreateCredential(
+        self,
+        request: _access_pb2.CreateCredentialRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_access_pb2.IssuedCredential, _abc.Awaitable[_access_pb2.IssuedCredential]]:
+        """Identities and access (access.proto). Admin only; ResolveCredential is how the other services
+        learn who presented a token (UNAUTHENTICATED for an unknown, revoked or expired one).
+        """
+
+    @_abc_1.abstractmethod
+    def ListCredentials(
+        self,
+        request: _access_pb2.ListCredentialsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_access_pb2.ListCredentialsResponse, _abc.Awaitable[_access_pb2.ListCredentialsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def RevokeCredential(
+        self,
+        request: _access_pb2.RevokeCredentialRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_access_pb2.Credential, _abc.Awaitable[_access_pb2.Credential]]:
+        """idempotent"""
+
+    @_abc_1.abstractmethod
+    def RotateCredential(
+        self,
+        request: _access_pb2.RotateCredentialRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_access_pb2.IssuedCredential, _abc.Awaitable[_access_pb2.IssuedCredential]]:
+        """FAILED_PRECONDITION if revoked"""
+
+    @_abc_1.abstractmethod
+    def ResolveCredential(
+        self,
+        request: _access_pb2.ResolveCredentialRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_access_pb2.ResolveCredentialResponse, _abc.Awaitable[_access_pb2.ResolveCredentialResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CreateTenant(
+        self,
+        request: _access_pb2.CreateTenantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_access_pb2.Tenant, _abc.Awaitable[_access_pb2.Tenant]]: ...
+
+    @_abc_1.abstractmethod
+    def ListTenants(
+        self,
+        request: _access_pb2.ListTenantsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_access_pb2.ListTenantsResponse, _abc.Awaitable[_access_pb2.ListTenantsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SetTenantMembers(
+        self,
+        request: _access_pb2.SetTenantMembersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_access_pb2.Tenant, _abc.Awaitable[_access_pb2.Tenant]]: ...
 
 def add_MetadataServiceServicer_to_server(servicer: MetadataServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -7,6 +7,7 @@ servicer runs these calls in worker threads and tests can call them directly.
 from __future__ import annotations
 
 from services.metadata.database import Database, EngineOptions, create_db_engine
+from services.metadata.store.access import AccessStore
 from services.metadata.store.datasets import DatasetStore
 from services.metadata.store.jobs import JobStore
 from services.metadata.store.metrics import MetricStore
@@ -22,6 +23,7 @@ class MetadataStore:
         self.nodes = NodeStore(db, liveness_window_s=liveness_window_s)
         self.plans = PlanStore(db)
         self.metrics = MetricStore(db)
+        self.access = AccessStore(db)
 
     @classmethod
     def open(cls, db_url: str, *, liveness_window_s: float = 15.0, pool_size: int = 8) -> "MetadataStore":
@@ -33,4 +35,4 @@ class MetadataStore:
         self.db.dispose()
 
 
-__all__ = ["MetadataStore", "DatasetStore", "JobStore", "MetricStore", "NodeStore", "PlanStore"]
+__all__ = ["MetadataStore", "AccessStore", "DatasetStore", "JobStore", "MetricStore", "NodeStore", "PlanStore"]
