@@ -12,8 +12,10 @@ For a service's address (``--metadata``, ``--scheduler``, ``--cache``):
 5. this machine, at the port the deployment files (deploy/systemd, deploy/compose.yaml) give
    the service: a bare-metal install.
 
-The token and the TLS CA file take the same order without step 3 and 5 (``silod up`` runs
-without either). A command that cannot reach what it found says where the address came from.
+The TLS CA file takes the same order without step 3 and 5 (``silod up`` runs without one). The
+token too, with the credential ``silod login`` stored (``$XDG_CONFIG_HOME/silod/token``, mode
+0600) between the environment and the config file. A command that cannot reach what it found
+says where the address came from.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def add_flags(parser: argparse.ArgumentParser, *services: str) -> None:
     parser.add_argument("--state-dir", default=default_state_dir(),
                         help=f"where `silod up` wrote cluster.json (env SILOD_STATE_DIR; default {DEFAULT_STATE_DIR})")
     parser.add_argument("--token", default="", help="bearer token when the services require one "
-                        "(env SILOD_AUTH_TOKEN; or `token` in the client config file)")
+                        "(env SILOD_AUTH_TOKEN; else the one `silod login` stored; else `token` in the client "
+                        "config file)")
     parser.add_argument("--tls-ca-file", default="", help="PEM CA to verify TLS services "
                         "(env SILOD_TLS_CA_FILE; or `tls_ca_file` in the client config file)")
 
@@ -154,8 +157,33 @@ def find(args: argparse.Namespace, name: str) -> Found:
                                   f"and {config_path()} names one")
 
 
+LOGIN_FILE_ENV = "SILOD_LOGIN_FILE"
+
+
+def login_path() -> Path:
+    """Where `silod login` keeps the user's credential: beside the default client config file."""
+    explicit = os.environ.get(LOGIN_FILE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "silod" / "token"
+
+
+def read_login() -> str:
+    """The credential `silod login` stored; "" when there is none. Read at every command, so a
+    new login takes effect at the next one."""
+    path = login_path()
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        raise ConfigError(f"cannot read the stored login credential {path}: {exc.strerror}") from None
+
+
 def credentials(args: argparse.Namespace) -> tuple[str, str]:
-    """(token, TLS CA file): the flag, else the environment, else the config file."""
+    """(token, TLS CA file): the flag, else the environment, else (the token) the stored login,
+    else the config file."""
     config: dict[str, Any] | None = None
 
     def pick(flag: str, env: str, key: str) -> str:
@@ -163,6 +191,8 @@ def credentials(args: argparse.Namespace) -> tuple[str, str]:
         value = getattr(args, flag, "") or os.environ.get(env, "")
         if value:
             return str(value)
+        if key == "token" and (stored := read_login()):
+            return stored
         if config is None:
             config = read_config()
         return str(config.get(key) or "")

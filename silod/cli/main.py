@@ -3,7 +3,7 @@
 Commands that run server code (the services in SERVICES, and SERVER_COMMANDS: `silod up`, the
 simulator, the dashboard, ...) are listed here by module name and imported only when that
 command runs. So ``silod --help`` and the client commands (submit, jobs, watch, logs, cancel,
-dataset, health) work from the client install (``pip install silod``) and stay fast; a server
+dataset, health, admin, login) work from the client install (``pip install silod``) and stay fast; a server
 command run from a client install says which extra to install.
 """
 
@@ -103,11 +103,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         # A service process parses only its own command: the client, simulator and dashboard
         # commands import numpy, aiohttp and the simulator (~0.6 s of CPU at every start).
         return parser
-    from silod.cli import client_commands, jobs, nodes
+    from silod.cli import access, client_commands, jobs, nodes
 
     client_commands.register(sub)
     jobs.register(sub)
     nodes.register(sub)
+    access.register(sub)
     for name, command in SERVER_COMMANDS.items():
         if name == chosen:
             _register_server_command(sub, name, command)
