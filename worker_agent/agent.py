@@ -68,6 +68,7 @@ from silod.v1 import (
 from worker_agent import nvml
 from worker_agent.gpu_monitor import GpuMonitor
 from worker_agent.gpus import GpuTable, resolve_gpu_type
+from worker_agent import task_metrics
 from worker_agent.warm_start import WarmPool
 
 _log = get_logger("silod.worker_agent")
@@ -118,6 +119,9 @@ class Task:
     grad_sqr: float = 0.0  # gradient statistics the SDK measured (0 = none)
     grad_var: float = 0.0
     stop_deadline: float = 0.0  # monotonic; 0 = not asked to stop
+    stop_asked_at: float = 0.0  # monotonic time of the SIGTERM that asked it to stop
+    killed_at_deadline: bool = False  # it missed its checkpoint deadline and got SIGKILL
+    reform_since: float = 0.0  # monotonic; a fast-resize survivor not yet heard from under its new identity
     stopped_by_shutdown: bool = False  # the agent, not the plan, stopped it: never report it EXITED
     leave: bool = False  # removed by a fast resize: asked to exit without a checkpoint
     launch_key: str = ""  # key it was launched as: its GPU table holder name and run file
@@ -195,6 +199,7 @@ class Agent:
             cache_address=settings.cache_address,
         )
         self.gpu_table = GpuTable(gpus, self.work_dir / "gpu-table.jsonl")
+        task_metrics.track_ranks(self.spec.name, lambda: len(self._live()))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._heartbeat_now = asyncio.Event()
         self.gpu_monitor = GpuMonitor(session, self.spec.name, self._gpu_fault_seen) if session is not None else None
@@ -203,6 +208,7 @@ class Agent:
         self.applied_version = 0
         self.applied_versions: list[int] = []
         self._pending: plan_pb2.NodePlan | None = None
+        self._pending_since = 0.0  # monotonic time the pending plan arrived
         self._plan_ready = asyncio.Event()
         self._report_now = asyncio.Event()
         self._registered = asyncio.Event()
@@ -423,6 +429,8 @@ class Agent:
         newest = max(self.applied_version, self._pending.version if self._pending is not None else 0)
         if plan.version <= newest:
             return
+        if self._pending is None:
+            self._pending_since = time.monotonic()
         self._pending = plan
         self._plan_ready.set()
 
@@ -431,6 +439,7 @@ class Agent:
             await self._plan_ready.wait()
             self._plan_ready.clear()
             plan, self._pending = self._pending, None
+            arrived = self._pending_since
             if plan is None or plan.version <= self.applied_version:
                 continue
             ok, message, released = True, "", []
@@ -457,6 +466,7 @@ class Agent:
                 )
             except grpc.aio.AioRpcError as exc:
                 _log.warning("ack failed", extra={"version": plan.version, "code": exc.code().name})
+            task_metrics.plan_applied(self.spec.name, plan.version, time.monotonic() - arrived)
 
     async def apply(self, plan: plan_pb2.NodePlan) -> list[str]:
         """Make the local tasks match ``plan``; return jobs whose GPUs here were released."""
@@ -505,6 +515,7 @@ class Agent:
             t.aliases.add((t.rank, t.generation))
             t.assignment = a
             t.phase = allocation_pb2.TASK_PHASE_STARTING  # RUNNING again once its SDK uses the new identity
+            t.reform_since = time.monotonic()
             self.tasks[t.key] = t
             surviving.add(a.job_id)
             with open(t.log_path, "ab") as log:  # not a launch line: the e2e checks count those
@@ -520,7 +531,8 @@ class Agent:
         if task.exited.is_set():
             return
         if task.stop_deadline == 0.0:
-            task.stop_deadline = time.monotonic() + deadline_s
+            task.stop_asked_at = time.monotonic()
+            task.stop_deadline = task.stop_asked_at + deadline_s
             task.phase = allocation_pb2.TASK_PHASE_CHECKPOINTING
             self._report_now.set()
             self._signal(task, signal.SIGTERM)
@@ -529,6 +541,7 @@ class Agent:
             await asyncio.wait_for(task.exited.wait(), remaining)
         except asyncio.TimeoutError:
             _log.warning("task missed its checkpoint deadline; killing", extra={"task": task.key})
+            task.killed_at_deadline = True
             self._signal(task, signal.SIGKILL)
             await task.exited.wait()
 
@@ -630,13 +643,15 @@ class Agent:
         except OSError as exc:
             with open(task.log_path, "ab") as log:
                 log.write(f"--- silod: cannot launch {command!r}: {exc}\n".encode())
-            self._mark_exited(task, 127)
+            task_metrics.launch_failed(self.spec.name)
+            self._mark_exited(task, task_metrics.LAUNCH_FAILED_EXIT_CODE)
             return
         self._run_file(task).write_text(
             json.dumps({"task": key, "pid": task.proc.pid, "start_time": self._start_time(task.proc.pid)})
         )
         _log.info("task launched", extra={"task": key, "pid": task.proc.pid, "gpus": list(a.gpu_indices),
                                           "warm": warm})
+        task_metrics.launched(self.spec.name, warm=warm)
         self._report_now.set()
         self._reapers.add(asyncio.ensure_future(self._reap(task)))
 
@@ -661,6 +676,12 @@ class Agent:
         self.finished.add(task.key)
         task.exited.set()
         _log.info("task exited", extra={"task": task.key, "exit_code": code})
+        asked = task.stop_asked_at > 0 and not task.stopped_by_shutdown
+        cause = task_metrics.exit_cause(code, asked_to_stop=asked, leaving=task.leave,
+                                        killed_at_deadline=task.killed_at_deadline,
+                                        agent_shutdown=task.stopped_by_shutdown)
+        checkpoint_s = time.monotonic() - task.stop_asked_at if asked and not task.leave else None
+        task_metrics.exited(self.spec.name, cause, checkpoint_s)
         self._report_now.set()
 
     # ---- reports ---------------------------------------------------------------------------
@@ -727,6 +748,9 @@ class Agent:
     def _heard_from(self, task: Task, rank: int, generation: int) -> None:
         """A call under the task's current identity: it runs (a survivor: it has re-formed)."""
         if task.phase == allocation_pb2.TASK_PHASE_STARTING and (rank, generation) == (task.rank, task.generation):
+            if task.reform_since:
+                task_metrics.reformed(self.spec.name, time.monotonic() - task.reform_since)
+                task.reform_since = 0.0
             task.phase = allocation_pb2.TASK_PHASE_RUNNING
             self._report_now.set()
 

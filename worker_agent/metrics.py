@@ -7,7 +7,7 @@ without NVML (emulated GPUs).
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 LABELS = ["node", "gpu"]
 UTILIZATION = Gauge("silod_gpu_utilization_ratio", "Share (0..1) of NVML's last sample period a kernel ran", LABELS)
@@ -23,3 +23,19 @@ XID_FAULTS = Counter(
 HEALTHY = Gauge(
     "silod_gpu_healthy", "1 = usable; 0 = a fatal fault (ECC, Xid, lost) the metadata store keeps until an operator "
     "clears it", LABELS)
+
+
+# ---- the agent's ranks and plans (labelled by node; causes and start kinds are fixed sets) ----
+RANKS_RUNNING = Gauge("silod_agent_ranks_running", "Ranks (task processes) alive on the node", ["node"])
+PLAN_VERSION = Gauge("silod_agent_plan_version", "Version of the last allocation plan the agent applied", ["node"])
+LAUNCHES = Counter("silod_agent_launches_total", "Rank launches by how the process started: warm (a preloaded "
+                   "interpreter), cold (a new process) or failed (the command could not be started)", ["node", "start"])
+EXITS = Counter("silod_agent_rank_exits_total", "Rank exits by cause (see worker_agent.task_metrics.exit_cause)",
+                ["node", "cause"])
+_SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+PLAN_APPLY = Histogram("silod_agent_plan_apply_seconds", "From a plan reaching the agent to its acknowledgement "
+                       "(ranks stopped, checkpointed and launched)", ["node"], buckets=_SECONDS)
+CHECKPOINT = Histogram("silod_agent_checkpoint_seconds", "From asking a rank to checkpoint and exit (SIGTERM) to "
+                       "its exit", ["node"], buckets=_SECONDS)
+REFORM = Histogram("silod_agent_reform_seconds", "From a fast resize reaching a surviving rank's agent to the rank's "
+                   "first call under its new identity (the in-place re-form)", ["node"], buckets=_SECONDS)

@@ -121,3 +121,15 @@ def assignment(
 
 def node_plan(node: str, version: int, *tasks: plan_pb2.TaskAssignment) -> plan_pb2.NodePlan:
     return plan_pb2.NodePlan(version=version, node=node, tasks=list(tasks))
+
+
+def scrape_metrics(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """The agent's /metrics: (sample name, its labels other than node) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {(sample.name, frozenset((k, v) for k, v in sample.labels.items() if k != "node")): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}

@@ -14,7 +14,8 @@ import grpc
 import pytest
 
 from silod.v1 import allocation_pb2, common_pb2, metadata_pb2, worker_agent_pb2
-from tests.worker_agent.conftest import assignment, node_plan, wait_until
+from tests.support.procs import free_port
+from tests.worker_agent.conftest import assignment, node_plan, scrape_metrics, wait_until
 from worker_agent.gpus import check_exclusive
 
 EXITED = allocation_pb2.TASK_PHASE_EXITED
@@ -98,7 +99,8 @@ def test_two_ranks_launch_with_env_report_phases_and_exit(metadata, allocation, 
 
 
 def test_resize_checkpoints_relaunches_and_resumes(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
-    agent = start_agent()
+    metrics_port = free_port()
+    agent = start_agent("--metrics-port", str(metrics_port))
     allocation.push(node_plan(agent.node, 1, *(assignment("job-rs", r, 4, [r]) for r in range(4))))
     wait_until(lambda: (_latest(allocation, "job-rs", 0, 1) or allocation_pb2.TaskReport()).progress.samples_done >= 80,
                what="generation 1 making progress")
@@ -132,6 +134,14 @@ def test_resize_checkpoints_relaunches_and_resumes(allocation, start_agent) -> N
                            for r in (0, 1)), what="generation 2 stopped")
     wait_until(lambda: [a.version for a in allocation.servicer.acks] == [1, 2, 3], what="acks")
     check_exclusive(agent.gpu_history())
+    # The agent's own figures: 6 cold launches, 6 ranks that checkpointed when asked, 3 plans.
+    m = scrape_metrics(metrics_port)
+    assert m[("silod_agent_launches_total", frozenset({("start", "cold")}))] == 6
+    assert m[("silod_agent_rank_exits_total", frozenset({("cause", "checkpointed")}))] == 6
+    assert m[("silod_agent_checkpoint_seconds_count", frozenset())] == 6
+    assert m[("silod_agent_plan_version", frozenset())] == 3
+    assert m[("silod_agent_plan_apply_seconds_count", frozenset())] == 3
+    assert m[("silod_agent_ranks_running", frozenset())] == 0
 
 
 def test_new_task_never_starts_on_a_gpu_held_by_an_exiting_task(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
@@ -223,7 +233,8 @@ def test_task_dies_with_its_killed_agent(allocation, start_agent) -> None:  # ty
 
 
 def test_task_whose_command_cannot_start_exits_127(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
-    agent = start_agent()
+    metrics_port = free_port()
+    agent = start_agent("--metrics-port", str(metrics_port))
     command = ["/nonexistent/silod-test-command", "--flag"]
     allocation.push(node_plan(agent.node, 1, assignment("job-missing", 0, 1, [2], command=command)))
     wait_until(lambda: (_latest(allocation, "job-missing", 0, 1) or allocation_pb2.TaskReport()).phase == EXITED,
@@ -232,6 +243,10 @@ def test_task_whose_command_cannot_start_exits_127(allocation, start_agent) -> N
     assert "--- silod: cannot launch ['/nonexistent/silod-test-command', '--flag']" in agent.log("job-missing", 0)
     check_exclusive(agent.gpu_history())
     assert 2 in agent.status().free_gpus
+    m = scrape_metrics(metrics_port)
+    # The process started (the agent's wrapper), then could not exec the command: exit 127.
+    assert m[("silod_agent_launches_total", frozenset({("start", "cold")}))] == 1
+    assert m[("silod_agent_rank_exits_total", frozenset({("cause", "launch_failed")}))] == 1
 
 
 def _cmdline(pid: int) -> str:

@@ -8,7 +8,8 @@ import re
 import sys
 
 from silod.v1 import allocation_pb2, plan_pb2
-from tests.worker_agent.conftest import assignment, node_plan, wait_until
+from tests.support.procs import free_port
+from tests.worker_agent.conftest import assignment, node_plan, scrape_metrics, wait_until
 from worker_agent.gpus import check_exclusive
 
 EXITED = allocation_pb2.TASK_PHASE_EXITED
@@ -46,7 +47,8 @@ def _pids(agent, job: str) -> dict[tuple[int, int], int]:  # type: ignore[no-unt
 
 
 def test_fast_resize_keeps_survivors_running_across_4_2_4(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
-    agent = start_agent()
+    metrics_port = free_port()
+    agent = start_agent("--metrics-port", str(metrics_port))
     job = "job-afe"
     allocation.push(node_plan(agent.node, 1, *_ranks(job, 4, 1)))
     wait_until(lambda: all(_phase(allocation, job, r, 1) == RUNNING for r in range(4)), what="4 ranks running")
@@ -93,6 +95,11 @@ def test_fast_resize_keeps_survivors_running_across_4_2_4(allocation, start_agen
     assert sorted(e["task"] for e in history if e["event"] == "acquire") == sorted(
         [f"{job}/{r}/1" for r in range(4)] + [f"{job}/2/3", f"{job}/3/3"])
     wait_until(lambda: list(agent.status().free_gpus) == [0, 1, 2, 3], what="every GPU free")
+    # The agent counted it: two survivors re-formed twice each, two ranks left, the rest ended the job.
+    m = scrape_metrics(metrics_port)
+    assert m[("silod_agent_reform_seconds_count", frozenset())] == 4
+    assert m[("silod_agent_rank_exits_total", frozenset({("cause", "left")}))] == 2
+    assert m[("silod_agent_rank_exits_total", frozenset({("cause", "succeeded")}))] == 4
 
 
 def test_a_survivor_below_which_the_world_shrank_is_renumbered(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
