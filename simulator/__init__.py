@@ -19,7 +19,8 @@ from simulator.metrics import summary, write_compare, write_outputs
 from simulator.philly import generate_philly
 from simulator.rates import GoodputRates, RateModel
 from simulator.runner import compare, simulate
-from simulator.workload import JobSpec, Workload, load_workload, packaged_workloads, target_samples, write_workload
+from simulator.loading import load_workload
+from simulator.workload import JobSpec, Workload, packaged_workloads, target_samples, write_workload
 
 __all__ = [
     "CACHE_MODES",

@@ -35,7 +35,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
             "and estimator code as the live scheduler. Without an ACTION, runs one simulation "
             "(same options as 'silod simulate run')."
         ),
-        epilog="Workloads: a CSV path or a packaged name like workload-6, workloads/workload-6.csv, workloads-2.0/workload-3.",
+        epilog="Workloads: a CSV or Gavel .trace path, or a packaged name like workload-6, workloads/workload-6.csv, "
+               "workloads-2.0/workload-3, gavel/msr-seed0-0e4a51.",
     )
     _add_run_flags(sim, required=False)
     sim.set_defaults(handler=_run, simulate_parser=sim)
@@ -92,6 +93,15 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     mix.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
     mix.add_argument("--out", required=True, metavar="CSV", help="file to write")
     mix.set_defaults(handler=_mix)
+
+    conv = actions.add_parser("convert", help="write silod's CSV of a Gavel trace (.trace as Gavel writes it)",
+                              description="Read a Gavel trace (tab-separated, 7 fields a row as in Gavel's msr traces "
+                                          "or 10 as its generator writes them; the layout is told from the content) "
+                                          "and write silod's CSV of it: job_type,total_steps,arrival_s,scale_factor. "
+                                          "--workload takes either file and gives the same jobs.")
+    conv.add_argument("trace", metavar="TRACE", help="Gavel .trace file")
+    conv.add_argument("--out", required=True, metavar="CSV", help="file to write")
+    conv.set_defaults(handler=_convert)
 
     lst = actions.add_parser("list", help="list packaged workloads and registered policies")
     lst.set_defaults(handler=_list)
@@ -306,7 +316,7 @@ def _run(args: argparse.Namespace) -> int:
         from simulator.errors import SimulatorInputError
         from simulator.metrics import write_outputs
         from simulator.runner import simulate
-        from simulator.workload import load_workload
+        from simulator.loading import load_workload
 
         options = _parse_options(args.options, [args.policy])
         workload = load_workload(args.workload)
@@ -343,7 +353,7 @@ def _compare(args: argparse.Namespace) -> int:
         from simulator.cluster import load_cluster
         from simulator.metrics import write_compare
         from simulator.runner import simulate
-        from simulator.workload import load_workload
+        from simulator.loading import load_workload
 
         options = _parse_options(args.options, names)
         workload = load_workload(args.workload)
@@ -381,11 +391,30 @@ def _generate(args: argparse.Namespace) -> int:
     return _guarded(body)
 
 
+def _convert(args: argparse.Namespace) -> int:
+    def body() -> int:
+        from simulator.errors import SimulatorInputError
+        from simulator.gavel_trace import looks_like_gavel_tsv, read_gavel_tsv, write_gavel_csv
+        from simulator.loading import read_text
+
+        path = Path(args.trace)
+        if not path.is_file():
+            raise SimulatorInputError(f"trace {path}: no such file")
+        text = read_text(path)
+        if not looks_like_gavel_tsv(text):
+            raise SimulatorInputError(f"trace {path}: not a Gavel trace (tab-separated rows of 7 or 10 fields)")
+        count = write_gavel_csv(read_gavel_tsv(text, str(path)), args.out)
+        print(f"wrote {count} jobs to {args.out}", file=sys.stderr)
+        return 0
+
+    return _guarded(body)
+
+
 def _mix(args: argparse.Namespace) -> int:
     def body() -> int:
         from simulator.errors import SimulatorInputError
         from simulator.inference import ArrivalPattern, generate_inference_tasks, mixed_rows
-        from simulator.workload import load_workload
+        from simulator.loading import load_workload
 
         workload = load_workload(args.workload)
         horizon = args.horizon_s if args.horizon_s is not None else workload.jobs[-1].arrival_s + 3600.0

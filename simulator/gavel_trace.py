@@ -15,6 +15,11 @@ each row becomes a job of the application of the same family
 
 The owner's batch is the application's initial one. Job types of no listed family (A3C) map
 to the application :data:`FALLBACK_APPLICATION`.
+
+Two spellings of a trace are read: silod's CSV (``job_type,total_steps,arrival_s,scale_factor``,
+what the packaged traces and ``silod simulate convert`` hold) and Gavel's own tab-separated
+``.trace`` rows, in either of its layouts (:data:`TSV_LAYOUTS`): 7 fields, as in its msr traces,
+or 10, as its trace generator writes them. The layout is told from each row's field count.
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ from __future__ import annotations
 import csv
 import functools
 import io
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 from estimator.gpu_types import APPLICATION_JOB_TYPES, measured_steps_per_s
 from estimator.job_model import JobModel
@@ -54,25 +63,125 @@ def load_gavel_trace(name: str) -> Workload:
     return Workload(PREFIX + stem, parse_gavel_trace(entry.read_text(encoding="utf-8"), PREFIX + stem))
 
 
+CSV_COLUMNS = ("job_type", "total_steps", "arrival_s", "scale_factor")
+# Gavel's tab-separated layouts by field count: the fields a simulation reads, by position.
+TSV_LAYOUTS = {
+    7: ("job_type", "command", "num_steps_arg", "needs_data_dir", "total_steps", "arrival_s", "scale_factor"),
+    10: ("job_type", "command", "working_directory", "num_steps_arg", "needs_data_dir", "total_steps",
+         "scale_factor", "priority_weight", "SLO", "arrival_s"),
+}
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    """One job of a Gavel trace: what silod reads of it."""
+
+    line: int  # in the file, for messages
+    job_type: str
+    total_steps: int
+    arrival_s: float
+    scale_factor: int  # GPUs
+
+
+def looks_like_gavel_tsv(text: str) -> bool:
+    """Gavel's own format: tab-separated rows, no header."""
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    return "\t" in first
+
+
+def looks_like_gavel_csv(text: str) -> bool:
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    return {c.strip() for c in first.split(",")} >= {"job_type", "total_steps"}
+
+
+def read_gavel_tsv(text: str, source: str) -> list[TraceRow]:
+    """The rows of a ``.trace`` file as Gavel writes it (7 or 10 tab-separated fields a row)."""
+    rows = []
+    for line, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        fields = raw.rstrip("\r\n").split("\t")
+        layout = TSV_LAYOUTS.get(len(fields))
+        if layout is None:
+            raise SimulatorInputError(
+                f"workload {source} row {line}: {len(fields)} tab-separated fields; a Gavel trace row has 7 "
+                f"({', '.join(TSV_LAYOUTS[7])}) or 10 ({', '.join(TSV_LAYOUTS[10])})")
+        rows.append(_row(dict(zip(layout, fields)), line, source, lambda name, l=layout: f"field {l.index(name) + 1} ({name})"))
+    if not rows:
+        raise SimulatorInputError(f"workload {source}: no rows")
+    return rows
+
+
+def read_gavel_csv(text: str, source: str) -> list[TraceRow]:
+    reader = csv.DictReader(io.StringIO(text))
+    missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise SimulatorInputError(f"workload {source}: header lacks column {missing[0]!r}; expected {','.join(CSV_COLUMNS)}")
+    rows = [_row(row, line, source, lambda name: f"column {name!r}") for line, row in enumerate(reader, start=2)]
+    if not rows:
+        raise SimulatorInputError(f"workload {source}: no rows")
+    return rows
+
+
+def _row(fields: dict[str, str], line: int, source: str, where: Callable[[str], str]) -> TraceRow:
+    def bad(name: str, expected: str) -> SimulatorInputError:
+        return SimulatorInputError(f"workload {source} row {line} {where(name)}: expected {expected}, "
+                                   f"got {fields.get(name)!r}")
+
+    job_type = (fields.get("job_type") or "").strip()
+    if job_type not in measured_steps_per_s():
+        raise SimulatorInputError(f"workload {source} row {line} {where('job_type')}: unknown Gavel job type "
+                                  f"{job_type!r} (the known ones: estimator/profiles/gavel/throughputs.csv)")
+    try:
+        steps = int(fields["total_steps"])
+    except (KeyError, TypeError, ValueError):
+        raise bad("total_steps", "a whole number >= 1") from None
+    if steps < 1:
+        raise bad("total_steps", "a whole number >= 1")
+    try:
+        arrival = float(fields["arrival_s"])
+    except (KeyError, TypeError, ValueError):
+        raise bad("arrival_s", "seconds (a number >= 0)") from None
+    if not (math.isfinite(arrival) and arrival >= 0):
+        raise bad("arrival_s", "seconds (a number >= 0)")
+    try:
+        gpus = int(fields["scale_factor"])
+    except (KeyError, TypeError, ValueError):
+        raise bad("scale_factor", "a whole number of GPUs >= 1") from None
+    if gpus < 1:
+        raise bad("scale_factor", "a whole number of GPUs >= 1")
+    return TraceRow(line, job_type, steps, arrival, gpus)
+
+
+def write_gavel_csv(rows: Iterable[TraceRow], path: str | Path) -> int:
+    """silod's CSV of a Gavel trace (what ``silod simulate convert`` writes); the row count."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(CSV_COLUMNS)
+        for row in rows:
+            writer.writerow((row.job_type, row.total_steps, repr(float(row.arrival_s)), row.scale_factor))
+            count += 1
+    return count
+
+
 def parse_gavel_trace(text: str, source: str = "gavel trace") -> tuple[JobSpec, ...]:
+    """The jobs of a Gavel trace in either spelling (silod's CSV, Gavel's tab-separated rows)."""
+    rows = read_gavel_tsv(text, source) if looks_like_gavel_tsv(text) else read_gavel_csv(text, source)
+    return jobs_of(rows)
+
+
+def jobs_of(rows: list[TraceRow]) -> tuple[JobSpec, ...]:
     measured = measured_steps_per_s()
     jobs = []
-    for row_number, row in enumerate(csv.DictReader(io.StringIO(text)), start=2):
-        where = f"workload {source} row {row_number}"
-        job_type = row.get("job_type", "")
-        if job_type not in measured:
-            raise SimulatorInputError(f"{where} column 'job_type': unknown Gavel job type {job_type!r}")
-        try:
-            steps, arrival, gpus = int(row["total_steps"]), float(row["arrival_s"]), int(row["scale_factor"])
-        except (KeyError, TypeError, ValueError):
-            raise SimulatorInputError(f"{where}: needs whole total_steps and scale_factor and a numeric arrival_s") from None
-        if steps < 1 or gpus < 1 or not arrival >= 0:
-            raise SimulatorInputError(f"{where}: total_steps and scale_factor must be >= 1 and arrival_s >= 0")
-        application = application_of(job_type)
-        seconds_on_v100 = steps / measured[job_type]["v100"]
+    for index, row in enumerate(rows):
+        application = application_of(row.job_type)
+        seconds_on_v100 = row.total_steps / measured[row.job_type]["v100"]
         jobs.append(JobSpec(
-            name=f"gavel-{row_number - 2:05d}", application=application, arrival_s=arrival, num_replicas=gpus,
-            batch_size=JobModel.from_profile(application).bounds.init_batch_size, job_type=job_type,
+            name=f"gavel-{index:05d}", application=application, arrival_s=row.arrival_s, num_replicas=row.scale_factor,
+            batch_size=JobModel.from_profile(application).bounds.init_batch_size, job_type=row.job_type,
             target_samples=seconds_on_v100 * _one_gpu_goodput(application),
         ))
     return tuple(sorted(jobs, key=lambda j: j.arrival_s))

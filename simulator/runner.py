@@ -15,7 +15,8 @@ from typing import Any
 from scheduler.policy import Policy
 from simulator.cluster import ClusterSpec, load_cluster
 from simulator.engine import SimProgress, SimulationResult, Simulator
-from simulator.workload import JobSpec, Workload, load_workload
+from simulator.loading import load_workload
+from simulator.workload import JobSpec, Workload
 
 
 def simulate(

@@ -13,8 +13,8 @@ that is ``init_batch_size x progress`` — see :func:`target_samples` and docs/e
 
 A DeepBoot workload may mix in inference rows (application ``infer-<model>-<k>``, columns
 ``...,duration,num_task``): they are not training jobs, so :func:`parse_workload` skips them
-and :func:`load_workload` hands them to :mod:`simulator.inference`'s parser
-(``Workload.inference``).
+and :func:`mixed_workload` hands them to :mod:`simulator.inference`'s parser
+(``Workload.inference``). Which parser reads a file or a name is :mod:`simulator.loading`'s choice.
 """
 
 from __future__ import annotations
@@ -130,36 +130,20 @@ def _packaged(name: str):
     return (key, entry) if entry.is_file() else None
 
 
-def load_workload(source: str | Path) -> Workload:
-    """Read a workload from a file path or a packaged name (see the module docstring)."""
-    path = Path(source)
-    if path.is_file():
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise SimulatorInputError(f"workload {path}: cannot read: {exc}") from None
-        return _mixed(str(source), text)
-    if path.is_dir():
-        raise SimulatorInputError(f"workload {path}: is a directory; give one CSV file")
-    if str(source).startswith("gavel/"):
-        from simulator.gavel_trace import load_gavel_trace  # deferred: it prices jobs with the estimator
-
-        return load_gavel_trace(str(source))
-    packaged = _packaged(str(source))
-    if packaged is None:
-        raise SimulatorInputError(
-            f"workload {source}: no such file, and not a packaged workload "
-            "(e.g. workload-6, workloads/workload-6.csv, workloads-2.0/workload-3; see 'silod simulate list')"
-        )
-    name, entry = packaged
-    return _mixed(name, entry.read_text(encoding="utf-8"))
-
-
-def _mixed(name: str, text: str) -> Workload:
-    """Training jobs and (DeepBoot) inference tasks of one CSV."""
+def mixed_workload(name: str, text: str) -> Workload:
+    """Training jobs and (DeepBoot) inference tasks of one Pollux-format CSV."""
     from simulator.inference import parse_inference_tasks
 
     return Workload(name, parse_workload(text, name), parse_inference_tasks(text, name))
+
+
+def packaged_csv(name: str) -> Workload | None:
+    """The packaged Pollux-format workload ``name``, or None if there is none of that name."""
+    packaged = _packaged(name)
+    if packaged is None:
+        return None
+    key, entry = packaged
+    return mixed_workload(key, entry.read_text(encoding="utf-8"))
 
 
 def parse_workload(text: str, source: str = "workload") -> tuple[JobSpec, ...]:

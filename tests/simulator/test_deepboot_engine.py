@@ -17,7 +17,8 @@ from simulator.engine import Simulator
 from simulator.errors import SimulatorInputError
 from simulator.inference import ArrivalPattern, InferenceTask, generate_inference_tasks, mixed_rows, parse_inference_tasks
 from simulator.metrics import inference_summary, summary
-from simulator.workload import JobSpec, load_workload, parse_workload, workload_from_jobs
+from simulator.loading import load_workload
+from simulator.workload import JobSpec, parse_workload, workload_from_jobs
 
 MIXED_CLUSTER = {"nodes": [{"count": 1, "gpus": 4}, {"count": 2, "gpus": 2, "pool": "inference"}]}
 JOBS = (

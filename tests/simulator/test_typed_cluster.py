@@ -75,7 +75,7 @@ def test_silod_up_reads_the_same_typed_cluster_yaml(tmp_path):
 def test_gavel_traces_load_with_their_job_types_and_v100_durations():
     from estimator.gpu_types import measured_steps_per_s
     from simulator.gavel_trace import _one_gpu_goodput, application_of, parse_gavel_trace
-    from simulator.workload import load_workload
+    from simulator.loading import load_workload
 
     workload = load_workload("gavel/msr-seed0-0e4a51")
     assert len(workload) == 1181 and {j.num_replicas for j in workload.jobs} == {1, 2, 4, 8}
@@ -97,7 +97,7 @@ def test_gavel_traces_load_with_their_job_types_and_v100_durations():
 def test_the_measured_gavel_trace_is_the_full_one_without_its_unmeasured_multi_gpu_jobs():
     # What Gavel's own simulator can run: no multi-GPU A3C, CycleGAN or Recommendation job
     # (its throughput table has none), every other row unchanged (evaluation.md, (a)).
-    from simulator.workload import load_workload
+    from simulator.loading import load_workload
 
     full = load_workload("gavel/msr-seed0-0e4a51").jobs
     measured = load_workload("gavel/msr-seed0-0e4a51-measured").jobs
