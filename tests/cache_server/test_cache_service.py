@@ -236,7 +236,7 @@ def test_leased_files_outlive_eviction_until_released(
         # An expired lease releases its pins too.
         short = cache.lease("lr", name, keys[:5], lease_s=0.5)
         time.sleep(1.7)
-        assert short.lease_id not in cache.core._leases
+        assert short.lease_id not in cache.core.leases.held
 
 
 def test_a_full_disk_degrades_to_pass_through(
@@ -257,7 +257,7 @@ def test_a_full_disk_degrades_to_pass_through(
         assert _metric("silod_cache_pass_through_total", job="full", reason="no-space") >= 10
         assert cache.read_all("full", name, keys[10:20]) == {k: files[k] for k in keys[10:20]}
         # No transient space either: the object comes back without a path, the call still succeeds.
-        monkeypatch.setattr(cache.core, "_transient_dir", str(tmp_path / "no" / "such" / "dir"))
+        monkeypatch.setattr(cache.core.leases, "transient_dir", str(tmp_path / "no" / "such" / "dir"))
         bare = cache.lease("full", name, keys[20:22])
         assert [o.path for o in bare.objects] == ["", ""] and [o.size_bytes for o in bare.objects] == [3000, 3000]
 

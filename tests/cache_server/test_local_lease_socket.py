@@ -56,7 +56,7 @@ def test_the_sdk_moves_its_leases_to_the_local_socket_after_one_grpc_lease(
         assert _lease_calls(LOCAL_LEASE) - local_before == 3
         assert dataset.counters["local_lease_calls"] == 3 and dataset.counters["direct"] == 0
         # Leases taken over the socket are released by the next call as over gRPC: one is held.
-        assert cache.call(lambda: len(cache.core._leases)) == 2  # the probe's and this reader's last
+        assert cache.call(lambda: len(cache.core.leases.held)) == 2  # the probe's and this reader's last
 
         grpc_before = _lease_calls(GRPC_LEASE)
         stays = SilodDataset(name, cache_addr=cache.address, metadata_addr=metadata, job_id="stays",
