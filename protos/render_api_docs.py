@@ -85,12 +85,28 @@ def hand_written() -> list[str]:
     return HAND_WRITTEN.read_text().replace("{identifier_table}", identifier_table()).splitlines() + [""]
 
 
+def access_table() -> list[str]:
+    """Who may call what: services/runtime/access_rules.py's table, the one the services enforce."""
+    from services.runtime import access_rules
+
+    return ["## Who may call what", "",
+            "Rendered from `services/runtime/access_rules.py`, the table every silod process enforces when auth is "
+            "on (`auth_token` set; docs/operators.md \"Identities and access\"). An admin (the cluster token or an "
+            "admin credential) may call every method listed; a user, node or job credential may call a method when "
+            "its column has a rule and the request passes it; a method not listed may be called by nobody. "
+            "A missing or unknown token is refused with UNAUTHENTICATED, a caller the table does not admit with "
+            "PERMISSION_DENIED naming the request field. A user's tenants are their memberships at the time of the "
+            "call; a job's tenant is its `spec.tenant` (empty: `default`).", "",
+            access_rules.markdown(), ""]
+
+
 def render(descriptors: descriptor_pb2.FileDescriptorSet) -> str:
     lines = ["# API reference (silod.v1)", "",
              "Generated from `protos/silod/v1` by `protos/render_api_docs.py` (`make proto`); do not edit.",
              f"The prose sections come from `{HAND_WRITTEN.relative_to(ROOT)}`, the identifier table from "
-             "`silod/rpc/identifiers.py`.", ""]
+             "`silod/rpc/identifiers.py`, the access table from `services/runtime/access_rules.py`.", ""]
     lines += hand_written()
+    lines += access_table()
     for file in descriptors.file:
         if not file.name.startswith("silod/"):
             continue
@@ -131,6 +147,9 @@ def render(descriptors: descriptor_pb2.FileDescriptorSet) -> str:
 
 
 def main() -> int:
+    # Run as a script, protos/ comes first on sys.path and its silod/v1 (the .proto files) would
+    # shadow the generated silod.v1 package that the access table's modules import.
+    sys.path.insert(0, str(ROOT))
     (ROOT / "docs" / "api.md").write_text(render(load_descriptors()))
     return 0
 

@@ -15,6 +15,7 @@ from services.metadata.migrate import current_revision, head_revision, upgrade_e
 from services.metadata.database import normalize_db_url
 from services.metadata.servicer import MetadataServicer
 from services.metadata.store import MetadataStore
+from services.runtime.directory import LocalDirectory
 from services.runtime.server import ServiceDefinition, StartupError
 from services.runtime.settings import ServiceSettings
 from services.runtime.structured_logging import get_logger
@@ -63,6 +64,7 @@ def definition(settings: Settings) -> ServiceDefinition:
         register=register,
         on_start=on_start,
         on_stop=on_stop,
+        directory=LocalDirectory(store.access),
     )
 
 

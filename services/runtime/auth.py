@@ -1,7 +1,8 @@
 """Shared-bearer-token authentication between silod processes.
 
-One token for the whole cluster is enough for the threat we guard against (a stray client
-on the network, not a hostile tenant); per-caller identities would need mTLS.
+The cluster token alone (AuthInterceptor) admits whoever holds it to everything. Services
+now run services/runtime/access.py instead, which keeps that token as an admin and adds
+per-principal credentials and the access table; these helpers read the presented token.
 """
 
 from __future__ import annotations
@@ -17,17 +18,27 @@ from services.runtime.interceptors import Around, Behavior, wrap_handler
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
-def check_bearer(metadata: Iterable[tuple[str, Any]] | None, token: str) -> str | None:
-    """Return why the call is refused, or None if it carries ``token``."""
+def bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> tuple[str, str | None]:
+    """(the presented bearer token, None), or ("", why there is none)."""
     values = [v for k, v in metadata or () if k == "authorization"]
     if not values:
-        return "missing bearer token"
+        return "", "missing bearer token"
     value = values[0]
     if isinstance(value, bytes):
         value = value.decode("latin-1")
     scheme, _, presented = value.partition(" ")
+    if scheme.lower() != "bearer" or not presented.strip():
+        return "", "invalid bearer token"
+    return presented.strip(), None
+
+
+def check_bearer(metadata: Iterable[tuple[str, Any]] | None, token: str) -> str | None:
+    """Return why the call is refused, or None if it carries ``token``."""
+    presented, problem = bearer_token(metadata)
+    if problem is not None:
+        return problem
     # compare_digest on bytes of both: the time taken must not reveal how much of the token matched.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), token.encode()):
+    if not hmac.compare_digest(presented.encode(), token.encode()):
         return "invalid bearer token"
     return None
 

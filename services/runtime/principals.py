@@ -41,6 +41,20 @@ class Principal:
         return cls(message.kind, message.name, tuple(message.tenants), credential_id)
 
 
+TOKEN_PREFIX = "silod"
+TOKEN_ID_HEX = 16  # 64 bits: only has to be unique, it is not the secret
+TOKEN_SECRET_HEX = 64  # 256 random bits
+
+
+def split_token(token: str) -> tuple[str, str] | None:
+    """(id, secret) of a well-formed credential token ``silod_<id>_<secret>``, else None."""
+    prefix, _, rest = token.partition("_")
+    credential_id, _, secret = rest.partition("_")
+    if prefix != TOKEN_PREFIX or len(credential_id) != TOKEN_ID_HEX or len(secret) != TOKEN_SECRET_HEX:
+        return None
+    return credential_id, secret
+
+
 # The cluster's shared token (settings.auth_token): what every caller was before per-principal
 # credentials, so an upgraded single-token cluster keeps working.
 CLUSTER_ADMIN = Principal(ADMIN, "cluster-token")

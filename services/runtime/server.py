@@ -24,7 +24,8 @@ from grpc_reflection.v1alpha import reflection
 from silod.rpc.limits import MESSAGE_SIZE_OPTIONS
 from silod.rpc.keepalive import SERVER_KEEPALIVE_OPTIONS
 from services.runtime import metrics
-from services.runtime.auth import AuthInterceptor
+from services.runtime.access import AccessInterceptor
+from services.runtime.directory import Directory, RemoteDirectory
 from services.runtime.interceptors import ErrorMapper, RequestObserver
 from services.runtime.settings import ConfigError, ServiceSettings, split_host_port
 from services.runtime.structured_logging import configure_logging, get_logger
@@ -39,6 +40,9 @@ class ServiceDefinition:
     register: Callable[[grpc.aio.Server], None]  # adds the servicers to the server
     on_start: Callable[[], Awaitable[None]] | None = None  # awaited before the port opens
     on_stop: Callable[[], Awaitable[None]] | None = None  # awaited after the server stopped
+    # Who a credential stands for, when auth is on: the metadata service answers from its store;
+    # None = ask the metadata service at settings.metadata_address (services/runtime/directory.py).
+    directory: Directory | None = None
 
 
 class StartupError(Exception):
@@ -56,7 +60,9 @@ class RunningServer:
         settings: ServiceSettings,
         address: str,
         port: int,
+        remote_directory: RemoteDirectory | None = None,
     ) -> None:
+        self._remote_directory = remote_directory  # its channel is closed after on_stop
         self._server = server
         self._health = health_servicer
         self._definition = definition
@@ -86,6 +92,8 @@ class RunningServer:
             if self._definition.on_stop is not None:
                 await self._definition.on_stop()
         finally:
+            if self._remote_directory is not None:
+                await self._remote_directory.close()
             self._stopped.set()
 
     async def wait_for_termination(self) -> None:
@@ -136,8 +144,14 @@ async def start_server(definition: ServiceDefinition, settings: ServiceSettings)
     credentials = _server_credentials(settings)  # fail on bad TLS settings before on_start does work
 
     interceptors: list[grpc.aio.ServerInterceptor] = [RequestObserver(definition.name)]
+    remote = None
     if settings.auth_token:
-        interceptors.append(AuthInterceptor(settings.auth_token))
+        directory = definition.directory
+        if directory is None and getattr(settings, "metadata_address", ""):
+            directory = remote = RemoteDirectory(
+                settings.metadata_address, settings.auth_token, ttl_s=settings.credential_cache_s,
+                tls_ca_file=getattr(settings, "metadata_tls_ca_file", ""))
+        interceptors.append(AccessInterceptor(settings.auth_token, directory))
     interceptors.append(ErrorMapper())
     # so_reuseport=0: otherwise a second process could "bind" a port already taken and
     # silently share its traffic instead of failing.
@@ -178,7 +192,7 @@ async def start_server(definition: ServiceDefinition, settings: ServiceSettings)
 
     for name in ("", *definition.service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, health_servicer, definition, settings, _format_address(host, port), port)
+    return RunningServer(server, health_servicer, definition, settings, _format_address(host, port), port, remote)
 
 
 def write_ready_file(path: str, address: str) -> None:

@@ -42,8 +42,14 @@ class ServiceSettings(BaseSettings):
     log_format: Literal["json", "text"] = Field("json", description="json: one JSON object per line; text: for humans")
     auth_token: str = Field(
         "",
-        description="Shared bearer token; when set, every call except health checks must send "
-        "'authorization: Bearer <token>'",
+        description="The cluster's own bearer token (an admin); when set, every call except health checks "
+        "must send 'authorization: Bearer <token>' with it or a credential (`silod admin credential`), "
+        "and the access table of docs/api.md decides what each may call",
+    )
+    credential_cache_s: float = Field(
+        5.0, ge=0, le=300,
+        description="Seconds a service other than the metadata service trusts a credential the metadata "
+        "service resolved before asking again: how long a revoked credential keeps working there",
     )
     tls_cert_file: str = Field("", description="PEM server certificate; with tls_key_file enables TLS")
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file")

@@ -28,22 +28,8 @@ from services.metadata.validation.access import (
     check_ttl,
 )
 from services.metadata.validation.common import check_text
-from services.runtime.principals import Principal
+from services.runtime.principals import TOKEN_ID_HEX, TOKEN_PREFIX, TOKEN_SECRET_HEX, Principal, split_token
 from services.runtime.errors import AlreadyExists, FailedPrecondition, NotFound, Unauthenticated
-
-TOKEN_PREFIX = "silod"
-_ID_HEX = 16  # 64 bits: only needs to be unique, it is not the secret
-_SECRET_HEX = 64  # 256 bits
-
-
-def split_token(token: str) -> tuple[str, str] | None:
-    """(id, secret) of a well-formed ``silod_<id>_<secret>``, else None."""
-    prefix, _, rest = token.partition("_")
-    credential_id, _, secret = rest.partition("_")
-    if prefix != TOKEN_PREFIX or len(credential_id) != _ID_HEX or len(secret) != _SECRET_HEX:
-        return None
-    return credential_id, secret
-
 
 def _digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
@@ -65,7 +51,7 @@ class AccessStore:
 
     def _issue(self, session, kind: int, name: str, description: str, ttl_s: float) -> access_pb2.IssuedCredential:  # type: ignore[no-untyped-def]
         now = utc_now()
-        credential_id, secret = secrets.token_hex(_ID_HEX // 2), secrets.token_hex(_SECRET_HEX // 2)
+        credential_id, secret = secrets.token_hex(TOKEN_ID_HEX // 2), secrets.token_hex(TOKEN_SECRET_HEX // 2)
         row = Credential(id=credential_id, secret_sha256=_digest(secret), kind=kind, name=name,
                          description=description, created_at=now,
                          expires_at=now + timedelta(seconds=ttl_s) if ttl_s else None, revoked_at=None)
@@ -196,4 +182,4 @@ def _tenant(row: Tenant, members: Sequence[str]) -> access_pb2.Tenant:
     return access_pb2.Tenant(name=row.name, members=list(members), created_at=to_timestamp(row.created_at))
 
 
-__all__ = ["AccessStore", "split_token"]
+__all__ = ["AccessStore"]

@@ -1,0 +1,96 @@
+"""Authentication to a principal and authorization by the access table, in one interceptor.
+
+A call presents ``authorization: Bearer <token>``. The cluster token (settings auth_token) is
+an admin, as it always was; any other token is a credential the directory resolves
+(services/runtime/directory.py). The principal's row of services/runtime/access_rules.py then
+decides: UNAUTHENTICATED for no or a bad token, PERMISSION_DENIED (naming the request field)
+for a principal the table does not admit. The servicer runs only when admitted, with
+:data:`~services.runtime.principals.current_principal` set.
+
+Installed by services/runtime/server.py whenever auth_token is set; without it a process
+serves everyone, as a single-machine cluster always did.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+from typing import Any
+
+import grpc
+
+from services.runtime.access_rules import RULES, Rule
+from services.runtime.auth import bearer_token
+from services.runtime.directory import Directory
+from services.runtime.errors import ServiceError, Unauthenticated
+from services.runtime.interceptors import Behavior, _drain, wrap_handler
+from services.runtime.principals import CLUSTER_ADMIN, Principal, current_principal
+from silod.rpc.errors import DETAILS_KEY, FieldViolation, status_details, summary
+
+
+class AccessInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, cluster_token: str, directory: Directory | None, rules: dict[str, Rule] = RULES) -> None:
+        self._cluster_token = cluster_token.encode()
+        self._directory = directory
+        self._rules = rules
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        rule = self._rules.get(method)
+        if rule is not None and rule.public:
+            return handler
+        token, problem = bearer_token(handler_call_details.invocation_metadata)
+        return wrap_handler(handler, functools.partial(self._guard, method, rule, token, problem))
+
+    async def _guard(self, method: str, rule: Rule | None, token: str, problem: str | None,
+                     call: Behavior, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if problem is not None:
+            return await _refuse(context, request, grpc.StatusCode.UNAUTHENTICATED, problem)
+        try:
+            principal = await self._authenticate(token)
+            refusal = await self._authorize(method, rule, principal, request)
+        except ServiceError as exc:  # Unauthenticated, or Unavailable when the directory cannot answer
+            return await _refuse(context, request, exc.code, str(exc))
+        if refusal is not None:
+            return await _refuse(context, request, grpc.StatusCode.PERMISSION_DENIED, *refusal)
+        reset = current_principal.set(principal)
+        try:
+            return await call(request, context)
+        finally:
+            current_principal.reset(reset)
+
+    async def _authenticate(self, token: str) -> Principal:
+        # compare_digest: the time taken must not reveal how much of the cluster token matched.
+        if hmac.compare_digest(token.encode(), self._cluster_token):
+            return CLUSTER_ADMIN
+        if self._directory is None:
+            raise Unauthenticated("invalid bearer token")
+        return await self._directory.resolve(token)
+
+    async def _authorize(self, method: str, rule: Rule | None, principal: Principal,
+                         request: Any) -> tuple[str, str] | None:
+        """None to admit; else (description, field) of the refusal."""
+        if rule is None:
+            return f"{method} is not in the access table (services/runtime/access_rules.py): nobody may call it", ""
+        if principal.kind == CLUSTER_ADMIN.kind:
+            return None
+        check = rule.check_for(principal.kind)
+        if check is None:
+            return f"{method} is not open to a {principal.kind_name} ({principal.describe()})", ""
+        refusal = await check.refuse(principal, request, self._directory)
+        return None if refusal is None else (refusal.reason, refusal.field)
+
+
+async def _refuse(context: grpc.aio.ServicerContext, request: Any, code: grpc.StatusCode, reason: str,
+                  field: str = "") -> None:
+    if hasattr(request, "__aiter__"):  # a client stream: read it first (see interceptors._drain)
+        await _drain(request)
+    violations = [FieldViolation(field, reason)]
+    message = summary(violations)
+    trailing = tuple(context.trailing_metadata() or ())
+    if field:
+        trailing += ((DETAILS_KEY, status_details(code, message, violations)),)
+    await context.abort(code, message, trailing_metadata=trailing)

@@ -1,0 +1,267 @@
+"""Who may call what: THE table of every gRPC method of every silod process.
+
+Each row names the principal kinds (services/runtime/principals.py) that may call the method and,
+per kind, the ownership rule its request must pass. An admin may call every method in the table;
+a method missing from it may be called by nobody (deny by default; tests/runtime fail when a
+method of the contracts has no row). services/runtime/access.py enforces the table in one
+interceptor whenever the process has auth configured; docs/api.md renders it (`make proto`).
+
+Rules read request fields only, plus one lookup: the tenant of a job, which the metadata service
+answers (services/runtime/directory.py). A rule may narrow a listing (TenantScope fills in the
+caller's tenant), never widen it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from services.runtime.directory import Directory
+from services.runtime.principals import JOB, NODE, USER, Principal
+
+DEFAULT_TENANT = "default"  # what an empty JobSpec.tenant means (services/metadata/validation/jobs.py)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    field: str  # the request field the refusal is about; "" = the call itself
+    reason: str
+
+
+def _values(message: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """(concrete path, value) of each value at ``path``: "spec.tenant", "samples[].job_id"."""
+    head, _, rest = path.partition(".")
+    repeated = head.endswith("[]")
+    name = head.removesuffix("[]")
+    value = getattr(message, name)
+    items = [(f"{name}[{i}]", v) for i, v in enumerate(value)] if repeated else [(name, value)]
+    for where, item in items:
+        if rest:
+            for sub, found in _values(item, rest):
+                yield f"{where}.{sub}", found
+        else:
+            yield where, item
+
+
+class Check:
+    """An ownership rule one principal kind's request must pass."""
+
+    reads_request = True  # False: the rule admits any request, so it fits client-streaming methods
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    async def refuse(self, principal: Principal, request: Any, directory: Directory | None) -> Refusal | None:
+        raise NotImplementedError
+
+
+class Any_(Check):
+    reads_request = False
+
+    def describe(self) -> str:
+        return "any"
+
+    async def refuse(self, principal: Principal, request: Any, directory: Directory | None) -> Refusal | None:
+        return None
+
+
+ANY = Any_()
+
+
+@dataclass(frozen=True)
+class Itself(Check):
+    """Every value at ``field`` must be the caller's own name: its node, its job id."""
+
+    field: str
+
+    def describe(self) -> str:
+        return f"`{self.field}` is the caller's own"
+
+    async def refuse(self, principal: Principal, request: Any, directory: Directory | None) -> Refusal | None:
+        for where, value in _values(request, self.field):
+            if value != principal.name:
+                return Refusal(where, f"{principal.describe()} may act only for itself, not {value!r}")
+        return None
+
+
+def _not_member(principal: Principal, tenant: str) -> str:
+    member = ", ".join(principal.tenants) or "no tenant"
+    return f"{principal.describe()} is not a member of tenant {tenant!r} (member of: {member})"
+
+
+@dataclass(frozen=True)
+class JobOfTenant(Check):
+    """The job at ``field`` must belong to one of the caller's tenants. An unknown job passes, so
+    that the service answers NOT_FOUND as it would anyone; ``optional``: an empty field passes."""
+
+    field: str
+    optional: bool = False
+
+    def describe(self) -> str:
+        return f"the job `{self.field}` is of a tenant of the caller" + (" (or empty)" if self.optional else "")
+
+    async def refuse(self, principal: Principal, request: Any, directory: Directory | None) -> Refusal | None:
+        for where, job_id in _values(request, self.field):
+            if not job_id and self.optional:
+                continue
+            if directory is None:
+                return Refusal(where, "this service cannot look up the tenant of a job (no metadata_address)")
+            tenant = await directory.job_tenant(job_id) if job_id else None
+            if tenant is not None and tenant not in principal.tenants:
+                return Refusal(where, f"job {job_id!r} is of tenant {tenant!r}; " + _not_member(principal, tenant))
+        return None
+
+
+@dataclass(frozen=True)
+class TenantOf(Check):
+    """The tenant named at ``field`` (empty: the default tenant) must be one of the caller's."""
+
+    field: str
+
+    def describe(self) -> str:
+        return f"`{self.field}` is a tenant of the caller"
+
+    async def refuse(self, principal: Principal, request: Any, directory: Directory | None) -> Refusal | None:
+        for where, tenant in _values(request, self.field):
+            if (tenant or DEFAULT_TENANT) not in principal.tenants:
+                return Refusal(where, _not_member(principal, tenant or DEFAULT_TENANT))
+        return None
+
+
+@dataclass(frozen=True)
+class TenantScope(Check):
+    """A listing filtered by tenant at ``field``: a tenant of the caller; when empty, the caller's
+    only tenant is filled in (a member of several must name one)."""
+
+    field: str
+
+    def describe(self) -> str:
+        return f"`{self.field}` is a tenant of the caller (empty: filled in with the caller's only tenant)"
+
+    async def refuse(self, principal: Principal, request: Any, directory: Directory | None) -> Refusal | None:
+        tenant = getattr(request, self.field)
+        if tenant:
+            return None if tenant in principal.tenants else Refusal(self.field, _not_member(principal, tenant))
+        if len(principal.tenants) == 1:
+            setattr(request, self.field, principal.tenants[0])
+            return None
+        if not principal.tenants:
+            return Refusal(self.field, f"{principal.describe()} is a member of no tenant")
+        return Refusal(self.field, f"name one of your tenants ({', '.join(principal.tenants)})")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Who besides an admin may call a method, and on what condition; public: no credential at all."""
+
+    user: Check | None = None
+    node: Check | None = None
+    job: Check | None = None
+    public: bool = False
+
+    def check_for(self, kind: int) -> Check | None:
+        return {USER: self.user, NODE: self.node, JOB: self.job}.get(kind)
+
+
+ADMIN_ONLY = Rule()
+PUBLIC = Rule(public=True)
+READ_BY_ALL = Rule(user=ANY, node=ANY, job=ANY)
+
+
+def _service(name: str, rows: dict[str, Rule]) -> dict[str, Rule]:
+    return {f"/{name}/{method}": rule for method, rule in rows.items()}
+
+
+RULES: dict[str, Rule] = {
+    **_service("silod.v1.MetadataService", {
+        # Datasets are one catalog for the whole cluster in this slice (not yet owned by tenants).
+        "RegisterDataset": Rule(user=ANY),
+        "GetDataset": READ_BY_ALL,
+        "ListDatasets": READ_BY_ALL,
+        "ListDatasetObjects": READ_BY_ALL,
+        # Jobs are created and moved by the scheduler (the cluster token): users submit through JobService.
+        "CreateJob": ADMIN_ONLY,
+        "CreateJobs": ADMIN_ONLY,
+        "GetJob": Rule(user=JobOfTenant("job_id"), node=ANY, job=Itself("job_id")),
+        "ListJobs": Rule(user=TenantScope("tenant")),
+        "TransitionJob": ADMIN_ONLY,
+        "TransitionJobs": ADMIN_ONLY,
+        "UpdateJobProgress": Rule(job=Itself("job_id")),
+        "AppendJobEvent": Rule(job=Itself("job_id")),
+        "ListJobEvents": Rule(user=JobOfTenant("job_id"), job=Itself("job_id")),
+        "UpsertNode": Rule(node=Itself("spec.name")),
+        "Heartbeat": Rule(node=Itself("node")),
+        "GetNode": Rule(user=ANY, node=Itself("node")),
+        "ListNodes": Rule(user=ANY, node=ANY),
+        "ClearGpuFault": ADMIN_ONLY,
+        "CommitPlan": ADMIN_ONLY,
+        "GetLatestPlan": Rule(node=ANY),
+        "GetPlan": Rule(node=ANY),
+        "ListPlans": Rule(node=ANY),
+        "AppendMetrics": Rule(job=Itself("samples[].job_id")),
+        "QueryMetrics": Rule(user=JobOfTenant("job_id"), job=Itself("job_id")),
+        "PutJobModel": ADMIN_ONLY,
+        "GetJobModel": Rule(user=JobOfTenant("job_id"), job=Itself("job_id")),
+        "CreateCredential": ADMIN_ONLY,
+        "ListCredentials": ADMIN_ONLY,
+        "RevokeCredential": ADMIN_ONLY,
+        "RotateCredential": ADMIN_ONLY,
+        "ResolveCredential": ADMIN_ONLY,  # the other services ask with the cluster token
+        "CreateTenant": ADMIN_ONLY,
+        "ListTenants": ADMIN_ONLY,
+        "SetTenantMembers": ADMIN_ONLY,
+    }),
+    **_service("silod.v1.JobService", {
+        "SubmitJob": Rule(user=TenantOf("spec.tenant")),
+        "GetJob": Rule(user=JobOfTenant("job_id"), job=Itself("job_id")),
+        "ListJobs": Rule(user=TenantScope("tenant")),
+        "CancelJob": Rule(user=JobOfTenant("job_id")),
+        "WatchJob": Rule(user=JobOfTenant("job_id"), job=Itself("job_id")),
+        "RegisterDataset": Rule(user=ANY),
+        "GetDataset": READ_BY_ALL,
+        "ListDatasets": READ_BY_ALL,
+    }),
+    **_service("silod.v1.AllocationService", {
+        "CommitPlan": ADMIN_ONLY,
+        "GetLatestPlan": Rule(node=ANY),
+        "Watch": Rule(node=Itself("node")),
+        "Ack": Rule(node=Itself("node")),
+        "ReportTasks": Rule(node=Itself("node")),
+    }),
+    **_service("silod.v1.CacheService", {
+        "Lease": Rule(job=Itself("job_id")),
+        "ReleaseLease": Rule(job=ANY),  # lease ids are unguessable: holding one is the proof
+        "Read": Rule(node=ANY, job=Itself("job_id")),  # node: a peer cache server's cached_only read
+        "Prefetch": Rule(user=JobOfTenant("job_id", optional=True), job=Itself("job_id")),
+        "Stats": Rule(user=ANY, node=ANY, job=Itself("job_id")),
+    }),
+    **_service("silod.v1.WorkerAgentService", {
+        "GetNodeStatus": Rule(user=ANY),
+        "ReportProgress": Rule(job=Itself("job_id")),
+        "GetDirective": Rule(job=Itself("job_id")),
+        "TailLogs": Rule(user=JobOfTenant("job_id"), job=Itself("job_id")),
+    }),
+    **_service("silod.v1.EstimatorService", {
+        "Predict": ADMIN_ONLY,
+        "Observe": ADMIN_ONLY,
+        "GetJobModel": ADMIN_ONLY,
+    }),
+    # Probes need no secret; reflection reveals the API (not data) to any holder of a credential.
+    "/grpc.health.v1.Health/Check": PUBLIC,
+    "/grpc.health.v1.Health/Watch": PUBLIC,
+    "/grpc.health.v1.Health/List": PUBLIC,
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": READ_BY_ALL,
+}
+
+
+def markdown() -> str:
+    """The table as docs/api.md shows it."""
+    rows = ["| method | admin | user | node | job |", "|---|---|---|---|---|"]
+    for method, rule in RULES.items():
+        if rule.public:
+            cells = ["no credential needed"] * 4
+        else:
+            cells = ["yes"] + [c.describe() if c is not None else "—" for c in (rule.user, rule.node, rule.job)]
+        rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
+    return "\n".join(rows)

@@ -1,0 +1,115 @@
+"""Where a service learns who a token stands for and which tenant a job belongs to.
+
+The metadata service asks its own store (:class:`LocalDirectory`); every other service asks the
+metadata service over gRPC (:class:`RemoteDirectory`, ResolveCredential and GetJob, sent with the
+cluster token) and keeps each answer for ``ttl_s`` seconds: a revoked credential stops working
+within that time on every service, with no restart, and a busy service does not ask for each call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import Any, Protocol
+
+import grpc
+
+from services.runtime.errors import ServiceError, Unauthenticated, Unavailable
+from services.runtime.principals import Principal, split_token
+
+MAX_CACHED = 10_000  # tokens and job tenants each; the oldest go first
+
+
+class Directory(Protocol):
+    async def resolve(self, token: str) -> Principal:
+        """The principal of a credential token; raises Unauthenticated (or Unavailable)."""
+
+    async def job_tenant(self, job_id: str) -> str | None:
+        """The tenant of job ``job_id``; None when there is no such job."""
+
+
+class LocalDirectory:
+    """The metadata service's own store (services.metadata.store.AccessStore)."""
+
+    def __init__(self, access_store: Any) -> None:
+        self._store = access_store
+
+    async def resolve(self, token: str) -> Principal:
+        return await asyncio.to_thread(self._store.resolve, token)
+
+    async def job_tenant(self, job_id: str) -> str | None:
+        return await asyncio.to_thread(self._store.job_tenant, job_id)
+
+
+class _Bounded(collections.OrderedDict):  # type: ignore[type-arg]
+    def put(self, key: Any, value: Any) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > MAX_CACHED:
+            self.popitem(last=False)
+
+
+class RemoteDirectory:
+    """The metadata service at ``address``, asked with the cluster ``token``."""
+
+    def __init__(self, address: str, token: str, *, tls_ca_file: str = "", ttl_s: float = 5.0,
+                 timeout_s: float = 5.0) -> None:
+        self._address, self._token, self._tls_ca_file = address, token, tls_ca_file
+        self._ttl_s, self._timeout_s = ttl_s, timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._principals = _Bounded()  # token -> (expires at, Principal)
+        self._tenants = _Bounded()  # job id -> tenant: a job's tenant never changes
+
+    def _stub(self) -> Any:
+        from silod.rpc.channels import open_channel
+        from silod.v1 import metadata_pb2_grpc
+
+        if self._channel is None:  # made on first use: an aio channel belongs to the serving loop
+            self._channel = open_channel(self._address, token=self._token, tls_ca_file=self._tls_ca_file, aio=True,
+                                         default_timeout_s=self._timeout_s)
+        return metadata_pb2_grpc.MetadataServiceStub(self._channel)
+
+    async def resolve(self, token: str) -> Principal:
+        if split_token(token) is None:  # not a credential at all: no need to ask
+            raise Unauthenticated("invalid bearer token")
+        now = time.monotonic()
+        cached = self._principals.get(token)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        from silod.v1 import access_pb2
+
+        try:
+            reply = await self._stub().ResolveCredential(access_pb2.ResolveCredentialRequest(token=token))
+        except grpc.aio.AioRpcError as exc:
+            self._principals.pop(token, None)
+            raise _refusal(exc, "check the credential") from None
+        principal = Principal.from_proto(reply.principal, reply.credential_id)
+        self._principals.put(token, (now + self._ttl_s, principal))
+        return principal
+
+    async def job_tenant(self, job_id: str) -> str | None:
+        if job_id in self._tenants:
+            return str(self._tenants[job_id])
+        from silod.v1 import metadata_pb2
+
+        try:
+            job = await self._stub().GetJob(metadata_pb2.GetJobRequest(job_id=job_id))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                return None
+            raise _refusal(exc, "find the job's tenant") from None
+        self._tenants.put(job_id, job.spec.tenant)
+        return job.spec.tenant
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+
+def _refusal(exc: grpc.aio.AioRpcError, doing: str) -> ServiceError:
+    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated("invalid bearer token")
+    # Anything else is the metadata service's trouble, not the caller's: retryable, and it says so.
+    return Unavailable(f"cannot {doing}: the metadata service answered {exc.code().name}: {exc.details()}")
