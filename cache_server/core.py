@@ -25,28 +25,19 @@ holds is read from the store (at the job's IO rate) and admitted here.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from cache_server.catalog import (
-    DatasetCatalog,
-    DatasetState,
-    ManifestLoader,
-    VersionProbe,
-    check_batch,
-    import_store_clients,
-    resolve,
-)
+from cache_server.catalog import DatasetCatalog, ManifestLoader, VersionProbe, import_store_clients
 from cache_server.config import CacheConfig
 from cache_server.entries import EntryStore
-from cache_server.fetch import FetchPipeline, NoLongerWanted
+from cache_server.fetch import FetchPipeline
 from cache_server.jobs import JobState, JobTable
 from cache_server.leases import Lease, LeaseTable, Served
 from cache_server.peers import PeerReader
 from cache_server.policies import POLICIES, Partition
+from cache_server.prefetch import Prefetcher
 from cache_server.quotas import Quotas
 from cache_server.ranges import ShardRuns
 from cache_server.runtime import Runtime
@@ -55,10 +46,6 @@ from cache_server.streaming import Streamed, StreamedReads
 from cache_server.tiers import Entry, Tier
 
 __all__ = ["CacheConfig", "CacheCore", "Lease", "Served"]
-
-_log = logging.getLogger("silod.cache")
-
-MAX_PREFETCH_KEYS = 1 << 20
 
 
 class CacheCore:
@@ -81,6 +68,8 @@ class CacheCore:
         self.leases = LeaseTable(config, self.runtime, self.jobs, self.catalog, self.entries, self.fetch,
                                  self.runs, self.statistics)
         self.streams = StreamedReads(self.jobs, self.catalog, self.entries, self.fetch, self.statistics)
+        self.prefetcher = Prefetcher(config, self.runtime, self.jobs, self.catalog, self.entries, self.fetch,
+                                     self.runs)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -96,9 +85,7 @@ class CacheCore:
 
     async def stop(self) -> None:
         self.runtime.cancel_background()
-        for job in self.jobs.values():
-            if job.worker is not None:
-                job.worker.cancel()
+        self.prefetcher.stop()
         await self.runtime.background_done()
         self.leases.release_every()
         if self.peers is not None:
@@ -137,128 +124,11 @@ class CacheCore:
     def read_cached(self, job_id: str, dataset: str, keys: Sequence[str]) -> AsyncIterator[Streamed]:
         return self.streams.read_cached(job_id, dataset, keys)
 
+    async def prefetch(self, job_id: str, dataset: str, keys: Sequence[str], field: str = "keys") -> tuple[int, int]:
+        return await self.prefetcher.prefetch(job_id, dataset, keys, field)
+
     def stats(self, job_id: str = "") -> dict[str, Any]:
         return self.statistics.report(self.jobs, self.plan_version, job_id)
-
-    # -- Prefetch --------------------------------------------------------------------------------------
-
-    async def prefetch(self, job_id: str, dataset: str, keys: Sequence[str], field: str = "keys") -> tuple[int, int]:
-        """Queue objects for background fetching; returns (objects, bytes) newly queued.
-
-        With a job id the queue drains as fast as the job consumes (a window of
-        ``prefetch_lookahead_s`` seconds of its measured read rate, between
-        ``prefetch_min_objects`` and ``prefetch_max_objects``), charged to its IO rate and
-        admitted into its partition; without one (dataset preload) it drains at full speed
-        into the shared partition. Empty ``keys`` = the whole manifest. ``field``: the request's
-        name for ``keys``, in errors.
-        """
-        check_batch(keys, MAX_PREFETCH_KEYS, allow_empty=True, field=field)
-        ds = await self.catalog.get(dataset)
-        manifest = ds.manifest
-        positions = resolve(ds, keys, field) if keys else range(len(manifest))
-        job = self.jobs.ensure(job_id)
-        if job_id:
-            job.dataset = job.dataset or dataset
-        else:
-            job.preload = True
-        if job.pass_through:
-            return 0, 0  # cache policy "none": fetching ahead would be a cache (of staged bytes)
-        objects = nbytes = 0
-        for pos in positions:
-            key = manifest.keys[pos]
-            item = (dataset, key)
-            if item in job.queue or item in job.ahead:
-                continue
-            entry = self.entries.index.get(item)
-            if entry is not None and entry.etag == manifest.etags[pos]:
-                continue
-            job.queue[item] = None
-            objects += 1
-            nbytes += manifest.sizes[pos]
-        if job.queue and job.worker is None:
-            job.worker = asyncio.ensure_future(self._prefetch_worker(job))
-        return objects, nbytes
-
-    def _window(self, job: JobState) -> int:
-        if job.preload:
-            return 1 << 30
-        wanted = job.consumption.rate() * self.config.prefetch_lookahead_s
-        return int(min(self.config.prefetch_max_objects, max(self.config.prefetch_min_objects, wanted)))
-
-    async def _prefetch_worker(self, job: JobState) -> None:
-        slots = _PrefetchSlots(asyncio.Semaphore(self.config.prefetch_concurrency if not job.preload
-                                                 else max(1, self.config.remote_concurrency // 2)),
-                               self.runtime.prefetch_slots)
-        tasks: set[asyncio.Task[None]] = set()
-        stale_after = max(10.0, 4 * self.config.prefetch_lookahead_s)
-        try:
-            while job.queue:
-                now = time.monotonic()
-                while job.ahead and next(iter(job.ahead.values())) < now - stale_after:
-                    job.ahead.popitem(last=False)  # prefetched long ago and never read: stop counting it
-                if len(job.ahead) >= self._window(job) or job.staged_bytes >= self.config.prefetch_max_staged_bytes:
-                    job.wake.clear()
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(job.wake.wait(), 0.2)
-                    continue
-                (dataset, key), _ = job.queue.popitem(last=False)
-                ds = self.catalog.loaded(dataset)
-                pos = ds.manifest.index.get(key) if ds is not None else None
-                if ds is None or pos is None:
-                    continue
-                etag, size = ds.manifest.etags[pos], ds.manifest.sizes[pos]
-                if self.entries.lookup(dataset, key, etag) is not None or self.fetch.in_flight((dataset, key, etag)):
-                    continue
-                job.ahead[(dataset, key)] = now
-                await slots.acquire()
-                run = self.runs.coalesce(job, ds, pos)
-                if len(run) > 1:
-                    # Claimed now, before the next item is coalesced: runs never overlap.
-                    flights = self.runs.claim(ds, run)
-                    task = asyncio.ensure_future(self._prefetch_run(job, ds, run, flights, slots))
-                else:
-                    task = asyncio.ensure_future(self._prefetch_one(job, ds, key, size, etag, slots))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-        finally:
-            job.worker = None
-            if job.preload and not job.queue:
-                job.preload = False
-
-    async def _prefetch_run(self, job: JobState, ds: DatasetState, run: list[int],
-                            flights: list[tuple[Any, asyncio.Future[Any]]], slots: _PrefetchSlots) -> None:
-        try:
-            # Booked like a read, not when idle: the run's flights are claimed already, so a
-            # reader of any of its samples waits on this fetch, which must not yield to reads.
-            await self.runs.fetch_run(job, ds, run, flights)
-        finally:
-            slots.release()
-
-    async def _prefetch_one(
-        self, job: JobState, ds: DatasetState, key: str, size: int, etag: str, slots: _PrefetchSlots
-    ) -> None:
-        try:
-            item = (ds.name, key)
-            data = await self.fetch.from_peer(job, ds, key, size, etag)
-            if data is not None:
-                if item in job.ahead:  # held for the job's read, which serves it without admitting it
-                    job.staged[item] = data
-                    job.staged_bytes += len(data)
-                    job.staged_from_peer.add(item)
-                return
-            entry, data = await self.fetch.obtain(job, ds, key, size, etag, background=True)
-            if entry is None and item in job.ahead and not job.preload:
-                job.staged[item] = data  # not admitted (quota full): hold it until the job reads it
-                job.staged_bytes += len(data)
-        except NoLongerWanted:
-            pass
-        except Exception as exc:
-            job.ahead.pop((ds.name, key), None)
-            _log.debug("prefetch failed", extra={"dataset": ds.name, "key": key, "error": str(exc)})
-        finally:
-            slots.release()
 
     # -- introspection for the service, tests and tools ------------------------------------------
 
@@ -287,22 +157,3 @@ class CacheCore:
 
     def job(self, job_id: str) -> JobState | None:
         return self.jobs.get(job_id)
-
-
-class _PrefetchSlots:
-    """A prefetch in flight holds one of its job's slots and one of the node's."""
-
-    def __init__(self, job: asyncio.Semaphore, node: asyncio.Semaphore) -> None:
-        self.job, self.node = job, node
-
-    async def acquire(self) -> None:
-        await self.job.acquire()
-        try:
-            await self.node.acquire()
-        except BaseException:
-            self.job.release()
-            raise
-
-    def release(self) -> None:
-        self.node.release()
-        self.job.release()
