@@ -55,10 +55,14 @@ class Scheduler(Protocol):
     """What the servicers need of the scheduler: the metadata stub to forward to, the plan in
     force and its node views, and the events that trigger rounds."""
 
-    md: Any  # metadata_pb2_grpc.MetadataServiceStub
-    node_set_version: int  # changes whenever the set of live nodes does
-    latest: plan_pb2.AllocationPlan | None
-    latest_version: int
+    @property
+    def md(self) -> Any: ...  # metadata_pb2_grpc.MetadataServiceStub
+    @property
+    def node_set_version(self) -> int: ...  # changes whenever the set of live nodes does
+    @property
+    def latest(self) -> plan_pb2.AllocationPlan | None: ...
+    @property
+    def latest_version(self) -> int: ...
 
     def spawn(self, call: Awaitable[None]) -> None: ...  # in the background, cancelled when the scheduler stops
     def trigger(self, reason: str) -> None: ...
