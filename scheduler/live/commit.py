@@ -32,12 +32,14 @@ class Committer:
         self.releases = releases
         self.restarts = restarts
         self._trigger = trigger
+        self.last_outcome = "unchanged"  # of the last commit: committed, unchanged or lost_race (scheduler metrics)
 
     async def commit(self, proto: plan_pb2.AllocationPlan, base: plan_pb2.AllocationPlan | None,
                      jobs: Mapping[str, common_pb2.Job], reason: str) -> plan_pb2.AllocationPlan | None:
         """Commit ``proto``, built on ``base`` (the plan in force), and carry it out; None when it
         changes nothing or another commit won the race (a retry round is triggered)."""
         latest = base
+        self.last_outcome = "unchanged"
         if latest is not None and same_allocations(latest, proto):
             return None  # nothing changed: no new version
         old = {a.job_id: a for a in (latest.jobs if latest is not None else [])}
@@ -46,6 +48,7 @@ class Committer:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.ABORTED:
                 _log.warning("plan commit lost a race; retrying next round", extra={"version": proto.version})
+                self.last_outcome = "lost_race"
                 await self.plans.refresh()
                 self._trigger("retry")
                 return None
@@ -57,6 +60,7 @@ class Committer:
         self.restarts.placed(committed)
         await self._transitions(committed, old, jobs)
         _log_commit(committed, old, reason)
+        self.last_outcome = "committed"
         return committed
 
     async def _transitions(self, plan: plan_pb2.AllocationPlan, old: dict, jobs: Mapping[str, common_pb2.Job]) -> None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Awaitable, Iterable
 
 from estimator.job_model import JobModel
 from scheduler.deepboot.replicas import LifecycleConfig, ProtectSchedule
+from scheduler.live import metrics
 from scheduler.live.clients import Clients
 from scheduler.live.commit import Committer
 from scheduler.live.data import CachedBytesProbe
@@ -79,12 +81,28 @@ class SchedulerCore:
 
     # ---- the round -------------------------------------------------------------------------
     async def _round(self, reason: str) -> plan_pb2.AllocationPlan | None:
+        timer = metrics.RoundTimer()
+        try:
+            snap, jobs = await timer.timed("snapshot", self._snapshot())
+            base = self.plans.latest
+            proto = timer.untimed("policy", lambda: self.planner.plan(
+                snap, jobs, self.snapshots.usable, base=base, busy=self.releases.busy(base),
+                restarting=self.restarts.waiting, reason=reason))
+            committed = await timer.timed("commit", self.committer.commit(proto, base, {j.id: j for j in jobs}, reason))
+        except Exception:
+            timer.done("failed")
+            raise
+        metrics.jobs_seen(jobs, time.time())
+        if committed is not None:
+            metrics.plan_committed(committed, {a.job_id: a for a in (base.jobs if base is not None else [])},
+                                   {node.name: node.pool for node in snap.nodes})
+        metrics.plan_in_force(self.plans.latest, snap, self.snapshots.usable.faulted)
+        timer.done(self.committer.last_outcome)
+        return committed
+
+    async def _snapshot(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
         await self.plans.refresh()
-        snap, jobs = await self.snapshots.build()
-        base = self.plans.latest
-        proto = self.planner.plan(snap, jobs, self.snapshots.usable, base=base, busy=self.releases.busy(base),
-                                  restarting=self.restarts.waiting, reason=reason)
-        return await self.committer.commit(proto, base, {j.id: j for j in jobs}, reason)
+        return await self.snapshots.build()
 
     async def run_round(self, reason: str = "interval") -> plan_pb2.AllocationPlan | None:
         return await self.rounds.run(reason)
@@ -120,7 +138,7 @@ class SchedulerCore:
 
     @estimator.setter
     def estimator(self, stub) -> None:  # type: ignore[no-untyped-def]
-        self.clients.estimator = stub
+        self.clients.estimator = metrics.TimedEstimator(stub) if stub is not None else None
 
     @property
     def cached(self) -> CachedBytesProbe | None:

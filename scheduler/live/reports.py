@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from prometheus_client import Counter
 
-from scheduler.live import convert
+from scheduler.live import convert, metrics
 from scheduler.live.clients import TERMINAL_STATES, Clients
 from scheduler.live.feedback import EstimatorFeedback
 from scheduler.live.plans import PlanStore
@@ -101,6 +101,7 @@ class TaskReports:
         failed = next((t for t in reports if t.phase == allocation_pb2.TASK_PHASE_EXITED and t.exit_code != 0), None)
         if failed is not None and self.restarts.allows(job_id, failed.exit_code):
             count = self.restarts.begin(job_id)
+            metrics.restarted_after_crash()
             why = (f"rank {failed.rank} (generation {failed.generation}) on {node} "
                    f"{RESTART_EXIT_CODES[failed.exit_code]} (exit {failed.exit_code}); restarting every rank "
                    f"from the last checkpoint ({count} of {MAX_CRASH_RESTARTS})")

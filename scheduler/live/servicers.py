@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
+from scheduler.live import metrics
 from scheduler.live.clients import ACTIVE_STATES, TERMINAL_STATES
 from scheduler.live.models import known_applications
 from services.metadata.validation.common import check_enum, check_float, check_int
@@ -331,6 +332,7 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
             self.core.trigger("release")
         if request.component in (allocation_pb2.PLAN_COMPONENT_WORKER_AGENT, allocation_pb2.PLAN_COMPONENT_UNSPECIFIED) \
                 and request.ok and request.version > 0:
+            metrics.node_acked(request.node, request.version)
             try:
                 await self.md.Heartbeat(
                     metadata_pb2.HeartbeatRequest(node=request.node, applied_plan_version=request.version))
