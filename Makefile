@@ -46,6 +46,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	@bash tests/support/ensure_chromium.sh $(VENV)/chromium-install.log
+	@bash tests/support/ensure_prometheus.sh $(VENV)/prometheus-install.log
 	$(BIN)/python -m pytest -q
 
 # The namespaced multi-host lab (root): what `make test` runs of it plus the longer fault

@@ -255,7 +255,15 @@ class FetchPipeline:
 
 
 def store_error(exc: StoreError, ds: DatasetState, where: str) -> Exception:
-    """The caller's error for a failed store read of ``where`` (a request field)."""
+    """The caller's error for a failed store read of ``where`` (a request field); counted."""
+    error = _caller_error(exc, ds, where)
+    kind = next((name for cls, name in ((ObjectOutsideRoot, "outside_root"), (ObjectMissing, "missing"),
+                                         (ObjectChanged, "changed")) if isinstance(exc, cls)), "unavailable")
+    metrics.STORE_ERRORS.labels(kind).inc()
+    return error
+
+
+def _caller_error(exc: StoreError, ds: DatasetState, where: str) -> Exception:
     if isinstance(exc, ObjectOutsideRoot):
         return InvalidArgument(str(exc), field=where)
     if isinstance(exc, ObjectMissing):

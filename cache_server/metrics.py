@@ -38,6 +38,9 @@ CORRUPT = Counter("silod_cache_corrupt_total", "Cached files that failed verific
 EVICTIONS = Counter("silod_cache_evictions_total", "Objects evicted", ["tier"])
 USED = Gauge("silod_cache_used_bytes", "Bytes held by a tier", ["tier"])
 CAPACITY = Gauge("silod_cache_capacity_bytes", "Bytes a tier may hold", ["tier"])
+STORE_ERRORS = Counter(
+    "silod_cache_remote_errors_total", "Failed reads from remote storage, by kind: unavailable (the store did not "
+    "answer or failed), missing, changed (not the registered version), outside_root", ["kind"])
 PLAN_VERSION = Gauge("silod_cache_plan_version", "Version of the plan whose quotas are applied; 0 = none")
 
 

@@ -132,13 +132,19 @@ def _up(args: argparse.Namespace) -> int:
     caches: list[tuple[str, ServiceProcess]] = []
     core: list[tuple[str, ServiceProcess]] = []
 
+    scrape: list[tuple[str, str, str]] = []  # (Prometheus job, instance name, HOST:PORT of /metrics)
+
     def start(name: str, command: str, *flags: str, tier: list[tuple[str, ServiceProcess]],
               port: int = 0) -> ServiceProcess:
         if stop:
             raise _Stop
-        proc = start_service(command, *flags, *common, workdir=logs, timeout_s=60, port=port)
+        # Every process exports Prometheus metrics on a port of its own (the dashboard on its
+        # listen port); prometheus-targets.json lists them for a scraper.
+        metrics = [] if command == "dashboard" else ["--metrics-port", str(_free_port()), "--metrics-host", "127.0.0.1"]
+        proc = start_service(command, *flags, *metrics, *common, workdir=logs, timeout_s=60, port=port)
         children.append((name, proc))
         tier.append((name, proc))
+        scrape.append((f"silod-{command}", name, f"127.0.0.1:{metrics[1]}" if metrics else proc.address))
         return proc
 
     code = 0
@@ -196,6 +202,7 @@ def _up(args: argparse.Namespace) -> int:
         nodes = [f.result() for f in futures]  # re-raises the first failure (_Stop, LaunchError, ...)
         info = {"pid": os.getpid(), "state_dir": str(state), "db": db, "metadata": md.address,
                 "estimator": est.address, "scheduler": sch.address, "dashboard": dashboard, "nodes": nodes}
+        info["prometheus_targets"] = str(_write_scrape_targets(state, scrape))
         tmp = cluster_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(info, indent=2) + "\n")
         tmp.replace(cluster_file)
@@ -273,6 +280,25 @@ def _print_table(info: dict[str, Any], logs: Path) -> None:
     if info.get("dashboard"):
         print(f"dashboard: {info['dashboard']}")
     print(f"addresses: {Path(info['state_dir']) / CLUSTER_FILE}   logs: {logs}")
+    print(f"metrics: {info['prometheus_targets']} (Prometheus file_sd targets of every process)")
     print("submit jobs with `silod submit job.yaml`; Ctrl-C stops the cluster", flush=True)
 
 
+def _free_port() -> int:
+    """A loopback port free now (the OS picks it); the child binds it a moment later."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _write_scrape_targets(state: Path, scrape: list[tuple[str, str, str]]) -> Path:
+    """Prometheus file-based service discovery (file_sd_configs): one target group per process,
+    labelled with its job (silod-scheduler, silod-worker-agent, ...) and its name here."""
+    groups = [{"targets": [address], "labels": {"job": job, "silod_process": name}} for job, name, address in scrape]
+    path = state / "prometheus-targets.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(groups, indent=2) + "\n")
+    tmp.replace(path)
+    return path
