@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/silod/v1/*.proto)
 
-.PHONY: demo test proto proto-release venv clean config-docs lab-test
+.PHONY: demo test proto proto-release venv clean config-docs metrics-docs lab-test
 
 # A fresh machine needs only Python 3.11 (the SDK's tests on 3.12 and 3.13 use python3.12/python3.13
 # when installed, tests/client_install/test_sdk_pythons.py); everything else is installed into .venv.
@@ -40,6 +40,11 @@ proto-release:
 # tests/deploy fail when it is stale).
 config-docs: $(STAMP)
 	$(BIN)/python -m services.runtime.config_reference --write
+
+# Regenerate docs/metrics.md from the processes' metric objects (committed; tests/observability
+# fails when it is stale).
+metrics-docs: $(STAMP)
+	$(BIN)/python -m services.runtime.metrics_reference --write
 
 demo: $(STAMP)
 	$(BIN)/python -m silod.demo

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import Counter, Gauge
+from prometheus_client.metrics import MetricWrapperBase
 
 HITS = Counter("silod_cache_hits_total", "Objects served from a cache tier", ["tier", "job", "path"])
 MISSES = Counter("silod_cache_misses_total", "Objects not in any cache tier when asked for", ["job", "path"])
@@ -49,6 +50,24 @@ def job_label(job_id: str) -> str:
 
 
 _children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+
+def forget_job(job_id: str) -> int:
+    """Remove every series labelled with ``job_id`` from this module's metrics; how many."""
+    label = job_label(job_id)
+    removed = 0
+    for metric in [m for m in globals().values() if isinstance(m, MetricWrapperBase) and "job" in m._labelnames]:
+        names = metric._labelnames
+        seen = set()
+        for family in metric.collect():
+            for sample in family.samples:
+                values = tuple(sample.labels.get(n, "") for n in names)
+                if sample.labels.get("job") == label and values not in seen:
+                    seen.add(values)
+                    metric.remove(*values)
+                    _children.pop((id(metric), values), None)
+                    removed += 1
+    return removed
 
 
 def labelled(metric: Any, *labels: str) -> Any:

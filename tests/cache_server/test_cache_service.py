@@ -641,3 +641,30 @@ def test_a_prefetch_of_an_object_the_job_has_read_meanwhile_fetches_nothing(tmp_
         job = cache.stats("once").jobs[0]
     print(f"\n20 objects read while prefetched, none kept: {job.remote_bytes} bytes from the store")
     assert job.remote_bytes <= 21 * 800, f"{job.remote_bytes} bytes: objects fetched again for a prefetch"
+
+
+def test_a_departed_jobs_metric_series_are_removed_after_the_ttl(
+    small: tuple[str, dict[str, bytes], Path], tmp_path: Path, metadata: str
+) -> None:
+    """The job label must not grow with the cluster's history (docs/metrics.md)."""
+    name, files, _ = small
+    keys = sorted(files)
+    with InProcessCache(tmp_path, metadata, job_metrics_ttl_s=1.0) as cache:
+        assert cache.apply_quotas([quota("gone", name, 1 << 20), quota("stays", name, 1 << 20)], 1)
+        for job in ("gone", "stays"):
+            cache.stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=cache.lease(job, name, keys[:4]).lease_id))
+        assert _metric("silod_cache_misses_total", job="gone", path="lease") == 4
+        assert cache.apply_quotas([quota("stays", name, 1 << 20)], 2)
+        time.sleep(0.5)  # within the TTL: still there
+        assert _metric("silod_cache_misses_total", job="gone", path="lease") == 4
+        deadline = time.monotonic() + 10
+        while REGISTRY.get_sample_value("silod_cache_misses_total", {"job": "gone", "path": "lease"}) is not None:
+            assert time.monotonic() < deadline, "the departed job's series are still exported"
+            time.sleep(0.2)
+        assert REGISTRY.get_sample_value("silod_cache_hits_total", {"tier": "disk", "job": "gone", "path": "lease"}) is None
+        # The job still in the plan keeps its own (it read what "gone" had fetched: hits).
+        assert _metric("silod_cache_hits_total", tier="disk", job="stays", path="lease") == 4
+        # A job that comes back counts from zero again.
+        assert cache.apply_quotas([quota("gone", name, 1 << 20), quota("stays", name, 1 << 20)], 3)
+        cache.stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=cache.lease("gone", name, keys[4:6]).lease_id))
+        assert _metric("silod_cache_misses_total", job="gone", path="lease") == 2
