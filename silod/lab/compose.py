@@ -5,7 +5,8 @@ The lab runs processes, not containers, so three things are translated and nothi
 ``image: silod`` services run the checkout's ``silod`` console script; a volume's container path
 (in arguments and environment) becomes a directory under the lab's state dir, shared by the
 services that mount the same volume; the ``postgres`` and ``objectstore`` images become a
-PostgreSQL server and moto's server started from this machine's binaries. Variables are
+PostgreSQL server and moto's server started from this machine's binaries; Prometheus is left
+out (:data:`NOT_IN_THE_LAB`). Variables are
 interpolated as compose does (``${VAR:-default}``, ``${VAR}``) from the given environment.
 """
 
@@ -17,6 +18,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+
+# Images of the compose file that the lab leaves out: they observe the cluster, not run it.
+NOT_IN_THE_LAB = ("prom/prometheus",)
 
 import yaml
 
@@ -87,6 +91,8 @@ def load(nodes: int = 2, env: Mapping[str, str] | None = None, path: Path = COMP
     for name, spec in services.items():
         if spec.get("profiles"):
             continue   # run on demand (the cli), not by `up`
+        if str(spec.get("image", "")).startswith(NOT_IN_THE_LAB):
+            continue   # watches the cluster; nothing in it depends on it (tests/observability runs a Prometheus)
         result[name] = _service(name, spec, path)
     return _start_order(result)
 

@@ -238,8 +238,7 @@ def test_a_job_submitted_from_this_python_runs_on_it(sdk_python: Path, sdk_clust
 
     venv = sdk_python.parent.parent
     line = f"client-job: {FILES} samples digest {expected:016x} python {version} silod {venv}/lib/"
-    logs = _silod(sdk_python, "logs", job_id, "--rank", "0", *scheduler, "--metadata", sdk_cluster.metadata,
-                  cwd=tmp_path)
+    logs = _silod(sdk_python, "logs", job_id, "--rank", "0", "--metadata", sdk_cluster.metadata, cwd=tmp_path)
     assert logs.returncode == 0 and line in logs.stdout, logs.stdout[-3000:] + logs.stderr[-2000:]
     jobs = _silod(sdk_python, "jobs", *scheduler, cwd=tmp_path)
     assert jobs.returncode == 0 and any(job_id in row and "SUCCEEDED" in row for row in jobs.stdout.splitlines()), \
