@@ -32,7 +32,6 @@ class CacheConfig:
     io_burst_s: float = 0.05
     fsync: bool = True
     no_space_backoff_s: float = 30.0
-    job_metrics_ttl_s: float = 600.0  # a job's metric series live this long after it leaves the plan
 
     @property
     def remote_deadline_s(self) -> float:

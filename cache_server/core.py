@@ -29,7 +29,6 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from cache_server import metrics
 from cache_server.catalog import DatasetCatalog, ManifestLoader, VersionProbe, import_store_clients
 from cache_server.config import CacheConfig
 from cache_server.entries import EntryStore
@@ -102,15 +101,6 @@ class CacheCore:
             self.entries.flush_journals()
             self.statistics.update_gauges()  # once a second, not per admitted object
             self.leases.release_expired(time.monotonic())
-            self._forget_departed_jobs(time.monotonic())
-
-    def _forget_departed_jobs(self, now: float) -> None:
-        """Per-job metric series of jobs the plan stopped naming here job_metrics_ttl_s ago
-        (their readers are long done): the job label must not grow with the cluster's history."""
-        for job in self.jobs.values():
-            if job.left_plan_at and now - job.left_plan_at >= self.config.job_metrics_ttl_s:
-                metrics.forget_job(job.job_id)
-                job.left_plan_at = 0.0
 
     # -- the interface of the servicer, the local lease socket and the plan watcher ------------
 

@@ -196,13 +196,13 @@ class EntryStore:
         cost = cost_model.cost(size)
         victims = part.plan_admission(size, cost, now)
         if victims is None:
-            metrics.PASS_THROUGH.labels(job=metrics.job_label(job.job_id), reason="policy").inc()
+            metrics.PASS_THROUGH.labels(reason="policy").inc()
             return None
         for victim in victims:
             self.evict(victim)
         tier = self._place(size, now)
         if tier is None:
-            metrics.PASS_THROUGH.labels(job=metrics.job_label(job.job_id), reason="no-space").inc()
+            metrics.PASS_THROUGH.labels(reason="no-space").inc()
             return None
         part.reserved += size
         tier.used += size
@@ -221,11 +221,11 @@ class EntryStore:
                 self.runtime.warn_once(f"enospc-{tier.name}-{int(tier.full_until)}",
                                        "cache tier out of space; serving without caching for a while",
                                        tier=tier.name, dir=tier.root, retry_after_s=self.config.no_space_backoff_s)
-                metrics.PASS_THROUGH.labels(job=metrics.job_label(job.job_id), reason="no-space").inc()
+                metrics.PASS_THROUGH.labels(reason="no-space").inc()
             else:
                 _log.warning("cannot write a cache file; serving without caching",
                              extra={"tier": tier.name, "error": str(exc)})
-                metrics.PASS_THROUGH.labels(job=metrics.job_label(job.job_id), reason="write-error").inc()
+                metrics.PASS_THROUGH.labels(reason="write-error").inc()
             return None
         part.reserved -= size
         tier.writing -= size

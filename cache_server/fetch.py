@@ -207,7 +207,7 @@ class FetchPipeline:
         No single flight with other readers either: sharing a fetch another job admits would
         hand this job bytes it did not pay remote IO for."""
         data = await self.fetch(job, ds, key, size, etag)
-        metrics.labelled(metrics.PASS_THROUGH, metrics.job_label(job.job_id), PASS_THROUGH).inc()
+        metrics.labelled(metrics.PASS_THROUGH, PASS_THROUGH).inc()
         return None, data
 
     async def from_peer(self, job: JobState, ds: DatasetState, key: str, size: int, etag: str) -> bytes | None:

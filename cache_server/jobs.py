@@ -39,7 +39,6 @@ class JobState:
     worker: asyncio.Task[None] | None = None
     preload: bool = False  # node-wide preload queue: no consumption window
     held: bool = False  # granted no IO by a plan that grants IO to others: remote reads wait
-    left_plan_at: float = 0.0  # monotonic time the plan stopped naming the job here; 0 = named, or never was
     io_granted: asyncio.Event = field(default_factory=asyncio.Event)  # set while not held
 
     def __post_init__(self) -> None:

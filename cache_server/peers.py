@@ -133,7 +133,6 @@ class PeerReader:
         task.add_done_callback(self._tasks.discard)
 
     async def _ask(self, batch: _Batch) -> None:
-        label = metrics.job_label(batch.job_id)
         found: dict[str, bytes] = {}
         asked: list[Peer] = []
         try:
@@ -149,10 +148,10 @@ class PeerReader:
                 data = found.get(key)
                 if data is None:
                     if asked:  # not a lookup at all when every peer was skipped
-                        metrics.PEER_MISSES.labels(job=label).inc()
+                        metrics.PEER_MISSES.inc()
                 else:
-                    metrics.PEER_HITS.labels(job=label).inc()
-                    metrics.PEER_BYTES.labels(job=label).inc(len(data))
+                    metrics.PEER_HITS.inc()
+                    metrics.PEER_BYTES.inc(len(data))
                 for waiter in wanted.waiters:
                     if not waiter.done():
                         waiter.set_result(data)

@@ -222,7 +222,6 @@ class Quotas:
         new_ids = {q.job_id for q in quotas}
         for job in self.jobs.values():
             if job.quota is not None and job.job_id not in new_ids:
-                job.left_plan_at = time.monotonic()  # its metric series go after job_metrics_ttl_s (core)
                 job.partition = None
                 job.quota = None
                 job.peers = ()
@@ -230,7 +229,6 @@ class Quotas:
         for q in quotas:
             job = self.jobs.ensure(q.job_id)
             job.quota = q
-            job.left_plan_at = 0.0
             job.peers = tuple(Peer(p.node, p.cache_address) for p in q.peers if p.node != self.config.node)
             if q.dataset:
                 job.dataset = q.dataset

@@ -67,9 +67,6 @@ class Settings(ServiceSettings):
         "0 = none: its misses wait until a plan grants it IO (the storage budget holds)",
     )
     fsync: bool = Field(True, description="fsync disk-tier files before they become visible")
-    job_metrics_ttl_s: float = Field(
-        600.0, ge=0, description="Seconds after a job leaves this node's plan until its per-job metric series "
-        "(job label) are removed, so they do not pile up over the cluster's lifetime; 0 = at once")
     peer_timeout_s: float = Field(
         1.5, gt=0, le=30,
         description="Seconds a peer cache server (another node of a multi-node job) may take to answer a "
@@ -117,7 +114,6 @@ def cache_config(settings: Settings) -> CacheConfig:
         prefetch_concurrency=settings.prefetch_concurrency,
         unallocated_io_trickle_bytes_per_s=settings.unallocated_io_trickle_bytes_per_s,
         fsync=settings.fsync,
-        job_metrics_ttl_s=settings.job_metrics_ttl_s,
     )
 
 

@@ -29,9 +29,8 @@ class Statistics:
                 t.hits += count
                 break
             t.misses += count
-        label = metrics.job_label(job.job_id)
-        metrics.labelled(metrics.HITS, tier.name, label, path).inc(count)
-        metrics.labelled(metrics.BYTES, tier.name, label, path).inc(nbytes)
+        metrics.labelled(metrics.HITS, tier.name, path).inc(count)
+        metrics.labelled(metrics.BYTES, tier.name, path).inc(nbytes)
 
     def hit(self, job: JobState, entry: Entry, path: str) -> None:
         self.hits(job, entry.tier, 1, entry.size, path)
@@ -40,9 +39,8 @@ class Statistics:
         job.misses += 1
         for tier in self.tiers:
             tier.misses += 1
-        label = metrics.job_label(job.job_id)
-        metrics.labelled(metrics.MISSES, label, path).inc()
-        metrics.labelled(metrics.BYTES, "remote", label, path).inc(size)
+        metrics.labelled(metrics.MISSES, path).inc()
+        metrics.labelled(metrics.BYTES, "remote", path).inc(size)
 
     def peer_hit(self, job: JobState, size: int, path: str) -> None:
         """A miss here that a peer's cache served: a hit of the job (no remote read), of no tier here."""
@@ -51,23 +49,21 @@ class Statistics:
         job.peer_bytes += size
         for tier in self.tiers:
             tier.misses += 1
-        label = metrics.job_label(job.job_id)
-        metrics.labelled(metrics.HITS, "peer", label, path).inc()
-        metrics.labelled(metrics.BYTES, "peer", label, path).inc(size)
+        metrics.labelled(metrics.HITS, "peer", path).inc()
+        metrics.labelled(metrics.BYTES, "peer", path).inc(size)
 
-    def served_to_peer(self, entry: Entry, job_label: str) -> None:
+    def served_to_peer(self, entry: Entry) -> None:
         """A peer's cache server read ``entry`` for its job: a hit of the tier, not of a job here
         (the job's hit ratio here is about its reads on this node)."""
         entry.tier.hits += 1
-        metrics.labelled(metrics.HITS, entry.tier.name, job_label, "peer").inc()
-        metrics.labelled(metrics.BYTES, entry.tier.name, job_label, "peer").inc(entry.size)
+        metrics.labelled(metrics.HITS, entry.tier.name, "peer").inc()
+        metrics.labelled(metrics.BYTES, entry.tier.name, "peer").inc(entry.size)
 
     def remote_read(self, job: JobState, nbytes: int) -> None:
         job.remote_bytes += nbytes
         job.meter.add(nbytes)
-        label = metrics.job_label(job.job_id)
-        metrics.labelled(metrics.REMOTE_BYTES, label).inc(nbytes)
-        metrics.labelled(metrics.REMOTE_FETCHES, label).inc()
+        metrics.REMOTE_BYTES.inc(nbytes)
+        metrics.REMOTE_FETCHES.inc()
 
     def update_gauges(self) -> None:
         for tier in self.tiers:

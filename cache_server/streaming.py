@@ -48,8 +48,7 @@ class StreamedReads:
             batch = range(start, min(len(keys), start + WINDOW))
             results = await asyncio.gather(*(self._read_one(job, ds, keys[i], positions[i], f"keys[{i}]") for i in batch))
             for i, (tier, data, etag) in zip(batch, results):
-                label = metrics.job_label(job_id)
-                metrics.STREAMED_BYTES.labels(job=label).inc(len(data))
+                metrics.STREAMED_BYTES.inc(len(data))
                 yield keys[i], tier, data, etag
 
     async def read_cached(self, job_id: str, dataset: str, keys: Sequence[str]) -> AsyncIterator[Streamed]:
@@ -67,7 +66,6 @@ class StreamedReads:
             problem = key_problem(key)
             if problem is not None:
                 raise InvalidArgument(problem, field=f"keys[{i}]")
-        label = metrics.job_label(job_id)
 
         async def read_entry(entry: Entry) -> bytes | None:
             data = await self.entries.read_pinned(entry)
@@ -78,7 +76,7 @@ class StreamedReads:
             entry.verified = True
             if entry.partition is not None:  # the job used it: as much a use as a local hit
                 entry.partition.on_hit(entry, time.monotonic())
-            self.statistics.served_to_peer(entry, label)
+            self.statistics.served_to_peer(entry)
             return data
 
         for start in range(0, len(keys), WINDOW):

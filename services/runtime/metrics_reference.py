@@ -41,11 +41,12 @@ a histogram's `NAME_bucket`, `NAME_sum` and `NAME_count`. How to scrape them, th
 and the Grafana dashboard: [operators.md](operators.md) "Health, metrics and logs".
 
 **Labels stay few.** Every label takes values from a small fixed set (a phase, a state, a
-cause, a tier) or one per machine (`node`, `gpu`), so a cluster's series grow with its nodes,
-not with its jobs or requests. The one exception is the cache server's `job` label: a node
-reads for the few jobs it runs at a time, and a job's series are removed from the cache
-server's metrics a while after the job leaves the node's plan (`job_metrics_ttl_s`), so they do
-not pile up over a cluster's lifetime.
+cause, a tier, a reason) or one per machine (`node`, `gpu`), so a cluster's series grow with its
+nodes, not with its jobs or requests. No metric is labelled with a job: the cache server's
+counters move with every object read, and a series per job would pile up over a cluster's
+lifetime. Per-job figures are kept where they are asked for by job: the cache servers' `Stats`
+RPC (hits, misses, remote and peer bytes, quota), the jobs' own progress reports in the
+metadata store, and the dashboard that shows both.
 """
 
 _SUFFIX = {"counter": "_total", "histogram": "", "gauge": "", "summary": "", "info": "_info", "enum": ""}

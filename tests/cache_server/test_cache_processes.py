@@ -88,12 +88,12 @@ def test_s3_dataset_end_to_end_through_real_processes(tmp_path: Path, metadata: 
             job = stub.Stats(cache_pb2.StatsRequest(job_id="e2e")).jobs[0]
             assert job.hits >= 120 and job.hit_ratio >= 0.5  # the whole second epoch hit
             metrics = _scrape(metrics_port)
+            # The job is this server's only reader, so the node's counters are the job's.
             lease_hits = sum(v for k, v in metrics.items()
-                             if k.startswith("silod_cache_hits_total{") and 'job="e2e"' in k and 'path="lease"' in k)
+                             if k.startswith("silod_cache_hits_total{") and 'path="lease"' in k)
             assert lease_hits == job.hits  # every hit went by lease ...
-            assert not any(v for k, v in metrics.items()
-                           if k.startswith("silod_cache_streamed_bytes_total") and 'job="e2e"' in k)  # ... none by stream
-            assert metrics['silod_cache_remote_bytes_total{job="e2e"}'] == sum(len(b) for b in objects.values())
+            assert metrics["silod_cache_streamed_bytes_total"] == 0  # ... none by stream
+            assert metrics["silod_cache_remote_bytes_total"] == sum(len(b) for b in objects.values())
 
 
 def test_sigkill_of_the_cache_server_mid_epoch_falls_back_to_the_store(tmp_path: Path, metadata: str) -> None:
@@ -278,7 +278,7 @@ def test_cache_policy_none_from_a_watched_plan_passes_through_at_the_planned_io_
     assert final.remote_bytes == 2 * dataset_bytes  # both epochs from the store, although the node had it all
     assert final.cached_bytes == 0 and final.quota_bytes == 0
     assert used_after == used_before  # nothing admitted for the job
-    assert metrics['silod_cache_pass_through_total{job="nj",reason="none"}'] == 2 * count
+    assert metrics['silod_cache_pass_through_total{reason="none"}'] == 2 * count  # the one job of policy none
     # Measured inside the first epoch (10% to 90% of the dataset), as for the uniform plan above:
     # between epochs the job forks new DataLoader workers and asks for nothing for a while.
     t10, b10 = next((t, b) for t, b in samples if b >= 0.1 * dataset_bytes)

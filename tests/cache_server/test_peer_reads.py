@@ -86,7 +86,7 @@ def test_a_miss_on_one_node_is_served_from_the_other_nodes_cache_without_a_store
     for key in keys:  # from now on only node-a's cache has these bytes: a store read would fail
         (root / key).unlink()
 
-    hits_before = _metric("silod_cache_peer_hits_total", job=job)
+    hits_before = _metric("silod_cache_peer_hits_total")
     served = b.lease(job, name, keys)
     assert [o.tier for o in served.objects] == ["peer"] * len(keys)
     assert read_leased(served) == {k: files[k] for k in keys}
@@ -97,7 +97,7 @@ def test_a_miss_on_one_node_is_served_from_the_other_nodes_cache_without_a_store
     assert (stats.hits, stats.misses, stats.hit_ratio, stats.remote_bytes) == (20, 0, 1.0, 0)
     assert (stats.peer_hits, stats.peer_bytes, stats.cached_bytes) == (20, 20 * SIZE, 0)
     assert _cached(b, name, keys) == set(), "a peer's object must not be admitted: the job's nodes stay disjoint"
-    assert _metric("silod_cache_peer_hits_total", job=job) - hits_before == 20
+    assert _metric("silod_cache_peer_hits_total") - hits_before == 20
     # Serving a peer is not a read of the job on node-a.
     assert (_job(a, job).hits, _job(a, job).misses) == (0, 10)
     # A cached-only read is never passed on: node-b's own peer (node-a) holds these, node-b does not.
