@@ -11,10 +11,12 @@ import grpc
 from pydantic import Field, field_validator
 from silod.v1 import metadata_pb2_grpc
 
+from services.metadata.compaction import compact_forever
 from services.metadata.migrate import current_revision, head_revision, upgrade_engine
 from services.metadata.database import normalize_db_url
 from services.metadata.servicer import MetadataServicer
 from services.metadata.store import MetadataStore
+from services.metadata.store.retention import RetentionPolicy
 from services.runtime.directory import LocalDirectory
 from services.runtime.server import ServiceDefinition, StartupError
 from services.runtime.settings import ServiceSettings
@@ -35,6 +37,15 @@ class Settings(ServiceSettings):
     db_pool_size: int = Field(
         8, ge=1, le=256, description="Database connections kept open (as many more may be opened under load)"
     )
+    retention_interval_s: float = Field(
+        300.0, ge=0, description="Seconds between compactions that remove what the retention settings no longer "
+        "keep (plans, metric samples, job events); 0 = never compact, keep everything")
+    retention_plans_s: float = Field(
+        6 * 3600.0, ge=0, description="Plans older than this are removed (the newest retention_min_plans stay); 0 = keep")
+    retention_min_plans: int = Field(100, ge=1, description="The newest plans always kept, however old")
+    retention_metrics_s: float = Field(24 * 3600.0, ge=0, description="Metric samples older than this are removed; 0 = keep")
+    retention_finished_job_events_s: float = Field(
+        30 * 86400.0, ge=0, description="Jobs that finished this long ago keep only their last event; 0 = keep all")
 
     @field_validator("db")
     @classmethod
@@ -52,10 +63,19 @@ def definition(settings: Settings) -> ServiceDefinition:
     def register(server: grpc.aio.Server) -> None:
         metadata_pb2_grpc.add_MetadataServiceServicer_to_server(MetadataServicer(store), server)
 
+    compaction: list[asyncio.Task[None]] = []
+
     async def on_start() -> None:
         await asyncio.to_thread(_prepare_schema, store, settings)
+        if settings.retention_interval_s > 0:
+            policy = RetentionPolicy(plans_s=settings.retention_plans_s, min_plans=settings.retention_min_plans,
+                                     metrics_s=settings.retention_metrics_s,
+                                     finished_job_events_s=settings.retention_finished_job_events_s)
+            compaction.append(asyncio.create_task(compact_forever(store, policy, settings.retention_interval_s)))
 
     async def on_stop() -> None:
+        for task in compaction:
+            task.cancel()
         await asyncio.to_thread(store.close)
 
     return ServiceDefinition(

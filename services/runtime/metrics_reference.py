@@ -26,6 +26,7 @@ PROCESSES = (
     ("scheduler", ("scheduler.live.metrics", "scheduler.live.reports")),
     ("worker agent", ("worker_agent.metrics",)),
     ("cache server", ("cache_server.metrics",)),
+    ("metadata service", ("services.metadata.compaction",)),
     ("dashboard", ("services.dashboard.app",)),
 )
 

@@ -13,6 +13,7 @@ from services.metadata.store.jobs import JobStore
 from services.metadata.store.metrics import MetricStore
 from services.metadata.store.nodes import NodeStore
 from services.metadata.store.plans import PlanStore
+from services.metadata.store.retention import RetentionStore
 
 
 class MetadataStore:
@@ -24,6 +25,7 @@ class MetadataStore:
         self.plans = PlanStore(db)
         self.metrics = MetricStore(db)
         self.access = AccessStore(db)
+        self.retention = RetentionStore(db)
 
     @classmethod
     def open(cls, db_url: str, *, liveness_window_s: float = 15.0, pool_size: int = 8) -> "MetadataStore":
