@@ -279,6 +279,12 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         return access_pb2.ResolveCredentialResponse(principal=principal.to_proto(),
                                                     credential_id=principal.credential_id)
 
+    async def MintJobCredential(
+        self, request: access_pb2.MintJobCredentialRequest, context: Context
+    ) -> access_pb2.IssuedCredential:
+        return await self._run(request, self._store.access.mint_job_credential, request.job_id, request.node,
+                               self._store.plans.latest)
+
     async def CreateTenant(self, request: access_pb2.CreateTenantRequest, context: Context) -> access_pb2.Tenant:
         return await self._run(request, self._store.access.create_tenant, request.name, list(request.members))
 

@@ -152,6 +152,23 @@ class TenantScope(Check):
 
 
 @dataclass(frozen=True)
+class OwnNodeOfJob(Check):
+    """A node acting for a job's ranks on itself: ``node_field`` must be the caller's own name;
+    the metadata store then checks, for every caller (an admin too), that the latest plan places
+    the job at ``job_field`` on that node and that the job has not ended."""
+
+    node_field: str
+    job_field: str
+
+    def describe(self) -> str:
+        return (f"`{self.node_field}` is the caller's own, and the latest plan places the job `{self.job_field}` "
+                "there (checked by the store, for admins too)")
+
+    async def refuse(self, principal: Principal, request: Any, directory: Directory | None) -> Refusal | None:
+        return await Itself(self.node_field).refuse(principal, request, directory)
+
+
+@dataclass(frozen=True)
 class Rule:
     """Who besides an admin may call a method, and on what condition; public: no credential at all."""
 
@@ -187,8 +204,9 @@ RULES: dict[str, Rule] = {
         "ListJobs": Rule(user=TenantScope("tenant")),
         "TransitionJob": ADMIN_ONLY,
         "TransitionJobs": ADMIN_ONLY,
-        "UpdateJobProgress": Rule(job=Itself("job_id")),
-        "AppendJobEvent": Rule(job=Itself("job_id")),
+        # A job's ranks report through their worker agent; the scheduler writes what they report.
+        "UpdateJobProgress": ADMIN_ONLY,
+        "AppendJobEvent": ADMIN_ONLY,
         "ListJobEvents": Rule(user=JobOfTenant("job_id"), job=Itself("job_id")),
         "UpsertNode": Rule(node=Itself("spec.name")),
         "Heartbeat": Rule(node=Itself("node")),
@@ -199,7 +217,7 @@ RULES: dict[str, Rule] = {
         "GetLatestPlan": Rule(node=ANY),
         "GetPlan": Rule(node=ANY),
         "ListPlans": Rule(node=ANY),
-        "AppendMetrics": Rule(job=Itself("samples[].job_id")),
+        "AppendMetrics": ADMIN_ONLY,
         "QueryMetrics": Rule(user=JobOfTenant("job_id"), job=Itself("job_id")),
         "PutJobModel": ADMIN_ONLY,
         "GetJobModel": Rule(user=JobOfTenant("job_id"), job=Itself("job_id")),
@@ -211,6 +229,8 @@ RULES: dict[str, Rule] = {
         "CreateTenant": ADMIN_ONLY,
         "ListTenants": ADMIN_ONLY,
         "SetTenantMembers": ADMIN_ONLY,
+        # What a worker agent hands its ranks as SILOD_AUTH_TOKEN instead of the cluster token.
+        "MintJobCredential": Rule(node=OwnNodeOfJob("node", "job_id")),
     }),
     **_service("silod.v1.JobService", {
         "SubmitJob": Rule(user=TenantOf("spec.tenant")),

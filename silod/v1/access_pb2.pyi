@@ -287,6 +287,30 @@ class RotateCredentialRequest(_message.Message):
 Global___RotateCredentialRequest: _TypeAlias = RotateCredentialRequest  # noqa: Y015
 
 @_typing.final
+class MintJobCredentialRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """a job that has not ended and that the latest plan places on `node`"""
+    node: _builtins.str
+    """the node whose ranks will hold it; a node credential names itself"""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        node: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MintJobCredentialRequest: _TypeAlias = MintJobCredentialRequest  # noqa: Y015
+
+@_typing.final
 class ResolveCredentialRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -207,6 +207,11 @@ class MetadataServiceStub:
                 request_serializer=silod_dot_v1_dot_access__pb2.SetTenantMembersRequest.SerializeToString,
                 response_deserializer=silod_dot_v1_dot_access__pb2.Tenant.FromString,
                 _registered_method=True)
+        self.MintJobCredential = channel.unary_unary(
+                '/silod.v1.MetadataService/MintJobCredential',
+                request_serializer=silod_dot_v1_dot_access__pb2.MintJobCredentialRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_access__pb2.IssuedCredential.FromString,
+                _registered_method=True)
 
 
 class MetadataServiceServicer:
@@ -438,6 +443,16 @@ class MetadataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MintJobCredential(self, request, context):
+        """A credential for the ranks of one job on one node, asked by that node's worker agent when it
+        launches them (a node credential for itself, or an admin): PERMISSION_DENIED unless the latest
+        plan places the job on `node`, FAILED_PRECONDITION once the job has ended. It is revoked when
+        the job ends (SUCCEEDED, FAILED or CANCELLED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetadataServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -610,6 +625,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.SetTenantMembers,
                     request_deserializer=silod_dot_v1_dot_access__pb2.SetTenantMembersRequest.FromString,
                     response_serializer=silod_dot_v1_dot_access__pb2.Tenant.SerializeToString,
+            ),
+            'MintJobCredential': grpc.unary_unary_rpc_method_handler(
+                    servicer.MintJobCredential,
+                    request_deserializer=silod_dot_v1_dot_access__pb2.MintJobCredentialRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_access__pb2.IssuedCredential.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1530,6 +1550,33 @@ class MetadataService:
             '/silod.v1.MetadataService/SetTenantMembers',
             silod_dot_v1_dot_access__pb2.SetTenantMembersRequest.SerializeToString,
             silod_dot_v1_dot_access__pb2.Tenant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MintJobCredential(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/MintJobCredential',
+            silod_dot_v1_dot_access__pb2.MintJobCredentialRequest.SerializeToString,
+            silod_dot_v1_dot_access__pb2.IssuedCredential.FromString,
             options,
             channel_credentials,
             insecure,

@@ -102,6 +102,12 @@ class MetadataServiceStub:
     CreateTenant: _grpc.UnaryUnaryMultiCallable[_access_pb2.CreateTenantRequest, _access_pb2.Tenant]
     ListTenants: _grpc.UnaryUnaryMultiCallable[_access_pb2.ListTenantsRequest, _access_pb2.ListTenantsResponse]
     SetTenantMembers: _grpc.UnaryUnaryMultiCallable[_access_pb2.SetTenantMembersRequest, _access_pb2.Tenant]
+    MintJobCredential: _grpc.UnaryUnaryMultiCallable[_access_pb2.MintJobCredentialRequest, _access_pb2.IssuedCredential]
+    """A credential for the ranks of one job on one node, asked by that node's worker agent when it
+    launches them (a node credential for itself, or an admin): PERMISSION_DENIED unless the latest
+    plan places the job on `node`, FAILED_PRECONDITION once the job has ended. It is revoked when
+    the job ends (SUCCEEDED, FAILED or CANCELLED).
+    """
 
 @_typing.type_check_only
 class MetadataServiceAsyncStub(MetadataServiceStub):
@@ -168,6 +174,12 @@ class MetadataServiceAsyncStub(MetadataServiceStub):
     CreateTenant: _aio.UnaryUnaryMultiCallable[_access_pb2.CreateTenantRequest, _access_pb2.Tenant]  # type: ignore[assignment]
     ListTenants: _aio.UnaryUnaryMultiCallable[_access_pb2.ListTenantsRequest, _access_pb2.ListTenantsResponse]  # type: ignore[assignment]
     SetTenantMembers: _aio.UnaryUnaryMultiCallable[_access_pb2.SetTenantMembersRequest, _access_pb2.Tenant]  # type: ignore[assignment]
+    MintJobCredential: _aio.UnaryUnaryMultiCallable[_access_pb2.MintJobCredentialRequest, _access_pb2.IssuedCredential]  # type: ignore[assignment]
+    """A credential for the ranks of one job on one node, asked by that node's worker agent when it
+    launches them (a node credential for itself, or an admin): PERMISSION_DENIED unless the latest
+    plan places the job on `node`, FAILED_PRECONDITION once the job has ended. It is revoked when
+    the job ends (SUCCEEDED, FAILED or CANCELLED).
+    """
 
 class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -435,5 +447,17 @@ class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _access_pb2.SetTenantMembersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_access_pb2.Tenant, _abc.Awaitable[_access_pb2.Tenant]]: ...
+
+    @_abc_1.abstractmethod
+    def MintJobCredential(
+        self,
+        request: _access_pb2.MintJobCredentialRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_access_pb2.IssuedCredential, _abc.Awaitable[_access_pb2.IssuedCredential]]:
+        """A credential for the ranks of one job on one node, asked by that node's worker agent when it
+        launches them (a node credential for itself, or an admin): PERMISSION_DENIED unless the latest
+        plan places the job on `node`, FAILED_PRECONDITION once the job has ended. It is revoked when
+        the job ends (SUCCEEDED, FAILED or CANCELLED).
+        """
 
 def add_MetadataServiceServicer_to_server(servicer: MetadataServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

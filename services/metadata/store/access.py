@@ -11,14 +11,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 
+import grpc
 from sqlalchemy import delete, select
-from silod.v1 import access_pb2
+from silod.v1 import access_pb2, plan_pb2
 
 from services.metadata.clock import to_timestamp, utc_now
 from services.metadata.database import Database
+from services.metadata.job_states import TERMINAL_STATES, state_name
 from services.metadata.models import Credential, Job, Tenant, TenantMember
 from services.metadata.validation.access import (
     check_create_credential,
@@ -28,8 +30,9 @@ from services.metadata.validation.access import (
     check_ttl,
 )
 from services.metadata.validation.common import check_text
+from services.metadata.validation.jobs import check_job_id
 from services.runtime.principals import TOKEN_ID_HEX, TOKEN_PREFIX, TOKEN_SECRET_HEX, Principal, split_token
-from services.runtime.errors import AlreadyExists, FailedPrecondition, NotFound, Unauthenticated
+from services.runtime.errors import AlreadyExists, FailedPrecondition, NotFound, ServiceError, Unauthenticated
 
 def _digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
@@ -59,6 +62,32 @@ class AccessStore:
         session.flush()
         return access_pb2.IssuedCredential(credential=_to_proto(row),
                                            token=f"{TOKEN_PREFIX}_{credential_id}_{secret}")
+
+    def mint_job_credential(self, job_id: str, node: str,
+                            latest_plan: Callable[[], plan_pb2.AllocationPlan]) -> access_pb2.IssuedCredential:
+        """A credential for job ``job_id``'s ranks on ``node``: only while the latest plan places
+        the job on a GPU of that node and the job has not ended (it is revoked when it ends:
+        services/metadata/store/jobs.py)."""
+        check_job_id(job_id)
+        check_text(node, "node", max_chars=128, required=True)
+        try:
+            plan = latest_plan()
+        except NotFound:
+            plan = plan_pb2.AllocationPlan()
+        placed = any(p.node == node and p.gpu_indices for a in plan.jobs if a.job_id == job_id for p in a.placements)
+        if not placed:
+            raise ServiceError(f"the latest plan (version {plan.version}) places job {job_id!r} on no GPU of node "
+                               f"{node!r}", field="job_id", code=grpc.StatusCode.PERMISSION_DENIED)
+        with self._db.write() as session:
+            # Locked (PostgreSQL): a concurrent move to a final state, which revokes the job's
+            # credentials, waits for this one to commit or is seen here; SQLite writes one at a time.
+            state = session.scalar(select(Job.state).where(Job.id == job_id).with_for_update())
+            if state is None:
+                raise NotFound(f"no job {job_id!r}", field="job_id")
+            if state in TERMINAL_STATES:
+                raise FailedPrecondition(f"job {job_id!r} has ended ({state_name(state)})", field="job_id")
+            return self._issue(session, access_pb2.PRINCIPAL_KIND_JOB, job_id,
+                               f"ranks of {job_id} on node {node} (plan {plan.version})", 0.0)
 
     def list_credentials(self, kind: int = 0, name: str = "", include_revoked: bool = False
                          ) -> list[access_pb2.Credential]:
@@ -118,7 +147,10 @@ class AccessStore:
                 tenants = session.scalars(select(TenantMember.tenant).where(TenantMember.user == row.name)
                                           .order_by(TenantMember.tenant)).all()
             elif row.kind == access_pb2.PRINCIPAL_KIND_JOB:
-                tenants = session.scalars(select(Job.tenant).where(Job.id == row.name)).all()
+                job = session.execute(select(Job.tenant, Job.state).where(Job.id == row.name)).one_or_none()
+                if job is None or job.state in TERMINAL_STATES:  # ended: revoked with the move, but be sure
+                    raise Unauthenticated("invalid bearer token")
+                tenants = (job.tenant,)
             return Principal(row.kind, row.name, tuple(tenants), row.id)
 
     def job_tenant(self, job_id: str) -> str | None:

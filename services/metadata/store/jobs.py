@@ -1,4 +1,5 @@
-"""Jobs: creation (idempotent on client_request_id), compare-and-set state moves, progress and events."""
+"""Jobs: creation (idempotent on client_request_id), compare-and-set state moves (a move to a final
+state revokes the job's credentials), progress and events."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from typing import Any
 from sqlalchemy import Connection, Text, Update, bindparam, cast, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
-from silod.v1 import common_pb2
+from silod.v1 import access_pb2, common_pb2
 
 from services.metadata import convert, paging
 from services.metadata.clock import utc_now
 from services.metadata.database import Database
 from services.metadata.job_states import RUNNING, TERMINAL_STATES, is_legal_move, state_name
-from services.metadata.models import Job, JobEvent
+from services.metadata.models import Credential, Job, JobEvent
 from services.metadata.validation.common import check_enum, check_int, check_text
 from services.metadata.validation.jobs import (
     check_client_request_id,
@@ -158,6 +159,8 @@ class JobStore:
                 "job_id": job_id, "sequence": row.last_event_sequence, "time": now, "type": STATE_EVENT,
                 "from_state": expected_state, "to_state": new_state, "message": message,
             })
+            if new_state in TERMINAL_STATES:  # the job's ranks' credentials end with it, in this transaction
+                connection.execute(_REVOKE_JOB_CREDENTIALS, {"c_job": job_id, "c_now": now})
             return convert.job_to_proto(row)
 
     def transition_many(self, moves: Sequence[tuple[str, int, int, str]]) -> list[common_pb2.Job | ServiceError]:
@@ -246,6 +249,12 @@ class JobStore:
 
 _JOBS = Job.__table__
 _STATE_EVENT_INSERT = insert(JobEvent.__table__)
+_CREDENTIALS = Credential.__table__
+_REVOKE_JOB_CREDENTIALS = (
+    update(_CREDENTIALS)
+    .where(_CREDENTIALS.c.kind == access_pb2.PRINCIPAL_KIND_JOB, _CREDENTIALS.c.name == bindparam("c_job"),
+           _CREDENTIALS.c.revoked_at.is_(None))
+    .values(revoked_at=bindparam("c_now", type_=_CREDENTIALS.c.revoked_at.type)))
 
 
 @functools.lru_cache(maxsize=None)
