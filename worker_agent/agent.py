@@ -33,6 +33,10 @@ Protocol decisions (see also service.py):
   (``SILOD_AGENT_PID``), writes no more checkpoints and asks the job to exit; and the next agent
   on the same work_dir stops whole process groups it finds recorded in ``run/`` before applying
   any plan.
+* Credentials (auth on): a rank's SILOD_AUTH_TOKEN is a credential of its own job, minted for
+  this node by the metadata service (MintJobCredential) when the job's first rank here launches
+  and kept while the job has tasks here; the cluster token never reaches a rank's environment.
+  Without one the rank is not launched (exit 127, the reason in its log).
 * Agent shutdown (SIGTERM): every task gets the checkpoint directive + SIGTERM, SIGKILL after
   ``stop_grace_s``; tasks stopped this way are not reported EXITED (exit 0 after a checkpoint
   would read as job completion); the node's heartbeats stop and the scheduler treats it as lost.
@@ -100,6 +104,10 @@ _DIE_WITH_AGENT = (
     "    print(f'--- silod: cannot launch {sys.argv[2:]!r}: {exc}', flush=True)\n"
     "    os._exit(127)\n"
 )
+
+
+class JobCredentialError(Exception):
+    """The metadata service would not mint a credential for a job's ranks here."""
 
 
 def task_key(job_id: str, rank: int, generation: int) -> str:
@@ -216,6 +224,7 @@ class Agent:
         self._reapers: set[asyncio.Task[None]] = set()  # one per process; never cancelled before it exits
         self._stopping = False
         self._apply_lock = asyncio.Lock()
+        self._job_tokens: dict[str, str] = {}  # job id -> the credential its ranks here hold (auth on)
         token = getattr(settings, "auth_token", "")
         self._meta_channel = open_channel(settings.metadata_address, token=token, aio=True)
         self._metadata = metadata_pb2_grpc.MetadataServiceStub(self._meta_channel)
@@ -555,13 +564,40 @@ class Agent:
     # ---- launching -------------------------------------------------------------------------
     def base_env(self) -> dict[str, str]:
         """The agent's environment without its own settings (SILOD_LISTEN, SILOD_GPUS, ...), which
-        must not leak into jobs; the auth token is kept on purpose (the SDK uses it to call this
-        agent and the cache)."""
+        must not leak into jobs. With auth on, that includes the cluster token: ranks get a
+        credential of their own job instead (:meth:`env_for`). Without auth, a SILOD_AUTH_TOKEN of
+        the environment is passed on as it always was."""
         own = {f"SILOD_{name.upper()}" for name in type(self.settings).model_fields} | {"SILOD_CONFIG"}
-        own.discard("SILOD_AUTH_TOKEN")
+        if not getattr(self.settings, "auth_token", ""):
+            own.discard("SILOD_AUTH_TOKEN")
         return {k: v for k, v in os.environ.items() if k not in own}
 
-    def env_for(self, a: plan_pb2.TaskAssignment) -> dict[str, str]:
+    async def job_token(self, job_id: str, launching: Task | None = None) -> str:
+        """The job credential this node's ranks of ``job_id`` hold as SILOD_AUTH_TOKEN ("" with auth
+        off): minted by the metadata service for this node (MintJobCredential), kept while the job
+        has other tasks here. Raises JobCredentialError when none can be had."""
+        if not getattr(self.settings, "auth_token", ""):
+            return ""
+        held = {t.job_id for t in self.tasks.values() if t is not launching}
+        for stale in [j for j in self._job_tokens if j not in held]:
+            del self._job_tokens[stale]
+        if job_id in self._job_tokens:
+            return self._job_tokens[job_id]
+        from silod.v1 import access_pb2
+
+        request = access_pb2.MintJobCredentialRequest(job_id=job_id, node=self.spec.name)
+        for attempt in range(1, 4):
+            try:
+                issued = await self._metadata.MintJobCredential(request, timeout=5)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if attempt == 3 or exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise JobCredentialError(f"no job credential: {exc.code().name}: {exc.details()}") from None
+                await asyncio.sleep(0.5 * attempt)
+        self._job_tokens[job_id] = issued.token
+        return issued.token
+
+    def env_for(self, a: plan_pb2.TaskAssignment, job_token: str = "") -> dict[str, str]:
         spec = a.spec
         env = {
             **self.base_env(),
@@ -609,6 +645,8 @@ class Agent:
             # torchrun's default: ranks that share a node would otherwise each start a thread per
             # core and oversubscribe it. The job's or the operator's setting wins.
             env["OMP_NUM_THREADS"] = "1"
+        if job_token:  # after spec.env: a rank holds its own job's credential and no other
+            env["SILOD_AUTH_TOKEN"] = job_token
         return env
 
     def master_addr(self, a: plan_pb2.TaskAssignment) -> str:
@@ -628,9 +666,9 @@ class Agent:
         task = Task(assignment=a, log_path=log_dir / f"rank-{a.rank}.log", batch_size=a.batch_size, launch_key=key)
         self.tasks[key] = task
         command = list(a.spec.command) or [sys.executable, "-m", "silod.jobs.emulated"]
-        env = self.env_for(a)
         warm = False
         try:
+            env = self.env_for(a, await self.job_token(a.job_id, launching=task))
             with open(task.log_path, "ab") as log:
                 log.write(f"--- silod: generation {a.generation} rank {a.rank} gpus {list(a.gpu_indices)}\n".encode())
                 log.flush()
@@ -640,7 +678,7 @@ class Agent:
                 if task.proc is None:
                     task.proc = await self._spawn(*command, stdin=asyncio.subprocess.DEVNULL, stdout=log,
                                                   stderr=asyncio.subprocess.STDOUT, env=env, cwd=str(log_dir))
-        except OSError as exc:
+        except (OSError, JobCredentialError) as exc:
             with open(task.log_path, "ab") as log:
                 log.write(f"--- silod: cannot launch {command!r}: {exc}\n".encode())
             task_metrics.launch_failed(self.spec.name)
