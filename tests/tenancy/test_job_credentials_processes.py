@@ -4,7 +4,7 @@
 The job's own code (job_with_a_token.py) reads SILOD_AUTH_TOKEN and tries to act as the
 scheduler, on another tenant's job and on its samples: every try is PERMISSION_DENIED and changes
 nothing, while what a job needs works and it trains to SUCCEEDED. The cluster token is nowhere
-in the rank's environment; once the job has ended its token is refused within the cache TTL.
+in the rank's environment (a warm process's); once the job has ended its token is refused within the cache TTL.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def test_a_jobs_ranks_hold_a_credential_of_their_own_job_only(tmp_path: Path) ->
          start_service("worker-agent", "--metadata-address", md.address, "--scheduler-address", sch.address,
                        "--node-name", "n0", "--gpus", "2", "--work-dir", str(tmp_path / "agent"),
                        "--cache-address", cache.address, "--report-s", "0.5", "--heartbeat-s", "0.5", *ttl,
+                       "--warm-processes", "1", "--warm-preload", "grpc",  # the job below runs in a warm one
                        "--log-level", "warning", env={"SILOD_AUTH_TOKEN": CLUSTER_TOKEN},  # as deployments set it
                        workdir=tmp_path / "ag") as agent_proc:
         code, output = silod_cli("dataset", "register", "imgs", f"file://{tmp_path / 'store'}", "--metadata",
@@ -67,7 +68,7 @@ def test_a_jobs_ranks_hold_a_credential_of_their_own_job_only(tmp_path: Path) ->
         result = tmp_path / "result.json"
         job = admin.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=common_pb2.JobSpec(
             name="curious", tenant="vision", application="cifar10", dataset="imgs", min_gpus=1, max_gpus=1,
-            batch_size=8, sample_budget=64, command=[sys.executable, str(SCRIPT)],
+            batch_size=8, sample_budget=64, command=[sys.executable, str(SCRIPT)], resize_in_place=True,
             env={"RESULT": str(result), "VICTIM": victim.id, "SCHEDULER_ADDR": sch.address})))
         done = wait_for(lambda: (j := admin.GetJob(m.GetJobRequest(job_id=job.id))).state not in (
             common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED, RUNNING) and j, 60, "the job ended")
@@ -90,7 +91,9 @@ def test_a_jobs_ranks_hold_a_credential_of_their_own_job_only(tmp_path: Path) ->
         assert admin.GetJob(m.GetJobRequest(job_id=victim.id)).state == RUNNING
         assert sorted(j.id for j in admin.ListJobs(m.ListJobsRequest()).jobs) == sorted([victim.id, job.id])
 
-        # The rank's environment holds its job's credential and no cluster token.
+        # The rank's environment holds its job's credential and no cluster token, nor does the one
+        # its warm process was started with (/proc/self/environ).
+        assert seen["env"].get("SILOD_WARM_START") == "1"
         token = seen["env"]["SILOD_AUTH_TOKEN"]
         assert token.startswith("silod_") and token != CLUSTER_TOKEN
         assert CLUSTER_TOKEN not in seen["environ"] and CLUSTER_TOKEN not in json.dumps(seen["env"])
