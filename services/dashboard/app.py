@@ -1,7 +1,10 @@
 """``silod dashboard``: a read-only web view of a running cluster (aiohttp).
 
-Routes: ``/`` (the page), ``/static/*``, ``/api/overview`` (the JSON the page polls),
-``/healthz`` (liveness, never behind the token) and ``/metrics`` (Prometheus).
+Routes: ``/`` (the page), ``/job/<job id>`` (one job's page), ``/static/*``, ``/api/overview``
+(the JSON the page polls), ``/api/history`` (the charts' series: samples of the overview the
+dashboard keeps in memory, see :mod:`services.dashboard.history`), ``/api/job/<job id>`` (one
+job's events, GPUs per plan and throughput), ``/healthz`` (liveness, never behind the token) and
+``/metrics`` (Prometheus).
 
 Auth: with an ``auth_token`` set, every route but ``/healthz`` needs the token, given as
 ``Authorization: Bearer <token>``, or once as ``?token=<token>`` on the page URL; the page
@@ -11,7 +14,10 @@ the same token to call the metadata service and the cache servers.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import json
+import math
 import logging
 import time
 from pathlib import Path
@@ -20,12 +26,14 @@ from typing import Any
 import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from silod.rpc.channels import open_channel
 from services.runtime.settings import ServiceSettings
-from services.dashboard.collect import overview
-from silod.v1 import cache_pb2, cache_pb2_grpc, metadata_pb2_grpc
+from services.dashboard.collect import job_detail, overview
+from services.dashboard.history import History
+from silod.rpc.identifiers import JOB_ID, show
+from silod.v1 import cache_pb2, cache_pb2_grpc, metadata_pb2, metadata_pb2_grpc
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "silod_token"
@@ -42,6 +50,11 @@ class Settings(ServiceSettings):
     cache_timeout_s: float = Field(1.0, gt=0, description="Seconds a node's cache server gets to answer Stats before it shows as unreachable")
     plan_history: int = Field(20, ge=1, le=100, description="Plans listed in the plan history")
     refresh_s: float = Field(2.0, gt=0, description="Seconds between the page's automatic refreshes")
+    history_interval_s: float = Field(5.0, gt=0, le=3600,
+                                      description="Seconds between the samples of the cluster the charts draw (kept in memory)")
+    history_window_s: float = Field(3600.0, gt=0, le=7 * 86400,
+                                    description="Seconds of samples kept for the charts; older ones are dropped "
+                                                "(at most history_window_s / history_interval_s samples)")
 
     @field_validator("metadata_address")
     @classmethod
@@ -49,6 +62,13 @@ class Settings(ServiceSettings):
         if not value:
             raise ValueError("required: HOST:PORT of silod metadata")
         return value
+
+    @model_validator(mode="after")
+    def _history_bounded(self) -> "Settings":
+        if self.history_window_s / self.history_interval_s > 100_000:
+            raise ValueError("history_window_s / history_interval_s: at most 100000 samples are kept, got "
+                             f"{self.history_window_s / self.history_interval_s:.0f}")
+        return self
 
 
 def _authorized(request: web.Request, token: str) -> bool:
@@ -99,6 +119,86 @@ async def _overview(request: web.Request) -> web.Response:
     return web.json_response(data)
 
 
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def _job_id_problem(request: web.Request) -> tuple[str, str | None]:
+    job_id = request.match_info["job_id"]
+    problem = JOB_ID.problem(job_id)
+    return job_id, (f"job_id: {problem}" if problem else None)
+
+
+def _metadata_error(settings: Settings, job_id: str, exc: grpc.aio.AioRpcError) -> web.Response:
+    if exc.code() == grpc.StatusCode.NOT_FOUND:
+        return _error(404, f"job_id: no job {show(job_id)} ({exc.details()})")
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return _error(400, f"job_id: {exc.details()}")
+    _log.warning("metadata service unavailable", extra={"code": exc.code().name, "detail": exc.details()})
+    return _error(503, f"metadata service {settings.metadata_address}: {exc.details()}")
+
+
+async def _job_page(request: web.Request) -> web.StreamResponse:
+    settings: Settings = request.app["settings"]
+    job_id, problem = _job_id_problem(request)
+    if problem:
+        return web.Response(status=400, text=problem + "\n")
+    try:
+        await request.app["metadata"].GetJob(metadata_pb2.GetJobRequest(job_id=job_id))
+    except grpc.aio.AioRpcError as exc:
+        reply = _metadata_error(settings, job_id, exc)
+        return web.Response(status=reply.status, text=json.loads(reply.text)["error"] + "\n")
+    return web.FileResponse(STATIC / "job.html")
+
+
+async def _job(request: web.Request) -> web.Response:
+    settings: Settings = request.app["settings"]
+    job_id, problem = _job_id_problem(request)
+    if problem:
+        return _error(400, problem)
+    try:
+        data = await job_detail(request.app["metadata"], job_id)
+    except grpc.aio.AioRpcError as exc:
+        return _metadata_error(settings, job_id, exc)
+    data["refresh_s"] = settings.refresh_s
+    return web.json_response(data)
+
+
+async def _history(request: web.Request) -> web.Response:
+    settings: Settings = request.app["settings"]
+    history: History = request.app["history"]
+    window = request.query.get("window_s")
+    window_s = None
+    if window is not None:
+        try:
+            window_s = float(window)
+        except ValueError:
+            window_s = math.nan
+        if not (window_s > 0 and math.isfinite(window_s)):
+            return _error(400, f"window_s: seconds of history, a number > 0, got {show(window)}")
+    data = history.series(window_s)
+    data["refresh_s"] = settings.refresh_s
+    return web.json_response(data)
+
+
+async def _sample_forever(app: web.Application) -> None:
+    """Add a sample of the overview to the history every ``history_interval_s`` seconds."""
+    settings: Settings = app["settings"]
+    history: History = app["history"]
+    while True:
+        started = time.monotonic()
+        try:
+            history.add(await overview(app["metadata"], app["cache_stats"],
+                                       liveness_window_s=settings.node_timeout_s,
+                                       cache_timeout_s=settings.cache_timeout_s, plan_history=1))
+        except grpc.aio.AioRpcError as exc:  # a gap in the charts, not a dead sampler
+            _log.warning("history sample skipped: metadata service unavailable",
+                         extra={"code": exc.code().name, "detail": exc.details()})
+        except Exception:  # noqa: BLE001 -- the sampler must outlive any one bad sample
+            _log.exception("history sample failed")
+        await asyncio.sleep(max(0.0, settings.history_interval_s - (time.monotonic() - started)))
+
+
 async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "serving"})
 
@@ -110,6 +210,7 @@ async def _metrics(request: web.Request) -> web.Response:
 def build_app(settings: Settings) -> web.Application:
     app = web.Application(middlewares=[_guard])
     app["settings"] = settings
+    app["history"] = History(settings.history_window_s, settings.history_interval_s)
     channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(address: str) -> grpc.aio.Channel:
@@ -126,15 +227,24 @@ def build_app(settings: Settings) -> web.Application:
         # aio channels belong to the loop that serves, so they are opened here, not at import.
         app["metadata"] = metadata_pb2_grpc.MetadataServiceStub(channel(settings.metadata_address))
         app["cache_stats"] = cache_stats
+        app["sampler"] = asyncio.get_running_loop().create_task(_sample_forever(app))
 
     async def on_cleanup(app: web.Application) -> None:
+        app["sampler"].cancel()
+        try:
+            await app["sampler"]
+        except asyncio.CancelledError:
+            pass
         for ch in channels.values():
             await ch.close()
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     app.router.add_get("/", _page)
+    app.router.add_get("/job/{job_id}", _job_page)
     app.router.add_get("/api/overview", _overview)
+    app.router.add_get("/api/history", _history)
+    app.router.add_get("/api/job/{job_id}", _job)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_static("/static/", STATIC)

@@ -180,3 +180,88 @@ async def overview(md: metadata_pb2_grpc.MetadataServiceStub, stats_of: CacheSta
               for use in ("idle", "training", "lent", "inference", "faulted")}
     return {"generated_at": time.time(), "latest_plan_version": plan.version if plan is not None else 0,
             "gpu_totals": totals, "nodes": node_rows, "jobs": job_rows, "plans": plan_rows}
+
+
+# --- one job's page -------------------------------------------------------------------------
+
+async def _job_events(md: metadata_pb2_grpc.MetadataServiceStub, job_id: str, limit: int) -> list[common_pb2.JobEvent]:
+    events: list[common_pb2.JobEvent] = []
+    after = 0
+    while len(events) < limit:
+        want = min(1000, limit - len(events))
+        page = await md.ListJobEvents(metadata_pb2.ListJobEventsRequest(job_id=job_id, after_sequence=after,
+                                                                        limit=want))
+        events.extend(page.events)
+        if len(page.events) < want:
+            break
+        after = page.events[-1].sequence
+    return events[:limit]
+
+
+async def _job_plans(md: metadata_pb2_grpc.MetadataServiceStub, job_id: str, since: float | None,
+                     max_plans: int) -> list[dict[str, Any]]:
+    """The job's GPU count and generation in every plan since ``since`` (oldest first), read
+    newest first from ``ListPlans`` until a plan older than the job or ``max_plans`` plans."""
+    rows: list[dict[str, Any]] = []
+    token, seen = "", 0
+    while seen < max_plans:
+        page = await md.ListPlans(metadata_pb2.ListPlansRequest(page_size=min(100, max_plans - seen), page_token=token))
+        done = False
+        for p in page.plans:
+            seen += 1
+            created = _ts(p.created_at)
+            if since is not None and created is not None and created < since - 1:
+                done = True
+                break
+            entry = next((j for j in p.jobs if j.job_id == job_id), None)
+            rows.append({"version": p.version, "created_at": created, "reason": p.reason,
+                         "gpus": sum(len(pl.gpu_indices) for pl in entry.placements) if entry else 0,
+                         "generation": entry.generation if entry else 0,
+                         "nodes": sorted({pl.node for pl in entry.placements if pl.gpu_indices}) if entry else []})
+        token = page.next_page_token
+        if done or not token:
+            break
+    rows.reverse()
+    return rows
+
+
+async def _job_metric(md: metadata_pb2_grpc.MetadataServiceStub, job_id: str, name: str,
+                      limit: int) -> dict[str, list[float]]:
+    reply = await md.QueryMetrics(metadata_pb2.QueryMetricsRequest(job_id=job_id, name=name, limit=limit))
+    samples = sorted(((s.time.ToDatetime().timestamp(), s.value) for s in reply.samples), key=lambda x: x[0])
+    return {"times": [t for t, _ in samples], "values": [v for _, v in samples]}
+
+
+async def job_detail(md: metadata_pb2_grpc.MetadataServiceStub, job_id: str, *, max_events: int = 2000,
+                     max_plans: int = 500, max_samples: int = 2000) -> dict[str, Any]:
+    """What the job's page shows: the job, its events, its GPUs per plan version, its measured
+    throughput. Raises the metadata service's ``AioRpcError`` (NOT_FOUND for an unknown job)."""
+    job = await md.GetJob(metadata_pb2.GetJobRequest(job_id=job_id))
+    created = _ts(job.created_at)
+    events, plans, samples_per_s, step_time_s = await asyncio.gather(
+        _job_events(md, job_id, max_events), _job_plans(md, job_id, created, max_plans),
+        _job_metric(md, job_id, "samples_per_s", max_samples), _job_metric(md, job_id, "step_time_s", max_samples))
+    # Only the plans where the job's GPUs or generation changed (and the newest): its resizes.
+    changes: list[dict[str, Any]] = []
+    for row in plans:
+        if not changes or (row["gpus"], row["generation"]) != (changes[-1]["gpus"], changes[-1]["generation"]):
+            changes.append(row)
+    if plans and changes[-1] is not plans[-1]:
+        changes.append(plans[-1])
+    return {
+        "job": {"id": job.id, "name": job.spec.name, "state": _state_name(job.state),
+                "tenant": job.spec.tenant or "default", "application": job.spec.application,
+                "dataset": job.spec.dataset, "min_gpus": job.spec.min_gpus, "max_gpus": job.spec.max_gpus,
+                "gpus": job.allocated.gpus, "fraction_done": job.progress.fraction_done,
+                "samples_done": job.progress.samples_done,
+                "throughput_samples_per_s": job.progress.throughput_samples_per_s,
+                "cache_hit_ratio": job.progress.cache_hit_ratio, "message": job.message,
+                "created_at": created, "started_at": _ts(job.started_at), "finished_at": _ts(job.finished_at)},
+        "events": [{"sequence": e.sequence, "time": _ts(e.time), "type": e.type,
+                    "from_state": _state_name(e.from_state) if e.type == "state" else "",
+                    "to_state": _state_name(e.to_state) if e.type == "state" else "",
+                    "message": e.message} for e in events],
+        "plans": changes, "plans_scanned": len(plans),
+        "metrics": {"samples_per_s": samples_per_s, "step_time_s": step_time_s},
+        "logs_command": f"silod logs {job.id}",
+    }
