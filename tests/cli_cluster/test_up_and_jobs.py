@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -69,39 +71,86 @@ def up_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subpr
         _cleanup(up, children)
 
 
+def _charts(dom: str) -> dict[str, dict[str, str]]:
+    """Each chart's container attributes in a dumped DOM: data-points (the fewest points of its
+    lines), data-painted (canvas pixels in its lines' colours), and its note if it has one."""
+    charts = {}
+    for match in re.finditer(r'<div class="chart" id="(chart-[a-z-]+)"([^>]*)>(.*?)</figure>', dom, re.S):
+        attrs = dict(re.findall(r'data-([a-z]+)="([^"]*)"', match.group(2)))
+        note = re.search(r'<p class="chart-note">([^<]*)</p>', match.group(3))
+        charts[match.group(1)] = {**attrs, "note": note.group(1) if note else ""}
+    return charts
+
+
+def _drawn(chart: dict[str, str]) -> bool:
+    return int(chart.get("points", "0")) >= 2 and int(chart.get("painted", "0")) > 0
+
+
+def _until(chromium: str, url: str, ready: Callable[[str], bool], what: str, timeout_s: float = 90) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        dom = browser.run(chromium, url, "--dump-dom").stdout
+        if 'data-loaded="true"' in dom and ready(dom):
+            return dom
+        assert time.monotonic() < deadline, f"{what}; charts {_charts(dom)}; DOM:\n{dom[-3000:]}"
+        time.sleep(0.5)
+
+
+def _screenshot(chromium: str, url: str, shot: Path, height: int) -> None:
+    shot.unlink(missing_ok=True)
+    done = browser.run(chromium, url, f"--window-size=1280,{height}", "--hide-scrollbars", f"--screenshot={shot}")
+    assert shot.exists() and shot.stat().st_size > 10_000, done.stderr[-2000:]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    browser.ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shutil.copy(shot, browser.ARTIFACTS / shot.name)  # kept after the run, beside the other test artifacts
+
+
 def test_page_in_chromium_shows_a_live_cluster(up_cluster: tuple[subprocess.Popen[str], Path], tmp_path: Path) -> None:
-    """`silod dashboard` (tests/dashboard covers the rest of it) on a live cluster, in Chromium."""
+    """`silod dashboard` (tests/dashboard covers the rest of it) on a live cluster, in Chromium:
+    the tables, the charts over time drawn from its history, and a job's page."""
     chromium = browser.chromium()
     up, state = up_cluster
     assert up.poll() is None, "silod up exited early"
     cluster = json.loads((state / "cluster.json").read_text())
+    data = tmp_path / "dash-data"
+    data.mkdir()
+    for i in range(400):
+        (data / f"{i:03d}.bin").write_bytes(bytes([i % 256]) * 20_000)
+    reg = _silod(state, "dataset", "register", "dash-data", f"file://{data}")
+    assert reg.returncode == 0, reg.stdout + reg.stderr
     job = tmp_path / "job.yaml"
     job.write_text("name: dash-job\napplication: cifar10\nmin_gpus: 1\nmax_gpus: 2\nbatch_size: 16\n"
-                   "sample_budget: 100000000\nemulated_step_compute_s: 0.05\n")
+                   "sample_budget: 100000000\nemulated_step_compute_s: 0.05\ndataset: dash-data\n")
     submitted = _silod(state, "submit", str(job))
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     try:
         with start_service("dashboard", "--metadata-address", cluster["metadata"], "--auth-token", browser.TOKEN,
-                           "--log-level", "warning", workdir=tmp_path) as dash:
+                           "--history-interval-s", "0.5", "--log-level", "warning", workdir=tmp_path) as dash:
             url = f"http://{dash.address}/?token={browser.TOKEN}"
-            deadline = time.monotonic() + 90
-            while True:  # the job shows as running once its ranks reported
-                dom = browser.run(chromium, url, "--dump-dom").stdout
-                if 'data-loaded="true"' in dom and "running" in dom:
-                    break
-                assert time.monotonic() < deadline, f"dashboard never showed the job running; DOM:\n{dom[-3000:]}"
-                time.sleep(0.5)
-            assert job_id in dom and "<td>dash-job</td>" in dom
+            live = ("chart-gpus", "chart-tenants", "chart-pending", "chart-hits", "chart-io")
+            # The job shows as running once its ranks reported; the charts once the history has points.
+            dom = _until(chromium, url, lambda d: "running" in d and all(_drawn(_charts(d).get(c, {})) for c in live),
+                         "dashboard never showed the job running with every chart drawn")
+            assert job_id in dom and "<td>dash-job</td>" in dom and f'href="/job/{job_id}"' in dom
             for node in cluster["nodes"]:
                 assert f"<td>{node['name']}</td>" in dom
             assert 'class="gpu training"' in dom  # the job's GPUs are drawn as held
-            browser.ARTIFACTS.mkdir(parents=True, exist_ok=True)
-            shot = browser.ARTIFACTS / "dashboard.png"
-            shot.unlink(missing_ok=True)
-            done = browser.run(chromium, url, "--window-size=1280,1000", f"--screenshot={shot}")
-            assert shot.exists() and shot.stat().st_size > 10_000, done.stderr[-2000:]
-            assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            charts = _charts(dom)
+            assert set(charts) == {*live, "chart-util"}, charts
+            # Emulated GPUs have no NVML figures: the chart says so instead of drawing nothing.
+            assert charts["chart-util"]["points"] == "0" and "no NVML figures from node-" in charts["chart-util"]["note"]
+            assert "dash-job" in dom.split('id="chart-gpus"')[1].split("</figure>")[0]  # the legend names the job
+            _screenshot(chromium, url, tmp_path / "dashboard.png", 1500)
+
+            job_url = f"http://{dash.address}/job/{job_id}?token={browser.TOKEN}"
+            page = _until(chromium, job_url, lambda d: all(_drawn(_charts(d).get(c, {})) for c in
+                                                           ("chart-plan-gpus", "chart-throughput", "chart-step")),
+                          "the job's page never drew its plan, throughput and step-time charts")
+            assert f"silod logs {job_id}" in page and "pending → scheduled" in page and "dash-job" in page
+            _screenshot(chromium, job_url, tmp_path / "dashboard-job.png", 1400)
+            bad = browser.run(chromium, f"http://{dash.address}/job/no-such-job?token={browser.TOKEN}", "--dump-dom")
+            assert "job_id: no job 'no-such-job'" in bad.stdout, bad.stdout[-2000:]
     finally:
         # Its GPUs go back to the next test's jobs.
         _silod(state, "cancel", job_id)

@@ -1,5 +1,5 @@
-// Polls /api/overview and fills the tables. Text goes in through textContent only, so job
-// names and messages can never inject markup.
+// Polls /api/overview and fills the tables, and /api/history for the charts (charts.js). Text
+// goes in through textContent only, so job names and messages can never inject markup.
 "use strict";
 
 const bytes = (n) => {
@@ -74,7 +74,10 @@ function render(data) {
     cell(tr, n.cache.reachable ? rate(n.cache.remote_rate_bytes_per_s) : "–");
   });
   fill("jobs", data.jobs.slice().reverse(), (tr, j) => {
-    cell(tr, j.id);
+    const link = document.createElement("a");
+    link.href = `/job/${encodeURIComponent(j.id)}`;
+    link.textContent = j.id;
+    cell(tr, link);
     cell(tr, j.name);
     cell(tr, j.state, `state-${j.state}`);
     cell(tr, j.min_gpus === j.max_gpus ? `${j.gpus} (${j.max_gpus})` : `${j.gpus} (${j.min_gpus}–${j.max_gpus})`);
@@ -110,6 +113,39 @@ function render(data) {
   });
 }
 
+const jobLabel = (j) => (j.name ? `${j.name} (${j.id})` : j.id);
+
+function renderCharts(h) {
+  const minutes = (h.times.length ? (h.times[h.times.length - 1] - h.times[0]) / 60 : 0);
+  document.getElementById("history-span").textContent =
+    `last ${minutes.toFixed(1)} min, a sample every ${h.interval_s} s, kept for ${(h.window_s / 60).toFixed(0)} min`;
+  drawChart("chart-gpus", {
+    times: h.times, stacked: true,
+    lines: [...h.gpus_by_job.map((j) => ({ label: jobLabel(j), values: j.values })),
+      { label: "idle", values: h.idle_gpus, color: window.CHART_IDLE_COLOR }],
+  });
+  drawChart("chart-tenants", {
+    times: h.times, stacked: true, empty: "no job holds GPUs in this window",
+    lines: h.gpus_by_tenant.map((t) => ({ label: t.tenant, values: t.values })),
+  });
+  drawChart("chart-pending", { times: h.times, lines: [{ label: "pending jobs", values: h.pending_jobs }] });
+  drawChart("chart-hits", {
+    times: h.times, format: "ratio", yRange: [0, 1.05], empty: "no job reads through a cache server in this window",
+    lines: h.cache_hit_ratio_by_job.map((j) => ({ label: jobLabel(j), values: j.values })),
+  });
+  drawChart("chart-io", {
+    times: h.times, format: "rate", empty: "no job reads through a cache server in this window",
+    lines: h.remote_io_bytes_per_s_by_job.map((j) => ({ label: jobLabel(j), values: j.values })),
+  });
+  const without = h.nodes_without_gpu_figures;
+  const noNvml = without.length ? `no NVML figures from ${without.join(", ")} (emulated GPUs or no NVML on the node)` : "";
+  drawChart("chart-util", {
+    times: h.times, format: "ratio", yRange: [0, 1.05], note: noNvml,
+    empty: noNvml || "no samples yet",
+    lines: h.gpu_utilization_by_node.map((n) => ({ label: n.node, values: n.values })),
+  });
+}
+
 async function refresh() {
   const status = document.getElementById("status");
   let delay = 2000;
@@ -118,6 +154,10 @@ async function refresh() {
     const data = await reply.json();
     if (!reply.ok) throw new Error(data.error || reply.statusText);
     render(data);
+    const history = await fetch("/api/history", { credentials: "same-origin" });
+    const series = await history.json();
+    if (!history.ok) throw new Error(series.error || history.statusText);
+    renderCharts(series);
     delay = 1000 * (data.refresh_s || 2);
     status.textContent = `updated ${new Date().toLocaleTimeString()}`;
     status.className = "status ok";
