@@ -9,12 +9,17 @@ reader learns the path from ``LeaseResponse.local_socket`` of a gRPC Lease; ever
 (and every reader that ignores the field) stays on gRPC.
 
 Frames, both ways: a 4-byte big-endian length, then that many bytes: one kind byte and a
-payload. Requests: kind 0 = hello (payload: the auth token, empty if none; the first frame of
-every connection), kind 1 = ``LeaseRequest``, kind 2 = ``ReleaseLeaseRequest`` (a reader's
+payload. Requests: kind 0 = hello (payload: the caller's credential, empty if none; the first
+frame of every connection), kind 1 = ``LeaseRequest``, kind 2 = ``ReleaseLeaseRequest`` (a reader's
 last lease, when its process ends). Answers: kind 0 = ok (payload: the ``LeaseResponse``;
 empty for a hello or a release), any other kind = the gRPC status code of a refusal, the
 payload its UTF-8 message (the same message, naming the field, that gRPC would carry). A
 connection serves one call at a time; readers open one each.
+
+Who may call, with auth on: the cluster token, and a job's own credential (what its ranks
+hold, services/runtime/access_rules.py), for leases of that job only, as over gRPC. A job's
+credential is checked again at each call through the directory's cache (credential_cache_s),
+so a revoked one stops working on an open connection too.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from typing import Any
 import grpc
 
 from services.runtime import metrics
-from services.runtime.errors import ServiceError
+from services.runtime.directory import Directory
+from services.runtime.errors import PermissionDenied, ServiceError, Unauthenticated
 from services.runtime.interceptors import check_identifiers
 from services.runtime.structured_logging import get_logger
 from silod.v1 import cache_pb2
@@ -63,12 +69,13 @@ class LocalLeaseServer:
 
     def __init__(self, answer: Callable[[cache_pb2.LeaseRequest], Awaitable[cache_pb2.LeaseResponse]],
                  release: Callable[[str], object], path: str, token: str = "", process: str = "cache-server",
-                 beside: str = "") -> None:
+                 beside: str = "", directory: Directory | None = None) -> None:
         self._answer = answer
         self._release = release
         self._wanted = path
         self._beside = beside
         self._token = token.encode()
+        self._directory = directory  # resolves job credentials; None = only the cluster token
         self._process = process
         self._server: asyncio.AbstractServer | None = None
         self._own_dir = ""
@@ -139,8 +146,11 @@ class LocalLeaseServer:
             if kind != KIND_HELLO:
                 await self._refuse(writer, grpc.StatusCode.INVALID_ARGUMENT, "the first frame must be a hello")
                 return
-            if not hmac.compare_digest(payload, self._token):
-                await self._refuse(writer, grpc.StatusCode.UNAUTHENTICATED, "wrong or missing auth token")
+            credential = payload
+            try:
+                await self._job_of(credential)
+            except ServiceError as exc:
+                await self._refuse(writer, exc.code, str(exc))
                 return
             writer.write(frame(OK, b""))
             await writer.drain()
@@ -149,7 +159,7 @@ class LocalLeaseServer:
                 if kind not in METHODS:
                     await self._refuse(writer, grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {kind}")
                     return
-                writer.write(await self._call(kind, payload))
+                writer.write(await self._call(kind, payload, credential))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the reader went away (its process ended): nothing to answer
@@ -177,10 +187,25 @@ class LocalLeaseServer:
         writer.write(frame(code.value[0], message.encode()))
         await writer.drain()
 
-    async def _call(self, kind: int, payload: bytes) -> bytes:
+    async def _job_of(self, credential: bytes) -> str:
+        """The job whose credential ``credential`` is, "" for the cluster token (or no auth);
+        Unauthenticated or PermissionDenied otherwise."""
+        if not self._token or hmac.compare_digest(credential, self._token):
+            return ""
+        if self._directory is None:
+            raise Unauthenticated("wrong or missing auth token")
+        from silod.v1 import access_pb2
+
+        principal = await self._directory.resolve(credential.decode("utf-8", "replace"))
+        if principal.kind != access_pb2.PRINCIPAL_KIND_JOB:
+            raise PermissionDenied(f"a {principal.kind_name} credential may not lease here; a job's own may")
+        return principal.name
+
+    async def _call(self, kind: int, payload: bytes, credential: bytes = b"") -> bytes:
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
+            job = await self._job_of(credential)  # cached: a dictionary look-up until the TTL passes
             if kind == KIND_RELEASE:
                 release = cache_pb2.ReleaseLeaseRequest.FromString(payload)
                 check_identifiers(release)
@@ -188,6 +213,8 @@ class LocalLeaseServer:
                 return frame(OK, b"")
             request = cache_pb2.LeaseRequest.FromString(payload)
             check_identifiers(request)
+            if job and request.job_id != job:
+                raise PermissionDenied("a job's credential leases for its own job only", field="job_id")
             response = await self._answer(request)
             return frame(OK, response.SerializeToString())
         except ServiceError as exc:

@@ -239,8 +239,15 @@ def definition(settings: Settings) -> ServiceDefinition:
         if settings.lease_socket != "off":
             from cache_server.local_socket import LocalLeaseServer
 
+            directory = None
+            if settings.auth_token and settings.metadata_address:  # job credentials, as on gRPC
+                from services.runtime.directory import RemoteDirectory
+
+                directory = state["directory"] = RemoteDirectory(
+                    settings.metadata_address, settings.auth_token, ttl_s=settings.credential_cache_s,
+                    tls_ca_file=getattr(settings, "metadata_tls_ca_file", ""))
             state["local_socket"] = LocalLeaseServer(servicer.answer_lease, core.release, settings.lease_socket,
-                                                     token=settings.auth_token,
+                                                     token=settings.auth_token, directory=directory,
                                                      beside=core.tiers[0].root if core.tiers else "")
             servicer.local_socket = await state["local_socket"].start()
         _log.info("cache ready", extra={"node": config.node, "capacity_bytes": core.capacity,
@@ -253,6 +260,9 @@ def definition(settings: Settings) -> ServiceDefinition:
         local = state.pop("local_socket", None)
         if local is not None:
             await local.stop()
+        directory = state.pop("directory", None)
+        if directory is not None:
+            await directory.close()
         watcher = state.pop("watcher", None)
         if watcher is not None:
             await watcher.stop()

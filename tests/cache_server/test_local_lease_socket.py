@@ -262,3 +262,47 @@ def test_threads_of_one_reader_lease_at_the_same_time_each_on_its_own_connection
         # Counted by the server (the reader's counters are not meant for several threads).
         assert _lease_calls(LOCAL_LEASE) - local_before == 48 and dataset.counters["direct"] == 0
         assert 1 <= len(dataset._local._idle) <= 6  # connections opened as calls overlapped, then kept
+
+
+def test_a_jobs_own_credential_leases_its_own_job_on_the_socket(
+    store: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    """With auth on, ranks hold their job's credential (not the cluster token): the socket takes
+    it, for that job's leases only, and stops taking it once it is revoked."""
+    from services.metadata.service import Settings as MetadataSettings
+    from silod.rpc.channels import open_channel
+    from silod.v1 import access_pb2 as a
+    from silod.v1 import metadata_pb2, metadata_pb2_grpc
+    from tests.metadata.metadata_harness import InProcessServer
+    from tests.metadata.metadata_samples import training_spec
+
+    _, files = store
+    keys = sorted(files)[:4]
+    secured = MetadataSettings(db=f"sqlite:///{tmp_path / 'md.db'}", listen="127.0.0.1:0", log_level="warning",
+                               auth_token="cluster-secret")
+    with InProcessServer(secured) as metadata:
+        md = metadata_pb2_grpc.MetadataServiceStub(open_channel(metadata.address, token="cluster-secret"))
+        job = md.CreateJob(metadata_pb2.CreateJobRequest(spec=training_spec(name="mine")))
+        other = md.CreateJob(metadata_pb2.CreateJobRequest(spec=training_spec(name="other")))
+        issued = md.CreateCredential(a.CreateCredentialRequest(kind=a.PRINCIPAL_KIND_JOB, name=job.id))
+        user = md.CreateCredential(a.CreateCredentialRequest(kind=a.PRINCIPAL_KIND_ADMIN, name="ops"))
+        with InProcessCache(tmp_path, metadata.address, auth_token="cluster-secret", credential_cache_s=0.2) as cache:
+            path = cache.definition.state["local_socket"].path  # type: ignore[attr-defined]
+            client = LocalLeaseClient(path, token=issued.token)
+            with pytest.raises(LeaseRefused) as refused:
+                client.lease(_request("ds-not-needed", keys, job=other.id))
+            assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED and "job_id" in str(refused.value)
+            # Its own job: past the credential check (the dataset is not registered here: NOT_FOUND, not a refusal).
+            with pytest.raises(LeaseRefused) as own:
+                client.lease(_request("ds-not-registered", keys, job=job.id))
+            assert own.value.code == grpc.StatusCode.NOT_FOUND, own.value
+            with pytest.raises(LeaseRefused) as admin_kind:
+                LocalLeaseClient(path, token=user.token)
+            assert admin_kind.value.code == grpc.StatusCode.PERMISSION_DENIED
+            LocalLeaseClient(path, token="cluster-secret")  # the cluster token, as before
+            # Revoked: the open connection is refused at its next call once the cache lapses.
+            md.RevokeCredential(a.RevokeCredentialRequest(id=issued.credential.id))
+            time.sleep(0.5)
+            with pytest.raises(LeaseRefused) as revoked:
+                client.lease(_request("ds-not-registered", keys, job=job.id))
+            assert revoked.value.code == grpc.StatusCode.UNAUTHENTICATED
