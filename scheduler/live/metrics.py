@@ -28,7 +28,8 @@ ROUND_SECONDS = Histogram(
     ["phase"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
 ROUNDS = Counter("silod_scheduler_rounds_total", "Rounds by outcome: committed (a new plan version), unchanged "
                  "(the plan in force still holds), lost_race (another commit won; retried), failed", ["outcome"])
-JOBS = Gauge("silod_scheduler_jobs", "Active jobs by state, as the last round saw them", ["state"])
+JOBS = Gauge("silod_scheduler_jobs", "Active jobs by state and tenant, as the last round saw them (tenants are the "
+             "ones an admin made, a bounded set; \"\" for jobs that name none)", ["state", "tenant"])
 OLDEST_PENDING = Gauge("silod_scheduler_oldest_pending_job_age_seconds",
                        "Age of the longest-waiting PENDING job at the last round (0 when none waits)")
 GPUS = Gauge("silod_scheduler_gpus", "GPUs of live nodes by state under the plan in force: allocated (training on "
@@ -81,15 +82,19 @@ class RoundTimer:
 
 
 def jobs_seen(jobs: Iterable[common_pb2.Job], now_s: float) -> None:
-    counts = dict.fromkeys(_STATES, 0)
+    counts: dict[tuple[str, str], int] = {}
     oldest = 0.0
     for job in jobs:
         state = common_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_")
-        counts[state] = counts.get(state, 0) + 1
+        key = (state, job.spec.tenant)
+        counts[key] = counts.get(key, 0) + 1
         if job.state == common_pb2.JOB_STATE_PENDING and job.created_at.seconds:
             oldest = max(oldest, now_s - job.created_at.ToSeconds())
-    for state, count in counts.items():
-        JOBS.labels(state).set(count)
+    JOBS.clear()  # a tenant with no active job left has no series
+    for state in _STATES:
+        JOBS.labels(state, "").set(0)  # every state has a series, so a sum over them is never empty
+    for (state, tenant), count in counts.items():
+        JOBS.labels(state, tenant).set(count)
     OLDEST_PENDING.set(max(oldest, 0.0))
 
 

@@ -68,3 +68,22 @@ def test_gpus_by_state_grants_and_version_under_the_plan_in_force() -> None:
     assert _value("silod_scheduler_cache_bytes_granted") == 11 << 30
     assert _value("silod_scheduler_remote_io_bytes_per_second_granted") == 50_000_000
     assert _value("silod_scheduler_plan_version") == 12
+
+
+def test_jobs_by_state_and_tenant() -> None:
+    from silod.v1 import common_pb2
+
+    def job(state: int, tenant: str, created: int) -> common_pb2.Job:
+        j = common_pb2.Job(state=state, spec=common_pb2.JobSpec(tenant=tenant))
+        j.created_at.seconds = created
+        return j
+
+    metrics.jobs_seen([job(common_pb2.JOB_STATE_PENDING, "team-a", 1000), job(common_pb2.JOB_STATE_RUNNING, "team-a", 900),
+                       job(common_pb2.JOB_STATE_PENDING, "team-b", 1500)], now_s=2000.0)
+    assert _value("silod_scheduler_jobs", state="PENDING", tenant="team-a") == 1
+    assert _value("silod_scheduler_jobs", state="PENDING", tenant="team-b") == 1
+    assert _value("silod_scheduler_jobs", state="RUNNING", tenant="team-a") == 1
+    assert _value("silod_scheduler_oldest_pending_job_age_seconds") == 1000
+    metrics.jobs_seen([], now_s=2000.0)  # every job gone: the tenants' series go, each state reads 0
+    assert REGISTRY.get_sample_value("silod_scheduler_jobs", {"state": "PENDING", "tenant": "team-a"}) is None
+    assert REGISTRY.get_sample_value("silod_scheduler_jobs", {"state": "PENDING", "tenant": ""}) == 0
