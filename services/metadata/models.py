@@ -215,3 +215,16 @@ class Credential(Base):
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
     expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+
+
+class SchedulerLease(Base):
+    """Who leads the schedulers (one row, name "scheduler"): taken by compare-and-set once
+    expired, the epoch incrementing at each change of holder (services.metadata.store.leadership)."""
+
+    __tablename__ = "scheduler_leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    address: Mapped[str] = mapped_column(String(256))
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[datetime] = mapped_column(UtcDateTime)

@@ -210,6 +210,14 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     async def CommitPlan(self, request: metadata_pb2.CommitPlanRequest, context: Context) -> plan_pb2.AllocationPlan:
         return await self._run(request, self._store.plans.commit, request.plan)
 
+    async def AcquireLeadership(
+        self, request: metadata_pb2.AcquireLeadershipRequest, context: Context
+    ) -> metadata_pb2.Leadership:
+        return await self._run(request, self._store.leadership.acquire, request.holder, request.address, request.ttl_s)
+
+    async def GetLeadership(self, request: metadata_pb2.GetLeadershipRequest, context: Context) -> metadata_pb2.Leadership:
+        return await self._run(request, self._store.leadership.get)
+
     async def GetLatestPlan(
         self, request: metadata_pb2.GetLatestPlanRequest, context: Context
     ) -> plan_pb2.AllocationPlan:

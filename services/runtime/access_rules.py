@@ -231,6 +231,9 @@ RULES: dict[str, Rule] = {
         "SetTenantMembers": ADMIN_ONLY,
         # What a worker agent hands its ranks as SILOD_AUTH_TOKEN instead of the cluster token.
         "MintJobCredential": Rule(node=OwnNodeOfJob("node", "job_id")),
+        # Scheduler leadership: the schedulers (cluster token) only.
+        "AcquireLeadership": ADMIN_ONLY,
+        "GetLeadership": ADMIN_ONLY,
     }),
     **_service("silod.v1.JobService", {
         "SubmitJob": Rule(user=TenantOf("spec.tenant")),

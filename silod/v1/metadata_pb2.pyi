@@ -28,6 +28,87 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class AcquireLeadershipRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOLDER_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    holder: _builtins.str
+    """unique id of the asking scheduler process"""
+    address: _builtins.str
+    """HOST:PORT it serves JobService / AllocationService on"""
+    ttl_s: _builtins.float
+    """seconds the lease lasts unless renewed, 0.5..300"""
+    def __init__(
+        self,
+        *,
+        holder: _builtins.str = ...,
+        address: _builtins.str = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "holder", b"holder", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AcquireLeadershipRequest: _TypeAlias = AcquireLeadershipRequest  # noqa: Y015
+
+@_typing.final
+class GetLeadershipRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLeadershipRequest: _TypeAlias = GetLeadershipRequest  # noqa: Y015
+
+@_typing.final
+class Leadership(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOLDER_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
+    holder: _builtins.str
+    """current (or last) holder"""
+    address: _builtins.str
+    """its HOST:PORT"""
+    epoch: _builtins.int
+    """increments at each change of holder; 0 = never held"""
+    held: _builtins.bool
+    """AcquireLeadership: whether the asker holds it now"""
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """the lease lapses then unless renewed"""
+
+    def __init__(
+        self,
+        *,
+        holder: _builtins.str = ...,
+        address: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+        held: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "epoch", b"epoch", "expires_at", b"expires_at", "held", b"held", "holder", b"holder"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Leadership: _TypeAlias = Leadership  # noqa: Y015
+
+@_typing.final
 class RegisterDatasetRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

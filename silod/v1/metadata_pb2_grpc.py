@@ -212,6 +212,16 @@ class MetadataServiceStub:
                 request_serializer=silod_dot_v1_dot_access__pb2.MintJobCredentialRequest.SerializeToString,
                 response_deserializer=silod_dot_v1_dot_access__pb2.IssuedCredential.FromString,
                 _registered_method=True)
+        self.AcquireLeadership = channel.unary_unary(
+                '/silod.v1.MetadataService/AcquireLeadership',
+                request_serializer=silod_dot_v1_dot_metadata__pb2.AcquireLeadershipRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_metadata__pb2.Leadership.FromString,
+                _registered_method=True)
+        self.GetLeadership = channel.unary_unary(
+                '/silod.v1.MetadataService/GetLeadership',
+                request_serializer=silod_dot_v1_dot_metadata__pb2.GetLeadershipRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_metadata__pb2.Leadership.FromString,
+                _registered_method=True)
 
 
 class MetadataServiceServicer:
@@ -453,6 +463,22 @@ class MetadataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AcquireLeadership(self, request, context):
+        """Scheduler leadership (admin only): one lease, taken by compare-and-set. Acquire by the holder
+        renews it (same epoch); by another holder it succeeds only once the lease has expired, and the
+        epoch then increments. The reply always names the current holder (held = false: not you).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLeadership(self, request, context):
+        """epoch 0 / empty holder = never held
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetadataServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -630,6 +656,16 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.MintJobCredential,
                     request_deserializer=silod_dot_v1_dot_access__pb2.MintJobCredentialRequest.FromString,
                     response_serializer=silod_dot_v1_dot_access__pb2.IssuedCredential.SerializeToString,
+            ),
+            'AcquireLeadership': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireLeadership,
+                    request_deserializer=silod_dot_v1_dot_metadata__pb2.AcquireLeadershipRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_metadata__pb2.Leadership.SerializeToString,
+            ),
+            'GetLeadership': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLeadership,
+                    request_deserializer=silod_dot_v1_dot_metadata__pb2.GetLeadershipRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_metadata__pb2.Leadership.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1577,6 +1613,60 @@ class MetadataService:
             '/silod.v1.MetadataService/MintJobCredential',
             silod_dot_v1_dot_access__pb2.MintJobCredentialRequest.SerializeToString,
             silod_dot_v1_dot_access__pb2.IssuedCredential.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquireLeadership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/AcquireLeadership',
+            silod_dot_v1_dot_metadata__pb2.AcquireLeadershipRequest.SerializeToString,
+            silod_dot_v1_dot_metadata__pb2.Leadership.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLeadership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/GetLeadership',
+            silod_dot_v1_dot_metadata__pb2.GetLeadershipRequest.SerializeToString,
+            silod_dot_v1_dot_metadata__pb2.Leadership.FromString,
             options,
             channel_credentials,
             insecure,

@@ -108,6 +108,13 @@ class MetadataServiceStub:
     plan places the job on `node`, FAILED_PRECONDITION once the job has ended. It is revoked when
     the job ends (SUCCEEDED, FAILED or CANCELLED).
     """
+    AcquireLeadership: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.AcquireLeadershipRequest, _metadata_pb2.Leadership]
+    """Scheduler leadership (admin only): one lease, taken by compare-and-set. Acquire by the holder
+    renews it (same epoch); by another holder it succeeds only once the lease has expired, and the
+    epoch then increments. The reply always names the current holder (held = false: not you).
+    """
+    GetLeadership: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.GetLeadershipRequest, _metadata_pb2.Leadership]
+    """epoch 0 / empty holder = never held"""
 
 @_typing.type_check_only
 class MetadataServiceAsyncStub(MetadataServiceStub):
@@ -180,6 +187,13 @@ class MetadataServiceAsyncStub(MetadataServiceStub):
     plan places the job on `node`, FAILED_PRECONDITION once the job has ended. It is revoked when
     the job ends (SUCCEEDED, FAILED or CANCELLED).
     """
+    AcquireLeadership: _aio.UnaryUnaryMultiCallable[_metadata_pb2.AcquireLeadershipRequest, _metadata_pb2.Leadership]  # type: ignore[assignment]
+    """Scheduler leadership (admin only): one lease, taken by compare-and-set. Acquire by the holder
+    renews it (same epoch); by another holder it succeeds only once the lease has expired, and the
+    epoch then increments. The reply always names the current holder (held = false: not you).
+    """
+    GetLeadership: _aio.UnaryUnaryMultiCallable[_metadata_pb2.GetLeadershipRequest, _metadata_pb2.Leadership]  # type: ignore[assignment]
+    """epoch 0 / empty holder = never held"""
 
 class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -459,5 +473,24 @@ class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
         plan places the job on `node`, FAILED_PRECONDITION once the job has ended. It is revoked when
         the job ends (SUCCEEDED, FAILED or CANCELLED).
         """
+
+    @_abc_1.abstractmethod
+    def AcquireLeadership(
+        self,
+        request: _metadata_pb2.AcquireLeadershipRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_metadata_pb2.Leadership, _abc.Awaitable[_metadata_pb2.Leadership]]:
+        """Scheduler leadership (admin only): one lease, taken by compare-and-set. Acquire by the holder
+        renews it (same epoch); by another holder it succeeds only once the lease has expired, and the
+        epoch then increments. The reply always names the current holder (held = false: not you).
+        """
+
+    @_abc_1.abstractmethod
+    def GetLeadership(
+        self,
+        request: _metadata_pb2.GetLeadershipRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_metadata_pb2.Leadership, _abc.Awaitable[_metadata_pb2.Leadership]]:
+        """epoch 0 / empty holder = never held"""
 
 def add_MetadataServiceServicer_to_server(servicer: MetadataServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

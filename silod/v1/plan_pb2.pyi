@@ -263,6 +263,7 @@ class AllocationPlan(_message.Message):
     LOANS_FIELD_NUMBER: _builtins.int
     STORAGE_BANDWIDTH_BUDGET_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """plan version: 1, 2, 3 ..."""
     policy: _builtins.str
@@ -273,6 +274,10 @@ class AllocationPlan(_message.Message):
     """bytes/s; sum of granted remote IO must not exceed it; 0 = unlimited"""
     reason: _builtins.str
     """why this round ran: "interval", "arrival", "completion", "node-lost" ..."""
+    epoch: _builtins.int
+    """Leadership epoch of the scheduler that committed it (MetadataService.AcquireLeadership); 0 =
+    no leader election (one scheduler). CommitPlan refuses an epoch older than the lease's.
+    """
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """UTC time of creation"""
@@ -301,10 +306,11 @@ class AllocationPlan(_message.Message):
         loans: _abc.Iterable[Global___GpuLoan] | None = ...,
         storage_bandwidth_budget_bytes_per_s: _builtins.int = ...,
         reason: _builtins.str = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_mode", b"cache_mode", "created_at", b"created_at", "jobs", b"jobs", "loans", b"loans", "policy", b"policy", "reason", b"reason", "replicas", b"replicas", "storage_bandwidth_budget_bytes_per_s", b"storage_bandwidth_budget_bytes_per_s", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_mode", b"cache_mode", "created_at", b"created_at", "epoch", b"epoch", "jobs", b"jobs", "loans", b"loans", "policy", b"policy", "reason", b"reason", "replicas", b"replicas", "storage_bandwidth_budget_bytes_per_s", b"storage_bandwidth_budget_bytes_per_s", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -469,10 +475,13 @@ class NodePlan(_message.Message):
     CACHE_QUOTAS_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     LOANS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """version of the AllocationPlan this view was cut from"""
     node: _builtins.str
     """node name"""
+    epoch: _builtins.int
+    """AllocationPlan.epoch: agents and cache servers ignore plans older than the newest seen"""
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAssignment]:
         """ranks to run on this node"""
@@ -498,10 +507,11 @@ class NodePlan(_message.Message):
         cache_quotas: _abc.Iterable[Global___JobCacheQuota] | None = ...,
         replicas: _abc.Iterable[Global___InferenceReplica] | None = ...,
         loans: _abc.Iterable[Global___GpuLoan] | None = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_quotas", b"cache_quotas", "loans", b"loans", "node", b"node", "replicas", b"replicas", "tasks", b"tasks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_quotas", b"cache_quotas", "epoch", b"epoch", "loans", b"loans", "node", b"node", "replicas", b"replicas", "tasks", b"tasks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -10,6 +10,7 @@ from services.metadata.database import Database, EngineOptions, create_db_engine
 from services.metadata.store.access import AccessStore
 from services.metadata.store.datasets import DatasetStore
 from services.metadata.store.jobs import JobStore
+from services.metadata.store.leadership import LeadershipStore
 from services.metadata.store.metrics import MetricStore
 from services.metadata.store.nodes import NodeStore
 from services.metadata.store.plans import PlanStore
@@ -26,6 +27,7 @@ class MetadataStore:
         self.metrics = MetricStore(db)
         self.access = AccessStore(db)
         self.retention = RetentionStore(db)
+        self.leadership = LeadershipStore(db)
 
     @classmethod
     def open(cls, db_url: str, *, liveness_window_s: float = 15.0, pool_size: int = 8) -> "MetadataStore":
@@ -37,4 +39,4 @@ class MetadataStore:
         self.db.dispose()
 
 
-__all__ = ["MetadataStore", "AccessStore", "DatasetStore", "JobStore", "MetricStore", "NodeStore", "PlanStore"]
+__all__ = ["MetadataStore", "AccessStore", "DatasetStore", "JobStore", "LeadershipStore", "MetricStore", "NodeStore", "PlanStore"]

@@ -12,9 +12,10 @@ from services.metadata import convert, paging
 from services.metadata.clock import from_timestamp, to_timestamp, utc_now
 from services.metadata.database import Database
 from services.metadata.models import Plan
+from services.metadata.store.leadership import epoch_now
 from services.metadata.validation.common import check_int
 from services.metadata.validation.plans import check_plan
-from services.runtime.errors import Aborted, NotFound
+from services.runtime.errors import Aborted, FailedPrecondition, NotFound
 
 
 class PlanStore:
@@ -44,6 +45,13 @@ class PlanStore:
         stored.created_at.CopyFrom(to_timestamp(created_at))
         try:
             with self._db.write() as session:
+                # Fencing: a deposed leader (its epoch older than the lease's) cannot commit. The
+                # lease row stays share-locked until this commit ends, so no takeover interleaves.
+                current = epoch_now(session, lock=True)
+                if plan.epoch < current:
+                    raise FailedPrecondition(
+                        f"plan epoch {plan.epoch} is older than the scheduler lease's epoch {current}: "
+                        "this scheduler is no longer the leader", field="plan.epoch")
                 latest = session.scalar(select(func.max(Plan.version))) or 0
                 if plan.version != latest + 1:
                     raise _stale(plan.version, latest)
