@@ -8,6 +8,9 @@ reconnect with backoff 0.2 s doubling to 5 s (reset once a plan arrives), ``know
 the newest version handled, versions not newer than that are ignored. A watch error never
 stops the server; each distinct error is logged once.
 
+Epoch fencing (scheduler leadership): a plan whose ``epoch`` is older than the newest epoch seen
+comes from a deposed leader; it is not applied, and is Acked ``ok=False`` naming the reason.
+
 ``apply_quotas`` runs on the server's event loop: the core is single-threaded (not thread-safe)
 and applying is in-memory bookkeeping plus evictions, so it is not handed to a thread.
 """
@@ -42,6 +45,7 @@ class PlanWatcher:
         self.handled_version = int(getattr(core, "plan_version", 0) or 0)  # applied or refused
         self.applied_versions: list[int] = []
         self.refused_versions: list[int] = []
+        self.epoch = 0  # the newest leadership epoch seen on a plan
         self._last_error = ""
         self._task: asyncio.Task[None] | None = None
 
@@ -85,6 +89,13 @@ class PlanWatcher:
 
     async def handle(self, plan: plan_pb2.NodePlan) -> None:
         """Apply ``plan`` if it is newer than anything handled, then Ack it."""
+        if plan.epoch < self.epoch:
+            message = f"plan epoch {plan.epoch} is older than epoch {self.epoch} already seen (a deposed scheduler)"
+            _log.warning("plan from an older epoch refused", extra={"version": plan.version, "reason": message})
+            self.refused_versions.append(plan.version)
+            await self._ack(plan.version, False, message)
+            return
+        self.epoch = plan.epoch
         if plan.version <= self.handled_version:
             return
         ok, message = True, ""
@@ -101,9 +112,12 @@ class PlanWatcher:
         (self.applied_versions if ok else self.refused_versions).append(plan.version)
         if not ok:
             _log.warning("plan refused", extra={"version": plan.version, "reason": message})
+        await self._ack(plan.version, ok, message)
+
+    async def _ack(self, version: int, ok: bool, message: str) -> None:
         try:
             await self.stub.Ack(
-                allocation_pb2.AckPlanRequest(node=self.node, component=COMPONENT, version=plan.version,
+                allocation_pb2.AckPlanRequest(node=self.node, component=COMPONENT, version=version,
                                               ok=ok, message=message),
                 timeout=ACK_TIMEOUT_S,
             )

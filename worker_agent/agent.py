@@ -215,6 +215,9 @@ class Agent:
         self.finished: set[str] = set()  # keys of tasks that exited; never relaunched for the same generation
         self.applied_version = 0
         self.applied_versions: list[int] = []
+        self.plan_epoch = 0  # the newest scheduler leadership epoch seen on a plan (fencing)
+        self.refused_plans: list[tuple[int, int]] = []  # (version, epoch) of plans from an older epoch
+        self._acks: set[asyncio.Task[None]] = set()  # refusals' Acks in flight
         self._pending: plan_pb2.NodePlan | None = None
         self._pending_since = 0.0  # monotonic time the pending plan arrived
         self._plan_ready = asyncio.Event()
@@ -434,7 +437,19 @@ class Agent:
             backoff = min(backoff * 2, 5.0)
 
     def offer_plan(self, plan: plan_pb2.NodePlan) -> None:
-        """Keep ``plan`` as the next to apply if it is newer than what is applied or pending."""
+        """Keep ``plan`` as the next to apply if it is newer than what is applied or pending.
+        A plan from an older leadership epoch than the newest seen comes from a deposed
+        scheduler: it is refused (logged, and Acked ok=False naming the reason)."""
+        if plan.epoch < self.plan_epoch:
+            reason = f"plan epoch {plan.epoch} is older than epoch {self.plan_epoch} already seen (a deposed scheduler)"
+            _log.warning("plan from an older epoch refused", extra={"version": plan.version, "reason": reason})
+            self.refused_plans.append((plan.version, plan.epoch))
+            if self._alloc is not None:
+                self._spawn_ack(allocation_pb2.AckPlanRequest(
+                    node=self.spec.name, component=allocation_pb2.PLAN_COMPONENT_WORKER_AGENT,
+                    version=plan.version, ok=False, message=reason))
+            return
+        self.plan_epoch = plan.epoch
         newest = max(self.applied_version, self._pending.version if self._pending is not None else 0)
         if plan.version <= newest:
             return
@@ -442,6 +457,17 @@ class Agent:
             self._pending_since = time.monotonic()
         self._pending = plan
         self._plan_ready.set()
+
+    def _spawn_ack(self, request: allocation_pb2.AckPlanRequest) -> None:
+        async def ack() -> None:
+            try:
+                await self._alloc.Ack(request, timeout=10)  # type: ignore[union-attr]
+            except grpc.aio.AioRpcError as exc:
+                _log.warning("ack failed", extra={"version": request.version, "code": exc.code().name})
+
+        task = asyncio.ensure_future(ack())
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
 
     async def _apply_loop(self) -> None:
         while True:
