@@ -30,6 +30,15 @@ class Settings(ServiceSettings):
         0.0, ge=0, description="Bytes/s the cluster may read from remote storage in total, shared out by "
         "--cache-mode silod as per-job IO rates; 0 = unlimited")
     metadata_timeout_s: float = Field(10.0, gt=0, description="Seconds a unary call to the metadata service may take")
+    leader_election: bool = Field(
+        False, description="Run as one of several schedulers: only the holder of the leadership lease in the "
+        "metadata store runs rounds and commits plans; the others stand by and take over once it lapses "
+        "(docs/operators.md, High availability). Off = the only scheduler")
+    advertise_address: str = Field(
+        "", description="HOST:PORT the nodes reach this scheduler at, recorded with the lease (--leader-election); "
+        "empty = the bound listen address")
+    lease_ttl_s: float = Field(5.0, ge=0.5, le=300, description="Seconds the leadership lease lasts unless renewed")
+    lease_renew_s: float = Field(1.0, gt=0, le=60, description="Seconds between lease renewals (and a standby's tries)")
     inference_protect_scale: float = Field(
         1.0, gt=0, description="Scale of an inference replica's protect time after its task "
         "(DeepBoot: 30 s + 15 s per reuse, at most 120 s, times this)")
@@ -62,10 +71,18 @@ class Settings(ServiceSettings):
 def definition(settings: Settings) -> ServiceDefinition:
     from scheduler.live.core import SchedulerCore
     from scheduler.live.data import CachedBytesProbe
+    from scheduler.live.leadership import Leadership
     from scheduler.live.servicers import AllocationService, JobService
 
+    leadership = None
+    if settings.leader_election:
+        from scheduler.live.leadership import reachable_address
+
+        settings.listen, address = reachable_address(settings.listen)  # the lease names a concrete address
+        leadership = Leadership(enabled=True, address=settings.advertise_address or address,
+                                ttl_s=settings.lease_ttl_s, renew_s=min(settings.lease_renew_s, settings.lease_ttl_s / 2))
     core = SchedulerCore(
-        None, policy=settings.policy, interval_s=settings.interval_s,
+        None, leadership=leadership, policy=settings.policy, interval_s=settings.interval_s,
         restart_cost_s=settings.restart_cost_s, node_timeout_s=settings.node_timeout_s, cache_mode=settings.cache_mode,
         inference_protect_scale=settings.inference_protect_scale,
         storage_bandwidth_bytes_per_s=settings.storage_bandwidth_bytes_per_s,

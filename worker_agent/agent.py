@@ -233,9 +233,14 @@ class Agent:
         self._metadata = metadata_pb2_grpc.MetadataServiceStub(self._meta_channel)
         self._alloc_channel = None
         self._alloc = None
-        if settings.scheduler_address:
-            self._alloc_channel = open_channel(settings.scheduler_address, token=token, aio=True)
-            self._alloc = allocation_pb2_grpc.AllocationServiceStub(self._alloc_channel)
+        # Several schedulers (--scheduler-address a,b; --leader-election on them): the watch moves to
+        # the next address whenever it breaks; a standby answers UNAVAILABLE, the leader streams plans.
+        self._scheduler_addresses = [a.strip() for a in settings.scheduler_address.split(",") if a.strip()]
+        self._alloc_channels: dict[str, Any] = {}
+        self._scheduler_index = 0
+        self._token = token
+        if self._scheduler_addresses:
+            self._use_scheduler(0)
         self.warm: WarmPool | None = None
         if getattr(settings, "warm_processes", 0) > 0 and settings.scheduler_address:
             preload = [m.strip() for m in settings.warm_preload.split(",") if m.strip()]
@@ -276,8 +281,8 @@ class Agent:
         if self.gpu_monitor is not None:
             await asyncio.to_thread(self.gpu_monitor.close)  # joins the Xid thread
         await self._meta_channel.close()
-        if self._alloc_channel is not None:
-            await self._alloc_channel.close()
+        for channel in self._alloc_channels.values():
+            await channel.close()
 
     # ---- processes of a previous incarnation ------------------------------------------------
     @property
@@ -414,6 +419,14 @@ class Agent:
             self._heartbeat_now.clear()
 
     # ---- plans -----------------------------------------------------------------------------
+    def _use_scheduler(self, index: int) -> None:
+        self._scheduler_index = index % len(self._scheduler_addresses)
+        address = self._scheduler_addresses[self._scheduler_index]
+        if address not in self._alloc_channels:
+            self._alloc_channels[address] = open_channel(address, token=self._token, aio=True)
+        self._alloc_channel = self._alloc_channels[address]
+        self._alloc = allocation_pb2_grpc.AllocationServiceStub(self._alloc_channel)
+
     async def _watch_loop(self) -> None:
         # Plans are acked only once the node exists in the metadata store: the scheduler records
         # an Ack as the node's heartbeat, which fails for a node not registered yet.
@@ -433,6 +446,9 @@ class Agent:
                     self.offer_plan(plan)
             except grpc.aio.AioRpcError as exc:
                 _log.info("plan watch interrupted", extra={"code": exc.code().name, "detail": exc.details()})
+            if len(self._scheduler_addresses) > 1:  # try the next scheduler: the leader may have moved
+                self._use_scheduler(self._scheduler_index + 1)
+                backoff = min(backoff, 0.5)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 

@@ -15,6 +15,8 @@ import math
 import time
 from collections.abc import Awaitable, Iterable
 
+import grpc
+
 from estimator.job_model import JobModel
 from scheduler.deepboot.replicas import LifecycleConfig, ProtectSchedule
 from scheduler.live import metrics
@@ -23,6 +25,7 @@ from scheduler.live.commit import Committer
 from scheduler.live.data import CachedBytesProbe
 from scheduler.live.feedback import EstimatorFeedback
 from scheduler.live.inference import LiveInference
+from scheduler.live.leadership import Leadership
 from scheduler.live.liveness import NodeLiveness
 from scheduler.live.models import JobModels
 from scheduler.live.planner import RoundPlanner, configured_policy
@@ -44,7 +47,7 @@ class SchedulerCore:
     def __init__(self, metadata: metadata_pb2_grpc.MetadataServiceStub, *, policy: str, interval_s: float,
                  restart_cost_s: float, node_timeout_s: float, cache_mode: str,
                  node_poll_s: float = 1.0, inference_protect_scale: float = 1.0,
-                 storage_bandwidth_bytes_per_s: float = 0.0) -> None:
+                 storage_bandwidth_bytes_per_s: float = 0.0, leadership: Leadership | None = None) -> None:
         self.policy_name = policy
         self.cache_mode = cache_mode
         self.policy, policy_co_designs = configured_policy(policy, cache_mode)
@@ -54,6 +57,10 @@ class SchedulerCore:
         self._background: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._node_task: asyncio.Task[None] | None = None
+        self._lease_task: asyncio.Task[None] | None = None
+        # One scheduler unless --leader-election (scheduler.live.leadership): then only the leader
+        # runs rounds and commits, each plan stamped with its epoch.
+        self.leadership = leadership if leadership is not None else Leadership(enabled=False)
 
         self.clients = Clients(md=metadata)
         self.plans = PlanStore(self.clients)
@@ -81,6 +88,8 @@ class SchedulerCore:
 
     # ---- the round -------------------------------------------------------------------------
     async def _round(self, reason: str) -> plan_pb2.AllocationPlan | None:
+        if not self.leadership.leading:
+            return None  # a standby: the leader runs rounds
         timer = metrics.RoundTimer()
         try:
             snap, jobs = await timer.timed("snapshot", self._snapshot())
@@ -88,7 +97,17 @@ class SchedulerCore:
             proto = timer.untimed("policy", lambda: self.planner.plan(
                 snap, jobs, self.snapshots.usable, base=base, busy=self.releases.busy(base),
                 restarting=self.restarts.waiting, reason=reason))
-            committed = await timer.timed("commit", self.committer.commit(proto, base, {j.id: j for j in jobs}, reason))
+            proto.epoch = self.leadership.epoch
+            try:
+                committed = await timer.timed(
+                    "commit", self.committer.commit(proto, base, {j.id: j for j in jobs}, reason))
+            except grpc.aio.AioRpcError as exc:
+                if self.leadership.enabled and exc.code() == grpc.StatusCode.FAILED_PRECONDITION \
+                        and "epoch" in (exc.details() or ""):
+                    self.leadership.deposed(exc.details() or "")  # another scheduler leads now
+                    timer.done("lost_race")
+                    return None
+                raise
         except Exception:
             timer.done("failed")
             raise
@@ -195,6 +214,14 @@ class SchedulerCore:
         await self.releases.recover(self.md, self.plans.latest)
         self._loop_task = asyncio.create_task(self.rounds.loop())
         self._node_task = asyncio.create_task(self.liveness.watch())
+        if self.leadership.enabled:
+            self._lease_task = asyncio.create_task(self.leadership.run(self.md, self._elected))
+
+    async def _elected(self) -> None:
+        """Won the lease: start from the store's view, as a restarted scheduler does."""
+        await self.plans.refresh()
+        await self.releases.recover(self.md, self.plans.latest)
+        self.trigger("elected")
 
     def spawn(self, call: Awaitable[None]) -> None:
         """Run ``call`` in the background, cancelled by stop()."""
@@ -203,7 +230,7 @@ class SchedulerCore:
         task.add_done_callback(self._background.discard)
 
     async def stop(self) -> None:
-        for task in (self._loop_task, self._node_task, *self._background):
+        for task in (self._lease_task, self._loop_task, self._node_task, *self._background):
             if task is not None:
                 task.cancel()
                 try:

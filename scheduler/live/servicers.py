@@ -19,7 +19,7 @@ from scheduler.live.models import known_applications
 from services.metadata.validation.common import check_enum, check_float, check_int
 from services.metadata.validation.jobs import check_client_request_id, check_progress, job_spec_problems
 from services.runtime import downstream
-from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Problems, ServiceError
+from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Problems, ServiceError, Unavailable
 from silod.v1 import (
     allocation_pb2,
     allocation_pb2_grpc,
@@ -289,6 +289,14 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
         return await forward(self.md.ListDatasets(request))
 
 
+def require_leader(core: Any) -> None:
+    """With --leader-election, the nodes follow the leader only: a standby answers UNAVAILABLE
+    naming the leader's address, and the node tries its next --scheduler-address."""
+    leadership = getattr(core, "leadership", None)
+    if leadership is not None and not leadership.leading:
+        raise Unavailable(leadership.describe_leader())
+
+
 class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
     @property
     def md(self):
@@ -310,14 +318,18 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
     async def Watch(self, request, context):  # noqa: N802
         if not request.node:
             raise InvalidArgument("required", field="node")
+        require_leader(self.core)
         await forward(self.core.refresh_latest(), "metadata GetLatestPlan", None)
         sent = 0
         while True:
             plan = self.core.latest
             if plan is not None and plan.version > sent:
-                yield await self.core.node_plan(plan, request.node)
+                node_plan = await self.core.node_plan(plan, request.node)
+                node_plan.epoch = plan.epoch
+                yield node_plan
                 sent = plan.version
             await self.core.wait_newer(sent, self.refresh_s)
+            require_leader(self.core)  # deposed: the watcher moves to the new leader
             if self.core.latest is None or self.core.latest.version <= sent:
                 await forward(self.core.refresh_latest(), "metadata GetLatestPlan", None)  # committed by someone else
 
@@ -326,6 +338,7 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
             raise InvalidArgument("required", field="node")
         if request.version < 0:
             raise InvalidArgument("must be >= 0", field="version")
+        require_leader(self.core)
         # Releases first: they live in this process and free GPUs for the next round, so a
         # metadata service that is down (or slow) must not lose or delay them.
         if request.released_jobs and self.core.release(request.node, request.released_jobs):
@@ -349,6 +362,7 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
         for i, t in enumerate(request.tasks):
             task_problems(t, f"tasks[{i}]", problems)
         problems.raise_if_any()
+        require_leader(self.core)  # job states are written by the leader only
         # What reaches the metadata service from here was checked above: a refusal is a bug.
         acknowledged = await forward(self.core.report_tasks(request), "metadata (task reports)", None)
         return allocation_pb2.ReportTasksResponse(acknowledged_exits=acknowledged)
