@@ -162,6 +162,6 @@ def test_migration_0004_keeps_the_data_and_makes_a_tenant_of_each_job_tenant(req
         store.access.set_members("vision", ["alice"])
         assert store.access.resolve(issue(store, USER, "alice").token).tenants == ("vision",)
         from services.metadata.migrate import current_revision
-        assert current_revision(store.db.engine) == head_revision() == "0004"
+        assert current_revision(store.db.engine) == head_revision() >= "0004"
     finally:
         store.close()
