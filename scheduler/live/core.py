@@ -216,6 +216,8 @@ class SchedulerCore:
         self._node_task = asyncio.create_task(self.liveness.watch())
         if self.leadership.enabled:
             self._lease_task = asyncio.create_task(self.leadership.run(self.md, self._elected))
+        else:
+            self.spawn(self.leadership.check_alone(self.md))
 
     async def _elected(self) -> None:
         """Won the lease: start from the store's view, as a restarted scheduler does."""

@@ -88,12 +88,24 @@ class Leadership:
                 _log.warning("leadership lost", extra={"holder": self.holder, "leader": lease.holder,
                                                         "epoch": lease.epoch})
             elif lease.epoch != self.epoch:
-                _log.info("standby", extra={"leader": lease.holder, "leader_address": lease.address,
-                                            "epoch": lease.epoch})
+                _log.info("standing by: another scheduler leads", extra={
+                    "leader": lease.holder, "leader_address": lease.address, "epoch": lease.epoch})
             self.epoch = lease.epoch
             self._valid_until = 0.0
         self._note_change()
         return self.leading
+
+    async def check_alone(self, md) -> None:  # type: ignore[no-untyped-def]
+        """Without --leader-election: say clearly when schedulers with it lead this cluster (this
+        one's plans, epoch 0, are then refused by the metadata store)."""
+        try:
+            lease = await md.GetLeadership(metadata_pb2.GetLeadershipRequest(), timeout=5)
+        except Exception:  # noqa: BLE001 - an older metadata service, or not reachable yet: nothing to say
+            return
+        if lease.epoch > 0:
+            _log.error("schedulers with --leader-election lead this cluster (leader %s at %s, epoch %d): this "
+                       "scheduler cannot commit plans; start it with --leader-election to stand by",
+                       lease.holder, lease.address, lease.epoch)
 
     async def run(self, md, on_elected: Callable[[], Awaitable[None]]) -> None:  # type: ignore[no-untyped-def]
         """Renew or try to take the lease every renew_s; ``on_elected`` runs at each win."""
