@@ -239,3 +239,4 @@ class SchedulerCore:
                     await task
                 except (asyncio.CancelledError, Exception):
                     pass
+        await self.leadership.step_down(self.md)  # rounds have stopped: a standby may take over now

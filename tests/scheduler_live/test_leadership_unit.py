@@ -60,6 +60,28 @@ def test_win_renew_lose_and_lapse() -> None:
     asyncio.run(scenario())
 
 
+def test_step_down_shortens_the_lease() -> None:
+    async def scenario() -> list[float]:
+        md = FakeMetadata()
+        asked: list[float] = []
+        acquire = md.AcquireLeadership
+
+        async def recording(request, timeout=None):  # type: ignore[no-untyped-def]
+            asked.append(request.ttl_s)
+            return await acquire(request, timeout)
+
+        md.AcquireLeadership = recording  # type: ignore[method-assign]
+        a = Leadership(enabled=True, address="a:1", ttl_s=5.0, renew_s=1.0, holder="a")
+        await a.acquire_once(md)
+        await a.step_down(md)
+        assert not a.leading
+        await a.step_down(md)  # not leading: nothing to hand back
+        await Leadership(enabled=False).step_down(md)
+        return asked
+
+    assert asyncio.run(scenario()) == [5.0, 0.5]
+
+
 def test_off_by_default_always_leads_at_epoch_0() -> None:
     off = Leadership(enabled=False)
     assert off.leading and off.epoch == 0
