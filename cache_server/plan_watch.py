@@ -8,6 +8,9 @@ reconnect with backoff 0.2 s doubling to 5 s (reset once a plan arrives), ``know
 the newest version handled, versions not newer than that are ignored. A watch error never
 stops the server; each distinct error is logged once.
 
+With several schedulers (``--scheduler-address a,b``: one leads, the others stand by and refuse
+the watch), a broken watch moves to the next address, as the worker agent's does.
+
 Epoch fencing (scheduler leadership): a plan whose ``epoch`` is older than the newest epoch seen
 comes from a deposed leader; it is not applied, and is Acked ``ok=False`` naming the reason.
 
@@ -38,10 +41,13 @@ COMPONENT = allocation_pb2.PLAN_COMPONENT_CACHE_SERVER
 class PlanWatcher:
     """Owns one asyncio task; ``start()`` on the server's loop, ``await stop()`` before the core stops."""
 
-    def __init__(self, core: Any, node: str, channel: Any) -> None:
+    def __init__(self, core: Any, node: str, channels: Any) -> None:
         self.core = core
         self.node = node
-        self.stub = allocation_pb2_grpc.AllocationServiceStub(channel)
+        channels = list(channels) if isinstance(channels, (list, tuple)) else [channels]
+        self._stubs = [allocation_pb2_grpc.AllocationServiceStub(c) for c in channels]
+        self._index = 0
+        self.stub = self._stubs[0]
         self.handled_version = int(getattr(core, "plan_version", 0) or 0)  # applied or refused
         self.applied_versions: list[int] = []
         self.refused_versions: list[int] = []
@@ -84,6 +90,10 @@ class PlanWatcher:
                 self._log_error("plan watch interrupted", f"{exc.code().name}: {exc.details()}")
             except Exception as exc:  # noqa: BLE001 - never let the watcher kill the server
                 self._log_error("plan watch failed", f"{type(exc).__name__}: {exc}")
+            if len(self._stubs) > 1:  # the leader may have moved: try the next scheduler
+                self._index = (self._index + 1) % len(self._stubs)
+                self.stub = self._stubs[self._index]
+                backoff = min(backoff, 0.5)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 

@@ -81,7 +81,9 @@ class Settings(ServiceSettings):
     )
     scheduler_address: str = Field(
         "",
-        description="HOST:PORT of the AllocationService to follow (plan cache quotas); empty = best-effort mode, no watch",
+        description="HOST:PORT of the AllocationService to follow (plan cache quotas), or a comma-separated list "
+        "of the schedulers that take turns leading (the watch moves to the next when one breaks); "
+        "empty = best-effort mode, no watch",
     )
 
     @field_validator("node")
@@ -233,8 +235,9 @@ def definition(settings: Settings) -> ServiceDefinition:
         if settings.scheduler_address:
             from cache_server.plan_watch import PlanWatcher
 
-            state["alloc_channel"] = open_channel(settings.scheduler_address, token=settings.auth_token, aio=True)
-            state["watcher"] = PlanWatcher(core, config.node, state["alloc_channel"])
+            addresses = [a.strip() for a in settings.scheduler_address.split(",") if a.strip()]
+            state["alloc_channels"] = [open_channel(a, token=settings.auth_token, aio=True) for a in addresses]
+            state["watcher"] = PlanWatcher(core, config.node, state["alloc_channels"])
             state["watcher"].start()
         if settings.lease_socket != "off":
             from cache_server.local_socket import LocalLeaseServer
@@ -267,8 +270,7 @@ def definition(settings: Settings) -> ServiceDefinition:
         if watcher is not None:
             await watcher.stop()
         await core.stop()
-        for key in ("alloc_channel", "channel"):
-            channel = state.pop(key, None)
+        for channel in [*state.pop("alloc_channels", []), state.pop("channel", None)]:
             if channel is not None:
                 await channel.close()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from silod.v1 import common_pb2, metadata_pb2, scheduler_pb2, scheduler_pb2_grpc
+from silod.v1 import cache_pb2, cache_pb2_grpc, common_pb2, metadata_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.e2e.harness import Cluster, wait_until
 from tests.support.procs import free_port, start_service
 
@@ -72,8 +72,15 @@ def submit_to(address: str, name: str, gpus: int, samples: int) -> str:
 
 def test_standby_takes_over_after_kill_9_of_the_leader(tmp_path: Path, e2e_postgres) -> None:  # type: ignore[no-untyped-def]
     cluster = TwoSchedulers(tmp_path / "cluster", e2e_postgres.create(), nodes=2)
+    cache = None
     try:
         a, b = cluster.addresses
+        # A cache server follows both schedulers too: after the failover it applies the new leader's plans.
+        node = sorted(cluster.agents)[0]
+        cache = start_service("cache-server", "--metadata-address", cluster.metadata.address, "--node", node,
+                              "--scheduler-address", f"{a},{b}", "--disk-cache-dir", str(tmp_path / "cache"),
+                              "--memory-cache-bytes", "0", "--no-fsync", "--lease-socket", "off",
+                              "--log-level", "warning", workdir=tmp_path / "cache-proc", timeout_s=60)
         first = cluster.leadership()
         ids = {name: submit_to(a, name, gpus, samples) for name, gpus, samples in BEFORE}
 
@@ -116,5 +123,11 @@ def test_standby_takes_over_after_kill_9_of_the_leader(tmp_path: Path, e2e_postg
         cluster.metrics_port = cluster.metrics_ports[1]
         cluster.assert_gpus_never_double_held()
         assert cluster.double_held_total() == 0
+        with grpc.insecure_channel(cache.address) as channel:
+            stats = cache_pb2_grpc.CacheServiceStub(channel).Stats
+            wait_until(lambda: stats(cache_pb2.StatsRequest(), timeout=10).plan_version == plans[0].version,
+                       timeout=30, what="the cache server to apply the new leader's latest plan")
     finally:
+        if cache is not None:
+            cache.close()
         cluster.close()
