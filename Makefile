@@ -50,8 +50,10 @@ demo: $(STAMP)
 	$(BIN)/python -m silod.demo
 
 test: $(STAMP)
-	@bash tests/support/ensure_chromium.sh $(VENV)/chromium-install.log
-	@bash tests/support/ensure_prometheus.sh $(VENV)/prometheus-install.log
+	@bash tests/support/ensure_debian_package.sh chromium "the dashboard's browser test" \
+	  $(VENV)/chromium-install.log chromium chromium-browser google-chrome
+	@bash tests/support/ensure_debian_package.sh prometheus "the metrics tests" \
+	  $(VENV)/prometheus-install.log prometheus
 	$(BIN)/python -m pytest -q
 
 # The namespaced multi-host lab (root): what `make test` runs of it plus the longer fault

@@ -162,6 +162,19 @@ def _cluster_health(args: argparse.Namespace) -> int:
     return 0 if healthy else 1
 
 
+def all_pages(fetch: "Callable[[str], Any]", items: str) -> list[Any]:
+    """Every item of a paged List call: ``fetch(page_token)`` returns a page with ``items`` and
+    ``next_page_token``."""
+    rows: list[Any] = []
+    token = ""
+    while True:
+        page = fetch(token)
+        rows.extend(getattr(page, items))
+        token = page.next_page_token
+        if not token:
+            return rows
+
+
 def call(args: argparse.Namespace, service: str, body: "Callable[[grpc.Channel], int]") -> int:
     """``body(channel)`` against ``service`` (found by silod.cli.locate): its exit status, or the
     refusal said one line per problem, or where the address came from when nothing answers."""
@@ -247,13 +260,8 @@ def _dataset_list(args: argparse.Namespace) -> int:
 
     def body(channel: grpc.Channel) -> int:
         stub = metadata_pb2_grpc.MetadataServiceStub(channel)
-        rows, token = [], ""
-        while True:
-            page = stub.ListDatasets(metadata_pb2.ListDatasetsRequest(page_size=100, page_token=token), timeout=30)
-            rows.extend(page.datasets)
-            token = page.next_page_token
-            if not token:
-                break
+        rows = all_pages(lambda token: stub.ListDatasets(
+            metadata_pb2.ListDatasetsRequest(page_size=100, page_token=token), timeout=30), "datasets")
         print(f"{'NAME':<24} {'OBJECTS':>9} {'SIZE':>10} {'VERSION':>7}  URI")
         for d in rows:
             print(f"{d.spec.name:<24} {d.num_objects:>9} {_human_bytes(d.total_bytes):>10} {d.manifest_version:>7}  "

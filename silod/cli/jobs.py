@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from silod.cli import locate
-from silod.cli.client_commands import _channel, _fail, _rpc_failure, call, identifier
+from silod.cli.client_commands import _channel, _fail, _rpc_failure, all_pages, call, identifier
 from silod.rpc.identifiers import DATASET_NAME, JOB_ID, TENANT
 
 INT_KEYS = ("min_gpus", "max_gpus", "batch_size", "max_batch_size", "epochs", "priority")
@@ -234,13 +234,8 @@ def _jobs(args: argparse.Namespace) -> int:
     from silod.v1 import metadata_pb2
 
     def body(stub: Any) -> int:
-        rows, token = [], ""
-        while True:
-            page = stub.ListJobs(metadata_pb2.ListJobsRequest(page_size=500, page_token=token), timeout=15)
-            rows.extend(page.jobs)
-            token = page.next_page_token
-            if not token:
-                break
+        rows = all_pages(lambda token: stub.ListJobs(
+            metadata_pb2.ListJobsRequest(page_size=500, page_token=token), timeout=15), "jobs")
         print(f"{'ID':<20} {'NAME':<20} {'STATE':<10} {'GPUS':>5} {'PROGRESS':>9} {'AGE':>5}")
         for j in rows:
             gpus = str(j.allocated.gpus) if j.allocated.gpus else "-"

@@ -22,7 +22,7 @@ from tests.support.procs import free_port
 
 def require(tool: str) -> str:
     """The tool's path; skipped locally and failed under CI=true where it is missing
-    (`make test` installs it: tests/support/ensure_prometheus.sh)."""
+    (`make test` installs it: tests/support/ensure_debian_package.sh)."""
     path = shutil.which(tool)
     if path is None:
         message = f"{tool} is not installed (Debian: apt-get install prometheus)"
