@@ -18,7 +18,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     from services.dashboard.app import Settings
 
     p = sub.add_parser(
-        "dashboard", help="read-only web dashboard: nodes and GPUs, jobs, cache hit ratios, plan history",
+        "dashboard", help="read-only web dashboard: nodes and GPUs, jobs, cache, plans, charts over time, a page per job",
         description="Serve a read-only web dashboard of a running silod cluster (HTTP). With --auth-token set the "
                     "page needs the token (open http://HOST:PORT/?token=...). Every flag can also be set as a "
                     "SILOD_<NAME> environment variable or in --config.")

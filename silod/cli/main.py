@@ -63,7 +63,7 @@ SERVER_COMMANDS: dict[str, ServerCommand] = {
     "db": ServerCommand("silod.cli.admin", "database administration (schema migrations)"),
     "simulate": ServerCommand("simulator.cli", "trace-driven cluster simulation of the scheduling policies", "sim"),
     "dashboard": ServerCommand(
-        "services.dashboard.cli", "read-only web dashboard: nodes and GPUs, jobs, cache hit ratios, plan history"),
+        "services.dashboard.cli", "read-only web dashboard: nodes and GPUs, jobs, cache, plans, charts over time, a page per job"),
     "store-emulator": ServerCommand(
         "services.devstore.cli",
         "serve a directory over the S3 protocol with a shared bandwidth limit and a latency per request"),
