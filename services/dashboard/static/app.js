@@ -146,27 +146,9 @@ function renderCharts(h) {
   });
 }
 
-async function refresh() {
-  const status = document.getElementById("status");
-  let delay = 2000;
-  try {
-    const reply = await fetch("/api/overview", { credentials: "same-origin" });
-    const data = await reply.json();
-    if (!reply.ok) throw new Error(data.error || reply.statusText);
-    render(data);
-    const history = await fetch("/api/history", { credentials: "same-origin" });
-    const series = await history.json();
-    if (!history.ok) throw new Error(series.error || history.statusText);
-    renderCharts(series);
-    delay = 1000 * (data.refresh_s || 2);
-    status.textContent = `updated ${new Date().toLocaleTimeString()}`;
-    status.className = "status ok";
-    document.body.dataset.loaded = "true";
-  } catch (err) {
-    status.textContent = `cannot load: ${err.message}`;
-    status.className = "status bad";
-  }
-  setTimeout(refresh, delay);
-}
-
-refresh();
+pollEvery(async () => {
+  const data = await fetchJson("/api/overview");
+  render(data);
+  renderCharts(await fetchJson("/api/history"));
+  return data.refresh_s;
+});

@@ -122,3 +122,28 @@ function drawChart(id, spec) {
 window.silodCharts = silodCharts;
 window.drawChart = drawChart;
 window.CHART_IDLE_COLOR = IDLE_COLOR;
+
+// Fetch a JSON document of the dashboard's API; its error message when the answer is not OK.
+async function fetchJson(url) {
+  const reply = await fetch(url, { credentials: "same-origin" });
+  const data = await reply.json();
+  if (!reply.ok) throw new Error(data.error || reply.statusText);
+  return data;
+}
+
+// Run `load` (which returns the refresh interval in seconds it was told, or nothing), show its
+// outcome in #status, and run it again after that interval (2 s when it failed), for ever.
+async function pollEvery(load) {
+  const status = document.getElementById("status");
+  let delay = 2000;
+  try {
+    delay = 1000 * ((await load()) || 2);
+    status.textContent = `updated ${new Date().toLocaleTimeString()}`;
+    status.className = "status ok";
+    document.body.dataset.loaded = "true";
+  } catch (err) {
+    status.textContent = `cannot load: ${err.message}`;
+    status.className = "status bad";
+  }
+  setTimeout(() => pollEvery(load), delay);
+}

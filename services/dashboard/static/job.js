@@ -94,23 +94,8 @@ function render(data) {
   });
 }
 
-async function refresh() {
-  const status = document.getElementById("status");
-  let delay = 2000;
-  try {
-    const reply = await fetch(`/api/job/${encodeURIComponent(jobId)}`, { credentials: "same-origin" });
-    const data = await reply.json();
-    if (!reply.ok) throw new Error(data.error || reply.statusText);
-    render(data);
-    delay = 1000 * (data.refresh_s || 2);
-    status.textContent = `updated ${new Date().toLocaleTimeString()}`;
-    status.className = "status ok";
-    document.body.dataset.loaded = "true";
-  } catch (err) {
-    status.textContent = `cannot load: ${err.message}`;
-    status.className = "status bad";
-  }
-  setTimeout(refresh, delay);
-}
-
-refresh();
+pollEvery(async () => {
+  const data = await fetchJson(`/api/job/${encodeURIComponent(jobId)}`);
+  render(data);
+  return data.refresh_s;
+});
