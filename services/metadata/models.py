@@ -228,3 +228,25 @@ class SchedulerLease(Base):
     address: Mapped[str] = mapped_column(String(256))
     epoch: Mapped[int] = mapped_column(BigInteger)
     expires_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class AuditEvent(Base):
+    """One call the audit log recorded (services/runtime/audit.py says which): who, what, when,
+    outcome and from where. Kept ``retention_audit_s`` (services/metadata/store/retention.py)."""
+
+    __tablename__ = "audit_events"
+
+    id: Mapped[int] = mapped_column(AutoIncrementId, primary_key=True, autoincrement=True)
+    time: Mapped[datetime] = mapped_column(UtcDateTime, index=True)
+    principal_kind: Mapped[int] = mapped_column(Integer)  # PrincipalKind number; 0 = not authenticated
+    principal_name: Mapped[str] = mapped_column(String(128), index=True)
+    credential_id: Mapped[str] = mapped_column(String(32))  # "" = the cluster token or none
+    method: Mapped[str] = mapped_column(String(160))  # full gRPC method name
+    job_id: Mapped[str] = mapped_column(String(64), index=True)  # resource ids the request named, "" = none
+    dataset: Mapped[str] = mapped_column(String(256))
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    node: Mapped[str] = mapped_column(String(128))
+    code: Mapped[int] = mapped_column(Integer)  # gRPC status code number, 0 = OK
+    message: Mapped[str] = mapped_column(Text)
+    peer: Mapped[str] = mapped_column(String(256))  # the caller's address as gRPC reports it
+    service: Mapped[str] = mapped_column(String(64))  # the silod process that served the call
