@@ -3,7 +3,7 @@
 Acks it (``ok=False`` with the reason if the core refuses the plan, e.g. quotas above the
 node's capacity; the previous quotas then stay in force).
 
-Mirrors the worker agent's watch loop (worker_agent/agent.py ``_watch_loop``/``_apply_loop``):
+The watch loop and the fencing rule are the worker agent's (worker_agent/node_protocol.py):
 reconnect with backoff 0.2 s doubling to 5 s (reset once a plan arrives), ``known_version`` =
 the newest version handled, versions not newer than that are ignored. A watch error never
 stops the server; each distinct error is logged once.
@@ -29,11 +29,10 @@ import grpc
 from services.runtime.errors import ServiceError
 from services.runtime.structured_logging import get_logger
 from silod.v1 import allocation_pb2, allocation_pb2_grpc, plan_pb2
+from worker_agent import node_protocol
 
 _log = get_logger("silod.cache.plan")
 
-BACKOFF_INITIAL_S = 0.2
-BACKOFF_MAX_S = 5.0
 ACK_TIMEOUT_S = 10.0
 COMPONENT = allocation_pb2.PLAN_COMPONENT_CACHE_SERVER
 
@@ -72,35 +71,23 @@ class PlanWatcher:
             _log.warning(what, extra={"node": self.node, "error": error})
 
     async def _run(self) -> None:
-        backoff = BACKOFF_INITIAL_S
-        while True:
-            try:
-                call = self.stub.Watch(
-                    allocation_pb2.WatchPlanRequest(node=self.node, component=COMPONENT,
-                                                    known_version=self.handled_version)
-                )
-                async for plan in call:
-                    backoff = BACKOFF_INITIAL_S
-                    self._last_error = ""
-                    await self.handle(plan)
-                self._log_error("plan watch ended", "stream closed by the allocation service")
-            except asyncio.CancelledError:
-                raise
-            except grpc.aio.AioRpcError as exc:
-                self._log_error("plan watch interrupted", f"{exc.code().name}: {exc.details()}")
-            except Exception as exc:  # noqa: BLE001 - never let the watcher kill the server
-                self._log_error("plan watch failed", f"{type(exc).__name__}: {exc}")
-            if len(self._stubs) > 1:  # the leader may have moved: try the next scheduler
-                self._index = (self._index + 1) % len(self._stubs)
-                self.stub = self._stubs[self._index]
-                backoff = min(backoff, 0.5)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
+        await node_protocol.follow_plans(
+            self.node, COMPONENT, stub=lambda: self.stub, known_version=lambda: self.handled_version,
+            offer=self._offer, on_error=self._log_error,
+            next_scheduler=self._next_scheduler if len(self._stubs) > 1 else None)
+
+    def _next_scheduler(self) -> None:
+        self._index = (self._index + 1) % len(self._stubs)
+        self.stub = self._stubs[self._index]
+
+    async def _offer(self, plan: plan_pb2.NodePlan) -> None:
+        self._last_error = ""
+        await self.handle(plan)
 
     async def handle(self, plan: plan_pb2.NodePlan) -> None:
         """Apply ``plan`` if it is newer than anything handled, then Ack it."""
-        if plan.epoch < self.epoch:
-            message = f"plan epoch {plan.epoch} is older than epoch {self.epoch} already seen (a deposed scheduler)"
+        message = node_protocol.epoch_refusal(plan, self.epoch)
+        if message:
             _log.warning("plan from an older epoch refused", extra={"version": plan.version, "reason": message})
             self.refused_versions.append(plan.version)
             await self._ack(plan.version, False, message)

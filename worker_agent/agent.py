@@ -69,7 +69,7 @@ from silod.v1 import (
     plan_pb2,
     worker_agent_pb2,
 )
-from worker_agent import nvml
+from worker_agent import node_protocol, nvml
 from worker_agent.gpu_monitor import GpuMonitor
 from worker_agent.gpus import GpuTable, resolve_gpu_type
 from worker_agent import task_metrics
@@ -388,35 +388,14 @@ class Agent:
         return request
 
     async def _register_and_heartbeat(self) -> None:
-        registered = stale_retry = False
-        while True:
-            try:
-                if not registered:
-                    await self._metadata.UpsertNode(metadata_pb2.UpsertNodeRequest(spec=self.spec), timeout=5)
-                    registered = True
-                    self._registered.set()
-                    _log.info("registered", extra={"node": self.spec.name, "agent_address": self.agent_address})
-                request = await self._heartbeat_request()
-                node = await self._metadata.Heartbeat(request, timeout=5)
-                if self.gpu_monitor is not None:
-                    self.gpu_monitor.delivered(list(request.gpu_faults))
-                    self.gpu_monitor.record(node)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and not stale_retry:
-                    # The scheduler forwards each Ack as a heartbeat with the acked version; one
-                    # of ours built before that Ack can arrive after it and is refused as a
-                    # decrease. Our version is now at least the acked one: resend at once.
-                    # (A restarted agent is refused too until it applied the latest plan, which
-                    # the watch delivers first; that retry fails the same way and is logged.)
-                    stale_retry = True
-                    continue
-                _log.warning("metadata unreachable", extra={"code": exc.code().name, "detail": exc.details()})
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    registered = False
-            stale_retry = False
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._heartbeat_now.wait(), self.settings.heartbeat_s)
-            self._heartbeat_now.clear()
+        def on_reply(request: metadata_pb2.HeartbeatRequest, node: common_pb2.Node) -> None:
+            if self.gpu_monitor is not None:
+                self.gpu_monitor.delivered(list(request.gpu_faults))
+                self.gpu_monitor.record(node)
+
+        await node_protocol.register_and_heartbeat(
+            self._metadata, self.spec, interval_s=self.settings.heartbeat_s, wake=self._heartbeat_now,
+            registered=self._registered, request=self._heartbeat_request, log=_log, on_reply=on_reply)
 
     # ---- plans -----------------------------------------------------------------------------
     def _use_scheduler(self, index: int) -> None:
@@ -431,33 +410,19 @@ class Agent:
         # Plans are acked only once the node exists in the metadata store: the scheduler records
         # an Ack as the node's heartbeat, which fails for a node not registered yet.
         await self._registered.wait()
-        backoff = 0.2
-        while True:
-            try:
-                call = self._alloc.Watch(  # type: ignore[union-attr]
-                    allocation_pb2.WatchPlanRequest(
-                        node=self.spec.name,
-                        component=allocation_pb2.PLAN_COMPONENT_WORKER_AGENT,
-                        known_version=self.applied_version,
-                    )
-                )
-                async for plan in call:
-                    backoff = 0.2
-                    self.offer_plan(plan)
-            except grpc.aio.AioRpcError as exc:
-                _log.info("plan watch interrupted", extra={"code": exc.code().name, "detail": exc.details()})
-            if len(self._scheduler_addresses) > 1:  # try the next scheduler: the leader may have moved
-                self._use_scheduler(self._scheduler_index + 1)
-                backoff = min(backoff, 0.5)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+        several = len(self._scheduler_addresses) > 1
+        await node_protocol.follow_plans(
+            self.spec.name, allocation_pb2.PLAN_COMPONENT_WORKER_AGENT, stub=lambda: self._alloc,
+            known_version=lambda: self.applied_version, offer=self.offer_plan,
+            on_error=lambda what, detail: _log.info(what, extra={"detail": detail}),
+            next_scheduler=(lambda: self._use_scheduler(self._scheduler_index + 1)) if several else None)
 
     def offer_plan(self, plan: plan_pb2.NodePlan) -> None:
         """Keep ``plan`` as the next to apply if it is newer than what is applied or pending.
         A plan from an older leadership epoch than the newest seen comes from a deposed
         scheduler: it is refused (logged, and Acked ok=False naming the reason)."""
-        if plan.epoch < self.plan_epoch:
-            reason = f"plan epoch {plan.epoch} is older than epoch {self.plan_epoch} already seen (a deposed scheduler)"
+        reason = node_protocol.epoch_refusal(plan, self.plan_epoch)
+        if reason:
             _log.warning("plan from an older epoch refused", extra={"version": plan.version, "reason": reason})
             self.refused_plans.append((plan.version, plan.epoch))
             if self._alloc is not None:
@@ -783,13 +748,9 @@ class Agent:
         # the scheduler would read as "finished": it is left out, so the scheduler's last view of
         # it is RUNNING/CHECKPOINTING and the node's lost heartbeats decide what happens to the job.
         reports = [t.report() for t in self.tasks.values() if not t.stopped_by_shutdown]
-        response = await self._alloc.ReportTasks(
-            allocation_pb2.ReportTasksRequest(
-                node=self.spec.name, applied_plan_version=self.applied_version, tasks=reports
-            ),
-            timeout=timeout,
-        )
-        for key in response.acknowledged_exits:
+        acknowledged = await node_protocol.report_tasks(self._alloc, self.spec.name, self.applied_version, reports,
+                                                        timeout=timeout)
+        for key in acknowledged:
             t = self.tasks.get(key)
             if t is not None and t.exited.is_set():
                 del self.tasks[key]
