@@ -22,9 +22,12 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 from estimator.job_model import JobModel
+
+if TYPE_CHECKING:
+    from scheduler.quotas import TenantQuota
 
 Pool = Literal["training", "inference"]
 UNLIMITED = math.inf
@@ -153,6 +156,9 @@ class ClusterSnapshot:
     # Inference-pool node -> GPU indices an inference replica holds now (RUNNING or PROTECT,
     # see scheduler.deepboot). Those GPUs are not lendable to training; empty = none busy.
     inference_busy: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # Tenant -> its quota (scheduler.quotas). Policies do not read it: scheduler.quotas.schedule
+    # runs them on each tenant's share. Empty = no quotas, every tenant shares the whole cluster.
+    quotas: Mapping[str, "TenantQuota"] = field(default_factory=dict)
 
     @property
     def total_gpus(self) -> int:
