@@ -9,7 +9,8 @@ both call it after the policy, so the rules below hold in both worlds:
 ``silod``  :func:`scheduler.codesign.co_allocate`: cache quotas by cache efficiency within each
            node's capacity, IO rates up to each job's demand ``b*`` within the storage budget;
            policy ``uniform`` (a quota holds a fixed subset of the dataset, ``h = c / d``); a
-           job it would start with no IO stays queued; spare budget is shared by the readers
+           job it would start with no IO stays queued; spare budget is shared by the readers;
+           last, each tenant's cache and IO ceilings (:func:`scheduler.quotas.bound_data`)
 ``static`` every job reading a dataset on a node gets an equal share of the node's cache
            (CoorDL's MinIO), ``uniform``; IO not managed
 ``lru``    no quotas: the datasets share each node's cache as one LRU; IO not managed
@@ -27,6 +28,7 @@ from collections.abc import Iterable, Mapping
 
 from scheduler import codesign as co
 from scheduler.policy import Allocation, ClusterSnapshot, Plan
+from scheduler.quotas import bound_data
 
 CACHE_MODES = ("silod", "lru", "static", "none")
 CACHE_POLICY = {"silod": "uniform", "static": "uniform", "lru": "lru", "none": "none"}
@@ -65,6 +67,8 @@ def grant(mode: str, snapshot: ClusterSnapshot, plan: Plan, policy_plan: Plan, t
             placed = {j: dataclasses.replace(a, remote_io_bytes_per_s=math.inf) for j, a in placed.items()}
         else:
             placed = _share_leftover(snapshot, placed, {j for j in placed if datasets.get(j)})
+        # Tenants' cache and remote IO ceilings (scheduler.quotas): the last word on each grant.
+        placed = bound_data(snapshot, placed)
         allocations.update(placed)
         return Plan(allocations)
     if mode == "static":

@@ -126,12 +126,24 @@ def _add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inference-protect-scale", type=float, default=1.0, metavar="X",
                    help="DeepBoot workloads: scale the inference replicas' protect times (30 s + 15 s per reuse, "
                         "at most 120 s) by X; 0 = no protect (default 1)")
+    p.add_argument("--tenant-quotas", metavar="FILE", default=None,
+                   help="tenant quotas (YAML/JSON 'tenants: {NAME: {gpus: N, ...}}', see docs/tenants.md); "
+                        "jobs name their tenant in the workload's tenant column")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no result lines")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-check", action="store_true", help="skip the per-round plan invariant checks (faster)")
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def _quotas(args: argparse.Namespace):
+    """Tenant -> quota from --tenant-quotas, or None."""
+    if not getattr(args, "tenant_quotas", None):
+        return None
+    from simulator.tenant_quotas import load_quotas
+
+    return load_quotas(args.tenant_quotas)
 
 
 def _fail(message: str, code: int) -> int:
@@ -322,13 +334,14 @@ def _run(args: argparse.Namespace) -> int:
         workload = load_workload(args.workload)
         cluster = load_cluster(args.cluster)
         policy = _policy(args.policy, args.seed, options)
+        quotas = _quotas(args)
         modes = _cache_modes(args.cache)
         if len(modes) != 1:
             raise SimulatorInputError(f"--cache {args.cache!r}: run takes one mode; use 'silod simulate compare' for several")
         with _Bar(not args.quiet) as bar:
             bar.start(f"{args.policy}", len(workload))
             result = simulate(workload, policy, cluster, check_invariants=not args.no_check, observer=bar.update,
-                              cache_mode=modes[0], protect_scale=args.inference_protect_scale)
+                              cache_mode=modes[0], protect_scale=args.inference_protect_scale, quotas=quotas)
         data = write_outputs(result, args.out, plots=not args.no_plots)
         if not args.quiet:
             print(_result_line(data, Path(args.out)))
@@ -359,6 +372,7 @@ def _compare(args: argparse.Namespace) -> int:
         workload = load_workload(args.workload)
         cluster = load_cluster(args.cluster)
         modes = _cache_modes(args.cache)
+        quotas = _quotas(args)
         results = []
         with _Bar(not args.quiet) as bar:
             for name in names:
@@ -366,7 +380,8 @@ def _compare(args: argparse.Namespace) -> int:
                     label = name if len(modes) == 1 else f"{name}/{mode}"  # also the output directory
                     bar.start(label, len(workload))
                     result = simulate(workload, _policy(name, None, options), cluster, check_invariants=not args.no_check,
-                                      observer=bar.update, cache_mode=mode, protect_scale=args.inference_protect_scale)
+                                      observer=bar.update, cache_mode=mode, protect_scale=args.inference_protect_scale,
+                                      quotas=quotas)
                     results.append(dataclasses.replace(result, policy=label))
         data = write_compare(results, args.out, plots=not args.no_plots)
         if not args.quiet:

@@ -44,6 +44,10 @@ model's cold start before its task's ``duration``.
 (1-5 s; a full restart without AFE), a job that starts or moves entirely pays its full start
 (18-103 s). Other policies pay ``cluster.restart_cost_s`` for every change, as before.
 
+**Tenant quotas** (``quotas``, a workload's ``tenant`` column): every round's plan is the
+policy's within the tenants' quotas (:func:`scheduler.quotas.schedule`, the live
+scheduler's rule); without quotas it is the policy's own plan.
+
 If active jobs make no progress at all for ``cluster.stall_timeout_s`` of simulated time the
 run stops with :class:`~simulator.errors.SimulationStuck` naming them: every run either
 finishes every job or says why not.
@@ -64,9 +68,11 @@ from estimator.gpu_types import typed_models
 from estimator.job_model import JobModel
 from estimator.profiles.loading import JobOverheads, read_overheads
 from scheduler import data_grants
+from scheduler import quotas as quota_rule
 from scheduler.placement import placement_type
 from scheduler.invariants import PlanViolation, plan_problems
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan, Policy
+from scheduler.quotas import TenantQuota
 from scheduler.registry import get_policy
 from simulator.clock import SimClock
 from simulator.cluster import ClusterSpec
@@ -110,6 +116,7 @@ class JobRecord:
     batch_size: int
     target_samples: float
     isolated_jct_s: float     # alone on the cluster with its requested GPUs (see docs/evaluation.md)
+    tenant: str = "default"   # the job's tenant (workload column ``tenant``)
 
 
 @dataclass(frozen=True)
@@ -223,6 +230,7 @@ class _Job:
             dataset=self.dataset,
             gpu_types=s.gpu_types,
             type_models=self.type_models,
+            tenant=s.tenant,
         )
 
 
@@ -262,6 +270,8 @@ class Simulator:
         inference_tasks: Sequence[InferenceTask] | None = None,
         lifecycle: LifecycleConfig | None = None,
         protect_scale: float = 1.0,
+        quotas: Mapping[str, TenantQuota] | None = None,
+        on_round: Callable[[ClusterSnapshot, Plan], None] | None = None,
     ):
         if cache_mode not in CACHE_MODES:
             raise SimulatorInputError(f"--cache: unknown cache mode {cache_mode!r}; known: {', '.join(CACHE_MODES)}")
@@ -283,6 +293,8 @@ class Simulator:
         self.start_s = self.clock.now()
         self.check_invariants = check_invariants
         self.observer = observer
+        self.quotas = dict(quotas or {})  # tenant -> quota: every round's plan is bound by scheduler.quotas
+        self.on_round = on_round          # called with each round's snapshot and final plan (evaluation)
 
         cap = self.cluster.job_gpu_cap
         self._node_types = {node.name: node.gpu_type for node in self.cluster.nodes}
@@ -402,7 +414,7 @@ class Simulator:
                 restarts=job.restarts, attained_gpu_s=job.attained,
                 mean_gpus=job.attained / run_time if run_time > 0 else 0.0,
                 requested_gpus=job.requested, batch_size=s.batch_size, target_samples=job.target,
-                isolated_jct_s=iso,
+                isolated_jct_s=iso, tenant=s.tenant,
             ))
         return SimulationResult(
             policy=self.policy_name, workload=self.workload.name, cluster=self.cluster, jobs=tuple(records),
@@ -552,13 +564,14 @@ class Simulator:
             cached_bytes=cached,
             fresh_bytes=fresh,
             inference_busy=self._pool.busy(t) if self._tasks else {},
+            quotas=self.quotas,
         )
 
     def _round(self, t: float) -> None:
         self.rounds += 1
         snapshot = self._snapshot(t)
         infos = snapshot.jobs
-        plan = self.policy.schedule(snapshot)
+        plan = quota_rule.schedule(self.policy, snapshot)  # the policy itself when there are no quotas
         if self.cache_mode == "silod":
             # The live scheduler's data step after its policy (which jobs start without IO, the
             # spare budget): one rulebook for both worlds. The other modes' grants only label
@@ -569,6 +582,8 @@ class Simulator:
             problems = plan_problems(snapshot, plan)
             if problems:
                 raise PlanViolation(f"policy {self.policy_name} at t={t:.0f}s: " + "; ".join(problems))
+        if self.on_round is not None:
+            self.on_round(snapshot, plan)
         if self._tasks:
             self._pool.end_lent(plan, t)  # sleepers whose GPU the plan lends to training end
         for job, info in zip(self._active, infos):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from scheduler.policy import Policy
+from scheduler.quotas import TenantQuota
 from simulator.cluster import ClusterSpec, load_cluster
 from simulator.engine import SimProgress, SimulationResult, Simulator
 from simulator.loading import load_workload
@@ -29,11 +30,13 @@ def simulate(
     policy_options: dict[str, Any] | None = None,
     cache_mode: str = "none",
     protect_scale: float = 1.0,
+    quotas: Mapping[str, TenantQuota] | None = None,
 ) -> SimulationResult:
     """Run one simulation to the end; the result carries the wall time it took.
 
     ``cache_mode``: ``none``, ``lru``, ``static``, ``quiver`` or ``silod`` (:mod:`simulator.cacheio`).
     ``protect_scale`` scales the inference replicas' protect times (0: no protect; DeepBoot workloads).
+    ``quotas``: tenant -> quota (:mod:`scheduler.quotas`; :func:`simulator.tenant_quotas.load_quotas` reads a file).
     """
     if isinstance(workload, (str, Path)):
         workload = load_workload(workload)
@@ -42,7 +45,7 @@ def simulate(
     started = time.perf_counter()
     simulator = Simulator(
         workload, policy, cluster, check_invariants=check_invariants, observer=observer, policy_options=policy_options,
-        cache_mode=cache_mode, protect_scale=protect_scale,
+        cache_mode=cache_mode, protect_scale=protect_scale, quotas=quotas,
     )
     result = simulator.run()
     return dataclasses.replace(result, wall_time_s=time.perf_counter() - started)

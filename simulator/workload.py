@@ -1,7 +1,8 @@
 """Workloads: jobs from Pollux-format CSVs, and what "finished" means for each application.
 
 A workload CSV has the Pollux artifact's columns ``name,time,application,num_replicas,batch_size``
-(extra columns are ignored). ``--workload`` takes a path, or the name of a packaged
+and optionally ``tenant`` (the job's tenant, for tenant quotas; empty or absent: ``default``);
+other columns are ignored. ``--workload`` takes a path, or the name of a packaged
 workload (``workload-6``, ``workloads/workload-6.csv``, ``workloads-2.0/workload-6``); the
 packaged ones live in ``simulator/workloads/<dir>/`` (see SOURCE.md there).
 
@@ -48,6 +49,7 @@ class JobSpec:
     job_type: str = ""      # Gavel job type whose measured speeds per GPU type the job has ("" = its application's)
     target_samples: float = 0.0  # efficiency-weighted samples to finish; 0 = the application's (target_samples())
     gpu_types: tuple[str, ...] = ()  # GPU types the job may run on; () = any
+    tenant: str = "default"  # the tenant the job belongs to (tenant quotas, scheduler.quotas)
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,7 @@ def parse_workload(text: str, source: str = "workload") -> tuple[JobSpec, ...]:
             f"workload {source}: header lacks column {missing[0]!r}; expected {','.join(COLUMNS)} (got {','.join(header)})"
         )
     col = {c: header.index(c) for c in COLUMNS}
+    tenant_col = header.index("tenant") if "tenant" in header else None
     apps = set(known_applications())
     jobs: list[JobSpec] = []
     seen: dict[str, int] = {}
@@ -198,7 +201,8 @@ def parse_workload(text: str, source: str = "workload") -> tuple[JobSpec, ...]:
         batch = _whole(cell("batch_size"))
         if batch is None or batch < 1:
             raise bad("batch_size", "a whole number >= 1")
-        jobs.append(JobSpec(name, application, arrival, replicas, batch))
+        tenant = row[tenant_col].strip() if tenant_col is not None else ""
+        jobs.append(JobSpec(name, application, arrival, replicas, batch, tenant=tenant or "default"))
     if not jobs:
         raise SimulatorInputError(f"workload {source}: no jobs (only a header, or only inference rows)")
     order = sorted(range(len(jobs)), key=lambda i: (jobs[i].arrival_s, i))
