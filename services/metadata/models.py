@@ -202,6 +202,16 @@ class TenantMember(Base):
     user: Mapped[str] = mapped_column(String(128), primary_key=True, index=True)
 
 
+class TenantQuotaRow(Base):
+    """A tenant's quota (access_pb2.TenantQuota as JSON, proto field names); no row = no quota."""
+
+    __tablename__ = "tenant_quotas"
+
+    tenant: Mapped[str] = mapped_column(String(128), ForeignKey("tenants.name", ondelete="CASCADE"), primary_key=True)
+    quota: Mapped[dict[str, Any]] = mapped_column(JSON)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
 class Credential(Base):
     """A bearer credential: only the SHA-256 of its random secret is kept (the token is shown once)."""
 

@@ -302,3 +302,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
 
     async def SetTenantMembers(self, request: access_pb2.SetTenantMembersRequest, context: Context) -> access_pb2.Tenant:
         return await self._run(request, self._store.access.set_members, request.name, list(request.members))
+
+    async def SetTenantQuota(self, request: access_pb2.SetTenantQuotaRequest, context: Context) -> access_pb2.Tenant:
+        quota = request.quota if request.HasField("quota") else None
+        await self._run(request, self._store.quotas.set_quota, request.name, quota)
+        tenants = await self._run(request, self._store.access.list_tenants, "")
+        return await self._run(request, self._store.quotas.tenant, request.name, tenants)

@@ -229,6 +229,7 @@ RULES: dict[str, Rule] = {
         "CreateTenant": ADMIN_ONLY,
         "ListTenants": ADMIN_ONLY,
         "SetTenantMembers": ADMIN_ONLY,
+        "SetTenantQuota": ADMIN_ONLY,
         # What a worker agent hands its ranks as SILOD_AUTH_TOKEN instead of the cluster token.
         "MintJobCredential": Rule(node=OwnNodeOfJob("node", "job_id")),
         # Scheduler leadership: the schedulers (cluster token) only.

@@ -15,14 +15,15 @@ from pathlib import Path
 
 import grpc
 
-from silod.cli import locate
+from silod.cli import audit, locate, quotas
 from silod.cli.client_commands import _fail, call
 
 KINDS = ("admin", "user", "node", "job")
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    admin = sub.add_parser("admin", help="identities and access: credentials and tenants (needs an admin credential)")
+    admin = sub.add_parser("admin", help="identities and access: credentials, tenants and the audit log "
+                                         "(needs an admin credential)")
     admin_sub = admin.add_subparsers(dest="admin_command", metavar="WHAT", required=True)
 
     cred = admin_sub.add_parser("credential", help="bearer credentials of users, nodes, jobs and admins")
@@ -62,7 +63,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     members.add_argument("--remove", action="append", default=[], metavar="USER", help="remove USER (repeatable)")
     members.add_argument("--set", nargs="*", default=None, metavar="USER", help="replace the members by these")
     members.set_defaults(handler=_tenant_members)
-    for parser in (create, listing, revoke, rotate, t_create, t_list, members):
+    quota = quotas.add_parser(tenant_sub)
+    audit.add_parser(admin_sub)  # `silod admin audit` (silod/cli/audit.py)
+    for parser in (create, listing, revoke, rotate, t_create, t_list, members, quota):
         locate.add_flags(parser, "metadata")
 
     login = sub.add_parser("login", help="store a credential for every client command of this user "
@@ -150,6 +153,8 @@ def _credential_rotate(args: argparse.Namespace) -> int:
 
 def _print_tenant(tenant) -> None:  # type: ignore[no-untyped-def]
     print(f"{tenant.name:<24}  {', '.join(tenant.members) or '-'}")
+    if tenant.HasField("quota"):
+        print(f"{'':<24}  quota: {quotas.describe(tenant.quota)}")
 
 
 def _tenant_create(args: argparse.Namespace) -> int:

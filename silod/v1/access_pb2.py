@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15silod/v1/access.proto\x12\x08silod.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"Q\n\tPrincipal\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.silod.v1.PrincipalKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07tenants\x18\x03 \x03(\t\"\xf2\x01\n\nCredential\x12\n\n\x02id\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.silod.v1.PrincipalKind\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nrevoked_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"r\n\x17\x43reateCredentialRequest\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.silod.v1.PrincipalKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\"K\n\x10IssuedCredential\x12(\n\ncredential\x18\x01 \x01(\x0b\x32\x14.silod.v1.Credential\x12\r\n\x05token\x18\x02 \x01(\t\"f\n\x16ListCredentialsRequest\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.silod.v1.PrincipalKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x17\n\x0finclude_revoked\x18\x03 \x01(\x08\"D\n\x17ListCredentialsResponse\x12)\n\x0b\x63redentials\x18\x01 \x03(\x0b\x32\x14.silod.v1.Credential\"%\n\x17RevokeCredentialRequest\x12\n\n\x02id\x18\x01 \x01(\t\"4\n\x17RotateCredentialRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"8\n\x18MintJobCredentialRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\")\n\x18ResolveCredentialRequest\x12\r\n\x05token\x18\x01 \x01(\t\"Z\n\x19ResolveCredentialResponse\x12&\n\tprincipal\x18\x01 \x01(\x0b\x32\x13.silod.v1.Principal\x12\x15\n\rcredential_id\x18\x02 \x01(\t\"W\n\x06Tenant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07members\x18\x02 \x03(\t\x12.\n\ncreated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"4\n\x13\x43reateTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07members\x18\x02 \x03(\t\"$\n\x12ListTenantsRequest\x12\x0e\n\x06member\x18\x01 \x01(\t\"8\n\x13ListTenantsResponse\x12!\n\x07tenants\x18\x01 \x03(\x0b\x32\x10.silod.v1.Tenant\"8\n\x17SetTenantMembersRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07members\x18\x02 \x03(\t*\x93\x01\n\rPrincipalKind\x12\x1e\n\x1aPRINCIPAL_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14PRINCIPAL_KIND_ADMIN\x10\x01\x12\x17\n\x13PRINCIPAL_KIND_USER\x10\x02\x12\x17\n\x13PRINCIPAL_KIND_NODE\x10\x03\x12\x16\n\x12PRINCIPAL_KIND_JOB\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15silod/v1/access.proto\x12\x08silod.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"Q\n\tPrincipal\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.silod.v1.PrincipalKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07tenants\x18\x03 \x03(\t\"\xf2\x01\n\nCredential\x12\n\n\x02id\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.silod.v1.PrincipalKind\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nrevoked_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"r\n\x17\x43reateCredentialRequest\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.silod.v1.PrincipalKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\"K\n\x10IssuedCredential\x12(\n\ncredential\x18\x01 \x01(\x0b\x32\x14.silod.v1.Credential\x12\r\n\x05token\x18\x02 \x01(\t\"f\n\x16ListCredentialsRequest\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.silod.v1.PrincipalKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x17\n\x0finclude_revoked\x18\x03 \x01(\x08\"D\n\x17ListCredentialsResponse\x12)\n\x0b\x63redentials\x18\x01 \x03(\x0b\x32\x14.silod.v1.Credential\"%\n\x17RevokeCredentialRequest\x12\n\n\x02id\x18\x01 \x01(\t\"4\n\x17RotateCredentialRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"8\n\x18MintJobCredentialRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\")\n\x18ResolveCredentialRequest\x12\r\n\x05token\x18\x01 \x01(\t\"Z\n\x19ResolveCredentialResponse\x12&\n\tprincipal\x18\x01 \x01(\x0b\x32\x13.silod.v1.Principal\x12\x15\n\rcredential_id\x18\x02 \x01(\t\"}\n\x06Tenant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07members\x18\x02 \x03(\t\x12.\n\ncreated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12$\n\x05quota\x18\x04 \x01(\x0b\x32\x15.silod.v1.TenantQuota\"*\n\x08GpuQuota\x12\x10\n\x08gpu_type\x18\x01 \x01(\t\x12\x0c\n\x04gpus\x18\x02 \x01(\x05\"\xaf\x02\n\x0bTenantQuota\x12 \n\x04gpus\x18\x01 \x03(\x0b\x32\x12.silod.v1.GpuQuota\x12\x18\n\x0b\x63\x61\x63he_bytes\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x1c\n\x0fremote_io_share\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12!\n\x14\x62orrowing_limit_gpus\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12lending_limit_gpus\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12.\n\nupdated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x0e\n\x0c_cache_bytesB\x12\n\x10_remote_io_shareB\x17\n\x15_borrowing_limit_gpusB\x15\n\x13_lending_limit_gpus\"K\n\x15SetTenantQuotaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05quota\x18\x02 \x01(\x0b\x32\x15.silod.v1.TenantQuota\"4\n\x13\x43reateTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07members\x18\x02 \x03(\t\"$\n\x12ListTenantsRequest\x12\x0e\n\x06member\x18\x01 \x01(\t\"8\n\x13ListTenantsResponse\x12!\n\x07tenants\x18\x01 \x03(\x0b\x32\x10.silod.v1.Tenant\"8\n\x17SetTenantMembersRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07members\x18\x02 \x03(\t*\x93\x01\n\rPrincipalKind\x12\x1e\n\x1aPRINCIPAL_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14PRINCIPAL_KIND_ADMIN\x10\x01\x12\x17\n\x13PRINCIPAL_KIND_USER\x10\x02\x12\x17\n\x13PRINCIPAL_KIND_NODE\x10\x03\x12\x16\n\x12PRINCIPAL_KIND_JOB\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'silod.v1.access_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRINCIPALKIND']._serialized_start=1347
-  _globals['_PRINCIPALKIND']._serialized_end=1494
+  _globals['_PRINCIPALKIND']._serialized_start=1812
+  _globals['_PRINCIPALKIND']._serialized_end=1959
   _globals['_PRINCIPAL']._serialized_start=68
   _globals['_PRINCIPAL']._serialized_end=149
   _globals['_CREDENTIAL']._serialized_start=152
@@ -57,13 +57,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESOLVECREDENTIALRESPONSE']._serialized_start=957
   _globals['_RESOLVECREDENTIALRESPONSE']._serialized_end=1047
   _globals['_TENANT']._serialized_start=1049
-  _globals['_TENANT']._serialized_end=1136
-  _globals['_CREATETENANTREQUEST']._serialized_start=1138
-  _globals['_CREATETENANTREQUEST']._serialized_end=1190
-  _globals['_LISTTENANTSREQUEST']._serialized_start=1192
-  _globals['_LISTTENANTSREQUEST']._serialized_end=1228
-  _globals['_LISTTENANTSRESPONSE']._serialized_start=1230
-  _globals['_LISTTENANTSRESPONSE']._serialized_end=1286
-  _globals['_SETTENANTMEMBERSREQUEST']._serialized_start=1288
-  _globals['_SETTENANTMEMBERSREQUEST']._serialized_end=1344
+  _globals['_TENANT']._serialized_end=1174
+  _globals['_GPUQUOTA']._serialized_start=1176
+  _globals['_GPUQUOTA']._serialized_end=1218
+  _globals['_TENANTQUOTA']._serialized_start=1221
+  _globals['_TENANTQUOTA']._serialized_end=1524
+  _globals['_SETTENANTQUOTAREQUEST']._serialized_start=1526
+  _globals['_SETTENANTQUOTAREQUEST']._serialized_end=1601
+  _globals['_CREATETENANTREQUEST']._serialized_start=1603
+  _globals['_CREATETENANTREQUEST']._serialized_end=1655
+  _globals['_LISTTENANTSREQUEST']._serialized_start=1657
+  _globals['_LISTTENANTSREQUEST']._serialized_end=1693
+  _globals['_LISTTENANTSRESPONSE']._serialized_start=1695
+  _globals['_LISTTENANTSRESPONSE']._serialized_end=1751
+  _globals['_SETTENANTMEMBERSREQUEST']._serialized_start=1753
+  _globals['_SETTENANTMEMBERSREQUEST']._serialized_end=1809
 # @@protoc_insertion_point(module_scope)

@@ -363,6 +363,7 @@ class Tenant(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    QUOTA_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """tenant name, as JobSpec.tenant"""
     @_builtins.property
@@ -373,20 +374,140 @@ class Tenant(_message.Message):
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """UTC"""
 
+    @_builtins.property
+    def quota(self) -> Global___TenantQuota:
+        """Its quota (docs/tenants.md); absent = none: no guarantee, its jobs run on GPUs no quota owns
+        and on quota other tenants leave idle (reclaimable by them).
+        """
+
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         members: _abc.Iterable[_builtins.str] | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        quota: Global___TenantQuota | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "quota", b"quota"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "members", b"members", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "members", b"members", "name", b"name", "quota", b"quota"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Tenant: _TypeAlias = Tenant  # noqa: Y015
+
+@_typing.final
+class GpuQuota(_message.Message):
+    """Nominal GPUs of one type: guaranteed to the tenant when its jobs want them, lent while idle."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GPU_TYPE_FIELD_NUMBER: _builtins.int
+    GPUS_FIELD_NUMBER: _builtins.int
+    gpu_type: _builtins.str
+    """GPU type as nodes report it ("v100"); "" = GPUs of any type"""
+    gpus: _builtins.int
+    """GPUs, >= 0"""
+    def __init__(
+        self,
+        *,
+        gpu_type: _builtins.str = ...,
+        gpus: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_type", b"gpu_type", "gpus", b"gpus"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GpuQuota: _TypeAlias = GpuQuota  # noqa: Y015
+
+@_typing.final
+class TenantQuota(_message.Message):
+    """A tenant's share of the cluster, in the spirit of a Kueue ClusterQueue in one cohort."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GPUS_FIELD_NUMBER: _builtins.int
+    CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    REMOTE_IO_SHARE_FIELD_NUMBER: _builtins.int
+    BORROWING_LIMIT_GPUS_FIELD_NUMBER: _builtins.int
+    LENDING_LIMIT_GPUS_FIELD_NUMBER: _builtins.int
+    UPDATED_AT_FIELD_NUMBER: _builtins.int
+    cache_bytes: _builtins.int
+    """bytes: ceiling on its jobs' cache quotas over all nodes; absent = no ceiling"""
+    remote_io_share: _builtins.float
+    """fraction in [0, 1] of the storage budget its jobs' remote IO may use; absent = 1"""
+    borrowing_limit_gpus: _builtins.int
+    """GPUs it may hold beyond its nominal ones; absent = no limit"""
+    lending_limit_gpus: _builtins.int
+    """of its idle nominal GPUs, how many may be lent; absent = all"""
+    @_builtins.property
+    def gpus(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuQuota]:
+        """nominal GPUs, at most one entry per type; empty = no GPU guarantee"""
+
+    @_builtins.property
+    def updated_at(self) -> _timestamp_pb2.Timestamp:
+        """UTC, when it was last set (output only)"""
+
+    def __init__(
+        self,
+        *,
+        gpus: _abc.Iterable[Global___GpuQuota] | None = ...,
+        cache_bytes: _builtins.int | None = ...,
+        remote_io_share: _builtins.float | None = ...,
+        borrowing_limit_gpus: _builtins.int | None = ...,
+        lending_limit_gpus: _builtins.int | None = ...,
+        updated_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_borrowing_limit_gpus", b"_borrowing_limit_gpus", "_cache_bytes", b"_cache_bytes", "_lending_limit_gpus", b"_lending_limit_gpus", "_remote_io_share", b"_remote_io_share", "borrowing_limit_gpus", b"borrowing_limit_gpus", "cache_bytes", b"cache_bytes", "lending_limit_gpus", b"lending_limit_gpus", "remote_io_share", b"remote_io_share", "updated_at", b"updated_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_borrowing_limit_gpus", b"_borrowing_limit_gpus", "_cache_bytes", b"_cache_bytes", "_lending_limit_gpus", b"_lending_limit_gpus", "_remote_io_share", b"_remote_io_share", "borrowing_limit_gpus", b"borrowing_limit_gpus", "cache_bytes", b"cache_bytes", "gpus", b"gpus", "lending_limit_gpus", b"lending_limit_gpus", "remote_io_share", b"remote_io_share", "updated_at", b"updated_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__borrowing_limit_gpus: _TypeAlias = _typing.Literal["borrowing_limit_gpus"]  # noqa: Y015
+    _WhichOneofArgType__borrowing_limit_gpus: _TypeAlias = _typing.Literal["_borrowing_limit_gpus", b"_borrowing_limit_gpus"]  # noqa: Y015
+    _WhichOneofReturnType__cache_bytes: _TypeAlias = _typing.Literal["cache_bytes"]  # noqa: Y015
+    _WhichOneofArgType__cache_bytes: _TypeAlias = _typing.Literal["_cache_bytes", b"_cache_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__lending_limit_gpus: _TypeAlias = _typing.Literal["lending_limit_gpus"]  # noqa: Y015
+    _WhichOneofArgType__lending_limit_gpus: _TypeAlias = _typing.Literal["_lending_limit_gpus", b"_lending_limit_gpus"]  # noqa: Y015
+    _WhichOneofReturnType__remote_io_share: _TypeAlias = _typing.Literal["remote_io_share"]  # noqa: Y015
+    _WhichOneofArgType__remote_io_share: _TypeAlias = _typing.Literal["_remote_io_share", b"_remote_io_share"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__borrowing_limit_gpus) -> _WhichOneofReturnType__borrowing_limit_gpus | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_bytes) -> _WhichOneofReturnType__cache_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__lending_limit_gpus) -> _WhichOneofReturnType__lending_limit_gpus | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__remote_io_share) -> _WhichOneofReturnType__remote_io_share | None: ...
+
+Global___TenantQuota: _TypeAlias = TenantQuota  # noqa: Y015
+
+@_typing.final
+class SetTenantQuotaRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    QUOTA_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """tenant name"""
+    @_builtins.property
+    def quota(self) -> Global___TenantQuota:
+        """the complete new quota (updated_at ignored); absent = remove the quota"""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        quota: Global___TenantQuota | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["quota", b"quota"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "quota", b"quota"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetTenantQuotaRequest: _TypeAlias = SetTenantQuotaRequest  # noqa: Y015
 
 @_typing.final
 class CreateTenantRequest(_message.Message):

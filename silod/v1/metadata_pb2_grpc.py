@@ -207,6 +207,11 @@ class MetadataServiceStub:
                 request_serializer=silod_dot_v1_dot_access__pb2.SetTenantMembersRequest.SerializeToString,
                 response_deserializer=silod_dot_v1_dot_access__pb2.Tenant.FromString,
                 _registered_method=True)
+        self.SetTenantQuota = channel.unary_unary(
+                '/silod.v1.MetadataService/SetTenantQuota',
+                request_serializer=silod_dot_v1_dot_access__pb2.SetTenantQuotaRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_access__pb2.Tenant.FromString,
+                _registered_method=True)
         self.MintJobCredential = channel.unary_unary(
                 '/silod.v1.MetadataService/MintJobCredential',
                 request_serializer=silod_dot_v1_dot_access__pb2.MintJobCredentialRequest.SerializeToString,
@@ -453,6 +458,13 @@ class MetadataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetTenantQuota(self, request, context):
+        """the scheduler applies it from its next round
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def MintJobCredential(self, request, context):
         """A credential for the ranks of one job on one node, asked by that node's worker agent when it
         launches them (a node credential for itself, or an admin): PERMISSION_DENIED unless the latest
@@ -650,6 +662,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
             'SetTenantMembers': grpc.unary_unary_rpc_method_handler(
                     servicer.SetTenantMembers,
                     request_deserializer=silod_dot_v1_dot_access__pb2.SetTenantMembersRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_access__pb2.Tenant.SerializeToString,
+            ),
+            'SetTenantQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTenantQuota,
+                    request_deserializer=silod_dot_v1_dot_access__pb2.SetTenantQuotaRequest.FromString,
                     response_serializer=silod_dot_v1_dot_access__pb2.Tenant.SerializeToString,
             ),
             'MintJobCredential': grpc.unary_unary_rpc_method_handler(
@@ -1585,6 +1602,33 @@ class MetadataService:
             target,
             '/silod.v1.MetadataService/SetTenantMembers',
             silod_dot_v1_dot_access__pb2.SetTenantMembersRequest.SerializeToString,
+            silod_dot_v1_dot_access__pb2.Tenant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTenantQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/SetTenantQuota',
+            silod_dot_v1_dot_access__pb2.SetTenantQuotaRequest.SerializeToString,
             silod_dot_v1_dot_access__pb2.Tenant.FromString,
             options,
             channel_credentials,

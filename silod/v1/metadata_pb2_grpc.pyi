@@ -102,6 +102,8 @@ class MetadataServiceStub:
     CreateTenant: _grpc.UnaryUnaryMultiCallable[_access_pb2.CreateTenantRequest, _access_pb2.Tenant]
     ListTenants: _grpc.UnaryUnaryMultiCallable[_access_pb2.ListTenantsRequest, _access_pb2.ListTenantsResponse]
     SetTenantMembers: _grpc.UnaryUnaryMultiCallable[_access_pb2.SetTenantMembersRequest, _access_pb2.Tenant]
+    SetTenantQuota: _grpc.UnaryUnaryMultiCallable[_access_pb2.SetTenantQuotaRequest, _access_pb2.Tenant]
+    """the scheduler applies it from its next round"""
     MintJobCredential: _grpc.UnaryUnaryMultiCallable[_access_pb2.MintJobCredentialRequest, _access_pb2.IssuedCredential]
     """A credential for the ranks of one job on one node, asked by that node's worker agent when it
     launches them (a node credential for itself, or an admin): PERMISSION_DENIED unless the latest
@@ -181,6 +183,8 @@ class MetadataServiceAsyncStub(MetadataServiceStub):
     CreateTenant: _aio.UnaryUnaryMultiCallable[_access_pb2.CreateTenantRequest, _access_pb2.Tenant]  # type: ignore[assignment]
     ListTenants: _aio.UnaryUnaryMultiCallable[_access_pb2.ListTenantsRequest, _access_pb2.ListTenantsResponse]  # type: ignore[assignment]
     SetTenantMembers: _aio.UnaryUnaryMultiCallable[_access_pb2.SetTenantMembersRequest, _access_pb2.Tenant]  # type: ignore[assignment]
+    SetTenantQuota: _aio.UnaryUnaryMultiCallable[_access_pb2.SetTenantQuotaRequest, _access_pb2.Tenant]  # type: ignore[assignment]
+    """the scheduler applies it from its next round"""
     MintJobCredential: _aio.UnaryUnaryMultiCallable[_access_pb2.MintJobCredentialRequest, _access_pb2.IssuedCredential]  # type: ignore[assignment]
     """A credential for the ranks of one job on one node, asked by that node's worker agent when it
     launches them (a node credential for itself, or an admin): PERMISSION_DENIED unless the latest
@@ -461,6 +465,14 @@ class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _access_pb2.SetTenantMembersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_access_pb2.Tenant, _abc.Awaitable[_access_pb2.Tenant]]: ...
+
+    @_abc_1.abstractmethod
+    def SetTenantQuota(
+        self,
+        request: _access_pb2.SetTenantQuotaRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_access_pb2.Tenant, _abc.Awaitable[_access_pb2.Tenant]]:
+        """the scheduler applies it from its next round"""
 
     @_abc_1.abstractmethod
     def MintJobCredential(

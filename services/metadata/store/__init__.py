@@ -14,6 +14,7 @@ from services.metadata.store.leadership import LeadershipStore
 from services.metadata.store.metrics import MetricStore
 from services.metadata.store.nodes import NodeStore
 from services.metadata.store.plans import PlanStore
+from services.metadata.store.quotas import QuotaStore
 from services.metadata.store.retention import RetentionStore
 
 
@@ -26,6 +27,7 @@ class MetadataStore:
         self.plans = PlanStore(db)
         self.metrics = MetricStore(db)
         self.access = AccessStore(db)
+        self.quotas = QuotaStore(db)
         self.retention = RetentionStore(db)
         self.leadership = LeadershipStore(db)
 

@@ -22,6 +22,8 @@ from services.metadata.clock import to_timestamp, utc_now
 from services.metadata.database import Database
 from services.metadata.job_states import TERMINAL_STATES, state_name
 from services.metadata.models import Credential, Job, Tenant, TenantMember
+from services.metadata.store import quotas
+from services.metadata.store.quotas import QuotaStore
 from services.metadata.validation.access import (
     check_create_credential,
     check_kind,
@@ -192,8 +194,9 @@ class AccessStore:
         members: dict[str, list[str]] = {}
         for tenant, user in pairs:
             members.setdefault(tenant, []).append(user)
-        return [_tenant(r, sorted(members.get(r.name, []))) for r in rows
-                if not member or member in members.get(r.name, [])]
+        tenants = [_tenant(r, sorted(members.get(r.name, []))) for r in rows
+                   if not member or member in members.get(r.name, [])]
+        return quotas.attach(tenants, QuotaStore(self._db).quotas())  # each tenant's quota, if it has one
 
     def tenant_exists(self, name: str) -> bool:
         with self._db.read() as session:
