@@ -96,7 +96,9 @@ def access_table() -> list[str]:
             "its column has a rule and the request passes it; a method not listed may be called by nobody. "
             "A missing or unknown token is refused with UNAUTHENTICATED, a caller the table does not admit with "
             "PERMISSION_DENIED naming the request field. A user's tenants are their memberships at the time of the "
-            "call; a job's tenant is its `spec.tenant` (empty: `default`).", "",
+            "call; a job's tenant is its `spec.tenant` (empty: `default`). The last column says which calls the "
+            "audit log records (docs/operators.md \"Audit log\"): every call of a method that changes something; "
+            "of the control plane's routine ones, those a person makes; and every refused call of any method.", "",
             access_rules.markdown(), ""]
 
 

@@ -14,7 +14,7 @@ from services.runtime.structured_logging import get_logger
 _log = get_logger("silod.metadata")
 
 COMPACTED = Counter("silod_metadata_compacted_rows_total", "Rows the retention policy removed, by table "
-                    "(plans, metric_samples, job_events)", ["table"])
+                    "(plans, metric_samples, job_events, audit_events)", ["table"])
 
 
 async def compact_forever(store: MetadataStore, policy: RetentionPolicy, interval_s: float) -> None:

@@ -260,3 +260,4 @@ class AuditEvent(Base):
     message: Mapped[str] = mapped_column(Text)
     peer: Mapped[str] = mapped_column(String(256))  # the caller's address as gRPC reports it
     service: Mapped[str] = mapped_column(String(64))  # the silod process that served the call
+    reporter: Mapped[str] = mapped_column(String(160))  # who handed the event in (AppendAuditEvents' caller)

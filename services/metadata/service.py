@@ -17,6 +17,7 @@ from services.metadata.database import normalize_db_url
 from services.metadata.servicer import MetadataServicer
 from services.metadata.store import MetadataStore
 from services.metadata.store.retention import RetentionPolicy
+from services.runtime.audit import StoreSink
 from services.runtime.directory import LocalDirectory
 from services.runtime.server import ServiceDefinition, StartupError
 from services.runtime.settings import ServiceSettings
@@ -46,6 +47,9 @@ class Settings(ServiceSettings):
     retention_metrics_s: float = Field(24 * 3600.0, ge=0, description="Metric samples older than this are removed; 0 = keep")
     retention_finished_job_events_s: float = Field(
         30 * 86400.0, ge=0, description="Jobs that finished this long ago keep only their last event; 0 = keep all")
+    retention_audit_s: float = Field(
+        90 * 86400.0, ge=0, description="Audit log rows (who called what, when, with what outcome) older than this "
+        "are removed; 0 = keep")
 
     @field_validator("db")
     @classmethod
@@ -70,7 +74,8 @@ def definition(settings: Settings) -> ServiceDefinition:
         if settings.retention_interval_s > 0:
             policy = RetentionPolicy(plans_s=settings.retention_plans_s, min_plans=settings.retention_min_plans,
                                      metrics_s=settings.retention_metrics_s,
-                                     finished_job_events_s=settings.retention_finished_job_events_s)
+                                     finished_job_events_s=settings.retention_finished_job_events_s,
+                                     audit_s=settings.retention_audit_s)
             compaction.append(asyncio.create_task(compact_forever(store, policy, settings.retention_interval_s)))
 
     async def on_stop() -> None:
@@ -85,6 +90,7 @@ def definition(settings: Settings) -> ServiceDefinition:
         on_start=on_start,
         on_stop=on_stop,
         directory=LocalDirectory(store.access),
+        audit_sink=StoreSink(store.audit),
     )
 
 

@@ -14,12 +14,13 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import Message
 from sqlalchemy.exc import OperationalError
-from silod.v1 import access_pb2, common_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
+from silod.v1 import access_pb2, audit_pb2, common_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
 
 from services.metadata.store import MetadataStore
 from services.metadata.validation.common import reject_nul_characters
 from services.metadata.validation.datasets import Manifest
 from services.runtime.errors import InvalidArgument, ServiceError, Unavailable
+from services.runtime.principals import current_principal
 
 MAX_TRANSITIONS = 1000  # moves per TransitionJobs call: one round's worth, bounded like every list
 MAX_CREATIONS = 1000  # jobs per CreateJobs call
@@ -308,3 +309,21 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         await self._run(request, self._store.quotas.set_quota, request.name, quota)
         tenants = await self._run(request, self._store.access.list_tenants, "")
         return await self._run(request, self._store.quotas.tenant, request.name, tenants)
+
+    # -- the audit log (services/runtime/audit.py records, services/metadata/store/audit.py keeps) --
+
+    async def ListAuditEvents(
+        self, request: audit_pb2.ListAuditEventsRequest, context: Context
+    ) -> audit_pb2.ListAuditEventsResponse:
+        events, token = await self._run(request, self._store.audit.list, request)
+        return audit_pb2.ListAuditEventsResponse(events=events, next_page_token=token)
+
+    async def AppendAuditEvents(
+        self, request: audit_pb2.AppendAuditEventsRequest, context: Context
+    ) -> audit_pb2.AppendAuditEventsResponse:
+        caller = current_principal.get()  # None with auth off: nobody to name
+        reporter = f"{caller.kind_name} {caller.name}"[:160] if caller is not None else "unauthenticated"
+        for event in request.events:  # whatever was sent: a node cannot speak as another reporter
+            event.reporter = reporter
+        appended = await self._run(request, self._store.audit.append, list(request.events))
+        return audit_pb2.AppendAuditEventsResponse(appended=appended)

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from services.runtime.access_rules import RULES, Rule
+from services.runtime.audit import note_principal
 from services.runtime.auth import bearer_token
 from services.runtime.directory import Directory
 from services.runtime.errors import ServiceError, Unauthenticated
@@ -51,6 +52,7 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
             return await _refuse(context, request, grpc.StatusCode.UNAUTHENTICATED, problem)
         try:
             principal = await self._authenticate(token)
+            note_principal(principal)  # the audit log's who (services/runtime/audit.py)
             refusal = await self._authorize(method, rule, principal, request)
         except ServiceError as exc:  # Unauthenticated, or Unavailable when the directory cannot answer
             return await _refuse(context, request, exc.code, str(exc))

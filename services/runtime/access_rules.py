@@ -235,6 +235,10 @@ RULES: dict[str, Rule] = {
         # Scheduler leadership: the schedulers (cluster token) only.
         "AcquireLeadership": ADMIN_ONLY,
         "GetLeadership": ADMIN_ONLY,
+        # The audit log: admins read it; the other services append what they recorded, a node's with its
+        # node credential (the metadata service stamps each event's reporter with the caller).
+        "ListAuditEvents": ADMIN_ONLY,
+        "AppendAuditEvents": Rule(node=ANY),
     }),
     **_service("silod.v1.JobService", {
         "SubmitJob": Rule(user=TenantOf("spec.tenant")),
@@ -279,13 +283,47 @@ RULES: dict[str, Rule] = {
 }
 
 
+# Methods that change something (the rest only read): the audit log records every call of these
+# (services/runtime/audit.py), and every refused call of any method. tests/runtime checks that each
+# method of the table whose name does not say it reads (Get, List, Query, Watch, ...) is here.
+MUTATING: frozenset[str] = frozenset(
+    [f"/silod.v1.MetadataService/{m}" for m in (
+        "RegisterDataset", "CreateJob", "CreateJobs", "TransitionJob", "TransitionJobs", "UpdateJobProgress",
+        "AppendJobEvent", "UpsertNode", "Heartbeat", "ClearGpuFault", "CommitPlan", "AppendMetrics", "PutJobModel",
+        "CreateCredential", "RevokeCredential", "RotateCredential", "CreateTenant", "SetTenantMembers", "SetTenantQuota",
+        "MintJobCredential", "AcquireLeadership", "AppendAuditEvents")]
+    + [f"/silod.v1.JobService/{m}" for m in ("SubmitJob", "CancelJob", "RegisterDataset")]
+    + [f"/silod.v1.AllocationService/{m}" for m in ("CommitPlan", "Ack", "ReportTasks")]
+    + [f"/silod.v1.CacheService/{m}" for m in ("Lease", "ReleaseLease", "Prefetch")]
+    + ["/silod.v1.WorkerAgentService/ReportProgress", "/silod.v1.EstimatorService/Observe"])
+
+# Of those, the control plane's own steady traffic (heartbeats, acks, plan commits every round,
+# progress and metric reports, cache leases): recorded when a person (a user or an admin credential)
+# makes the call, or when it is refused, not when the cluster token, a node or a job makes it
+# routinely (docs/operators.md "Audit log" says why).
+ROUTINE: frozenset[str] = frozenset(
+    [f"/silod.v1.MetadataService/{m}" for m in (
+        "CreateJob", "CreateJobs", "TransitionJob", "TransitionJobs", "UpdateJobProgress", "AppendJobEvent",
+        "Heartbeat", "CommitPlan", "AppendMetrics", "PutJobModel", "AcquireLeadership", "AppendAuditEvents")]
+    + [f"/silod.v1.AllocationService/{m}" for m in ("CommitPlan", "Ack", "ReportTasks")]
+    + [f"/silod.v1.CacheService/{m}" for m in ("Lease", "ReleaseLease")]
+    + ["/silod.v1.WorkerAgentService/ReportProgress", "/silod.v1.EstimatorService/Observe"])
+
+
+def audited(method: str) -> str:
+    """What the audit log records of ``method``'s calls, as docs/api.md says it."""
+    if method in ROUTINE:
+        return "by people; refusals"
+    return "every call" if method in MUTATING else "refusals"
+
+
 def markdown() -> str:
     """The table as docs/api.md shows it."""
-    rows = ["| method | admin | user | node | job |", "|---|---|---|---|---|"]
+    rows = ["| method | admin | user | node | job | audit log |", "|---|---|---|---|---|---|"]
     for method, rule in RULES.items():
         if rule.public:
             cells = ["no credential needed"] * 4
         else:
             cells = ["yes"] + [c.describe() if c is not None else "—" for c in (rule.user, rule.node, rule.job)]
-        rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
+        rows.append(f"| `{method}` | " + " | ".join([*cells, audited(method)]) + " |")
     return "\n".join(rows)

@@ -25,6 +25,7 @@ from silod.rpc.limits import MESSAGE_SIZE_OPTIONS
 from silod.rpc.keepalive import SERVER_KEEPALIVE_OPTIONS
 from services.runtime import metrics
 from services.runtime.access import AccessInterceptor
+from services.runtime.audit import AuditInterceptor, AuditRecorder, AuditSink, recorder_for
 from services.runtime.directory import Directory, RemoteDirectory
 from services.runtime.interceptors import ErrorMapper, RequestObserver
 from services.runtime.settings import ConfigError, ServiceSettings, split_host_port
@@ -43,6 +44,9 @@ class ServiceDefinition:
     # Who a credential stands for, when auth is on: the metadata service answers from its store;
     # None = ask the metadata service at settings.metadata_address (services/runtime/directory.py).
     directory: Directory | None = None
+    # Where the audit log's events go (services/runtime/audit.py): the metadata service's own store;
+    # None = the metadata service at settings.metadata_address (or the log when there is none).
+    audit_sink: AuditSink | None = None
 
 
 class StartupError(Exception):
@@ -61,7 +65,9 @@ class RunningServer:
         address: str,
         port: int,
         remote_directory: RemoteDirectory | None = None,
+        audit: AuditRecorder | None = None,
     ) -> None:
+        self._audit = audit  # flushed after the last call, before on_stop
         self._remote_directory = remote_directory  # its channel is closed after on_stop
         self._server = server
         self._health = health_servicer
@@ -89,6 +95,8 @@ class RunningServer:
         try:
             await self._health.enter_graceful_shutdown()
             await self._server.stop(grace)
+            if self._audit is not None:
+                await self._audit.close()
             if self._definition.on_stop is not None:
                 await self._definition.on_stop()
         finally:
@@ -144,13 +152,16 @@ async def start_server(definition: ServiceDefinition, settings: ServiceSettings)
     credentials = _server_credentials(settings)  # fail on bad TLS settings before on_start does work
 
     interceptors: list[grpc.aio.ServerInterceptor] = [RequestObserver(definition.name)]
-    remote = None
+    remote = audit = None
     if settings.auth_token:
         directory = definition.directory
         if directory is None and getattr(settings, "metadata_address", ""):
             directory = remote = RemoteDirectory(
                 settings.metadata_address, settings.auth_token, ttl_s=settings.credential_cache_s,
                 tls_ca_file=getattr(settings, "metadata_tls_ca_file", ""))
+        audit = recorder_for(definition.name, settings, definition.audit_sink,
+                             directory.job_tenant if directory is not None else None)
+        interceptors.append(AuditInterceptor(audit))  # outside access: it records the refusals too
         interceptors.append(AccessInterceptor(settings.auth_token, directory))
     interceptors.append(ErrorMapper())
     # so_reuseport=0: otherwise a second process could "bind" a port already taken and
@@ -192,7 +203,10 @@ async def start_server(definition: ServiceDefinition, settings: ServiceSettings)
 
     for name in ("", *definition.service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, health_servicer, definition, settings, _format_address(host, port), port, remote)
+    if audit is not None:
+        audit.start()
+    return RunningServer(server, health_servicer, definition, settings, _format_address(host, port), port, remote,
+                         audit)
 
 
 def write_ready_file(path: str, address: str) -> None:

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from silod.v1 import access_pb2 as silod_dot_v1_dot_access__pb2
+from silod.v1 import audit_pb2 as silod_dot_v1_dot_audit__pb2
 from silod.v1 import common_pb2 as silod_dot_v1_dot_common__pb2
 from silod.v1 import metadata_pb2 as silod_dot_v1_dot_metadata__pb2
 from silod.v1 import plan_pb2 as silod_dot_v1_dot_plan__pb2
@@ -226,6 +227,16 @@ class MetadataServiceStub:
                 '/silod.v1.MetadataService/GetLeadership',
                 request_serializer=silod_dot_v1_dot_metadata__pb2.GetLeadershipRequest.SerializeToString,
                 response_deserializer=silod_dot_v1_dot_metadata__pb2.Leadership.FromString,
+                _registered_method=True)
+        self.ListAuditEvents = channel.unary_unary(
+                '/silod.v1.MetadataService/ListAuditEvents',
+                request_serializer=silod_dot_v1_dot_audit__pb2.ListAuditEventsRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_audit__pb2.ListAuditEventsResponse.FromString,
+                _registered_method=True)
+        self.AppendAuditEvents = channel.unary_unary(
+                '/silod.v1.MetadataService/AppendAuditEvents',
+                request_serializer=silod_dot_v1_dot_audit__pb2.AppendAuditEventsRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_audit__pb2.AppendAuditEventsResponse.FromString,
                 _registered_method=True)
 
 
@@ -491,6 +502,21 @@ class MetadataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAuditEvents(self, request, context):
+        """The audit log (audit.proto). ListAuditEvents (admin only) reads it, newest first;
+        AppendAuditEvents is how the other services hand in what they recorded (an admin, or a node
+        for its own processes: each event's reporter is set to the caller, whatever was sent).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AppendAuditEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetadataServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -683,6 +709,16 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.GetLeadership,
                     request_deserializer=silod_dot_v1_dot_metadata__pb2.GetLeadershipRequest.FromString,
                     response_serializer=silod_dot_v1_dot_metadata__pb2.Leadership.SerializeToString,
+            ),
+            'ListAuditEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAuditEvents,
+                    request_deserializer=silod_dot_v1_dot_audit__pb2.ListAuditEventsRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_audit__pb2.ListAuditEventsResponse.SerializeToString,
+            ),
+            'AppendAuditEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendAuditEvents,
+                    request_deserializer=silod_dot_v1_dot_audit__pb2.AppendAuditEventsRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_audit__pb2.AppendAuditEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1711,6 +1747,60 @@ class MetadataService:
             '/silod.v1.MetadataService/GetLeadership',
             silod_dot_v1_dot_metadata__pb2.GetLeadershipRequest.SerializeToString,
             silod_dot_v1_dot_metadata__pb2.Leadership.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAuditEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/ListAuditEvents',
+            silod_dot_v1_dot_audit__pb2.ListAuditEventsRequest.SerializeToString,
+            silod_dot_v1_dot_audit__pb2.ListAuditEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendAuditEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/AppendAuditEvents',
+            silod_dot_v1_dot_audit__pb2.AppendAuditEventsRequest.SerializeToString,
+            silod_dot_v1_dot_audit__pb2.AppendAuditEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

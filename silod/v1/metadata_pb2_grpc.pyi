@@ -12,6 +12,7 @@ ABORTED (lost a plan-commit race: re-read the latest plan and retry).
 from collections import abc as _abc
 from grpc import aio as _aio
 from silod.v1 import access_pb2 as _access_pb2
+from silod.v1 import audit_pb2 as _audit_pb2
 from silod.v1 import common_pb2 as _common_pb2
 from silod.v1 import metadata_pb2 as _metadata_pb2
 from silod.v1 import plan_pb2 as _plan_pb2
@@ -117,6 +118,12 @@ class MetadataServiceStub:
     """
     GetLeadership: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.GetLeadershipRequest, _metadata_pb2.Leadership]
     """epoch 0 / empty holder = never held"""
+    ListAuditEvents: _grpc.UnaryUnaryMultiCallable[_audit_pb2.ListAuditEventsRequest, _audit_pb2.ListAuditEventsResponse]
+    """The audit log (audit.proto). ListAuditEvents (admin only) reads it, newest first;
+    AppendAuditEvents is how the other services hand in what they recorded (an admin, or a node
+    for its own processes: each event's reporter is set to the caller, whatever was sent).
+    """
+    AppendAuditEvents: _grpc.UnaryUnaryMultiCallable[_audit_pb2.AppendAuditEventsRequest, _audit_pb2.AppendAuditEventsResponse]
 
 @_typing.type_check_only
 class MetadataServiceAsyncStub(MetadataServiceStub):
@@ -198,6 +205,12 @@ class MetadataServiceAsyncStub(MetadataServiceStub):
     """
     GetLeadership: _aio.UnaryUnaryMultiCallable[_metadata_pb2.GetLeadershipRequest, _metadata_pb2.Leadership]  # type: ignore[assignment]
     """epoch 0 / empty holder = never held"""
+    ListAuditEvents: _aio.UnaryUnaryMultiCallable[_audit_pb2.ListAuditEventsRequest, _audit_pb2.ListAuditEventsResponse]  # type: ignore[assignment]
+    """The audit log (audit.proto). ListAuditEvents (admin only) reads it, newest first;
+    AppendAuditEvents is how the other services hand in what they recorded (an admin, or a node
+    for its own processes: each event's reporter is set to the caller, whatever was sent).
+    """
+    AppendAuditEvents: _aio.UnaryUnaryMultiCallable[_audit_pb2.AppendAuditEventsRequest, _audit_pb2.AppendAuditEventsResponse]  # type: ignore[assignment]
 
 class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -504,5 +517,23 @@ class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_metadata_pb2.Leadership, _abc.Awaitable[_metadata_pb2.Leadership]]:
         """epoch 0 / empty holder = never held"""
+
+    @_abc_1.abstractmethod
+    def ListAuditEvents(
+        self,
+        request: _audit_pb2.ListAuditEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_audit_pb2.ListAuditEventsResponse, _abc.Awaitable[_audit_pb2.ListAuditEventsResponse]]:
+        """The audit log (audit.proto). ListAuditEvents (admin only) reads it, newest first;
+        AppendAuditEvents is how the other services hand in what they recorded (an admin, or a node
+        for its own processes: each event's reporter is set to the caller, whatever was sent).
+        """
+
+    @_abc_1.abstractmethod
+    def AppendAuditEvents(
+        self,
+        request: _audit_pb2.AppendAuditEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_audit_pb2.AppendAuditEventsResponse, _abc.Awaitable[_audit_pb2.AppendAuditEventsResponse]]: ...
 
 def add_MetadataServiceServicer_to_server(servicer: MetadataServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from services.metadata.database import Database, EngineOptions, create_db_engine
 from services.metadata.store.access import AccessStore
+from services.metadata.store.audit import AuditStore
 from services.metadata.store.datasets import DatasetStore
 from services.metadata.store.jobs import JobStore
 from services.metadata.store.leadership import LeadershipStore
@@ -28,6 +29,7 @@ class MetadataStore:
         self.metrics = MetricStore(db)
         self.access = AccessStore(db)
         self.quotas = QuotaStore(db)
+        self.audit = AuditStore(db)
         self.retention = RetentionStore(db)
         self.leadership = LeadershipStore(db)
 
@@ -41,4 +43,4 @@ class MetadataStore:
         self.db.dispose()
 
 
-__all__ = ["MetadataStore", "AccessStore", "DatasetStore", "JobStore", "LeadershipStore", "MetricStore", "NodeStore", "PlanStore"]
+__all__ = ["MetadataStore", "AccessStore", "AuditStore", "DatasetStore", "JobStore", "LeadershipStore", "MetricStore", "NodeStore", "PlanStore"]

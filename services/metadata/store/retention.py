@@ -8,7 +8,9 @@ half a megabyte at 1,000 nodes), the scheduler appends two metric samples per jo
 every state change of every job adds an event. Nothing reads old plans but the dashboard's
 recent history, nothing reads old samples but a person looking at a job, and a finished job's
 story is its last event. Jobs, datasets, nodes and models are kept: they grow with what the
-cluster holds, not with how long it runs.
+cluster holds, not with how long it runs. The audit log (services/metadata/store/audit.py)
+grows with what people do and is kept ``audit_s`` (90 days unless set): long enough to answer
+"who cancelled this job last month", bounded so that it cannot fill the disk.
 
 Deletes go in batches of ``batch`` rows, so no statement holds the tables for long while the
 scheduler and the agents write.
@@ -23,7 +25,7 @@ from sqlalchemy import and_, delete, func, select
 
 from services.metadata.clock import utc_now
 from services.metadata.database import Database
-from services.metadata.models import Job, JobEvent, MetricSample, Plan
+from services.metadata.models import AuditEvent, Job, JobEvent, MetricSample, Plan
 
 MAX_BATCHES = 50  # per table and compaction: a backlog is worked off over several compactions
 
@@ -36,6 +38,7 @@ class RetentionPolicy:
     min_plans: int = 100  # ... but never the newest this many (the dashboard's history, a rollback's view)
     metrics_s: float = 24 * 3600.0  # metric samples older than this
     finished_job_events_s: float = 30 * 86400.0  # jobs finished this long ago keep only their last event
+    audit_s: float = 90 * 86400.0  # audit log rows older than this
     batch: int = 5000  # rows per DELETE statement
 
 
@@ -46,7 +49,7 @@ class RetentionStore:
     def compact(self, policy: RetentionPolicy, now: datetime | None = None) -> dict[str, int]:
         """Delete what ``policy`` no longer keeps; rows removed per table."""
         now = now or utc_now()
-        removed = {"plans": 0, "metric_samples": 0, "job_events": 0}
+        removed = {"plans": 0, "metric_samples": 0, "job_events": 0, "audit_events": 0}
         if policy.plans_s > 0:
             removed["plans"] = self._plans(now - timedelta(seconds=policy.plans_s), policy.min_plans, policy.batch)
         if policy.metrics_s > 0:
@@ -54,6 +57,8 @@ class RetentionStore:
         if policy.finished_job_events_s > 0:
             removed["job_events"] = self._finished_job_events(
                 now - timedelta(seconds=policy.finished_job_events_s), policy.batch)
+        if policy.audit_s > 0:
+            removed["audit_events"] = self._audit_events(now - timedelta(seconds=policy.audit_s), policy.batch)
         return removed
 
     def _plans(self, before: datetime, min_plans: int, batch: int) -> int:
@@ -79,6 +84,19 @@ class RetentionStore:
                                       .order_by(MetricSample.id).limit(batch)).all()
                 if ids:
                     session.execute(delete(MetricSample).where(MetricSample.id.in_(ids)))
+            removed += len(ids)
+            if len(ids) < batch:
+                break
+        return removed
+
+    def _audit_events(self, before: datetime, batch: int) -> int:
+        removed = 0
+        for _ in range(MAX_BATCHES):
+            with self._db.write() as session:
+                ids = session.scalars(select(AuditEvent.id).where(AuditEvent.time < before)
+                                      .order_by(AuditEvent.id).limit(batch)).all()
+                if ids:
+                    session.execute(delete(AuditEvent).where(AuditEvent.id.in_(ids)))
             removed += len(ids)
             if len(ids) < batch:
                 break
@@ -110,4 +128,5 @@ class RetentionStore:
         """Rows per table that retention compacts (for benchmarks and the operators' page)."""
         with self._db.read() as session:
             return {name: int(session.scalar(select(func.count()).select_from(model)) or 0)
-                    for name, model in (("plans", Plan), ("metric_samples", MetricSample), ("job_events", JobEvent))}
+                    for name, model in (("plans", Plan), ("metric_samples", MetricSample), ("job_events", JobEvent),
+                                             ("audit_events", AuditEvent))}

@@ -36,6 +36,7 @@ def upgrade() -> None:
         sa.Column("message", sa.Text(), nullable=False),
         sa.Column("peer", sa.String(length=256), nullable=False),
         sa.Column("service", sa.String(length=64), nullable=False),
+        sa.Column("reporter", sa.String(length=160), nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_audit_events")),
     )
     with op.batch_alter_table("audit_events") as batch:
