@@ -188,15 +188,20 @@ class LocalLeaseServer:
         await writer.drain()
 
     async def _job_of(self, credential: bytes) -> str:
-        """The job whose credential ``credential`` is, "" for the cluster token (or no auth);
-        Unauthenticated or PermissionDenied otherwise."""
-        if not self._token or hmac.compare_digest(credential, self._token):
+        """The job whose credential ``credential`` is, "" for an admin (the cluster token) or with auth
+        off (no cluster token here and no directory); Unauthenticated or PermissionDenied otherwise.
+        A cache server with a node credential holds no cluster token: the directory resolves it."""
+        if not self._token and self._directory is None:
             return ""
-        if self._directory is None:
+        if self._token and hmac.compare_digest(credential, self._token):
+            return ""
+        if self._directory is None or not credential:
             raise Unauthenticated("wrong or missing auth token")
         from silod.v1 import access_pb2
 
         principal = await self._directory.resolve(credential.decode("utf-8", "replace"))
+        if principal.kind == access_pb2.PRINCIPAL_KIND_ADMIN:
+            return ""
         if principal.kind != access_pb2.PRINCIPAL_KIND_JOB:
             raise PermissionDenied(f"a {principal.kind_name} credential may not lease here; a job's own may")
         return principal.name

@@ -17,6 +17,7 @@ from pydantic import Field, field_validator
 from cache_server.core import CacheConfig, CacheCore
 from cache_server.peers import PeerReader
 from cache_server.tiers import TierLocked
+from services.runtime.auth import NodeIdentitySettings, auth_enabled, caller_token
 from services.runtime.server import ServiceDefinition, StartupError
 from services.runtime.settings import ServiceSettings
 from services.runtime.structured_logging import get_logger
@@ -29,7 +30,7 @@ CHUNK_BYTES = 1 << 20  # ReadChunk.data limit
 SHM = "/dev/shm"
 
 
-class Settings(ServiceSettings):
+class Settings(NodeIdentitySettings):
     metadata_address: str = Field("127.0.0.1:7070", description="HOST:PORT of the metadata service (manifests)")
     metadata_tls_ca_file: str = Field("", description="PEM CA to verify the metadata service's TLS certificate")
     node: str = Field("", description="Node name reported in Stats; empty = this host's name")
@@ -208,7 +209,7 @@ def definition(settings: Settings) -> ServiceDefinition:
     def open_peer_channel(address: str) -> Any:
         from silod.rpc.channels import open_channel
 
-        return open_channel(address, token=settings.auth_token, tls_ca_file=settings.peer_tls_ca_file, aio=True,
+        return open_channel(address, token=caller_token(settings), tls_ca_file=settings.peer_tls_ca_file, aio=True,
                             default_timeout_s=settings.peer_timeout_s)
 
     peers = PeerReader(config.node, open_peer_channel, cache_address_of, timeout_s=settings.peer_timeout_s)
@@ -222,7 +223,7 @@ def definition(settings: Settings) -> ServiceDefinition:
         from silod.rpc.channels import open_channel
 
         state["channel"] = open_channel(
-            settings.metadata_address, token=settings.auth_token, tls_ca_file=settings.metadata_tls_ca_file, aio=True,
+            settings.metadata_address, token=caller_token(settings), tls_ca_file=settings.metadata_tls_ca_file, aio=True,
             default_timeout_s=60.0,
         )
         state["metadata"] = metadata_pb2_grpc.MetadataServiceStub(state["channel"])
@@ -236,19 +237,19 @@ def definition(settings: Settings) -> ServiceDefinition:
             from cache_server.plan_watch import PlanWatcher
 
             addresses = [a.strip() for a in settings.scheduler_address.split(",") if a.strip()]
-            state["alloc_channels"] = [open_channel(a, token=settings.auth_token, aio=True) for a in addresses]
+            state["alloc_channels"] = [open_channel(a, token=caller_token(settings), aio=True) for a in addresses]
             state["watcher"] = PlanWatcher(core, config.node, state["alloc_channels"])
             state["watcher"].start()
         if settings.lease_socket != "off":
             from cache_server.local_socket import LocalLeaseServer
 
             directory = None
-            if settings.auth_token and settings.metadata_address:  # job credentials, as on gRPC
+            if auth_enabled(settings) and settings.metadata_address:  # job credentials, as on gRPC
                 from services.runtime.directory import RemoteDirectory
 
                 directory = state["directory"] = RemoteDirectory(
-                    settings.metadata_address, settings.auth_token, ttl_s=settings.credential_cache_s,
-                    tls_ca_file=getattr(settings, "metadata_tls_ca_file", ""))
+                    settings.metadata_address, caller_token(settings), ttl_s=settings.credential_cache_s,
+                    tls_ca_file=getattr(settings, "metadata_tls_ca_file", ""), resolve_any=not settings.auth_token)
             state["local_socket"] = LocalLeaseServer(servicer.answer_lease, core.release, settings.lease_socket,
                                                      token=settings.auth_token, directory=directory,
                                                      beside=core.tiers[0].root if core.tiers else "")

@@ -59,6 +59,7 @@ from typing import Any
 import grpc
 
 from silod.rpc.channels import open_channel
+from services.runtime.auth import auth_enabled, caller_token
 from services.runtime.structured_logging import get_logger
 from silod.v1 import (
     allocation_pb2,
@@ -228,7 +229,7 @@ class Agent:
         self._stopping = False
         self._apply_lock = asyncio.Lock()
         self._job_tokens: dict[str, str] = {}  # job id -> the credential its ranks here hold (auth on)
-        token = getattr(settings, "auth_token", "")
+        token = caller_token(settings)  # its node credential, else the cluster token
         self._meta_channel = open_channel(settings.metadata_address, token=token, aio=True)
         self._metadata = metadata_pb2_grpc.MetadataServiceStub(self._meta_channel)
         self._alloc_channel = None
@@ -575,7 +576,7 @@ class Agent:
         credential of their own job instead (:meth:`env_for`). Without auth, a SILOD_AUTH_TOKEN of
         the environment is passed on as it always was."""
         own = {f"SILOD_{name.upper()}" for name in type(self.settings).model_fields} | {"SILOD_CONFIG"}
-        if not getattr(self.settings, "auth_token", ""):
+        if not auth_enabled(self.settings):
             own.discard("SILOD_AUTH_TOKEN")
         return {k: v for k, v in os.environ.items() if k not in own}
 
@@ -583,7 +584,7 @@ class Agent:
         """The job credential this node's ranks of ``job_id`` hold as SILOD_AUTH_TOKEN ("" with auth
         off): minted by the metadata service for this node (MintJobCredential), kept while the job
         has other tasks here. Raises JobCredentialError when none can be had."""
-        if not getattr(self.settings, "auth_token", ""):
+        if not auth_enabled(self.settings):
             return ""
         held = {t.job_id for t in self.tasks.values() if t is not launching}
         for stale in [j for j in self._job_tokens if j not in held]:

@@ -19,13 +19,14 @@ import grpc
 from pydantic import Field, field_validator
 
 from services.runtime import errors
+from services.runtime.auth import NodeIdentitySettings
 from services.runtime.server import ServiceDefinition
 from services.runtime.settings import ConfigError, ServiceSettings, split_host_port
 from silod.v1 import worker_agent_pb2, worker_agent_pb2_grpc
 from worker_agent.agent import Agent
 
 
-class Settings(ServiceSettings):
+class Settings(NodeIdentitySettings):
     node_name: str = Field("", description="Node name registered with the metadata service; empty = hostname")
     pool: Literal["training", "inference"] = Field("training", description="Pool the node serves")
     gpus: int = Field(4, ge=0, le=1024, description="GPUs on the node when NVML (pynvml) is absent or finds none")

@@ -65,7 +65,7 @@ def definition(settings: Settings) -> ServiceDefinition:
     )
 
     def register(server: grpc.aio.Server) -> None:
-        metadata_pb2_grpc.add_MetadataServiceServicer_to_server(MetadataServicer(store), server)
+        metadata_pb2_grpc.add_MetadataServiceServicer_to_server(MetadataServicer(store, settings.auth_token), server)
 
     compaction: list[asyncio.Task[None]] = []
 

@@ -7,8 +7,11 @@ decides: UNAUTHENTICATED for no or a bad token, PERMISSION_DENIED (naming the re
 for a principal the table does not admit. The servicer runs only when admitted, with
 :data:`~services.runtime.principals.current_principal` set.
 
-Installed by services/runtime/server.py whenever auth_token is set; without it a process
-serves everyone, as a single-machine cluster always did.
+With TLS client certificates (tls_client_ca_file), a call without a bearer token stands for the
+principal its verified certificate names (services/runtime/principals.certificate_name).
+
+Installed by services/runtime/server.py whenever auth_token or a node credential is set; without
+them a process serves everyone, as a single-machine cluster always did.
 """
 
 from __future__ import annotations
@@ -25,15 +28,18 @@ from services.runtime.auth import bearer_token
 from services.runtime.directory import Directory
 from services.runtime.errors import ServiceError, Unauthenticated
 from services.runtime.interceptors import Behavior, _drain, wrap_handler
-from services.runtime.principals import CLUSTER_ADMIN, Principal, current_principal
+from services.runtime.principals import ADMIN, CLUSTER_ADMIN, Principal, current_principal
+from services.runtime.auth import certificate_name_of
 from silod.rpc.errors import DETAILS_KEY, FieldViolation, status_details, summary
 
 
 class AccessInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, cluster_token: str, directory: Directory | None, rules: dict[str, Rule] = RULES) -> None:
-        self._cluster_token = cluster_token.encode()
+    def __init__(self, cluster_token: str, directory: Directory | None, rules: dict[str, Rule] = RULES,
+                 client_certificates: bool = False) -> None:
+        self._cluster_token = cluster_token.encode()  # b"": this process does not hold it (a node's)
         self._directory = directory
         self._rules = rules
+        self._client_certificates = client_certificates  # TLS with tls_client_ca_file: certificates name principals
 
     async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
         handler = await continuation(handler_call_details)
@@ -48,10 +54,13 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
 
     async def _guard(self, method: str, rule: Rule | None, token: str, problem: str | None,
                      call: Behavior, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if problem is not None:
+        certified = None
+        if problem is not None and self._client_certificates:
+            certified = certificate_name_of(context)
+        if problem is not None and certified is None:
             return await _refuse(context, request, grpc.StatusCode.UNAUTHENTICATED, problem)
         try:
-            principal = await self._authenticate(token)
+            principal = await (self._certified(*certified) if certified is not None else self._authenticate(token))
             note_principal(principal)  # the audit log's who (services/runtime/audit.py)
             refusal = await self._authorize(method, rule, principal, request)
         except ServiceError as exc:  # Unauthenticated, or Unavailable when the directory cannot answer
@@ -66,11 +75,19 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
 
     async def _authenticate(self, token: str) -> Principal:
         # compare_digest: the time taken must not reveal how much of the cluster token matched.
-        if hmac.compare_digest(token.encode(), self._cluster_token):
+        if self._cluster_token and hmac.compare_digest(token.encode(), self._cluster_token):
             return CLUSTER_ADMIN
         if self._directory is None:
             raise Unauthenticated("invalid bearer token")
         return await self._directory.resolve(token)
+
+    async def _certified(self, kind: int, name: str) -> Principal:
+        if kind == ADMIN:
+            return Principal(ADMIN, name)
+        if self._directory is None:
+            raise Unauthenticated("a client certificate names a principal, but this service cannot look it up "
+                                  "(no metadata_address)")
+        return await self._directory.certificate_principal(kind, name)
 
     async def _authorize(self, method: str, rule: Rule | None, principal: Principal,
                          request: Any) -> tuple[str, str] | None:

@@ -210,7 +210,8 @@ RULES: dict[str, Rule] = {
         "ListJobEvents": Rule(user=JobOfTenant("job_id"), job=Itself("job_id")),
         "UpsertNode": Rule(node=Itself("spec.name")),
         "Heartbeat": Rule(node=Itself("node")),
-        "GetNode": Rule(user=ANY, node=Itself("node")),
+        # node: a cache server finds a peer's cache address (ListNodes shows every node to a node anyway).
+        "GetNode": Rule(user=ANY, node=ANY),
         "ListNodes": Rule(user=ANY, node=ANY),
         "ClearGpuFault": ADMIN_ONLY,
         "CommitPlan": ADMIN_ONLY,
@@ -225,9 +226,12 @@ RULES: dict[str, Rule] = {
         "ListCredentials": ADMIN_ONLY,
         "RevokeCredential": ADMIN_ONLY,
         "RotateCredential": ADMIN_ONLY,
-        "ResolveCredential": ADMIN_ONLY,  # the other services ask with the cluster token
+        # The other services ask: the scheduler with the cluster token, a node's agent and cache server
+        # with their node credential. Only who already holds a token learns whom it stands for.
+        "ResolveCredential": Rule(node=ANY),
         "CreateTenant": ADMIN_ONLY,
-        "ListTenants": ADMIN_ONLY,
+        # node: a node's services learn the tenants of a user whose TLS client certificate calls them.
+        "ListTenants": Rule(node=ANY),
         "SetTenantMembers": ADMIN_ONLY,
         "SetTenantQuota": ADMIN_ONLY,
         # What a worker agent hands its ranks as SILOD_AUTH_TOKEN instead of the cluster token.

@@ -2,7 +2,7 @@
 
 The metadata service asks its own store (:class:`LocalDirectory`); every other service asks the
 metadata service over gRPC (:class:`RemoteDirectory`, ResolveCredential and GetJob, sent with the
-cluster token) and keeps each answer for ``ttl_s`` seconds: a revoked credential stops working
+cluster token or the process's node credential) and keeps each answer for ``ttl_s`` seconds: a revoked credential stops working
 within that time on every service, with no restart, and a busy service does not ask for each call.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import grpc
 
 from services.runtime.errors import ServiceError, Unauthenticated, Unavailable
-from services.runtime.principals import Principal, split_token
+from services.runtime.principals import USER, Principal, split_token
 
 MAX_CACHED = 10_000  # tokens and job tenants each; the oldest go first
 
@@ -27,6 +27,9 @@ class Directory(Protocol):
 
     async def job_tenant(self, job_id: str) -> str | None:
         """The tenant of job ``job_id``; None when there is no such job."""
+
+    async def certificate_principal(self, kind: int, name: str) -> Principal:
+        """The principal a verified TLS client certificate names (a user with its tenants as of now)."""
 
 
 class LocalDirectory:
@@ -41,6 +44,12 @@ class LocalDirectory:
     async def job_tenant(self, job_id: str) -> str | None:
         return await asyncio.to_thread(self._store.job_tenant, job_id)
 
+    async def certificate_principal(self, kind: int, name: str) -> Principal:
+        if kind != USER:
+            return Principal(kind, name)
+        tenants = await asyncio.to_thread(self._store.list_tenants, name)
+        return Principal(kind, name, tuple(t.name for t in tenants))
+
 
 class _Bounded(collections.OrderedDict):  # type: ignore[type-arg]
     def put(self, key: Any, value: Any) -> None:
@@ -51,14 +60,20 @@ class _Bounded(collections.OrderedDict):  # type: ignore[type-arg]
 
 
 class RemoteDirectory:
-    """The metadata service at ``address``, asked with the cluster ``token``."""
+    """The metadata service at ``address``, asked with ``token``: the cluster token, or the node
+    credential of a node process (worker agent, cache server), which may resolve credentials too.
+    ``resolve_any``: the process does not hold the cluster token, so a token that is not shaped like
+    a credential is asked about as well (the metadata service knows the cluster token); refusals are
+    then kept for ``ttl_s`` too, so that a flood of bad tokens is not a flood of questions."""
 
     def __init__(self, address: str, token: str, *, tls_ca_file: str = "", ttl_s: float = 5.0,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, resolve_any: bool = False) -> None:
         self._address, self._token, self._tls_ca_file = address, token, tls_ca_file
-        self._ttl_s, self._timeout_s = ttl_s, timeout_s
+        self._ttl_s, self._timeout_s, self._resolve_any = ttl_s, timeout_s, resolve_any
         self._channel: grpc.aio.Channel | None = None
         self._principals = _Bounded()  # token -> (expires at, Principal)
+        self._refused = _Bounded()  # token -> expires at (resolve_any only)
+        self._certified = _Bounded()  # (kind, name) -> (expires at, Principal)
         self._tenants = _Bounded()  # job id -> tenant: a job's tenant never changes
 
     def _stub(self) -> Any:
@@ -71,19 +86,24 @@ class RemoteDirectory:
         return metadata_pb2_grpc.MetadataServiceStub(self._channel)
 
     async def resolve(self, token: str) -> Principal:
-        if split_token(token) is None:  # not a credential at all: no need to ask
+        if split_token(token) is None and not self._resolve_any:  # not a credential at all: no need to ask
             raise Unauthenticated("invalid bearer token")
         now = time.monotonic()
         cached = self._principals.get(token)
         if cached is not None and cached[0] > now:
             return cached[1]
+        if self._refused.get(token, 0.0) > now:
+            raise Unauthenticated("invalid bearer token")
         from silod.v1 import access_pb2
 
         try:
             reply = await self._stub().ResolveCredential(access_pb2.ResolveCredentialRequest(token=token))
         except grpc.aio.AioRpcError as exc:
             self._principals.pop(token, None)
-            raise _refusal(exc, "check the credential") from None
+            refusal = _refusal(exc, "check the credential")
+            if self._resolve_any and isinstance(refusal, Unauthenticated):
+                self._refused.put(token, now + self._ttl_s)
+            raise refusal from None
         principal = Principal.from_proto(reply.principal, reply.credential_id)
         self._principals.put(token, (now + self._ttl_s, principal))
         return principal
@@ -101,6 +121,23 @@ class RemoteDirectory:
             raise _refusal(exc, "find the job's tenant") from None
         self._tenants.put(job_id, job.spec.tenant)
         return job.spec.tenant
+
+    async def certificate_principal(self, kind: int, name: str) -> Principal:
+        if kind != USER:
+            return Principal(kind, name)
+        now = time.monotonic()
+        cached = self._certified.get((kind, name))
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        from silod.v1 import access_pb2
+
+        try:
+            reply = await self._stub().ListTenants(access_pb2.ListTenantsRequest(member=name))
+        except grpc.aio.AioRpcError as exc:
+            raise _refusal(exc, "find the tenants of the certificate's user") from None
+        principal = Principal(kind, name, tuple(t.name for t in reply.tenants))
+        self._certified.put((kind, name), (now + self._ttl_s, principal))
+        return principal
 
     async def close(self) -> None:
         if self._channel is not None:

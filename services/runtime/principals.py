@@ -60,3 +60,18 @@ def split_token(token: str) -> tuple[str, str] | None:
 CLUSTER_ADMIN = Principal(ADMIN, "cluster-token")
 
 current_principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("silod_principal", default=None)
+
+
+# TLS client certificates (services/runtime/server.py with tls_client_ca_file): a verified
+# certificate whose subject Common Name is "<kind>:<name>" stands for that principal when the call
+# carries no bearer token. Jobs are not among the kinds: their credentials are minted per job.
+CERTIFICATE_KINDS = {"admin": ADMIN, "user": USER, "node": NODE}
+
+
+def certificate_name(common_name: str) -> tuple[int, str] | None:
+    """(kind, name) of a certificate Common Name ``admin:<label>``, ``user:<name>`` or ``node:<name>``;
+    None for any other."""
+    kind, sep, name = common_name.partition(":")
+    if not sep or kind not in CERTIFICATE_KINDS or not name or len(name) > 128 or not name.isprintable():
+        return None
+    return CERTIFICATE_KINDS[kind], name

@@ -26,6 +26,7 @@ from silod.rpc.keepalive import SERVER_KEEPALIVE_OPTIONS
 from services.runtime import metrics
 from services.runtime.access import AccessInterceptor
 from services.runtime.audit import AuditInterceptor, AuditRecorder, AuditSink, recorder_for
+from services.runtime.auth import auth_enabled, caller_token
 from services.runtime.directory import Directory, RemoteDirectory
 from services.runtime.interceptors import ErrorMapper, RequestObserver
 from services.runtime.settings import ConfigError, ServiceSettings, split_host_port
@@ -111,18 +112,24 @@ class RunningServer:
 
 def _server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
     cert, key = settings.tls_cert_file, settings.tls_key_file
+    client_ca = getattr(settings, "tls_client_ca_file", "")
     if not cert and not key:
+        if client_ca:
+            raise ConfigError("tls_client_ca_file: needs TLS on (tls_cert_file and tls_key_file)")
         return None
     if not (cert and key):
         missing = "tls_key_file" if cert else "tls_cert_file"
         raise ConfigError(f"{missing}: must be set together with {'tls_cert_file' if cert else 'tls_key_file'}")
     pems = []
-    for field, path in (("tls_key_file", key), ("tls_cert_file", cert)):
+    for field, path in (("tls_key_file", key), ("tls_cert_file", cert), ("tls_client_ca_file", client_ca)):
         try:
-            pems.append(Path(path).read_bytes())
+            pems.append(Path(path).read_bytes() if path else None)
         except OSError as exc:
             raise ConfigError(f"{field}: cannot read {path!r}: {exc.strerror or exc}") from None
-    return grpc.ssl_server_credentials([(pems[0], pems[1])])
+    if pems[2] is None:
+        return grpc.ssl_server_credentials([(pems[0], pems[1])])
+    # gRPC's Python API either requires and verifies a client certificate or never asks for one.
+    return grpc.ssl_server_credentials([(pems[0], pems[1])], root_certificates=pems[2], require_client_auth=True)
 
 
 def _bind_problem(listen: str) -> str:
@@ -153,16 +160,17 @@ async def start_server(definition: ServiceDefinition, settings: ServiceSettings)
 
     interceptors: list[grpc.aio.ServerInterceptor] = [RequestObserver(definition.name)]
     remote = audit = None
-    if settings.auth_token:
+    if auth_enabled(settings):  # the cluster token, or a node process's own credential
         directory = definition.directory
         if directory is None and getattr(settings, "metadata_address", ""):
             directory = remote = RemoteDirectory(
-                settings.metadata_address, settings.auth_token, ttl_s=settings.credential_cache_s,
-                tls_ca_file=getattr(settings, "metadata_tls_ca_file", ""))
+                settings.metadata_address, caller_token(settings), ttl_s=settings.credential_cache_s,
+                tls_ca_file=getattr(settings, "metadata_tls_ca_file", ""), resolve_any=not settings.auth_token)
         audit = recorder_for(definition.name, settings, definition.audit_sink,
                              directory.job_tenant if directory is not None else None)
         interceptors.append(AuditInterceptor(audit))  # outside access: it records the refusals too
-        interceptors.append(AccessInterceptor(settings.auth_token, directory))
+        interceptors.append(AccessInterceptor(settings.auth_token, directory,
+                                              client_certificates=bool(getattr(settings, "tls_client_ca_file", ""))))
     interceptors.append(ErrorMapper())
     # so_reuseport=0: otherwise a second process could "bind" a port already taken and
     # silently share its traffic instead of failing.
@@ -261,7 +269,7 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
                     "address": running.address,
                     "services": list(definition.service_names),
                     "tls": bool(settings.tls_cert_file),
-                    "auth": bool(settings.auth_token),
+                    "auth": auth_enabled(settings),
                     "metrics_port": settings.metrics_port or None,
                     "version": metrics.silod_version(),
                 },

@@ -53,6 +53,10 @@ class ServiceSettings(BaseSettings):
     )
     tls_cert_file: str = Field("", description="PEM server certificate; with tls_key_file enables TLS")
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file")
+    tls_client_ca_file: str = Field(
+        "", description="PEM CA that signs client certificates; when set (with TLS on) every client must present "
+        "one, and a call without a bearer token is the principal its Common Name names: admin:<label>, "
+        "user:<name> or node:<name>")
     shutdown_grace_s: float = Field(
         10.0, ge=0, description="Seconds in-flight calls get to finish after SIGTERM/SIGINT"
     )

@@ -8,6 +8,8 @@ client command (`silod submit`, `silod dataset`, `silod health`, ...) finds them
 (silod.cli.locate). If a child dies, `silod up` says which
 and shows its log tail, then stops the rest (exit 1). SIGINT/SIGTERM stop everything
 cleanly (agents first, then cache servers, scheduler, estimator, metadata) and exit 0.
+With auth on (SILOD_AUTH_TOKEN set), each node's agent and cache server get a node credential of
+their own (``<state-dir>/nodes/<name>/node-credential``) instead of the cluster token.
 """
 
 from __future__ import annotations
@@ -135,13 +137,13 @@ def _up(args: argparse.Namespace) -> int:
     scrape: list[tuple[str, str, str]] = []  # (Prometheus job, instance name, HOST:PORT of /metrics)
 
     def start(name: str, command: str, *flags: str, tier: list[tuple[str, ServiceProcess]],
-              port: int = 0) -> ServiceProcess:
+              port: int = 0, env: dict[str, str] | None = None) -> ServiceProcess:
         if stop:
             raise _Stop
         # Every process exports Prometheus metrics on a port of its own (the dashboard on its
         # listen port); prometheus-targets.json lists them for a scraper.
         metrics = [] if command == "dashboard" else ["--metrics-port", str(_free_port()), "--metrics-host", "127.0.0.1"]
-        proc = start_service(command, *flags, *metrics, *common, workdir=logs, timeout_s=60, port=port)
+        proc = start_service(command, *flags, *metrics, *common, workdir=logs, timeout_s=60, port=port, env=env)
         children.append((name, proc))
         tier.append((name, proc))
         scrape.append((f"silod-{command}", name, f"127.0.0.1:{metrics[1]}" if metrics else proc.address))
@@ -177,6 +179,7 @@ def _up(args: argparse.Namespace) -> int:
                            "--pool", pool, "--metadata-address", md.address, "--scheduler-address", sch.address]
             if gpu_type:
                 agent_flags += ["--gpu-type", gpu_type]
+            identity = _node_identity(md.address, name, node_dir)  # auth on: a node credential, no cluster token
             if not args.no_cache:
                 cache = start(f"cache-server {name}", "cache-server", "--metadata-address", md.address, "--node", name,
                               "--scheduler-address", sch.address,
@@ -186,13 +189,13 @@ def _up(args: argparse.Namespace) -> int:
                               "--memory-cache-dir", str(node_dir / "cache-mem"),
                               # --cache lru: jobs get no quota and share the cache, which must then be LRU
                               # (the cache server's own default is lrfu-cost).
-                              *(("--default-policy", "lru") if args.cache == "lru" else ()), tier=caches)
+                              *(("--default-policy", "lru") if args.cache == "lru" else ()), tier=caches, env=identity)
                 node["cache"] = cache.address
                 # The scheduler sizes cache quotas by what the agent advertises: the same tiers.
                 agent_flags += ["--cache-address", cache.address,
                                 "--cache-capacity-bytes", str(args.cache_disk_bytes),
                                 "--memory-cache-bytes", str(args.cache_memory_bytes)]
-            agent = start(f"worker-agent {name}", "worker-agent", *agent_flags, tier=agents)
+            agent = start(f"worker-agent {name}", "worker-agent", *agent_flags, tier=agents, env=identity)
             node["agent"] = agent.address
             return node
 
@@ -241,6 +244,42 @@ def _up(args: argparse.Namespace) -> int:
     if code == 0:
         _say("silod up: all services stopped")
     return code
+
+
+def _node_identity(metadata: str, node: str, node_dir: Path) -> dict[str, str] | None:
+    """With auth on (SILOD_AUTH_TOKEN in the environment): a node credential minted for ``node``,
+    written to ``<node_dir>/node-credential`` (mode 0600), and the environment its worker agent and
+    cache server start with: that file, and no cluster token. None with auth off."""
+    cluster_token = os.environ.get("SILOD_AUTH_TOKEN", "")
+    if not cluster_token:
+        return None
+    from silod.rpc.channels import open_channel
+    from silod.v1 import access_pb2, metadata_pb2_grpc
+
+    import grpc
+
+    from silod.launcher import LaunchError
+
+    description = f"silod up: emulated node {node}"
+    try:
+        with open_channel(metadata, token=cluster_token) as channel:
+            stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+            # The previous run's credential of this node goes: one live credential per emulated node.
+            for old in stub.ListCredentials(access_pb2.ListCredentialsRequest(
+                    kind=access_pb2.PRINCIPAL_KIND_NODE, name=node)).credentials:
+                if old.description == description:
+                    stub.RevokeCredential(access_pb2.RevokeCredentialRequest(id=old.id))
+            issued = stub.CreateCredential(access_pb2.CreateCredentialRequest(
+                kind=access_pb2.PRINCIPAL_KIND_NODE, name=node, description=description))
+    except grpc.RpcError as exc:
+        raise LaunchError(f"cannot create the credential of node {node}: {exc.code().name}: {exc.details()}") from None
+    node_dir.mkdir(parents=True, exist_ok=True)
+    path = node_dir / "node-credential"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(issued.token + "\n")
+    return {"SILOD_AUTH_TOKEN": "", "SILOD_NODE_CREDENTIAL_FILE": str(path)}
 
 
 def _say(text: str, err: bool = False) -> None:
