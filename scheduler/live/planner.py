@@ -1,6 +1,6 @@
-"""One round's plan, from a snapshot: the policy on the usable GPUs, inference tasks beside it,
-release holds, the cache mode's data grants, the invariants, then the plan proto with each
-job's generation and rendezvous port. No I/O: what it reads comes in as arguments, so a
+"""One round's plan, from a snapshot: the policy on the usable GPUs within the tenants' quotas,
+inference tasks beside it, release holds, the cache mode's data grants, the invariants, then
+the plan proto with each job's generation and rendezvous port. No I/O: what it reads comes in as arguments, so a
 caller may plan from any snapshot (and commit elsewhere).
 
 The data step after the policy is the simulator's too (scheduler.data_grants.grant, as in
@@ -22,6 +22,7 @@ from scheduler.live.releases import Gpu, hold_releases
 from scheduler.live.resizes import set_generation
 from scheduler.placement import node_types, placement_type
 from scheduler.policy import ClusterSnapshot, Plan
+from scheduler.quotas import QuotaBounded
 from scheduler.registry import get_policy
 from silod.v1 import common_pb2, plan_pb2
 
@@ -59,7 +60,8 @@ class RoundPlanner:
 
     def _allocate(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], usable: UsableGpus,
                   busy: Mapping[Gpu, str]) -> tuple[Plan, set[str]]:
-        policy_plan = usable.schedule(self.policy, snap)  # on the usable GPUs only
+        # On the usable GPUs only, within the tenants' quotas (the simulator's rule, scheduler.quotas).
+        policy_plan = usable.schedule(QuotaBounded(self.policy), snap)
         check_plan(snap, policy_plan)
         inference_jobs = [j for j in jobs if is_inference_job(j)]
         plan = self.inference.place(snap, policy_plan, inference_jobs, unusable=usable.faulted)

@@ -2,7 +2,7 @@
 GPUs, active jobs with their models, what each job holds under the plan in force (minus lost
 nodes and faulted GPUs), and what the cache servers hold.
 
-Cost: one ListNodes, one ListJobs page per 1,000 active jobs, the job models' calls
+Cost: one ListNodes, one ListJobs page per 1,000 active jobs, one ListTenants (tenant quotas), the job models' calls
 (scheduler.live.models), and one Stats per cache server every few seconds (--cache silod).
 """
 
@@ -21,7 +21,8 @@ from scheduler.live.liveness import NodeLiveness
 from scheduler.live.models import JobModels, application_of
 from scheduler.live.plans import PlanStore
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
-from silod.v1 import common_pb2, metadata_pb2
+from scheduler.quotas_proto import quotas_of
+from silod.v1 import access_pb2, common_pb2, metadata_pb2
 
 
 class SnapshotBuilder:
@@ -96,6 +97,8 @@ class SnapshotBuilder:
                 type_models=type_models if len(node_gpu_types) > 1 else {},
             ))
         current = self._current(training, alive)
+        # Tenant quotas, read every round: a SetTenantQuota applies from the next round.
+        quotas = quotas_of((await self.clients.md.ListTenants(access_pb2.ListTenantsRequest())).tenants)
         silod = self.cache_mode == "silod"
         probe = self.clients.cached
         cached: dict[tuple[str, str], float] = {}
@@ -111,7 +114,7 @@ class SnapshotBuilder:
             restart_cost_s=self.restart_cost_s, interval_s=self.interval_s,
             inference_busy=self.inference.busy(inference_jobs),
             storage_bandwidth_bytes_per_s=self.storage_bandwidth_bytes_per_s if silod else math.inf,
-            cached_bytes=cached, fresh_bytes=fresh,
+            cached_bytes=cached, fresh_bytes=fresh, quotas=quotas,
         )
         return snap, jobs
 
