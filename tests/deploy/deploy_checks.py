@@ -114,6 +114,12 @@ def addresses(settings: ServiceSettings) -> dict[str, str]:
     return {k: getattr(settings, k) for k in ADDRESS_TARGETS if getattr(settings, k, "")}
 
 
+def each_address(settings: ServiceSettings) -> list[tuple[str, str]]:
+    """(setting, HOST:PORT) for every address of :func:`addresses`, a comma-separated list
+    (``--scheduler-address a,b``: the schedulers that take turns leading) giving one pair each."""
+    return [(k, a.strip()) for k, v in addresses(settings).items() for a in v.split(",") if a.strip()]
+
+
 _INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 

@@ -20,11 +20,11 @@ from deploy_checks import (
     ADDRESS_TARGETS,
     CLIENT_ADDRESS_TARGETS,
     DEPLOY,
-    addresses,
     check_advertised_cache,
     check_client_command,
     check_gpus_per_node,
     compose_interpolate,
+    each_address,
     host_port,
     load_service,
     parse_cli,
@@ -142,10 +142,10 @@ def test_depends_on_targets_exist_and_conditions_fit_them(compose: dict[str, Any
 def test_addresses_name_a_service_listening_on_that_port(compose: dict[str, Any], loaded: dict[str, tuple[str, Any]]) -> None:
     listening = {name: (svc, port_of(settings.listen)) for name, (svc, settings) in loaded.items()}
     pointers: list[tuple[str, str, str]] = []
-    for name, (_, settings) in loaded.items():
-        pointers += [(name, ADDRESS_TARGETS[k], v) for k, v in addresses(settings).items()]
-        if getattr(settings, "advertise_address", ""):
-            pointers.append((name, "worker-agent", settings.advertise_address))
+    for name, (kind, settings) in loaded.items():
+        pointers += [(name, ADDRESS_TARGETS[k], v) for k, v in each_address(settings)]
+        if getattr(settings, "advertise_address", ""):  # an agent's or a scheduler's own address
+            pointers.append((name, kind, settings.advertise_address))
     for name, svc in compose["services"].items():
         env = _env(svc)
         pointers += [(name, CLIENT_ADDRESS_TARGETS[k], env[k]) for k in CLIENT_ADDRESS_TARGETS if env.get(k)]
@@ -192,7 +192,7 @@ def test_named_volumes_are_declared(compose: dict[str, Any]) -> None:
                 assert source in compose["volumes"], f"{name}: volume {source} is not declared"
 
 
-@pytest.mark.parametrize("service", ["metadata", "scheduler"])
+@pytest.mark.parametrize("service", ["metadata", "scheduler", "scheduler-2"])
 def test_host_ports_are_published_on_loopback_only(compose: dict[str, Any], service: str) -> None:
     # The published ports are for the operator's CLI on the host; without a token they must
     # not be open to the network.
@@ -220,3 +220,42 @@ def test_an_inference_node_whose_idle_gpus_the_default_policy_lends(loaded: dict
     assert pools.count("training") >= 2 and pools.count("inference") >= 1, pools
     _, scheduler = loaded["scheduler"]
     assert scheduler.policy == "deepboot"
+
+
+def test_host_ports_do_not_collide(compose: dict[str, Any]) -> None:
+    published = [m.rsplit(":", 1)[0] for svc in compose["services"].values() for m in svc.get("ports", [])]
+    assert len(published) == len(set(published)), published
+
+
+def _schedulers(loaded: dict[str, tuple[str, Any]]) -> dict[str, Any]:
+    return {name: settings for name, (kind, settings) in loaded.items() if kind == "scheduler"}
+
+
+def test_two_schedulers_elect_a_leader_on_postgresql(loaded: dict[str, tuple[str, Any]]) -> None:
+    """High availability: two schedulers, both with --leader-election, each advertising the name
+    the nodes reach it at (its own service and port: a container's hostname is its id), on a
+    metadata store on PostgreSQL (the election needs it: docs/operators.md)."""
+    schedulers = _schedulers(loaded)
+    assert len(schedulers) == 2, sorted(schedulers)
+    for name, settings in schedulers.items():
+        assert settings.leader_election, f"{name}: without --leader-election two schedulers would both act"
+        assert host_port(settings.advertise_address) == (name, port_of(settings.listen)), \
+            f"{name}: advertises {settings.advertise_address!r}"
+        # The lease outlives a renewal or two: a slow round-trip is not a failover.
+        assert settings.lease_ttl_s >= 3 * settings.lease_renew_s, name
+    assert len({s.policy for s in schedulers.values()}) == 1, "a failover must not change the policy"
+    _, metadata = loaded["metadata"]
+    assert metadata.db.startswith("postgresql")
+
+
+def test_every_node_follows_every_scheduler_and_waits_for_both(compose: dict[str, Any],
+                                                                loaded: dict[str, tuple[str, Any]]) -> None:
+    advertised = sorted(s.advertise_address for s in _schedulers(loaded).values())
+    nodes = {name: settings for name, (kind, settings) in loaded.items() if kind in ("worker-agent", "cache-server")}
+    assert len(nodes) >= 4
+    for name, settings in nodes.items():
+        given = [a.strip() for a in settings.scheduler_address.split(",")]
+        assert sorted(given) == advertised, f"{name}: --scheduler-address {settings.scheduler_address}"
+        depends = compose["services"][name]["depends_on"]
+        for scheduler in _schedulers(loaded):
+            assert depends.get(scheduler, {}).get("condition") == "service_healthy", f"{name} does not wait for {scheduler}"

@@ -20,10 +20,10 @@ import yaml
 from deploy_checks import (
     ADDRESS_TARGETS,
     DEPLOY,
-    addresses,
     check_advertised_cache,
     check_client_command,
     check_gpus_per_node,
+    each_address,
     host_port,
     load_service,
     port_of,
@@ -33,9 +33,9 @@ from deploy_checks import (
 K8S = DEPLOY / "k8s"
 # A recent release whose schemas kubernetes-validate ships (>= 1.34 in pyproject's dev extra).
 K8S_VERSION = "1.34.0"
-WORKLOADS = ("Deployment", "DaemonSet")
+WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
 # Stand-ins for values only the cluster knows (downward API fields).
-FIELD_REFS = {"spec.nodeName": "gpu-node-1", "status.podIP": "10.1.2.3"}
+FIELD_REFS = {"spec.nodeName": "gpu-node-1", "status.podIP": "10.1.2.3", "metadata.name": "silod-scheduler-0"}
 
 
 def _manifest_files() -> list[Path]:
@@ -124,7 +124,7 @@ def test_kustomization_applies_every_manifest_but_the_example_secret() -> None:
 
 def test_control_plane_are_deployments_and_node_services_daemonsets(loaded: dict[str, Any]) -> None:
     kinds = {service: workload["kind"] for service, _, workload, _ in loaded.values()}
-    assert kinds == {"metadata": "Deployment", "estimator": "Deployment", "scheduler": "Deployment", "dashboard": "Deployment",
+    assert kinds == {"metadata": "Deployment", "estimator": "Deployment", "scheduler": "StatefulSet", "dashboard": "Deployment",
                      "cache-server": "DaemonSet", "worker-agent": "DaemonSet"}
 
 
@@ -170,17 +170,27 @@ def test_workload_selectors_match_their_pod_labels() -> None:
         assert workload["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
-def test_addresses_name_a_service_of_the_right_kind_and_port(loaded: dict[str, Any]) -> None:
-    # Service name -> (silod service behind it, its port)
+def _reachable_names(loaded: dict[str, Any]) -> dict[str, tuple[str, int]]:
+    """DNS name -> (silod service behind it, its port): every Service, and a StatefulSet's pods
+    under its headless Service (POD.SERVICE)."""
     behind = {}
     for service in _by_kind("Service").values():
         selector = service["spec"]["selector"]
         for kind, _, workload, _ in loaded.values():
             if selector.items() <= workload["spec"]["template"]["metadata"]["labels"].items():
-                behind[service["metadata"]["name"]] = (kind, service["spec"]["ports"][0]["port"])
+                name, port = service["metadata"]["name"], service["spec"]["ports"][0]["port"]
+                behind[name] = (kind, port)
+                if workload["kind"] == "StatefulSet" and workload["spec"]["serviceName"] == name:
+                    for i in range(workload["spec"]["replicas"]):
+                        behind[f"{workload['metadata']['name']}-{i}.{name}"] = (kind, port)
+    return behind
+
+
+def test_addresses_name_a_service_of_the_right_kind_and_port(loaded: dict[str, Any]) -> None:
+    behind = _reachable_names(loaded)
     pointers = 0
     for name, (_, settings, _, _) in loaded.items():
-        for key, address in addresses(settings).items():
+        for key, address in each_address(settings):
             host, port = host_port(address)
             assert behind.get(host) == (ADDRESS_TARGETS[key], port), f"{name}: {key}={address}"
             pointers += 1
@@ -248,3 +258,64 @@ def test_termination_grace_covers_the_services_own_shutdown(loaded: dict[str, An
 
 def test_estimator_assumes_the_nodes_gpu_count(loaded: dict[str, Any]) -> None:
     check_gpus_per_node([(kind, settings) for kind, settings, _, _ in loaded.values()], where="deploy/k8s")
+
+
+def _scheduler(loaded: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    (found,) = [(settings, workload) for kind, settings, workload, _ in loaded.values() if kind == "scheduler"]
+    return found
+
+
+def test_two_schedulers_elect_a_leader_each_reachable_by_its_pods_name(loaded: dict[str, Any]) -> None:
+    """High availability: a StatefulSet of 2 schedulers with --leader-election (the metadata
+    store is the Secret's PostgreSQL); each advertises its pod's DNS name under the headless
+    Service, which lists pods before they are ready."""
+    settings, workload = _scheduler(loaded)
+    assert workload["spec"]["replicas"] >= 2
+    assert settings.leader_election
+    assert settings.lease_ttl_s >= 3 * settings.lease_renew_s
+    headless = _by_kind("Service")[workload["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    # FIELD_REFS stands in for metadata.name: the first pod's own name.
+    assert settings.advertise_address == f"{FIELD_REFS['metadata.name']}.{headless['metadata']['name']}:{port_of(settings.listen)}"
+    assert workload["spec"]["podManagementPolicy"] == "Parallel"
+    anti = workload["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    term = anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["labelSelector"]["matchLabels"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+    _, metadata, _, _ = loaded["silod-metadata"]
+    assert metadata.db.startswith("postgresql"), "leader election needs the metadata store on PostgreSQL"
+
+
+def test_every_node_follows_every_scheduler_pod(loaded: dict[str, Any]) -> None:
+    settings, workload = _scheduler(loaded)
+    pods = sorted(f"{workload['metadata']['name']}-{i}.{workload['spec']['serviceName']}:{port_of(settings.listen)}"
+                  for i in range(workload["spec"]["replicas"]))
+    nodes = [(kind, s) for kind, s, _, _ in loaded.values() if kind in ("worker-agent", "cache-server")]
+    assert len(nodes) == 2
+    for kind, node in nodes:
+        assert sorted(a.strip() for a in node.scheduler_address.split(",")) == pods, f"{kind}: {node.scheduler_address}"
+
+
+def test_a_disruption_budget_keeps_one_scheduler() -> None:
+    (budget,) = _by_kind("PodDisruptionBudget").values()
+    scheduler = _by_kind("StatefulSet")["silod-scheduler"]
+    assert budget["spec"]["minAvailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"] == scheduler["spec"]["selector"]["matchLabels"]
+
+
+def test_kustomize_renders_the_two_schedulers() -> None:
+    """`kubectl kustomize deploy/k8s` (what `kubectl apply -k` applies), where kubectl is installed."""
+    import shutil
+    import subprocess
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    done = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rendered = [d for d in yaml.safe_load_all(done.stdout) if d]
+    expected = [d for d in _documents() if d["kind"] != "Secret"]
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in rendered) == \
+        sorted((d["kind"], d["metadata"]["name"]) for d in expected)
+    (scheduler,) = [d for d in rendered if d["kind"] == "StatefulSet"]
+    assert scheduler["spec"]["replicas"] == 2
+    assert "--leader-election" in scheduler["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -3,6 +3,8 @@ what the real CLI parser and settings classes accept, and whose addresses fit to
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +13,11 @@ import pytest
 from deploy_checks import (
     ADDRESS_TARGETS,
     DEPLOY,
-    addresses,
     check_advertised_cache,
     check_client_command,
     check_gpus_per_node,
+    each_address,
+    host_port,
     load_service,
     port_of,
     shutdown_needs_s,
@@ -53,10 +56,10 @@ def _env_file(path: Path) -> dict[str, str]:
     return env
 
 
-def _environment(unit: dict[str, dict[str, list[str]]]) -> dict[str, str]:
+def _environment(unit: dict[str, dict[str, list[str]]], instance: str = "") -> dict[str, str]:
     env: dict[str, str] = {}
     for name in unit["Service"]["EnvironmentFile"]:
-        local = SYSTEMD / Path(name.lstrip("-")).name
+        local = SYSTEMD / Path(name.lstrip("-").replace("%i", instance)).name
         assert local.is_file(), f"EnvironmentFile {name}: no example {local.name} in deploy/systemd"
         env.update(_env_file(local))  # later files override earlier ones, as in systemd
     return env
@@ -68,25 +71,41 @@ def _argv(command: str) -> list[str]:
     return argv
 
 
+def _instances(path: Path) -> list[str]:
+    """A template unit's instances: one per example ``<service>-<instance>.env`` (%i); [""] else."""
+    if "@." not in path.name:
+        return [""]
+    prefix = path.name.removeprefix("silod-").split("@")[0] + "-"
+    return sorted(p.stem.removeprefix(prefix) for p in SYSTEMD.glob(f"{prefix}*.env"))
+
+
 @pytest.fixture(scope="module")
 def units() -> dict[str, tuple[str, Any, dict[str, dict[str, list[str]]]]]:
-    """unit file name -> (silod service, settings, parsed unit); module-scoped because building
-    the parser imports each service module."""
+    """unit name (a template's per instance: silod-scheduler@1.service) -> (silod service,
+    settings, parsed unit); module-scoped because building the parser imports each service module."""
     out = {}
     for path in sorted(SYSTEMD.glob("*.service")):
         unit = _unit(path)
         (start,) = unit["Service"]["ExecStart"]
-        service, settings = load_service(_argv(start), _environment(unit), where=path.name)
-        out[path.name] = (service, settings, unit)
+        for instance in _instances(path):
+            name = path.name.replace("@.", f"@{instance}.")
+            service, settings = load_service(_argv(start), _environment(unit, instance), where=name)
+            out[name] = (service, settings, unit)
     return out
+
+
+def _first_machine(units: dict[str, Any]) -> dict[str, Any]:
+    """The units one machine may run together in the examples: all but the second instance
+    of a template (the second scheduler runs on a second control machine)."""
+    return {name: u for name, u in units.items() if "@" not in name or "@1." in name}
 
 
 def test_one_unit_per_service(units: dict[str, Any]) -> None:
     from services.runtime.config_reference import service_settings
 
-    assert sorted(service for service, _, _ in units.values()) == sorted(name for name, _ in service_settings())
+    assert sorted({service for service, _, _ in units.values()}) == sorted(name for name, _ in service_settings())
     for name, (service, _, _) in units.items():
-        assert name == f"silod-{service}.service"
+        assert name == f"silod-{service}.service" or name.startswith(f"silod-{service}@"), name
 
 
 def test_units_restart_on_failure_but_not_on_configuration_errors(units: dict[str, Any]) -> None:
@@ -111,12 +130,12 @@ def test_metadata_migrates_before_it_starts(units: dict[str, Any]) -> None:
 
 def test_addresses_point_at_the_ports_the_services_listen_on(units: dict[str, Any]) -> None:
     listen = {service: port_of(settings.listen) for service, settings, _ in units.values()}
-    metrics = [settings.metrics_port for _, settings, _ in units.values()]
+    metrics = [settings.metrics_port for _, settings, _ in _first_machine(units).values()]
     # On one machine every service needs its own metrics port.
     assert len(set(metrics)) == len(metrics) and 0 not in metrics
     checked = 0
     for name, (_, settings, _) in units.items():
-        for key, address in addresses(settings).items():
+        for key, address in each_address(settings):
             assert port_of(address) == listen[ADDRESS_TARGETS[key]], f"{name}: {key}={address}"
             checked += 1
     assert checked >= 6
@@ -151,3 +170,64 @@ def test_the_clients_fallback_ports_are_the_deployed_ones() -> None:
                     if l.startswith("SILOD_LISTEN="))
         deployed[service] = line.rsplit(":", 1)[1]
     assert {name: s.default.rsplit(":", 1)[1] for name, s in SERVICES.items()} == deployed
+
+
+def _schedulers(units: dict[str, Any]) -> dict[str, Any]:
+    return {name: settings for name, (service, settings, _) in units.items() if service == "scheduler"}
+
+
+def test_two_scheduler_instances_elect_a_leader_on_postgresql(units: dict[str, Any]) -> None:
+    """High availability: silod-scheduler@1 and @2, with --leader-election (scheduler.env), each
+    advertising its own machine, on a metadata store on PostgreSQL (the election needs it)."""
+    schedulers = _schedulers(units)
+    assert sorted(schedulers) == ["silod-scheduler@1.service", "silod-scheduler@2.service"]
+    advertised = [s.advertise_address for s in schedulers.values()]
+    assert len(set(advertised)) == 2 and all(advertised), advertised
+    for name, settings in schedulers.items():
+        assert settings.leader_election, name
+        assert port_of(settings.advertise_address) == port_of(settings.listen), name
+        assert settings.lease_ttl_s >= 3 * settings.lease_renew_s, name
+    _, metadata, _ = units["silod-metadata.service"]
+    assert metadata.db.startswith("postgresql")
+    # The first runs beside the metadata service, the second on another machine.
+    control = host_port(schedulers["silod-scheduler@1.service"].metadata_address)[0]
+    assert host_port(advertised[0])[0] == control != host_port(advertised[1])[0]
+
+
+def test_every_node_follows_both_schedulers(units: dict[str, Any]) -> None:
+    advertised = sorted(s.advertise_address for s in _schedulers(units).values())
+    for name in ("silod-worker-agent.service", "silod-cache-server.service"):
+        _, settings, _ = units[name]
+        assert sorted(a.strip() for a in settings.scheduler_address.split(",")) == advertised, name
+
+
+def _verify(directory: Path, names: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["systemd-analyze", "verify", *[str(directory / n) for n in names]],
+                          capture_output=True, text=True, timeout=120, cwd=directory)
+
+
+def _units_for_verify(tmp_path: Path) -> list[str]:
+    """The unit files in ``tmp_path`` with silod's path replaced by one that exists here (verify
+    checks that ExecStart is executable); a template's first instance by name."""
+    names = []
+    for path in sorted(SYSTEMD.glob("*.service")):
+        (tmp_path / path.name).write_text(path.read_text().replace(SILOD, shutil.which("true") or "/bin/true"))
+        names.append(path.name.replace("@.", f"@{_instances(path)[0]}."))
+    return names
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verify_accepts_every_unit(tmp_path: Path) -> None:
+    names = _units_for_verify(tmp_path)
+    done = _verify(tmp_path, names)
+    assert done.returncode == 0 and not (done.stdout + done.stderr).strip(), done.stdout + done.stderr
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verify_reports_a_misspelt_key(tmp_path: Path) -> None:
+    # Guards the test above against passing vacuously.
+    names = _units_for_verify(tmp_path)
+    template = next(p for p in tmp_path.glob("*@.service"))
+    template.write_text(template.read_text().replace("Restart=on-failure", "Restart=on-failure\nRestartt=always"))
+    done = _verify(tmp_path, names)
+    assert "Restartt" in done.stdout + done.stderr
