@@ -197,10 +197,11 @@ class LocalLeaseServer:
             return ""
         if self._directory is None or not credential:
             raise Unauthenticated("wrong or missing auth token")
+        from services.runtime.principals import CLUSTER_ADMIN
         from silod.v1 import access_pb2
 
         principal = await self._directory.resolve(credential.decode("utf-8", "replace"))
-        if principal.kind == access_pb2.PRINCIPAL_KIND_ADMIN:
+        if principal == CLUSTER_ADMIN:  # the cluster token, which a node credential's cache server does not hold
             return ""
         if principal.kind != access_pb2.PRINCIPAL_KIND_JOB:
             raise PermissionDenied(f"a {principal.kind_name} credential may not lease here; a job's own may")

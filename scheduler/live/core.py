@@ -210,6 +210,7 @@ class SchedulerCore:
     async def start(self) -> None:
         # Profiles are fitted when a round first needs them, not here: fitting all of them
         # would compete with serving for seconds after every start.
+        await self.leadership.check_supported(self.md)  # --leader-election on SQLite: a configuration error
         await self.plans.refresh()
         await self.releases.recover(self.md, self.plans.latest)
         self._loop_task = asyncio.create_task(self.rounds.loop())

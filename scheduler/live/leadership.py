@@ -22,7 +22,8 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from services.runtime.settings import split_host_port
+from scheduler.live.metrics import LEADER, LEADERSHIP_EPOCH
+from services.runtime.settings import ConfigError, split_host_port
 from silod.v1 import metadata_pb2
 
 _log = logging.getLogger("silod.scheduler")
@@ -43,6 +44,7 @@ class Leadership:
         self._valid_until = 0.0  # monotonic: leading until then unless renewed
         self._was_leading = False
         self.changed = asyncio.Event()  # set at every change of leading / not leading
+        LEADER.set(0 if enabled else 1)
 
     @property
     def leading(self) -> bool:
@@ -62,6 +64,8 @@ class Leadership:
 
     def _note_change(self) -> None:
         now = self.leading
+        LEADER.set(1 if now else 0)
+        LEADERSHIP_EPOCH.set(self.epoch)
         if now != self._was_leading:
             self._was_leading = now
             self.changed.set()
@@ -94,6 +98,20 @@ class Leadership:
             self._valid_until = 0.0
         self._note_change()
         return self.leading
+
+    async def check_supported(self, md) -> None:  # type: ignore[no-untyped-def]
+        """At start: a metadata store on SQLite refuses the election (FAILED_PRECONDITION), which is
+        a configuration error, not a reason to stand by forever. This first AcquireLeadership may
+        win the lease; ``run``'s first renewal then counts as the win."""
+        if not self.enabled:
+            return
+        try:
+            await md.AcquireLeadership(metadata_pb2.AcquireLeadershipRequest(
+                holder=self.holder, address=self.address, ttl_s=self.ttl_s), timeout=max(self.renew_s, 5.0))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise ConfigError(f"leader_election: {exc.details()}") from None
+            # Not reachable yet and the like: run() keeps trying.
 
     async def step_down(self, md) -> None:  # type: ignore[no-untyped-def]
         """On a clean stop (rounds already stopped): renew for the shortest ttl, so a standby takes

@@ -51,6 +51,11 @@ ESTIMATOR_SECONDS = Histogram("silod_scheduler_estimator_call_duration_seconds",
                               "Calls to the estimator service by method (the count is the number of calls)",
                               ["method", "outcome"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 
+LEADER = Gauge("silod_scheduler_leader", "1 while this scheduler leads (runs rounds, commits plans, serves the "
+               "nodes), 0 while it stands by (--leader-election); always 1 without --leader-election")
+LEADERSHIP_EPOCH = Gauge("silod_scheduler_leadership_epoch", "The leadership lease's epoch as this scheduler last "
+                         "saw it (0 without --leader-election); it increments at each change of leader")
+
 _STATES = ("PENDING", "SCHEDULED", "RUNNING", "RESIZING")
 _PHASES = ("snapshot", "policy", "commit", "total")
 

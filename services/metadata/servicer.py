@@ -20,7 +20,7 @@ from silod.v1 import access_pb2, audit_pb2, common_pb2, metadata_pb2, metadata_p
 from services.metadata.store import MetadataStore
 from services.metadata.validation.common import reject_nul_characters
 from services.metadata.validation.datasets import Manifest
-from services.runtime.errors import InvalidArgument, ServiceError, Unavailable
+from services.runtime.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from services.runtime.principals import CLUSTER_ADMIN
 from services.runtime.principals import current_principal
 
@@ -217,6 +217,12 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     async def AcquireLeadership(
         self, request: metadata_pb2.AcquireLeadershipRequest, context: Context
     ) -> metadata_pb2.Leadership:
+        if self._store.db.engine.dialect.name == "sqlite":
+            # One metadata service on one file: a standby scheduler would buy no availability.
+            raise FailedPrecondition(
+                "scheduler leader election (--leader-election) needs the metadata store on PostgreSQL; this one is "
+                "on SQLite: run one scheduler without --leader-election, or move the store to PostgreSQL "
+                "(docs/operators.md, High availability)")
         return await self._run(request, self._store.leadership.acquire, request.holder, request.address, request.ttl_s)
 
     async def GetLeadership(self, request: metadata_pb2.GetLeadershipRequest, context: Context) -> metadata_pb2.Leadership:

@@ -65,7 +65,14 @@ def test_commit_from_an_older_epoch_is_refused(store: MetadataStore) -> None:
     assert committed.epoch == 2 and store.plans.latest().epoch == 2
 
 
-def test_rpcs(stub) -> None:  # type: ignore[no-untyped-def]
+def test_rpcs(stub, db_url: str) -> None:  # type: ignore[no-untyped-def]
+    if db_url.startswith("sqlite"):  # one metadata service on one file: no standby scheduler
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.AcquireLeadership(metadata_pb2.AcquireLeadershipRequest(holder="a", address="a:1", ttl_s=5))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "needs the metadata store on PostgreSQL" in refused.value.details()
+        assert stub.GetLeadership(metadata_pb2.GetLeadershipRequest()).epoch == 0
+        return
     reply = stub.AcquireLeadership(metadata_pb2.AcquireLeadershipRequest(holder="a", address="a:1", ttl_s=5))
     assert reply.held and reply.epoch == 1
     assert stub.GetLeadership(metadata_pb2.GetLeadershipRequest()).address == "a:1"
