@@ -6,16 +6,17 @@ dashboard keeps in memory, see :mod:`services.dashboard.history`), ``/api/job/<j
 job's events, GPUs per plan and throughput), ``/healthz`` (liveness, never behind the token) and
 ``/metrics`` (Prometheus).
 
-Auth: with an ``auth_token`` set, every route but ``/healthz`` needs the token, given as
-``Authorization: Bearer <token>``, or once as ``?token=<token>`` on the page URL; the page
-then keeps it in an HttpOnly cookie so the browser's API polls carry it. The dashboard uses
-the same token to call the metadata service and the cache servers.
+Auth: with an ``auth_token`` set, every route but ``/healthz`` and the login form (``/login``,
+``/logout``) needs a credential: the cluster token (an admin) or a person's credential, given
+as ``Authorization: Bearer <token>``, through the login form, or once as ``?token=<token>`` on
+a page URL; the browser then keeps it in an HttpOnly cookie. A user sees their tenants' jobs
+only (:mod:`services.dashboard.viewers`); ``/api/whoami`` says who the page is for. The
+dashboard itself calls the metadata service and the cache servers with the cluster token.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import math
 import logging
@@ -30,13 +31,18 @@ from pydantic import Field, field_validator, model_validator
 
 from silod.rpc.channels import open_channel
 from services.runtime.settings import ServiceSettings
+from services.dashboard import viewers
 from services.dashboard.collect import job_detail, overview
 from services.dashboard.history import History
+from services.dashboard.viewers import Refused, Viewer
+from services.runtime.directory import RemoteDirectory
 from silod.rpc.identifiers import JOB_ID, show
 from silod.v1 import cache_pb2, cache_pb2_grpc, metadata_pb2, metadata_pb2_grpc
 
 STATIC = Path(__file__).parent / "static"
-COOKIE = "silod_token"
+COOKIE = viewers.COOKIE
+OPEN_ROUTES = ("/healthz", "/login", "/logout")  # no credential needed
+ADMIN_ROUTES = ("/metrics",)  # the process's own figures: for operators
 _log = logging.getLogger("services.dashboard")
 
 REQUESTS = Counter("silod_dashboard_requests_total", "HTTP requests served by the dashboard", ["route", "status"])
@@ -71,28 +77,27 @@ class Settings(ServiceSettings):
         return self
 
 
-def _authorized(request: web.Request, token: str) -> bool:
-    if not token:
-        return True
-    header = request.headers.get("Authorization", "")
-    given = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
-    given = given or request.query.get("token", "") or request.cookies.get(COOKIE, "")
-    return hmac.compare_digest(given.encode(), token.encode())
-
-
 @web.middleware
 async def _guard(request: web.Request, handler: Any) -> web.StreamResponse:
     route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unknown"
     settings: Settings = request.app["settings"]
     try:
-        if route != "/healthz" and not _authorized(request, settings.auth_token):
-            response: web.StreamResponse = web.json_response(
-                {"error": "unauthenticated: give the dashboard token as ?token=... or 'Authorization: Bearer ...'"},
-                status=401)
+        if not settings.auth_token or route in OPEN_ROUTES:
+            request["viewer"] = viewers.NOBODY_CHECKS if not settings.auth_token else None
+            response: web.StreamResponse = await handler(request)
         else:
-            response = await handler(request)
-            if settings.auth_token and request.query.get("token"):
-                response.set_cookie(COOKIE, settings.auth_token, httponly=True, samesite="Strict")
+            token = viewers.presented_token(request)
+            try:
+                viewer = await viewers.identify(request, token)
+                if route in ADMIN_ROUTES and not viewer.admin:
+                    raise Refused(403, f"{route} is for admins")
+            except Refused as exc:
+                response = viewers.refused(request, route, exc)
+            else:
+                request["viewer"] = viewer
+                response = await handler(request)
+                if request.query.get("token"):
+                    viewers.set_cookie(request, response, token)
     except web.HTTPException as exc:
         response = exc
     REQUESTS.labels(route, str(response.status)).inc()
@@ -101,6 +106,14 @@ async def _guard(request: web.Request, handler: Any) -> web.StreamResponse:
 
 async def _page(request: web.Request) -> web.StreamResponse:
     return web.FileResponse(STATIC / "index.html")
+
+
+def _viewer(request: web.Request) -> Viewer:
+    return request["viewer"]  # type: ignore[no-any-return]
+
+
+async def _whoami(request: web.Request) -> web.Response:
+    return web.json_response({**_viewer(request).describe(), "auth": bool(request.app["settings"].auth_token)})
 
 
 async def _overview(request: web.Request) -> web.Response:
@@ -115,6 +128,7 @@ async def _overview(request: web.Request) -> web.Response:
         return web.json_response({"error": f"metadata service {settings.metadata_address}: {exc.details()}"},
                                  status=503)
     OVERVIEW_SECONDS.observe(time.perf_counter() - started)
+    data = viewers.overview_for(data, _viewer(request))
     data["refresh_s"] = settings.refresh_s
     return web.json_response(data)
 
@@ -138,16 +152,31 @@ def _metadata_error(settings: Settings, job_id: str, exc: grpc.aio.AioRpcError) 
     return _error(503, f"metadata service {settings.metadata_address}: {exc.details()}")
 
 
-async def _job_page(request: web.Request) -> web.StreamResponse:
+def _not_visible(job_id: str) -> web.Response:
+    """A job of another tenant: the answer an unknown job gets, so not even its existence shows."""
+    return _error(404, f"job_id: no job {show(job_id)} among your tenants' jobs")
+
+
+async def _visible_job(request: web.Request, job_id: str) -> web.Response | None:
+    """None when the viewer may see job ``job_id``; else the error response."""
     settings: Settings = request.app["settings"]
+    viewer = _viewer(request)
+    try:
+        job = await request.app["metadata"].GetJob(metadata_pb2.GetJobRequest(job_id=job_id))
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND and not viewer.admin:
+            return _not_visible(job_id)
+        return _metadata_error(settings, job_id, exc)
+    return None if viewer.sees_tenant(job.spec.tenant) else _not_visible(job_id)
+
+
+async def _job_page(request: web.Request) -> web.StreamResponse:
     job_id, problem = _job_id_problem(request)
     if problem:
         return web.Response(status=400, text=problem + "\n")
-    try:
-        await request.app["metadata"].GetJob(metadata_pb2.GetJobRequest(job_id=job_id))
-    except grpc.aio.AioRpcError as exc:
-        reply = _metadata_error(settings, job_id, exc)
-        return web.Response(status=reply.status, text=json.loads(reply.text)["error"] + "\n")
+    refusal = await _visible_job(request, job_id)
+    if refusal is not None:
+        return web.Response(status=refusal.status, text=json.loads(refusal.text)["error"] + "\n")
     return web.FileResponse(STATIC / "job.html")
 
 
@@ -156,6 +185,9 @@ async def _job(request: web.Request) -> web.Response:
     job_id, problem = _job_id_problem(request)
     if problem:
         return _error(400, problem)
+    refusal = await _visible_job(request, job_id)
+    if refusal is not None:
+        return refusal
     try:
         data = await job_detail(request.app["metadata"], job_id)
     except grpc.aio.AioRpcError as exc:
@@ -176,7 +208,7 @@ async def _history(request: web.Request) -> web.Response:
             window_s = math.nan
         if not (window_s > 0 and math.isfinite(window_s)):
             return _error(400, f"window_s: seconds of history, a number > 0, got {show(window)}")
-    data = history.series(window_s)
+    data = viewers.history_for(history.series(window_s), _viewer(request))
     data["refresh_s"] = settings.refresh_s
     return web.json_response(data)
 
@@ -227,6 +259,9 @@ def build_app(settings: Settings) -> web.Application:
         # aio channels belong to the loop that serves, so they are opened here, not at import.
         app["metadata"] = metadata_pb2_grpc.MetadataServiceStub(channel(settings.metadata_address))
         app["cache_stats"] = cache_stats
+        # Who a presented credential stands for: the metadata service, asked with the cluster token.
+        app["directory"] = RemoteDirectory(settings.metadata_address, settings.auth_token,
+                                           ttl_s=settings.credential_cache_s)
         app["sampler"] = asyncio.get_running_loop().create_task(_sample_forever(app))
 
     async def on_cleanup(app: web.Application) -> None:
@@ -237,10 +272,16 @@ def build_app(settings: Settings) -> web.Application:
             pass
         for ch in channels.values():
             await ch.close()
+        await app["directory"].close()
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     app.router.add_get("/", _page)
+    app.router.add_get("/login", viewers.login_form)
+    app.router.add_post("/login", viewers.login)
+    app.router.add_post("/logout", viewers.logout)
+    app.router.add_get("/logout", viewers.logout)
+    app.router.add_get("/api/whoami", _whoami)
     app.router.add_get("/job/{job_id}", _job_page)
     app.router.add_get("/api/overview", _overview)
     app.router.add_get("/api/history", _history)

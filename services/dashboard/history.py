@@ -28,6 +28,7 @@ class Sample:
     pending: int
     job_gpus: dict[str, int] = field(default_factory=dict)
     tenant_gpus: dict[str, int] = field(default_factory=dict)
+    tenant_pending: dict[str, int] = field(default_factory=dict)  # a user's chart counts their tenants' only
     cache_hit: dict[str, float | None] = field(default_factory=dict)
     remote_rate: dict[str, float] = field(default_factory=dict)
     node_util: dict[str, float | None] = field(default_factory=dict)  # None: no NVML figures for its GPUs
@@ -38,6 +39,8 @@ def sample_of(data: dict[str, Any]) -> Sample:
     s = Sample(time=data["generated_at"], idle=data["gpu_totals"]["idle"],
                pending=sum(1 for j in data["jobs"] if j["state"] == "pending"))
     for j in data["jobs"]:
+        if j["state"] == "pending":
+            s.tenant_pending[j["tenant"]] = s.tenant_pending.get(j["tenant"], 0) + 1
         if j["gpus"]:
             s.job_gpus[j["id"]] = j["gpus"]
             s.tenant_gpus[j["tenant"]] = s.tenant_gpus.get(j["tenant"], 0) + j["gpus"]
@@ -83,6 +86,7 @@ class History:
             samples = [s for s in samples if s.time >= samples[-1].time - window_s]
         jobs = sorted({j for s in samples for j in s.job_gpus})
         tenants = sorted({t for s in samples for t in s.tenant_gpus})
+        queued = sorted({t for s in samples for t in s.tenant_pending})
         cache_jobs = sorted({j for s in samples for j in s.remote_rate})
         nodes = sorted({n for s in samples for n in s.node_util})
 
@@ -95,6 +99,8 @@ class History:
             "times": [s.time for s in samples],
             "idle_gpus": [s.idle for s in samples],
             "pending_jobs": [s.pending for s in samples],
+            "pending_jobs_by_tenant": [{"tenant": t, "values": [s.tenant_pending.get(t, 0) for s in samples]}
+                                       for t in queued],
             "gpus_by_job": [{**info(j), "values": [s.job_gpus.get(j, 0) for s in samples]} for j in jobs],
             "gpus_by_tenant": [{"tenant": t, "values": [s.tenant_gpus.get(t, 0) for s in samples]} for t in tenants],
             "cache_hit_ratio_by_job": [{**info(j), "values": [s.cache_hit.get(j) for s in samples]}

@@ -146,6 +146,14 @@ function renderCharts(h) {
   });
 }
 
+// Who the page is for: a user sees their tenants' jobs only (the server filters; this only says so).
+fetchJson("/api/whoami").then((me) => {
+  if (!me.auth) return;
+  document.getElementById("viewer").textContent = me.admin ? `admin ${me.name} · all tenants`
+    : `user ${me.name} · tenants: ${me.tenants.join(", ") || "none"}`;
+  document.getElementById("logout").hidden = false;
+}).catch(() => {});
+
 pollEvery(async () => {
   const data = await fetchJson("/api/overview");
   render(data);
