@@ -103,20 +103,62 @@ def schedule(policy: Policy, snapshot: ClusterSnapshot) -> Plan:
     # The lending pass: every GPU not used above nor withheld, every job not placed above.
     pool = {gpu for gpu in all_gpus(snapshot, types) if gpu not in used and gpu not in withheld}
     waiting = [job for job in snapshot.jobs if job.job_id not in allocations]
-    first_pass = {j: a.gpus for j, a in allocations.items()}
+    lent = _lend(policy, snapshot, pool, waiting, allocations)
+    idle = pool - {g for a in lent.allocations.values() for g in _gpus_of(a)}
+    grown = _grow(policy, snapshot, pool, waiting, allocations, lent) if idle else None
+    allocations.update({j: a for j, a in (grown or lent).allocations.items() if a.gpus})
+    return Plan(allocations)
+
+
+def _lend(policy: Policy, snapshot: ClusterSnapshot, pool: set[Gpu], waiting: list[JobInfo],
+          placed: Mapping[str, Allocation]) -> Plan:
+    """The policy's plan for the ``waiting`` jobs on ``pool`` (and the inference pool), without
+    the jobs that would take a tenant over its borrowing limit."""
+    quotas = snapshot.quotas
     excluded: set[str] = set()
     for attempt in range(BORROW_RETRIES + 1):
         jobs = [job for job in waiting if job.job_id not in excluded]
         plan = _run_on(policy, snapshot, pool, jobs, inference=True, io_share=1.0) if jobs else Plan()
-        over = _over_borrowing(quotas, snapshot.jobs, first_pass, plan)
+        over = _over_borrowing(quotas, snapshot.jobs, placed, plan)
         if not over:
-            break
+            return plan
         if attempt == BORROW_RETRIES:  # the policy keeps choosing them: leave them out of this plan
-            plan = Plan({j: a for j, a in plan.allocations.items() if j not in over})
-            break
+            return Plan({j: a for j, a in plan.allocations.items() if j not in over})
         excluded |= over
-    allocations.update({j: a for j, a in plan.allocations.items() if a.gpus})
-    return Plan(allocations)
+    raise AssertionError("unreachable")
+
+
+def _grow(policy: Policy, snapshot: ClusterSnapshot, pool: set[Gpu], waiting: list[JobInfo],
+          placed: dict[str, Allocation], lent: Plan) -> Plan | None:
+    """Elastic jobs placed on their tenant's share may grow onto GPUs the lending pass left
+    idle (borrowing, like a queued job): the lending pass once more, with those jobs in it,
+    each at least as large as its share gave it (its ``min_gpus`` raised to that) and shown
+    holding that allocation. Their GPUs join the pool. Taken only when it keeps every such job
+    at least as large and the tenants within their borrowing limits, and allocates more GPUs
+    than ``lent``; the jobs it grows leave ``placed``. None otherwise."""
+    quotas = snapshot.quotas
+    growable = [job for job in snapshot.jobs if job.job_id in placed and not job.rigid
+                and placed[job.job_id].gpus < job.max_gpus and job.tenant in quotas
+                and quotas[job.tenant].borrowing_limit_gpus is None]
+    if not growable:
+        return None
+    sizes = {job.job_id: placed[job.job_id].gpus for job in growable}
+    theirs = {g for job in growable for g in _gpus_of(placed[job.job_id])}
+    jobs = sorted([dataclasses.replace(job, min_gpus=sizes[job.job_id]) for job in growable] + list(waiting),
+                  key=lambda j: (j.submit_time_s, j.job_id))
+    current = dict(snapshot.current.allocations)
+    current.update({job.job_id: placed[job.job_id] for job in growable})
+    plan = _run_on(policy, snapshot, pool | theirs, jobs, inference=True, io_share=1.0, current=current)
+    if any(plan.gpus_of(j) < n for j, n in sizes.items()):
+        return None
+    rest = {j: a for j, a in placed.items() if j not in sizes}
+    if _over_borrowing(quotas, snapshot.jobs, rest, Plan({j: a for j, a in plan.allocations.items() if j not in sizes})):
+        return None
+    if sum(a.gpus for a in plan.allocations.values()) <= sum(sizes.values()) + sum(a.gpus for a in lent.allocations.values()):
+        return None
+    for job_id in sizes:
+        del placed[job_id]
+    return plan
 
 
 @dataclass(frozen=True)
@@ -162,7 +204,11 @@ def carve(snapshot: ClusterSnapshot, types: Mapping[str, str], by_tenant: Mappin
         for job in sorted(by_tenant.get(tenant, []), key=lambda j: (j.submit_time_s, j.job_id)):
             alloc = snapshot.current.get(job.job_id)
             gpus = [g for g in _gpus_of(alloc) if g[0] in types] if alloc is not None else []
-            if gpus and _take(slices[tenant], gpus, types, whole=True):
+            # A rigid job whole or not at all; an elastic one shrinks to what the share holds.
+            if gpus and (job.rigid or _room(slices[tenant], gpus, types) < job.min_gpus):
+                if _take(slices[tenant], gpus, types, whole=True):
+                    keeps.add(job.job_id)
+            elif gpus and _take(slices[tenant], gpus, types, whole=False):
                 keeps.add(job.job_id)
     # 2. Free GPUs, on the nodes where the tenant already has some, then the emptiest.
     taken = {g for s in slices.values() for g in s.gpus}
@@ -188,6 +234,13 @@ def carve(snapshot: ClusterSnapshot, types: Mapping[str, str], by_tenant: Mappin
         candidates = [g for j in order for g in _gpus_of(snapshot.current.allocations[j]) if g[0] in types and g not in taken]
         _take(slices[tenant], candidates, types, whole=False)
     return slices
+
+
+def _room(slice_: _Slice, gpus: list[Gpu], types: Mapping[str, str]) -> int:
+    """How many of ``gpus`` the slice still wants."""
+    kinds = {types[g[0]] for g in gpus}
+    typed = sum(min(slice_.want.get(k, 0), sum(1 for g in gpus if types[g[0]] == k)) for k in kinds if k != ANY_TYPE)
+    return min(len(gpus), typed + slice_.want.get(ANY_TYPE, 0))
 
 
 def _take(slice_: _Slice, gpus: Iterable[Gpu], types: Mapping[str, str], *, whole: bool) -> bool:
@@ -239,7 +292,7 @@ def _limits_bind(quotas: Mapping[str, TenantQuota], by_tenant: Mapping[str, list
     return any(q.borrowing_limit_gpus is not None and by_tenant.get(t) for t, q in quotas.items())
 
 
-def _over_borrowing(quotas: Mapping[str, TenantQuota], jobs: Iterable[JobInfo], first: Mapping[str, int],
+def _over_borrowing(quotas: Mapping[str, TenantQuota], jobs: Iterable[JobInfo], first: Mapping[str, Allocation],
                     plan: Plan) -> set[str]:
     """Jobs of the lending pass to leave out: per tenant over ``nominal + borrowing limit`` in
     all, its most recently submitted placed jobs until it is within."""
@@ -250,7 +303,7 @@ def _over_borrowing(quotas: Mapping[str, TenantQuota], jobs: Iterable[JobInfo], 
     for tenant, quota in quotas.items():
         if quota.borrowing_limit_gpus is None:
             continue
-        held = sum(first.get(j.job_id, 0) for j in mine.get(tenant, []))
+        held = sum(first[j.job_id].gpus for j in mine.get(tenant, []) if j.job_id in first)
         cap = quota.nominal_gpus + quota.borrowing_limit_gpus
         placed = sorted((j for j in mine.get(tenant, []) if plan.gpus_of(j.job_id)),
                         key=lambda j: (j.submit_time_s, j.job_id))
@@ -269,12 +322,14 @@ def _gpus_of(alloc: Allocation | None) -> list[Gpu]:
 
 
 def _run_on(policy: Policy, snapshot: ClusterSnapshot, gpus: set[Gpu], jobs: list[JobInfo], *,
-            inference: bool, io_share: float) -> Plan:
+            inference: bool, io_share: float, current: Mapping[str, Allocation] | None = None) -> Plan:
     """``policy``'s plan for ``jobs`` on the training GPUs ``gpus`` (and, with ``inference``,
     the inference pool), mapped back to the real GPU indices.
 
     Policies know a node's GPUs as indices 0..gpus-1, so a node is shown with only the GPUs
-    of ``gpus``, renumbered; a job's current allocation is kept when all its GPUs are there."""
+    of ``gpus``, renumbered; a job's current allocation (``current``: the snapshot's) is kept
+    when all its GPUs are there, an elastic job's also when at least ``min_gpus`` of them are
+    (it then shrinks in place)."""
     physical: dict[str, list[int]] = {}
     for node, index in sorted(gpus):
         physical.setdefault(node, []).append(index)
@@ -286,17 +341,26 @@ def _run_on(policy: Policy, snapshot: ClusterSnapshot, gpus: set[Gpu], jobs: lis
             nodes.append(node)
     virtual = {node: {p: k for k, p in enumerate(indices)} for node, indices in physical.items()}
     passthrough = {n.name for n in nodes if n.pool != "training"}
-    ids = {job.job_id for job in jobs}
-    current: dict[str, Allocation] = {}
-    for job_id, alloc in snapshot.current.allocations.items():
-        if job_id not in ids:
+    by_id = {job.job_id: job for job in jobs}
+    held: dict[str, Allocation] = {}
+    for job_id, alloc in (snapshot.current.allocations if current is None else current).items():
+        job = by_id.get(job_id)
+        if job is None:
             continue
         mapped = _remap(alloc, virtual, passthrough)
+        if mapped is None and not job.rigid:
+            inside = tuple((node, tuple(i for i in idx if i in virtual.get(node, ()) or node in passthrough))
+                           for node, idx in alloc.placement)
+            inside = tuple((node, idx) for node, idx in inside if idx)
+            if sum(len(idx) for _, idx in inside) >= max(1, job.min_gpus):
+                kept = {node for node, _ in inside}
+                mapped = _remap(dataclasses.replace(alloc, placement=inside, cache_bytes={
+                    n: b for n, b in alloc.cache_bytes.items() if n in kept}), virtual, passthrough)
         if mapped is not None:
-            current[job_id] = mapped
+            held[job_id] = mapped
     budget = snapshot.storage_bandwidth_bytes_per_s
     view = dataclasses.replace(
-        snapshot, nodes=tuple(nodes), jobs=tuple(jobs), current=Plan(current),
+        snapshot, nodes=tuple(nodes), jobs=tuple(jobs), current=Plan(held),
         storage_bandwidth_bytes_per_s=budget * io_share if math.isfinite(budget) else budget,
         inference_busy=snapshot.inference_busy if inference else {}, quotas={},
     )

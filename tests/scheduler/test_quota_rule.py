@@ -140,3 +140,17 @@ def test_cache_and_io_ceilings():
     out = bound_data(snap, allocs)
     assert out["a0"].total_cache_bytes == 30.0 and out["a0"].remote_io_bytes_per_s == 250.0
     assert out["b0"] is allocs["b0"]
+
+
+@pytest.mark.parametrize("name", ["pollux", "deepboot"])
+def test_an_elastic_job_grows_onto_idle_quota_and_shrinks_when_the_owner_returns(name):
+    policy = get_policy(name)
+    quotas = {"a": TenantQuota(gpus={"": 8}), "c": TenantQuota(gpus={"": 4})}
+    c = job("c0", "c", gpus=4, min_gpus=1, max_gpus=12, application="imagenet", batch_size=0)
+    snap = make_snapshot(make_nodes(3, 4), [c], quotas=quotas)
+    plan = run(policy, snap)
+    assert plan.gpus_of("c0") > 4  # beyond its share of 4: a's idle 8 are lent to it
+    owner = [job(f"a{k}", "a", gpus=4, submit=10.0 + k) for k in range(2)]
+    snap = dataclasses.replace(step(policy, snap, plan), jobs=(c, *owner), time_s=10.0)
+    plan = run(policy, snap)
+    assert usage(snap, plan).get("a") == 8 and 1 <= plan.gpus_of("c0") <= 4
