@@ -117,8 +117,10 @@ def caller_token(settings: Any) -> str:
 
 
 def auth_enabled(settings: Any) -> bool:
-    """Whether the process checks who calls it: it holds the cluster token or a node credential."""
-    return bool(getattr(settings, "auth_token", "") or getattr(settings, "node_credential", ""))
+    """Whether the process checks who calls it: it holds the cluster token or a node credential, or
+    its callers present certificates (tls_client_ca_file), its own naming it to other services."""
+    return bool(getattr(settings, "auth_token", "") or getattr(settings, "node_credential", "")
+                or getattr(settings, "tls_client_ca_file", ""))
 
 
 def certificate_name_of(context: Any) -> tuple[int, str] | None:

@@ -132,6 +132,21 @@ def _server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | N
     return grpc.ssl_server_credentials([(pems[0], pems[1])], root_certificates=pems[2], require_client_auth=True)
 
 
+def _present_client_certificate(settings: ServiceSettings) -> None:
+    """The client certificate the process's own TLS channels present (checked readable now)."""
+    from silod.rpc.channels import use_client_certificate
+
+    cert, key = getattr(settings, "tls_client_cert_file", ""), getattr(settings, "tls_client_key_file", "")
+    if bool(cert) != bool(key):
+        missing = "tls_client_key_file" if cert else "tls_client_cert_file"
+        raise ConfigError(f"{missing}: must be set together with {'tls_client_cert_file' if cert else 'tls_client_key_file'}")
+    for field, path in (("tls_client_cert_file", cert), ("tls_client_key_file", key)):
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"{field}: cannot read {path!r}")
+    if cert:
+        use_client_certificate(cert, key)
+
+
 def _bind_problem(listen: str) -> str:
     """Why ``listen`` cannot be bound, in the OS's words; gRPC's exception only says that it failed."""
     host, port = split_host_port(listen)
@@ -157,6 +172,7 @@ async def start_server(definition: ServiceDefinition, settings: ServiceSettings)
     """Run on_start, bind ``settings.listen`` and serve; raise StartupError/ConfigError if that fails."""
     host, _ = split_host_port(settings.listen)
     credentials = _server_credentials(settings)  # fail on bad TLS settings before on_start does work
+    _present_client_certificate(settings)
 
     interceptors: list[grpc.aio.ServerInterceptor] = [RequestObserver(definition.name)]
     remote = audit = None

@@ -57,6 +57,10 @@ class ServiceSettings(BaseSettings):
         "", description="PEM CA that signs client certificates; when set (with TLS on) every client must present "
         "one, and a call without a bearer token is the principal its Common Name names: admin:<label>, "
         "user:<name> or node:<name>")
+    tls_client_cert_file: str = Field(
+        "", description="PEM client certificate this process presents on its TLS channels to other services "
+        "(those with tls_client_ca_file require one)")
+    tls_client_key_file: str = Field("", description="PEM private key of tls_client_cert_file")
     shutdown_grace_s: float = Field(
         10.0, ge=0, description="Seconds in-flight calls get to finish after SIGTERM/SIGINT"
     )

@@ -144,6 +144,15 @@ class _AioStreamStream(_AioDefaults, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(self._details(client_call_details, False), request_iterator)
 
 
+_client_certificate: list[tuple[str, str]] = []  # (cert file, key file) every TLS channel presents
+
+
+def use_client_certificate(cert_file: str, key_file: str) -> None:
+    """Make every TLS channel this process opens from now on present this client certificate (a
+    service's tls_client_cert_file/tls_client_key_file: what servers with tls_client_ca_file require)."""
+    _client_certificate[:] = [(cert_file, key_file)] if cert_file else []
+
+
 def open_channel(
     address: str,
     *,
@@ -152,25 +161,34 @@ def open_channel(
     aio: bool = False,
     default_timeout_s: float = 10.0,
     own_connection: bool = False,
+    tls_cert_file: str = "",
+    tls_key_file: str = "",
 ) -> Any:
     """A ``grpc.Channel`` (or ``grpc.aio.Channel`` if ``aio``) to a silod service.
 
     Unary calls without a timeout get ``default_timeout_s`` so a hung peer cannot hang the
-    caller forever; TLS is used, verified against ``tls_ca_file``, when it is given.
+    caller forever; TLS is used, verified against ``tls_ca_file``, when it is given, presenting
+    the client certificate ``tls_cert_file`` (key ``tls_key_file``; default: the process's, see
+    :func:`use_client_certificate`), which a server with tls_client_ca_file maps to a principal.
     ``own_connection``: do not share the process's connection to ``address`` with other
     channels. gRPC shares one by default, with its reconnect backoff: a channel opened to
     retry a server that was down would inherit the old connection's backoff and fail at once.
     """
     options = _OPTIONS + [("grpc.use_local_subchannel_pool", 1)] if own_connection else _OPTIONS
-    return _open(address, token, tls_ca_file, aio, default_timeout_s, options)
+    return _open(address, token, tls_ca_file, aio, default_timeout_s, options, (tls_cert_file, tls_key_file))
 
 
 def _open(
-    address: str, token: str, tls_ca_file: str, aio: bool, default_timeout_s: float, options: list[tuple[str, Any]]
+    address: str, token: str, tls_ca_file: str, aio: bool, default_timeout_s: float, options: list[tuple[str, Any]],
+    client_certificate: tuple[str, str] = ("", ""),
 ) -> Any:
     credentials = None
     if tls_ca_file:
-        credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_file).read_bytes())
+        cert_file, key_file = client_certificate if client_certificate[0] else (
+            _client_certificate[0] if _client_certificate else ("", ""))
+        pair = (Path(key_file).read_bytes(), Path(cert_file).read_bytes()) if cert_file else (None, None)
+        credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_file).read_bytes(),
+                                                   private_key=pair[0], certificate_chain=pair[1])
     if aio:
         interceptors = [
             cls(token, default_timeout_s) for cls in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)
