@@ -23,6 +23,7 @@ import collections
 import contextlib
 import contextvars
 import functools
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
@@ -44,6 +45,7 @@ MAX_BUFFERED = 10_000  # events waiting for the sink; beyond it the oldest are l
 BATCH = 1000  # events per append (AppendAuditEvents' bound)
 CLOSE_S = 5.0  # what a stopping process gives its last flush
 DENIED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+_DENIED_NUMBERS = frozenset(code.value[0] for code in DENIED)
 # Column bounds of the audit_events table (services/metadata/store/audit.py): cut here, so a hostile
 # request's fields cannot bloat the log or get a batch refused.
 BOUNDS = {"principal_name": 128, "credential": 32, "method": 160, "target_job": 64, "target_dataset": 256,
@@ -156,11 +158,9 @@ def _outcome_detail(request: Any, response: Any) -> str:
 
 async def _peek_first(stream: Any, found: dict[str, str]) -> Any:
     """A client stream passed through unchanged, the resources of its first message noted."""
-    first = True
     async for message in stream:
-        if first:
-            found.update({k: v for k, v in _safe_resources(message).items() if v})
-            first = False
+        if not found:
+            found.update(_safe_resources(message))
         yield message
 
 
@@ -218,6 +218,23 @@ def _fields(event: audit_pb2.AuditEvent) -> dict[str, Any]:
     return {"audit_" + name: getattr(event, name) for name in ("principal_kind", *BOUNDS, "code") if getattr(event, name)}
 
 
+class Noted:
+    """What a call left to record, as plain values: the event message is built at flush time, off the call's path."""
+
+    __slots__ = ("time_s", "kind", "code", "values")
+
+    def __init__(self, kind: int, code: int, values: dict[str, str], time_s: float | None = None) -> None:
+        self.time_s = time.time() if time_s is None else time_s
+        self.kind, self.code, self.values = kind, code, values
+
+    def event(self, service: str) -> audit_pb2.AuditEvent:
+        event = audit_pb2.AuditEvent(principal_kind=self.kind, code=self.code, service=_text(service, "service"))
+        event.time.FromNanoseconds(int(self.time_s * 1e9))
+        for name, value in self.values.items():
+            setattr(event, name, _text(value, name))
+        return event
+
+
 # -- the buffer ----------------------------------------------------------------------------------
 
 JobTenant = Callable[[str], Awaitable[str | None]]
@@ -230,14 +247,13 @@ class AuditRecorder:
                  flush_s: float = FLUSH_S, max_buffered: int = MAX_BUFFERED) -> None:
         self._process, self._sink, self._job_tenant = process, sink, job_tenant
         self._flush_s, self._max = flush_s, max_buffered
-        self._buffer: collections.deque[audit_pb2.AuditEvent] = collections.deque()
+        self._buffer: collections.deque[Noted] = collections.deque()
         self._task: asyncio.Task[None] | None = None
         self._failing = False
 
-    def record(self, event: audit_pb2.AuditEvent) -> None:
+    def record(self, noted: Noted) -> None:
         """Never blocks, never raises."""
-        event.service = _text(self._process, "service")
-        self._buffer.append(event)
+        self._buffer.append(noted)
         while len(self._buffer) > self._max:
             self._drop([self._buffer.popleft()], "the audit buffer is full")
 
@@ -252,7 +268,7 @@ class AuditRecorder:
 
     async def flush(self) -> None:
         while self._buffer:
-            batch = [self._buffer[i] for i in range(min(BATCH, len(self._buffer)))]
+            batch = [self._buffer[i].event(self._process) for i in range(min(BATCH, len(self._buffer)))]
             await self._fill_tenants(batch)
             try:
                 await self._sink.append(batch)
@@ -294,11 +310,11 @@ class AuditRecorder:
         if close is not None:
             await close()
 
-    def _drop(self, events: list[audit_pb2.AuditEvent], why: str) -> None:
-        EVENTS.labels(self._process, "dropped").inc(len(events))
-        for event in events:  # each one on a line: an operator can still read who did what
-            level = _log.error if event.code in (c.value[0] for c in DENIED) else _log.warning
-            level("audit event not stored: " + why, extra=_fields(event))
+    def _drop(self, dropped: list[Noted], why: str) -> None:
+        EVENTS.labels(self._process, "dropped").inc(len(dropped))
+        for noted in dropped:  # each one on a line: an operator can still read who did what
+            level = _log.error if noted.code in _DENIED_NUMBERS else _log.warning
+            level("audit event not stored: " + why, extra=_fields(noted.event(self._process)))
 
 
 # -- the interceptor -----------------------------------------------------------------------------
@@ -320,7 +336,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
                       context: grpc.aio.ServicerContext) -> Any:
         noted = _Call()
         reset = _call.set(noted)
-        found = _safe_resources(request)
+        found: dict[str, str] = {}  # a client stream's first message, noted as it passes
         if hasattr(request, "__aiter__"):
             request = _peek_first(request, found)
         code, response = grpc.StatusCode.UNKNOWN, None
@@ -336,8 +352,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             raise
         finally:
             _call.reset(reset)
-            if should_record(method, noted.principal, code):
-                self._record(method, token, noted.principal, found, code, request, response, context)
+            if should_record(method, noted.principal, code):  # only then is the request read: cheap otherwise
+                self._record(method, token, noted.principal, found or _safe_resources(request), code, request,
+                             response, context)
 
     def _record(self, method: str, token: str, principal: Principal | None, found: dict[str, str],
                 code: grpc.StatusCode, request: Any, response: Any, context: grpc.aio.ServicerContext) -> None:
@@ -348,13 +365,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
                 split = split_token(token)
                 principal = Principal(0, "", credential_id=split[0] if split else "")
             message = (context.details() or "") if code != grpc.StatusCode.OK else _outcome_detail(request, response)
-            event = audit_pb2.AuditEvent(principal_kind=principal.kind, code=code.value[0])
-            event.time.GetCurrentTime()
             values = {"principal_name": principal.name, "credential": principal.credential_id, "method": method,
                       "message": message, "peer": context.peer() or "", **found}
-            for name, value in values.items():
-                setattr(event, name, _text(value, name))
-            self._recorder.record(event)
+            self._recorder.record(Noted(principal.kind, code.value[0], values))
         except Exception:  # noqa: BLE001 - recording must never fail the call it records
             _log.exception("cannot record an audit event", extra={"method": method, "code": code.name})
 
@@ -369,5 +382,5 @@ def recorder_for(process: str, settings: Any, sink: AuditSink | None, job_tenant
     return AuditRecorder(process, sink, job_tenant=job_tenant)
 
 
-__all__ = ["AuditInterceptor", "AuditRecorder", "AuditSink", "LogSink", "RemoteSink", "StoreSink", "is_person",
+__all__ = ["AuditInterceptor", "AuditRecorder", "AuditSink", "LogSink", "Noted", "RemoteSink", "StoreSink", "is_person",
            "note_principal", "recorder_for", "resources", "should_record"]

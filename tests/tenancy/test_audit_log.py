@@ -167,6 +167,14 @@ def test_filters_and_pages(cluster: Cluster) -> None:
     assert_rpc_error(lambda: meta.AppendAuditEvents(audit_pb2.AppendAuditEventsRequest()),
                      grpc.StatusCode.INVALID_ARGUMENT, "events")
 
+    # A node's processes append with its node credential; the stored reporter is the caller, whatever was sent.
+    node_token = cluster.meta(cluster.root_token).CreateCredential(
+        a.CreateCredentialRequest(kind=a.PRINCIPAL_KIND_NODE, name="gpu-7")).token
+    claimed = audit_pb2.AuditEvent(method="/silod.v1.CacheService/Prefetch", service="cache-server", reporter="metadata")
+    assert cluster.meta(node_token).AppendAuditEvents(audit_pb2.AppendAuditEventsRequest(events=[claimed])).appended == 1
+    stored = meta.ListAuditEvents(audit_pb2.ListAuditEventsRequest(method="Prefetch")).events
+    assert [(e.reporter, e.service) for e in stored] == [("node gpu-7", "cache-server")]
+
 
 def admin_audit(capsys: pytest.CaptureFixture[str], cluster: Cluster, *argv: str, token: str = CLUSTER_TOKEN) -> tuple[int, str, str]:
     code = main(["admin", "audit", *argv, "--metadata", cluster.metadata.address, "--token", token])
