@@ -19,8 +19,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 
     p = sub.add_parser(
         "dashboard", help="read-only web dashboard: nodes and GPUs, jobs, cache, plans, charts over time, a page per job",
-        description="Serve a read-only web dashboard of a running silod cluster (HTTP). With --auth-token set the "
-                    "page needs the token (open http://HOST:PORT/?token=...). Every flag can also be set as a "
+        description="Serve a read-only web dashboard of a running silod cluster (HTTP). With --auth-token set it "
+                    "asks for a credential (a sign-in form at /login; a user sees their tenants' jobs only, an "
+                    "admin everything). Every flag can also be set as a "
                     "SILOD_<NAME> environment variable or in --config.")
     p.add_argument("--config", metavar="FILE", help="YAML or TOML file of settings (env SILOD_CONFIG)")
     add_settings_flags(p, Settings)
