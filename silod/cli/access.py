@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from silod.cli import audit, locate, quotas
+from silod.cli import audit, leader, locate, quotas
 from silod.cli.client_commands import _fail, call
 
 KINDS = ("admin", "user", "node", "job")
@@ -65,6 +65,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     members.set_defaults(handler=_tenant_members)
     quota = quotas.add_parser(tenant_sub)
     audit.add_parser(admin_sub)  # `silod admin audit` (silod/cli/audit.py)
+    leader.add_parser(admin_sub)  # `silod admin leader` (silod/cli/leader.py)
     for parser in (create, listing, revoke, rotate, t_create, t_list, members, quota):
         locate.add_flags(parser, "metadata")
 

@@ -24,3 +24,20 @@ def test_the_scheduler_refuses_leader_election_on_sqlite(tmp_path: Path) -> None
     assert done.returncode == 2, done.stdout + done.stderr
     assert "configuration error: leader_election:" in done.stderr
     assert "needs the metadata store on PostgreSQL" in done.stderr, done.stderr
+
+
+def test_silod_admin_leader_says_when_none_leads(tmp_path: Path) -> None:
+    """`silod admin leader` on a store no elected scheduler ever used: exit 1, said in words.
+    (tests/lab/test_lab_ha.py reads the leader with it on PostgreSQL, across failovers.)"""
+    metadata = start_service("metadata", "--db", f"sqlite:///{tmp_path / 'md.db'}", "--log-level", "warning",
+                             workdir=tmp_path / "metadata")
+    try:
+        shown = subprocess.run([sys.executable, "-m", "silod.cli", "admin", "leader", "--metadata", metadata.address],
+                               capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        as_json = subprocess.run([sys.executable, "-m", "silod.cli", "admin", "leader", "--json",
+                                  "--metadata", metadata.address], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    finally:
+        metadata.close()
+    assert shown.returncode == 1, shown.stdout + shown.stderr
+    assert "no scheduler has led with --leader-election" in shown.stdout
+    assert as_json.returncode == 1 and '"held": false' in as_json.stdout and '"epoch": 0' in as_json.stdout
