@@ -30,7 +30,7 @@ def available() -> str:
         return "the `ip` command (iproute2) is not installed"
     if os.geteuid() != 0:
         return "network namespaces need root"
-    probe = f"{PREFIX}probe"
+    probe = f"{PREFIX}probe{os.getpid()}"  # per process: two test workers may probe at once
     try:
         _ip("netns", "add", probe)
     except NetnsError as exc:
