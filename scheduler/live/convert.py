@@ -109,43 +109,73 @@ def node_plan(
     agent_addresses: Mapping[str, str],
     cache_addresses: Mapping[str, str] | None = None,
 ) -> plan_pb2.NodePlan:
-    """The part of ``plan`` that concerns ``node``: one TaskAssignment per rank placed there.
+    """The part of ``plan`` that concerns ``node`` (see :func:`node_plans`)."""
+    views = node_plans(plan, specs, agent_addresses, cache_addresses, only=node)
+    return views.get(node) or plan_pb2.NodePlan(version=plan.version, node=node, epoch=plan.epoch)
+
+
+def node_plans(
+    plan: plan_pb2.AllocationPlan,
+    specs: Mapping[str, common_pb2.JobSpec],
+    agent_addresses: Mapping[str, str],
+    cache_addresses: Mapping[str, str] | None = None,
+    only: str | None = None,
+) -> dict[str, plan_pb2.NodePlan]:
+    """Every node's part of ``plan``, cut in one pass over its jobs (or ``only`` that node's):
+    one TaskAssignment per rank placed there, its cache quotas, replicas and loans. A node the
+    plan gives nothing has no entry.
 
     A cache quota names the job's other nodes (GPUs or cache grants there) as its peers, with
     their cache servers' addresses from ``cache_addresses`` ("" if unknown: the cache server
     looks it up): a miss here is asked of their caches before the remote store."""
-    view = plan_pb2.NodePlan(version=plan.version, node=node)
+    views: dict[str, plan_pb2.NodePlan] = {}
+
+    def view(node: str) -> plan_pb2.NodePlan:
+        if node not in views:
+            views[node] = plan_pb2.NodePlan(version=plan.version, node=node, epoch=plan.epoch)
+        return views[node]
+
     for job in plan.jobs:
         ranks = ranks_of(job)
         spec = specs.get(job.job_id)
-        if ranks and any(n == node for n, _ in ranks):
+        if ranks and (only is None or any(n == only for n, _ in ranks)):
             first = ranks[0][0]
             # The advertised host of rank 0's agent: the address the other nodes reach it at.
             master_addr = host_of(agent_addresses.get(first, "")) or first
             nodes_in_order = list(dict.fromkeys(n for n, _ in ranks))
-            local = [rank for rank, (rank_node, _) in enumerate(ranks) if rank_node == node]
+            port = job.master_port or master_port(job.job_id, job.generation)
+            local: dict[str, int] = {}
+            for rank_node, _ in ranks:
+                local[rank_node] = local.get(rank_node, 0) + 1
+            seen: dict[str, int] = {}
             for rank, (rank_node, index) in enumerate(ranks):
-                if rank_node != node:
+                if only is not None and rank_node != only:
                     continue
-                task = view.tasks.add(
+                task = view(rank_node).tasks.add(
                     job_id=job.job_id, rank=rank, world_size=len(ranks), gpu_indices=[index],
-                    master_addr=master_addr, master_port=job.master_port or master_port(job.job_id, job.generation),
+                    master_addr=master_addr, master_port=port,
                     batch_size=job.batch_size, generation=job.generation, fast_resize=job.fast_resize,
-                    local_rank=local.index(rank), local_world_size=len(local),
-                    group_rank=nodes_in_order.index(node),
+                    local_rank=seen.get(rank_node, 0), local_world_size=local[rank_node],
+                    group_rank=nodes_in_order.index(rank_node),
                 )
+                seen[rank_node] = seen.get(rank_node, 0) + 1
                 if spec is not None:
                     task.spec.CopyFrom(spec)
         for grant in job.cache_grants:
-            if grant.node == node:
-                quota = view.cache_quotas.add(
-                    job_id=job.job_id, dataset=spec.dataset if spec is not None else "",
-                    cache_quota_bytes=grant.cache_quota_bytes, remote_io_bytes_per_s=grant.remote_io_bytes_per_s,
-                    cache_policy=job.cache_policy,
-                )
-                for peer in job_nodes(job):
-                    if peer != node:
-                        quota.peers.add(node=peer, cache_address=(cache_addresses or {}).get(peer, ""))
-    view.replicas.extend(r for r in plan.replicas if r.node == node)
-    view.loans.extend(loan for loan in plan.loans if loan.node == node)
-    return view
+            if not grant.node or (only is not None and grant.node != only):
+                continue
+            quota = view(grant.node).cache_quotas.add(
+                job_id=job.job_id, dataset=spec.dataset if spec is not None else "",
+                cache_quota_bytes=grant.cache_quota_bytes, remote_io_bytes_per_s=grant.remote_io_bytes_per_s,
+                cache_policy=job.cache_policy,
+            )
+            for peer in job_nodes(job):
+                if peer != grant.node:
+                    quota.peers.add(node=peer, cache_address=(cache_addresses or {}).get(peer, ""))
+    for replica in plan.replicas:
+        if only is None or replica.node == only:
+            view(replica.node).replicas.append(replica)
+    for loan in plan.loans:
+        if only is None or loan.node == only:
+            view(loan.node).loans.append(loan)
+    return views

@@ -191,8 +191,8 @@ class SchedulerCore:
         self.plans.specs[job.id] = job.spec
         self.trigger("arrival")
 
-    async def refresh_latest(self) -> plan_pb2.AllocationPlan | None:
-        return await self.plans.refresh()
+    async def refresh_latest(self, max_age_s: float = 0.0) -> plan_pb2.AllocationPlan | None:
+        return await self.plans.refresh(max_age_s)
 
     async def wait_newer(self, version: int, timeout: float) -> None:
         await self.plans.wait_newer(version, timeout)

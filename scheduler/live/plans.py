@@ -4,6 +4,8 @@ that the agents watch (AllocationService.Watch)."""
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import Iterable
 
 import grpc
@@ -21,14 +23,34 @@ class PlanStore:
         self.specs: dict[str, common_pb2.JobSpec] = {}
         self.agent_addresses: dict[str, str] = {}
         self.cache_addresses: dict[str, str] = {}  # node -> its CacheService (peers of multi-node jobs)
+        self._views: dict[str, plan_pb2.NodePlan] = {}  # node -> its part of the plan of _views_version
+        self._views_version = -1
+        self._cutting = asyncio.Lock()
+        self._read_at = -math.inf  # monotonic time the last GetLatestPlan answered
+        self._reading: asyncio.Future[plan_pb2.AllocationPlan | None] | None = None
 
-    async def refresh(self) -> plan_pb2.AllocationPlan | None:
+    async def refresh(self, max_age_s: float = 0.0) -> plan_pb2.AllocationPlan | None:
+        """Read the plan in force from the metadata store. ``max_age_s`` > 0 (the watchers'
+        periodic check): a read finished less than that ago is good enough, and callers arriving
+        while one is in flight share it, so N watchers cost one GetLatestPlan, not N."""
+        if max_age_s <= 0:
+            return await self._read()
+        if time.monotonic() - self._read_at < max_age_s:
+            return self.latest
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read())
+            self._reading.add_done_callback(lambda _: setattr(self, "_reading", None))
+        return await asyncio.shield(self._reading)
+
+    async def _read(self) -> plan_pb2.AllocationPlan | None:
         try:
             plan = await self.clients.md.GetLatestPlan(metadata_pb2.GetLatestPlanRequest())
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
+            self._read_at = time.monotonic()
             return self.latest
+        self._read_at = time.monotonic()
         await self.set_latest(plan)
         return self.latest
 
@@ -74,6 +96,20 @@ class PlanStore:
         return self.specs[job_id]
 
     async def node_plan(self, plan: plan_pb2.AllocationPlan, node: str) -> plan_pb2.NodePlan:
+        """``node``'s part of ``plan``. Every node's part is cut in one pass the first time a
+        watcher asks for a version and kept for the others: with N nodes watching, a plan of J
+        jobs costs O(J + N) to hand out, not O(J x N)."""
+        if self._views_version != plan.version:
+            async with self._cutting:  # the watchers woken by one commit wait for one cut
+                if self._views_version != plan.version:
+                    await self._learn(plan)
+                    self._views = convert.node_plans(plan, self.specs, self.agent_addresses, self.cache_addresses)
+                    self._views_version = plan.version
+        view = self._views.get(node)
+        return view if view is not None else plan_pb2.NodePlan(version=plan.version, node=node, epoch=plan.epoch)
+
+    async def _learn(self, plan: plan_pb2.AllocationPlan) -> None:
+        """The specs and addresses a plan's views need that this scheduler has not seen yet."""
         for job in plan.jobs:
             await self.spec_of(job.job_id)
             for name in convert.job_nodes(job):
@@ -84,4 +120,3 @@ class PlanStore:
                         self.cache_addresses[name] = n.spec.cache_address
                     except grpc.aio.AioRpcError:
                         pass
-        return convert.node_plan(plan, node, self.specs, self.agent_addresses, self.cache_addresses)

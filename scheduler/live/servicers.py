@@ -33,6 +33,7 @@ from silod.v1 import (
 T = TypeVar("T")
 _log = logging.getLogger("silod.scheduler")
 WATCH_POLL_S = 0.5
+WATCH_REFRESH_AGE_S = 1.0  # a Watch accepts a read of the plan in force this old (shared by all watchers)
 ADMISSION_CACHE_S = 5.0
 
 
@@ -70,7 +71,7 @@ class Scheduler(Protocol):
     def job_submitted(self, job: common_pb2.Job) -> None: ...
     def release(self, node: str, jobs: Iterable[str]) -> bool: ...
     async def report_tasks(self, request: allocation_pb2.ReportTasksRequest) -> list[str]: ...
-    async def refresh_latest(self) -> plan_pb2.AllocationPlan | None: ...
+    async def refresh_latest(self, max_age_s: float = 0.0) -> plan_pb2.AllocationPlan | None: ...
     async def wait_newer(self, version: int, timeout: float) -> None: ...
     async def node_plan(self, plan: plan_pb2.AllocationPlan, node: str) -> plan_pb2.NodePlan: ...
 
@@ -319,7 +320,9 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
         if not request.node:
             raise InvalidArgument("required", field="node")
         require_leader(self.core)
-        await forward(self.core.refresh_latest(), "metadata GetLatestPlan", None)
+        # Watchers share their reads of the store (max_age_s): a thousand nodes reconnecting
+        # after a restart, or waking together, make one GetLatestPlan, not a thousand.
+        await forward(self.core.refresh_latest(max_age_s=WATCH_REFRESH_AGE_S), "metadata GetLatestPlan", None)
         sent = 0
         while True:
             plan = self.core.latest
@@ -331,7 +334,8 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
             await self.core.wait_newer(sent, self.refresh_s)
             require_leader(self.core)  # deposed: the watcher moves to the new leader
             if self.core.latest is None or self.core.latest.version <= sent:
-                await forward(self.core.refresh_latest(), "metadata GetLatestPlan", None)  # committed by someone else
+                await forward(self.core.refresh_latest(max_age_s=WATCH_REFRESH_AGE_S), "metadata GetLatestPlan",
+                              None)  # committed by someone else
 
     async def Ack(self, request, context):  # noqa: N802
         if not request.node:

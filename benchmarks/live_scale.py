@@ -1,0 +1,249 @@
+"""The live scheduler at cluster scale: real metadata and scheduler processes, and a node fleet
+(worker_agent/fleet.py) of ``--nodes`` emulated nodes, every one registered, heartbeating and
+watching its plans, with ranks that report progress and finish.
+
+    .venv/bin/python benchmarks/live_scale.py --nodes 1000 --jobs 5000 --policy fifo [--postgres] [--json F]
+
+For each ``--policy`` (comma-separated), on a fresh database:
+
+1. metadata, scheduler (``--interval-s``) and the fleet start; one job per application goes
+   through a round and is cancelled (profiles are fitted once, at start-up);
+2. ``--jobs`` jobs are submitted over gRPC, ``--concurrency`` at a time, while rounds run
+   (each arrival triggers one): the submission rate is measured here;
+3. ``--measure-s`` seconds of steady running follow: ranks finish after ``--task-seconds``,
+   so every round has completions to commit and pending jobs to place.
+
+It reads the scheduler's own round histogram (``silod_scheduler_round_duration_seconds`` by
+phase, from its ``/metrics``) over phases 2 and 3, the fleet's receive and ack times of every
+plan against the plan's creation time in the metadata store, and each process's CPU time and
+resident memory (Linux /proc). Each target prints MET or MISSED with its value. On a machine
+of few cores every process competes with the fleet's own CPU (reported too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.live_scheduler import _spec, _submit_async, cpu_seconds, warm_up  # noqa: E402
+from silod.launcher import start_service  # noqa: E402
+from silod.rpc.channels import open_channel  # noqa: E402
+from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc  # noqa: E402
+from worker_agent.fleet import FleetSettings, start_fleet  # noqa: E402
+
+ROUND_TARGET_S = {"fifo": 1.0, "sjf": 1.0, "tiresias": 1.0, "gavel": 2.0, "pollux": 2.0}
+ACK_TARGET_S = 2.0
+SUBMIT_TARGET = 300.0
+
+
+def rss_mib(pid: int) -> tuple[float, float]:
+    """(resident now, peak resident) MiB of process ``pid`` (Linux /proc)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def scrape(port: int) -> dict[tuple[str, str], float]:
+    """The scheduler's round histogram: (series, phase) -> value, for _count, _sum and buckets."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        if not line.startswith("silod_scheduler_round_duration_seconds"):
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name, _, labels = name_labels.partition("{")
+        parts = dict(p.split("=", 1) for p in labels.rstrip("}").split(",") if "=" in p)
+        key = name.rsplit("_", 1)[-1] + (f" le={parts['le'].strip(chr(34))}" if "le" in parts else "")
+        out[(key, parts.get("phase", "").strip('"'))] = float(value)
+    return out
+
+
+def round_figures(before: dict, after: dict) -> dict[str, Any]:
+    """Rounds between two scrapes: count, mean per phase, and the smallest bucket bound that
+    holds 99 % of whole rounds (an upper bound on their p99)."""
+    def delta(key: str, phase: str) -> float:
+        return after.get((key, phase), 0.0) - before.get((key, phase), 0.0)
+
+    count = delta("count", "total")
+    figures: dict[str, Any] = {"rounds": int(count)}
+    for phase in ("snapshot", "policy", "commit", "total"):
+        n = delta("count", phase)
+        figures[f"mean_{phase}_s"] = round(delta("sum", phase) / n, 3) if n else None
+    bounds = sorted((float(k.split("=")[1]), k) for k, p in after if k.startswith("bucket le=") and p == "total")
+    figures["p99_total_s_at_most"] = next((b for b, k in bounds if count and delta(k, "total") >= 0.99 * count), None)
+    return figures
+
+
+def ack_figures(metadata_addr: str, plans: dict[str, Any], nodes: int) -> dict[str, Any]:
+    """Seconds from a plan's creation (set by the scheduler just before it commits it) to each
+    node's ack, over the plans every node acked."""
+    per_node: list[float] = []
+    per_plan: list[float] = []
+    with open_channel(metadata_addr, default_timeout_s=30) as channel:
+        md = metadata_pb2_grpc.MetadataServiceStub(channel)
+        for version, times in plans.items():
+            if len(times["acked"]) < nodes:
+                continue
+            created = md.GetPlan(metadata_pb2.GetPlanRequest(version=int(version))).created_at.ToNanoseconds() / 1e9
+            lags = [t - created for t in times["acked"]]
+            per_node.extend(lags)
+            per_plan.append(max(lags))
+
+    def pct(values: list[float], q: float) -> float | None:
+        return round(sorted(values)[min(len(values) - 1, int(q * len(values)))], 3) if values else None
+
+    return {"plans_fully_acked": len(per_plan), "node_ack_p50_s": pct(per_node, 0.5), "node_ack_p99_s": pct(per_node, 0.99),
+            "all_nodes_acked_p50_s": pct(per_plan, 0.5), "all_nodes_acked_p99_s": pct(per_plan, 0.99),
+            "all_nodes_acked_max_s": round(max(per_plan), 3) if per_plan else None}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def postgres_database(stack: ExitStack) -> str:
+    """A scratch database on PostgreSQL at 127.0.0.1:5432 (user postgres), dropped at the end."""
+    import psycopg2
+    from psycopg2 import sql
+
+    def admin(statement: Any) -> None:
+        connection = psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="postgres")
+        try:
+            connection.autocommit = True
+            with connection.cursor() as cursor:
+                cursor.execute(statement)
+        finally:
+            connection.close()
+
+    name = f"silod_bench_{os.getpid()}_{secrets.token_hex(4)}"
+    admin(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    stack.callback(admin, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+    return f"postgresql://postgres@127.0.0.1:5432/{name}"
+
+
+def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str, Any]:
+    result: dict[str, Any] = {"policy": policy, "nodes": args.nodes, "gpus_per_node": 8, "jobs": args.jobs,
+                              "database": "postgresql" if args.postgres else "sqlite"}
+    with ExitStack() as stack:
+        db = postgres_database(stack) if args.postgres else f"sqlite:///{workdir / 'm.db'}"
+        md = stack.enter_context(start_service("metadata", "--db", db, "--log-level", "warning", workdir=workdir))
+        port = _free_port()
+        sch = stack.enter_context(start_service(
+            "scheduler", "--metadata-address", md.address, "--policy", policy, "--interval-s", f"{args.interval_s:g}",
+            "--node-timeout-s", f"{max(15.0, 3 * args.heartbeat_s):g}", "--metrics-port", str(port),
+            "--metrics-host", "127.0.0.1", "--log-level", "warning", workdir=workdir))
+        started = time.monotonic()
+        fleet = start_fleet(FleetSettings(
+            nodes=args.nodes, gpus=8, metadata_address=md.address, scheduler_address=sch.address,
+            heartbeat_s=args.heartbeat_s, report_s=args.report_s, task_seconds=args.task_seconds), workdir / "fleet")
+        stack.callback(fleet.terminate)
+        result["fleet_start_s"] = round(time.monotonic() - started, 1)
+        warm_up(sch.address, md.address)
+        pids = {"scheduler": sch.pid, "metadata": md.pid, "fleet": fleet.pid}
+        cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+        before = scrape(port)
+        t0 = time.monotonic()
+        ids, elapsed = asyncio.run(_submit_async(sch.address, args.jobs, args.concurrency))
+        assert len(set(ids)) == args.jobs
+        result["submissions_per_s"] = round(args.jobs / elapsed, 1)
+        mid = scrape(port)
+        result["rounds_while_submitting"] = round_figures(before, mid)
+        time.sleep(args.measure_s)
+        after = scrape(port)
+        span = time.monotonic() - t0
+        result["rounds_steady"] = round_figures(mid, after)
+        result["rounds_all"] = round_figures(before, after)
+        result["cpu_cores"] = {k: round((cpu_seconds(p) - cpu0[k]) / span, 2) for k, p in pids.items()}
+        result["rss_mib"] = {k: [round(v) for v in rss_mib(p)] for k, p in pids.items()}
+        with open_channel(md.address, default_timeout_s=60) as channel:
+            stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+            counts = {}
+            for state in ("PENDING", "SCHEDULED", "RUNNING", "SUCCEEDED"):
+                n, token = 0, ""
+                while True:
+                    reply = stub.ListJobs(metadata_pb2.ListJobsRequest(
+                        states=[common_pb2.JobState.Value(f"JOB_STATE_{state}")], page_size=1000, page_token=token))
+                    n += len(reply.jobs)
+                    token = reply.next_page_token
+                    if not token:
+                        break
+                counts[state.lower()] = n
+            result["jobs_at_end"] = counts
+        stats = fleet.stats()
+        result["fleet_running_tasks"] = stats.get("running_tasks")
+        result["acks"] = ack_figures(md.address, stats.get("plans", {}), args.nodes)
+        if not args.postgres:
+            result["database_bytes"] = (workdir / "m.db").stat().st_size
+    return result
+
+
+def verdicts(r: dict[str, Any]) -> list[str]:
+    target = ROUND_TARGET_S.get(r["policy"], 2.0)
+    lines = []
+    rounds = r["rounds_all"]
+    mean = rounds["mean_total_s"]
+    p99 = rounds["p99_total_s_at_most"]
+    lines.append(f"round ({r['policy']}): mean {mean} s, p99 <= {p99} s over {rounds['rounds']} rounds "
+                 f"(snapshot {rounds['mean_snapshot_s']}, policy {rounds['mean_policy_s']}, commit "
+                 f"{rounds['mean_commit_s']})  [target <= {target:g} s: "
+                 f"{'MET' if p99 is not None and p99 <= target else 'MISSED'}]")
+    ack = r["acks"]["all_nodes_acked_p99_s"]
+    lines.append(f"plan to every node acked: p99 {ack} s, max {r['acks']['all_nodes_acked_max_s']} s over "
+                 f"{r['acks']['plans_fully_acked']} plans (per node p99 {r['acks']['node_ack_p99_s']} s)  "
+                 f"[target <= {ACK_TARGET_S:g} s: {'MET' if ack is not None and ack <= ACK_TARGET_S else 'MISSED'}]")
+    rate = r["submissions_per_s"]
+    lines.append(f"submissions while rounds run: {rate}/s  [target >= {SUBMIT_TARGET:g}/s: "
+                 f"{'MET' if rate >= SUBMIT_TARGET else 'MISSED'}]")
+    lines.append(f"RSS MiB (now, peak): scheduler {r['rss_mib']['scheduler']}, metadata {r['rss_mib']['metadata']}, "
+                 f"fleet {r['rss_mib']['fleet']}; CPU cores used: {r['cpu_cores']}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--jobs", type=int, default=5000)
+    parser.add_argument("--policy", default="fifo", help="comma-separated: fifo,sjf,tiresias,gavel,pollux")
+    parser.add_argument("--postgres", action="store_true", help="a scratch database on PostgreSQL 127.0.0.1:5432")
+    parser.add_argument("--concurrency", type=int, default=16, help="submissions in flight")
+    parser.add_argument("--interval-s", type=float, default=2.0, help="the scheduler's round interval")
+    parser.add_argument("--heartbeat-s", type=float, default=5.0, help="the fleet's heartbeat interval")
+    parser.add_argument("--report-s", type=float, default=5.0, help="the fleet's task report interval")
+    parser.add_argument("--task-seconds", type=float, default=60.0, help="an emulated rank finishes after this")
+    parser.add_argument("--measure-s", type=float, default=30.0, help="steady seconds measured after submitting")
+    parser.add_argument("--json", default="", help="write the results here (a JSON list, one entry per policy)")
+    args = parser.parse_args(argv)
+    print("$ python benchmarks/live_scale.py " + " ".join(argv if argv is not None else sys.argv[1:]), flush=True)
+    results = []
+    for policy in [p.strip() for p in args.policy.split(",") if p.strip()]:
+        with tempfile.TemporaryDirectory(prefix="silod-scale-") as tmp:
+            r = run_policy(args, policy, Path(tmp))
+        r["load_average_1m"] = os.getloadavg()[0]
+        r["cpus"] = os.cpu_count()
+        results.append(r)
+        print(f"--- {policy}, {args.nodes} nodes x 8 GPUs, {args.jobs} jobs, {r['database']}", flush=True)
+        for line in verdicts(r):
+            print("  " + line, flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
