@@ -186,3 +186,17 @@ def test_a_revoked_credential_is_refused_within_the_cache_ttl(site: Site) -> Non
         assert time.monotonic() < deadline, "the revoked credential still works past the cache TTL (0.5 s)"
         time.sleep(0.1)
     assert status == 401
+
+
+def test_in_chromium_a_user_sees_who_they_are_and_their_jobs_only(site: Site) -> None:
+    from tests.dashboard import browser
+
+    chromium = browser.chromium()
+    url = f"http://{site.address}/?token={site.tokens['alice']}"  # sets the cookie the page's polls carry
+    for _ in range(5):
+        dom = browser.run(chromium, url, "--dump-dom").stdout
+        if 'data-loaded="true"' in dom and site.jobs["vision"].id in dom:
+            break
+    assert "user alice · tenants: vision" in dom
+    assert '<form id="logout" method="post" action="/logout">' in dom, "the sign-out button shows (no longer hidden)"
+    assert site.jobs["vision"].id in dom and site.jobs["speech"].id not in dom and "speech" not in dom
