@@ -53,7 +53,8 @@ def lab(tmp_path_factory):
     # A short node timeout keeps the link-down case inside the suite's budget; the agents'
     # heartbeat (5 s in compose) stays as deployed.
     lab = Lab(tmp_path_factory.mktemp("lab"), nodes=2)
-    lab.services["scheduler"].environment["SILOD_NODE_TIMEOUT_S"] = "12"
+    for scheduler in ("scheduler", "scheduler-2"):  # compose runs two; either may lead
+        lab.services[scheduler].environment["SILOD_NODE_TIMEOUT_S"] = "12"
     # A read of an uncached object gives up after 2 x 4 s (+10 s slack) instead of the deployed
     # 4 x 30 s when the storage host is gone: the case stays short, the behaviour is the same.
     for n in range(2):
@@ -442,7 +443,7 @@ def nodes_of(meta, job_id: str) -> set[str]:
     return {p.node for a in plan.jobs if a.job_id == job_id for p in a.placements}
 
 
-CONTROL_HOSTS = ("metadata", "scheduler", "estimator", "dashboard", "postgres")
+CONTROL_HOSTS = ("metadata", "scheduler", "scheduler-2", "estimator", "dashboard", "postgres")
 AGENT_HOSTS = ("agent-0", "agent-1", "agent-infer-0")   # deepboot may lend the inference host's GPUs
 
 
