@@ -337,7 +337,7 @@ class ResolveCredentialResponse(_message.Message):
     PRINCIPAL_FIELD_NUMBER: _builtins.int
     CREDENTIAL_ID_FIELD_NUMBER: _builtins.int
     credential_id: _builtins.str
-    """id of the credential"""
+    """id of the credential; empty for the cluster token"""
     @_builtins.property
     def principal(self) -> Global___Principal:
         """who the token stands for, tenants as of now"""

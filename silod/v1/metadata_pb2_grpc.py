@@ -418,8 +418,10 @@ class MetadataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CreateCredential(self, request, context):
-        """Identities and access (access.proto). Admin only; ResolveCredential is how the other services
-        learn who presented a token (UNAUTHENTICATED for an unknown, revoked or expired one).
+        """Identities and access (access.proto). Admin only, but for two a node credential may call too:
+        ResolveCredential, how the other services learn who presented a token (the cluster token
+        included; UNAUTHENTICATED for an unknown, revoked or expired one), and ListTenants, how they
+        learn the tenants of a user a TLS client certificate names.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

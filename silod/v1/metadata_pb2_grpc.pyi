@@ -91,8 +91,10 @@ class MetadataServiceStub:
     PutJobModel: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.PutJobModelRequest, _common_pb2.JobModelParams]
     GetJobModel: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetJobModelRequest, _common_pb2.JobModelParams]
     CreateCredential: _grpc.UnaryUnaryMultiCallable[_access_pb2.CreateCredentialRequest, _access_pb2.IssuedCredential]
-    """Identities and access (access.proto). Admin only; ResolveCredential is how the other services
-    learn who presented a token (UNAUTHENTICATED for an unknown, revoked or expired one).
+    """Identities and access (access.proto). Admin only, but for two a node credential may call too:
+    ResolveCredential, how the other services learn who presented a token (the cluster token
+    included; UNAUTHENTICATED for an unknown, revoked or expired one), and ListTenants, how they
+    learn the tenants of a user a TLS client certificate names.
     """
     ListCredentials: _grpc.UnaryUnaryMultiCallable[_access_pb2.ListCredentialsRequest, _access_pb2.ListCredentialsResponse]
     RevokeCredential: _grpc.UnaryUnaryMultiCallable[_access_pb2.RevokeCredentialRequest, _access_pb2.Credential]
@@ -178,8 +180,10 @@ class MetadataServiceAsyncStub(MetadataServiceStub):
     PutJobModel: _aio.UnaryUnaryMultiCallable[_metadata_pb2.PutJobModelRequest, _common_pb2.JobModelParams]  # type: ignore[assignment]
     GetJobModel: _aio.UnaryUnaryMultiCallable[_common_pb2.GetJobModelRequest, _common_pb2.JobModelParams]  # type: ignore[assignment]
     CreateCredential: _aio.UnaryUnaryMultiCallable[_access_pb2.CreateCredentialRequest, _access_pb2.IssuedCredential]  # type: ignore[assignment]
-    """Identities and access (access.proto). Admin only; ResolveCredential is how the other services
-    learn who presented a token (UNAUTHENTICATED for an unknown, revoked or expired one).
+    """Identities and access (access.proto). Admin only, but for two a node credential may call too:
+    ResolveCredential, how the other services learn who presented a token (the cluster token
+    included; UNAUTHENTICATED for an unknown, revoked or expired one), and ListTenants, how they
+    learn the tenants of a user a TLS client certificate names.
     """
     ListCredentials: _aio.UnaryUnaryMultiCallable[_access_pb2.ListCredentialsRequest, _access_pb2.ListCredentialsResponse]  # type: ignore[assignment]
     RevokeCredential: _aio.UnaryUnaryMultiCallable[_access_pb2.RevokeCredentialRequest, _access_pb2.Credential]  # type: ignore[assignment]
@@ -424,8 +428,10 @@ class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _access_pb2.CreateCredentialRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_access_pb2.IssuedCredential, _abc.Awaitable[_access_pb2.IssuedCredential]]:
-        """Identities and access (access.proto). Admin only; ResolveCredential is how the other services
-        learn who presented a token (UNAUTHENTICATED for an unknown, revoked or expired one).
+        """Identities and access (access.proto). Admin only, but for two a node credential may call too:
+        ResolveCredential, how the other services learn who presented a token (the cluster token
+        included; UNAUTHENTICATED for an unknown, revoked or expired one), and ListTenants, how they
+        learn the tenants of a user a TLS client certificate names.
         """
 
     @_abc_1.abstractmethod
