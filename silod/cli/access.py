@@ -22,8 +22,8 @@ KINDS = ("admin", "user", "node", "job")
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    admin = sub.add_parser("admin", help="identities and access: credentials, tenants and the audit log "
-                                         "(needs an admin credential)")
+    admin = sub.add_parser("admin", help="identities and access: credentials, tenants and the audit log; "
+                                         "which scheduler leads (needs an admin credential)")
     admin_sub = admin.add_subparsers(dest="admin_command", metavar="WHAT", required=True)
 
     cred = admin_sub.add_parser("credential", help="bearer credentials of users, nodes, jobs and admins")
