@@ -335,12 +335,12 @@ class Session:
             ready = ((lambda: _port_open(listen.group(1))) if listen else  # noqa: E731
                      (lambda: (_state_dir(text, self.cwd) / "cluster.json").exists()) if " up " in f" {text} " else
                      (lambda: True))
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 120  # a loaded 2-core machine starts a `silod up` in 10-60 s
             while not ready():
                 if proc.poll() is not None:
                     return f"exited {proc.returncode} before it was ready"
                 if time.monotonic() > deadline:
-                    return "not ready after 60 s"
+                    return "not ready after 120 s"
                 time.sleep(0.1)
             return None
         done = subprocess.run(["bash", "-c", "set -o pipefail\n" + text], cwd=self.cwd, env=_env(self.work),
