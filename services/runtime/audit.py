@@ -264,15 +264,23 @@ class AuditRecorder:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self._flush_s)
-            await self.flush()
+            try:
+                await self.flush()
+            except Exception:  # noqa: BLE001 - a bug here must not stop the flushing; events stay buffered
+                _log.exception("audit flush failed")
 
     async def flush(self) -> None:
         while self._buffer:
-            batch = [self._buffer[i].event(self._process) for i in range(min(BATCH, len(self._buffer)))]
+            noted = [self._buffer[i] for i in range(min(BATCH, len(self._buffer)))]
+            batch = [n.event(self._process) for n in noted]
             await self._fill_tenants(batch)
             try:
                 await self._sink.append(batch)
             except Exception as exc:  # noqa: BLE001 - kept, retried next flush; the call it records is long done
+                if _refused_for_good(exc):  # retrying cannot help: log them rather than block the rest
+                    self._drop(noted, f"the metadata service refused them ({exc})"[:300])
+                    self._forget(noted)
+                    continue
                 if not self._failing:
                     _log.warning("cannot store audit events; keeping them to retry",
                                  extra={"buffered": len(self._buffer), "error": f"{type(exc).__name__}: {exc}"[:300]})
@@ -281,9 +289,14 @@ class AuditRecorder:
             if self._failing:
                 _log.info("audit events stored again", extra={"buffered": len(self._buffer)})
                 self._failing = False
-            for _ in batch:
-                self._buffer.popleft()
+            self._forget(noted)
             EVENTS.labels(self._process, "stored").inc(len(batch))
+
+    def _forget(self, noted: list[Noted]) -> None:
+        """Take ``noted`` off the buffer's head, unless the bound already let them go meanwhile."""
+        handled = {id(n) for n in noted}
+        while self._buffer and id(self._buffer[0]) in handled:
+            self._buffer.popleft()
 
     async def _fill_tenants(self, events: Iterable[audit_pb2.AuditEvent]) -> None:
         """The tenant of the job an event names, when the request did not name one (filter by tenant)."""
@@ -315,6 +328,12 @@ class AuditRecorder:
         for noted in dropped:  # each one on a line: an operator can still read who did what
             level = _log.error if noted.code in _DENIED_NUMBERS else _log.warning
             level("audit event not stored: " + why, extra=_fields(noted.event(self._process)))
+
+
+def _refused_for_good(exc: Exception) -> bool:
+    """A refusal of the events themselves (a bad field), not of the moment (unavailable, overloaded)."""
+    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else getattr(exc, "code", None)
+    return code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED)
 
 
 # -- the interceptor -----------------------------------------------------------------------------

@@ -96,3 +96,32 @@ def test_events_that_cannot_be_stored_are_kept_then_logged(caplog: pytest.LogCap
         (logging.WARNING, "user-2")]
     assert "the audit buffer is full" in dropped[0].getMessage()
     assert dropped[0].audit_service == "scheduler"  # type: ignore[attr-defined]
+
+
+def test_events_the_store_refuses_are_logged_and_do_not_block_the_rest(tmp_path, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    from silod.v1 import audit_pb2
+
+    from services.metadata.migrate import upgrade
+    from services.metadata.store import MetadataStore
+    from services.runtime.audit import StoreSink
+
+    url = f"sqlite:///{tmp_path / 'audit.db'}"
+    upgrade(url)
+    store = MetadataStore.open(url)
+    try:
+        async def scenario() -> None:
+            recorder = AuditRecorder("metadata", StoreSink(store.audit))
+            recorder.record(Noted(USER, 99, {"principal_name": "poison", "method": "/silod.v1.JobService/CancelJob"}))
+            await recorder.flush()  # refused for good (no status code 99): logged, not retried for ever
+            recorder.record(Noted(USER, 0, {"principal_name": "alice", "method": "/silod.v1.JobService/CancelJob"}))
+            await recorder.close()
+
+        with caplog.at_level(logging.WARNING, logger="silod.audit"):
+            asyncio.run(scenario())
+        stored, _ = store.audit.list(audit_pb2.ListAuditEventsRequest())
+        assert [(e.principal_name, e.reporter, e.service) for e in stored] == [("alice", "metadata", "metadata")]
+        refused = [r for r in caplog.records if "refused them" in r.getMessage()]
+        assert [r.audit_principal_name for r in refused] == ["poison"]  # type: ignore[attr-defined]
+        assert "events[0].code" in refused[0].getMessage()
+    finally:
+        store.close()
