@@ -110,3 +110,41 @@ def test_silod_up_with_auth_gives_each_node_a_credential_of_its_own(tmp_path: Pa
     assert len(logs) == 6
     for log in logs:
         assert "UNAUTHENTICATED" not in log.read_text() and "PERMISSION_DENIED" not in log.read_text(), log
+
+
+def test_a_node_services_directory_asks_with_its_node_credential(tmp_path: Path) -> None:
+    """What a worker agent or cache server without the cluster token asks the metadata service:
+    whom a token stands for (the cluster token included, which it cannot tell itself; a refusal kept
+    for the TTL, so that a flood of bad tokens is not a flood of questions) and a certificate user's
+    tenants."""
+    import asyncio
+
+    from services.metadata.service import Settings as MetadataSettings
+    from services.runtime.directory import RemoteDirectory
+    from services.runtime.errors import Unauthenticated
+    from services.runtime.principals import CLUSTER_ADMIN, USER
+    from tests.metadata.metadata_harness import InProcessServer
+
+    settings = MetadataSettings(db=f"sqlite:///{tmp_path / 'md.db'}", log_level="warning", auth_token=CLUSTER_TOKEN)
+    server = InProcessServer(settings)
+    with server:
+        admin = metadata_pb2_grpc.MetadataServiceStub(open_channel(server.address, token=CLUSTER_TOKEN))
+        node = admin.CreateCredential(a.CreateCredentialRequest(kind=a.PRINCIPAL_KIND_NODE, name="n0")).token
+        admin.CreateTenant(a.CreateTenantRequest(name="vision", members=["alice"]))
+
+        async def asks() -> None:
+            directory = RemoteDirectory(server.address, node, ttl_s=60, resolve_any=True)
+            try:
+                assert await directory.resolve(CLUSTER_TOKEN) == CLUSTER_ADMIN
+                with pytest.raises(Unauthenticated):
+                    await directory.resolve("not-the-cluster-token")
+                alice = await directory.certificate_principal(USER, "alice")
+                assert alice.tenants == ("vision",)
+            finally:
+                await directory.close()
+            return directory
+
+        directory = asyncio.run(asks())
+    # The server is gone: what the directory refused within its TTL is still refused, not UNAVAILABLE.
+    with pytest.raises(Unauthenticated):
+        asyncio.run(directory.resolve("not-the-cluster-token"))
