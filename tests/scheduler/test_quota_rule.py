@@ -154,3 +154,19 @@ def test_an_elastic_job_grows_onto_idle_quota_and_shrinks_when_the_owner_returns
     snap = dataclasses.replace(step(policy, snap, plan), jobs=(c, *owner), time_s=10.0)
     plan = run(policy, snap)
     assert usage(snap, plan).get("a") == 8 and 1 <= plan.gpus_of("c0") <= 4
+
+
+def test_the_co_design_grants_stay_within_a_tenants_ceilings():
+    from scheduler.data_grants import grant
+
+    nodes = make_nodes(2, 4, cache_capacity_bytes=50e9)
+    jobs = [job("a0", "a", gpus=4, application="imagenet", dataset="imagenet"),
+            job("b0", "b", gpus=4, application="imagenet", dataset="imagenet-copy", submit=1.0)]
+    budget = 2e9
+    snap = make_snapshot(nodes, jobs, storage_bandwidth_bytes_per_s=budget,
+                         quotas={"a": TenantQuota(cache_bytes=10e9, remote_io_share=0.1)})
+    placed = Plan({"a0": Allocation(placement=(("n0", (0, 1, 2, 3)),)), "b0": Allocation(placement=(("n1", (0, 1, 2, 3)),))})
+    plan = grant("silod", snap, placed, placed, {"a0", "b0"}, policy_co_designs=False)
+    check_plan(snap, plan)
+    assert plan.get("a0").total_cache_bytes <= 10e9 and plan.get("a0").remote_io_bytes_per_s <= 0.1 * budget + 1e-6
+    assert plan.get("b0").total_cache_bytes > 10e9  # b has no ceiling
