@@ -1,4 +1,6 @@
-"""The lab's longer fault scenarios run with `make lab-test` (SILOD_LAB_FULL=1), not in `make test`.
+"""The lab's longer fault scenarios (a 30 s partition of the control hosts, test_lab.py; a 30 s
+partition of the leading scheduler's host, test_lab_ha.py) run with `make lab-test`
+(SILOD_LAB_FULL=1), not in `make test`.
 
 They are deselected, not skipped: `make test` runs a representative subset of the lab by design
 (docs/development.md), and a skip would read as a part that could not run here."""
