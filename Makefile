@@ -57,7 +57,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # The namespaced multi-host lab (root): what `make test` runs of it plus the longer fault
-# scenarios (a 30 s control-plane partition). docs/operators.md "Several machines".
+# scenarios (30 s partitions of the control plane and of the leading scheduler's host).
+# docs/operators.md "Several machines" and "High availability".
 lab-test: $(STAMP)
 	SILOD_LAB_FULL=1 $(BIN)/python -m pytest -q -s tests/lab
 
