@@ -27,6 +27,7 @@ class Site:
     tokens: dict[str, str]  # alice, bob (users), ops (admin credential), node (a node credential)
     jobs: dict[str, common_pb2.Job]  # vision, speech
     admin: metadata_pb2_grpc.MetadataServiceStub
+    metadata: str  # HOST:PORT of the metadata service
 
 
 def request(site: Site, method: str, path: str, *, token: str = "", cookie: str = "", form: dict[str, str] | None = None,
@@ -81,7 +82,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
         admin.CommitPlan(m.CommitPlanRequest(plan=plan))
         with start_service("dashboard", "--metadata-address", md.address, *auth, "--credential-cache-s", "0.5",
                            "--history-interval-s", "0.2", "--cache-timeout-s", "0.5", workdir=work / "dash") as dash:
-            yield Site(dash.address, tokens, jobs, admin)
+            yield Site(dash.address, tokens, jobs, admin, md.address)
 
 
 def _stub(md: ServiceProcess) -> metadata_pb2_grpc.MetadataServiceStub:
@@ -200,3 +201,15 @@ def test_in_chromium_a_user_sees_who_they_are_and_their_jobs_only(site: Site) ->
     assert "user alice · tenants: vision" in dom
     assert '<form id="logout" method="post" action="/logout">' in dom, "the sign-out button shows (no longer hidden)"
     assert site.jobs["vision"].id in dom and site.jobs["speech"].id not in dom and "speech" not in dom
+
+
+def test_without_auth_nothing_asks_for_a_credential(site: Site, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with start_service("dashboard", "--metadata-address", site.metadata, "--log-level", "warning",
+                       workdir=tmp_path) as dash:
+        open_site = Site(dash.address, {}, {}, site.admin, site.metadata)
+        status, _, body = request(open_site, "GET", "/")
+        assert status == 200 and 'action="/login"' not in body and 'id="jobs"' in body  # the page, no sign-in
+        assert json.loads(request(open_site, "GET", "/api/whoami")[2]) == {
+            "kind": "admin", "name": "", "tenants": [], "admin": True, "auth": False}
+        status, headers, _ = request(open_site, "POST", "/login", form={"token": "anything"})
+        assert status == 303 and "set-cookie" not in headers
