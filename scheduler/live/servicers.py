@@ -14,6 +14,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from scheduler.live import metrics
+from scheduler.live.acks import AckForwarder
 from scheduler.live.clients import ACTIVE_STATES, TERMINAL_STATES
 from scheduler.live.models import known_applications
 from services.metadata.validation.common import check_enum, check_float, check_int
@@ -306,6 +307,7 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
     def __init__(self, core: Scheduler, *, refresh_s: float = 5.0) -> None:
         self.core = core
         self.refresh_s = refresh_s
+        self.acks = AckForwarder(lambda: self.md)
 
     async def CommitPlan(self, request, context):  # noqa: N802
         plan = await forward(self.md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=request.plan)), "metadata CommitPlan",
@@ -350,13 +352,7 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
         if request.component in (allocation_pb2.PLAN_COMPONENT_WORKER_AGENT, allocation_pb2.PLAN_COMPONENT_UNSPECIFIED) \
                 and request.ok and request.version > 0:
             metrics.node_acked(request.node, request.version)
-            try:
-                await self.md.Heartbeat(
-                    metadata_pb2.HeartbeatRequest(node=request.node, applied_plan_version=request.version))
-            except grpc.aio.AioRpcError as exc:  # the agent's next heartbeat or ack refreshes it
-                _log.warning("heartbeat forward failed", extra={
-                    "node": request.node, "version": request.version, "code": exc.code().name,
-                    "details": exc.details()})
+            self.acks.add(request.node, request.version)  # written to the store after this answer
         return allocation_pb2.AckPlanResponse(latest_version=self.core.latest_version)
 
     async def ReportTasks(self, request, context):  # noqa: N802

@@ -1,5 +1,6 @@
-"""AllocationService.Ack: releases are handled before the heartbeat is forwarded, and a failed
-forward is logged, not raised (the releases it carried must not be lost with it)."""
+"""AllocationService.Ack: releases are handled before the heartbeat is forwarded (after the
+answer, scheduler.live.acks), and a failed forward is logged, not raised (the releases it
+carried must not be lost with it)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,13 @@ def _ack(core: _FakeCore) -> allocation_pb2.AckPlanResponse:
     service = AllocationService(core)  # type: ignore[arg-type]
     request = allocation_pb2.AckPlanRequest(node="n1", component=allocation_pb2.PLAN_COMPONENT_WORKER_AGENT,
                                             version=3, ok=True, released_jobs=["job-a"])
-    return asyncio.run(service.Ack(request, None))
+
+    async def ack_and_flush() -> allocation_pb2.AckPlanResponse:
+        reply = await service.Ack(request, None)
+        await service.acks.flush()  # the store's copy is written after the answer
+        return reply
+
+    return asyncio.run(ack_and_flush())
 
 
 def test_ack_handles_releases_before_forwarding_the_heartbeat() -> None:
