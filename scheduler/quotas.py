@@ -12,12 +12,14 @@ one cohort (the whole cluster):
   the GPUs no tenant owns (the *unassigned remainder*) form one pool. The policy runs once
   more on that pool, over every job still waiting: tenants without a quota row, and quota
   tenants' jobs beyond their nominal share (they *borrow*). Who gets the pool is the
-  policy's own order (FIFO by arrival, Themis by fairness, ...).
+  policy's own order (FIFO by arrival, Themis by fairness, ...). Elastic jobs placed on their
+  tenant's slice may then grow onto what that pass left idle (:func:`_grow`).
 - **Reclaim.** The slice is carved from the tenant's own running jobs' GPUs first, then free
   GPUs, then GPUs borrowers hold (the most recently submitted, lowest-priority borrowers of
   other tenants first). So when an owner's demand returns, the borrowers on its share lose
   those GPUs in that same round; the plan's preemption goes through the checkpoint path
-  like any other. Non-preemptive policies (FIFO) do not stop a reclaim: a quota outranks
+  like any other; an elastic borrower the policy sized itself may instead shrink in place to
+  its own tenant's share. Non-preemptive policies (FIFO) do not stop a reclaim: a quota outranks
   the policy's own no-preemption rule, as in Kueue.
 - **Limits.** ``borrowing_limit_gpus`` caps what a tenant may hold beyond its nominal share;
   ``lending_limit_gpus`` caps how much of its idle nominal share may be lent (the rest stays
@@ -204,8 +206,9 @@ def carve(snapshot: ClusterSnapshot, types: Mapping[str, str], by_tenant: Mappin
         for job in sorted(by_tenant.get(tenant, []), key=lambda j: (j.submit_time_s, j.job_id)):
             alloc = snapshot.current.get(job.job_id)
             gpus = [g for g in _gpus_of(alloc) if g[0] in types] if alloc is not None else []
-            # A rigid job whole or not at all; an elastic one shrinks to what the share holds.
-            if gpus and (job.rigid or _room(slices[tenant], gpus, types) < job.min_gpus):
+            # A job running at the size its owner asked for (what the queue policies give) whole or
+            # not at all; one the policy sized otherwise (elastic) shrinks to what the share holds.
+            if gpus and (len(gpus) == job.requested or _room(slices[tenant], gpus, types) < job.min_gpus):
                 if _take(slices[tenant], gpus, types, whole=True):
                     keeps.add(job.job_id)
             elif gpus and _take(slices[tenant], gpus, types, whole=False):
