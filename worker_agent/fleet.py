@@ -298,6 +298,9 @@ class FleetProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
     def terminate(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

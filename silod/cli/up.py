@@ -34,6 +34,13 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                    help=f"database, logs, node work dirs and cluster.json (env SILOD_STATE_DIR; default {DEFAULT_STATE_DIR})")
     p.add_argument("--db", default="", help="metadata database URL; default sqlite:///<state-dir>/metadata.db")
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
+    p.add_argument("--fleet", type=int, default=0, metavar="N",
+                   help="N more nodes (fleet-0, ...) in one process (worker_agent/fleet.py): registered, heartbeating, "
+                        "watching and acking plans with the agent's protocol, their ranks emulated (no processes; a "
+                        "rank runs --fleet-task-seconds); for clusters of hundreds of nodes; --nodes may then be 0")
+    p.add_argument("--fleet-task-seconds", type=float, default=60.0,
+                   help="seconds an emulated rank of the fleet runs before it exits 0 (default 60; 0: until the plan "
+                        "takes it away)")
     p.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per emulated node (default 4)")
     p.add_argument("--cluster", default="", metavar="FILE",
                    help="cluster YAML in the simulator's format (nodes: [{count: 2, gpus: 4, gpu_type: v100}, "
@@ -93,8 +100,11 @@ def _node_layout(args: argparse.Namespace) -> list[tuple[str, str, int, str]]:
 def _up(args: argparse.Namespace) -> int:
     from silod.launcher import LaunchError, ServiceProcess, start_service
 
-    if args.nodes < 1 or args.gpus_per_node < 1:
-        print("silod up: --nodes and --gpus-per-node must be >= 1", file=sys.stderr)
+    if args.nodes < (0 if args.fleet > 0 else 1) or args.gpus_per_node < 1:
+        print("silod up: --nodes and --gpus-per-node must be >= 1 (--nodes may be 0 with --fleet)", file=sys.stderr)
+        return 2
+    if args.fleet < 0 or args.fleet_task_seconds < 0:
+        print("silod up: --fleet and --fleet-task-seconds must be >= 0", file=sys.stderr)
         return 2
     if args.inference_nodes < 0:
         print("silod up: --inference-nodes must be >= 0", file=sys.stderr)
@@ -205,6 +215,8 @@ def _up(args: argparse.Namespace) -> int:
         nodes = [f.result() for f in futures]  # re-raises the first failure (_Stop, LaunchError, ...)
         info = {"pid": os.getpid(), "state_dir": str(state), "db": db, "metadata": md.address,
                 "estimator": est.address, "scheduler": sch.address, "dashboard": dashboard, "nodes": nodes}
+        if args.fleet > 0:
+            info["fleet"] = _start_fleet(args, md.address, sch.address, state, agents, children, stop)
         info["prometheus_targets"] = str(_write_scrape_targets(state, scrape))
         tmp = cluster_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(info, indent=2) + "\n")
@@ -282,6 +294,26 @@ def _node_identity(metadata: str, node: str, node_dir: Path) -> dict[str, str] |
     return {"SILOD_AUTH_TOKEN": "", "SILOD_NODE_CREDENTIAL_FILE": str(path)}
 
 
+def _start_fleet(args: argparse.Namespace, metadata: str, scheduler: str, state: Path,
+                 agents: list[tuple[str, Any]], children: list[tuple[str, Any]], stop: list[int]) -> dict[str, Any]:
+    """The --fleet nodes, one process; stopped with the agents."""
+    from worker_agent.fleet import FleetSettings, start_fleet  # deferred: server code
+
+    if stop:
+        raise _Stop
+    settings = FleetSettings(nodes=args.fleet, gpus=args.gpus_per_node, metadata_address=metadata,
+                             scheduler_address=scheduler, gpu_type=args.gpu_type,
+                             task_seconds=args.fleet_task_seconds)
+    try:
+        fleet = start_fleet(settings, state / "logs" / "fleet")
+    except RuntimeError as exc:
+        raise TimeoutError(str(exc)) from None
+    agents.append(("node fleet", fleet))
+    children.append(("node fleet", fleet))
+    return {"nodes": args.fleet, "gpus": args.gpus_per_node, "names": f"{settings.prefix}0..{args.fleet - 1}",
+            "pid": fleet.pid, "log": str(fleet.log_path)}
+
+
 def _say(text: str, err: bool = False) -> None:
     """Print, ignoring a closed stdout/stderr (the cluster must still be shut down)."""
     try:
@@ -309,10 +341,15 @@ def _print_table(info: dict[str, Any], logs: Path) -> None:
         rows.append((f"{node['name']} worker-agent", node["agent"]))
         if "cache" in node:
             rows.append((f"{node['name']} cache-server", node["cache"]))
+    fleet = info.get("fleet")
+    if fleet:
+        rows.append((f"node fleet ({fleet['names']})", f"pid {fleet['pid']}"))
     width = max(len(r[0]) for r in rows)
     inference = sum(1 for n in info["nodes"] if n.get("pool") == "inference")
     pools = f", {inference} of them inference" if inference else ""
-    print(f"silod cluster is up ({len(info['nodes'])} nodes x {info['nodes'][0]['gpus']} GPUs{pools})")
+    gpus = info["nodes"][0]["gpus"] if info["nodes"] else fleet["gpus"] if fleet else 0
+    count = len(info["nodes"]) + (fleet["nodes"] if fleet else 0)
+    print(f"silod cluster is up ({count} nodes x {gpus} GPUs{pools})")
     print(f"  {'SERVICE':<{width}}  ADDRESS")
     for name, addr in rows:
         print(f"  {name:<{width}}  {addr}")

@@ -1,0 +1,130 @@
+"""The node fleet (worker_agent/fleet.py) against real metadata and scheduler processes: 50
+emulated nodes register, heartbeat, watch and ack every plan; their ranks report and finish, so
+jobs run to completion, one of them across two nodes. Then `silod up --fleet` runs a cluster of
+fleet nodes only. Bad flags are refused naming the flag."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from silod.launcher import start_service
+from silod.rpc.channels import open_channel
+from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from worker_agent.fleet import FleetProcess, FleetSettings, start_fleet
+
+NODES = 50
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, FleetProcess]]:
+    work = tmp_path_factory.mktemp("fleet")
+    with start_service("metadata", "--db", f"sqlite:///{work / 'm.db'}", "--log-level", "warning",
+                       workdir=work) as md:
+        with start_service("scheduler", "--metadata-address", md.address, "--interval-s", "1",
+                           "--log-level", "warning", workdir=work) as sch:
+            fleet = start_fleet(FleetSettings(nodes=NODES, gpus=8, metadata_address=md.address,
+                                              scheduler_address=sch.address, heartbeat_s=1, report_s=0.3,
+                                              task_seconds=1.0), work / "fleet", timeout_s=60)
+            try:
+                yield md.address, sch.address, fleet
+            finally:
+                assert fleet.terminate() == 0, fleet.log()[-3000:]
+
+
+def _until(condition, what: str, timeout_s: float = 60):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def _submit(stub: scheduler_pb2_grpc.JobServiceStub, name: str, gpus: int) -> str:
+    return stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=common_pb2.JobSpec(
+        name=name, application="cifar10", min_gpus=gpus, max_gpus=gpus, batch_size=128, epochs=1))).id
+
+
+def test_fleet_nodes_register_watch_ack_and_run_jobs_to_completion(cluster: tuple[str, str, FleetProcess]) -> None:
+    md_address, sch_address, fleet = cluster
+    with open_channel(md_address) as md_channel, open_channel(sch_address) as sch_channel:
+        md = metadata_pb2_grpc.MetadataServiceStub(md_channel)
+        jobs = scheduler_pb2_grpc.JobServiceStub(sch_channel)
+        alive = md.ListNodes(metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=10)).nodes
+        assert sorted(n.spec.name for n in alive) == sorted(f"fleet-{i}" for i in range(NODES))
+        assert all(n.spec.gpus == 8 for n in alive)
+
+        ids = [_submit(jobs, f"small-{i}", 2) for i in range(3)] + [_submit(jobs, "two-nodes", 16)]
+        done = _until(lambda: all(md.GetJob(metadata_pb2.GetJobRequest(job_id=i)).state
+                                  == common_pb2.JOB_STATE_SUCCEEDED for i in ids),
+                      "every job succeeds on fleet nodes", timeout_s=90)
+        assert done
+        for job_id in ids:  # it ran: RUNNING came from its ranks' reports, progress from rank 0
+            events = md.ListJobEvents(metadata_pb2.ListJobEventsRequest(job_id=job_id)).events
+            assert any("ranks of generation" in e.message for e in events), [e.message for e in events]
+            assert md.GetJob(metadata_pb2.GetJobRequest(job_id=job_id)).progress.samples_done > 0
+        plan = md.GetLatestPlan(metadata_pb2.GetLatestPlanRequest())
+        wide = [j for j in md.ListPlans(metadata_pb2.ListPlansRequest(page_size=100)).plans
+                for j in j.jobs if j.job_id == ids[-1] and len({p.node for p in j.placements}) == 2]
+        assert wide, "the 16-GPU job spanned two 8-GPU fleet nodes"
+
+        # Every node watched and acked the newest plan; the store has each node's acked version.
+        def all_acked() -> bool:
+            stats = fleet.stats()
+            return len(stats.get("plans", {}).get(str(plan.version), {}).get("acked", [])) == NODES
+        _until(all_acked, f"all {NODES} nodes ack plan {plan.version}")
+        _until(lambda: all(n.applied_plan_version >= plan.version for n in md.ListNodes(
+            metadata_pb2.ListNodesRequest()).nodes), "the store records every node's acked version")
+        assert fleet.stats()["running_tasks"] == 0
+
+
+def test_fleet_refuses_bad_flags_naming_them() -> None:
+    out = subprocess.run([sys.executable, "-m", "worker_agent.fleet", "--nodes", "0", "--metadata-address", "x:1",
+                          "--scheduler-address", "y:1", "--report-s", "-1"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "--nodes: must be > 0" in out.stderr and "--report-s: must be > 0" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_silod_up_with_a_fleet(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SILOD_")}
+    bad = subprocess.run([sys.executable, "-m", "silod.cli", "up", "--fleet", "-1", "--state-dir", str(state)],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "--fleet" in bad.stderr
+    up = subprocess.Popen([sys.executable, "-m", "silod.cli", "up", "--nodes", "0", "--fleet", "20",
+                           "--gpus-per-node", "4", "--fleet-task-seconds", "1", "--no-dashboard", "--no-cache",
+                           "--interval-s", "1", "--state-dir", str(state)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        _until(lambda: (state / "cluster.json").exists() or up.poll() is not None, "cluster.json written", 120)
+        assert up.poll() is None, up.stdout.read() if up.stdout else ""
+        info = json.loads((state / "cluster.json").read_text())
+        assert info["fleet"]["nodes"] == 20 and info["nodes"] == []
+        with open_channel(info["metadata"]) as md_channel, open_channel(info["scheduler"]) as sch_channel:
+            md = metadata_pb2_grpc.MetadataServiceStub(md_channel)
+            nodes = md.ListNodes(metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=10)).nodes
+            assert len(nodes) == 20 and all(n.spec.gpus == 4 for n in nodes)
+            job = _submit(scheduler_pb2_grpc.JobServiceStub(sch_channel), "on-the-fleet", 4)
+            _until(lambda: md.GetJob(metadata_pb2.GetJobRequest(job_id=job)).state == common_pb2.JOB_STATE_SUCCEEDED,
+                   "a job succeeds on the fleet of silod up", 90)
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+        try:
+            out, _ = up.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            out, _ = up.communicate()
+    assert up.returncode == 0, out[-3000:]
+    assert "node fleet (fleet-0..19)" in out and "20 nodes x 4 GPUs" in out
