@@ -96,6 +96,8 @@ REQUESTS: dict[str, Any] = {
     "MetadataService.CreateTenant": lambda t: a.CreateTenantRequest(name="squatters", members=["mallory"]),
     "MetadataService.ListTenants": lambda t: a.ListTenantsRequest(),
     "MetadataService.SetTenantMembers": lambda t: a.SetTenantMembersRequest(name=t.tenant, members=["mallory"]),
+    "MetadataService.SetTenantQuota": lambda t: a.SetTenantQuotaRequest(name=t.tenant, quota=a.TenantQuota(
+        gpus=[a.GpuQuota(gpus=10**6)])),
     "MetadataService.MintJobCredential": lambda t: a.MintJobCredentialRequest(job_id=t.job, node=t.node),
     "JobService.SubmitJob": lambda t: scheduler_pb2.SubmitJobRequest(spec=_spec(t)),
     "JobService.GetJob": lambda t: m.GetJobRequest(job_id=t.job),

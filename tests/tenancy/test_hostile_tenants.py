@@ -190,7 +190,8 @@ def snapshot(c: Cluster) -> dict[str, Any]:
              for n in md.ListNodes(m.ListNodesRequest()).nodes}
     credentials = [(x.id, x.kind, x.name, x.HasField("revoked_at")) for x in md.ListCredentials(
         a.ListCredentialsRequest(include_revoked=True)).credentials if x.kind != a.PRINCIPAL_KIND_JOB]
-    tenants = [(t.name, tuple(t.members)) for t in md.ListTenants(a.ListTenantsRequest()).tenants]
+    tenants = [(t.name, tuple(t.members), t.quota.SerializeToString(deterministic=True))
+               for t in md.ListTenants(a.ListTenantsRequest()).tenants]
     return {"jobs": jobs, "manifest": (dataset.manifest_version, objects), "placements": placements,
             "plan authors": sorted({p.policy for p in plans}), "plans below 1e6": max(p.version for p in plans) < 10**6,
             "nodes": nodes, "credentials": credentials, "tenants": tenants}
