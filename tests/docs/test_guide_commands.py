@@ -62,6 +62,7 @@ COMPOSE_CLUSTER = "needs the Compose stack running (Docker engine); tests/deploy
 K8S = "needs a Kubernetes cluster; tests/deploy/test_deploy_k8s.py checks the manifests offline"
 SYSTEMD = "installs into the host (/opt, /etc, systemd); tests/deploy/test_deploy_systemd.py checks the units"
 AUTH = "needs a cluster started with an auth token; tests/tenancy/test_cli_access.py runs these commands"
+AUTH_AUDIT = "needs a cluster started with an auth token; tests/tenancy/test_audit_log.py reads the audit log"
 NODE_CLIENT = "needs npm packages from the registry; tests/clients/test_node_client.py runs the Node.js client against a cluster"
 DDP_JOB = ("a real DDP job (minutes of CPU here); tests/e2e/test_elastic_resize.py and tests/worker_agent/"
            "test_ddp_resize.py run the same example on a cluster")
@@ -124,6 +125,11 @@ NOT_RUN: dict[str, str] = {
     "silod admin credential list --kind user --all": AUTH,
     "silod admin credential rotate ID": AUTH,
     "silod admin credential revoke ID": AUTH,
+    "silod admin credential create node gpu-node-1 --description gpu-node-1-services": AUTH,
+    "silod admin audit --since 1h": AUTH_AUDIT,
+    "silod admin audit --principal alice --outcome denied": AUTH_AUDIT,
+    "silod admin audit --method CancelJob --job job-3f9c2a1b7d4e": AUTH_AUDIT,
+    "silod admin audit --tenant vision --since 2026-11-28T00:00:00Z --limit 500 --json": AUTH_AUDIT,
     "silod db upgrade --db postgresql+psycopg2://silod:PASSWORD@db.example.com:5432/silod":
         "needs that PostgreSQL server; tests/metadata/test_metadata_migrations.py upgrades scratch databases",
     # docs/cache.md
@@ -442,6 +448,8 @@ def test_every_entry_names_a_command_a_guide_shows() -> None:
     stale = (set(NOT_RUN) | set(NONZERO)) - shown
     assert not stale, f"entries for commands no guide shows any more: {sorted(stale)}"
     assert all(reason.strip() for reason in NOT_RUN.values())
+    named = {path for reason in NOT_RUN.values() for path in re.findall(r"tests/[\w/]+\.py", reason)}
+    assert named and not [path for path in named if not (ROOT / path).exists()], "a reason names a test that is gone"
 
 
 def test_commands_are_read_as_a_user_types_them() -> None:
