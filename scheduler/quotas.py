@@ -117,6 +117,8 @@ def _lend(policy: Policy, snapshot: ClusterSnapshot, pool: set[Gpu], waiting: li
     """The policy's plan for the ``waiting`` jobs on ``pool`` (and the inference pool), without
     the jobs that would take a tenant over its borrowing limit."""
     quotas = snapshot.quotas
+    if not pool or not waiting:  # the shares took every training GPU (policies expect some), or no one waits
+        return Plan()
     excluded: set[str] = set()
     for attempt in range(BORROW_RETRIES + 1):
         jobs = [job for job in waiting if job.job_id not in excluded]
@@ -197,15 +199,16 @@ def carve(snapshot: ClusterSnapshot, types: Mapping[str, str], by_tenant: Mappin
             if min(nominal, demand) > 0:
                 want[kind] = min(nominal, demand)
         slices[tenant] = _Slice(want)
+    exists = set(all_gpus(snapshot, types))  # a stale plan in force may name lost nodes or GPUs
     holder = {gpu: job_id for job_id, alloc in snapshot.current.allocations.items() for gpu in _gpus_of(alloc)
-              if gpu[0] in types}
+              if gpu in exists}
     tenant_of = {job.job_id: job.tenant for job in snapshot.jobs}
     # 1. Each tenant keeps its running jobs, whole, up to its nominal share.
     keeps: set[str] = set()
     for tenant in sorted(slices):
         for job in sorted(by_tenant.get(tenant, []), key=lambda j: (j.submit_time_s, j.job_id)):
             alloc = snapshot.current.get(job.job_id)
-            gpus = [g for g in _gpus_of(alloc) if g[0] in types] if alloc is not None else []
+            gpus = [g for g in _gpus_of(alloc) if g in exists] if alloc is not None else []
             # A job running at the size its owner asked for (what the queue policies give) whole or
             # not at all; one the policy sized otherwise (elastic) shrinks to what the share holds.
             if gpus and (len(gpus) == job.requested or _room(slices[tenant], gpus, types) < job.min_gpus):
@@ -234,7 +237,7 @@ def carve(snapshot: ClusterSnapshot, types: Mapping[str, str], by_tenant: Mappin
             continue
         order = [j for j in victims if tenant_of[j] != tenant] + [j for j in victims if tenant_of[j] == tenant]
         taken = {g for s in slices.values() for g in s.gpus}
-        candidates = [g for j in order for g in _gpus_of(snapshot.current.allocations[j]) if g[0] in types and g not in taken]
+        candidates = [g for j in order for g in _gpus_of(snapshot.current.allocations[j]) if g in exists and g not in taken]
         _take(slices[tenant], candidates, types, whole=False)
     return slices
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from scheduler.invariants import check_plan
 from scheduler.policy import Allocation, NodeInfo, Plan
 from scheduler.quotas import TenantQuota, bound_data, schedule, usage
 from scheduler.registry import get_policy, policy_names
-from tests.scheduler.conftest import make_job, make_nodes, make_snapshot
+from tests.scheduler.conftest import make_job, make_nodes, make_snapshot, snapshots
 
 POLICIES = policy_names()
 
@@ -170,3 +172,27 @@ def test_the_co_design_grants_stay_within_a_tenants_ceilings():
     check_plan(snap, plan)
     assert plan.get("a0").total_cache_bytes <= 10e9 and plan.get("a0").remote_io_bytes_per_s <= 0.1 * budget + 1e-6
     assert plan.get("b0").total_cache_bytes > 10e9  # b has no ceiling
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(snapshot=snapshots(max_nodes=4, max_jobs=8), data=st.data())
+def test_random_quotas_give_sound_deterministic_plans(name, snapshot, data):
+    """Any policy under random tenants and quotas (stale plans in force included): a sound plan,
+    the same twice, and no tenant beyond its nominal share plus its borrowing limit."""
+    tenants = ("a", "b", "c")
+    jobs = tuple(dataclasses.replace(j, tenant=data.draw(st.sampled_from(tenants))) for j in snapshot.jobs)
+    quotas = {t: TenantQuota(gpus={"": data.draw(st.integers(0, 12))},
+                             borrowing_limit_gpus=data.draw(st.sampled_from([None, 0, 2])),
+                             lending_limit_gpus=data.draw(st.sampled_from([None, 0, 3])))
+              for t in tenants if data.draw(st.booleans())}
+    snap = dataclasses.replace(snapshot, jobs=jobs, quotas=quotas)
+    policy = get_policy(name)
+    plan = schedule(policy, snap)
+    check_plan(snap, plan)
+    assert schedule(policy, snap) == plan
+    held = usage(snap, Plan({j: a for j, a in plan.allocations.items()
+                             if all(snap.node(n).pool == "training" for n, _ in a.placement)}))
+    for tenant, quota in quotas.items():
+        if quota.borrowing_limit_gpus is not None:
+            assert held.get(tenant, 0) <= quota.nominal_gpus + quota.borrowing_limit_gpus
