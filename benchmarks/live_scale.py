@@ -6,10 +6,12 @@ watching its plans, with ranks that report progress and finish.
 
 For each ``--policy`` (comma-separated), on a fresh database:
 
-1. metadata, scheduler (``--interval-s``) and the fleet start; one job per application goes
-   through a round and is cancelled (profiles are fitted once, at start-up);
-2. ``--jobs`` jobs are submitted over gRPC, ``--concurrency`` at a time, while rounds run
-   (each arrival triggers one): the submission rate is measured here;
+1. metadata and scheduler (``--interval-s``) start; one job per application goes through a
+   round and is cancelled (profiles are fitted once, at start-up); ``--jobs`` minus
+   ``--measure-jobs`` jobs are queued (there are no nodes yet, so nothing is placed);
+2. the fleet starts and registers; the other ``--measure-jobs`` jobs are submitted over gRPC,
+   ``--concurrency`` at a time, while rounds run (each arrival triggers one, and the first
+   places the queue): the submission rate is measured here;
 3. ``--measure-s`` seconds of steady running follow: ranks finish after ``--task-seconds``,
    so every round has completions to commit and pending jobs to place.
 
@@ -37,10 +39,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.live_scheduler import _spec, _submit_async, cpu_seconds, warm_up  # noqa: E402
+from benchmarks.live_scheduler import _spec, cpu_seconds, warm_up  # noqa: E402
 from silod.launcher import start_service  # noqa: E402
 from silod.rpc.channels import open_channel  # noqa: E402
-from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc  # noqa: E402
+from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from worker_agent.fleet import FleetSettings, start_fleet  # noqa: E402
 
 ROUND_TARGET_S = {"fifo": 1.0, "sjf": 1.0, "tiresias": 1.0, "gavel": 2.0, "pollux": 2.0}
@@ -108,6 +110,26 @@ def ack_figures(metadata_addr: str, plans: dict[str, Any], nodes: int) -> dict[s
             "all_nodes_acked_max_s": round(max(per_plan), 3) if per_plan else None}
 
 
+async def submit(address: str, jobs: int, concurrency: int, tag: str = "") -> tuple[list[str], float]:
+    """Submit ``jobs`` jobs, ``concurrency`` in flight on one channel; (ids, seconds)."""
+    channel = open_channel(address, aio=True, default_timeout_s=120)
+    stub = scheduler_pb2_grpc.JobServiceStub(channel)
+    ids = [""] * jobs
+    todo = iter(range(jobs))
+
+    async def submitter() -> None:
+        for i in todo:
+            reply = await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=_spec(i), client_request_id=f"scale-{tag}{i}"))
+            ids[i] = reply.id
+
+    try:
+        started = time.perf_counter()
+        await asyncio.gather(*(submitter() for _ in range(concurrency)))
+        return ids, time.perf_counter() - started
+    finally:
+        await channel.close()
+
+
 def _free_port() -> int:
     import socket
 
@@ -147,20 +169,27 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
             "scheduler", "--metadata-address", md.address, "--policy", policy, "--interval-s", f"{args.interval_s:g}",
             "--node-timeout-s", f"{max(15.0, 3 * args.heartbeat_s):g}", "--metrics-port", str(port),
             "--metrics-host", "127.0.0.1", "--log-level", "warning", workdir=workdir))
+        warm_up(sch.address, md.address)
+        preload = max(0, args.jobs - args.measure_jobs)
+        if preload:  # before the fleet: queued, not yet placed (there are no nodes)
+            t = time.monotonic()
+            asyncio.run(submit(sch.address, preload, args.concurrency, "pre"))
+            result["preload"] = {"jobs": preload, "seconds": round(time.monotonic() - t, 1)}
         started = time.monotonic()
         fleet = start_fleet(FleetSettings(
             nodes=args.nodes, gpus=8, metadata_address=md.address, scheduler_address=sch.address,
             heartbeat_s=args.heartbeat_s, report_s=args.report_s, task_seconds=args.task_seconds), workdir / "fleet")
         stack.callback(fleet.terminate)
         result["fleet_start_s"] = round(time.monotonic() - started, 1)
-        warm_up(sch.address, md.address)
         pids = {"scheduler": sch.pid, "metadata": md.pid, "fleet": fleet.pid}
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
         before = scrape(port)
         t0 = time.monotonic()
-        ids, elapsed = asyncio.run(_submit_async(sch.address, args.jobs, args.concurrency))
-        assert len(set(ids)) == args.jobs
-        result["submissions_per_s"] = round(args.jobs / elapsed, 1)
+        measured = args.jobs - preload
+        ids, elapsed = asyncio.run(submit(sch.address, measured, args.concurrency))
+        assert len(set(ids)) == measured
+        result["submissions_measured"] = measured
+        result["submissions_per_s"] = round(measured / elapsed, 1)
         mid = scrape(port)
         result["rounds_while_submitting"] = round_figures(before, mid)
         time.sleep(args.measure_s)
@@ -220,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=5000)
     parser.add_argument("--policy", default="fifo", help="comma-separated: fifo,sjf,tiresias,gavel,pollux")
     parser.add_argument("--postgres", action="store_true", help="a scratch database on PostgreSQL 127.0.0.1:5432")
+    parser.add_argument("--measure-jobs", type=int, default=1000,
+                        help="of --jobs, how many are submitted (and timed) while the fleet runs; the rest are "
+                             "queued before it starts")
     parser.add_argument("--concurrency", type=int, default=16, help="submissions in flight")
     parser.add_argument("--interval-s", type=float, default=2.0, help="the scheduler's round interval")
     parser.add_argument("--heartbeat-s", type=float, default=5.0, help="the fleet's heartbeat interval")
