@@ -27,7 +27,8 @@ alone). Reported, per run:
 - each tenant's average JCT and job count.
 
 Raw JSON (one file per run plus ``summary.json``) goes to ``--out``
-(default ``benchmarks/results/tenant-quotas-2026-11-28``).
+(default ``benchmarks/results/tenant-quotas-2026-11-28``). ``--round-cost`` instead times one
+round of 2,000 jobs on 512 nodes x 8 GPUs with and without three quotas (``round-cost.json``).
 """
 
 from __future__ import annotations
@@ -114,6 +115,35 @@ def run(policy: str, jobs: tuple[JobSpec, ...], quotas, returned_s: float) -> di
     }
 
 
+def round_cost(policies: list[str], out: pathlib.Path) -> None:
+    """Wall time of one round with and without three quotas (2,000 jobs on 512 nodes x 8 GPUs,
+    benchmarks/scheduling_round.py's snapshot, jobs spread over three tenants)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from scheduling_round import build_snapshot
+
+    from scheduler.quotas import schedule
+    from scheduler.registry import get_policy
+
+    snap = build_snapshot(2000, 512, 8)
+    tenants = ("team-a", "team-b", "team-c")
+    plain = dataclasses.replace(snap, jobs=tuple(dataclasses.replace(j, tenant=tenants[k % 3]) for k, j in enumerate(snap.jobs)))
+    quoted = dataclasses.replace(plain, quotas={"team-a": TenantQuota(gpus={"": 1536}), "team-b": TenantQuota(gpus={"": 1024}),
+                                                "team-c": TenantQuota(gpus={"": 512})})
+    rows = []
+    for name in policies:
+        policy = get_policy(name)
+        policy.schedule(plain)  # warm up
+        row = {"policy": name}
+        for label, s in (("no_quotas_s", plain), ("quotas_s", quoted)):
+            started = time.perf_counter()
+            schedule(policy, s)
+            row[label] = round(time.perf_counter() - started, 3)
+        rows.append(row)
+        print(f"round, 2,000 jobs on 4,096 GPUs: {name:<10} {row['no_quotas_s']:.2f} s without quotas, "
+              f"{row['quotas_s']:.2f} s with three", flush=True)
+    (out / "round-cost.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", action="append", dest="policies", help="policies to run (default fifo, tiresias, pollux)")
@@ -122,8 +152,14 @@ def main() -> int:
     parser.add_argument("--return-h", type=float, default=3.0, help="hours until team-a's second burst (default 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
+    parser.add_argument("--round-cost", action="store_true",
+                        help="instead: time one round of 2,000 jobs on 512 x 8 GPUs with and without quotas")
     args = parser.parse_args()
     policies = args.policies or ["fifo", "tiresias", "pollux"]
+    if args.round_cost:
+        args.out.mkdir(parents=True, exist_ok=True)
+        round_cost(policies, args.out)
+        return 0
     jobs, returned_s = workload(args.stream_jobs, args.burst_jobs, args.return_h * 3600.0, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
