@@ -29,7 +29,7 @@ from services.runtime.directory import Directory
 from services.runtime.errors import ServiceError, Unauthenticated
 from services.runtime.interceptors import Behavior, _drain, wrap_handler
 from services.runtime.principals import ADMIN, CLUSTER_ADMIN, Principal, current_principal
-from services.runtime.auth import certificate_name_of
+from services.runtime.auth import MISSING_BEARER, certificate_name_of
 from silod.rpc.errors import DETAILS_KEY, FieldViolation, status_details, summary
 
 
@@ -55,7 +55,7 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
     async def _guard(self, method: str, rule: Rule | None, token: str, problem: str | None,
                      call: Behavior, request: Any, context: grpc.aio.ServicerContext) -> Any:
         certified = None
-        if problem is not None and self._client_certificates:
+        if problem == MISSING_BEARER and self._client_certificates:  # a malformed header is not "none"
             certified = certificate_name_of(context)
         if problem is not None and certified is None:
             return await _refuse(context, request, grpc.StatusCode.UNAUTHENTICATED, problem)

@@ -23,13 +23,14 @@ from services.runtime.principals import split_token
 from services.runtime.settings import ServiceSettings
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+MISSING_BEARER = "missing bearer token"  # the call has no authorization header at all
 
 
 def bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> tuple[str, str | None]:
     """(the presented bearer token, None), or ("", why there is none)."""
     values = [v for k, v in metadata or () if k == "authorization"]
     if not values:
-        return "", "missing bearer token"
+        return "", MISSING_BEARER
     value = values[0]
     if isinstance(value, bytes):
         value = value.decode("latin-1")

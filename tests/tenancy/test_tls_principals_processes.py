@@ -129,6 +129,9 @@ def test_a_bearer_token_wins_over_the_certificate(cluster: Cluster) -> None:
     assert [j.id for j in as_bob.ListJobs(m.ListJobsRequest()).jobs] == [cluster.beta_job]
     wrong = cluster.metadata_as("admin:ops", token="silod_0123456789abcdef_" + "00" * 32)
     assert_rpc_error(lambda: wrong.ListTenants(a.ListTenantsRequest()), UNAUTHENTICATED, None)
+    malformed = cluster.metadata_as("admin:ops")  # a header that is no bearer token is not "no token"
+    assert_rpc_error(lambda: malformed.ListTenants(a.ListTenantsRequest(), metadata=[("authorization", "Basic x")]),
+                     UNAUTHENTICATED, None)
 
 
 def test_admin_and_node_certificates(cluster: Cluster) -> None:
