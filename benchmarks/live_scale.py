@@ -243,6 +243,25 @@ def verdicts(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def table(paths: list[str]) -> str:
+    """A markdown table of result files (docs/sizing.md)."""
+    rows = ["| run | nodes x GPUs, jobs | database | round mean (snapshot, policy, commit) | round p99 at most "
+            "| plan to all nodes acked p99 | submissions/s | scheduler RSS | metadata RSS | CPU cores used "
+            "(scheduler, metadata, fleet) | load average |", "|" + "---|" * 11]
+    for path in paths:
+        for r in json.loads(Path(path).read_text()):
+            ro = r["rounds_all"]
+            cpu = r["cpu_cores"]
+            rows.append(
+                f"| [{Path(path).stem}](../benchmarks/results/{Path(path).parent.name}/{Path(path).name}) "
+                f"| {r['nodes']:,} x 8, {r['jobs']:,} | {r['database']} | {ro['mean_total_s']} s ({ro['mean_snapshot_s']}, "
+                f"{ro['mean_policy_s']}, {ro['mean_commit_s']}) over {ro['rounds']} rounds | {ro['p99_total_s_at_most']} s "
+                f"| {r['acks']['all_nodes_acked_p99_s']} s | {r['submissions_per_s']} "
+                f"| {r['rss_mib']['scheduler'][1]} MiB | {r['rss_mib']['metadata'][1]} MiB "
+                f"| {cpu['scheduler']}, {cpu['metadata']}, {cpu['fleet']} | {r['load_average_1m']:.0f} on {r['cpus']} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=1000)
@@ -259,7 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task-seconds", type=float, default=60.0, help="an emulated rank finishes after this")
     parser.add_argument("--measure-s", type=float, default=30.0, help="steady seconds measured after submitting")
     parser.add_argument("--json", default="", help="write the results here (a JSON list, one entry per policy)")
+    parser.add_argument("--table", nargs="+", metavar="JSON", help="print a markdown table of result files and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return 0
     print("$ python benchmarks/live_scale.py " + " ".join(argv if argv is not None else sys.argv[1:]), flush=True)
     results = []
     for policy in [p.strip() for p in args.policy.split(",") if p.strip()]:

@@ -101,6 +101,8 @@ class Committer:
 
 def _log_commit(plan: plan_pb2.AllocationPlan, old: dict[str, plan_pb2.JobAllocation], reason: str) -> None:
     """One line per plan: what an operator asks first when a job moved (which plan, why)."""
+    if not _log.isEnabledFor(logging.INFO):
+        return  # a pass over every job's ranks, three times: a tenth of a second at 5,000 jobs
     placed = [e for e in plan.jobs if convert.ranks_of(e)]
     changed = [e for e in placed if e.job_id not in old or e.generation != old[e.job_id].generation]
     stopped = sum(1 for e in plan.jobs if not convert.ranks_of(e) and e.job_id in old
