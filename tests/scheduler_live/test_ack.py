@@ -67,3 +67,24 @@ def test_a_failed_heartbeat_forward_is_logged_and_the_release_kept(caplog: pytes
     assert core.calls == ["release n1 ['job-a']", "trigger release", "heartbeat n1 v3"]
     assert reply.latest_version == 7
     assert any(r.getMessage() == "heartbeat forward failed" and r.node == "n1" for r in caplog.records)
+
+
+def test_acks_of_one_node_are_written_at_most_once_per_period_newest_version_last() -> None:
+    from scheduler.live.acks import AckForwarder
+
+    core = _FakeCore(heartbeat_error=False)
+    forwarder = AckForwarder(lambda: core.md, every_s=0.3)
+
+    async def run() -> float:
+        forwarder.add("n1", 1)
+        await forwarder.flush()
+        started = asyncio.get_running_loop().time()
+        forwarder.add("n1", 2)
+        forwarder.add("n1", 3)
+        forwarder.add("n2", 1)
+        await forwarder.flush()
+        return asyncio.get_running_loop().time() - started
+
+    waited = asyncio.run(run())
+    assert core.calls == ["heartbeat n1 v1", "heartbeat n2 v1", "heartbeat n1 v3"]
+    assert waited >= 0.25  # n1's second write waited out its period; n2's went at once
