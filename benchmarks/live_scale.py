@@ -29,6 +29,7 @@ import asyncio
 import json
 import os
 import secrets
+import subprocess
 import sys
 import tempfile
 import time
@@ -289,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="silod-scale-") as tmp:
             r = run_policy(args, policy, Path(tmp))
         r["load_average_1m"] = os.getloadavg()[0]
+        r["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                     cwd=Path(__file__).resolve().parent).stdout.strip()
         r["cpus"] = os.cpu_count()
         results.append(r)
         print(f"--- {policy}, {args.nodes} nodes x 8 GPUs, {args.jobs} jobs, {r['database']}", flush=True)
