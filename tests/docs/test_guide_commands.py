@@ -62,7 +62,9 @@ COMPOSE_CLUSTER = "needs the Compose stack running (Docker engine); tests/deploy
 K8S = "needs a Kubernetes cluster; tests/deploy/test_deploy_k8s.py checks the manifests offline"
 SYSTEMD = "installs into the host (/opt, /etc, systemd); tests/deploy/test_deploy_systemd.py checks the units"
 AUTH = "needs a cluster started with an auth token; tests/tenancy/test_cli_access.py runs these commands"
-AUTH_AUDIT = "needs a cluster started with an auth token; tests/tenancy/test_audit_log.py reads the audit log"
+SAME_AS_TENANTS = ("docs/tenants.md runs the same command on the same cluster (a tenant is made once); "
+                   "tests/tenancy/test_cli_access.py runs it with auth on")
+CREDENTIAL_ID = "ID is a credential's id from the list above; tests/tenancy/test_cli_access.py rotates and revokes one"
 NODE_CLIENT = "needs npm packages from the registry; tests/clients/test_node_client.py runs the Node.js client against a cluster"
 DDP_JOB = ("a real DDP job (minutes of CPU here); tests/e2e/test_elastic_resize.py and tests/worker_agent/"
            "test_ddp_resize.py run the same example on a cluster")
@@ -118,18 +120,12 @@ NOT_RUN: dict[str, str] = {
     "silod nodes clear-gpu-fault gpu-07 3": ("needs a GPU that NVML reported faulty; tests/worker_agent/test_gpu_health.py "
                                             "and tests/cli_cluster/test_up_and_jobs.py clear faults"),
     "export SILOD_AUTH_TOKEN=...": AUTH,
-    "silod admin tenant create vision alice bob": AUTH,
-    "silod admin tenant members vision --add carol --remove bob": AUTH,
-    "silod admin credential create user alice --ttl 2592000 --description \"alice's laptop\"": AUTH,
-    "silod login --token-file alice.token": AUTH,
-    "silod admin credential list --kind user --all": AUTH,
-    "silod admin credential rotate ID": AUTH,
-    "silod admin credential revoke ID": AUTH,
-    "silod admin credential create node gpu-node-1 --description gpu-node-1-services": AUTH,
-    "silod admin audit --since 1h": AUTH_AUDIT,
-    "silod admin audit --principal alice --outcome denied": AUTH_AUDIT,
-    "silod admin audit --method CancelJob --job job-3f9c2a1b7d4e": AUTH_AUDIT,
-    "silod admin audit --tenant vision --since 2026-11-28T00:00:00Z --limit 500 --json": AUTH_AUDIT,
+    "docs/operators.md: silod admin tenant create vision alice bob": SAME_AS_TENANTS,
+    "docs/operators.md: silod admin tenant members vision --add carol --remove bob": SAME_AS_TENANTS,
+    "silod login --token-file alice.token": ("needs the token the line above prints, saved to alice.token; "
+                                             "tests/tenancy/test_cli_access.py logs in with one"),
+    "silod admin credential rotate ID": CREDENTIAL_ID,
+    "silod admin credential revoke ID": CREDENTIAL_ID,
     "silod db upgrade --db postgresql+psycopg2://silod:PASSWORD@db.example.com:5432/silod":
         "needs that PostgreSQL server; tests/metadata/test_metadata_migrations.py upgrades scratch databases",
     # docs/cache.md
@@ -139,6 +135,7 @@ NOT_RUN: dict[str, str] = {
         "needs the dataset of the line above; tests/cache_server/test_cache_processes.py preloads a registered dataset",
     "silod dataset register imagenet-wds s3://bucket/imagenet/train --format tar-shards --option endpoint_url=...":
         "a placeholder bucket; tests/sdk/test_shards.py registers tar shards from a store emulator",
+    "python benchmarks/data_loading.py": "a 12-minute benchmark; docs/benchmarks.md gives its figures and --quick",
     # docs/clients.md
     "cd clients/node && npm ci": NODE_CLIENT,
     "export SILOD_SCHEDULER_ADDR=127.0.0.1:7073": NODE_CLIENT,
@@ -439,6 +436,26 @@ def test_every_docs_page_is_a_guide_or_listed() -> None:
     pages = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")}
     unplaced = pages - set(GUIDES) - set(NOT_GUIDES)
     assert not unplaced, f"place each in GUIDES (its commands run here) or NOT_GUIDES (with what it is): {unplaced}"
+
+
+def test_no_guide_hides_commands_in_an_unlabelled_block() -> None:
+    """A fence without a language whose first line reads as a command (`silod ...`, `$ ...`) would escape
+    this test: label it sh (or console for a transcript)."""
+    hidden = []
+    for page in GUIDES:
+        if (ROOT / page).exists():
+            lines = (ROOT / page).read_text().splitlines()
+            opened = False
+            for i, line in enumerate(lines):
+                m = FENCE.match(line)
+                if m and not opened:
+                    opened = True
+                    first = next((x for x in lines[i + 1:] if x.strip()), "")
+                    if not m.group(3) and re.match(r"(\$ |silod |python |make )", first):
+                        hidden.append(f"{page}:{i + 1}: {first}")
+                elif line.strip().startswith(("```", "~~~")) and opened:
+                    opened = False
+    assert not hidden, hidden
 
 
 def test_every_entry_names_a_command_a_guide_shows() -> None:
