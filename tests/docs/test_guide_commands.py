@@ -12,9 +12,10 @@ the module: README's getting-started `silod up --nodes 4 --gpus-per-node 2`. A b
 `silod up` of its own runs it in a directory of its own. Background commands (`... &`) are started
 and waited for (the port of their `--listen`, or a `silod up`'s cluster.json) and stopped when their
 block ends; `kill %N` stops the block's N-th. What a user would put in place of the guides'
-placeholders is put in by REWRITES (paths under the test's directory, free ports for the services a
-page starts itself, the module cluster's ports for silod's default ones, the last submitted job for
-JOB). A command must exit 0, or as NONZERO says.
+placeholders is put in by `Session.rewrite`: PATHS under the test's directory, free ports for the
+services a page starts itself, the module cluster's for silod's DEFAULT_PORTS, the page's last
+submitted job for JOB. A command must exit 0, or as NONZERO says; one that would start a program
+outside PROGRAMS fails unrun, so nothing new runs on this machine before someone has looked at it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
