@@ -38,6 +38,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.live_scheduler import _spec, cpu_seconds, warm_up  # noqa: E402
@@ -48,6 +50,7 @@ from worker_agent.fleet import FleetSettings, start_fleet  # noqa: E402
 
 ROUND_TARGET_S = {"fifo": 1.0, "sjf": 1.0, "tiresias": 1.0, "gavel": 2.0, "pollux": 2.0}
 ACK_TARGET_S = 2.0
+RETRIES = [0]  # submissions that timed out and were sent again
 SUBMIT_TARGET = 300.0
 
 
@@ -120,8 +123,15 @@ async def submit(address: str, jobs: int, concurrency: int, tag: str = "") -> tu
 
     async def submitter() -> None:
         for i in todo:
-            reply = await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=_spec(i), client_request_id=f"scale-{tag}{i}"))
-            ids[i] = reply.id
+            request = scheduler_pb2.SubmitJobRequest(spec=_spec(i), client_request_id=f"scale-{tag}{i}")
+            while True:  # a timed-out submission is retried with its id: it creates one job either way
+                try:
+                    ids[i] = (await stub.SubmitJob(request)).id
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                        raise
+                    RETRIES[0] += 1
 
     try:
         started = time.perf_counter()
@@ -191,6 +201,7 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
         assert len(set(ids)) == measured
         result["submissions_measured"] = measured
         result["submissions_per_s"] = round(measured / elapsed, 1)
+        result["submissions_retried"] = RETRIES[0]
         mid = scrape(port)
         result["rounds_while_submitting"] = round_figures(before, mid)
         time.sleep(args.measure_s)
