@@ -161,7 +161,8 @@ def event_to_proto(row: models.JobEvent) -> common_pb2.JobEvent:
 def dataset_to_proto(row: models.Dataset) -> common_pb2.Dataset:
     return common_pb2.Dataset(
         spec=common_pb2.DatasetSpec(
-            name=row.name, uri=row.uri, storage_options=row.storage_options, description=row.description
+            name=row.name, uri=row.uri, storage_options=row.storage_options, description=row.description,
+            tenant=row.tenant, shared=row.shared,
         ),
         num_objects=row.num_objects,
         total_bytes=row.total_bytes,

@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Double,
     ForeignKey,
@@ -76,6 +77,8 @@ class Dataset(Base):
     uri: Mapped[str] = mapped_column(Text)
     storage_options: Mapped[dict[str, str]] = mapped_column(JSON)
     description: Mapped[str] = mapped_column(Text)
+    tenant: Mapped[str] = mapped_column(String(128), index=True, default="default")  # the owning tenant
+    shared: Mapped[bool] = mapped_column(Boolean, default=False)  # readable by every tenant (set by admins)
     manifest_version: Mapped[int] = mapped_column(BigInteger)
     num_objects: Mapped[int] = mapped_column(BigInteger)
     total_bytes: Mapped[int] = mapped_column(BigInteger)

@@ -89,7 +89,7 @@ def definition(settings: Settings) -> ServiceDefinition:
         register=register,
         on_start=on_start,
         on_stop=on_stop,
-        directory=LocalDirectory(store.access),
+        directory=LocalDirectory(store.access, store.datasets),
         audit_sink=StoreSink(store.audit),
     )
 

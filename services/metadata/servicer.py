@@ -72,7 +72,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     async def ListDatasets(
         self, request: metadata_pb2.ListDatasetsRequest, context: Context
     ) -> metadata_pb2.ListDatasetsResponse:
-        datasets, token = await self._run(request, self._store.datasets.list, request.page_size, request.page_token)
+        datasets, token = await self._run(request, self._store.datasets.list, request.page_size, request.page_token,
+                                          request.tenant)
         return metadata_pb2.ListDatasetsResponse(datasets=datasets, next_page_token=token)
 
     async def ListDatasetObjects(

@@ -10,6 +10,14 @@ for a principal the table does not admit. The servicer runs only when admitted, 
 With TLS client certificates (tls_client_ca_file), a call without a bearer token stands for the
 principal its verified certificate names (services/runtime/principals.certificate_name).
 
+A client stream (RegisterDataset) is decided on its first message, which says what the call is
+about (the dataset, its tenant, whether it replaces one): when the caller's check reads the
+request, the interceptor reads that message, checks it (a check may fill in a field, as for a
+unary request), and hands the servicer the same stream, that message first (:class:`_FirstMessage`).
+This keeps the decision here, in the one table, rather than in each servicer that reads a stream,
+where it could be forgotten. An empty stream is admitted: there is nothing to act on, and the
+servicer refuses it as it would anyone's.
+
 Installed by services/runtime/server.py whenever auth_token or a node credential is set; without
 them a process serves everyone, as a single-machine cluster always did.
 """
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -62,6 +71,9 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
         try:
             principal = await (self._certified(*certified) if certified is not None else self._authenticate(token))
             note_principal(principal)  # the audit log's who (services/runtime/audit.py)
+            check = rule.check_for(principal.kind) if rule is not None else None
+            if check is not None and check.reads_request and hasattr(request, "__aiter__"):
+                request = _FirstMessage(request)
             refusal = await self._authorize(method, rule, principal, request)
         except ServiceError as exc:  # Unauthenticated, or Unavailable when the directory cannot answer
             return await _refuse(context, request, exc.code, str(exc))
@@ -99,8 +111,34 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
         check = rule.check_for(principal.kind)
         if check is None:
             return f"{method} is not open to a {principal.kind_name} ({principal.describe()})", ""
-        refusal = await check.refuse(principal, request, self._directory)
+        message = await request.first() if isinstance(request, _FirstMessage) else request
+        if message is None:  # an empty client stream
+            return None
+        refusal = await check.refuse(principal, message, self._directory)
         return None if refusal is None else (refusal.reason, refusal.field)
+
+
+class _FirstMessage:
+    """A client stream whose first message a check reads before the servicer reads them all."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream.__aiter__()
+        self._first: Any = None
+        self._read = False
+
+    async def first(self) -> Any:
+        """The first message; None for an empty stream."""
+        if not self._read:
+            self._first = await anext(self._stream, None)
+            self._read = True
+        return self._first
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        first = await self.first()
+        if first is not None:
+            yield first
+        async for message in self._stream:
+            yield message
 
 
 async def _refuse(context: grpc.aio.ServicerContext, request: Any, code: grpc.StatusCode, reason: str,

@@ -6,9 +6,10 @@ a method missing from it may be called by nobody (deny by default; tests/runtime
 method of the contracts has no row). services/runtime/access.py enforces the table in one
 interceptor whenever the process has auth configured; docs/api.md renders it (`make proto`).
 
-Rules read request fields only, plus one lookup: the tenant of a job, which the metadata service
-answers (services/runtime/directory.py). A rule may narrow a listing (TenantScope fills in the
-caller's tenant), never widen it.
+Rules read request fields only, plus lookups the metadata service answers (services/runtime/directory.py):
+the tenant and the dataset of a job, the owner of a dataset. A rule may narrow a listing (TenantScope
+fills in the caller's tenant), never widen it. Of a client stream (RegisterDataset) a rule reads the
+first message, which carries what the call is about (services/runtime/access.py).
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def _values(message: Any, path: str) -> Iterator[tuple[str, Any]]:
 
 
 class Check:
-    """An ownership rule one principal kind's request must pass."""
+    """An ownership rule one principal kind's request must pass (of a client stream: its first message)."""
 
-    reads_request = True  # False: the rule admits any request, so it fits client-streaming methods
+    reads_request = True  # False: the rule admits any request (the interceptor then reads no stream)
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -129,6 +130,19 @@ class TenantOf(Check):
         return None
 
 
+def _scope(principal: Principal, message: Any, name: str, where: str) -> Refusal | None:
+    """``message.<name>`` (at ``where``) must be a tenant of the caller; empty: their only one is filled in."""
+    tenant = getattr(message, name)
+    if tenant:
+        return None if tenant in principal.tenants else Refusal(where, _not_member(principal, tenant))
+    if len(principal.tenants) == 1:
+        setattr(message, name, principal.tenants[0])
+        return None
+    if not principal.tenants:
+        return Refusal(where, f"{principal.describe()} is a member of no tenant")
+    return Refusal(where, f"name one of your tenants ({', '.join(principal.tenants)})")
+
+
 @dataclass(frozen=True)
 class TenantScope(Check):
     """A listing filtered by tenant at ``field``: a tenant of the caller; when empty, the caller's
@@ -140,15 +154,118 @@ class TenantScope(Check):
         return f"`{self.field}` is a tenant of the caller (empty: filled in with the caller's only tenant)"
 
     async def refuse(self, principal: Principal, request: Any, directory: Directory | None) -> Refusal | None:
-        tenant = getattr(request, self.field)
-        if tenant:
-            return None if tenant in principal.tenants else Refusal(self.field, _not_member(principal, tenant))
-        if len(principal.tenants) == 1:
-            setattr(request, self.field, principal.tenants[0])
-            return None
-        if not principal.tenants:
-            return Refusal(self.field, f"{principal.describe()} is a member of no tenant")
-        return Refusal(self.field, f"name one of your tenants ({', '.join(principal.tenants)})")
+        return _scope(principal, request, self.field, self.field)
+
+
+async def _dataset_owner(directory: Directory | None, name: str, where: str) -> tuple[str, bool] | Refusal | None:
+    if directory is None:
+        return Refusal(where, "this service cannot look up the owner of a dataset (no metadata_address)")
+    return await directory.dataset_owner(name) if name else None
+
+
+@dataclass(frozen=True)
+class DatasetOfTenant(Check):
+    """The dataset named at ``field`` is shared, or of a tenant of the caller; with ``tenant_field``,
+    of the tenant named there instead (a job's, empty: the default tenant). An empty field or an
+    unknown dataset passes, so that the service answers as it would anyone (NOT_FOUND)."""
+
+    field: str
+    tenant_field: str = ""
+
+    def describe(self) -> str:
+        whose = f"the tenant `{self.tenant_field}`" if self.tenant_field else "a tenant of the caller"
+        return f"the dataset `{self.field}` is shared or of {whose}"
+
+    async def refuse(self, principal: Principal, request: Any, directory: Directory | None) -> Refusal | None:
+        for where, name in _values(request, self.field):
+            owner = await _dataset_owner(directory, name, where)
+            if owner is None or isinstance(owner, Refusal):
+                return owner
+            tenant, shared = owner
+            if shared:
+                continue
+            if self.tenant_field:
+                wanted = next(v for _, v in _values(request, self.tenant_field)) or DEFAULT_TENANT
+                if tenant != wanted:
+                    return Refusal(where, f"dataset {name!r} is of tenant {tenant!r} and not shared; a job of "
+                                          f"tenant {wanted!r} may name only its tenant's datasets or shared ones")
+            elif tenant not in principal.tenants:
+                return Refusal(where, f"dataset {name!r} is of tenant {tenant!r}; " + _not_member(principal, tenant))
+        return None
+
+
+@dataclass(frozen=True)
+class DatasetRegistration(Check):
+    """Registering or replacing a dataset (the first message of the stream): ``spec.tenant`` is a
+    tenant of the caller (empty: filled in with their only one), ``spec.shared`` is not set (admins
+    share datasets), and a dataset already of that name is of a tenant of the caller, not shared."""
+
+    field: str = "spec.name"
+
+    def describe(self) -> str:
+        return ("`spec.tenant` is a tenant of the caller (empty: their only one), `spec.shared` unset, and an "
+                "existing dataset `spec.name` is of that tenant and not shared")
+
+    async def refuse(self, principal: Principal, request: Any, directory: Directory | None) -> Refusal | None:
+        spec = request.spec
+        refusal = _scope(principal, spec, "tenant", "spec.tenant")
+        if refusal is not None:
+            return refusal
+        if spec.shared:
+            return Refusal("spec.shared", "only an admin may share a dataset with every tenant")
+        owner = await _dataset_owner(directory, spec.name, self.field)
+        if owner is None or isinstance(owner, Refusal):
+            return owner
+        tenant, shared = owner
+        if shared:
+            return Refusal(self.field, f"dataset {spec.name!r} is shared with every tenant: only an admin may replace it")
+        if tenant not in principal.tenants:
+            return Refusal(self.field, f"dataset {spec.name!r} is of tenant {tenant!r}; " + _not_member(principal, tenant))
+        if tenant != spec.tenant:
+            return Refusal("spec.tenant", f"dataset {spec.name!r} is of tenant {tenant!r}: a replacement keeps its tenant")
+        return None
+
+
+@dataclass(frozen=True)
+class OwnDataset(Check):
+    """A job reads only the dataset its spec names: the dataset at ``field`` (when not empty)."""
+
+    field: str
+
+    def describe(self) -> str:
+        return f"`{self.field}` is the job's own dataset (or empty)"
+
+    async def refuse(self, principal: Principal, request: Any, directory: Directory | None) -> Refusal | None:
+        for where, name in _values(request, self.field):
+            if not name:
+                continue
+            if directory is None:
+                return Refusal(where, "this service cannot look up the dataset of a job (no metadata_address)")
+            own = await directory.job_dataset(principal.name)
+            if name != own:
+                return Refusal(where, f"{principal.describe()} reads only its own dataset {own!r}, not {name!r}")
+        return None
+
+
+@dataclass(frozen=True)
+class All(Check):
+    """Every one of ``checks`` passes (the first refusal answers)."""
+
+    checks: tuple[Check, ...]
+
+    @property
+    def reads_request(self) -> bool:  # type: ignore[override]
+        return any(c.reads_request for c in self.checks)
+
+    def describe(self) -> str:
+        return "; and ".join(c.describe() for c in self.checks)
+
+    async def refuse(self, principal: Principal, request: Any, directory: Directory | None) -> Refusal | None:
+        for check in self.checks:
+            refusal = await check.refuse(principal, request, directory)
+            if refusal is not None:
+                return refusal
+        return None
 
 
 @dataclass(frozen=True)
@@ -184,6 +301,7 @@ class Rule:
 ADMIN_ONLY = Rule()
 PUBLIC = Rule(public=True)
 READ_BY_ALL = Rule(user=ANY, node=ANY, job=ANY)
+READ_DATASET = Rule(user=DatasetOfTenant("name"), node=ANY, job=OwnDataset("name"))
 
 
 def _service(name: str, rows: dict[str, Rule]) -> dict[str, Rule]:
@@ -192,11 +310,12 @@ def _service(name: str, rows: dict[str, Rule]) -> dict[str, Rule]:
 
 RULES: dict[str, Rule] = {
     **_service("silod.v1.MetadataService", {
-        # Datasets are one catalog for the whole cluster in this slice (not yet owned by tenants).
-        "RegisterDataset": Rule(user=ANY),
-        "GetDataset": READ_BY_ALL,
-        "ListDatasets": READ_BY_ALL,
-        "ListDatasetObjects": READ_BY_ALL,
+        # Datasets belong to a tenant, or are shared with all (by an admin). A node's cache server reads
+        # every manifest; a job reads only the dataset its spec names.
+        "RegisterDataset": Rule(user=DatasetRegistration()),
+        "GetDataset": READ_DATASET,
+        "ListDatasets": Rule(user=TenantScope("tenant"), node=ANY),
+        "ListDatasetObjects": READ_DATASET,
         # Jobs are created and moved by the scheduler (the cluster token): users submit through JobService.
         "CreateJob": ADMIN_ONLY,
         "CreateJobs": ADMIN_ONLY,
@@ -245,14 +364,14 @@ RULES: dict[str, Rule] = {
         "AppendAuditEvents": Rule(node=ANY),
     }),
     **_service("silod.v1.JobService", {
-        "SubmitJob": Rule(user=TenantOf("spec.tenant")),
+        "SubmitJob": Rule(user=All((TenantOf("spec.tenant"), DatasetOfTenant("spec.dataset", "spec.tenant")))),
         "GetJob": Rule(user=JobOfTenant("job_id"), job=Itself("job_id")),
         "ListJobs": Rule(user=TenantScope("tenant")),
         "CancelJob": Rule(user=JobOfTenant("job_id")),
         "WatchJob": Rule(user=JobOfTenant("job_id"), job=Itself("job_id")),
-        "RegisterDataset": Rule(user=ANY),
-        "GetDataset": READ_BY_ALL,
-        "ListDatasets": READ_BY_ALL,
+        "RegisterDataset": Rule(user=DatasetRegistration()),
+        "GetDataset": READ_DATASET,
+        "ListDatasets": Rule(user=TenantScope("tenant"), node=ANY),
     }),
     **_service("silod.v1.AllocationService", {
         "CommitPlan": ADMIN_ONLY,
@@ -262,10 +381,12 @@ RULES: dict[str, Rule] = {
         "ReportTasks": Rule(node=Itself("node")),
     }),
     **_service("silod.v1.CacheService", {
-        "Lease": Rule(job=Itself("job_id")),
+        "Lease": Rule(job=All((Itself("job_id"), OwnDataset("dataset")))),
         "ReleaseLease": Rule(job=ANY),  # lease ids are unguessable: holding one is the proof
-        "Read": Rule(node=ANY, job=Itself("job_id")),  # node: a peer cache server's cached_only read
-        "Prefetch": Rule(user=JobOfTenant("job_id", optional=True), job=Itself("job_id")),
+        # node: a peer cache server's cached_only read
+        "Read": Rule(node=ANY, job=All((Itself("job_id"), OwnDataset("dataset")))),
+        "Prefetch": Rule(user=All((JobOfTenant("job_id", optional=True), DatasetOfTenant("dataset"))),
+                         job=All((Itself("job_id"), OwnDataset("dataset")))),
         "Stats": Rule(user=ANY, node=ANY, job=Itself("job_id")),
     }),
     **_service("silod.v1.WorkerAgentService", {

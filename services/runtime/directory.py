@@ -1,7 +1,8 @@
-"""Where a service learns who a token stands for and which tenant a job belongs to.
+"""Where a service learns who a token stands for, which tenant (and dataset) a job belongs to, and
+whose a dataset is.
 
 The metadata service asks its own store (:class:`LocalDirectory`); every other service asks the
-metadata service over gRPC (:class:`RemoteDirectory`, ResolveCredential and GetJob, sent with the
+metadata service over gRPC (:class:`RemoteDirectory`, ResolveCredential, GetJob and GetDataset, sent with the
 cluster token or the process's node credential) and keeps each answer for ``ttl_s`` seconds: a revoked credential stops working
 within that time on every service, with no restart, and a busy service does not ask for each call.
 """
@@ -31,12 +32,19 @@ class Directory(Protocol):
     async def certificate_principal(self, kind: int, name: str) -> Principal:
         """The principal a verified TLS client certificate names (a user with its tenants as of now)."""
 
+    async def job_dataset(self, job_id: str) -> str | None:
+        """The dataset job ``job_id`` names ("" for none); None when there is no such job."""
+
+    async def dataset_owner(self, name: str) -> tuple[str, bool] | None:
+        """(tenant, shared) of dataset ``name``, as of now; None when there is no such dataset."""
+
 
 class LocalDirectory:
-    """The metadata service's own store (services.metadata.store.AccessStore)."""
+    """The metadata service's own store (services.metadata.store: AccessStore, and DatasetStore)."""
 
-    def __init__(self, access_store: Any) -> None:
+    def __init__(self, access_store: Any, dataset_store: Any = None) -> None:
         self._store = access_store
+        self._datasets = dataset_store
 
     async def resolve(self, token: str) -> Principal:
         return await asyncio.to_thread(self._store.resolve, token)
@@ -49,6 +57,12 @@ class LocalDirectory:
             return Principal(kind, name)
         tenants = await asyncio.to_thread(self._store.list_tenants, name)
         return Principal(kind, name, tuple(t.name for t in tenants))
+
+    async def job_dataset(self, job_id: str) -> str | None:
+        return await asyncio.to_thread(self._datasets.job_dataset, job_id)
+
+    async def dataset_owner(self, name: str) -> tuple[str, bool] | None:
+        return await asyncio.to_thread(self._datasets.owner, name)
 
 
 class _Bounded(collections.OrderedDict):  # type: ignore[type-arg]
@@ -75,6 +89,7 @@ class RemoteDirectory:
         self._refused = _Bounded()  # token -> expires at (resolve_any only)
         self._certified = _Bounded()  # (kind, name) -> (expires at, Principal)
         self._tenants = _Bounded()  # job id -> tenant: a job's tenant never changes
+        self._datasets = _Bounded()  # job id -> the dataset it names: never changes either
 
     def _stub(self) -> Any:
         from silod.rpc.channels import open_channel
@@ -111,6 +126,16 @@ class RemoteDirectory:
     async def job_tenant(self, job_id: str) -> str | None:
         if job_id in self._tenants:
             return str(self._tenants[job_id])
+        job = await self._job(job_id)
+        return None if job is None else job.spec.tenant
+
+    async def job_dataset(self, job_id: str) -> str | None:
+        if job_id in self._datasets:
+            return str(self._datasets[job_id])
+        job = await self._job(job_id)
+        return None if job is None else job.spec.dataset
+
+    async def _job(self, job_id: str) -> Any:
         from silod.v1 import metadata_pb2
 
         try:
@@ -118,9 +143,22 @@ class RemoteDirectory:
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 return None
-            raise _refusal(exc, "find the job's tenant") from None
+            raise _refusal(exc, "find the job's tenant and dataset") from None
         self._tenants.put(job_id, job.spec.tenant)
-        return job.spec.tenant
+        self._datasets.put(job_id, job.spec.dataset)
+        return job
+
+    async def dataset_owner(self, name: str) -> tuple[str, bool] | None:
+        """Asked every time, never kept: who may replace a dataset must not be decided on an old answer."""
+        from silod.v1 import metadata_pb2
+
+        try:
+            dataset = await self._stub().GetDataset(metadata_pb2.GetDatasetRequest(name=name))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                return None
+            raise _refusal(exc, "find the dataset's tenant") from None
+        return dataset.spec.tenant, dataset.spec.shared
 
     async def certificate_principal(self, kind: int, name: str) -> Principal:
         if kind != USER:

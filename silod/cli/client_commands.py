@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from silod.cli import locate
-from silod.rpc.identifiers import DATASET_NAME, JOB_ID, NODE_NAME, Rule
+from silod.rpc.identifiers import DATASET_NAME, JOB_ID, NODE_NAME, TENANT, Rule
 
 MANIFEST_CHUNK = 5000  # objects per streamed message: keeps each well under gRPC's 4 MiB limit
 
@@ -36,11 +36,18 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                      help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 (repeatable)")
     reg.add_argument("--replace", action="store_true", help="replace the manifest of an existing dataset")
     reg.add_argument("--description", default="")
+    reg.add_argument("--tenant", type=identifier(TENANT), default=None,
+                     help="the tenant that owns the dataset (default: your only tenant; an admin's: default); "
+                          "a replacement keeps the dataset's tenant")
+    reg.add_argument("--shared", action="store_true",
+                     help="readable by every tenant, and every job may name it (admins only)")
     reg.add_argument("--format", choices=("objects", "tar-shards"), default="objects",
                      help="objects: one sample per object (default); tar-shards: WebDataset-style .tar shards, "
                           "indexed now (every shard is read once) so samples are read by byte range")
     reg.set_defaults(handler=_dataset_register)
-    lst = ds_sub.add_parser("list", help="list registered datasets")
+    lst = ds_sub.add_parser("list", help="list registered datasets (a user's: their tenant's and the shared ones)")
+    lst.add_argument("--tenant", type=identifier(TENANT), default=None,
+                     help="the datasets this tenant may read: its own and the shared ones (default: all you may see)")
     lst.set_defaults(handler=_dataset_list)
     show = ds_sub.add_parser("show", help="show one dataset and the first objects of its manifest")
     show.add_argument("name", type=identifier(DATASET_NAME))
@@ -207,7 +214,8 @@ def _registration_stream(args: argparse.Namespace, options: dict[str, str],
                          objects: Iterable[object]) -> Iterator[object]:
     from silod.v1 import common_pb2, metadata_pb2
 
-    spec = common_pb2.DatasetSpec(name=args.name, uri=args.uri, storage_options=options, description=args.description)
+    spec = common_pb2.DatasetSpec(name=args.name, uri=args.uri, storage_options=options, description=args.description,
+                                  tenant=args.tenant or "", shared=args.shared)
     chunk: list[common_pb2.DatasetObject] = []
     first = True
     for obj in objects:
@@ -248,7 +256,8 @@ def _dataset_register(args: argparse.Namespace) -> int:
             if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                 return _fail(f"{exc.details()} (run again with --replace to register the new manifest)")
             raise
-        print(f"registered {dataset.spec.name}: {dataset.num_objects} objects, {_human_bytes(dataset.total_bytes)}, "
+        print(f"registered {dataset.spec.name} (tenant {dataset.spec.tenant}{', shared' if dataset.spec.shared else ''}): "
+              f"{dataset.num_objects} objects, {_human_bytes(dataset.total_bytes)}, "
               f"manifest version {dataset.manifest_version}")
         return 0
 
@@ -261,11 +270,13 @@ def _dataset_list(args: argparse.Namespace) -> int:
     def body(channel: grpc.Channel) -> int:
         stub = metadata_pb2_grpc.MetadataServiceStub(channel)
         rows = all_pages(lambda token: stub.ListDatasets(
-            metadata_pb2.ListDatasetsRequest(page_size=100, page_token=token), timeout=30), "datasets")
-        print(f"{'NAME':<24} {'OBJECTS':>9} {'SIZE':>10} {'VERSION':>7}  URI")
+            metadata_pb2.ListDatasetsRequest(page_size=100, page_token=token, tenant=args.tenant or ""), timeout=30),
+            "datasets")
+        print(f"{'NAME':<24} {'TENANT':<16} {'OBJECTS':>9} {'SIZE':>10} {'VERSION':>7}  URI")
         for d in rows:
-            print(f"{d.spec.name:<24} {d.num_objects:>9} {_human_bytes(d.total_bytes):>10} {d.manifest_version:>7}  "
-                  f"{d.spec.uri}")
+            tenant = d.spec.tenant + (" (shared)" if d.spec.shared else "")
+            print(f"{d.spec.name:<24} {tenant:<16} {d.num_objects:>9} {_human_bytes(d.total_bytes):>10} "
+                  f"{d.manifest_version:>7}  {d.spec.uri}")
         return 0
 
     return call(args, "metadata", body)
@@ -288,6 +299,7 @@ def _dataset_show(args: argparse.Namespace) -> int:
 
 def _print_dataset(d: Any, objects: Any) -> None:
     print(f"name:             {d.spec.name}\nuri:              {d.spec.uri}\nobjects:          {d.num_objects}")
+    print(f"tenant:           {d.spec.tenant}{' (shared with every tenant)' if d.spec.shared else ''}")
     print(f"size:             {_human_bytes(d.total_bytes)} ({d.total_bytes} bytes)")
     print(f"manifest version: {d.manifest_version}")
     for obj in objects:

@@ -710,12 +710,22 @@ class DatasetSpec(_message.Message):
     URI_FIELD_NUMBER: _builtins.int
     STORAGE_OPTIONS_FIELD_NUMBER: _builtins.int
     DESCRIPTION_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    SHARED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """unique, 1..128 chars of [A-Za-z0-9._-]"""
     uri: _builtins.str
     """root URI: "file:///data/imagenet" or "s3://bucket/prefix" """
     description: _builtins.str
     """free text for humans"""
+    tenant: _builtins.str
+    """Owning tenant: its members register, replace and read the dataset, and its jobs may name it.
+    Empty on registration = the caller's only tenant (an admin's: "default"); kept on replacement.
+    """
+    shared: _builtins.bool
+    """Readable by every tenant (and every job may name it); set by admins only. Datasets registered
+    before datasets had tenants are shared (tenant "default").
+    """
     @_builtins.property
     def storage_options(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """fsspec options without secrets, e.g. endpoint_url"""
@@ -727,10 +737,12 @@ class DatasetSpec(_message.Message):
         uri: _builtins.str = ...,
         storage_options: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         description: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        shared: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "storage_options", b"storage_options", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "shared", b"shared", "storage_options", b"storage_options", "tenant", b"tenant", "uri", b"uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -22,11 +22,11 @@ from services.metadata import convert
 from services.metadata.migrate import current_revision, head_revision, upgrade
 from services.metadata.models import Plan
 from services.metadata.store import MetadataStore
-from services.metadata.validation.datasets import Manifest
 from silod.launcher import start_service
 from silod.rpc.channels import open_channel
 from tests.metadata.metadata_harness import PostgresScratch, assert_rpc_error
-from tests.metadata.metadata_samples import dataset_spec, node_spec, objects, training_spec
+from tests.metadata.metadata_samples import node_spec, training_spec
+from tests.tenancy.old_datasets import write_old_dataset
 
 PRE_TENANT_SCHEMA = "0003"  # the schema before identities and access (0004)
 TOKEN = "the-clusters-one-token"
@@ -42,10 +42,9 @@ def _old_cluster(url: str) -> dict[str, object]:
         store.jobs.transition(jobs[1].id, common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED, "placed")
         store.jobs.append_event(jobs[0].id, "note", "written before the upgrade")
         store.nodes.upsert(node_spec("n1"))
-        for name, count in (("imgs", 30), ("text", 5)):
-            manifest = Manifest()
-            manifest.add(objects(count, prefix=f"{name}/"))
-            store.datasets.register(dataset_spec(name), manifest, replace=False)
+        # Written with SQL, as the old store did (today's writes the tenant columns of 0008): the
+        # datasets are read back tenant `default`'s and shared with every tenant.
+        datasets = {name: write_old_dataset(store.db.engine, name, count) for name, count in (("imgs", 30), ("text", 5))}
         created = datetime(2026, 11, 1, tzinfo=timezone.utc)
         with store.db.write() as session:
             for version in (1, 2):
@@ -57,8 +56,7 @@ def _old_cluster(url: str) -> dict[str, object]:
         return {
             "jobs": {j.id: store.jobs.get(j.id) for j in jobs},
             "events": {j.id: store.jobs.list_events(j.id) for j in jobs},
-            "datasets": {n: (store.datasets.get(n), store.datasets.list_objects(n, page_size=1000)[0])
-                         for n in ("imgs", "text")},
+            "datasets": datasets,
             "node": store.nodes.get("n1").spec,
             "plans": store.plans.list()[0],
         }

@@ -6,7 +6,8 @@ Driven by services/runtime/access_rules.RULES: every method of the table gets a 
 A method the table refuses to the attacker's kind outright may go without a request of its own (the
 interceptor refuses before reading it: an empty one is sent). A method the table opens to the kind,
 under an ownership rule, needs a request here, or the suite fails naming it; a method the table
-opens to the kind on purpose (a cluster-wide read) is in SHARED, with the reason.
+opens to the kind on purpose (a cluster-wide read) is in SHARED, with the reason. EXTRA_NODE_CASES
+and EXTRA_CASES add variants of a method for one kind.
 """
 
 from __future__ import annotations
@@ -46,16 +47,24 @@ class Target:
     tenant: str  # that job's tenant
     node: str  # another node (the victim job's)
     own_node: str  # the attacker's own node, for a node attacker ("" otherwise)
-    dataset: str  # a dataset the attacker did not register
+    dataset: str  # a dataset of another tenant (not shared)
     keys: tuple[str, ...]  # keys of that dataset
     lease_id: str  # a lease of the victim job (ReleaseLease)
     token: str  # another principal's credential token (ResolveCredential)
     credential_id: str  # another principal's credential id (Revoke/Rotate)
+    own_job: str = ""  # the attacker's own job id, for a job attacker
+    own_tenant: str = ""  # the attacker's own tenant, for a user attacker
 
 
 def _evil_plan(t: Target) -> plan_pb2.AllocationPlan:
     return plan_pb2.AllocationPlan(version=1_000_000, policy="attacker", jobs=[plan_pb2.JobAllocation(
         job_id=t.job, placements=[plan_pb2.GpuPlacement(node=t.node, gpu_indices=[0])])])
+
+
+def _replace(t: Target, tenant: str, shared: bool = False) -> list[m.RegisterDatasetRequest]:
+    return [m.RegisterDatasetRequest(
+        spec=common_pb2.DatasetSpec(name=t.dataset, uri="file:///nowhere", tenant=tenant, shared=shared), replace=True,
+        objects=[common_pb2.DatasetObject(key="evil", size_bytes=1, etag="x")])]
 
 
 def _spec(t: Target) -> common_pb2.JobSpec:
@@ -67,10 +76,11 @@ RUNNING, CANCELLED = common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_CANCELLE
 
 # "Service.Method" -> the hostile request (a list of messages for a client stream).
 REQUESTS: dict[str, Any] = {
-    # "scratch", not the dataset of the snapshot: users may replace it (KNOWN_HOLES).
-    "MetadataService.RegisterDataset": lambda t: [m.RegisterDatasetRequest(
-        spec=common_pb2.DatasetSpec(name="scratch", uri="file:///nowhere"), replace=True,
-        objects=[common_pb2.DatasetObject(key="evil", size_bytes=1)])],
+    # Replace another tenant's dataset (the caller's own tenant filled in: refused at spec.name).
+    "MetadataService.RegisterDataset": lambda t: _replace(t, ""),
+    "MetadataService.GetDataset": lambda t: m.GetDatasetRequest(name=t.dataset),
+    "MetadataService.ListDatasets": lambda t: m.ListDatasetsRequest(tenant=t.tenant),
+    "MetadataService.ListDatasetObjects": lambda t: m.ListDatasetObjectsRequest(name=t.dataset),
     "MetadataService.GetJob": lambda t: m.GetJobRequest(job_id=t.job),
     "MetadataService.ListJobs": lambda t: m.ListJobsRequest(tenant=t.tenant),
     "MetadataService.CreateJob": lambda t: m.CreateJobRequest(spec=_spec(t)),
@@ -105,6 +115,8 @@ REQUESTS: dict[str, Any] = {
     "JobService.CancelJob": lambda t: scheduler_pb2.CancelJobRequest(job_id=t.job),
     "JobService.WatchJob": lambda t: scheduler_pb2.WatchJobRequest(job_id=t.job),
     "JobService.RegisterDataset": lambda t: REQUESTS["MetadataService.RegisterDataset"](t),
+    "JobService.GetDataset": lambda t: m.GetDatasetRequest(name=t.dataset),
+    "JobService.ListDatasets": lambda t: m.ListDatasetsRequest(tenant=t.tenant),
     "AllocationService.CommitPlan": lambda t: m.CommitPlanRequest(plan=_evil_plan(t)),
     "AllocationService.Watch": lambda t: allocation_pb2.WatchPlanRequest(node=t.node, component=allocation_pb2.PLAN_COMPONENT_WORKER_AGENT),
     "AllocationService.Ack": lambda t: allocation_pb2.AckPlanRequest(node=t.node, component=allocation_pb2.PLAN_COMPONENT_WORKER_AGENT,
@@ -130,14 +142,35 @@ EXTRA_NODE_CASES = {
                                                                                         node=t.own_node),
 }
 
+# A user who names the other tenant, or shares a dataset (admins only); a user who submits a job of
+# their own tenant that reads another tenant's dataset; a job that leases, reads or prefetches
+# another tenant's dataset under its own job id.
+EXTRA_CASES = {
+    USER: {
+        "MetadataService.RegisterDataset[naming its tenant]": lambda t: _replace(t, t.tenant),
+        "JobService.RegisterDataset[naming its tenant]": lambda t: _replace(t, t.tenant),
+        "MetadataService.RegisterDataset[shared]": lambda t: _replace(t, "", shared=True),
+        "JobService.SubmitJob[its tenant, another's dataset]": lambda t: scheduler_pb2.SubmitJobRequest(
+            spec=common_pb2.JobSpec(name="reader", tenant=t.own_tenant, application="cifar10", dataset=t.dataset,
+                                    min_gpus=1, max_gpus=1,
+                                    batch_size=8, sample_budget=8)),
+    },
+    JOB: {
+        "CacheService.Lease[own job]": lambda t: cache_pb2.LeaseRequest(job_id=t.own_job, dataset=t.dataset,
+                                                                        keys=list(t.keys)),
+        "CacheService.Read[own job]": lambda t: cache_pb2.ReadRequest(job_id=t.own_job, dataset=t.dataset,
+                                                                      keys=list(t.keys)),
+        "CacheService.Prefetch[own job]": lambda t: cache_pb2.PrefetchRequest(job_id=t.own_job, dataset=t.dataset),
+    },
+}
+
 # (method, kind) the table opens on purpose, with why: cluster-wide reads, and what a node's services
 # need from each other. The suite checks these are admitted (no refusal) and change nothing.
 _ALL = (USER, NODE, JOB)
 SHARED: dict[tuple[str, int], str] = {
-    **{(f"{s}.{meth}", k): "datasets are one catalog for the whole cluster" for s, meth in [
+    **{(f"{s}.{meth}", NODE): "a node's cache server reads the manifest of every dataset" for s, meth in [
         ("MetadataService", "GetDataset"), ("MetadataService", "ListDatasets"),
-        ("MetadataService", "ListDatasetObjects"), ("JobService", "GetDataset"), ("JobService", "ListDatasets")]
-       for k in _ALL},
+        ("MetadataService", "ListDatasetObjects"), ("JobService", "GetDataset"), ("JobService", "ListDatasets")]},
     ("MetadataService.GetNode", USER): "nodes are cluster-wide (no tenant owns one)",
     ("MetadataService.GetNode", NODE): "a cache server finds a peer's cache address",
     ("MetadataService.ListNodes", USER): "nodes are cluster-wide (no tenant owns one)",
@@ -162,12 +195,8 @@ SHARED: dict[tuple[str, int], str] = {
 }
 
 # (method, kind) the table opens where it should not: a hole the suite shows (xfail, strict: it
-# fails once fixed, so that the entry goes). RegisterDataset is a client stream: the interceptor
-# cannot read its first message to tell a new dataset from a replaced one.
-KNOWN_HOLES: dict[tuple[str, int], str] = {
-    ("MetadataService.RegisterDataset", USER): "any user may replace any dataset's manifest (datasets have no owner)",
-    ("JobService.RegisterDataset", USER): "any user may replace any dataset's manifest (datasets have no owner)",
-}
+# fails once fixed, so that the entry goes). None known.
+KNOWN_HOLES: dict[tuple[str, int], str] = {}
 
 
 def short(method: str) -> str:
@@ -215,11 +244,13 @@ def cases(attackers: dict[str, int]) -> list[Case]:
                 found.append(Case(attacker, kind, method, name, "refused", "the table refuses this kind", None))
             else:
                 missing.append(f"{name} for a {attacker}")
-        if rule.check_for(NODE) is not None:
-            for extra, build in EXTRA_NODE_CASES.items():
+        for kind, extras in ((NODE, EXTRA_NODE_CASES), *EXTRA_CASES.items()):
+            if rule.check_for(kind) is None:
+                continue
+            for extra, build in extras.items():
                 if extra.startswith(name + "["):
                     found.extend(Case(att, k, method, extra, "refused", "", build)
-                                 for att, k in attackers.items() if k == NODE)
+                                 for att, k in attackers.items() if k == kind)
     if missing:
         raise AssertionError("methods of the access table with no hostile case (tests/tenancy/hostile_cases.py): "
                              + ", ".join(missing))

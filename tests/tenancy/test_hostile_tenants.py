@@ -115,8 +115,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         admin_md.CreateTenant(a.CreateTenantRequest(name="alpha", members=["alice"]))
         admin_md.CreateTenant(a.CreateTenantRequest(name="beta", members=["bob"]))
         users = {u: issue(a.PRINCIPAL_KIND_USER, u) for u in ("alice", "bob")}
-        for name in ("imgs", "scratch"):
-            code, output = silod_cli("dataset", "register", name, f"file://{root / 'store'}", "--metadata",
+        # imgs: shared with every tenant (tenant beta's job reads it); each tenant's own: the targets.
+        for name, owner in (("imgs", ("--shared",)), ("alpha-imgs", ("--tenant", "alpha")),
+                            ("beta-imgs", ("--tenant", "beta"))):
+            code, output = silod_cli("dataset", "register", name, f"file://{root / 'store'}", *owner, "--metadata",
                                      md.address, "--token", CLUSTER_TOKEN)
             assert code == 0, output
 
@@ -157,17 +159,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         def lease(job: str) -> str:
             return str(admin_cache.Lease(cache_pb2.LeaseRequest(job_id=job, dataset="imgs", keys=list(keys))).lease_id)
 
-        def target(job: str, tenant: str, own_node: str, victim_user: str) -> Target:
-            return Target(job=job, tenant=tenant, node="n0", own_node=own_node, dataset="imgs", keys=keys,
+        def target(job: str, tenant: str, own_node: str, victim_user: str, own_tenant: str = "",
+                   own_job: str = "") -> Target:
+            return Target(job=job, tenant=tenant, node="n0", own_node=own_node, dataset=f"{tenant}-imgs", keys=keys,
                           lease_id=lease(job), token=users[victim_user].token,
-                          credential_id=users[victim_user].credential.id)
+                          credential_id=users[victim_user].credential.id, own_job=own_job, own_tenant=own_tenant)
 
         yield Cluster(
             processes={"metadata": md, **core, **agents},
             tokens={"alice": users["alice"].token, "bob": users["bob"].token, "node-n1": node["n1"],
                     "job-B": job_b_token},
-            targets={"alice": target(job_b, "beta", "", "bob"), "bob": target(job_a, "alpha", "", "alice"),
-                     "node-n1": target(job_a, "alpha", "n1", "alice"), "job-B": target(job_a, "alpha", "", "alice")},
+            targets={"alice": target(job_b, "beta", "", "bob", own_tenant="alpha"),
+                     "bob": target(job_a, "alpha", "", "alice", own_tenant="beta"),
+                     "node-n1": target(job_a, "alpha", "n1", "alice"),
+                     "job-B": target(job_a, "alpha", "", "alice", own_job=job_b)},
             job_a=job_a, job_b=job_b, admin_md=admin_md, admin_jobs=admin_jobs, admin_cache=admin_cache)
         for job in (job_a, job_b):
             admin_jobs.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job))
@@ -175,13 +180,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 def snapshot(c: Cluster) -> dict[str, Any]:
     """What an attacker must not change, read by an admin: the two jobs' states and tenants, the
-    dataset's manifest, the plan's placements of the two jobs and the plans' authors, the nodes' specs
+    datasets (spec, tenant, manifest), the plan's placements of the two jobs and the plans' authors, the nodes' specs
     and GPU faults (the GPU table), credentials, tenants."""
     md = c.admin_md
     jobs = {j: (md.GetJob(m.GetJobRequest(job_id=j)).state, md.GetJob(m.GetJobRequest(job_id=j)).spec.tenant)
             for j in (c.job_a, c.job_b)}
-    dataset = md.GetDataset(m.GetDatasetRequest(name="imgs"))
-    objects = [(o.key, o.size_bytes) for o in md.ListDatasetObjects(m.ListDatasetObjectsRequest(name="imgs")).objects]
+    datasets = {d.spec.SerializeToString(deterministic=True): (d.manifest_version, [
+        (o.key, o.size_bytes) for o in md.ListDatasetObjects(m.ListDatasetObjectsRequest(name=d.spec.name)).objects])
+        for d in md.ListDatasets(m.ListDatasetsRequest()).datasets}
     plan = md.GetLatestPlan(m.GetLatestPlanRequest())
     placements = {j.job_id: sorted((p.node, tuple(p.gpu_indices)) for p in j.placements)
                   for j in plan.jobs if j.job_id in (c.job_a, c.job_b)}
@@ -193,7 +199,7 @@ def snapshot(c: Cluster) -> dict[str, Any]:
         a.ListCredentialsRequest(include_revoked=True)).credentials if x.kind != a.PRINCIPAL_KIND_JOB]
     tenants = [(t.name, tuple(t.members), t.quota.SerializeToString(deterministic=True))
                for t in md.ListTenants(a.ListTenantsRequest()).tenants]
-    return {"jobs": jobs, "manifest": (dataset.manifest_version, objects), "placements": placements,
+    return {"jobs": jobs, "datasets": datasets, "placements": placements,
             "plan authors": sorted({p.policy for p in plans}), "plans below 1e6": max(p.version for p in plans) < 10**6,
             "nodes": nodes, "credentials": credentials, "tenants": tenants}
 
@@ -274,6 +280,7 @@ def test_nothing_changed(cluster: Cluster, before: dict[str, Any]) -> None:
     assert before["jobs"] == {cluster.job_a: (RUNNING, "alpha"), cluster.job_b: (RUNNING, "beta")}
     assert before["plans below 1e6"] and "attacker" not in before["plan authors"]
     assert set(before["nodes"]) == {"n0", "n1"}
+    assert len(before["datasets"]) == 3
 
 
 def test_the_suite_covers_every_method_of_the_table() -> None:

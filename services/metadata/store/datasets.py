@@ -1,12 +1,19 @@
 """Datasets and their manifests. A registration writes the whole manifest in one transaction,
-so readers see either the old manifest or the new one, never a mix."""
+so readers see either the old manifest or the new one, never a mix.
+
+A dataset belongs to a tenant (spec.tenant; empty on registration: "default", for the admins that
+name none; the access table fills in a user's). A replacement keeps the tenant, refused here for
+every caller when it names another: who may register or replace which dataset is the access
+table's rule (services/runtime/access_rules.py), this is the store's guard against a replacement
+racing a registration. ``shared`` datasets are readable by every tenant; a replacement may share a
+dataset, never unshare it (so that other tenants' jobs keep reading it)."""
 
 from __future__ import annotations
 
 import csv
 import io
 
-from sqlalchemy import Connection, delete, insert, select
+from sqlalchemy import Connection, delete, insert, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from silod.v1 import common_pb2
@@ -14,10 +21,11 @@ from silod.v1 import common_pb2
 from services.metadata import convert, paging
 from services.metadata.clock import utc_now
 from services.metadata.database import Database
-from services.metadata.models import Dataset, DatasetObject
+from services.metadata.models import Dataset, DatasetObject, Job
 from services.metadata.validation.common import check_identifier
 from silod.rpc.identifiers import DATASET_NAME
 from services.metadata.validation.datasets import Manifest, check_dataset_spec
+from services.metadata.validation.jobs import DEFAULT_TENANT
 from services.runtime.errors import AlreadyExists, FailedPrecondition, NotFound
 
 # Rows per batch: bounds the memory of one batch's parameters (or CSV text) while
@@ -35,10 +43,10 @@ class DatasetStore:
     def check_registrable(self, spec: common_pb2.DatasetSpec, replace: bool) -> None:
         """Fail fast, before a client streams a large manifest that would be refused anyway."""
         check_dataset_spec(spec)
-        if not replace:
-            with self._db.read() as session:
-                if session.get(Dataset, spec.name) is not None:
-                    raise _already_exists(spec.name)
+        with self._db.read() as session:
+            row = session.get(Dataset, spec.name)
+            if row is not None:
+                _check_replacement(row, spec, replace)
 
     def register(self, spec: common_pb2.DatasetSpec, manifest: Manifest, *, replace: bool) -> common_pb2.Dataset:
         check_dataset_spec(spec)
@@ -59,10 +67,25 @@ class DatasetStore:
         with self._db.read() as session:
             return convert.dataset_to_proto(_load(session, name))
 
-    def list(self, page_size: int = 0, page_token: str = "") -> tuple[list[common_pb2.Dataset], str]:
+    def owner(self, name: str) -> tuple[str, bool] | None:
+        """(tenant, shared) of dataset ``name``; None when there is none (services/runtime/directory.py)."""
+        with self._db.read() as session:
+            row = session.execute(select(Dataset.tenant, Dataset.shared).where(Dataset.name == name)).one_or_none()
+        return None if row is None else (row.tenant, bool(row.shared))
+
+    def job_dataset(self, job_id: str) -> str | None:
+        """The dataset job ``job_id`` names ("" for none); None when there is no such job."""
+        with self._db.read() as session:
+            spec = session.scalar(select(Job.spec).where(Job.id == job_id))
+        return None if spec is None else convert.from_json(spec, common_pb2.JobSpec).dataset
+
+    def list(self, page_size: int = 0, page_token: str = "", tenant: str = "") -> tuple[list[common_pb2.Dataset], str]:
+        """One page by name; with ``tenant``, the datasets it may read: its own and the shared ones."""
         size = paging.DATASETS.size(page_size)
         after = paging.decode_token(page_token, "datasets", str)
         query = select(Dataset).order_by(Dataset.name).limit(size + 1)
+        if tenant:
+            query = query.where(or_(Dataset.tenant == tenant, Dataset.shared.is_(True)))
         if after:
             query = query.where(Dataset.name > after[0])
         with self._db.read() as session:
@@ -108,13 +131,14 @@ class DatasetStore:
         now = utc_now()
         # FOR UPDATE serializes concurrent replacements on PostgreSQL (SQLite: one writer anyway).
         row = session.scalars(select(Dataset).where(Dataset.name == spec.name).with_for_update()).one_or_none()
-        if row is not None and not replace:
-            raise _already_exists(spec.name)
         if row is None:
-            row = Dataset(name=spec.name, manifest_version=1, registered_at=now)
+            row = Dataset(name=spec.name, manifest_version=1, registered_at=now, tenant=spec.tenant or DEFAULT_TENANT,
+                          shared=spec.shared)
             session.add(row)
         else:
+            _check_replacement(row, spec, replace)
             row.manifest_version += 1
+            row.shared = row.shared or spec.shared
         row.uri = spec.uri
         row.storage_options = dict(spec.storage_options)
         row.description = spec.description
@@ -164,6 +188,14 @@ def _load(session: Session, name: str) -> Dataset:
     if row is None:
         raise NotFound(f"no dataset {name!r}", field="name")
     return row
+
+
+def _check_replacement(row: Dataset, spec: common_pb2.DatasetSpec, replace: bool) -> None:
+    if not replace:
+        raise _already_exists(spec.name)
+    if spec.tenant and spec.tenant != row.tenant:
+        raise FailedPrecondition(f"dataset {spec.name!r} is of tenant {row.tenant!r}: a replacement keeps its tenant "
+                                 "(leave spec.tenant empty or name that one)", field="spec.tenant")
 
 
 def _already_exists(name: str) -> AlreadyExists:

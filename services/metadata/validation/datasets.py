@@ -9,7 +9,7 @@ from dataclasses import dataclass, field as dataclass_field
 from silod.v1 import common_pb2
 
 from services.metadata.validation.common import check_identifier, check_string_map, check_text
-from silod.rpc.identifiers import DATASET_NAME
+from silod.rpc.identifiers import DATASET_NAME, TENANT
 from services.runtime.errors import InvalidArgument, Problems
 
 SUPPORTED_SCHEMES = ("file", "s3")
@@ -25,6 +25,7 @@ def check_dataset_spec(spec: common_pb2.DatasetSpec, field: str = "spec") -> Non
     """Refused with every problem of ``spec`` at once."""
     problems = Problems()
     problems.check(check_identifier, spec.name, DATASET_NAME, f"{field}.name")
+    problems.check(check_identifier, spec.tenant, TENANT, f"{field}.tenant", required=False)
     scheme, separator, rest = spec.uri.partition("://")
     if not separator or scheme not in SUPPORTED_SCHEMES or not rest:
         problems.add(
