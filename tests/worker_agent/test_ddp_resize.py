@@ -35,6 +35,15 @@ JOB = "job-ddp-digits"
 # spend little time training on after the last resize, which is all the rest of the test does.
 EPOCHS = 4
 DIGITS = 1797
+BATCH = 64
+# The last grow is the one that can come too late: its newcomers start while the one rank left
+# trains on, and their warm processes may still be refilling after the first grow (one run at
+# load 15 trained the last 111 steps at one rank in 11 s and ended before they checked in, so
+# the job never trained at 4 ranks again). The one-rank phase runs at a quarter of the batch, as
+# an elastic scheduler sizes a one-GPU job's batch down: each of its steps takes a quarter of the
+# samples, so the samples left last four times the steps while the newcomers start, and the
+# last world (back at BATCH) still trains on most of them.
+ONE_RANK_BATCH = BATCH // 4
 
 
 def _steps(agents) -> list[dict]:  # type: ignore[no-untyped-def]
@@ -76,7 +85,7 @@ def test_a_ddp_job_grows_and_shrinks_in_place_across_two_nodes(metadata, allocat
 
 def _train_and_resize(agents, caches, allocation) -> None:  # type: ignore[no-untyped-def]
     spec = common_pb2.JobSpec(
-        name="ddp-digits", min_gpus=1, max_gpus=4, batch_size=64, epochs=EPOCHS, dataset="ddp-digits",
+        name="ddp-digits", min_gpus=1, max_gpus=4, batch_size=BATCH, epochs=EPOCHS, dataset="ddp-digits",
         resize_in_place=True, command=[sys.executable, str(EXAMPLE)],
         env={"SILOD_EXAMPLE_STEP_SLEEP_S": "0.04", "SILOD_CHECKPOINT_EVERY_S": "2"},
     )
@@ -84,11 +93,11 @@ def _train_and_resize(agents, caches, allocation) -> None:  # type: ignore[no-un
     previous: dict[str, plan_pb2.JobAllocation] = {}
     version = 0
 
-    def place(generation: int, layout: dict[int, list[int]]) -> None:  # node index -> GPUs
+    def place(generation: int, layout: dict[int, list[int]], batch: int = BATCH) -> None:  # node index -> GPUs
         nonlocal version, previous
         version += 1
         plan = plan_pb2.AllocationPlan(version=version)
-        entry = plan.jobs.add(job_id=JOB, batch_size=64, generation=generation, fast_resize=generation > 1)
+        entry = plan.jobs.add(job_id=JOB, batch_size=batch, generation=generation, fast_resize=generation > 1)
         for i, gpus in sorted(layout.items()):
             entry.placements.add(node=agents[i].node, gpu_indices=gpus)
         convert.assign_master_ports(plan, previous)
@@ -105,8 +114,9 @@ def _train_and_resize(agents, caches, allocation) -> None:  # type: ignore[no-un
     place(2, {0: [0, 1], 1: [0, 1]})
     grown = wait_until(trained_with(4), 120, "steps with 4 ranks on both nodes")
     assert _pids(agents)[(agents[0].node, 0)] == pids[(agents[0].node, 0)], "rank 0 survived the grow"
-    place(3, {0: [0]})
-    wait_until(trained_with(1, after=max(s["step"] for s in grown)), 120, "steps with 1 rank")
+    place(3, {0: [0]}, batch=ONE_RANK_BATCH)
+    alone = wait_until(trained_with(1, after=max(s["step"] for s in grown)), 120, "steps with 1 rank")
+    assert all(s["batch"] == ONE_RANK_BATCH for s in alone), "the shrink's batch size took effect with it"
     place(4, {0: [0, 1], 1: [0, 1]})
 
     def finished():  # type: ignore[no-untyped-def]
@@ -125,6 +135,8 @@ def _train_and_resize(agents, caches, allocation) -> None:  # type: ignore[no-un
         if not worlds or worlds[-1] != s["world"]:
             worlds.append(s["world"])
     assert worlds == [2, 4, 1, 4]
+    last_world = [s for s in steps if s["world"] == 4 and s["step"] > max(a["step"] for a in alone)]
+    assert last_world and all(s["batch"] == BATCH for s in last_world), "the last grow restored the batch size"
     assert "re-formed in place" in logs
     # Every group was formed as a GPU job's is, under a backend that refuses CPU tensors as NCCL does.
     assert "training on cpu (backend cpu:gloo,cuda:cudaonly)" in logs, logs[-4000:]
