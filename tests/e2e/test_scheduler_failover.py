@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from silod.v1 import cache_pb2, cache_pb2_grpc, common_pb2, metadata_pb2, scheduler_pb2, scheduler_pb2_grpc
+from silod.v1 import cache_pb2, cache_pb2_grpc, common_pb2, metadata_pb2, plan_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.e2e.harness import Cluster, wait_until
 from tests.support.procs import free_port, start_service
 
@@ -123,10 +123,17 @@ def test_standby_takes_over_after_kill_9_of_the_leader(tmp_path: Path, e2e_postg
         cluster.metrics_port = cluster.metrics_ports[1]
         cluster.assert_gpus_never_double_held()
         assert cluster.double_held_total() == 0
+        # The plan in force is read again at each look: the rounds that follow the last completion
+        # (its release acked, the next interval) may commit a newer one after the read above, and
+        # the cache server then rightly moves past plans[0].
+        def newest_applied() -> plan_pb2.AllocationPlan | None:
+            newest = cluster.md.ListPlans(metadata_pb2.ListPlansRequest(page_size=1), timeout=10).plans[0]
+            return newest if stats(cache_pb2.StatsRequest(), timeout=10).plan_version == newest.version else None
+
         with grpc.insecure_channel(cache.address) as channel:
             stats = cache_pb2_grpc.CacheServiceStub(channel).Stats
-            wait_until(lambda: stats(cache_pb2.StatsRequest(), timeout=10).plan_version == plans[0].version,
-                       timeout=30, what="the cache server to apply the new leader's latest plan")
+            applied = wait_until(newest_applied, timeout=30, what="the cache server to apply the new leader's latest plan")
+            assert applied.epoch == first.epoch + 1 and applied.version >= plans[0].version
     finally:
         if cache is not None:
             cache.close()
