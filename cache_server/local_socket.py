@@ -17,7 +17,8 @@ payload its UTF-8 message (the same message, naming the field, that gRPC would c
 connection serves one call at a time; readers open one each.
 
 Who may call, with auth on: the cluster token, and a job's own credential (what its ranks
-hold, services/runtime/access_rules.py), for leases of that job only, as over gRPC. A job's
+hold, services/runtime/access_rules.py), for leases of that job and its dataset only: the table's
+rule of a gRPC Lease, applied here. A job's
 credential is checked again at each call through the directory's cache (credential_cache_s),
 so a revoked one stops working on an open connection too.
 """
@@ -187,14 +188,14 @@ class LocalLeaseServer:
         writer.write(frame(code.value[0], message.encode()))
         await writer.drain()
 
-    async def _job_of(self, credential: bytes) -> str:
-        """The job whose credential ``credential`` is, "" for an admin (the cluster token) or with auth
-        off (no cluster token here and no directory); Unauthenticated or PermissionDenied otherwise.
+    async def _job_of(self, credential: bytes) -> Any:
+        """The job principal whose credential ``credential`` is, None for an admin (the cluster token) or
+        with auth off (no cluster token here and no directory); Unauthenticated or PermissionDenied otherwise.
         A cache server with a node credential holds no cluster token: the directory resolves it."""
         if not self._token and self._directory is None:
-            return ""
+            return None
         if self._token and hmac.compare_digest(credential, self._token):
-            return ""
+            return None
         if self._directory is None or not credential:
             raise Unauthenticated("wrong or missing auth token")
         from services.runtime.principals import CLUSTER_ADMIN
@@ -202,10 +203,10 @@ class LocalLeaseServer:
 
         principal = await self._directory.resolve(credential.decode("utf-8", "replace"))
         if principal == CLUSTER_ADMIN:  # the cluster token, which a node credential's cache server does not hold
-            return ""
+            return None
         if principal.kind != access_pb2.PRINCIPAL_KIND_JOB:
             raise PermissionDenied(f"a {principal.kind_name} credential may not lease here; a job's own may")
-        return principal.name
+        return principal
 
     async def _call(self, kind: int, payload: bytes, credential: bytes = b"") -> bytes:
         start = time.perf_counter()
@@ -219,8 +220,13 @@ class LocalLeaseServer:
                 return frame(OK, b"")
             request = cache_pb2.LeaseRequest.FromString(payload)
             check_identifiers(request)
-            if job and request.job_id != job:
-                raise PermissionDenied("a job's credential leases for its own job only", field="job_id")
+            if job is not None:  # the access table's rule of a job's gRPC Lease: its own job, its own dataset
+                from services.runtime.access_rules import RULES
+
+                check = RULES["/silod.v1.CacheService/Lease"].check_for(job.kind)
+                refusal = await check.refuse(job, request, self._directory)
+                if refusal is not None:
+                    raise PermissionDenied(refusal.reason, field=refusal.field)
             response = await self._answer(request)
             return frame(OK, response.SerializeToString())
         except ServiceError as exc:

@@ -256,9 +256,9 @@ def _dataset_register(args: argparse.Namespace) -> int:
             if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                 return _fail(f"{exc.details()} (run again with --replace to register the new manifest)")
             raise
-        print(f"registered {dataset.spec.name} (tenant {dataset.spec.tenant}{', shared' if dataset.spec.shared else ''}): "
-              f"{dataset.num_objects} objects, {_human_bytes(dataset.total_bytes)}, "
-              f"manifest version {dataset.manifest_version}")
+        print(f"registered {dataset.spec.name}: {dataset.num_objects} objects, {_human_bytes(dataset.total_bytes)}, "
+              f"manifest version {dataset.manifest_version}, tenant {dataset.spec.tenant}"
+              + (" (shared with every tenant)" if dataset.spec.shared else ""))
         return 0
 
     return call(args, "metadata", body)

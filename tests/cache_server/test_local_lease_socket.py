@@ -282,7 +282,7 @@ def test_a_jobs_own_credential_leases_its_own_job_on_the_socket(
                                auth_token="cluster-secret")
     with InProcessServer(secured) as metadata:
         md = metadata_pb2_grpc.MetadataServiceStub(open_channel(metadata.address, token="cluster-secret"))
-        job = md.CreateJob(metadata_pb2.CreateJobRequest(spec=training_spec(name="mine")))
+        job = md.CreateJob(metadata_pb2.CreateJobRequest(spec=training_spec(name="mine", dataset="ds-not-registered")))
         other = md.CreateJob(metadata_pb2.CreateJobRequest(spec=training_spec(name="other")))
         issued = md.CreateCredential(a.CreateCredentialRequest(kind=a.PRINCIPAL_KIND_JOB, name=job.id))
         user = md.CreateCredential(a.CreateCredentialRequest(kind=a.PRINCIPAL_KIND_ADMIN, name="ops"))
@@ -292,7 +292,11 @@ def test_a_jobs_own_credential_leases_its_own_job_on_the_socket(
             with pytest.raises(LeaseRefused) as refused:
                 client.lease(_request("ds-not-needed", keys, job=other.id))
             assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED and "job_id" in str(refused.value)
-            # Its own job: past the credential check (the dataset is not registered here: NOT_FOUND, not a refusal).
+            # Its own job, another dataset than its spec names: refused, as over gRPC (the access table).
+            with pytest.raises(LeaseRefused) as elsewhere:
+                client.lease(_request("ds-not-needed", keys, job=job.id))
+            assert elsewhere.value.code == grpc.StatusCode.PERMISSION_DENIED and "dataset" in str(elsewhere.value)
+            # Its own job and dataset: past the credential check (the dataset is not registered here: NOT_FOUND).
             with pytest.raises(LeaseRefused) as own:
                 client.lease(_request("ds-not-registered", keys, job=job.id))
             assert own.value.code == grpc.StatusCode.NOT_FOUND, own.value

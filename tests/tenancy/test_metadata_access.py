@@ -104,9 +104,9 @@ def test_nodes_and_jobs_act_for_themselves(cluster: Cluster) -> None:
 def test_revocation_takes_effect_at_the_next_call(cluster: Cluster) -> None:
     issued = cluster.admin.CreateCredential(a.CreateCredentialRequest(kind=a.PRINCIPAL_KIND_USER, name="bob"))
     bob = cluster.stub(issued.token)
-    bob.ListDatasets(m.ListDatasetsRequest())
+    bob.ListNodes(m.ListNodesRequest())
     cluster.admin.RevokeCredential(a.RevokeCredentialRequest(id=issued.credential.id))
-    assert_rpc_error(lambda: bob.ListDatasets(m.ListDatasetsRequest()), UNAUTHENTICATED, None)
+    assert_rpc_error(lambda: bob.ListNodes(m.ListNodesRequest()), UNAUTHENTICATED, None)
 
 
 def test_an_admin_credential_is_an_admin(cluster: Cluster) -> None:
