@@ -84,6 +84,15 @@ def test_registration_records_the_tenant_and_sharing_is_for_admins(cluster: Clus
     code, output = c.cli("carol", "dataset", "register", "carols", c.store_uri, "--tenant", "beta")
     assert code == 0 and "registered carols: 6 objects" in output and "tenant beta" in output, output
     assert c.manifests()["carols"] == ("beta", False, 1, 6)
+    # Through the scheduler's front door: the tenant the check fills in travels with the stream.
+    front = [m.RegisterDatasetRequest(spec=common_pb2.DatasetSpec(name="a-front", uri="file:///x"),
+                                      objects=[common_pb2.DatasetObject(key=f"k{i}", size_bytes=1, etag="e")])
+             for i in range(3)]
+    assert c.jobs("alice").RegisterDataset(iter(front)).spec.tenant == "alpha"
+    assert c.manifests()["a-front"] == ("alpha", False, 1, 3)
+    # The access check reads a stream's first message; an empty stream has none and is refused by the
+    # service as anyone's would be.
+    assert_rpc_error(lambda: c.md("alice").RegisterDataset(iter([])), grpc.StatusCode.INVALID_ARGUMENT, "spec")
 
 
 def test_another_tenants_dataset_cannot_be_replaced_or_read(cluster: Cluster) -> None:
@@ -107,7 +116,8 @@ def test_another_tenants_dataset_cannot_be_replaced_or_read(cluster: Cluster) ->
     assert c.md("bob").GetDataset(m.GetDatasetRequest(name="common")).spec.shared
     assert [d.spec.name for d in c.md("bob").ListDatasets(m.ListDatasetsRequest()).datasets] == [
         "b-imgs", "carols", "common"]
-    assert [d.spec.name for d in c.jobs("alice").ListDatasets(m.ListDatasetsRequest()).datasets] == ["a-imgs", "common"]
+    assert [d.spec.name for d in c.jobs("alice").ListDatasets(m.ListDatasetsRequest()).datasets] == [
+        "a-front", "a-imgs", "common"]
     code, output = c.cli("bob", "dataset", "list")
     assert code == 0 and "a-imgs" not in output and "TENANT" in output, output
     assert any(line.split()[:2] == ["common", "default"] and "(shared)" in line for line in output.splitlines()), output
