@@ -203,8 +203,8 @@ class DatasetRegistration(Check):
     field: str = "spec.name"
 
     def describe(self) -> str:
-        return ("`spec.tenant` is a tenant of the caller (empty: their only one), `spec.shared` unset, and an "
-                "existing dataset `spec.name` is of that tenant and not shared")
+        return ("in the stream's first message: `spec.tenant` is a tenant of the caller (empty: their only one), "
+                "`spec.shared` unset, and an existing dataset `spec.name` is of that tenant and not shared")
 
     async def refuse(self, principal: Principal, request: Any, directory: Directory | None) -> Refusal | None:
         spec = request.spec
