@@ -64,6 +64,8 @@ SYSTEMD = "installs into the host (/opt, /etc, systemd); tests/deploy/test_deplo
 AUTH = "needs a cluster started with an auth token; tests/tenancy/test_cli_access.py runs these commands"
 SAME_AS_TENANTS = ("docs/tenants.md runs the same command on the same cluster (a tenant is made once); "
                    "tests/tenancy/test_cli_access.py runs it with auth on")
+TENANT_DATASET = ("a placeholder bucket (S3 credentials and a tenant of the same name); "
+                  "tests/tenancy/test_dataset_tenants_processes.py registers datasets per tenant and shared")
 CREDENTIAL_ID = "ID is a credential's id from the list above; tests/tenancy/test_cli_access.py rotates and revokes one"
 NODE_CLIENT = "needs npm packages from the registry; tests/clients/test_node_client.py runs the Node.js client against a cluster"
 DDP_JOB = ("a real DDP job (minutes of CPU here); tests/e2e/test_elastic_resize.py and tests/worker_agent/"
@@ -122,6 +124,8 @@ NOT_RUN: dict[str, str] = {
     "export SILOD_AUTH_TOKEN=...": AUTH,
     "docs/operators.md: silod admin tenant create vision alice bob": SAME_AS_TENANTS,
     "docs/operators.md: silod admin tenant members vision --add carol --remove bob": SAME_AS_TENANTS,
+    "silod dataset register imagenet s3://datasets/imagenet --tenant vision": TENANT_DATASET,
+    "silod dataset register cifar10 s3://datasets/cifar10 --shared": TENANT_DATASET,
     "silod login --token-file alice.token": ("needs the token the line above prints, saved to alice.token; "
                                              "tests/tenancy/test_cli_access.py logs in with one"),
     "silod admin credential rotate ID": CREDENTIAL_ID,
