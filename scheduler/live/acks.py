@@ -3,7 +3,8 @@ written after the Ack is answered.
 
 An Ack is answered once the scheduler has taken it in (releases, the acked-version metric);
 the store's copy of the node's applied version follows from here: the newest version per
-node, each node written at most once per ``every_s``, at most ``concurrency`` writes in
+node, each node written at most once per ``every_s`` (the servicer uses a third of the node
+timeout, the heartbeat interval it implies, and 5 s at least), at most ``concurrency`` writes in
 flight. Each is a write transaction of about 1 ms of the metadata service's CPU, so with a
 thousand nodes acking a plan every second or two these writes were most of its work; the
 store's copy is for display (``silod nodes``, the dashboard) and proof of life, which the

@@ -307,7 +307,11 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
     def __init__(self, core: Scheduler, *, refresh_s: float = 5.0) -> None:
         self.core = core
         self.refresh_s = refresh_s
-        self.acks = AckForwarder(lambda: self.md)
+        # A node's acked version is written at most as often as a node heartbeats (a third of
+        # the node timeout, 5 s at least): at thousands of nodes these writes are most of the
+        # metadata service's work, and the node's heartbeats carry the same version anyway.
+        node_timeout_s = getattr(getattr(core, "liveness", None), "node_timeout_s", 15.0)
+        self.acks = AckForwarder(lambda: self.md, every_s=max(5.0, node_timeout_s / 3))
 
     async def CommitPlan(self, request, context):  # noqa: N802
         plan = await forward(self.md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=request.plan)), "metadata CommitPlan",
