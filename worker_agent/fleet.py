@@ -17,8 +17,8 @@ nodes: one HTTP/2 connection carries many streams, where a channel per node woul
 connection, its threads and buffers each.
 
 The process writes ``--ready-file`` (the node count) once every node is registered, and
-``--stats-file`` (JSON: per plan version, the wall-clock times nodes received and acked it)
-every second and at exit. SIGTERM or SIGINT stops it.
+``--stats-file`` (JSON: per plan version, the newest 300, the wall-clock times nodes received
+and acked it) every second and at exit. SIGTERM or SIGINT stops it.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from worker_agent.agent import Task, task_key
 _log = logging.getLogger("silod.fleet")
 _WORKER = allocation_pb2.PLAN_COMPONENT_WORKER_AGENT
 SAMPLES_PER_S_PER_GPU = 100.0  # emulated throughput of one rank
+KEPT_PLANS = 300  # plan versions whose receive and ack times the stats keep
 
 
 @dataclass
@@ -226,6 +227,8 @@ class Fleet:
         return allocation_pb2_grpc.AllocationServiceStub(self._channels[key])
 
     def times(self, version: int) -> PlanTimes:
+        if version not in self.plan_times and len(self.plan_times) >= KEPT_PLANS:
+            del self.plan_times[min(self.plan_times)]  # a long-running fleet keeps the newest only
         return self.plan_times.setdefault(version, PlanTimes())
 
     async def start(self) -> list[asyncio.Task[None]]:
