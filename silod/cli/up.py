@@ -3,7 +3,8 @@
 Metadata (SQLite under --state-dir unless --db), estimator, scheduler, the web dashboard
 (unless --no-dashboard; its URL is printed) and N emulated nodes (a worker agent, plus a
 cache server unless --no-cache), all on loopback with OS-chosen
-ports. The addresses are printed and written to ``<state-dir>/cluster.json``, where every
+ports. --fleet N adds N nodes that all live in one process (worker_agent/fleet.py; their ranks
+are emulated), for clusters of hundreds or thousands of nodes. The addresses are printed and written to ``<state-dir>/cluster.json``, where every
 client command (`silod submit`, `silod dataset`, `silod health`, ...) finds them
 (silod.cli.locate). If a child dies, `silod up` says which
 and shows its log tail, then stops the rest (exit 1). SIGINT/SIGTERM stop everything
