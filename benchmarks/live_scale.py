@@ -92,17 +92,28 @@ def round_figures(before: dict, after: dict) -> dict[str, Any]:
 
 
 def ack_figures(metadata_addr: str, plans: dict[str, Any], nodes: int) -> dict[str, Any]:
-    """Seconds from a plan's creation (set by the scheduler just before it commits it) to each
-    node's ack, over the plans every node acked."""
+    """Seconds from a plan's creation (set by the scheduler just before it commits it) until each
+    node acked it or a newer plan (a node busy applying one plan applies only the newest of those
+    that arrived meanwhile, as the agent does), over the plans every node got that far with."""
+    acks: dict[int, dict[str, float]] = {}
+    for version, times in plans.items():
+        acked = times["acked"]
+        if isinstance(acked, list):  # an older fleet's stats: times without node names
+            acked = {str(i): t for i, t in enumerate(acked)} if len(acked) >= nodes else {}
+        acks[int(version)] = acked
     per_node: list[float] = []
     per_plan: list[float] = []
     with open_channel(metadata_addr, default_timeout_s=30) as channel:
         md = metadata_pb2_grpc.MetadataServiceStub(channel)
-        for version, times in plans.items():
-            if len(times["acked"]) < nodes:
+        for version in sorted(acks):
+            first: dict[str, float] = {}
+            for later in (v for v in acks if v >= version):
+                for node, t in acks[later].items():
+                    first[node] = min(t, first.get(node, t))
+            if len(first) < nodes:
                 continue
-            created = md.GetPlan(metadata_pb2.GetPlanRequest(version=int(version))).created_at.ToNanoseconds() / 1e9
-            lags = [t - created for t in times["acked"]]
+            created = md.GetPlan(metadata_pb2.GetPlanRequest(version=version)).created_at.ToNanoseconds() / 1e9
+            lags = [t - created for t in first.values()]
             per_node.extend(lags)
             per_plan.append(max(lags))
 

@@ -18,7 +18,8 @@ connection, its threads and buffers each.
 
 The process writes ``--ready-file`` (the node count) once every node is registered, and
 ``--stats-file`` (JSON: per plan version, the newest 300, the wall-clock times nodes received
-and acked it) every second and at exit. SIGTERM or SIGINT stops it.
+it and, by node, acked it; a node that gets two plans while applying one applies and acks only
+the newer, as the agent does) every second and at exit. SIGTERM or SIGINT stops it.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class FleetSettings:
 class PlanTimes:
     """When nodes received and acked one plan version (time.time())."""
     received: list[float] = field(default_factory=list)
-    acked: list[float] = field(default_factory=list)
+    acked: dict[str, float] = field(default_factory=dict)  # node -> when its Ack was answered
 
 
 class FleetNode:
@@ -147,7 +148,7 @@ class FleetNode:
             _log.warning("ack failed", extra={"node": self.name, "version": version, "error": str(exc)})
             return
         if ok:
-            self.fleet.times(version).acked.append(time.time())
+            self.fleet.times(version).acked[self.name] = time.time()
 
     def apply(self, plan: plan_pb2.NodePlan) -> list[str]:
         """The agent's diff, emulated: tasks no longer desired (or on other GPUs) checkpoint and

@@ -81,7 +81,8 @@ def test_fleet_nodes_register_watch_ack_and_run_jobs_to_completion(cluster: tupl
         # Every node watched and acked the newest plan; the store has each node's acked version.
         def all_acked() -> bool:
             stats = fleet.stats()
-            return len(stats.get("plans", {}).get(str(plan.version), {}).get("acked", [])) == NODES
+            acked = stats.get("plans", {}).get(str(plan.version), {}).get("acked", {})
+            return set(acked) == {f"fleet-{i}" for i in range(NODES)}
         _until(all_acked, f"all {NODES} nodes ack plan {plan.version}")
         _until(lambda: all(n.applied_plan_version >= plan.version for n in md.ListNodes(
             metadata_pb2.ListNodesRequest()).nodes), "the store records every node's acked version")
