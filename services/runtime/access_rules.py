@@ -334,9 +334,11 @@ RULES: dict[str, Rule] = {
         "ListNodes": Rule(user=ANY, node=ANY),
         "ClearGpuFault": ADMIN_ONLY,
         "CommitPlan": ADMIN_ONLY,
-        "GetLatestPlan": Rule(node=ANY),
-        "GetPlan": Rule(node=ANY),
-        "ListPlans": Rule(node=ANY),
+        # Whole plans name every tenant's jobs: the scheduler and the dashboard (admins) read them; a
+        # node reads only its own view, through AllocationService.Watch.
+        "GetLatestPlan": ADMIN_ONLY,
+        "GetPlan": ADMIN_ONLY,
+        "ListPlans": ADMIN_ONLY,
         "AppendMetrics": ADMIN_ONLY,
         "QueryMetrics": Rule(user=JobOfTenant("job_id"), job=Itself("job_id")),
         "PutJobModel": ADMIN_ONLY,
@@ -375,7 +377,7 @@ RULES: dict[str, Rule] = {
     }),
     **_service("silod.v1.AllocationService", {
         "CommitPlan": ADMIN_ONLY,
-        "GetLatestPlan": Rule(node=ANY),
+        "GetLatestPlan": ADMIN_ONLY,  # the whole plan; a node watches its own view
         "Watch": Rule(node=Itself("node")),
         "Ack": Rule(node=Itself("node")),
         "ReportTasks": Rule(node=Itself("node")),

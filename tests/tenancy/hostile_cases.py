@@ -176,10 +176,6 @@ SHARED: dict[tuple[str, int], str] = {
     ("MetadataService.ListNodes", USER): "nodes are cluster-wide (no tenant owns one)",
     ("MetadataService.ListNodes", NODE): "nodes are cluster-wide (no tenant owns one)",
     ("MetadataService.GetJob", NODE): "a node's services look up a job's tenant to authorize calls about it",
-    ("MetadataService.GetLatestPlan", NODE): "the plan is read by every node",
-    ("MetadataService.GetPlan", NODE): "the plan is read by every node",
-    ("MetadataService.ListPlans", NODE): "the plan is read by every node",
-    ("AllocationService.GetLatestPlan", NODE): "the plan is read by every node",
     ("MetadataService.ResolveCredential", NODE): "a node's services resolve tokens presented to them",
     ("MetadataService.ListTenants", NODE): "a node's services learn a certificate user's tenants",
     ("MetadataService.AppendAuditEvents", NODE): "a node's services append the calls they recorded (the log "
