@@ -328,7 +328,7 @@ class GavelPolicy:
         return priority
 
     def schedule(self, snapshot: ClusterSnapshot) -> Plan:
-        if not snapshot.jobs:
+        if not snapshot.jobs or not snapshot.nodes:  # no nodes (all lost, none joined yet): no LP
             return Plan({})
         allocation = self.solve(snapshot)
         jobs = allocation.jobs
