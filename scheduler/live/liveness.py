@@ -33,7 +33,10 @@ class NodeLiveness:
         self._metadata_seen_at: float | None = None   # last ListNodes answered (monotonic)
         self._blind: tuple[float, float] | None = None   # latest span we could not see the metadata
         self._known_nodes: frozenset[str] | None = None
-        self._known_faults: dict[str, frozenset[int]] | None = None  # faulted GPUs as the node watch last saw them
+        # Faulted GPUs as the node watch last saw them. Starts empty, not unknown: a fault reported
+        # between the scheduler's start and its first poll must still start a round, or its job
+        # stays on the faulted GPU until the next periodic round.
+        self._known_faults: dict[str, frozenset[int]] = {}
         self.node_set_version = 0  # bumped whenever the set of live nodes changes
 
     def _unseen_for_s(self, now: float) -> float:
@@ -84,6 +87,6 @@ class NodeLiveness:
                 self._trigger("node-lost" if self._known_nodes - names else "node-joined")
             self._known_nodes = names
             faults = faulted_gpus(nodes.nodes)
-            if self._known_faults is not None and faults != self._known_faults:
+            if faults != self._known_faults:
                 self._trigger("gpu-health")  # a GPU faulted (its job moves now) or was cleared
             self._known_faults = faults
