@@ -322,6 +322,7 @@ def test_health_answers_while_a_large_predict_runs(memory_estimator: Served, stu
     done: list[float] = []
     worker = threading.Thread(target=lambda: done.append(len(stub.Predict(request, timeout=60).results)))
     health = health_pb2_grpc.HealthStub(memory_estimator.channel)
+    started = time.perf_counter()
     worker.start()
     latencies = []
     while worker.is_alive():
@@ -331,8 +332,11 @@ def test_health_answers_while_a_large_predict_runs(memory_estimator: Served, stu
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         time.sleep(0.02)
     worker.join()
+    predict_s = time.perf_counter() - started
     assert done == [1000]
-    assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
+    # A health check that queued behind the predict would wait for most of it; relative to the
+    # predict's own duration, so a busy machine (slower at both) does not fail it.
+    assert len(latencies) >= 3 and max(latencies) < predict_s / 2, (predict_s, latencies)
 
 
 # --- persistence through the metadata service (in-process servers) ---------------------------
