@@ -3,6 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
+# Test workers (pytest-xdist): two, one per core of CI's machine; 0 runs the suite in one process.
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/silod/v1/*.proto)
 
@@ -54,7 +56,7 @@ test: $(STAMP)
 	  $(VENV)/chromium-install.log chromium chromium-browser google-chrome
 	@bash tests/support/ensure_debian_package.sh prometheus "the metrics tests" \
 	  $(VENV)/prometheus-install.log prometheus
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # The namespaced multi-host lab (root): what `make test` runs of it plus the longer fault
 # scenarios (30 s partitions of the control plane and of the leading scheduler's host).

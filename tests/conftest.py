@@ -18,3 +18,16 @@ os.environ.setdefault("SILOD_DIST_BACKEND_MODULE", "tests.support.cudaonly_backe
 _paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 if str(ROOT) not in _paths:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *_paths])
+
+
+def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
+    """`make test` runs on pytest-xdist workers: whole test modules go to one worker (their tests
+    share module-scoped service processes, started once, and some follow from the one before),
+    and all of tests/lab to one worker, since its hosts are namespaces of fixed names."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "tests/lab" if nodeid.startswith("tests/lab/") else nodeid.split("::", 1)[0]
+
+    return ModuleScheduling(config, log)
