@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("SILOD_DIST_BACKEND", "cudaonly")
@@ -20,6 +22,7 @@ if str(ROOT) not in _paths:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *_paths])
 
 
+@pytest.hookimpl(optionalhook=True)  # a venv without pytest-xdist runs the suite in one process
 def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
     """`make test` runs on pytest-xdist workers: whole test modules go to one worker (their tests
     share module-scoped service processes, started once, and some follow from the one before),
