@@ -53,12 +53,12 @@ class RetentionStore:
         if policy.plans_s > 0:
             removed["plans"] = self._plans(now - timedelta(seconds=policy.plans_s), policy.min_plans, policy.batch)
         if policy.metrics_s > 0:
-            removed["metric_samples"] = self._metric_samples(now - timedelta(seconds=policy.metrics_s), policy.batch)
+            removed["metric_samples"] = self._rows_older_than(MetricSample, now - timedelta(seconds=policy.metrics_s), policy.batch)
         if policy.finished_job_events_s > 0:
             removed["job_events"] = self._finished_job_events(
                 now - timedelta(seconds=policy.finished_job_events_s), policy.batch)
         if policy.audit_s > 0:
-            removed["audit_events"] = self._audit_events(now - timedelta(seconds=policy.audit_s), policy.batch)
+            removed["audit_events"] = self._rows_older_than(AuditEvent, now - timedelta(seconds=policy.audit_s), policy.batch)
         return removed
 
     def _plans(self, before: datetime, min_plans: int, batch: int) -> int:
@@ -76,27 +76,14 @@ class RetentionStore:
                 break
         return removed
 
-    def _metric_samples(self, before: datetime, batch: int) -> int:
+    def _rows_older_than(self, model: type[MetricSample] | type[AuditEvent], before: datetime, batch: int) -> int:
+        """Deletes the rows of a time-stamped table (metric samples, audit events) older than ``before``."""
         removed = 0
         for _ in range(MAX_BATCHES):
             with self._db.write() as session:
-                ids = session.scalars(select(MetricSample.id).where(MetricSample.time < before)
-                                      .order_by(MetricSample.id).limit(batch)).all()
+                ids = session.scalars(select(model.id).where(model.time < before).order_by(model.id).limit(batch)).all()
                 if ids:
-                    session.execute(delete(MetricSample).where(MetricSample.id.in_(ids)))
-            removed += len(ids)
-            if len(ids) < batch:
-                break
-        return removed
-
-    def _audit_events(self, before: datetime, batch: int) -> int:
-        removed = 0
-        for _ in range(MAX_BATCHES):
-            with self._db.write() as session:
-                ids = session.scalars(select(AuditEvent.id).where(AuditEvent.time < before)
-                                      .order_by(AuditEvent.id).limit(batch)).all()
-                if ids:
-                    session.execute(delete(AuditEvent).where(AuditEvent.id.in_(ids)))
+                    session.execute(delete(model).where(model.id.in_(ids)))
             removed += len(ids)
             if len(ids) < batch:
                 break
