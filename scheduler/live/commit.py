@@ -15,6 +15,7 @@ import grpc
 from scheduler.live import convert
 from scheduler.live.clients import PLACED_STATES, Clients
 from scheduler.live.plans import PlanStore
+from scheduler.live.progress import KnownJobs
 from scheduler.live.releases import ReleaseTracker
 from scheduler.live.resizes import CrashRestarts
 from silod.v1 import common_pb2, metadata_pb2, plan_pb2
@@ -26,8 +27,9 @@ MAX_MOVES = 1000  # state moves per TransitionJobs call (the metadata service's 
 
 class Committer:
     def __init__(self, clients: Clients, plans: PlanStore, releases: ReleaseTracker, restarts: CrashRestarts,
-                 trigger: Callable[[str], None]) -> None:
+                 trigger: Callable[[str], None], jobs: KnownJobs) -> None:
         self.clients = clients
+        self.jobs = jobs  # told of every move made here, so reports need not read the job
         self.plans = plans
         self.releases = releases
         self.restarts = restarts
@@ -87,16 +89,22 @@ class Committer:
             for move, result in zip(batch, reply.results):
                 if result.error_code:  # moved meanwhile (a report, a cancel): the next round sees it
                     _log.info("transition skipped", extra={"job_id": move.job_id, "reason": result.error})
+                    self.jobs.forget(move.job_id)
+                else:
+                    self.jobs.saw(result.job)
 
     async def transition(self, job_id: str, expected: int, new: int, message: str) -> common_pb2.Job | None:
         try:
-            return await self.clients.md.TransitionJob(metadata_pb2.TransitionJobRequest(
+            job = await self.clients.md.TransitionJob(metadata_pb2.TransitionJobRequest(
                 job_id=job_id, expected_state=expected, new_state=new, message=message))
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                 _log.info("transition skipped", extra={"job_id": job_id, "reason": exc.details()})
+                self.jobs.forget(job_id)  # moved by someone else: read afresh when next needed
                 return None
             raise
+        self.jobs.saw(job)
+        return job
 
 
 def _log_commit(plan: plan_pb2.AllocationPlan, old: dict[str, plan_pb2.JobAllocation], reason: str) -> None:

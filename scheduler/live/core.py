@@ -30,6 +30,7 @@ from scheduler.live.liveness import NodeLiveness
 from scheduler.live.models import JobModels
 from scheduler.live.planner import RoundPlanner, configured_policy
 from scheduler.live.plans import PlanStore
+from scheduler.live.progress import KnownJobs, ProgressWriter
 from scheduler.live.releases import ReleaseTracker
 from scheduler.live.reports import TaskReports
 from scheduler.live.resizes import CrashRestarts
@@ -82,9 +83,12 @@ class SchedulerCore:
             forget_finished=self._forget_finished, cache_mode=cache_mode, restart_cost_s=restart_cost_s,
             interval_s=interval_s, storage_bandwidth_bytes_per_s=storage_bandwidth)
         self.planner = RoundPlanner(self.policy, policy, policy_co_designs, cache_mode, self.inference)
-        self.committer = Committer(self.clients, self.plans, self.releases, self.restarts, self.trigger)
+        self.jobs = KnownJobs()  # as the last snapshot and this scheduler's own moves left them
+        self.progress = ProgressWriter(lambda: self.clients.md)
+        self.committer = Committer(self.clients, self.plans, self.releases, self.restarts, self.trigger, self.jobs)
         self.reports = TaskReports(self.clients, self.plans, self.releases, self.restarts, self.feedback,
-                                   transition=self.committer.transition, trigger=self.trigger)
+                                   transition=self.committer.transition, trigger=self.trigger,
+                                   jobs=self.jobs, progress=self.progress)
 
     # ---- the round -------------------------------------------------------------------------
     async def _round(self, reason: str) -> plan_pb2.AllocationPlan | None:
@@ -121,7 +125,9 @@ class SchedulerCore:
 
     async def _snapshot(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
         await self.plans.refresh()
-        return await self.snapshots.build()
+        snap, jobs = await self.snapshots.build()
+        self.jobs.snapshot(jobs)
+        return snap, jobs
 
     async def run_round(self, reason: str = "interval") -> plan_pb2.AllocationPlan | None:
         return await self.rounds.run(reason)
@@ -191,6 +197,9 @@ class SchedulerCore:
         self.plans.specs[job.id] = job.spec
         self.trigger("arrival")
 
+    def job_moved(self, job: common_pb2.Job) -> None:
+        self.jobs.saw(job)
+
     async def refresh_latest(self, max_age_s: float = 0.0) -> plan_pb2.AllocationPlan | None:
         return await self.plans.refresh(max_age_s)
 
@@ -233,6 +242,10 @@ class SchedulerCore:
         task.add_done_callback(self._background.discard)
 
     async def stop(self) -> None:
+        try:  # the progress taken in so far, before the stubs go
+            await asyncio.wait_for(self.progress.flush(), timeout=5)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+            pass
         for task in (self._lease_task, self._loop_task, self._node_task, *self._background):
             if task is not None:
                 task.cancel()

@@ -28,6 +28,8 @@ class PlanStore:
         self._cutting = asyncio.Lock()
         self._read_at = -math.inf  # monotonic time the last GetLatestPlan answered
         self._reading: asyncio.Future[plan_pb2.AllocationPlan | None] | None = None
+        self._index: dict[str, plan_pb2.JobAllocation] = {}  # job -> its entry in the plan of _index_version
+        self._index_version = -1
 
     async def refresh(self, max_age_s: float = 0.0) -> plan_pb2.AllocationPlan | None:
         """Read the plan in force from the metadata store. ``max_age_s`` > 0 (the watchers'
@@ -76,10 +78,10 @@ class PlanStore:
     def allocation(self, job_id: str) -> plan_pb2.JobAllocation | None:
         if self.latest is None:
             return None
-        for job in self.latest.jobs:
-            if job.job_id == job_id:
-                return job
-        return None
+        if self._index_version != self.latest.version:  # every report asks: index the plan once
+            self._index = {job.job_id: job for job in self.latest.jobs}
+            self._index_version = self.latest.version
+        return self._index.get(job_id)
 
     def remember_nodes(self, nodes: Iterable[common_pb2.Node]) -> None:
         for n in nodes:

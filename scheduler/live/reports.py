@@ -15,6 +15,7 @@ from scheduler.live import convert, metrics
 from scheduler.live.clients import TERMINAL_STATES, Clients
 from scheduler.live.feedback import EstimatorFeedback
 from scheduler.live.plans import PlanStore
+from scheduler.live.progress import KnownJobs, ProgressWriter
 from scheduler.live.releases import ReleaseTracker
 from scheduler.live.resizes import MAX_CRASH_RESTARTS, RESTART_EXIT_CODES, CrashRestarts
 from silod.v1 import allocation_pb2, common_pb2, metadata_pb2, plan_pb2
@@ -30,8 +31,11 @@ Transition = Callable[[str, int, int, str], Awaitable[common_pb2.Job | None]]
 
 class TaskReports:
     def __init__(self, clients: Clients, plans: PlanStore, releases: ReleaseTracker, restarts: CrashRestarts,
-                 feedback: EstimatorFeedback, *, transition: Transition, trigger: Callable[[str], None]) -> None:
+                 feedback: EstimatorFeedback, *, transition: Transition, trigger: Callable[[str], None],
+                 jobs: KnownJobs, progress: ProgressWriter) -> None:
         self.clients = clients
+        self.jobs = jobs  # the job's state without a read per report (scheduler.live.progress)
+        self.progress = progress  # progress and metrics, written in batches
         self.plans = plans
         self.releases = releases
         self.restarts = restarts
@@ -75,18 +79,17 @@ class TaskReports:
     async def _apply(self, job_id: str, entry: plan_pb2.JobAllocation, reports: list, node: str) -> bool:
         """Apply the reports of the job's current generation; whether the job finished or restarts."""
         md = self.clients.md
-        try:
-            job = await md.GetJob(metadata_pb2.GetJobRequest(job_id=job_id))
-        except grpc.aio.AioRpcError:
-            return False
+        job = self.jobs.get(job_id)
+        if job is None:  # not in the last snapshot (this scheduler just started): read it once
+            try:
+                job = await md.GetJob(metadata_pb2.GetJobRequest(job_id=job_id))
+            except grpc.aio.AioRpcError:
+                return False
+            self.jobs.saw(job)
         if job.state in TERMINAL_STATES:
             return False
         rank0 = next((t for t in reports if t.rank == 0), None)
         if rank0 is not None and (rank0.progress.ByteSize() or rank0.step_time_s):
-            if rank0.progress.ByteSize():
-                await md.UpdateJobProgress(metadata_pb2.UpdateJobProgressRequest(
-                    job_id=job_id, progress=rank0.progress,
-                    allocated=common_pb2.ResourceVector(gpus=len(convert.ranks_of(entry)))))
             samples = []
             for name, value in (("step_time_s", rank0.step_time_s),
                                 ("samples_per_s", rank0.progress.throughput_samples_per_s)):
@@ -95,8 +98,11 @@ class TaskReports:
                                                      labels={"node": node, "rank": "0"})
                     sample.time.GetCurrentTime()
                     samples.append(sample)
-            if samples:
-                await md.AppendMetrics(metadata_pb2.AppendMetricsRequest(samples=samples))
+            update = metadata_pb2.UpdateJobProgressRequest(
+                job_id=job_id, progress=rank0.progress,
+                allocated=common_pb2.ResourceVector(gpus=len(convert.ranks_of(entry)))) \
+                if rank0.progress.ByteSize() else None
+            await self.progress.write(update, samples)
             self.feedback.observe(job, entry, rank0)
         failed = next((t for t in reports if t.phase == allocation_pb2.TASK_PHASE_EXITED and t.exit_code != 0), None)
         if failed is not None and self.restarts.allows(job_id, failed.exit_code):

@@ -70,6 +70,7 @@ class Scheduler(Protocol):
     def spawn(self, call: Awaitable[None]) -> None: ...  # in the background, cancelled when the scheduler stops
     def trigger(self, reason: str) -> None: ...
     def job_submitted(self, job: common_pb2.Job) -> None: ...
+    def job_moved(self, job: common_pb2.Job) -> None: ...  # a state move made here (a cancel)
     def release(self, node: str, jobs: Iterable[str]) -> bool: ...
     async def report_tasks(self, request: allocation_pb2.ReportTasksRequest) -> list[str]: ...
     async def refresh_latest(self, max_age_s: float = 0.0) -> plan_pb2.AllocationPlan | None: ...
@@ -189,6 +190,7 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
         # are not deleted and clusters rarely shrink, so a positive answer is reused briefly.
         self._datasets_seen: dict[str, float] = {}
         self._gpu_count = (0, -math.inf, 0)  # (training GPUs, when counted, core.node_set_version then)
+        self._counting: asyncio.Future[int] | None = None  # the count in flight, shared by submissions
 
     @staticmethod
     def _recently_seen(seen: dict[str, float], key: str) -> bool:
@@ -198,6 +200,23 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
         total, counted_at, node_set_version = self._gpu_count
         fresh = time.monotonic() - counted_at < ADMISSION_CACHE_S and node_set_version == self.core.node_set_version
         return fresh and (total == 0 or min_gpus <= total)
+
+    async def _count_training_gpus(self) -> int:
+        """The training GPUs of every registered node, counted afresh; submissions arriving while
+        a count is in flight share it (with a thousand nodes, a ListNodes per submission was a
+        herd whenever the node set changed)."""
+        if self._counting is None:
+            async def count() -> int:
+                started = time.monotonic()
+                nodes = await forward(self.md.ListNodes(metadata_pb2.ListNodesRequest(
+                    pool=common_pb2.NODE_POOL_UNSPECIFIED)), "metadata ListNodes", None)
+                total = sum(n.spec.gpus for n in nodes.nodes if n.spec.pool != common_pb2.NODE_POOL_INFERENCE)
+                self._gpu_count = (total, started, self.core.node_set_version)
+                return total
+
+            self._counting = asyncio.ensure_future(count())
+            self._counting.add_done_callback(lambda _: setattr(self, "_counting", None))
+        return await asyncio.shield(self._counting)
 
     async def SubmitJob(self, request, context):  # noqa: N802
         spec = request.spec
@@ -222,10 +241,7 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
         # A recent count that already admits the job (no nodes yet admits any) saves listing
         # every node per submission; a rejection is always decided on a fresh count.
         if 1 <= spec.min_gpus <= spec.max_gpus and not self._admitted_by_recent_count(spec.min_gpus):
-            nodes = await forward(self.md.ListNodes(metadata_pb2.ListNodesRequest(pool=common_pb2.NODE_POOL_UNSPECIFIED)),
-                                  "metadata ListNodes", None)
-            total = sum(n.spec.gpus for n in nodes.nodes if n.spec.pool != common_pb2.NODE_POOL_INFERENCE)
-            self._gpu_count = (total, time.monotonic(), self.core.node_set_version)
+            total = await self._count_training_gpus()
             if total and spec.min_gpus > total:
                 raise FailedPrecondition(
                     f"{spec.min_gpus} GPUs can never be granted: the cluster has {total} training GPUs",
@@ -257,6 +273,7 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     continue  # the state moved under us: re-read
                 raise downstream.translate(exc, "metadata TransitionJob", {"job_id": "job_id", "message": "reason"}) from None
+            self.core.job_moved(job)
             self.core.trigger("cancel")
             return job
         raise FailedPrecondition("job state keeps changing; retry", field="job_id")

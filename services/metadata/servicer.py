@@ -26,6 +26,7 @@ from services.runtime.principals import current_principal
 
 MAX_TRANSITIONS = 1000  # moves per TransitionJobs call: one round's worth, bounded like every list
 MAX_CREATIONS = 1000  # jobs per CreateJobs call
+MAX_PROGRESS_UPDATES = 1000  # jobs per UpdateJobsProgress call
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext
@@ -172,6 +173,27 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             request.progress if request.HasField("progress") else None,
             request.allocated if request.HasField("allocated") else None,
         )
+
+    async def UpdateJobsProgress(
+        self, request: metadata_pb2.UpdateJobsProgressRequest, context: Context
+    ) -> metadata_pb2.UpdateJobsProgressResponse:
+        if not 1 <= len(request.updates) <= MAX_PROGRESS_UPDATES:
+            raise InvalidArgument(f"must hold 1..{MAX_PROGRESS_UPDATES} updates, got {len(request.updates)}",
+                                  field="updates")
+        reject_nul_characters(request)
+        return await self._run(None, self._update_each, request)
+
+    def _update_each(self, request: metadata_pb2.UpdateJobsProgressRequest) -> metadata_pb2.UpdateJobsProgressResponse:
+        outcomes = self._store.jobs.update_progress_many([
+            (u.job_id, u.progress if u.HasField("progress") else None, u.allocated if u.HasField("allocated") else None)
+            for u in request.updates])
+        reply = metadata_pb2.UpdateJobsProgressResponse()
+        for index, outcome in enumerate(outcomes):
+            result = reply.results.add()
+            if outcome is not None:
+                result.error_code = outcome.code.name
+                result.error = str(outcome.within(f"updates[{index}]"))
+        return reply
 
     async def AppendJobEvent(self, request: metadata_pb2.AppendJobEventRequest, context: Context) -> common_pb2.JobEvent:
         return await self._run(request, self._store.jobs.append_event, request.job_id, request.type, request.message)

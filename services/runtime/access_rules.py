@@ -325,6 +325,7 @@ RULES: dict[str, Rule] = {
         "TransitionJobs": ADMIN_ONLY,
         # A job's ranks report through their worker agent; the scheduler writes what they report.
         "UpdateJobProgress": ADMIN_ONLY,
+        "UpdateJobsProgress": ADMIN_ONLY,
         "AppendJobEvent": ADMIN_ONLY,
         "ListJobEvents": Rule(user=JobOfTenant("job_id"), job=Itself("job_id")),
         "UpsertNode": Rule(node=Itself("spec.name")),
@@ -416,6 +417,7 @@ RULES: dict[str, Rule] = {
 MUTATING: frozenset[str] = frozenset(
     [f"/silod.v1.MetadataService/{m}" for m in (
         "RegisterDataset", "CreateJob", "CreateJobs", "TransitionJob", "TransitionJobs", "UpdateJobProgress",
+        "UpdateJobsProgress",
         "AppendJobEvent", "UpsertNode", "Heartbeat", "ClearGpuFault", "CommitPlan", "AppendMetrics", "PutJobModel",
         "CreateCredential", "RevokeCredential", "RotateCredential", "CreateTenant", "SetTenantMembers", "SetTenantQuota",
         "MintJobCredential", "AcquireLeadership", "AppendAuditEvents")]
@@ -430,7 +432,7 @@ MUTATING: frozenset[str] = frozenset(
 # routinely (docs/operators.md "Audit log" says why).
 ROUTINE: frozenset[str] = frozenset(
     [f"/silod.v1.MetadataService/{m}" for m in (
-        "CreateJob", "CreateJobs", "TransitionJob", "TransitionJobs", "UpdateJobProgress", "AppendJobEvent",
+        "CreateJob", "CreateJobs", "TransitionJob", "TransitionJobs", "UpdateJobProgress", "UpdateJobsProgress", "AppendJobEvent",
         "Heartbeat", "CommitPlan", "AppendMetrics", "PutJobModel", "AcquireLeadership", "AppendAuditEvents")]
     + [f"/silod.v1.AllocationService/{m}" for m in ("CommitPlan", "Ack", "ReportTasks")]
     + [f"/silod.v1.CacheService/{m}" for m in ("Lease", "ReleaseLease")]

@@ -599,6 +599,74 @@ class UpdateJobProgressRequest(_message.Message):
 Global___UpdateJobProgressRequest: _TypeAlias = UpdateJobProgressRequest  # noqa: Y015
 
 @_typing.final
+class UpdateJobsProgressRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UPDATES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def updates(self) -> _containers.RepeatedCompositeFieldContainer[Global___UpdateJobProgressRequest]:
+        """1..1000 updates, one per job (a job named twice: the last wins)"""
+
+    def __init__(
+        self,
+        *,
+        updates: _abc.Iterable[Global___UpdateJobProgressRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["updates", b"updates"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateJobsProgressRequest: _TypeAlias = UpdateJobsProgressRequest  # noqa: Y015
+
+@_typing.final
+class UpdateJobsProgressResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    error_code: _builtins.str
+    """gRPC status name of a refused update, e.g. "NOT_FOUND"; empty = stored"""
+    error: _builtins.str
+    """why it was refused, naming the field, as UpdateJobProgress would say it"""
+    def __init__(
+        self,
+        *,
+        error_code: _builtins.str = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "error_code", b"error_code"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateJobsProgressResult: _TypeAlias = UpdateJobsProgressResult  # noqa: Y015
+
+@_typing.final
+class UpdateJobsProgressResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___UpdateJobsProgressResult]:
+        """one per request item, in the same order"""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___UpdateJobsProgressResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateJobsProgressResponse: _TypeAlias = UpdateJobsProgressResponse  # noqa: Y015
+
+@_typing.final
 class AppendJobEventRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

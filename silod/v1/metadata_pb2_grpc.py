@@ -93,6 +93,11 @@ class MetadataServiceStub:
                 request_serializer=silod_dot_v1_dot_metadata__pb2.UpdateJobProgressRequest.SerializeToString,
                 response_deserializer=silod_dot_v1_dot_common__pb2.Job.FromString,
                 _registered_method=True)
+        self.UpdateJobsProgress = channel.unary_unary(
+                '/silod.v1.MetadataService/UpdateJobsProgress',
+                request_serializer=silod_dot_v1_dot_metadata__pb2.UpdateJobsProgressRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_metadata__pb2.UpdateJobsProgressResponse.FromString,
+                _registered_method=True)
         self.AppendJobEvent = channel.unary_unary(
                 '/silod.v1.MetadataService/AppendJobEvent',
                 request_serializer=silod_dot_v1_dot_metadata__pb2.AppendJobEventRequest.SerializeToString,
@@ -315,6 +320,14 @@ class MetadataServiceServicer:
 
     def UpdateJobProgress(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateJobsProgress(self, request, context):
+        """Many jobs' progress in one call and one commit (the scheduler forwards what a thousand nodes
+        report every few seconds); an unknown job is reported in its result and does not stop the others.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -576,6 +589,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.UpdateJobProgress,
                     request_deserializer=silod_dot_v1_dot_metadata__pb2.UpdateJobProgressRequest.FromString,
                     response_serializer=silod_dot_v1_dot_common__pb2.Job.SerializeToString,
+            ),
+            'UpdateJobsProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateJobsProgress,
+                    request_deserializer=silod_dot_v1_dot_metadata__pb2.UpdateJobsProgressRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_metadata__pb2.UpdateJobsProgressResponse.SerializeToString,
             ),
             'AppendJobEvent': grpc.unary_unary_rpc_method_handler(
                     servicer.AppendJobEvent,
@@ -1020,6 +1038,33 @@ class MetadataService:
             '/silod.v1.MetadataService/UpdateJobProgress',
             silod_dot_v1_dot_metadata__pb2.UpdateJobProgressRequest.SerializeToString,
             silod_dot_v1_dot_common__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateJobsProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/UpdateJobsProgress',
+            silod_dot_v1_dot_metadata__pb2.UpdateJobsProgressRequest.SerializeToString,
+            silod_dot_v1_dot_metadata__pb2.UpdateJobsProgressResponse.FromString,
             options,
             channel_credentials,
             insecure,

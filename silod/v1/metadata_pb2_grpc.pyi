@@ -66,6 +66,10 @@ class MetadataServiceStub:
     a refused move is reported in its result and does not stop the others.
     """
     UpdateJobProgress: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.UpdateJobProgressRequest, _common_pb2.Job]
+    UpdateJobsProgress: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.UpdateJobsProgressRequest, _metadata_pb2.UpdateJobsProgressResponse]
+    """Many jobs' progress in one call and one commit (the scheduler forwards what a thousand nodes
+    report every few seconds); an unknown job is reported in its result and does not stop the others.
+    """
     AppendJobEvent: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.AppendJobEventRequest, _common_pb2.JobEvent]
     ListJobEvents: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.ListJobEventsRequest, _metadata_pb2.ListJobEventsResponse]
     UpsertNode: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.UpsertNodeRequest, _common_pb2.Node]
@@ -155,6 +159,10 @@ class MetadataServiceAsyncStub(MetadataServiceStub):
     a refused move is reported in its result and does not stop the others.
     """
     UpdateJobProgress: _aio.UnaryUnaryMultiCallable[_metadata_pb2.UpdateJobProgressRequest, _common_pb2.Job]  # type: ignore[assignment]
+    UpdateJobsProgress: _aio.UnaryUnaryMultiCallable[_metadata_pb2.UpdateJobsProgressRequest, _metadata_pb2.UpdateJobsProgressResponse]  # type: ignore[assignment]
+    """Many jobs' progress in one call and one commit (the scheduler forwards what a thousand nodes
+    report every few seconds); an unknown job is reported in its result and does not stop the others.
+    """
     AppendJobEvent: _aio.UnaryUnaryMultiCallable[_metadata_pb2.AppendJobEventRequest, _common_pb2.JobEvent]  # type: ignore[assignment]
     ListJobEvents: _aio.UnaryUnaryMultiCallable[_metadata_pb2.ListJobEventsRequest, _metadata_pb2.ListJobEventsResponse]  # type: ignore[assignment]
     UpsertNode: _aio.UnaryUnaryMultiCallable[_metadata_pb2.UpsertNodeRequest, _common_pb2.Node]  # type: ignore[assignment]
@@ -307,6 +315,16 @@ class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _metadata_pb2.UpdateJobProgressRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.Job, _abc.Awaitable[_common_pb2.Job]]: ...
+
+    @_abc_1.abstractmethod
+    def UpdateJobsProgress(
+        self,
+        request: _metadata_pb2.UpdateJobsProgressRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_metadata_pb2.UpdateJobsProgressResponse, _abc.Awaitable[_metadata_pb2.UpdateJobsProgressResponse]]:
+        """Many jobs' progress in one call and one commit (the scheduler forwards what a thousand nodes
+        report every few seconds); an unknown job is reported in its result and does not stop the others.
+        """
 
     @_abc_1.abstractmethod
     def AppendJobEvent(

@@ -255,6 +255,29 @@ def test_transition_jobs_moves_each_independently_and_reports_refusals(stub):
                          grpc.StatusCode.INVALID_ARGUMENT, "transitions")
 
 
+def test_update_jobs_progress_stores_each_independently_and_reports_refusals(stub):
+    a, b = create_job(stub), create_job(stub)
+    reply = stub.UpdateJobsProgress(m.UpdateJobsProgressRequest(updates=[
+        m.UpdateJobProgressRequest(job_id=a.id, progress=common_pb2.JobProgress(samples_done=640, epochs_done=1),
+                                   allocated=common_pb2.ResourceVector(gpus=2)),
+        m.UpdateJobProgressRequest(job_id="job-000000000000", progress=common_pb2.JobProgress(samples_done=1)),
+        m.UpdateJobProgressRequest(job_id=b.id, progress=common_pb2.JobProgress(samples_done=-5)),
+        m.UpdateJobProgressRequest(job_id=b.id, allocated=common_pb2.ResourceVector(gpus=1)),
+    ]))
+    stored, missing, bad, allocated_only = reply.results
+    assert not stored.error_code and not allocated_only.error_code
+    assert missing.error_code == "NOT_FOUND" and missing.error.startswith("updates[1].job_id")
+    assert bad.error_code == "INVALID_ARGUMENT" and bad.error.startswith("updates[2].progress")
+    job_a, job_b = (stub.GetJob(m.GetJobRequest(job_id=j.id)) for j in (a, b))
+    assert job_a.progress.samples_done == 640 and job_a.progress.epochs_done == 1 and job_a.allocated.gpus == 2
+    assert job_b.progress.samples_done == 0 and job_b.allocated.gpus == 1  # the refused update changed nothing
+    assert job_a.state == PENDING and job_a.state_version == a.state_version  # progress is not a state move
+    for count in (0, 1001):
+        updates = [m.UpdateJobProgressRequest(job_id=a.id)] * count
+        assert_rpc_error(lambda: stub.UpdateJobsProgress(m.UpdateJobsProgressRequest(updates=updates)),
+                         grpc.StatusCode.INVALID_ARGUMENT, "updates")
+
+
 def test_create_jobs_creates_each_independently_and_reports_refusals(stub):
     def request(**fields):
         request_id = fields.pop("request_id", "")

@@ -1,0 +1,126 @@
+"""What the ranks report, written to the metadata store in batches, and the jobs as this scheduler
+last saw them.
+
+A thousand nodes report their tasks every few seconds; written one job at a time (a GetJob to
+read the state, an UpdateJobProgress, an AppendMetrics per report) those reports were most of
+the metadata service's work and held every round's reads back. Here:
+
+* :class:`KnownJobs` keeps each active job as the last round's snapshot or the scheduler's own
+  state moves left it (the newer ``state_version`` wins), so a report reads no job; a job it
+  does not know (a scheduler that just started) is read once with GetJob.
+* :class:`ProgressWriter` writes the progress and metric samples of the reports that arrive
+  while a write is in flight together, in one UpdateJobsProgress and one AppendMetrics call
+  (the newest progress per job only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import grpc
+
+from silod.v1 import common_pb2, metadata_pb2
+
+_log = logging.getLogger("silod.scheduler")
+
+MAX_PER_CALL = 1000  # the metadata service's limit per UpdateJobsProgress call
+MAX_SAMPLES_PER_CALL = 10_000  # and per AppendMetrics call
+
+
+class KnownJobs:
+    def __init__(self) -> None:
+        self._jobs: dict[str, common_pb2.Job] = {}
+
+    def get(self, job_id: str) -> common_pb2.Job | None:
+        return self._jobs.get(job_id)
+
+    def saw(self, job: common_pb2.Job) -> None:
+        """``job`` as read or moved; an older copy (a snapshot read before a move) is ignored."""
+        known = self._jobs.get(job.id)
+        if known is None or job.state_version >= known.state_version:
+            self._jobs[job.id] = job
+
+    def snapshot(self, active: Iterable[common_pb2.Job]) -> None:
+        """The active jobs of a round's snapshot: the rest have ended (or were never active)."""
+        fresh: dict[str, common_pb2.Job] = {}
+        for job in active:
+            known = self._jobs.get(job.id)
+            fresh[job.id] = known if known is not None and known.state_version > job.state_version else job
+        self._jobs = fresh
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+
+class ProgressWriter:
+    """Nothing waits to fill a batch: a write goes out at once when none is in flight, and those
+    arriving while one is go out together in the next (as submissions do, scheduler.live.servicers).
+    A caller returns once its progress is stored, as it did with a call of its own."""
+
+    def __init__(self, metadata: Callable[[], Any]) -> None:
+        self._metadata = metadata  # the stub, read at each write (set once the server's loop runs)
+        self._progress: dict[str, metadata_pb2.UpdateJobProgressRequest] = {}
+        self._samples: list[common_pb2.MetricSample] = []
+        self._waiting: list[asyncio.Future[None]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._batched = True  # False after an older metadata service answered UNIMPLEMENTED
+
+    async def write(self, update: metadata_pb2.UpdateJobProgressRequest | None,
+                    samples: Iterable[common_pb2.MetricSample]) -> None:
+        if update is not None:
+            self._progress[update.job_id] = update  # the newest report of a job replaces an unwritten older one
+        self._samples.extend(samples)
+        if not self._progress and not self._samples:
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(done)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._drain())
+        await asyncio.shield(done)
+
+    async def flush(self) -> None:
+        """Until everything taken in so far is written (or its write failed and was logged)."""
+        while self._task is not None and not self._task.done():
+            await self._task
+
+    async def _drain(self) -> None:
+        while self._waiting:
+            updates, self._progress = list(self._progress.values()), {}
+            samples, self._samples = self._samples, []
+            waiting, self._waiting = self._waiting, []
+            try:
+                await self._write(updates, samples)
+            except grpc.aio.AioRpcError as exc:  # the ranks' next reports carry newer progress
+                _log.warning("progress write failed", extra={
+                    "jobs": len(updates), "samples": len(samples), "code": exc.code().name, "details": exc.details()})
+            finally:
+                for future in waiting:
+                    if not future.done():
+                        future.set_result(None)
+
+    async def _write(self, updates: list[metadata_pb2.UpdateJobProgressRequest],
+                     samples: list[common_pb2.MetricSample]) -> None:
+        md = self._metadata()
+        for start in range(0, len(updates), MAX_PER_CALL):
+            batch = updates[start:start + MAX_PER_CALL]
+            if self._batched:
+                try:
+                    reply = await md.UpdateJobsProgress(metadata_pb2.UpdateJobsProgressRequest(updates=batch))
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    self._batched = False  # an older metadata service: one call per job from now on
+                else:
+                    for update, result in zip(batch, reply.results):
+                        if result.error_code:  # e.g. a job deleted meanwhile; the others were stored
+                            _log.info("progress not stored", extra={"job_id": update.job_id, "reason": result.error})
+                    continue
+            outcomes = await asyncio.gather(*(md.UpdateJobProgress(u) for u in batch), return_exceptions=True)
+            for update, outcome in zip(batch, outcomes):
+                if isinstance(outcome, grpc.aio.AioRpcError):
+                    _log.info("progress not stored", extra={"job_id": update.job_id, "reason": outcome.details()})
+        for start in range(0, len(samples), MAX_SAMPLES_PER_CALL):
+            await md.AppendMetrics(metadata_pb2.AppendMetricsRequest(samples=samples[start:start + MAX_SAMPLES_PER_CALL]))
