@@ -69,6 +69,7 @@ from estimator.job_model import JobModel
 from estimator.profiles.loading import JobOverheads, read_overheads
 from scheduler import data_grants
 from scheduler import quotas as quota_rule
+from scheduler.plan_changes import changes_between
 from scheduler.placement import placement_type
 from scheduler.invariants import PlanViolation, plan_problems
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan, Policy
@@ -586,7 +587,12 @@ class Simulator:
             self.on_round(snapshot, plan)
         if self._tasks:
             self._pool.end_lent(plan, t)  # sleepers whose GPU the plan lends to training end
+        # Only what the plan changes is carried out (the live scheduler commits the same changes).
+        changes = changes_between(snapshot.current.allocations, plan.allocations)
+        stopped = set(changes.removals)
         for job, info in zip(self._active, infos):
+            if job.spec.name not in changes.upserts and job.spec.name not in stopped:
+                continue  # holds what it held (or still nothing)
             new = plan.get(job.spec.name)
             if new is None or new.gpus == 0:
                 job.allocation = None

@@ -1,8 +1,9 @@
 """Carrying out a plan: commit it to the metadata store (a new version, or none when nothing
 changed), record the GPUs it takes from jobs as pending release, move the jobs' states, log it.
 
-Cost: one CommitPlan, and one TransitionJobs call per MAX_MOVES jobs whose state the plan
-changes.
+Cost: one CommitPlanChanges (the entries that changed since the plan in force, the same
+mechanism as the simulator's, scheduler.plan_changes), and one TransitionJobs call per MAX_MOVES
+jobs whose state the plan changes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from scheduler.live import convert
 from scheduler.live.clients import PLACED_STATES, Clients
 from scheduler.live.plans import PlanStore
 from scheduler.live.progress import KnownJobs
+from scheduler.plan_changes import PlanChanges, changes_between
 from scheduler.live.releases import ReleaseTracker
 from scheduler.live.resizes import CrashRestarts
 from silod.v1 import common_pb2, metadata_pb2, plan_pb2
@@ -35,6 +37,8 @@ class Committer:
         self.restarts = restarts
         self._trigger = trigger
         self.last_outcome = "unchanged"  # of the last commit: committed, unchanged or lost_race (scheduler metrics)
+        self._entries: tuple[int, dict[str, bytes]] = (-1, {})  # (version, job -> its entry serialized)
+        self._changes_supported = True  # False once the metadata service answered UNIMPLEMENTED
 
     async def commit(self, proto: plan_pb2.AllocationPlan, base: plan_pb2.AllocationPlan | None,
                      jobs: Mapping[str, common_pb2.Job], reason: str) -> plan_pb2.AllocationPlan | None:
@@ -42,11 +46,13 @@ class Committer:
         changes nothing or another commit won the race (a retry round is triggered)."""
         latest = base
         self.last_outcome = "unchanged"
-        if latest is not None and same_allocations(latest, proto):
+        entries = {entry.job_id: entry.SerializeToString(deterministic=True) for entry in proto.jobs}
+        changes = changes_between(self._entries_of(latest), entries) if latest is not None else None
+        if changes is not None and not changes:
             return None  # nothing changed: no new version
         old = {a.job_id: a for a in (latest.jobs if latest is not None else [])}
         try:
-            committed = await self.clients.md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=proto))
+            committed = await self._send(proto, changes)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.ABORTED:
                 _log.warning("plan commit lost a race; retrying next round", extra={"version": proto.version})
@@ -55,6 +61,7 @@ class Committer:
                 self._trigger("retry")
                 return None
             raise
+        self._entries = (committed.version, entries)  # the committed plan's entries are the proto's
         # GPUs taken from a job are pending release until the node acknowledges them.
         if latest is not None:
             self.releases.record(latest, committed)
@@ -64,6 +71,34 @@ class Committer:
         _log_commit(committed, old, reason)
         self.last_outcome = "committed"
         return committed
+
+    def _entries_of(self, plan: plan_pb2.AllocationPlan) -> dict[str, bytes]:
+        """Each job's entry of ``plan``, serialized (kept from the last commit: the base of the next)."""
+        if self._entries[0] != plan.version:
+            self._entries = (plan.version, {e.job_id: e.SerializeToString(deterministic=True) for e in plan.jobs})
+        return self._entries[1]
+
+    async def _send(self, proto: plan_pb2.AllocationPlan,
+                    changes: PlanChanges[bytes] | None) -> plan_pb2.AllocationPlan:
+        """Commit ``proto`` as its changes of the plan in force when there is one (the whole plan to a
+        metadata service without CommitPlanChanges); the whole plan committed."""
+        md = self.clients.md
+        if changes is None or not self._changes_supported:
+            return await md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=proto))
+        header = plan_pb2.AllocationPlan()
+        header.CopyFrom(proto)
+        del header.jobs[:]
+        by_job = {entry.job_id: entry for entry in proto.jobs}
+        request = metadata_pb2.CommitPlanChangesRequest(plan=header, changes=plan_pb2.PlanChanges(
+            base_version=proto.version - 1, jobs=[by_job[job] for job in changes.upserts],
+            removed_job_ids=list(changes.removals)))
+        try:
+            return await md.CommitPlanChanges(request)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self._changes_supported = False  # an older metadata service: whole plans from now on
+            return await md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=proto))
 
     async def _transitions(self, plan: plan_pb2.AllocationPlan, old: dict, jobs: Mapping[str, common_pb2.Job]) -> None:
         # Each job moves independently (a compare-and-set of its own); they go out in one
@@ -123,10 +158,3 @@ def _log_commit(plan: plan_pb2.AllocationPlan, old: dict[str, plan_pb2.JobAlloca
 
 def _move(job: common_pb2.Job, new_state: int, message: str) -> metadata_pb2.TransitionJobRequest:
     return metadata_pb2.TransitionJobRequest(job_id=job.id, expected_state=job.state, new_state=new_state, message=message)
-
-
-def same_allocations(a: plan_pb2.AllocationPlan, b: plan_pb2.AllocationPlan) -> bool:
-    def key(plan: plan_pb2.AllocationPlan) -> list[bytes]:
-        return sorted(job.SerializeToString(deterministic=True) for job in plan.jobs)
-
-    return key(a) == key(b)

@@ -163,6 +163,8 @@ class Plan(Base):
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
     policy: Mapped[str] = mapped_column(String(128))
     plan: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # Set: ``plan`` holds only what this plan changes of that version (PlanChanges); NULL: the whole plan.
+    base_version: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class MetricSample(Base):

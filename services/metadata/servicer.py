@@ -237,6 +237,11 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     async def CommitPlan(self, request: metadata_pb2.CommitPlanRequest, context: Context) -> plan_pb2.AllocationPlan:
         return await self._run(request, self._store.plans.commit, request.plan)
 
+    async def CommitPlanChanges(
+        self, request: metadata_pb2.CommitPlanChangesRequest, context: Context
+    ) -> plan_pb2.AllocationPlan:
+        return await self._run(request, self._store.plans.commit, request.plan, request.changes)
+
     async def AcquireLeadership(
         self, request: metadata_pb2.AcquireLeadershipRequest, context: Context
     ) -> metadata_pb2.Leadership:

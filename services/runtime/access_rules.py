@@ -335,6 +335,7 @@ RULES: dict[str, Rule] = {
         "ListNodes": Rule(user=ANY, node=ANY),
         "ClearGpuFault": ADMIN_ONLY,
         "CommitPlan": ADMIN_ONLY,
+        "CommitPlanChanges": ADMIN_ONLY,
         # Whole plans name every tenant's jobs: the scheduler and the dashboard (admins) read them; a
         # node reads only its own view, through AllocationService.Watch.
         "GetLatestPlan": ADMIN_ONLY,
@@ -418,7 +419,8 @@ MUTATING: frozenset[str] = frozenset(
     [f"/silod.v1.MetadataService/{m}" for m in (
         "RegisterDataset", "CreateJob", "CreateJobs", "TransitionJob", "TransitionJobs", "UpdateJobProgress",
         "UpdateJobsProgress",
-        "AppendJobEvent", "UpsertNode", "Heartbeat", "ClearGpuFault", "CommitPlan", "AppendMetrics", "PutJobModel",
+        "AppendJobEvent", "UpsertNode", "Heartbeat", "ClearGpuFault", "CommitPlan", "CommitPlanChanges",
+        "AppendMetrics", "PutJobModel",
         "CreateCredential", "RevokeCredential", "RotateCredential", "CreateTenant", "SetTenantMembers", "SetTenantQuota",
         "MintJobCredential", "AcquireLeadership", "AppendAuditEvents")]
     + [f"/silod.v1.JobService/{m}" for m in ("SubmitJob", "CancelJob", "RegisterDataset")]
@@ -433,7 +435,8 @@ MUTATING: frozenset[str] = frozenset(
 ROUTINE: frozenset[str] = frozenset(
     [f"/silod.v1.MetadataService/{m}" for m in (
         "CreateJob", "CreateJobs", "TransitionJob", "TransitionJobs", "UpdateJobProgress", "UpdateJobsProgress", "AppendJobEvent",
-        "Heartbeat", "CommitPlan", "AppendMetrics", "PutJobModel", "AcquireLeadership", "AppendAuditEvents")]
+        "Heartbeat", "CommitPlan", "CommitPlanChanges", "AppendMetrics", "PutJobModel", "AcquireLeadership",
+        "AppendAuditEvents")]
     + [f"/silod.v1.AllocationService/{m}" for m in ("CommitPlan", "Ack", "ReportTasks")]
     + [f"/silod.v1.CacheService/{m}" for m in ("Lease", "ReleaseLease")]
     + ["/silod.v1.WorkerAgentService/ReportProgress", "/silod.v1.EstimatorService/Observe"])

@@ -919,6 +919,36 @@ class CommitPlanRequest(_message.Message):
 Global___CommitPlanRequest: _TypeAlias = CommitPlanRequest  # noqa: Y015
 
 @_typing.final
+class CommitPlanChangesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLAN_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def plan(self) -> _plan_pb2.AllocationPlan:
+        """every field of the new plan but jobs, which must be empty"""
+
+    @_builtins.property
+    def changes(self) -> _plan_pb2.PlanChanges:
+        """The new plan's jobs, as what they change of plan changes.base_version: it must be plan.version - 1
+        (INVALID_ARGUMENT), and plan.version the next version (else ABORTED, as for CommitPlan).
+        """
+
+    def __init__(
+        self,
+        *,
+        plan: _plan_pb2.AllocationPlan | None = ...,
+        changes: _plan_pb2.PlanChanges | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "plan", b"plan"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "plan", b"plan"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitPlanChangesRequest: _TypeAlias = CommitPlanChangesRequest  # noqa: Y015
+
+@_typing.final
 class GetLatestPlanRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -138,6 +138,11 @@ class MetadataServiceStub:
                 request_serializer=silod_dot_v1_dot_metadata__pb2.CommitPlanRequest.SerializeToString,
                 response_deserializer=silod_dot_v1_dot_plan__pb2.AllocationPlan.FromString,
                 _registered_method=True)
+        self.CommitPlanChanges = channel.unary_unary(
+                '/silod.v1.MetadataService/CommitPlanChanges',
+                request_serializer=silod_dot_v1_dot_metadata__pb2.CommitPlanChangesRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_plan__pb2.AllocationPlan.FromString,
+                _registered_method=True)
         self.GetLatestPlan = channel.unary_unary(
                 '/silod.v1.MetadataService/GetLatestPlan',
                 request_serializer=silod_dot_v1_dot_metadata__pb2.GetLatestPlanRequest.SerializeToString,
@@ -380,6 +385,14 @@ class MetadataServiceServicer:
 
     def CommitPlan(self, request, context):
         """Allocation plans. CommitPlan succeeds only if plan.version == latest + 1.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitPlanChanges(self, request, context):
+        """A plan as what it changes of the latest one: a round at a thousand nodes changes a few dozen
+        of thousands of entries, and the store keeps such a plan as its changes. Answers the whole plan.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -633,6 +646,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
             'CommitPlan': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitPlan,
                     request_deserializer=silod_dot_v1_dot_metadata__pb2.CommitPlanRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_plan__pb2.AllocationPlan.SerializeToString,
+            ),
+            'CommitPlanChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitPlanChanges,
+                    request_deserializer=silod_dot_v1_dot_metadata__pb2.CommitPlanChangesRequest.FromString,
                     response_serializer=silod_dot_v1_dot_plan__pb2.AllocationPlan.SerializeToString,
             ),
             'GetLatestPlan': grpc.unary_unary_rpc_method_handler(
@@ -1280,6 +1298,33 @@ class MetadataService:
             target,
             '/silod.v1.MetadataService/CommitPlan',
             silod_dot_v1_dot_metadata__pb2.CommitPlanRequest.SerializeToString,
+            silod_dot_v1_dot_plan__pb2.AllocationPlan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitPlanChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.MetadataService/CommitPlanChanges',
+            silod_dot_v1_dot_metadata__pb2.CommitPlanChangesRequest.SerializeToString,
             silod_dot_v1_dot_plan__pb2.AllocationPlan.FromString,
             options,
             channel_credentials,

@@ -84,6 +84,10 @@ class MetadataServiceStub:
     """
     CommitPlan: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.CommitPlanRequest, _plan_pb2.AllocationPlan]
     """Allocation plans. CommitPlan succeeds only if plan.version == latest + 1."""
+    CommitPlanChanges: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.CommitPlanChangesRequest, _plan_pb2.AllocationPlan]
+    """A plan as what it changes of the latest one: a round at a thousand nodes changes a few dozen
+    of thousands of entries, and the store keeps such a plan as its changes. Answers the whole plan.
+    """
     GetLatestPlan: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.GetLatestPlanRequest, _plan_pb2.AllocationPlan]
     """NOT_FOUND before the first commit"""
     GetPlan: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.GetPlanRequest, _plan_pb2.AllocationPlan]
@@ -177,6 +181,10 @@ class MetadataServiceAsyncStub(MetadataServiceStub):
     """
     CommitPlan: _aio.UnaryUnaryMultiCallable[_metadata_pb2.CommitPlanRequest, _plan_pb2.AllocationPlan]  # type: ignore[assignment]
     """Allocation plans. CommitPlan succeeds only if plan.version == latest + 1."""
+    CommitPlanChanges: _aio.UnaryUnaryMultiCallable[_metadata_pb2.CommitPlanChangesRequest, _plan_pb2.AllocationPlan]  # type: ignore[assignment]
+    """A plan as what it changes of the latest one: a round at a thousand nodes changes a few dozen
+    of thousands of entries, and the store keeps such a plan as its changes. Answers the whole plan.
+    """
     GetLatestPlan: _aio.UnaryUnaryMultiCallable[_metadata_pb2.GetLatestPlanRequest, _plan_pb2.AllocationPlan]  # type: ignore[assignment]
     """NOT_FOUND before the first commit"""
     GetPlan: _aio.UnaryUnaryMultiCallable[_metadata_pb2.GetPlanRequest, _plan_pb2.AllocationPlan]  # type: ignore[assignment]
@@ -387,6 +395,16 @@ class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_plan_pb2.AllocationPlan, _abc.Awaitable[_plan_pb2.AllocationPlan]]:
         """Allocation plans. CommitPlan succeeds only if plan.version == latest + 1."""
+
+    @_abc_1.abstractmethod
+    def CommitPlanChanges(
+        self,
+        request: _metadata_pb2.CommitPlanChangesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_plan_pb2.AllocationPlan, _abc.Awaitable[_plan_pb2.AllocationPlan]]:
+        """A plan as what it changes of the latest one: a round at a thousand nodes changes a few dozen
+        of thousands of entries, and the store keeps such a plan as its changes. Answers the whole plan.
+        """
 
     @_abc_1.abstractmethod
     def GetLatestPlan(

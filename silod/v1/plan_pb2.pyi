@@ -317,6 +317,43 @@ class AllocationPlan(_message.Message):
 Global___AllocationPlan: _TypeAlias = AllocationPlan  # noqa: Y015
 
 @_typing.final
+class PlanChanges(_message.Message):
+    """What one plan changes of the plan before it (MetadataService.CommitPlan): applied to the base
+    plan's jobs, changed entries replace theirs in place, removed ones go, new ones come last in
+    the order given.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BASE_VERSION_FIELD_NUMBER: _builtins.int
+    JOBS_FIELD_NUMBER: _builtins.int
+    REMOVED_JOB_IDS_FIELD_NUMBER: _builtins.int
+    base_version: _builtins.int
+    """the plan these apply to: the new plan's version - 1"""
+    @_builtins.property
+    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobAllocation]:
+        """entries new or different in the new plan, whole"""
+
+    @_builtins.property
+    def removed_job_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """jobs whose entries the new plan drops"""
+
+    def __init__(
+        self,
+        *,
+        base_version: _builtins.int = ...,
+        jobs: _abc.Iterable[Global___JobAllocation] | None = ...,
+        removed_job_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "jobs", b"jobs", "removed_job_ids", b"removed_job_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanChanges: _TypeAlias = PlanChanges  # noqa: Y015
+
+@_typing.final
 class TaskAssignment(_message.Message):
     """One rank of one job to run on one node."""
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from sqlalchemy import insert
 from silod.v1 import access_pb2 as a, common_pb2, metadata_pb2 as m, metadata_pb2_grpc, plan_pb2
 
 from services.metadata import convert
@@ -46,19 +47,22 @@ def _old_cluster(url: str) -> dict[str, object]:
         # datasets are read back tenant `default`'s and shared with every tenant.
         datasets = {name: write_old_dataset(store.db.engine, name, count) for name, count in (("imgs", 30), ("text", 5))}
         created = datetime(2026, 11, 1, tzinfo=timezone.utc)
-        with store.db.write() as session:
+        plans = []
+        with store.db.write() as session:  # the columns of 0003 (0009 adds plans.base_version)
             for version in (1, 2):
                 plan = plan_pb2.AllocationPlan(version=version, policy="fifo", jobs=[plan_pb2.JobAllocation(
                     job_id=jobs[1].id, placements=[plan_pb2.GpuPlacement(node="n1", gpu_indices=[0, version])])])
                 at = created + timedelta(minutes=version)
                 plan.created_at.FromDatetime(at)
-                session.add(Plan(version=version, created_at=at, policy="fifo", plan=convert.to_json(plan)))
+                session.execute(insert(Plan.__table__).values(version=version, created_at=at, policy="fifo",
+                                                              plan=convert.to_json(plan)))
+                plans.insert(0, plan)  # ListPlans: newest first
         return {
             "jobs": {j.id: store.jobs.get(j.id) for j in jobs},
             "events": {j.id: store.jobs.list_events(j.id) for j in jobs},
             "datasets": datasets,
             "node": store.nodes.get("n1").spec,
-            "plans": store.plans.list()[0],
+            "plans": plans,
         }
     finally:
         store.close()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 from silod.v1 import plan_pb2
 
 from services.metadata import convert, paging
@@ -14,8 +17,13 @@ from services.metadata.database import Database
 from services.metadata.models import Plan
 from services.metadata.store.leadership import epoch_now
 from services.metadata.validation.common import check_int
-from services.metadata.validation.plans import check_plan
-from services.runtime.errors import Aborted, FailedPrecondition, NotFound
+from services.metadata.validation.plans import check_plan, check_plan_changes
+from services.runtime.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
+
+# A plan is stored whole at least every this many versions (and whenever its changes are half of
+# it or more); in between, as its changes. Reading a version applies at most this many rows.
+CHECKPOINT_EVERY = 64
+REMOVED_KEY = "removed_job_ids"  # in a row of changes: the jobs the plan drops
 
 
 class PlanStore:
@@ -37,12 +45,22 @@ class PlanStore:
         copy.CopyFrom(plan)
         return copy
 
-    def commit(self, plan: plan_pb2.AllocationPlan) -> plan_pb2.AllocationPlan:
-        check_plan(plan)
-        stored = plan_pb2.AllocationPlan()
-        stored.CopyFrom(plan)
+    def commit(self, plan: plan_pb2.AllocationPlan,
+               changes: plan_pb2.PlanChanges | None = None) -> plan_pb2.AllocationPlan:
+        """Commit ``plan`` as the next version; with ``changes``, ``plan`` holds every field but
+        jobs, and its jobs are ``changes`` applied to plan ``changes.base_version``. The whole
+        plan committed is returned either way."""
+        if changes is not None:
+            if plan.jobs:
+                raise InvalidArgument("must be empty when changes are given (the plan's jobs are the changes applied "
+                                      "to the base plan)", field="plan.jobs")
+            check_plan_changes(changes)
+            if changes.base_version != plan.version - 1:
+                raise InvalidArgument(f"must be the plan's version - 1 ({plan.version - 1}), got {changes.base_version}",
+                                      field="changes.base_version")
+        else:
+            check_plan(plan)
         created_at = from_timestamp(plan.created_at) if plan.HasField("created_at") else utc_now()
-        stored.created_at.CopyFrom(to_timestamp(created_at))
         try:
             with self._db.write() as session:
                 # Fencing: a deposed leader (its epoch older than the lease's) cannot commit. The
@@ -55,7 +73,21 @@ class PlanStore:
                 latest = session.scalar(select(func.max(Plan.version))) or 0
                 if plan.version != latest + 1:
                     raise _stale(plan.version, latest)
-                session.add(Plan(version=plan.version, created_at=created_at, policy=plan.policy, plan=convert.to_json(stored)))
+                header = self._copy(plan)
+                header.created_at.CopyFrom(to_timestamp(created_at))
+                if changes is None:
+                    stored, row_json, base_version = header, convert.to_json(header), None
+                else:
+                    base = self._whole(session, changes.base_version)
+                    stored = apply_changes(base, header, changes.jobs, changes.removed_job_ids)
+                    unchanged = {job.job_id for job in base.jobs} - {job.job_id for job in changes.jobs}
+                    check_plan(stored, checked=unchanged)
+                    if plan.version % CHECKPOINT_EVERY and 2 * (len(changes.jobs) + len(changes.removed_job_ids)) < len(stored.jobs):
+                        row_json, base_version = changes_to_json(header, changes), changes.base_version
+                    else:  # a whole plan now and then, so that reading any version applies few changes
+                        row_json, base_version = convert.to_json(stored), None
+                session.add(Plan(version=plan.version, created_at=created_at, policy=plan.policy, plan=row_json,
+                                 base_version=base_version))
                 session.flush()
         except IntegrityError:
             # Another committer inserted this version after we read the latest one. The
@@ -63,6 +95,13 @@ class PlanStore:
             raise _stale(plan.version, plan.version) from None
         self._remember(plan.version, created_at, stored)
         return self._copy(stored)
+
+    def _whole(self, session: Session, version: int) -> plan_pb2.AllocationPlan:
+        """Plan ``version`` whole (the store's own message: copy before handing it out)."""
+        cached = self._latest
+        if cached is not None and cached[0] == version:
+            return cached[2]
+        return whole_plans(session, [version])[version]
 
     def latest(self) -> plan_pb2.AllocationPlan:
         with self._db.read() as session:
@@ -73,32 +112,86 @@ class PlanStore:
             cached = self._latest
             if cached is not None and cached[0] == head.version and cached[1] == head.created_at:
                 return self._copy(cached[2])
-            row = session.get(Plan, head.version)
-            plan = convert.plan_to_proto(row)
-            created_at = row.created_at
-        self._remember(head.version, created_at, plan)
+            plan = whole_plans(session, [head.version])[head.version]
+        self._remember(head.version, head.created_at, plan)
         return self._copy(plan)
 
     def get(self, version: int) -> plan_pb2.AllocationPlan:
         check_int(version, "version", minimum=1, maximum=2**63 - 1)
         with self._db.read() as session:
-            row = session.get(Plan, version)
-            if row is None:
+            if session.get(Plan, version) is None:
                 raise NotFound(f"no plan with version {version}", field="version")
-            return convert.plan_to_proto(row)
+            return whole_plans(session, [version])[version]
 
     def list(self, page_size: int = 0, page_token: str = "") -> tuple[list[plan_pb2.AllocationPlan], str]:
         """Newest first."""
         size = paging.PLANS.size(page_size)
         before = paging.decode_token(page_token, "plans", int)
-        query = select(Plan).order_by(Plan.version.desc()).limit(size + 1)
+        query = select(Plan.version).order_by(Plan.version.desc()).limit(size + 1)
         if before:
             query = query.where(Plan.version < before[0])
         with self._db.read() as session:
-            rows = list(session.scalars(query))
-        page = rows[:size]
-        next_token = paging.encode_token("plans", page[-1].version) if len(rows) > size else ""
-        return [convert.plan_to_proto(row) for row in page], next_token
+            versions = list(session.scalars(query))
+            page = versions[:size]
+            plans = whole_plans(session, page)
+        next_token = paging.encode_token("plans", page[-1]) if len(versions) > size else ""
+        return [plans[v] for v in page], next_token
+
+
+def apply_changes(base: plan_pb2.AllocationPlan, header: plan_pb2.AllocationPlan,
+                  jobs: Iterable[plan_pb2.JobAllocation], removed: Iterable[str]) -> plan_pb2.AllocationPlan:
+    """``header`` (every field but jobs) with the jobs of ``base`` changed: the base's entries in
+    their order, changed ones in place, removed ones dropped, new ones after them in the order given
+    (the rule of scheduler.plan_changes, on the messages)."""
+    plan = plan_pb2.AllocationPlan()
+    plan.CopyFrom(header)
+    del plan.jobs[:]
+    changed = {job.job_id: job for job in jobs}
+    gone = set(removed)
+    plan.jobs.extend([changed.pop(job.job_id, job) for job in base.jobs if job.job_id not in gone])
+    plan.jobs.extend(changed.values())
+    return plan
+
+
+def changes_to_json(header: plan_pb2.AllocationPlan, changes: plan_pb2.PlanChanges) -> dict[str, Any]:
+    """A plan row that holds changes: the header with the changed entries as its jobs, and the
+    removed job ids under a key of their own."""
+    row = plan_pb2.AllocationPlan()
+    row.CopyFrom(header)
+    del row.jobs[:]
+    row.jobs.extend(changes.jobs)
+    data = convert.to_json(row)
+    data[REMOVED_KEY] = list(changes.removed_job_ids)
+    return data
+
+
+def whole_plans(session: Session, versions: Iterable[int]) -> dict[int, plan_pb2.AllocationPlan]:
+    """Plans ``versions`` whole: each row of changes applied, in order, to the whole plan at or
+    below it (at most CHECKPOINT_EVERY rows to read per version)."""
+    wanted = set(versions)
+    if not wanted:
+        return {}
+    low, high = min(wanted), max(wanted)
+    start = session.scalar(select(func.max(Plan.version)).where(Plan.version <= low, Plan.base_version.is_(None)))
+    if start is None:  # retention keeps the oldest plan whole, so this is a damaged store
+        raise NotFound(f"plan {low} is stored as changes of a plan that is gone", field="version")
+    out: dict[int, plan_pb2.AllocationPlan] = {}
+    plan: plan_pb2.AllocationPlan | None = None
+    for row in session.execute(select(Plan.version, Plan.base_version, Plan.plan)
+                               .where(Plan.version >= start, Plan.version <= high).order_by(Plan.version)):
+        if row.base_version is None:
+            plan = convert.plan_to_proto(row)
+        else:
+            if plan is None or plan.version != row.base_version:
+                raise NotFound(f"plan {row.version} is stored as changes of plan {row.base_version}, which is gone",
+                               field="version")
+            data = dict(row.plan)
+            removed = data.pop(REMOVED_KEY, [])
+            delta = convert.from_json(data, plan_pb2.AllocationPlan)
+            plan = apply_changes(plan, delta, delta.jobs, removed)
+        if row.version in wanted:
+            out[row.version] = plan
+    return out
 
 
 def _stale(version: int, latest: int) -> Aborted:

@@ -22,10 +22,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import and_, delete, func, select
+from sqlalchemy.orm import Session
 
+from services.metadata import convert
 from services.metadata.clock import utc_now
 from services.metadata.database import Database
 from services.metadata.models import AuditEvent, Job, JobEvent, MetricSample, Plan
+from services.metadata.store.plans import whole_plans
 
 MAX_BATCHES = 50  # per table and compaction: a backlog is worked off over several compactions
 
@@ -70,6 +73,7 @@ class RetentionStore:
                     select(Plan.version).where(and_(Plan.created_at < before, Plan.version <= newest - min_plans))
                     .order_by(Plan.version).limit(batch)).all()
                 if versions:
+                    _keep_oldest_whole(session, max(versions))
                     session.execute(delete(Plan).where(Plan.version.in_(versions)))
             removed += len(versions)
             if len(versions) < batch:
@@ -117,3 +121,13 @@ class RetentionStore:
             return {name: int(session.scalar(select(func.count()).select_from(model)) or 0)
                     for name, model in (("plans", Plan), ("metric_samples", MetricSample), ("job_events", JobEvent),
                                              ("audit_events", AuditEvent))}
+
+
+def _keep_oldest_whole(session: Session, last_removed: int) -> None:
+    """The plan after ``last_removed`` becomes the oldest one kept: if it is stored as changes of
+    a plan about to go, it is rewritten whole first (plans.whole_plans starts from a whole one)."""
+    row = session.scalars(select(Plan).where(Plan.version > last_removed).order_by(Plan.version).limit(1)).first()
+    if row is not None and row.base_version is not None:
+        row.plan = convert.to_json(whole_plans(session, [row.version])[row.version])
+        row.base_version = None
+        session.flush()

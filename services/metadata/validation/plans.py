@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from silod.v1 import plan_pb2
 
 from services.metadata.validation.common import (
@@ -23,9 +25,29 @@ CACHE_MODES = ("", "silod", "lru", "static", "none")
 Gpu = tuple[str, int]  # (node, device index)
 
 
-def check_plan(plan: plan_pb2.AllocationPlan, field: str = "plan") -> None:
+def check_plan_changes(changes: plan_pb2.PlanChanges, field: str = "changes") -> None:
+    """The fields of each changed entry and removed job id (the whole plan they make is checked
+    by check_plan after, without checking the unchanged entries' fields again)."""
+    problems = Problems()
+    check = problems.check
+    check(check_int, changes.base_version, f"{field}.base_version", minimum=1, maximum=2**63 - 1)
+    seen: set[str] = set()
+    for index, job in enumerate(changes.jobs):
+        check(_check_job_allocation, job, f"{field}.jobs[{index}]")
+        if job.job_id in seen:
+            problems.add(f"{field}.jobs[{index}].job_id", f"{job.job_id!r} appears twice in the changes")
+        seen.add(job.job_id)
+    for index, job_id in enumerate(changes.removed_job_ids):
+        check(check_job_id, job_id, f"{field}.removed_job_ids[{index}]")
+        if job_id in seen:
+            problems.add(f"{field}.removed_job_ids[{index}]", f"{job_id!r} is both changed and removed")
+    problems.raise_if_any()
+
+
+def check_plan(plan: plan_pb2.AllocationPlan, field: str = "plan", *, checked: Container[str] = ()) -> None:
     """Refused with every problem of the plan's fields (the first of each job, replica and loan)
-    at once; then, if the fields are sound, that no GPU has two holders."""
+    at once; then, if the fields are sound, that no GPU has two holders. ``checked``: jobs whose
+    entries were checked before (unchanged since a committed plan): their fields are not again."""
     problems = Problems()
     check = problems.check
     check(check_int, plan.version, f"{field}.version", minimum=1, maximum=2**63 - 1)
@@ -42,7 +64,8 @@ def check_plan(plan: plan_pb2.AllocationPlan, field: str = "plan") -> None:
     seen_jobs: set[str] = set()
     for index, job in enumerate(plan.jobs):
         job_field = f"{field}.jobs[{index}]"
-        check(_check_job_allocation, job, job_field)
+        if job.job_id not in checked:
+            check(_check_job_allocation, job, job_field)
         if job.job_id in seen_jobs:
             problems.add(f"{job_field}.job_id", f"{job.job_id!r} appears twice in the plan")
         seen_jobs.add(job.job_id)
