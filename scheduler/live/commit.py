@@ -9,11 +9,12 @@ jobs whose state the plan changes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
 from scheduler.live import convert
+from scheduler.live.batching import Coalescer
 from scheduler.live.clients import PLACED_STATES, Clients
 from scheduler.live.plans import PlanStore
 from scheduler.live.progress import KnownJobs
@@ -39,6 +40,8 @@ class Committer:
         self.last_outcome = "unchanged"  # of the last commit: committed, unchanged or lost_race (scheduler metrics)
         self._entries: tuple[int, dict[str, bytes]] = (-1, {})  # (version, job -> its entry serialized)
         self._changes_supported = True  # False once the metadata service answered UNIMPLEMENTED
+        self._moves: Coalescer[metadata_pb2.TransitionJobRequest, metadata_pb2.TransitionResult] = \
+            Coalescer(self._send_moves, max_items=MAX_MOVES)
 
     async def commit(self, proto: plan_pb2.AllocationPlan, base: plan_pb2.AllocationPlan | None,
                      jobs: Mapping[str, common_pb2.Job], reason: str) -> plan_pb2.AllocationPlan | None:
@@ -129,17 +132,22 @@ class Committer:
                     self.jobs.saw(result.job)
 
     async def transition(self, job_id: str, expected: int, new: int, message: str) -> common_pb2.Job | None:
-        try:
-            job = await self.clients.md.TransitionJob(metadata_pb2.TransitionJobRequest(
-                job_id=job_id, expected_state=expected, new_state=new, message=message))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
-                _log.info("transition skipped", extra={"job_id": job_id, "reason": exc.details()})
-                self.jobs.forget(job_id)  # moved by someone else: read afresh when next needed
-                return None
-            raise
-        self.jobs.saw(job)
-        return job
+        # Moves of many reports at once go out together, one TransitionJobs call (one commit).
+        result = await self._moves.submit(metadata_pb2.TransitionJobRequest(
+            job_id=job_id, expected_state=expected, new_state=new, message=message))
+        if result.error_code:
+            if result.error_code in ("FAILED_PRECONDITION", "NOT_FOUND"):
+                _log.info("transition skipped", extra={"job_id": job_id, "reason": result.error})
+            else:
+                _log.warning("transition refused", extra={"job_id": job_id, "reason": result.error})
+            self.jobs.forget(job_id)  # moved by someone else: read afresh when next needed
+            return None
+        self.jobs.saw(result.job)
+        return result.job
+
+    async def _send_moves(self, moves: Sequence[metadata_pb2.TransitionJobRequest]) -> list[metadata_pb2.TransitionResult]:
+        reply = await self.clients.md.TransitionJobs(metadata_pb2.TransitionJobsRequest(transitions=moves))
+        return list(reply.results)
 
 
 def _log_commit(plan: plan_pb2.AllocationPlan, old: dict[str, plan_pb2.JobAllocation], reason: str) -> None:

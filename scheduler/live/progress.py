@@ -9,19 +9,20 @@ the metadata service's work and held every round's reads back. Here:
   state moves left it (the newer ``state_version`` wins), so a report reads no job; a job it
   does not know (a scheduler that just started) is read once with GetJob.
 * :class:`ProgressWriter` writes the progress and metric samples of the reports that arrive
-  while a write is in flight together, in one UpdateJobsProgress and one AppendMetrics call
-  (the newest progress per job only).
+  while a write is in flight together (scheduler.live.batching), in one UpdateJobsProgress and
+  one AppendMetrics call (the newest progress per job only).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
 
+from scheduler.live.batching import Coalescer
 from silod.v1 import common_pb2, metadata_pb2
 
 _log = logging.getLogger("silod.scheduler")
@@ -56,50 +57,37 @@ class KnownJobs:
 
 
 class ProgressWriter:
-    """Nothing waits to fill a batch: a write goes out at once when none is in flight, and those
-    arriving while one is go out together in the next (as submissions do, scheduler.live.servicers).
-    A caller returns once its progress is stored, as it did with a call of its own."""
+    """Reports that arrive while a write is in flight are written together in the next
+    (scheduler.live.batching); a caller returns once its progress is stored, as it did with a
+    call of its own."""
 
     def __init__(self, metadata: Callable[[], Any]) -> None:
         self._metadata = metadata  # the stub, read at each write (set once the server's loop runs)
-        self._progress: dict[str, metadata_pb2.UpdateJobProgressRequest] = {}
-        self._samples: list[common_pb2.MetricSample] = []
-        self._waiting: list[asyncio.Future[None]] = []
-        self._task: asyncio.Task[None] | None = None
+        self._calls: Coalescer[tuple[metadata_pb2.UpdateJobProgressRequest | None, list[common_pb2.MetricSample]],
+                               None] = Coalescer(self._send, max_items=MAX_PER_CALL)
         self._batched = True  # False after an older metadata service answered UNIMPLEMENTED
 
     async def write(self, update: metadata_pb2.UpdateJobProgressRequest | None,
                     samples: Iterable[common_pb2.MetricSample]) -> None:
-        if update is not None:
-            self._progress[update.job_id] = update  # the newest report of a job replaces an unwritten older one
-        self._samples.extend(samples)
-        if not self._progress and not self._samples:
-            return
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.append(done)
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._drain())
-        await asyncio.shield(done)
+        samples = list(samples)
+        if update is not None or samples:
+            await self._calls.submit((update, samples))
 
     async def flush(self) -> None:
         """Until everything taken in so far is written (or its write failed and was logged)."""
-        while self._task is not None and not self._task.done():
-            await self._task
+        await self._calls.flush()
 
-    async def _drain(self) -> None:
-        while self._waiting:
-            updates, self._progress = list(self._progress.values()), {}
-            samples, self._samples = self._samples, []
-            waiting, self._waiting = self._waiting, []
-            try:
-                await self._write(updates, samples)
-            except grpc.aio.AioRpcError as exc:  # the ranks' next reports carry newer progress
-                _log.warning("progress write failed", extra={
-                    "jobs": len(updates), "samples": len(samples), "code": exc.code().name, "details": exc.details()})
-            finally:
-                for future in waiting:
-                    if not future.done():
-                        future.set_result(None)
+    async def _send(self, items: Sequence[tuple[metadata_pb2.UpdateJobProgressRequest | None,
+                                                list[common_pb2.MetricSample]]]) -> list[None]:
+        # The newest report of a job replaces an older one of the same batch.
+        updates = {update.job_id: update for update, _ in items if update is not None}
+        samples = [sample for _, batch in items for sample in batch]
+        try:
+            await self._write(list(updates.values()), samples)
+        except grpc.aio.AioRpcError as exc:  # the ranks' next reports carry newer progress
+            _log.warning("progress write failed", extra={
+                "jobs": len(updates), "samples": len(samples), "code": exc.code().name, "details": exc.details()})
+        return [None] * len(items)
 
     async def _write(self, updates: list[metadata_pb2.UpdateJobProgressRequest],
                      samples: list[common_pb2.MetricSample]) -> None:
