@@ -3,20 +3,39 @@
 (the scheduler's node watch, every second, and each round's snapshot).
 
     .venv/bin/python benchmarks/metadata_node_writes.py [--nodes 1000] [--db sqlite:///F | postgresql://...]
+    .venv/bin/python benchmarks/metadata_node_writes.py --scratch-postgres postgresql://postgres@127.0.0.1:5432/postgres
+
+``--db`` wants an empty, or new, database. ``--scratch-postgres`` creates a database of its own
+on that server and drops it afterwards.
+
+Figures: ``heartbeat_cpu_ms``, a heartbeat without GPU figures (an emulated node, or the
+scheduler forwarding a plan ack); ``list_nodes_cpu_ms``, a ListNodes of every node after such
+heartbeats; ``heartbeat_gpus_cpu_ms``, a heartbeat carrying 8 GPUs' NVML figures (the path that
+reads and rewrites the node's gpu_health); ``list_nodes_after_gpu_heartbeats_cpu_ms``, the first
+ListNodes after every node sent such a heartbeat (each row has changed since the last listing).
 
 Through the store's own code on one thread, without gRPC (which adds its own per call), timed
 as this process's CPU time: a figure that holds on a loaded machine, where wall-clock times
-measure the neighbours. docs/sizing.md turns these into cores per node count.
+measure the neighbours. Each timed part starts after a full garbage collection, so that the one
+a part's garbage is due for does not land in the next (a single ListNodes, say).
+docs/sizing.md turns these into cores per node count.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import secrets
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -25,32 +44,81 @@ from services.metadata.store import MetadataStore  # noqa: E402
 from silod.v1 import common_pb2  # noqa: E402
 
 
+GPUS = 8
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--db", default="", help="database URL (default: a fresh SQLite file)")
+    parser.add_argument("--scratch-postgres", default="", metavar="URL",
+                        help="a PostgreSQL server (URL of any database on it) to create a scratch database on")
     args = parser.parse_args(argv)
-    url = args.db or f"sqlite:///{tempfile.mkdtemp(prefix='silod-nodes-')}/m.db"
+    if args.scratch_postgres:
+        with scratch_postgres(args.scratch_postgres) as url:
+            result = run(url, args.nodes)
+    else:
+        result = run(args.db or f"sqlite:///{tempfile.mkdtemp(prefix='silod-nodes-')}/m.db", args.nodes)
+    print(json.dumps(result))
+    return 0
+
+
+def run(url: str, nodes: int) -> dict[str, object]:
     store = MetadataStore.open(url)
     upgrade_engine(store.db.engine)
-    for i in range(args.nodes):
-        store.nodes.upsert(common_pb2.NodeSpec(name=f"n{i}", gpus=8, pool=common_pb2.NODE_POOL_TRAINING,
+    for i in range(nodes):
+        store.nodes.upsert(common_pb2.NodeSpec(name=f"n{i}", gpus=GPUS, pool=common_pb2.NODE_POOL_TRAINING,
                                                agent_address="127.0.0.1:1"))
+    gc.collect()
     started = time.process_time()
     for version in range(1, 4):
-        for i in range(args.nodes):
+        for i in range(nodes):
             store.nodes.heartbeat(f"n{i}", version)
-    heartbeat_ms = (time.process_time() - started) * 1000 / (3 * args.nodes)
+    heartbeat_ms = (time.process_time() - started) * 1000 / (3 * nodes)
+    gc.collect()
     started = time.process_time()
     for _ in range(5):
         listed = store.nodes.list(alive_only=True, liveness_window_s=60)
     list_ms = (time.process_time() - started) * 1000 / 5
-    assert len(listed) == args.nodes
+    assert len(listed) == nodes
+    telemetry = [common_pb2.GpuTelemetry(index=g, utilization_ratio=0.5, memory_used_bytes=2**30,
+                                         memory_total_bytes=16 * 2**30, temperature_celsius=40.0,
+                                         ecc_uncorrectable_errors=0) for g in range(GPUS)]
+    gc.collect()
+    started = time.process_time()
+    for i in range(nodes):
+        store.nodes.heartbeat(f"n{i}", 4, gpu_telemetry=telemetry)
+    heartbeat_gpus_ms = (time.process_time() - started) * 1000 / nodes
+    gc.collect()
+    started = time.process_time()
+    listed = store.nodes.list(alive_only=True, liveness_window_s=60)
+    list_after_gpus_ms = (time.process_time() - started) * 1000
+    assert len(listed) == nodes and all(len(node.gpu_telemetry) == GPUS for node in listed)
     store.close()
-    result = {"nodes": args.nodes, "database": url.split(":", 1)[0], "heartbeat_cpu_ms": round(heartbeat_ms, 2),
-              "list_nodes_cpu_ms": round(list_ms, 1)}
-    print(json.dumps(result))
-    return 0
+    return {"nodes": nodes, "database": url.split(":", 1)[0].split("+", 1)[0],
+            "heartbeat_cpu_ms": round(heartbeat_ms, 2), "list_nodes_cpu_ms": round(list_ms, 1),
+            "heartbeat_gpus_cpu_ms": round(heartbeat_gpus_ms, 2),
+            "list_nodes_after_gpu_heartbeats_cpu_ms": round(list_after_gpus_ms, 1)}
+
+
+@contextmanager
+def scratch_postgres(server_url: str) -> Iterator[str]:
+    """A new database on the server of ``server_url``, dropped afterwards."""
+    url = make_url(server_url)
+    if url.drivername == "postgresql":
+        url = url.set(drivername="postgresql+psycopg2")
+    name = f"silod_nodes_bench_{secrets.token_hex(4)}"
+    admin = create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
+        try:
+            yield url.set(database=name).render_as_string(hide_password=False)
+        finally:
+            with admin.connect() as connection:
+                connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
 
 
 if __name__ == "__main__":

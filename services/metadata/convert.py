@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
@@ -15,6 +16,7 @@ from services.metadata import models
 from services.metadata.clock import as_utc, to_timestamp
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 
 def to_json(message: Message) -> dict[str, Any]:
@@ -172,17 +174,125 @@ def dataset_to_proto(row: models.Dataset) -> common_pb2.Dataset:
     )
 
 
+_NODE_SPECS = _ParseMemo(common_pb2.NodeSpec)
+
+
+class _TextMemo(Generic[T]):
+    """Remembers what was built from a row's JSON column, per row, keyed on the column's text:
+    a hit costs one string comparison, no JSON decode and no parse. Values are shared: callers
+    copy the messages in them (a message-typed constructor argument does)."""
+
+    def __init__(self, build: Callable[[str], T], max_entries: int = 50_000) -> None:
+        self._build = build
+        self._max = max_entries
+        self._entries: dict[str, tuple[str, T]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str, text: str) -> T:
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] == text:
+            return hit[1]
+        value = self._build(text)
+        with self._lock:
+            if len(self._entries) >= self._max:
+                self._entries.clear()
+            self._entries[key] = (text, value)
+        return value
+
+
+_GpuHealth = tuple[tuple[common_pb2.GpuTelemetry, ...], tuple[common_pb2.GpuFault, ...]]
+_NO_GPU_HEALTH: _GpuHealth = ((), ())
+
+
+def _gpu_health(health: dict[str, Any] | None) -> _GpuHealth:
+    """The figures and the faults (by GPU index) of a node's gpu_health JSON, fresh messages."""
+    if not health:
+        return _NO_GPU_HEALTH
+    return (tuple(from_json(g, common_pb2.GpuTelemetry) for g in health.get("telemetry", [])),
+            tuple(from_json(f, common_pb2.GpuFault)
+                  for _, f in sorted(health.get("faults", {}).items(), key=lambda kv: int(kv[0]))))
+
+
+def _node_spec_of_text(text: str) -> common_pb2.NodeSpec:
+    return from_json(json.loads(text), common_pb2.NodeSpec) if text else common_pb2.NodeSpec()
+
+
+_NODE_SPEC_TEXTS: _TextMemo[common_pb2.NodeSpec] = _TextMemo(_node_spec_of_text)
+_NODE_GPU_HEALTH_TEXTS: _TextMemo[_GpuHealth] = _TextMemo(lambda text: _gpu_health(json.loads(text)))
+_EMPTY_JSON_TEXTS = frozenset(("", "null", "{}"))
+
+
+def _node_message(spec: common_pb2.NodeSpec, registered_at: datetime, last_heartbeat: datetime, alive: bool,
+                  applied_plan_version: int, health: _GpuHealth) -> common_pb2.Node:
+    # The constructor copies spec and the GPU messages: the memos' shared messages stay unexposed.
+    telemetry, faults = health
+    if telemetry or faults:
+        return common_pb2.Node(spec=spec, registered_at=to_timestamp(registered_at),
+                               last_heartbeat=to_timestamp(last_heartbeat), alive=alive,
+                               applied_plan_version=applied_plan_version, gpu_telemetry=telemetry,
+                               gpu_faults=faults)
+    return common_pb2.Node(spec=spec, registered_at=to_timestamp(registered_at),
+                           last_heartbeat=to_timestamp(last_heartbeat), alive=alive,
+                           applied_plan_version=applied_plan_version)
+
+
 def node_to_proto(row: models.Node, *, now: datetime, liveness_window_s: float) -> common_pb2.Node:
-    return common_pb2.Node(
-        spec=from_json(row.spec, common_pb2.NodeSpec),
-        registered_at=to_timestamp(row.registered_at),
-        last_heartbeat=to_timestamp(row.last_heartbeat),
-        alive=as_utc(row.last_heartbeat) >= now - timedelta(seconds=liveness_window_s),
-        applied_plan_version=row.applied_plan_version,
-        gpu_telemetry=[from_json(g, common_pb2.GpuTelemetry) for g in (row.gpu_health or {}).get("telemetry", [])],
-        gpu_faults=[from_json(f, common_pb2.GpuFault)
-                    for _, f in sorted((row.gpu_health or {}).get("faults", {}).items(), key=lambda kv: int(kv[0]))],
+    """The Node message of an ORM row (JSON columns decoded)."""
+    return _node_message(
+        _NODE_SPECS.parse(row.name, row.spec), row.registered_at, row.last_heartbeat,
+        as_utc(row.last_heartbeat) >= now - timedelta(seconds=liveness_window_s), row.applied_plan_version,
+        _gpu_health(row.gpu_health),
     )
+
+
+class _NodeRows:
+    """The Node message of each node's last read row, reused while the row is unchanged.
+
+    The scheduler lists every node every second and each node heartbeats every few seconds, so
+    most rows of a listing are as the last read (often the node's own heartbeat) left them. The
+    key is the whole row as read, so a change to any column is a miss. The message is kept
+    without ``alive``, which depends on the time of the read; it is shared and never handed
+    out: callers get copies.
+    """
+
+    def __init__(self, max_entries: int = 50_000) -> None:
+        self._max = max_entries
+        self._entries: dict[str, tuple[tuple[Any, ...], common_pb2.Node, datetime]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, row: Any, to_datetime: Callable[[Any], datetime]) -> tuple[common_pb2.Node, datetime]:
+        key = tuple(row)
+        name = key[0]
+        hit = self._entries.get(name)
+        if hit is not None and hit[0] == key:
+            return hit[1], hit[2]
+        _, spec_text, registered_at, last_heartbeat, applied_plan_version, health_text = key
+        last_heartbeat = to_datetime(last_heartbeat)
+        health = (_NO_GPU_HEALTH if health_text is None or health_text in _EMPTY_JSON_TEXTS
+                  else _NODE_GPU_HEALTH_TEXTS.get(name, health_text))
+        node = _node_message(_NODE_SPEC_TEXTS.get(name, spec_text), to_datetime(registered_at), last_heartbeat,
+                             False, applied_plan_version, health)
+        with self._lock:
+            if len(self._entries) >= self._max:
+                self._entries.clear()  # crude but bounded; a later listing refills it
+            self._entries[name] = (key, node, last_heartbeat)
+        return node, last_heartbeat
+
+
+_NODE_ROWS = _NodeRows()
+
+
+def node_row_to_proto(row: Any, *, alive_since: datetime, to_datetime: Callable[[Any], datetime]) -> common_pb2.Node:
+    """The Node message of a Core row (NodeStore's reads and heartbeats): name, spec and
+    gpu_health as their JSON text, registered_at, last_heartbeat (as the driver returns them;
+    ``to_datetime`` makes aware UTC datetimes of them), applied_plan_version. An unchanged row
+    costs a copy of the message built when it was first seen; unchanged JSON is never decoded
+    or parsed again. ``alive_since``: the oldest heartbeat that counts as alive."""
+    shared, last_heartbeat = _NODE_ROWS.get(row, to_datetime)
+    node = common_pb2.Node()
+    node.CopyFrom(shared)
+    node.alive = last_heartbeat >= alive_since
+    return node
 
 
 def plan_to_proto(row: models.Plan) -> plan_pb2.AllocationPlan:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import Dialect, Select, Text, bindparam, cast, select, type_coerce, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.types import NullType
 from silod.v1 import common_pb2
 
 from services.metadata import convert
-from services.metadata.clock import utc_now
+from services.metadata.clock import as_utc, utc_now
 from services.metadata.database import Database
 from services.metadata.models import Node
 from services.metadata.store import gpu_health
@@ -29,6 +32,8 @@ class NodeStore:
     def __init__(self, db: Database, *, liveness_window_s: float) -> None:
         self._db = db
         self._liveness_window_s = liveness_window_s
+        self._window = timedelta(seconds=liveness_window_s)
+        self._to_datetime = _datetime_reader(db.engine.dialect)
 
     def upsert(self, spec: common_pb2.NodeSpec) -> common_pb2.Node:
         """Register a node or replace its spec; registering also counts as a heartbeat."""
@@ -56,35 +61,45 @@ class NodeStore:
                   gpu_telemetry: Sequence[common_pb2.GpuTelemetry] = (),
                   gpu_faults: Sequence[common_pb2.GpuFault] = ()) -> common_pb2.Node:
         check_heartbeat(node, applied_plan_version, gpu_telemetry, gpu_faults)
-        with self._db.write() as session:
-            # Conditional UPDATE: a late heartbeat carrying an older version cannot win a race.
-            updated = session.execute(
-                update(Node)
-                .where(Node.name == node, Node.applied_plan_version <= applied_plan_version)
-                .values(last_heartbeat=utc_now(), applied_plan_version=applied_plan_version)
-                .execution_options(synchronize_session=False)
-            )
-            query = select(Node).where(Node.name == node).execution_options(populate_existing=True)
-            if gpu_telemetry or gpu_faults:
-                query = query.with_for_update()  # gpu_health is read, changed and written back
-            row = session.scalars(query).one_or_none()
-            if row is None:
-                raise NotFound(f"no node {node!r}; register it with UpsertNode first", field="node")
-            if gpu_telemetry or gpu_faults:
-                # Recorded even when the version is refused below: faults must not wait for a plan.
-                check_gpu_indices(node, int(row.spec.get("gpus", 0)), gpu_telemetry, gpu_faults)
-                row.gpu_health = gpu_health.after_heartbeat(row.gpu_health, gpu_telemetry, gpu_faults, utc_now())
-            if updated.rowcount == 1:
-                session.flush()
-                return self._to_proto(row)
+        if gpu_telemetry or gpu_faults:
+            return self._heartbeat_with_gpu_health(node, applied_plan_version, gpu_telemetry, gpu_faults)
+        # Every node's every heartbeat, and the scheduler's forwarded plan acks: prebuilt Core
+        # statements, as JobStore.transition does. UPDATE ... RETURNING is the conditional write
+        # (a late heartbeat carrying an older version cannot win a race) and the read at once.
+        with self._db.write_core() as connection:
+            row = connection.execute(_HEARTBEAT, {"h_name": node, "h_version": applied_plan_version,
+                                                  "h_now": utc_now()}).one_or_none()
+            if row is not None:
+                return self._row_to_proto(row)
             # Refused, yet proof of life: a restarted agent reports version 0 until it applies the
             # latest plan, and its node must not age out meanwhile (say, while the scheduler is down).
-            row.last_heartbeat = utc_now()
-            refused = FailedPrecondition(
-                f"must not decrease: node {node} already applied plan {row.applied_plan_version}, "
-                f"got {applied_plan_version}",
-                field="applied_plan_version",
-            )
+            stored = connection.execute(_PROOF_OF_LIFE, {"h_name": node, "h_now": utc_now()}).one_or_none()
+            if stored is None:
+                raise NotFound(f"no node {node!r}; register it with UpsertNode first", field="node")
+            refused = _refused(node, stored.applied_plan_version, applied_plan_version)
+        raise refused  # after the block, which commits the proof of life
+
+    def _heartbeat_with_gpu_health(self, node: str, applied_plan_version: int,
+                                   gpu_telemetry: Sequence[common_pb2.GpuTelemetry],
+                                   gpu_faults: Sequence[common_pb2.GpuFault]) -> common_pb2.Node:
+        with self._db.write() as session:
+            # Conditional UPDATE: a late heartbeat carrying an older version cannot win a race.
+            updated = session.execute(_ORM_HEARTBEAT, {"h_name": node, "h_version": applied_plan_version,
+                                                       "h_now": utc_now()})
+            # Locked: gpu_health is read, changed and written back.
+            row = session.scalars(_ORM_LOCKED_NODE, {"h_name": node}).one_or_none()
+            if row is None:
+                raise NotFound(f"no node {node!r}; register it with UpsertNode first", field="node")
+            # Recorded even when the version is refused below: faults must not wait for a plan.
+            check_gpu_indices(node, int(row.spec.get("gpus", 0)), gpu_telemetry, gpu_faults)
+            row.gpu_health = gpu_health.after_heartbeat(row.gpu_health, gpu_telemetry, gpu_faults, utc_now())
+            if updated.rowcount == 1:
+                session.flush()
+                # Read back as ListNodes reads it, so that the message built here (parsing the
+                # figures is most of its cost) is the one the next listing reuses.
+                return self._row_to_proto(session.connection().execute(_GET, {"g_name": node}).one())
+            row.last_heartbeat = utc_now()  # refused, yet proof of life (as in heartbeat)
+            refused = _refused(node, row.applied_plan_version, applied_plan_version)
         raise refused
 
     def clear_gpu_fault(self, node: str, gpu_index: int) -> common_pb2.Node:
@@ -108,29 +123,84 @@ class NodeStore:
     def get(self, node: str) -> common_pb2.Node:
         check_node_name(node)
         with self._db.read() as session:
-            row = session.get(Node, node)
-            if row is None:
-                raise NotFound(f"no node {node!r}", field="node")
-            return self._to_proto(row)
+            row = session.connection().execute(_GET, {"g_name": node}).one_or_none()
+        if row is None:
+            raise NotFound(f"no node {node!r}", field="node")
+        return self._row_to_proto(row)
 
     def list(self, *, pool: int = 0, alive_only: bool = False, liveness_window_s: float = 0.0,
              gpu_type: str = "") -> list[common_pb2.Node]:
         check_list_nodes(pool, liveness_window_s, gpu_type)
-        window = liveness_window_s or self._liveness_window_s
-        now = utc_now()
-        query = select(Node).order_by(Node.name)
-        if pool:
-            query = query.where(Node.pool == pool)
-        if gpu_type:
-            query = query.where(Node.gpu_type == gpu_type)
-        if alive_only:
-            query = query.where(Node.last_heartbeat >= now - timedelta(seconds=window))
+        window = timedelta(seconds=liveness_window_s) if liveness_window_s else self._window
+        alive_since = utc_now() - window
+        # Plain rows rather than ORM objects, the JSON columns as their text (see
+        # convert.node_row_to_proto): the scheduler lists every node every second.
+        query = _list_statement(bool(pool), bool(gpu_type), alive_only)
         with self._db.read() as session:
-            return [self._to_proto(row, now=now, window=window) for row in session.scalars(query)]
+            rows = session.connection().execute(query, {"l_pool": pool, "l_gpu_type": gpu_type,
+                                                        "l_alive_since": alive_since}).all()
+        to_datetime = self._to_datetime
+        return [convert.node_row_to_proto(row, alive_since=alive_since, to_datetime=to_datetime) for row in rows]
 
-    def _to_proto(self, row: Node, *, now: datetime | None = None, window: float | None = None) -> common_pb2.Node:
-        return convert.node_to_proto(
-            row,
-            now=now or utc_now(),
-            liveness_window_s=self._liveness_window_s if window is None else window,
-        )
+    def _row_to_proto(self, row: Any) -> common_pb2.Node:
+        """The Node of a row read as ``_ROW_COLUMNS``, alive as of now."""
+        return convert.node_row_to_proto(row, alive_since=utc_now() - self._window, to_datetime=self._to_datetime)
+
+    def _to_proto(self, row: Node) -> common_pb2.Node:
+        return convert.node_to_proto(row, now=utc_now(), liveness_window_s=self._liveness_window_s)
+
+
+def _refused(node: str, stored_version: int, applied_plan_version: int) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"must not decrease: node {node} already applied plan {stored_version}, got {applied_plan_version}",
+        field="applied_plan_version",
+    )
+
+
+_NODES = Node.__table__
+# What convert.node_row_to_proto reads, in its order: the JSON columns as their text and the
+# times as the driver returns them (text on SQLite), so that an unchanged row is recognised
+# without decoding anything (parsing 2,000 SQLite time strings was a third of a ListNodes).
+_ROW_COLUMNS = (
+    _NODES.c.name,
+    cast(_NODES.c.spec, Text).label("spec"),
+    type_coerce(_NODES.c.registered_at, NullType()).label("registered_at"),
+    type_coerce(_NODES.c.last_heartbeat, NullType()).label("last_heartbeat"),
+    _NODES.c.applied_plan_version,
+    cast(_NODES.c.gpu_health, Text).label("gpu_health"),
+)
+_NAME = bindparam("h_name", type_=_NODES.c.name.type)
+_NOW = bindparam("h_now", type_=_NODES.c.last_heartbeat.type)
+_VERSION = bindparam("h_version", type_=_NODES.c.applied_plan_version.type)
+_HEARTBEAT = (update(_NODES).where(_NODES.c.name == _NAME, _NODES.c.applied_plan_version <= _VERSION)
+              .values(last_heartbeat=_NOW, applied_plan_version=_VERSION).returning(*_ROW_COLUMNS))
+_PROOF_OF_LIFE = (update(_NODES).where(_NODES.c.name == _NAME).values(last_heartbeat=_NOW)
+                  .returning(_NODES.c.applied_plan_version))
+# The statements of the path that changes gpu_health (ORM: the row is read locked, changed and
+# flushed), built once.
+_ORM_HEARTBEAT = (update(Node).where(Node.name == _NAME, Node.applied_plan_version <= _VERSION)
+                  .values(last_heartbeat=_NOW, applied_plan_version=_VERSION)
+                  .execution_options(synchronize_session=False))
+_ORM_LOCKED_NODE = (select(Node).where(Node.name == _NAME).execution_options(populate_existing=True)
+                    .with_for_update())
+_GET = select(*_ROW_COLUMNS).where(_NODES.c.name == bindparam("g_name", type_=_NODES.c.name.type))
+
+
+def _datetime_reader(dialect: Dialect) -> Callable[[Any], datetime]:
+    """What the time columns' own type makes of a value as the driver returns it (an aware UTC datetime)."""
+    column_type = _NODES.c.last_heartbeat.type
+    process = column_type.dialect_impl(dialect).result_processor(dialect, None)
+    return process if process is not None else as_utc
+
+
+@functools.lru_cache(maxsize=None)
+def _list_statement(by_pool: bool, by_gpu_type: bool, alive_only: bool) -> Select[Any]:
+    """ListNodes' SELECT for one combination of filters (bound: l_pool, l_gpu_type, l_alive_since)."""
+    query = select(*_ROW_COLUMNS).order_by(_NODES.c.name)
+    if by_pool:
+        query = query.where(_NODES.c.pool == bindparam("l_pool", type_=_NODES.c.pool.type))
+    if by_gpu_type:
+        query = query.where(_NODES.c.gpu_type == bindparam("l_gpu_type", type_=_NODES.c.gpu_type.type))
+    if alive_only:
+        query = query.where(_NODES.c.last_heartbeat >= bindparam("l_alive_since", type_=_NODES.c.last_heartbeat.type))
+    return query

@@ -1,0 +1,109 @@
+"""NodeStore on SQLite and PostgreSQL: plain heartbeats (prebuilt Core statements), heartbeats
+carrying GPU figures or faults (the locking path) in any order with them, refusals, and that the
+messages the store hands out are the caller's own (the store remembers what it built per node)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.metadata.store import MetadataStore
+from services.runtime.errors import FailedPrecondition, NotFound
+from silod.v1 import common_pb2
+from tests.metadata.metadata_samples import node_spec
+
+
+def xid(index: int, reason: str = "Xid 79") -> common_pb2.GpuFault:
+    fault = common_pb2.GpuFault(index=index, reason=reason)
+    fault.since.FromSeconds(1_800_000_000)
+    return fault
+
+
+def test_a_plain_heartbeat_answers_the_stored_node_and_refusals_are_as_before(store: MetadataStore) -> None:
+    registered = store.nodes.upsert(node_spec("n1"))
+    beat = store.nodes.heartbeat("n1", 5)
+    assert beat.applied_plan_version == 5 and beat.alive and beat.spec == registered.spec
+    assert beat.registered_at == registered.registered_at
+    assert beat.last_heartbeat.ToNanoseconds() >= registered.last_heartbeat.ToNanoseconds()
+    assert beat == store.nodes.get("n1") == store.nodes.list()[0]
+    assert store.nodes.heartbeat("n1", 5).applied_plan_version == 5  # the same version again is fine
+    time.sleep(0.01)
+    with pytest.raises(FailedPrecondition) as refused:
+        store.nodes.heartbeat("n1", 4)
+    assert refused.value.field == "applied_plan_version"
+    assert "already applied plan 5, got 4" in refused.value.message
+    after = store.nodes.get("n1")  # refused, yet proof of life
+    assert after.applied_plan_version == 5
+    assert after.last_heartbeat.ToNanoseconds() > beat.last_heartbeat.ToNanoseconds()
+    assert store.nodes.list()[0] == after
+    for figures in ((), [common_pb2.GpuTelemetry(index=0)]):
+        with pytest.raises(NotFound) as missing:
+            store.nodes.heartbeat("nope", 1, gpu_telemetry=figures)
+        assert missing.value.field == "node"
+    with pytest.raises(NotFound):
+        store.nodes.get("nope")
+    assert [n.spec.name for n in store.nodes.list()] == ["n1"]
+
+
+def test_faults_after_plain_heartbeats_show_everywhere_and_plain_heartbeats_keep_them(store: MetadataStore) -> None:
+    store.nodes.upsert(node_spec("g1", gpus=4))
+    for version in (1, 2):
+        assert not store.nodes.heartbeat("g1", version).gpu_faults
+    assert not store.nodes.get("g1").gpu_faults and not store.nodes.list()[0].gpu_faults
+    node = store.nodes.heartbeat("g1", 2, gpu_telemetry=[common_pb2.GpuTelemetry(index=0, utilization_ratio=0.5)],
+                                 gpu_faults=[xid(2)])
+    assert [(f.index, f.reason) for f in node.gpu_faults] == [(2, "Xid 79")]
+    assert [t.utilization_ratio for t in node.gpu_telemetry] == [0.5]
+    for seen in (store.nodes.get("g1"), store.nodes.list()[0], store.nodes.heartbeat("g1", 3),
+                 store.nodes.list(alive_only=True)[0]):
+        assert seen.gpu_faults == node.gpu_faults and seen.gpu_telemetry == node.gpu_telemetry
+    # Refused (a restarted agent), yet its faults are recorded.
+    with pytest.raises(FailedPrecondition):
+        store.nodes.heartbeat("g1", 0, gpu_faults=[xid(1, "Xid 48")])
+    assert [f.index for f in store.nodes.get("g1").gpu_faults] == [1, 2]
+    assert store.nodes.heartbeat("g1", 3).applied_plan_version == 3
+    assert [f.index for f in store.nodes.list()[0].gpu_faults] == [1, 2]
+    assert [f.index for f in store.nodes.clear_gpu_fault("g1", 2).gpu_faults] == [1]
+    for seen in (store.nodes.get("g1"), store.nodes.list()[0], store.nodes.heartbeat("g1", 4)):
+        assert [f.index for f in seen.gpu_faults] == [1] and len(seen.gpu_telemetry) == 1
+
+
+def test_a_changed_spec_is_seen_at_once(store: MetadataStore) -> None:
+    store.nodes.upsert(node_spec("n1", gpus=4))
+    store.nodes.heartbeat("n1", 1)
+    assert store.nodes.list()[0].spec.gpus == 4
+    store.nodes.upsert(node_spec("n1", gpus=8, labels={"rack": "r2"}))
+    for seen in (store.nodes.list()[0], store.nodes.get("n1"), store.nodes.heartbeat("n1", 1)):
+        assert seen.spec.gpus == 8 and dict(seen.spec.labels) == {"rack": "r2"}
+
+
+def test_callers_get_messages_of_their_own(store: MetadataStore) -> None:
+    store.nodes.upsert(node_spec("n1", gpus=2))
+    store.nodes.heartbeat("n1", 1, gpu_telemetry=[common_pb2.GpuTelemetry(index=0, utilization_ratio=0.5)],
+                          gpu_faults=[xid(1)])
+    expected = store.nodes.get("n1")
+    for _ in range(2):  # the second time round, everything comes from what the store remembers
+        for got in (store.nodes.heartbeat("n1", 1), store.nodes.get("n1"), store.nodes.list()[0]):
+            assert got == expected or got.last_heartbeat != expected.last_heartbeat
+            got.spec.gpus = 99
+            got.spec.labels["mutated"] = "yes"
+            got.gpu_telemetry[0].utilization_ratio = 0.9
+            got.gpu_faults[0].reason = "mutated"
+            got.last_heartbeat.seconds = 1
+            got.alive = False
+        for fresh in (store.nodes.get("n1"), store.nodes.list()[0]):
+            assert fresh.spec == expected.spec and fresh.alive
+            assert fresh.gpu_telemetry == expected.gpu_telemetry and fresh.gpu_faults == expected.gpu_faults
+            assert fresh.last_heartbeat.seconds > 1
+
+
+def test_liveness_is_of_the_time_of_each_read(store: MetadataStore) -> None:
+    store.nodes.upsert(node_spec("quiet"))
+    assert store.nodes.list(liveness_window_s=0.2)[0].alive
+    time.sleep(0.3)
+    assert not store.nodes.list(liveness_window_s=0.2)[0].alive
+    assert store.nodes.list(alive_only=True, liveness_window_s=0.2) == []
+    assert store.nodes.list(liveness_window_s=60)[0].alive
+    assert store.nodes.heartbeat("quiet", 0).alive
+    assert store.nodes.list(liveness_window_s=0.2)[0].alive
