@@ -98,9 +98,13 @@ class SchedulerCore:
         try:
             snap, jobs = await timer.timed("snapshot", self._snapshot())
             base = self.plans.latest
-            proto = timer.untimed("policy", lambda: self.planner.plan(
-                snap, jobs, self.snapshots.usable, base=base, busy=self.releases.busy(base),
-                restarting=self.restarts.waiting, reason=reason))
+            # In a worker thread: at thousands of jobs the policy takes tenths of a second, and the
+            # event loop must go on serving acks, reports and submissions meanwhile. What it reads
+            # is this round's own (the snapshot, copies of the release and restart sets); only
+            # rounds touch the planner and the inference state, one round at a time.
+            proto = await timer.timed("policy", asyncio.to_thread(
+                self.planner.plan, snap, jobs, self.snapshots.usable, base=base, busy=self.releases.busy(base),
+                restarting=frozenset(self.restarts.waiting), reason=reason))
             proto.epoch = self.leadership.epoch
             try:
                 committed = await timer.timed(

@@ -61,7 +61,7 @@ _PHASES = ("snapshot", "policy", "commit", "total")
 
 
 class RoundTimer:
-    """The phases of one round (``timed`` for a coroutine, ``untimed`` for a plain call);
+    """The phases of one round (``timed``, around each phase's coroutine);
     ``done(outcome)`` adds the total and counts the round."""
 
     def __init__(self) -> None:
@@ -71,13 +71,6 @@ class RoundTimer:
         started = time.monotonic()
         try:
             return await call
-        finally:
-            ROUND_SECONDS.labels(phase).observe(time.monotonic() - started)
-
-    def untimed(self, phase: str, call: Callable[[], T]) -> T:
-        started = time.monotonic()
-        try:
-            return call()
         finally:
             ROUND_SECONDS.labels(phase).observe(time.monotonic() - started)
 
