@@ -17,7 +17,7 @@ from scheduler.live import convert
 from scheduler.live.batching import Coalescer
 from scheduler.live.clients import PLACED_STATES, Clients
 from scheduler.live.plans import PlanStore
-from scheduler.live.progress import KnownJobs
+from scheduler.live.jobs import KnownJobs
 from scheduler.plan_changes import PlanChanges, changes_between
 from scheduler.live.releases import ReleaseTracker
 from scheduler.live.resizes import CrashRestarts

@@ -2,7 +2,7 @@
 round they make (snapshot -> plan -> commit). docs/architecture.md ("Inside the live
 scheduler") maps which part answers what.
 
-Cost of a round: one ListJobs of the active jobs, one ListNodes, one GetDataset per dataset
+Cost of a round: one ListJobs of the jobs whose state changed (scheduler.live.jobs), one ListNodes, one GetDataset per dataset
 new to the scheduler, one GetJobModel per job whose fitted model is older than
 ESTIMATE_TTL_S (the estimator's answers to our own Observe calls refresh it in between), one
 CommitPlan and one TransitionJob per job whose state the plan changes, sent concurrently.
@@ -30,7 +30,8 @@ from scheduler.live.liveness import NodeLiveness
 from scheduler.live.models import JobModels
 from scheduler.live.planner import RoundPlanner, configured_policy
 from scheduler.live.plans import PlanStore
-from scheduler.live.progress import KnownJobs, ProgressWriter
+from scheduler.live.jobs import KnownJobs
+from scheduler.live.progress import ProgressWriter
 from scheduler.live.releases import ReleaseTracker
 from scheduler.live.reports import TaskReports
 from scheduler.live.resizes import CrashRestarts
@@ -78,12 +79,13 @@ class SchedulerCore:
         self.feedback = EstimatorFeedback(
             self.clients, self.models, cache_mode=cache_mode, storage_bandwidth_bytes_per_s=storage_bandwidth,
             node_types=lambda: self.snapshots.node_types, spawn=self.spawn)
+        # The active jobs: read whole now and then, in between only what changed (scheduler.live.jobs).
+        self.jobs = KnownJobs(self.clients)
         self.snapshots = SnapshotBuilder(
-            self.clients, self.plans, self.liveness, self.models, self.inference,
+            self.clients, self.plans, self.liveness, self.models, self.inference, self.jobs,
             forget_finished=self._forget_finished, cache_mode=cache_mode, restart_cost_s=restart_cost_s,
             interval_s=interval_s, storage_bandwidth_bytes_per_s=storage_bandwidth)
         self.planner = RoundPlanner(self.policy, policy, policy_co_designs, cache_mode, self.inference)
-        self.jobs = KnownJobs()  # as the last snapshot and this scheduler's own moves left them
         self.progress = ProgressWriter(lambda: self.clients.md)
         self.committer = Committer(self.clients, self.plans, self.releases, self.restarts, self.trigger, self.jobs)
         self.reports = TaskReports(self.clients, self.plans, self.releases, self.restarts, self.feedback,
@@ -129,9 +131,7 @@ class SchedulerCore:
 
     async def _snapshot(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
         await self.plans.refresh()
-        snap, jobs = await self.snapshots.build()
-        self.jobs.snapshot(jobs)
-        return snap, jobs
+        return await self.snapshots.build()
 
     async def run_round(self, reason: str = "interval") -> plan_pb2.AllocationPlan | None:
         return await self.rounds.run(reason)
@@ -237,6 +237,7 @@ class SchedulerCore:
         """Won the lease: start from the store's view, as a restarted scheduler does."""
         await self.plans.refresh()
         await self.releases.recover(self.md, self.plans.latest)
+        self.jobs.reset()
         self.trigger("elected")
 
     def spawn(self, call: Awaitable[None]) -> None:

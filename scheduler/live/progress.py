@@ -1,13 +1,10 @@
-"""What the ranks report, written to the metadata store in batches, and the jobs as this scheduler
-last saw them.
+"""What the ranks report, written to the metadata store in batches.
 
 A thousand nodes report their tasks every few seconds; written one job at a time (a GetJob to
 read the state, an UpdateJobProgress, an AppendMetrics per report) those reports were most of
 the metadata service's work and held every round's reads back. Here:
 
-* :class:`KnownJobs` keeps each active job as the last round's snapshot or the scheduler's own
-  state moves left it (the newer ``state_version`` wins), so a report reads no job; a job it
-  does not know (a scheduler that just started) is read once with GetJob.
+* the job's state comes from scheduler.live.jobs.KnownJobs, so a report reads no job;
 * :class:`ProgressWriter` writes the progress and metric samples of the reports that arrive
   while a write is in flight together (scheduler.live.batching), in one UpdateJobsProgress and
   one AppendMetrics call (the newest progress per job only).
@@ -29,31 +26,6 @@ _log = logging.getLogger("silod.scheduler")
 
 MAX_PER_CALL = 1000  # the metadata service's limit per UpdateJobsProgress call
 MAX_SAMPLES_PER_CALL = 10_000  # and per AppendMetrics call
-
-
-class KnownJobs:
-    def __init__(self) -> None:
-        self._jobs: dict[str, common_pb2.Job] = {}
-
-    def get(self, job_id: str) -> common_pb2.Job | None:
-        return self._jobs.get(job_id)
-
-    def saw(self, job: common_pb2.Job) -> None:
-        """``job`` as read or moved; an older copy (a snapshot read before a move) is ignored."""
-        known = self._jobs.get(job.id)
-        if known is None or job.state_version >= known.state_version:
-            self._jobs[job.id] = job
-
-    def snapshot(self, active: Iterable[common_pb2.Job]) -> None:
-        """The active jobs of a round's snapshot: the rest have ended (or were never active)."""
-        fresh: dict[str, common_pb2.Job] = {}
-        for job in active:
-            known = self._jobs.get(job.id)
-            fresh[job.id] = known if known is not None and known.state_version > job.state_version else job
-        self._jobs = fresh
-
-    def forget(self, job_id: str) -> None:
-        self._jobs.pop(job_id, None)
 
 
 class ProgressWriter:

@@ -15,7 +15,8 @@ from scheduler.live import convert, metrics
 from scheduler.live.clients import TERMINAL_STATES, Clients
 from scheduler.live.feedback import EstimatorFeedback
 from scheduler.live.plans import PlanStore
-from scheduler.live.progress import KnownJobs, ProgressWriter
+from scheduler.live.jobs import KnownJobs
+from scheduler.live.progress import ProgressWriter
 from scheduler.live.releases import ReleaseTracker
 from scheduler.live.resizes import MAX_CRASH_RESTARTS, RESTART_EXIT_CODES, CrashRestarts
 from silod.v1 import allocation_pb2, common_pb2, metadata_pb2, plan_pb2
@@ -103,6 +104,8 @@ class TaskReports:
                 allocated=common_pb2.ResourceVector(gpus=len(convert.ranks_of(entry)))) \
                 if rank0.progress.ByteSize() else None
             await self.progress.write(update, samples)
+            if update is not None:
+                self.jobs.reported(job_id, rank0.progress)
             self.feedback.observe(job, entry, rank0)
         failed = next((t for t in reports if t.phase == allocation_pb2.TASK_PHASE_EXITED and t.exit_code != 0), None)
         if failed is not None and self.restarts.allows(job_id, failed.exit_code):

@@ -2,7 +2,8 @@
 GPUs, active jobs with their models, what each job holds under the plan in force (minus lost
 nodes and faulted GPUs), and what the cache servers hold.
 
-Cost: one ListNodes, one ListJobs page per 1,000 active jobs, one ListTenants (tenant quotas), the job models' calls
+Cost: one ListNodes, one ListJobs of the jobs whose state changed since the last round (every active
+job every 30 s, scheduler.live.jobs), one ListTenants (tenant quotas), the job models' calls
 (scheduler.live.models), and one Stats per cache server every few seconds (--cache silod).
 """
 
@@ -14,9 +15,10 @@ from collections.abc import Callable
 
 from estimator.per_type import is_reference
 from scheduler.live import convert, data
-from scheduler.live.clients import ACTIVE_STATES, Clients
+from scheduler.live.clients import Clients
 from scheduler.live.gpu_health import UsableGpus
 from scheduler.live.inference import LiveInference, is_inference_job
+from scheduler.live.jobs import KnownJobs
 from scheduler.live.liveness import NodeLiveness
 from scheduler.live.models import JobModels, application_of
 from scheduler.live.plans import PlanStore
@@ -27,13 +29,14 @@ from silod.v1 import access_pb2, common_pb2, metadata_pb2
 
 class SnapshotBuilder:
     def __init__(self, clients: Clients, plans: PlanStore, liveness: NodeLiveness, models: JobModels,
-                 inference: LiveInference, *, forget_finished: Callable[[set[str]], None], cache_mode: str,
+                 inference: LiveInference, jobs: KnownJobs, *, forget_finished: Callable[[set[str]], None], cache_mode: str,
                  restart_cost_s: float, interval_s: float, storage_bandwidth_bytes_per_s: float) -> None:
         self.clients = clients
         self.plans = plans
         self.liveness = liveness
         self.models = models
         self.inference = inference
+        self.jobs = jobs  # the active jobs, read incrementally
         self._forget_finished = forget_finished  # of every part that keeps something per job
         self.cache_mode = cache_mode
         self.restart_cost_s = restart_cost_s
@@ -43,16 +46,6 @@ class SnapshotBuilder:
         self.node_types: dict[str, str] = {}  # node -> GPU type, as of the last snapshot
         self._epoch_starts = data.EpochStarts()  # snapshot.fresh_bytes from what the probe saw, round by round
         self._inference_restored = False
-
-    async def _active_jobs(self) -> list[common_pb2.Job]:
-        jobs: list[common_pb2.Job] = []
-        token = ""
-        while True:
-            page = await self.clients.md.ListJobs(metadata_pb2.ListJobsRequest(states=ACTIVE_STATES, page_size=1000, page_token=token))
-            jobs.extend(page.jobs)
-            token = page.next_page_token
-            if not token:
-                return jobs
 
     async def build(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
         nodes_resp = await self.clients.md.ListNodes(
@@ -64,7 +57,7 @@ class SnapshotBuilder:
         self.plans.remember_nodes(nodes)
         infos = tuple(convert.node_info(n) for n in sorted(nodes, key=lambda n: n.spec.name))
         alive = {n.name: n for n in infos}
-        jobs = await self._active_jobs()
+        jobs = await self.jobs.refresh()
         self._forget_finished({j.id for j in jobs})
         if not self._inference_restored:  # replicas the previous scheduler left on the plan
             self.inference.restore(self.plans.latest, {j.id for j in jobs})

@@ -131,7 +131,8 @@ class JobEvent(Base):
 
     job_id: Mapped[str] = mapped_column(String(32), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
     sequence: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    time: Mapped[datetime] = mapped_column(UtcDateTime)
+    # Indexed: a scheduler asks which jobs changed state since a time (ListJobsRequest.state_changed_since).
+    time: Mapped[datetime] = mapped_column(UtcDateTime, index=True)
     type: Mapped[str] = mapped_column(String(64))
     from_state: Mapped[int] = mapped_column(Integer)
     to_state: Mapped[int] = mapped_column(Integer)

@@ -17,7 +17,9 @@ from google.protobuf.message import Message
 from sqlalchemy.exc import OperationalError
 from silod.v1 import access_pb2, audit_pb2, common_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
 
+from services.metadata.clock import from_timestamp, to_timestamp, utc_now
 from services.metadata.store import MetadataStore
+from services.metadata.validation.common import check_timestamp
 from services.metadata.validation.common import reject_nul_characters
 from services.metadata.validation.datasets import Manifest
 from services.runtime.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
@@ -123,6 +125,11 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         return await self._run(request, self._store.jobs.get, request.job_id)
 
     async def ListJobs(self, request: metadata_pb2.ListJobsRequest, context: Context) -> metadata_pb2.ListJobsResponse:
+        since = None
+        if request.HasField("state_changed_since"):
+            check_timestamp(request.state_changed_since, "state_changed_since")
+            since = from_timestamp(request.state_changed_since)
+        read_at = utc_now()  # before the read: a change committed during it is at or after this
         jobs, token = await self._run(
             request,
             self._store.jobs.list,
@@ -132,8 +139,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             kind=request.kind,
             page_size=request.page_size,
             page_token=request.page_token,
+            state_changed_since=since,
         )
-        return metadata_pb2.ListJobsResponse(jobs=jobs, next_page_token=token)
+        return metadata_pb2.ListJobsResponse(jobs=jobs, next_page_token=token, read_at=to_timestamp(read_at))
 
     async def TransitionJob(self, request: metadata_pb2.TransitionJobRequest, context: Context) -> common_pb2.Job:
         return await self._run(

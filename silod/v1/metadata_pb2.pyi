@@ -402,6 +402,7 @@ class ListJobsRequest(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    STATE_CHANGED_SINCE_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     """filter; empty = all tenants"""
     application: _builtins.str
@@ -416,6 +417,14 @@ class ListJobsRequest(_message.Message):
     def states(self) -> _containers.RepeatedScalarFieldContainer[_common_pb2.JobState.ValueType]:
         """filter; empty = all states"""
 
+    @_builtins.property
+    def state_changed_since(self) -> _timestamp_pb2.Timestamp:
+        """Set: only jobs created or moved to another state at or after this time (progress does not
+        count), in any state the filter admits. A scheduler reads every active job once, then only
+        what changed: ask from a previous response's read_at, less a margin for writes that
+        committed late.
+        """
+
     def __init__(
         self,
         *,
@@ -425,10 +434,11 @@ class ListJobsRequest(_message.Message):
         kind: _common_pb2.JobKind.ValueType = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        state_changed_since: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["state_changed_since", b"state_changed_since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["application", b"application", "kind", b"kind", "page_size", b"page_size", "page_token", b"page_token", "states", b"states", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["application", b"application", "kind", b"kind", "page_size", b"page_size", "page_token", b"page_token", "state_changed_since", b"state_changed_since", "states", b"states", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -440,21 +450,27 @@ class ListJobsResponse(_message.Message):
 
     JOBS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    READ_AT_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     """empty on the last page"""
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Job]:
         """in submission order"""
 
+    @_builtins.property
+    def read_at(self) -> _timestamp_pb2.Timestamp:
+        """the metadata service's UTC time when this page was read"""
+
     def __init__(
         self,
         *,
         jobs: _abc.Iterable[_common_pb2.Job] | None = ...,
         next_page_token: _builtins.str = ...,
+        read_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["read_at", b"read_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "next_page_token", b"next_page_token", "read_at", b"read_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -255,6 +255,26 @@ def test_transition_jobs_moves_each_independently_and_reports_refusals(stub):
                          grpc.StatusCode.INVALID_ARGUMENT, "transitions")
 
 
+def test_list_jobs_since_a_time_gives_only_jobs_created_or_moved_after_it(stub):
+    a, b, c = (create_job(stub) for _ in range(3))
+    first = stub.ListJobs(m.ListJobsRequest())
+    since = first.read_at
+    assert {j.id for j in first.jobs} >= {a.id, b.id, c.id} and since.seconds > 0
+    time.sleep(0.01)
+    stub.TransitionJob(m.TransitionJobRequest(job_id=a.id, expected_state=PENDING, new_state=SCHEDULED))
+    stub.UpdateJobProgress(m.UpdateJobProgressRequest(job_id=b.id, progress=common_pb2.JobProgress(samples_done=5)))
+    stub.TransitionJob(m.TransitionJobRequest(job_id=c.id, expected_state=PENDING, new_state=CANCELLED))
+    d = create_job(stub)
+    changed = stub.ListJobs(m.ListJobsRequest(state_changed_since=since))
+    assert [j.id for j in changed.jobs] == [a.id, c.id, d.id]  # progress is not a state change
+    assert [j.state for j in changed.jobs] == [SCHEDULED, CANCELLED, PENDING]
+    assert changed.read_at.ToNanoseconds() >= since.ToNanoseconds()
+    active = stub.ListJobs(m.ListJobsRequest(state_changed_since=since, states=[PENDING, SCHEDULED]))
+    assert [j.id for j in active.jobs] == [a.id, d.id]
+    assert_rpc_error(lambda: stub.ListJobs(m.ListJobsRequest(state_changed_since=timestamp_pb2.Timestamp(seconds=-10**12))),
+                     grpc.StatusCode.INVALID_ARGUMENT, "state_changed_since")
+
+
 def test_update_jobs_progress_stores_each_independently_and_reports_refusals(stub):
     a, b = create_job(stub), create_job(stub)
     reply = stub.UpdateJobsProgress(m.UpdateJobsProgressRequest(updates=[

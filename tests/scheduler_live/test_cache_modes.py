@@ -257,8 +257,10 @@ def test_silod_snapshot_tells_bytes_cached_in_the_current_epoch_apart(make_clust
 
     def fresh(held: float, epochs: int) -> dict:
         Probe.held = held
-        cluster.md.UpdateJobProgress(metadata_pb2.UpdateJobProgressRequest(
-            job_id=job.id, progress=common_pb2.JobProgress(epochs_done=epochs)))
+        progress = common_pb2.JobProgress(epochs_done=epochs)
+        # As a rank's report does: stored, and kept by the scheduler (scheduler.live.jobs).
+        cluster.md.UpdateJobProgress(metadata_pb2.UpdateJobProgressRequest(job_id=job.id, progress=progress))
+        cluster.core.jobs.reported(job.id, progress)
         snap, _ = cluster.scheduler.submit(cluster.core.snapshot())
         assert snap.cached_bytes == {(node, "imgs"): held}
         return dict(snap.fresh_bytes)

@@ -10,7 +10,7 @@ import grpc
 from scheduler.live.clients import Clients
 from scheduler.live.commit import Committer
 from scheduler.live.plans import PlanStore
-from scheduler.live.progress import KnownJobs
+from scheduler.live.jobs import KnownJobs
 from scheduler.live.releases import ReleaseTracker
 from scheduler.live.resizes import CrashRestarts
 from services.metadata.store.plans import apply_changes
@@ -50,7 +50,7 @@ def _rounds(md: FakeMetadata) -> list[plan_pb2.AllocationPlan]:
     async def scenario() -> list[plan_pb2.AllocationPlan]:
         clients = Clients(md=md)
         plans = PlanStore(clients)
-        committer = Committer(clients, plans, ReleaseTracker(), CrashRestarts(), lambda reason: None, KnownJobs())
+        committer = Committer(clients, plans, ReleaseTracker(), CrashRestarts(), lambda reason: None, KnownJobs(clients))
         placed = {f"job-{i:012x}": f"n{i}" for i in range(50)}
         committed = [await committer.commit(_plan(1, placed), None, {}, "arrival")]
         placed["job-000000000007"] = "n99"  # one moves, one ends, one starts

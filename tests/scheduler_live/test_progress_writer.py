@@ -1,15 +1,14 @@
 """The scheduler's batched progress writes (scheduler.live.progress): reports that arrive while a
 write is in flight share the next call, each caller returns once its progress is stored, an older
-metadata service gets one call per job; and the job states reports read instead of GetJob."""
+metadata service gets one call per job."""
 
 from __future__ import annotations
 
 import asyncio
 
 import grpc
-import pytest
 
-from scheduler.live.progress import KnownJobs, ProgressWriter
+from scheduler.live.progress import ProgressWriter
 from silod.v1 import common_pb2, metadata_pb2
 
 
@@ -83,21 +82,3 @@ def test_an_older_metadata_service_gets_one_call_per_job() -> None:
         await writer.write(None, [])  # nothing to write: returns at once
 
     asyncio.run(scenario())
-
-
-@pytest.mark.parametrize("snapshot_first", [True, False])
-def test_known_jobs_keep_the_newer_state_whatever_the_order(snapshot_first: bool) -> None:
-    jobs = KnownJobs()
-    stale = common_pb2.Job(id="job-a", state=common_pb2.JOB_STATE_SCHEDULED, state_version=2)
-    moved = common_pb2.Job(id="job-a", state=common_pb2.JOB_STATE_RUNNING, state_version=3)
-    if snapshot_first:
-        jobs.snapshot([stale])
-        jobs.saw(moved)
-    else:  # a report moved the job while the round's snapshot (read before the move) was in flight
-        jobs.saw(moved)
-        jobs.snapshot([stale])
-    assert jobs.get("job-a").state == common_pb2.JOB_STATE_RUNNING
-    jobs.saw(stale)
-    assert jobs.get("job-a").state_version == 3
-    jobs.snapshot([])  # no longer active: forgotten
-    assert jobs.get("job-a") is None

@@ -4,6 +4,7 @@ state revokes the job's credentials), progress and events."""
 from __future__ import annotations
 
 import functools
+from datetime import datetime
 import secrets
 from collections.abc import Sequence
 from typing import Any
@@ -109,7 +110,10 @@ class JobStore:
         kind: int = 0,
         page_size: int = 0,
         page_token: str = "",
+        state_changed_since: datetime | None = None,
     ) -> tuple[list[common_pb2.Job], str]:
+        """One page, in submission order; ``state_changed_since``: only jobs created or moved
+        (a state change) at or after it."""
         for index, state in enumerate(states):
             check_enum(state, common_pb2.JobState.DESCRIPTOR, f"states[{index}]")
         check_text(tenant, "tenant", max_chars=128)
@@ -131,6 +135,10 @@ class JobStore:
             query = query.where(Job.application == application)
         if kind:
             query = query.where(Job.kind == kind)
+        if state_changed_since is not None:
+            # Creation and every state move write a "state" event at the time they change the row.
+            query = query.where(Job.id.in_(select(JobEvent.job_id).where(
+                JobEvent.time >= state_changed_since, JobEvent.type == STATE_EVENT)))
         with self._db.read() as session:
             rows = list(session.execute(query))
         page = rows[:size]

@@ -1,0 +1,126 @@
+"""The active jobs as this scheduler knows them: read whole now and then, and in between only the
+jobs whose state changed since the last read (ListJobsRequest.state_changed_since), with the
+progress the ranks report and the state moves this scheduler makes applied as they happen.
+
+At 5,000 active jobs, listing all of them every round was the biggest part of a round, and of
+the metadata service's work; a round changes the state of a few dozen.
+
+* A whole read every ``full_every_s`` (and the first, and after an election) catches anything an
+  incremental read could miss; an incremental read asks from the previous read's time less
+  ``overlap_s``, for writes stamped before that time that committed after it.
+* Progress: the scheduler forwards every rank-0 report to the store (scheduler.live.progress)
+  and keeps the newest here, so the policy sees it without reading it back. Progress written to
+  the store by anything else (an admin's UpdateJobProgress) shows at the next whole read.
+* A report about a job not known here (this scheduler just started) reads it with GetJob.
+"""
+
+from __future__ import annotations
+
+import time
+
+from google.protobuf import timestamp_pb2
+
+from scheduler.live.clients import ACTIVE_STATES, Clients
+from silod.v1 import common_pb2, metadata_pb2
+
+FULL_EVERY_S = 30.0
+OVERLAP_S = 2.0
+
+
+class KnownJobs:
+    def __init__(self, clients: Clients, *, full_every_s: float = FULL_EVERY_S, overlap_s: float = OVERLAP_S) -> None:
+        self.clients = clients
+        self.full_every_s = full_every_s
+        self.overlap_s = overlap_s
+        self._active: dict[str, common_pb2.Job] = {}  # in submission order
+        self._others: dict[str, common_pb2.Job] = {}  # read for a report, not (yet) among the active
+        self._since: timestamp_pb2.Timestamp | None = None  # the next incremental read asks from here
+        self._full_at = -float("inf")  # monotonic time of the last whole read
+        self.full_reads = 0
+        self.incremental_reads = 0
+
+    def get(self, job_id: str) -> common_pb2.Job | None:
+        return self._active.get(job_id) or self._others.get(job_id)
+
+    def saw(self, job: common_pb2.Job) -> None:
+        """``job`` as read or moved; an older copy (read before a move) is ignored."""
+        known = self.get(job.id)
+        if known is not None and job.state_version < known.state_version:
+            return
+        if job.id in self._active:
+            if job.state in ACTIVE_STATES:
+                self._active[job.id] = job
+            else:
+                del self._active[job.id]
+                self._others[job.id] = job
+        else:
+            self._others[job.id] = job
+
+    def forget(self, job_id: str) -> None:
+        """Moved by someone else: read afresh when next needed. An active job needs nothing: its
+        move came after the read that gave the copy here, so the next read brings it."""
+        self._others.pop(job_id, None)
+
+    def reported(self, job_id: str, progress: common_pb2.JobProgress) -> None:
+        """Rank 0's progress, as forwarded to the store."""
+        known = self._active.get(job_id)
+        if known is not None:
+            job = common_pb2.Job()  # a new message: a round in flight may be reading the old one
+            job.CopyFrom(known)
+            job.progress.CopyFrom(progress)
+            self._active[job_id] = job
+
+    def reset(self) -> None:
+        """The next read is whole (a newly elected leader starts from the store's view)."""
+        self._since = None
+
+    async def refresh(self) -> list[common_pb2.Job]:
+        """The active jobs now, in submission order."""
+        whole = self._since is None or time.monotonic() - self._full_at >= self.full_every_s
+        if whole:
+            started = time.monotonic()
+            jobs, read_at = await self._read(metadata_pb2.ListJobsRequest(states=ACTIVE_STATES))
+            fresh: dict[str, common_pb2.Job] = {}
+            for job in jobs:
+                known = self._active.get(job.id)
+                fresh[job.id] = known if known is not None and known.state_version > job.state_version else job
+            self._active = fresh
+            self._others.clear()
+            self._full_at = started
+            self.full_reads += 1
+        else:
+            assert self._since is not None
+            jobs, read_at = await self._read(metadata_pb2.ListJobsRequest(state_changed_since=self._since))
+            for job in jobs:
+                known = self._active.get(job.id)
+                if known is not None and known.state_version > job.state_version:
+                    continue  # this scheduler moved it since
+                if job.state in ACTIVE_STATES:
+                    if known is not None and known.state_version == job.state_version:
+                        job.progress.CopyFrom(known.progress)  # the reported progress is as new
+                    self._active[job.id] = job
+                else:
+                    self._active.pop(job.id, None)
+            self.incremental_reads += 1
+        if read_at is None:  # a metadata service that keeps no state change times: whole reads only
+            self._since = None
+        else:
+            since = timestamp_pb2.Timestamp()
+            since.FromNanoseconds(read_at.ToNanoseconds() - int(self.overlap_s * 1e9))
+            self._since = since
+        return list(self._active.values())
+
+    async def _read(self, request: metadata_pb2.ListJobsRequest
+                    ) -> tuple[list[common_pb2.Job], timestamp_pb2.Timestamp | None]:
+        """Every page; the read time of the first (None from a service that does not say)."""
+        jobs: list[common_pb2.Job] = []
+        read_at = None
+        request.page_size = 1000
+        while True:
+            page = await self.clients.md.ListJobs(request)
+            if read_at is None and page.HasField("read_at"):
+                read_at = page.read_at
+            jobs.extend(page.jobs)
+            if not page.next_page_token:
+                return jobs, read_at
+            request.page_token = page.next_page_token

@@ -1,0 +1,97 @@
+"""The scheduler's view of the active jobs (scheduler.live.jobs): one whole read, then only the jobs
+whose state changed; its own moves and the reported progress applied in between; a whole read
+again every full_every_s, after an election, or from a metadata service that gives no read time."""
+
+from __future__ import annotations
+
+import asyncio
+
+from google.protobuf import timestamp_pb2
+
+from scheduler.live.clients import ACTIVE_STATES, Clients
+from scheduler.live.jobs import KnownJobs
+from silod.v1 import common_pb2, metadata_pb2
+
+PENDING, SCHEDULED, RUNNING = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED, common_pb2.JOB_STATE_RUNNING
+SUCCEEDED = common_pb2.JOB_STATE_SUCCEEDED
+
+
+class FakeMetadata:
+    """Jobs with the time of their last state change, on a clock the test moves."""
+
+    def __init__(self, read_time: bool = True) -> None:
+        self.now = 1000
+        self.jobs: dict[str, tuple[common_pb2.Job, int]] = {}
+        self.requests: list[metadata_pb2.ListJobsRequest] = []
+        self.read_time = read_time
+
+    def put(self, job_id: str, state: int, version: int, samples: int = 0) -> None:
+        self.now += 1
+        self.jobs[job_id] = (common_pb2.Job(id=job_id, state=state, state_version=version,
+                                            progress=common_pb2.JobProgress(samples_done=samples)), self.now)
+
+    async def ListJobs(self, request):  # noqa: N802
+        self.requests.append(metadata_pb2.ListJobsRequest.FromString(request.SerializeToString()))
+        since = request.state_changed_since.seconds if request.HasField("state_changed_since") else None
+        jobs = [job for job, at in self.jobs.values()
+                if (not request.states or job.state in request.states) and (since is None or at >= since)]
+        reply = metadata_pb2.ListJobsResponse(jobs=jobs)
+        if self.read_time:
+            reply.read_at.CopyFrom(timestamp_pb2.Timestamp(seconds=self.now))
+        return reply
+
+
+def _ids(jobs: list[common_pb2.Job]) -> list[str]:
+    return [j.id for j in jobs]
+
+
+def test_whole_read_then_changes_only() -> None:
+    async def scenario() -> None:
+        md = FakeMetadata()
+        for i in range(5):
+            md.put(f"job-{i}", RUNNING if i < 3 else PENDING, 3)
+        known = KnownJobs(Clients(md=md), full_every_s=3600, overlap_s=0)
+        assert _ids(await known.refresh()) == [f"job-{i}" for i in range(5)]
+        assert list(md.requests[-1].states) == list(ACTIVE_STATES)  # whole: every active job
+        md.put("job-0", SUCCEEDED, 4)  # ends
+        md.put("job-3", SCHEDULED, 4)  # placed
+        md.put("job-5", PENDING, 1)  # submitted
+        jobs = await known.refresh()
+        assert md.requests[-1].HasField("state_changed_since") and not md.requests[-1].states
+        assert _ids(jobs) == ["job-1", "job-2", "job-3", "job-4", "job-5"]
+        assert known.get("job-3").state == SCHEDULED
+        assert known.full_reads == 1 and known.incremental_reads == 1
+
+        # Moves this scheduler made and progress reported are kept over older copies read later.
+        known.saw(common_pb2.Job(id="job-4", state=SCHEDULED, state_version=4))
+        known.reported("job-1", common_pb2.JobProgress(samples_done=640))
+        md.put("job-4", PENDING, 3)  # an older copy, as a read racing the move would give it
+        md.now += 1
+        await known.refresh()
+        assert known.get("job-4").state == SCHEDULED and known.get("job-1").progress.samples_done == 640
+        known.saw(common_pb2.Job(id="job-1", state=SUCCEEDED, state_version=4))  # a move to an end
+        assert "job-1" not in _ids(await known.refresh()) and known.get("job-1").state == SUCCEEDED
+
+        known.reset()  # elected: whole again
+        await known.refresh()
+        assert known.full_reads == 2 and list(md.requests[-1].states) == list(ACTIVE_STATES)
+
+    asyncio.run(scenario())
+
+
+def test_whole_reads_every_interval_and_from_a_service_without_read_times() -> None:
+    async def scenario() -> None:
+        md = FakeMetadata(read_time=False)
+        md.put("job-0", PENDING, 1)
+        known = KnownJobs(Clients(md=md), full_every_s=3600)
+        for _ in range(3):
+            await known.refresh()
+        assert known.full_reads == 3 and known.incremental_reads == 0
+        md = FakeMetadata()
+        md.put("job-0", PENDING, 1)
+        known = KnownJobs(Clients(md=md), full_every_s=0.0)
+        for _ in range(3):
+            await known.refresh()
+        assert known.full_reads == 3
+
+    asyncio.run(scenario())
