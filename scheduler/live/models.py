@@ -199,6 +199,23 @@ def with_job_batch_bounds(model: JobModel, spec: common_pb2.JobSpec) -> JobModel
     """
     if spec.batch_size <= 0:
         return model
+    # Every job of an application shares its profile's model: remembered per (model, bounds), a
+    # round at 5,000 jobs builds a handful of models instead of 5,000.
+    key = (id(model), spec.batch_size, spec.max_batch_size, spec.max_gpus)
+    hit = _BOUNDED.get(key)
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    bounded = _with_job_batch_bounds(model, spec)
+    if len(_BOUNDED) >= 16_384:  # fitted models are new objects each round: never let them pile up
+        _BOUNDED.clear()
+    _BOUNDED[key] = (model, bounded)
+    return bounded
+
+
+_BOUNDED: dict[tuple[int, int, int, int], tuple[JobModel, JobModel]] = {}
+
+
+def _with_job_batch_bounds(model: JobModel, spec: common_pb2.JobSpec) -> JobModel:
     bounds = model.bounds
     init = spec.batch_size
     top = max(spec.max_batch_size or init, init)
