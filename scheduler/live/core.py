@@ -199,6 +199,7 @@ class SchedulerCore:
 
     def job_submitted(self, job: common_pb2.Job) -> None:
         self.plans.specs[job.id] = job.spec
+        self.jobs.saw(job)
         self.trigger("arrival")
 
     def job_moved(self, job: common_pb2.Job) -> None:

@@ -12,6 +12,9 @@ the metadata service's work; a round changes the state of a few dozen.
   and keeps the newest here, so the policy sees it without reading it back. Progress written to
   the store by anything else (an admin's UpdateJobProgress) shows at the next whole read.
 * A report about a job not known here (this scheduler just started) reads it with GetJob.
+* Jobs submitted and moved through this scheduler are applied here at once, so a write that
+  committed later than its time stamp plus ``overlap_s`` (a long batch on a loaded PostgreSQL)
+  delays only what others changed directly in the store, until the next whole read.
 """
 
 from __future__ import annotations
@@ -43,17 +46,15 @@ class KnownJobs:
         return self._active.get(job_id) or self._others.get(job_id)
 
     def saw(self, job: common_pb2.Job) -> None:
-        """``job`` as read or moved; an older copy (read before a move) is ignored."""
+        """``job`` as submitted, read or moved here; an older copy (read before a move) is ignored."""
         known = self.get(job.id)
         if known is not None and job.state_version < known.state_version:
             return
-        if job.id in self._active:
-            if job.state in ACTIVE_STATES:
-                self._active[job.id] = job
-            else:
-                del self._active[job.id]
-                self._others[job.id] = job
+        if job.state in ACTIVE_STATES:
+            self._others.pop(job.id, None)
+            self._active[job.id] = job  # a new one last: submissions come in order
         else:
+            self._active.pop(job.id, None)
             self._others[job.id] = job
 
     def forget(self, job_id: str) -> None:

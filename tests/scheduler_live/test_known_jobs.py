@@ -72,6 +72,10 @@ def test_whole_read_then_changes_only() -> None:
         known.saw(common_pb2.Job(id="job-1", state=SUCCEEDED, state_version=4))  # a move to an end
         assert "job-1" not in _ids(await known.refresh()) and known.get("job-1").state == SUCCEEDED
 
+        # A submission through this scheduler is active at once, whatever the store's read shows yet.
+        known.saw(common_pb2.Job(id="job-9", state=PENDING, state_version=1))
+        assert _ids(await known.refresh())[-1] == "job-9"
+
         known.reset()  # elected: whole again
         await known.refresh()
         assert known.full_reads == 2 and list(md.requests[-1].states) == list(ACTIVE_STATES)
