@@ -16,11 +16,11 @@ import grpc
 from scheduler.live import convert
 from scheduler.live.batching import Coalescer
 from scheduler.live.clients import PLACED_STATES, Clients
-from scheduler.live.plans import PlanStore
 from scheduler.live.jobs import KnownJobs
-from scheduler.plan_changes import PlanChanges, changes_between
+from scheduler.live.plans import PlanStore
 from scheduler.live.releases import ReleaseTracker
 from scheduler.live.resizes import CrashRestarts
+from scheduler.plan_changes import PlanChanges, changes_between
 from silod.v1 import common_pb2, metadata_pb2, plan_pb2
 
 _log = logging.getLogger("silod.scheduler")
