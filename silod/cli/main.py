@@ -97,7 +97,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             try:
                 add_settings_flags(p, importlib.import_module(svc.module).Settings)
             except ModuleNotFoundError:
-                pass  # a client install: _run_service says which extra is missing
+                # A client install, or a server install missing a dependency: the flags are
+                # unknown, so main lets them pass and _run_service names the missing module
+                # (rather than argparse's "unrecognized arguments").
+                p.set_defaults(flags_unknown=True)
         p.set_defaults(handler=_run_service, service=name)
     if chosen in SERVICES:
         # A service process parses only its own command: the client, simulator and dashboard
@@ -157,7 +160,10 @@ def _run_service(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "flags_unknown", False):
+        parser.parse_args(argv)  # argparse's own error for what it does not know
     if getattr(args, "service", None) is None and hasattr(signal, "SIGPIPE"):
         # Client commands piped into `head` should stop quietly, as Unix tools do. Services
         # keep Python's default: a closed stdout must not kill a server.

@@ -133,7 +133,10 @@ sys.meta_path.insert(0, Blocker())
 from silod.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
+    # A service started with its flags (as `silod up` starts them) is told the same, not
+    # "unrecognized arguments": its flags are unknown without its module.
     for argv, extra in ((["simulate", "list"], "silod[sim]"), (["metadata"], "silod[server]"),
+                        (["metadata", "--listen", "127.0.0.1:0", "--db", "sqlite:///x.db"], "silod[server]"),
                         (["db", "upgrade"], "silod[server]")):
         done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60,
                               cwd=SDK.parent)
