@@ -16,6 +16,8 @@
    never relaunched, both ranks holding the same parameters; the re-form times the SDK prints.
 5. The SDK's time per step against plain DDP at one rank (benchmarks/gpu_check_steps.py):
    within 2 % on the GPU.
+6. NVML telemetry: the node of check 2, after the job, lists a sample of every GPU (utilisation,
+   memory used and total, temperature, ECC count) as `silod nodes --json` shows it, and no fault.
 
 Without a GPU every GPU line says "skipped: no GPU (...)" and the exit status is 0; it is 1
 when a check failed. The results go to benchmarks/results/gpu-check-<host>-<time>.json (or
@@ -58,7 +60,8 @@ TRAINING_ON = re.compile(r"training on (\S+) \(backend ([^)]+)\)")
 REFORMED = re.compile(r"re-formed in place in ([0-9.]+)s: rank (\d+) of (\d+) \(was (\d+) of (\d+)\)")
 
 PASS, FAIL, SKIP = "pass", "fail", "skipped"
-NAMES = {1: "NVML discovery", 2: "silod up", 3: "digits job on CUDA", 4: "resize 1->2->1 NCCL", 5: "SDK step overhead"}
+NAMES = {1: "NVML discovery", 2: "silod up", 3: "digits job on CUDA", 4: "resize 1->2->1 NCCL", 5: "SDK step overhead",
+         6: "NVML telemetry"}
 
 
 @dataclass
@@ -316,6 +319,43 @@ def check_digits_job(up: SilodUp, work: Path, epochs: int = 2) -> Check:
                          f"(backend {backend})", f"SUCCEEDED on {device}, {took:.0f} s", **figures)
 
 
+# ---- check 6: NVML telemetry ------------------------------------------------------------------
+
+def check_telemetry(up: SilodUp, gpus: Gpus) -> Check:
+    """What the agent's GPU monitor read from NVML, as the node listing shows it to an operator."""
+    check = Check(6)
+    node = up.node()
+    if node is None:
+        return failed(check, "no live node in `silod nodes`")
+    samples = node["gpu_telemetry"]
+    problems = []
+    if len(samples) != gpus.count:
+        problems.append(f"{len(samples)} GPU sample(s) for NVML's {gpus.count} GPU(s)")
+    for i, sample in enumerate(samples):
+        # An int64 travels as a string in the listing's JSON (protobuf's mapping); absent fields
+        # are what NVML did not answer.
+        total = int(sample.get("memory_total_bytes", 0))
+        ratio = sample.get("utilization_ratio")
+        if total <= 0 or "memory_used_bytes" not in sample:
+            problems.append(f"GPU {i}: no device memory figures")
+        if ratio is None or not 0 <= ratio <= 1:
+            problems.append(f"GPU {i}: utilisation {ratio!r}")
+        if "temperature_celsius" not in sample:
+            problems.append(f"GPU {i}: no temperature")
+        if sample.get("lost"):
+            problems.append(f"GPU {i}: reported lost")
+    if node["gpu_faults"]:
+        problems.append(f"faults recorded: {node['gpu_faults']}")
+    if problems:
+        return failed(check, "; ".join(problems), telemetry=samples)
+    first = samples[0]
+    memory = f"{int(first['memory_used_bytes']) / 2**30:.1f}/{int(first['memory_total_bytes']) / 2**30:.0f} GiB"
+    temperature = f"{first['temperature_celsius']:.0f} °C"
+    ecc = f", ECC uncorrectable {first['ecc_uncorrectable_errors']}" if "ecc_uncorrectable_errors" in first else ""
+    return passed(check, f"{len(samples)} GPU sample(s); GPU 0: utilisation {first['utilization_ratio']:.2f}, memory "
+                         f"{memory}, {temperature}{ecc}; no fault", f"{memory}, {temperature}", telemetry=samples)
+
+
 # ---- check 4: in-place resize 1 -> 2 -> 1 over NCCL ---------------------------------------------
 
 class ResizeLab:
@@ -511,13 +551,17 @@ def run_checks(options: argparse.Namespace, gpus: Gpus, machine: dict[str, Any],
         if nvml.status != PASS:
             for check in (Check(2), Check(3), Check(4)):
                 report(skipped(check, why))
+            telemetry = skipped(Check(6), why)
         else:
             up = SilodUp(work, gpus.count)
             try:
                 if report(guarded(2, lambda: check_silod_up(up, gpus))).status == PASS:
                     report(guarded(3, lambda: check_digits_job(up, work)))
+                    # Read while the cluster is up, reported last (lines keep their numbers' order).
+                    telemetry = guarded(6, lambda: check_telemetry(up, gpus))
                 else:
                     report(skipped(Check(3), "silod up did not come up (check 2)"))
+                    telemetry = skipped(Check(6), "silod up did not come up (check 2)")
             finally:
                 up.stop()
             if gpus.count < 2:
@@ -525,6 +569,7 @@ def run_checks(options: argparse.Namespace, gpus: Gpus, machine: dict[str, Any],
             else:
                 report(guarded(4, lambda: check_resize(work)))
     report(guarded(5, lambda: check_step_overhead(options, machine)))
+    report(telemetry)
     return checks
 
 
@@ -550,15 +595,17 @@ def machine_cell(machine: dict[str, Any]) -> str:
     return f"{machine['host']}: {gpus}, torch {machine['torch']}{cuda}, Python {machine['python']}"
 
 
-RUNS_HEADER = ("| run | machine | 1 NVML | 2 silod up | 3 digits job | 4 resize 1→2→1 | 5 SDK vs plain DDP, a step |\n"
-               "|---|---|---|---|---|---|---|")
+RUNS_HEADER = ("| run | machine | 1 NVML | 2 silod up | 3 digits job | 4 resize 1→2→1 | 5 SDK vs plain DDP, a step | "
+               "6 telemetry, GPU 0 |\n|---|---|---|---|---|---|---|---|")
 STEPS_HEADER = ("| run | device | model, batch | plain DDP | plain DDP, find_unused | SDK, reproducible=False | "
                 "SDK, reproducible=True | SDK over plain: reproducible=False, reproducible=True |\n"
                 "|---|---|---|---|---|---|---|---|")
 
 
 def _run_row(run: str, record: dict[str, Any]) -> str:
-    cells = [c["short"].replace("|", "/") for c in sorted(record["checks"], key=lambda c: c["number"])]
+    # Runs from before a check existed have no cell for it.
+    shorts = {c["number"]: c["short"].replace("|", "/") for c in record["checks"]}
+    cells = [shorts.get(number, "-") for number in sorted(NAMES)]
     return f"| {run} | {machine_cell(record['machine'])} | " + " | ".join(cells) + " |"
 
 

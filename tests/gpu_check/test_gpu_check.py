@@ -33,13 +33,13 @@ def test_without_a_gpu_every_check_is_skipped_with_its_reason_and_the_json_is_wr
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [m.groups() for m in map(LINE.match, done.stdout.splitlines()) if m]
-    assert [int(number) for number, *_ in lines] == [1, 2, 3, 4, 5], done.stdout
+    assert [int(number) for number, *_ in lines] == [1, 2, 3, 4, 5, 6], done.stdout
     for number, _, status, why in lines:
         assert status == "skipped" and why and why.startswith("no GPU ("), f"check {number}: {status}: {why}"
     record = json.loads(out.read_text())
     assert record["exit_status"] == 0 and record["machine"]["gpu_count"] == 0
     assert {"host", "gpu_model", "driver", "torch", "cuda", "python"} <= record["machine"].keys()
-    assert [(c["number"], c["status"]) for c in record["checks"]] == [(n, "skipped") for n in range(1, 6)]
+    assert [(c["number"], c["status"]) for c in record["checks"]] == [(n, "skipped") for n in range(1, 7)]
     assert sorted((ROOT / "benchmarks" / "results").glob("gpu-check-*")) == results  # nothing in the repository
 
 
@@ -91,3 +91,45 @@ def test_the_gpu_wheels_are_pinned_for_an_offline_install() -> None:
     wheels = [line for line in lines if line and not line.startswith("#")]
     assert wheels and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", w) for w in wheels), wheels
     assert ".gpu-wheels" in (ROOT / ".gitignore").read_text()
+
+
+class _ListedNode:
+    """The node row `silod nodes --json` prints (its own code, silod/cli/nodes.py), for check 6."""
+
+    def __init__(self, telemetry: list[dict], faults: list[tuple[int, str]] = ()) -> None:
+        from google.protobuf import json_format
+
+        from silod.cli import nodes
+        from silod.v1 import common_pb2
+
+        node = common_pb2.Node(gpu_telemetry=[json_format.ParseDict(t, common_pb2.GpuTelemetry()) for t in telemetry],
+                                   gpu_faults=[common_pb2.GpuFault(index=i, reason=r) for i, r in faults])
+        self.row = nodes._gpu_figures(node)
+
+    def node(self) -> dict:
+        return self.row
+
+
+H200_SAMPLE = {"utilization_ratio": 0.01, "memory_used_bytes": 2084438016, "memory_total_bytes": 150754820096,
+               "temperature_celsius": 33.0, "ecc_uncorrectable_errors": 0}  # read off an H200 by check 6
+
+
+def test_telemetry_check_passes_on_a_full_sample_of_every_gpu() -> None:
+    check = gpu_check.check_telemetry(_ListedNode([H200_SAMPLE]), gpu_check.Gpus(count=1, model="NVIDIA H200"))
+    assert check.status == "pass", check.detail
+    assert check.short == "1.9/140 GiB, 33 °C"
+    assert "utilisation 0.01" in check.detail and "ECC uncorrectable 0" in check.detail
+
+
+@pytest.mark.parametrize("telemetry, faults, problem", [
+    ([H200_SAMPLE], [], "1 GPU sample(s) for NVML's 2 GPU(s)"),
+    ([H200_SAMPLE, {k: v for k, v in H200_SAMPLE.items() if k != "temperature_celsius"}], [], "GPU 1: no temperature"),
+    ([H200_SAMPLE, {k: v for k, v in H200_SAMPLE.items() if k != "memory_total_bytes"}], [],
+     "GPU 1: no device memory figures"),
+    ([H200_SAMPLE, {**H200_SAMPLE, "utilization_ratio": 1.5}], [], "GPU 1: utilisation 1.5"),
+    ([H200_SAMPLE, {**H200_SAMPLE, "lost": True}], [], "GPU 1: reported lost"),
+    ([H200_SAMPLE, H200_SAMPLE], [(1, "Xid 79")], "faults recorded"),
+])
+def test_telemetry_check_fails_naming_what_nvml_did_not_give(telemetry: list, faults: list, problem: str) -> None:
+    check = gpu_check.check_telemetry(_ListedNode(telemetry, faults), gpu_check.Gpus(count=2, model="NVIDIA H200"))
+    assert check.status == "fail" and problem in check.detail, check.detail
