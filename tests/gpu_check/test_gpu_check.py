@@ -33,13 +33,13 @@ def test_without_a_gpu_every_check_is_skipped_with_its_reason_and_the_json_is_wr
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [m.groups() for m in map(LINE.match, done.stdout.splitlines()) if m]
-    assert [int(number) for number, *_ in lines] == [1, 2, 3, 4, 5, 6], done.stdout
+    assert [int(number) for number, *_ in lines] == [1, 2, 3, 4, 5, 6, 7], done.stdout
     for number, _, status, why in lines:
         assert status == "skipped" and why and why.startswith("no GPU ("), f"check {number}: {status}: {why}"
     record = json.loads(out.read_text())
     assert record["exit_status"] == 0 and record["machine"]["gpu_count"] == 0
     assert {"host", "gpu_model", "driver", "torch", "cuda", "python"} <= record["machine"].keys()
-    assert [(c["number"], c["status"]) for c in record["checks"]] == [(n, "skipped") for n in range(1, 7)]
+    assert [(c["number"], c["status"]) for c in record["checks"]] == [(n, "skipped") for n in range(1, 8)]
     assert sorted((ROOT / "benchmarks" / "results").glob("gpu-check-*")) == results  # nothing in the repository
 
 
@@ -133,3 +133,15 @@ def test_telemetry_check_passes_on_a_full_sample_of_every_gpu() -> None:
 def test_telemetry_check_fails_naming_what_nvml_did_not_give(telemetry: list, faults: list, problem: str) -> None:
     check = gpu_check.check_telemetry(_ListedNode(telemetry, faults), gpu_check.Gpus(count=2, model="NVIDIA H200"))
     assert check.status == "fail" and problem in check.detail, check.detail
+
+
+def test_restart_check_passes_on_the_cpu_with_the_cpu_as_the_expected_device(tmp_path: Path) -> None:
+    """Line 7's lab, plans and log parsing, run here with the ranks on the CPU: what the GPU run
+    relies on (the stop's and the resume's lines, the step numbers, two launches) is checked. The
+    suite's ranks pair gloo with the CUDA-only stand-in for NCCL (tests/conftest.py), as on a GPU."""
+    check = gpu_check.check_restart(tmp_path, expect=("cpu", "cpu:gloo,cuda:cudaonly"))
+    assert check.status == "pass", check.detail
+    figures = check.figures
+    assert figures["stopped_at_step"] >= 5 and figures["resumed_at_step"] == figures["stopped_at_step"]
+    assert figures["first_step_after"] == figures["stopped_at_step"] + 1 and figures["launches"] == 2
+    assert figures["training_on"] == [["cpu", "cpu:gloo,cuda:cudaonly"]] * 2  # what the GPU run compares
