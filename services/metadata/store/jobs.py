@@ -4,13 +4,14 @@ state revokes the job's credentials), progress and events."""
 from __future__ import annotations
 
 import functools
-from datetime import datetime
+import logging
 import secrets
+from datetime import datetime
 from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Connection, Text, Update, bindparam, cast, func, insert, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 from silod.v1 import access_pb2, common_pb2
 
@@ -32,6 +33,7 @@ from services.metadata.validation.jobs import (
 from services.runtime.errors import AlreadyExists, FailedPrecondition, NotFound, ServiceError
 
 STATE_EVENT = "state"
+_log = logging.getLogger(__name__)
 _ID_ATTEMPTS = 3  # 48 random bits: a second collision in a row would mean a broken RNG
 
 
@@ -175,14 +177,72 @@ class JobStore:
         """Each (job_id, expected_state, new_state, message) as :meth:`transition` would (its own
         compare-and-set), in one transaction: one commit for the lot. Results in order; a refused
         move's is the error, and the others still happen."""
-        results: list[common_pb2.Job | ServiceError] = []
+        results: list[common_pb2.Job | ServiceError | None] = [None] * len(moves)
         with self._db.batch():
-            for job_id, expected_state, new_state, message in moves:
+            one_by_one = range(len(moves))
+            if len({job_id for job_id, *_ in moves}) == len(moves) > 1:  # a job twice: its moves in order
+                one_by_one = self._transition_grouped(moves, results)
+            for index in one_by_one:
                 try:
-                    results.append(self.transition(job_id, expected_state, new_state, message))
+                    results[index] = self.transition(*moves[index])
                 except ServiceError as exc:
-                    results.append(exc)
-        return results
+                    results[index] = exc
+        return results  # type: ignore[return-value]  # every index was filled
+
+    def _transition_grouped(self, moves: Sequence[tuple[str, int, int, str]],
+                            results: list[common_pb2.Job | ServiceError | None]) -> list[int]:
+        """The moves that share (expected, new, message) as one UPDATE ... RETURNING, and all
+        their events as one INSERT: a round's commit moves hundreds of jobs alike, and on
+        PostgreSQL the savepoint and two statements per move cost a millisecond each. Fills
+        ``results``; returns the indices left to :meth:`transition` (refused by the
+        compare-and-set, or a move that is not a legal edge: it says why). All or nothing: a
+        database error leaves every move to :meth:`transition`."""
+        left: list[int] = []
+        groups: dict[tuple[int, int, str], list[int]] = {}
+        for index, (job_id, expected_state, new_state, message) in enumerate(moves):
+            try:
+                check_job_id(job_id)
+                check_transition(expected_state, new_state, message)
+            except ServiceError as exc:
+                results[index] = exc
+                continue
+            if is_legal_move(expected_state, new_state):
+                groups.setdefault((expected_state, new_state, message), []).append(index)
+            else:
+                left.append(index)
+        done: dict[int, common_pb2.Job] = {}
+        try:
+            with self._db.write_core() as connection:
+                now = utc_now()
+                events: list[dict[str, Any]] = []
+                ended: list[str] = []
+                for (expected_state, new_state, message), indices in groups.items():
+                    for start in range(0, len(indices), _GROUP_MOVES):
+                        chunk = indices[start:start + _GROUP_MOVES]
+                        rows = {row.id: row for row in connection.execute(_group_move_statement(new_state), {
+                            "m_ids": [moves[i][0] for i in chunk], "m_expected": expected_state, "m_new": new_state,
+                            "m_now": now, "m_message": message})}
+                        for index in chunk:
+                            row = rows.get(moves[index][0])
+                            if row is None:  # not in the expected state, or no such job
+                                left.append(index)
+                                continue
+                            done[index] = convert.job_to_proto(row)
+                            events.append({"job_id": row.id, "sequence": row.last_event_sequence, "time": now,
+                                           "type": STATE_EVENT, "from_state": expected_state, "to_state": new_state,
+                                           "message": message})
+                            if new_state in TERMINAL_STATES:
+                                ended.append(row.id)
+                if events:
+                    connection.execute(_STATE_EVENT_INSERT, events)
+                if ended:
+                    connection.execute(_REVOKE_JOBS_CREDENTIALS, {"c_jobs": ended, "c_now": now})
+        except SQLAlchemyError:
+            _log.warning("grouped job moves failed; moving each on its own", exc_info=True)
+            return sorted(set(left) | {i for indices in groups.values() for i in indices})
+        for index, job in done.items():
+            results[index] = job
+        return sorted(left)
 
     def update_progress(
         self,
@@ -297,12 +357,34 @@ _REVOKE_JOB_CREDENTIALS = (
     .where(_CREDENTIALS.c.kind == access_pb2.PRINCIPAL_KIND_JOB, _CREDENTIALS.c.name == bindparam("c_job"),
            _CREDENTIALS.c.revoked_at.is_(None))
     .values(revoked_at=bindparam("c_now", type_=_CREDENTIALS.c.revoked_at.type)))
+_REVOKE_JOBS_CREDENTIALS = (
+    update(_CREDENTIALS)
+    .where(_CREDENTIALS.c.kind == access_pb2.PRINCIPAL_KIND_JOB,
+           _CREDENTIALS.c.name.in_(bindparam("c_jobs", expanding=True)), _CREDENTIALS.c.revoked_at.is_(None))
+    .values(revoked_at=bindparam("c_now", type_=_CREDENTIALS.c.revoked_at.type)))
+
+
+_GROUP_MOVES = 500  # job ids bound in one UPDATE of _transition_grouped (SQLite allows 32,766 variables)
 
 
 @functools.lru_cache(maxsize=None)
 def _move_statement(new_state: int) -> Update:
     """The compare-and-set UPDATE of a job's state (bound: m_id, m_expected, m_new, m_now,
     m_message), built once per target state: the columns it sets depend on that state only."""
+    # The WHERE on the state is what makes concurrent movers safe.
+    return (update(_JOBS).where(_JOBS.c.id == bindparam("m_id"), _JOBS.c.state == bindparam("m_expected"))
+            .values(**_move_values(new_state)).returning(*_JOBS.columns))
+
+
+@functools.lru_cache(maxsize=None)
+def _group_move_statement(new_state: int) -> Update:
+    """_move_statement for many jobs at once (bound: m_ids, a list, instead of m_id)."""
+    return (update(_JOBS).where(_JOBS.c.id.in_(bindparam("m_ids", expanding=True)),
+                                _JOBS.c.state == bindparam("m_expected"))
+            .values(**_move_values(new_state)).returning(*_JOBS.columns))
+
+
+def _move_values(new_state: int) -> dict[str, object]:
     now = bindparam("m_now", type_=_JOBS.c.updated_at.type)
     values: dict[str, object] = {
         "state": bindparam("m_new"),
@@ -315,9 +397,7 @@ def _move_statement(new_state: int) -> Update:
         values["started_at"] = func.coalesce(_JOBS.c.started_at, now)
     if new_state in TERMINAL_STATES:
         values["finished_at"] = now
-    # The WHERE on the state is what makes concurrent movers safe.
-    return (update(_JOBS).where(_JOBS.c.id == bindparam("m_id"), _JOBS.c.state == bindparam("m_expected"))
-            .values(**values).returning(*_JOBS.columns))
+    return values
 
 
 # JSON columns as their text: unchanged rows are recognised without decoding them (convert._JobMemo).

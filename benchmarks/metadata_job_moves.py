@@ -1,0 +1,86 @@
+"""Time of the metadata store's batch of job state moves (TransitionJobs): what a scheduling
+round's commit spends moving the jobs it placed and preempted.
+
+    .venv/bin/python benchmarks/metadata_job_moves.py [--jobs 1000] [--db sqlite:///F | postgresql://...]
+    .venv/bin/python benchmarks/metadata_job_moves.py --scratch-postgres postgresql://postgres@127.0.0.1:5432/postgres
+
+``--db`` wants an empty, or new, database; ``--scratch-postgres`` creates a database of its own
+on that server and drops it afterwards.
+
+One batch places every job (PENDING -> SCHEDULED, "placed by plan 2 (generation g)" with g of
+1-3, as a round's commit words it), the next requeues them all (SCHEDULED -> PENDING), three
+times over. Figures per move: ``wall_ms`` (the database server's work included: it runs beside
+this process) and ``cpu_ms`` (this process alone), the median batch of each kind. Through the
+store's own code on one thread, without gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.metadata_node_writes import scratch_postgres  # noqa: E402
+from services.metadata.migrate import upgrade_engine  # noqa: E402
+from services.metadata.store import MetadataStore  # noqa: E402
+from services.runtime.errors import ServiceError  # noqa: E402
+from silod.v1 import common_pb2  # noqa: E402
+
+PENDING, SCHEDULED = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED
+REPEATS = 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=1000, help="moves per batch (the service takes up to 1,000)")
+    parser.add_argument("--db", default="", help="database URL (default: a fresh SQLite file)")
+    parser.add_argument("--scratch-postgres", default="", metavar="URL",
+                        help="a PostgreSQL server (URL of any database on it) to create a scratch database on")
+    args = parser.parse_args(argv)
+    if args.scratch_postgres:
+        with scratch_postgres(args.scratch_postgres) as url:
+            result = run(url, args.jobs)
+    else:
+        result = run(args.db or f"sqlite:///{tempfile.mkdtemp(prefix='silod-moves-')}/m.db", args.jobs)
+    print(json.dumps(result))
+    return 0
+
+
+def run(url: str, jobs: int) -> dict[str, object]:
+    store = MetadataStore.open(url)
+    upgrade_engine(store.db.engine)
+    created = store.jobs.create_many([(common_pb2.JobSpec(name=f"moves-{i}", min_gpus=1, max_gpus=1, batch_size=64,
+                                                          epochs=1), "") for i in range(jobs)])
+    ids = [job.id for job in created]
+    timings: dict[str, list[tuple[float, float]]] = {"place": [], "requeue": []}
+    for repeat in range(REPEATS):
+        place = [(job_id, PENDING, SCHEDULED, f"placed by plan {2 + 2 * repeat} (generation {1 + i % 3})")
+                 for i, job_id in enumerate(ids)]
+        requeue = [(job_id, SCHEDULED, PENDING, f"preempted by plan {3 + 2 * repeat}; requeued") for job_id in ids]
+        for kind, moves in (("place", place), ("requeue", requeue)):
+            gc.collect()
+            wall, cpu = time.perf_counter(), time.process_time()
+            results = store.jobs.transition_many(moves)
+            timings[kind].append((time.perf_counter() - wall, time.process_time() - cpu))
+            refused = [r for r in results if isinstance(r, ServiceError)]
+            assert not refused, refused[:3]
+            assert all(r.state == moves[0][2] for r in results)
+    events = store.jobs.list_events(ids[0])
+    assert len(events) == 1 + 2 * REPEATS, events  # created, then every move
+    store.close()
+    result: dict[str, object] = {"jobs": jobs, "database": url.split(":", 1)[0].split("+", 1)[0]}
+    for kind, pairs in timings.items():
+        result[f"{kind}_wall_ms_per_move"] = round(statistics.median(w for w, _ in pairs) * 1000 / jobs, 3)
+        result[f"{kind}_cpu_ms_per_move"] = round(statistics.median(c for _, c in pairs) * 1000 / jobs, 3)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

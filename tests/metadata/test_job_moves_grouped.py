@@ -1,0 +1,80 @@
+"""JobStore.transition_many moves jobs alike together (one UPDATE per kind of move, one INSERT of
+their events) and keeps the answers of one move at a time: per-move refusals, a job's moves in
+order, credentials revoked at a final state, and nothing half done when the database refuses the
+batch. On SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import text
+
+from services.metadata.store import MetadataStore
+from services.metadata.store import jobs as job_store
+from services.runtime.errors import FailedPrecondition, NotFound, ServiceError
+from silod.v1 import access_pb2, common_pb2, plan_pb2
+
+PENDING, SCHEDULED, RUNNING = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED, common_pb2.JOB_STATE_RUNNING
+CANCELLED, SUCCEEDED = common_pb2.JOB_STATE_CANCELLED, common_pb2.JOB_STATE_SUCCEEDED
+
+
+def _jobs(store: MetadataStore, count: int) -> list[str]:
+    spec = common_pb2.JobSpec(name="grouped", min_gpus=1, max_gpus=1, batch_size=64, epochs=1)
+    return [job.id for job in store.jobs.create_many([(spec, "")] * count)]
+
+
+def test_many_alike_moves_happen_each_with_its_event_across_the_chunks(store: MetadataStore,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    ids = _jobs(store, job_store._GROUP_MOVES + 101)  # two UPDATEs for one kind of move
+    results = store.jobs.transition_many([(i, PENDING, SCHEDULED, f"placed (generation {n % 2 + 1})")
+                                          for n, i in enumerate(ids)])
+    assert [r.id for r in results] == ids and all(r.state == SCHEDULED for r in results)
+    assert all(r.message == f"placed (generation {n % 2 + 1})" for n, r in enumerate(results))
+    assert all(r.state_version == 2 for r in results)
+    for job_id in (ids[0], ids[-1]):
+        created, moved = store.jobs.list_events(job_id)
+        assert (moved.type, moved.sequence, moved.from_state, moved.to_state) == ("state", created.sequence + 1,
+                                                                                 PENDING, SCHEDULED)
+    running = store.jobs.transition_many([(i, SCHEDULED, RUNNING, "") for i in ids[:3]])
+    assert all(r.started_at.seconds > 0 for r in running)  # what a move to RUNNING sets
+    assert "moving each on its own" not in caplog.text  # done grouped, not by the fallback
+
+
+def test_refusals_are_per_move_and_a_job_twice_moves_in_order(store: MetadataStore) -> None:
+    a, b, c = _jobs(store, 3)
+    results = store.jobs.transition_many([
+        (a, PENDING, SCHEDULED, "placed"),
+        (b, RUNNING, SUCCEEDED, ""),                 # b is PENDING: refused by the compare-and-set
+        ("job-000000000000", PENDING, SCHEDULED, ""),  # no such job
+        (c, PENDING, SUCCEEDED, ""),                 # not an edge of the state machine
+    ])
+    assert results[0].state == SCHEDULED
+    assert isinstance(results[1], FailedPrecondition) and results[1].field == "expected_state"
+    assert isinstance(results[2], NotFound)
+    assert isinstance(results[3], ServiceError) and not isinstance(results[3], NotFound)
+    assert store.jobs.get(b).state == PENDING and store.jobs.get(c).state == PENDING
+    # The same job twice: the second move sees the first.
+    twice = store.jobs.transition_many([(b, PENDING, SCHEDULED, "placed"), (b, SCHEDULED, RUNNING, "started")])
+    assert [r.state for r in twice] == [SCHEDULED, RUNNING]
+
+
+def test_a_final_move_in_a_batch_revokes_the_jobs_credentials(store: MetadataStore) -> None:
+    a, b = _jobs(store, 2)
+    store.jobs.transition_many([(a, PENDING, SCHEDULED, ""), (b, PENDING, SCHEDULED, "")])
+    plan = plan_pb2.AllocationPlan(version=1)
+    for job_id in (a, b):
+        plan.jobs.add(job_id=job_id).placements.add(node="n1", gpu_indices=[0])
+    for job_id in (a, b):
+        store.access.mint_job_credential(job_id, "n1", lambda: plan)
+    store.jobs.transition_many([(a, SCHEDULED, CANCELLED, "bye"), (b, SCHEDULED, CANCELLED, "bye")])
+    listed = store.access.list_credentials(kind=access_pb2.PRINCIPAL_KIND_JOB, include_revoked=True)
+    assert len(listed) == 2 and all(c.HasField("revoked_at") for c in listed)
+
+
+def test_a_batch_the_database_refuses_is_moved_one_by_one_with_nothing_half_done(
+        store: MetadataStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    ids = _jobs(store, 4)
+    monkeypatch.setattr(job_store, "_group_move_statement", lambda new_state: text("SELECT no_such_column"))
+    results = store.jobs.transition_many([(i, PENDING, SCHEDULED, "placed") for i in ids])
+    assert [r.state for r in results] == [SCHEDULED] * 4
+    assert [len(store.jobs.list_events(i)) for i in ids] == [2] * 4  # one move each, not two
+    assert "moving each on its own" in caplog.text
