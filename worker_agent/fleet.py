@@ -17,8 +17,9 @@ nodes: one HTTP/2 connection carries many streams, where a channel per node woul
 connection, its threads and buffers each.
 
 The process writes ``--ready-file`` (the node count) once every node is registered, and
-``--stats-file`` (JSON: per plan version, the newest 300, the wall-clock times nodes received
-it and, by node, acked it; a node that gets two plans while applying one applies and acks only
+``--stats-file`` (JSON: per plan version, the newest 300, the wall-clock times at which nodes,
+by name, received it and acked it; the scheduler sends a node the plans that change its part
+only; a node that gets two plans while applying one applies and acks only
 the newer, as the agent does) every second and at exit. SIGTERM or SIGINT stops it.
 """
 
@@ -68,7 +69,7 @@ class FleetSettings:
 @dataclass
 class PlanTimes:
     """When nodes received and acked one plan version (time.time())."""
-    received: list[float] = field(default_factory=list)
+    received: dict[str, float] = field(default_factory=dict)  # node -> when its stream delivered it
     acked: dict[str, float] = field(default_factory=dict)  # node -> when its Ack was answered
 
 
@@ -116,7 +117,7 @@ class FleetNode:
         self.alloc = self.fleet.alloc_stub(self.index, self._scheduler)
 
     def offer(self, plan: plan_pb2.NodePlan) -> None:
-        self.fleet.times(plan.version).received.append(time.time())
+        self.fleet.times(plan.version).received[self.name] = time.time()
         reason = node_protocol.epoch_refusal(plan, self.plan_epoch)
         if reason:
             asyncio.ensure_future(self._ack(plan.version, False, reason, []))

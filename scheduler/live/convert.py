@@ -132,6 +132,17 @@ def host_of(address: str) -> str:
     return host.strip("[]") if sep else address
 
 
+_NODE_PLAN_VERSION = plan_pb2.NodePlan.DESCRIPTOR.fields_by_name["version"].number
+
+
+def same_node_part(a: plan_pb2.NodePlan, b: plan_pb2.NodePlan) -> bool:
+    """Whether two views of a node say the same thing, whatever plan versions they were cut from
+    (every field but the version counts: tasks, cache quotas, replicas, loans, the epoch)."""
+    def said(view: plan_pb2.NodePlan) -> list:
+        return [(f.number, value) for f, value in view.ListFields() if f.number != _NODE_PLAN_VERSION]
+    return said(a) == said(b)
+
+
 def node_plan(
     plan: plan_pb2.AllocationPlan,
     node: str,

@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from scheduler.live import metrics
+from scheduler.live import convert, metrics
 from scheduler.live.acks import AckForwarder
 from scheduler.live.clients import ACTIVE_STATES, TERMINAL_STATES
 from scheduler.live.models import known_applications
@@ -346,13 +346,18 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
         # Watchers share their reads of the store (max_age_s): a thousand nodes reconnecting
         # after a restart, or waking together, make one GetLatestPlan, not a thousand.
         await forward(self.core.refresh_latest(max_age_s=WATCH_REFRESH_AGE_S), "metadata GetLatestPlan", None)
-        sent = 0
+        # A node is sent the plans that change its part only (the first one always): a round
+        # that moves a few jobs on a thousand nodes then costs a few streams' messages, acks and
+        # task reports, not a thousand. Its acked version is so the newest plan that changed it.
+        sent, shown = 0, None
         while True:
             plan = self.core.latest
             if plan is not None and plan.version > sent:
                 node_plan = await self.core.node_plan(plan, request.node)
                 node_plan.epoch = plan.epoch
-                yield node_plan
+                if shown is None or not convert.same_node_part(node_plan, shown):
+                    yield node_plan
+                    shown = node_plan
                 sent = plan.version
             await self.core.wait_newer(sent, self.refresh_s)
             require_leader(self.core)  # deposed: the watcher moves to the new leader

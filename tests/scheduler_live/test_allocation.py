@@ -7,7 +7,9 @@ import threading
 import time
 
 import grpc
+import pytest
 
+from scheduler.live import convert
 from silod.v1 import allocation_pb2, common_pb2, plan_pb2
 from tests.scheduler_live.harness import wait_for
 
@@ -56,8 +58,9 @@ def test_round_places_jobs_and_watch_streams_latest_then_newer(cluster) -> None:
     assert cluster.state(a.id) == common_pb2.JOB_STATE_SCHEDULED
     assert _entry(plan, a.id).generation == 1
 
-    watcher = Watcher(cluster, "n1")
+    watcher, other = Watcher(cluster, "n1"), Watcher(cluster, "n2")
     first = watcher.next()
+    assert other.next().version == 1  # a watcher's first plan, always
     assert first.version == 1
     ranks = sorted(t.rank for t in first.tasks)
     n2_ranks = 3 - len(ranks)
@@ -68,12 +71,18 @@ def test_round_places_jobs_and_watch_streams_latest_then_newer(cluster) -> None:
     b = cluster.submit("b", min_gpus=1, max_gpus=1)
     newer = cluster.round()
     assert newer.version == 2 and len(_gpus(newer, b.id)) == 1
-    second = watcher.next()
-    assert second.version == 2
+    # Only the node whose part changed (b's) is sent plan 2; the other's part is what it has.
+    (b_node, _), = _gpus(newer, b.id)
+    changed, unchanged = (watcher, other) if b_node == "n1" else (other, watcher)
+    second = changed.next()
+    assert second.version == 2 and b.id in {t.job_id for t in second.tasks}
+    with pytest.raises(queue.Empty):
+        unchanged.next(timeout=1.5)
     watcher.close()
+    other.close()
 
-    # A reconnecting watcher starts from the latest plan, whatever it says it knows.
-    again = Watcher(cluster, "n2", known_version=1)
+    # A reconnecting watcher starts from the latest plan, whatever it says it knows, changed or not.
+    again = Watcher(cluster, "n1" if b_node == "n2" else "n2", known_version=1)
     assert again.next().version == 2
     again.close()
     assert cluster.round().version == 2  # nothing changed: no new version
@@ -297,3 +306,18 @@ def test_every_committed_plan_is_logged_with_its_reason_and_changes(cluster, cap
     line = records[0]
     assert line.jobs_placed == 1 and line.gpus == 1 and line.changed == [job.id] and line.jobs_stopped == 0
     assert line.reason in ("operator asked", "arrival")  # a submission may trigger the round first
+
+
+def test_a_node_part_is_the_same_whatever_the_version_and_differs_with_any_other_field() -> None:
+    def part(version: int, epoch: int = 3, gpu: int = 0, quota: int = 0) -> plan_pb2.NodePlan:
+        view = plan_pb2.NodePlan(version=version, node="n1", epoch=epoch)
+        view.tasks.add(job_id="job-a", rank=0, world_size=1, gpu_indices=[gpu], generation=2)
+        if quota:
+            view.cache_quotas.add(job_id="job-a", cache_quota_bytes=quota)
+        return view
+
+    assert convert.same_node_part(part(4), part(9))
+    assert not convert.same_node_part(part(4), part(9, epoch=4))  # a new leader's plans reach every node
+    assert not convert.same_node_part(part(4), part(9, gpu=1))
+    assert not convert.same_node_part(part(4), part(9, quota=2**30))
+    assert not convert.same_node_part(part(4), plan_pb2.NodePlan(version=9, node="n1", epoch=3))
