@@ -22,7 +22,7 @@ import grpc
 
 from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from silod.v1 import worker_agent_pb2, worker_agent_pb2_grpc
-from tests.support.procs import ServiceProcess, free_port, start_service
+from tests.support.procs import LaunchError, ServiceProcess, free_port, start_service
 from worker_agent.gpus import check_exclusive
 
 TERMINAL = (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
@@ -121,9 +121,17 @@ class Cluster:
                                       workdir=root / "metadata")
         try:
             # Pinned ports: agents and clients find a restarted scheduler where the old one was.
-            self.scheduler_address = f"127.0.0.1:{free_port()}"
-            self.metrics_port = free_port()
-            self.start_scheduler()
+            # A free port can be taken before the scheduler binds it (by a service of another
+            # test worker): the first start then tries other ones.
+            for attempt in range(3):
+                self.scheduler_address = f"127.0.0.1:{free_port()}"
+                self.metrics_port = free_port()
+                try:
+                    self.start_scheduler()
+                    break
+                except LaunchError as exc:
+                    if "Address already in use" not in str(exc) or attempt == 2:
+                        raise
             md = grpc.insecure_channel(self.metadata.address)
             jobs = grpc.insecure_channel(self.scheduler_address)
             self._channels += [md, jobs]
