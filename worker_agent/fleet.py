@@ -88,6 +88,10 @@ class FleetNode:
         self.finished: set[str] = set()  # never relaunched for the same generation
         self.applied_version = 0
         self.plan_epoch = 0
+        # The applied version of the last empty report: an empty report after each new plan is
+        # what proves the GPUs of tasks that had exited (and been forgotten) free, as the agent's
+        # reports do; the agent repeats it every report_s, the fleet once (a thousand nodes').
+        self._empty_reported = -1
         self.registered = asyncio.Event()
         self._wake = asyncio.Event()
         self._report_now = asyncio.Event()
@@ -194,8 +198,8 @@ class FleetNode:
                 await asyncio.wait_for(self._report_now.wait(), self.fleet.settings.report_s)
             self._report_now.clear()
             self._progress()
-            if not self.tasks:
-                continue  # nothing to say (a real agent sends the empty report too)
+            if not self.tasks and self._empty_reported == self.applied_version:
+                continue  # the scheduler already has this empty report
             try:
                 acknowledged = await node_protocol.report_tasks(
                     self.alloc, self.name, self.applied_version, [t.report() for t in self.tasks.values()], timeout=30)
@@ -205,6 +209,8 @@ class FleetNode:
             for key in acknowledged:
                 if key in self.tasks and self.tasks[key].exited.is_set():
                     del self.tasks[key]
+            if not self.tasks:
+                self._empty_reported = self.applied_version
 
 
 class Fleet:

@@ -113,6 +113,28 @@ def _newest_changes(md: metadata_pb2_grpc.MetadataServiceStub, nodes: list[str])
     return due
 
 
+def test_fleet_gpus_are_reused_after_their_jobs_end(tmp_path: Path) -> None:
+    """More work than GPUs: each GPU is handed on only once the node proves it free, which for a
+    task that exited (and was forgotten) before the plan took its job away is the node's next,
+    empty, task report."""
+    with start_service("metadata", "--db", f"sqlite:///{tmp_path / 'm.db'}", "--log-level", "warning",
+                       workdir=tmp_path) as md:
+        with start_service("scheduler", "--metadata-address", md.address, "--interval-s", "1",
+                           "--log-level", "warning", workdir=tmp_path) as sch:
+            fleet = start_fleet(FleetSettings(nodes=2, gpus=2, metadata_address=md.address,
+                                              scheduler_address=sch.address, heartbeat_s=1, report_s=0.3,
+                                              task_seconds=0.5), tmp_path / "fleet", timeout_s=60)
+            try:
+                with open_channel(md.address) as md_channel, open_channel(sch.address) as sch_channel:
+                    md_stub = metadata_pb2_grpc.MetadataServiceStub(md_channel)
+                    ids = [_submit(scheduler_pb2_grpc.JobServiceStub(sch_channel), f"two-{i}", 2) for i in range(6)]
+                    _until(lambda: all(md_stub.GetJob(metadata_pb2.GetJobRequest(job_id=i)).state
+                                       == common_pb2.JOB_STATE_SUCCEEDED for i in ids),
+                           "six 2-GPU jobs succeed, three at a time at most, on 4 GPUs", timeout_s=60)
+            finally:
+                assert fleet.terminate() == 0, fleet.log()[-3000:]
+
+
 def test_fleet_refuses_bad_flags_naming_them() -> None:
     out = subprocess.run([sys.executable, "-m", "worker_agent.fleet", "--nodes", "0", "--metadata-address", "x:1",
                           "--scheduler-address", "y:1", "--report-s", "-1"], capture_output=True, text=True)
