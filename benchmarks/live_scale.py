@@ -114,6 +114,7 @@ def ack_figures(metadata_addr: str, plans: dict[str, Any]) -> dict[str, Any]:
     per_plan: list[float] = []
     received_by_all: list[float] = []  # plan to the last changed node's receipt (the fan-out)
     changed_nodes: list[int] = []
+    unacked: list[dict[str, int]] = []  # plans some changed node never acked (nor a newer one)
     with open_channel(metadata_addr, default_timeout_s=30) as channel:
         md = metadata_pb2_grpc.MetadataServiceStub(channel)
         versions = sorted(acked_at)
@@ -125,7 +126,7 @@ def ack_figures(metadata_addr: str, plans: dict[str, Any]) -> dict[str, Any]:
                 previous = None
                 continue
             views = convert.node_plans(plan, {}, {})
-            if previous is None or version not in acked_at:
+            if previous is None:
                 previous = views
                 continue
             due = [n for n in set(views) | set(previous)
@@ -136,6 +137,8 @@ def ack_figures(metadata_addr: str, plans: dict[str, Any]) -> dict[str, Any]:
                 continue
             acks = [first_at(acked_at, version, n) for n in due]
             if any(t is None for t in acks):
+                unacked.append({"version": version, "changed_nodes": len(due),
+                                "unacked_nodes": sum(t is None for t in acks)})
                 continue  # some node did not get that far while it was measured
             created = plan.created_at.ToNanoseconds() / 1e9
             lags = [t - created for t in acks if t is not None]
@@ -149,7 +152,7 @@ def ack_figures(metadata_addr: str, plans: dict[str, Any]) -> dict[str, Any]:
     def pct(values: list[float], q: float) -> float | None:
         return round(sorted(values)[min(len(values) - 1, int(q * len(values)))], 3) if values else None
 
-    return {"plans_fully_acked": len(per_plan), "nodes_changed_per_plan_mean": round(sum(changed_nodes) / len(changed_nodes))
+    return {"plans_fully_acked": len(per_plan), "plans_not_fully_acked": unacked, "nodes_changed_per_plan_mean": round(sum(changed_nodes) / len(changed_nodes))
             if changed_nodes else None, "node_ack_p50_s": pct(per_node, 0.5), "node_ack_p99_s": pct(per_node, 0.99),
             "all_nodes_acked_p50_s": pct(per_plan, 0.5), "all_nodes_acked_p99_s": pct(per_plan, 0.99),
             "all_nodes_acked_max_s": round(max(per_plan), 3) if per_plan else None,
