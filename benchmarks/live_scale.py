@@ -29,6 +29,7 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -219,12 +220,12 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
                               "database": "postgresql" if args.postgres else "sqlite"}
     with ExitStack() as stack:
         db = postgres_database(stack) if args.postgres else f"sqlite:///{workdir / 'm.db'}"
-        md = stack.enter_context(start_service("metadata", "--db", db, "--log-level", "warning", workdir=workdir))
+        md = stack.enter_context(start_service("metadata", "--db", db, "--log-level", args.log_level, workdir=workdir))
         port = _free_port()
         sch = stack.enter_context(start_service(
             "scheduler", "--metadata-address", md.address, "--policy", policy, "--interval-s", f"{args.interval_s:g}",
             "--node-timeout-s", f"{max(15.0, 3 * args.heartbeat_s):g}", "--metrics-port", str(port),
-            "--metrics-host", "127.0.0.1", "--log-level", "warning", workdir=workdir))
+            "--metrics-host", "127.0.0.1", "--log-level", args.log_level, workdir=workdir))
         warm_up(sch.address, md.address)
         preload = max(0, args.jobs - args.measure_jobs)
         if preload:  # before the fleet: queued, not yet placed (there are no nodes)
@@ -340,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task-seconds", type=float, default=60.0, help="an emulated rank finishes after this")
     parser.add_argument("--measure-s", type=float, default=30.0, help="steady seconds measured after submitting")
     parser.add_argument("--json", default="", help="write the results here (a JSON list, one entry per policy)")
+    parser.add_argument("--keep", default="", metavar="DIR", help="keep each policy's logs and database in DIR/<policy> "
+                        "(default: a temporary directory, removed)")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                        help="the services' log level (info logs every RPC with its duration)")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print a markdown table of result files and exit")
     args = parser.parse_args(argv)
     if args.table:
@@ -348,8 +353,14 @@ def main(argv: list[str] | None = None) -> int:
     print("$ python benchmarks/live_scale.py " + " ".join(argv if argv is not None else sys.argv[1:]), flush=True)
     results = []
     for policy in [p.strip() for p in args.policy.split(",") if p.strip()]:
-        with tempfile.TemporaryDirectory(prefix="silod-scale-") as tmp:
-            r = run_policy(args, policy, Path(tmp))
+        if args.keep:  # the services' logs and the database stay there, one folder per policy
+            kept = Path(args.keep) / policy
+            shutil.rmtree(kept, ignore_errors=True)
+            kept.mkdir(parents=True)
+            r = run_policy(args, policy, kept)
+        else:
+            with tempfile.TemporaryDirectory(prefix="silod-scale-") as tmp:
+                r = run_policy(args, policy, Path(tmp))
         r["load_average_1m"] = os.getloadavg()[0]
         r["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                      cwd=Path(__file__).resolve().parent).stdout.strip()

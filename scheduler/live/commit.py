@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 import grpc
 
 from scheduler.live import convert
-from scheduler.live.batching import Coalescer
+from services.runtime.batching import Coalescer
 from scheduler.live.clients import PLACED_STATES, Clients
 from scheduler.live.jobs import KnownJobs
 from scheduler.live.plans import PlanStore

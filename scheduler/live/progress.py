@@ -6,7 +6,7 @@ the metadata service's work and held every round's reads back. Here:
 
 * the job's state comes from scheduler.live.jobs.KnownJobs, so a report reads no job;
 * :class:`ProgressWriter` writes the progress and metric samples of the reports that arrive
-  while a write is in flight together (scheduler.live.batching), in one UpdateJobsProgress and
+  while a write is in flight together (services.runtime.batching), in one UpdateJobsProgress and
   one AppendMetrics call (the newest progress per job only).
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from scheduler.live.batching import Coalescer
+from services.runtime.batching import Coalescer
 from silod.v1 import common_pb2, metadata_pb2
 
 _log = logging.getLogger("silod.scheduler")
@@ -30,7 +30,7 @@ MAX_SAMPLES_PER_CALL = 10_000  # and per AppendMetrics call
 
 class ProgressWriter:
     """Reports that arrive while a write is in flight are written together in the next
-    (scheduler.live.batching); a caller returns once its progress is stored, as it did with a
+    (services.runtime.batching); a caller returns once its progress is stored, as it did with a
     call of its own."""
 
     def __init__(self, metadata: Callable[[], Any]) -> None:

@@ -447,3 +447,28 @@ def test_put_and_get_job_model(stub):
     assert stored.params == model.params and stored.observations == 7 and stored.HasField("updated_at")
     refit = stub.PutJobModel(m.PutJobModelRequest(model=common_pb2.JobModelParams(job_id=job.id, params={"alpha_s": 0.2}, observations=9)))
     assert stub.GetJobModel(common_pb2.GetJobModelRequest(job_id=job.id)) == refit and refit.params == {"alpha_s": 0.2}
+
+
+def test_concurrent_heartbeats_each_get_their_own_answer(stub):
+    """Heartbeats that arrive together are written together (one transaction); each call still
+    gets its node, or its own error with the field named."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = [f"beat-{i}" for i in range(40)]
+    for name in names:
+        stub.UpsertNode(m.UpsertNodeRequest(spec=node_spec(name)))
+    stub.Heartbeat(m.HeartbeatRequest(node=names[0], applied_plan_version=9))
+
+    def beat(node: str, version: int) -> object:
+        try:
+            return stub.Heartbeat(m.HeartbeatRequest(node=node, applied_plan_version=version))
+        except grpc.RpcError as exc:
+            return exc
+
+    requests = [(names[0], 8), ("no-such-node", 1)] + [(name, 2) for name in names[1:]]
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        answers = list(pool.map(lambda r: beat(*r), requests))
+    refused, missing, *beaten = answers
+    assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "applied_plan_version" in refused.details()
+    assert missing.code() == grpc.StatusCode.NOT_FOUND and "node" in missing.details()
+    assert [(n.spec.name, n.applied_plan_version, n.alive) for n in beaten] == [(name, 2, True) for name in names[1:]]

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from services.metadata.store import MetadataStore
-from services.runtime.errors import FailedPrecondition, NotFound
+from services.metadata.store import nodes as node_store
+from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound
 from silod.v1 import common_pb2
 from tests.metadata.metadata_samples import node_spec
 
@@ -107,3 +108,41 @@ def test_liveness_is_of_the_time_of_each_read(store: MetadataStore) -> None:
     assert store.nodes.list(liveness_window_s=60)[0].alive
     assert store.nodes.heartbeat("quiet", 0).alive
     assert store.nodes.list(liveness_window_s=0.2)[0].alive
+
+
+def test_heartbeats_in_a_batch_answer_as_one_at_a_time_each_with_its_own_refusal(store: MetadataStore) -> None:
+    for name in ("b1", "b2", "b3"):
+        store.nodes.upsert(node_spec(name))
+    store.nodes.heartbeat("b2", 7)
+    before = store.nodes.get("b2")
+    time.sleep(0.01)
+    beats = [("b1", 3), ("b2", 6), ("nope", 1), ("", 1), ("b3", -1), ("b3", 2), ("b1", 4)]
+    results = store.nodes.heartbeat_many(beats)
+    assert results[0].applied_plan_version == 3 and results[6].applied_plan_version == 4  # one node twice, in order
+    assert isinstance(results[1], FailedPrecondition) and "already applied plan 7, got 6" in results[1].message
+    assert isinstance(results[2], NotFound) and results[2].field == "node"
+    assert isinstance(results[3], InvalidArgument) and results[3].field == "node"
+    assert isinstance(results[4], InvalidArgument) and results[4].field == "applied_plan_version"
+    assert results[5] == store.nodes.get("b3") and results[5].applied_plan_version == 2
+    after = store.nodes.get("b2")  # refused, yet proof of life, as a lone heartbeat
+    assert after.applied_plan_version == 7 and after.last_heartbeat.ToNanoseconds() > before.last_heartbeat.ToNanoseconds()
+    assert store.nodes.get("b1").applied_plan_version == 4
+
+
+def test_a_heartbeat_batch_the_database_refuses_is_stored_one_by_one(store: MetadataStore,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from sqlalchemy import text
+
+    store.nodes.upsert(node_spec("c1"))
+    monkeypatch.setattr(node_store, "_HEARTBEAT", text("SELECT no_such_column"))
+    real_heartbeat = store.nodes.heartbeat
+    one_by_one: list[str] = []
+
+    def heartbeat(node: str, version: int, *args: object) -> common_pb2.Node:
+        one_by_one.append(node)
+        monkeypatch.undo()  # the lone path runs with the real statement
+        return real_heartbeat(node, version, *args)
+
+    monkeypatch.setattr(store.nodes, "heartbeat", heartbeat)
+    results = store.nodes.heartbeat_many([("c1", 5)])
+    assert one_by_one == ["c1"] and results[0].applied_plan_version == 5

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Dialect, Select, Text, bindparam, cast, select, type_coerce, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.types import NullType
 from silod.v1 import common_pb2
 
@@ -25,7 +26,10 @@ from services.metadata.validation.nodes import (
     check_node_name,
     normalized_node_spec,
 )
-from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError
+
+
+_log = logging.getLogger(__name__)
 
 
 class NodeStore:
@@ -78,6 +82,44 @@ class NodeStore:
                 raise NotFound(f"no node {node!r}; register it with UpsertNode first", field="node")
             refused = _refused(node, stored.applied_plan_version, applied_plan_version)
         raise refused  # after the block, which commits the proof of life
+
+    def heartbeat_many(self, beats: Sequence[tuple[str, int]]) -> list[common_pb2.Node | ServiceError]:
+        """Each (node, applied_plan_version) as :meth:`heartbeat` without GPU figures would store
+        it, in one transaction: a thousand nodes' heartbeats that arrive together pay one commit
+        and no savepoint each. Results in order: the node, or the error of that heartbeat alone
+        (its proof of life is still stored, as heartbeat stores it). A database error leaves
+        every heartbeat to :meth:`heartbeat`, one transaction each."""
+        results: list[common_pb2.Node | ServiceError | None] = [None] * len(beats)
+        todo: list[int] = []
+        for index, (node, version) in enumerate(beats):
+            try:
+                check_heartbeat(node, version, (), ())
+                todo.append(index)
+            except ServiceError as exc:
+                results[index] = exc
+        try:
+            with self._db.write_core() as connection:
+                now = utc_now()
+                for index in todo:
+                    node, version = beats[index]
+                    row = connection.execute(_HEARTBEAT, {"h_name": node, "h_version": version,
+                                                          "h_now": now}).one_or_none()
+                    if row is not None:
+                        results[index] = row
+                        continue
+                    stored = connection.execute(_PROOF_OF_LIFE, {"h_name": node, "h_now": now}).one_or_none()
+                    results[index] = (NotFound(f"no node {node!r}; register it with UpsertNode first", field="node")
+                                      if stored is None else _refused(node, stored.applied_plan_version, version))
+        except SQLAlchemyError:
+            _log.warning("batched heartbeats failed; storing each on its own", exc_info=True)
+            for index in todo:
+                try:
+                    results[index] = self.heartbeat(*beats[index])
+                except ServiceError as exc:
+                    results[index] = exc
+            return results  # type: ignore[return-value]  # every index was filled
+        # Rows to messages after the commit, outside the write lock the other writers wait for.
+        return [r if isinstance(r, ServiceError) else self._row_to_proto(r) for r in results]  # type: ignore[misc]
 
     def _heartbeat_with_gpu_health(self, node: str, applied_plan_version: int,
                                    gpu_telemetry: Sequence[common_pb2.GpuTelemetry],
