@@ -4,6 +4,7 @@ the ranks' phases imply (running, succeeded, failed, restarted from a checkpoint
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -63,17 +64,21 @@ class TaskReports:
             self._trigger("release")
 
         acknowledged: list[str] = []
-        finished = False
-        for job_id in dict.fromkeys(t.job_id for t in request.tasks):
-            mine = [t for t in request.tasks if t.job_id == job_id]
+        by_job: dict[str, list[allocation_pb2.TaskReport]] = {}
+        for t in request.tasks:
+            by_job.setdefault(t.job_id, []).append(t)
+        applying = []
+        for job_id, mine in by_job.items():
             entry = self.plans.allocation(job_id)
             generation = entry.generation if entry is not None else -1
             current = [t for t in mine if t.generation == generation]
             if current:
-                finished |= await self._apply(job_id, entry, current, node)
+                applying.append(self._apply(job_id, entry, current, node))
             acknowledged.extend(f"{t.job_id}/{t.rank}/{t.generation}" for t in mine
                                 if t.phase == allocation_pb2.TASK_PHASE_EXITED)
-        if finished:
+        # The node's jobs are independent of one another: applied together, their writes join
+        # the same batches, and the report waits for one write rather than one per job.
+        if any(await asyncio.gather(*applying)):
             self._trigger("completion")
         return acknowledged
 
