@@ -338,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval-s", type=float, default=2.0, help="the scheduler's round interval")
     parser.add_argument("--heartbeat-s", type=float, default=5.0, help="the fleet's heartbeat interval")
     parser.add_argument("--report-s", type=float, default=5.0, help="the fleet's task report interval")
-    parser.add_argument("--task-seconds", type=float, default=60.0, help="an emulated rank finishes after this")
+    parser.add_argument("--task-seconds", type=float, default=20.0,
+                        help="an emulated rank finishes after this (within --measure-s: the steady rounds place the queue "
+                             "on the GPUs that completions free)")
     parser.add_argument("--measure-s", type=float, default=30.0, help="steady seconds measured after submitting")
     parser.add_argument("--json", default="", help="write the results here (a JSON list, one entry per policy)")
     parser.add_argument("--keep", default="", metavar="DIR", help="keep each policy's logs and database in DIR/<policy> "
