@@ -306,9 +306,9 @@ def verdicts(r: dict[str, Any]) -> list[str]:
 
 def table(paths: list[str]) -> str:
     """A markdown table of result files (docs/sizing.md)."""
-    rows = ["| run | nodes x GPUs, jobs | database | round mean (snapshot, policy, commit) | round p99 at most "
-            "| plan to all nodes acked p99 | submissions/s | scheduler RSS | metadata RSS | CPU cores used "
-            "(scheduler, metadata, fleet) | load average |", "|" + "---|" * 11]
+    rows = ["| run | policy | nodes x GPUs, jobs | database | round mean (snapshot, policy, commit) | round p99 at most "
+            "| plan to every node it changed acked, p99 | submissions/s | scheduler RSS | metadata RSS | CPU cores used "
+            "(scheduler, metadata, fleet) | load average |", "|" + "---|" * 12]
     for path in paths:
         for r in json.loads(Path(path).read_text()):
             ro = r["rounds_all"]
@@ -317,7 +317,7 @@ def table(paths: list[str]) -> str:
             submitted = r.get("submissions_measured", r["jobs"])
             rows.append(
                 f"| [{Path(path).stem}](../benchmarks/results/{Path(path).parent.name}/{Path(path).name}) "
-                f"| {r['nodes']:,} x 8, {r['jobs']:,} | {r['database']} | {ro['mean_total_s']} s ({ro['mean_snapshot_s']}, "
+                f"| {r['policy']} | {r['nodes']:,} x 8, {r['jobs']:,} | {r['database']} | {ro['mean_total_s']} s ({ro['mean_snapshot_s']}, "
                 f"{ro['mean_policy_s']}, {ro['mean_commit_s']}) over {ro['rounds']} rounds | {p99} "
                 f"| {r['acks']['all_nodes_acked_p99_s']} s | {r['submissions_per_s']} (of {submitted:,}) "
                 f"| {r['rss_mib']['scheduler'][1]} MiB | {r['rss_mib']['metadata'][1]} MiB "
