@@ -483,19 +483,28 @@ def _differing_hashes(rank0: list[dict[str, Any]], rank1: list[dict[str, Any]]) 
     return sorted(s["step"] for s in rank1 if s["step"] in mine and mine[s["step"]] != s["hash"])
 
 
-def check_resize(work: Path) -> Check:
-    check = Check(4)
+def in_lab(check: Check, work: Path, job: str, run: Callable[[ResizeLab], dict[str, Any]],
+           log_tail: Callable[[ResizeLab], str]) -> dict[str, Any] | Check:
+    """``run`` in a lab of its own for ``job``: its figures, or the check failed (``log_tail``
+    says what the ranks logged last)."""
     try:
-        data = prepare_digits(work)
-        lab = ResizeLab(work, data)
+        lab = ResizeLab(work, prepare_digits(work), job=job)
     except Exception as exc:  # noqa: BLE001 - any start-up failure is this check's failure
         return failed(check, f"the agent or metadata service did not start: {exc}")
     try:
-        result = run_resize(lab)
+        return run(lab)
     except (TimeoutError, RuntimeError) as exc:
-        return failed(check, f"{exc}; rank 0's log ends: {lab.log(0)[-400:]}; rank 1's: {lab.log(1)[-300:]}")
+        return failed(check, f"{exc}; {log_tail(lab)}")
     finally:
         lab.close()
+
+
+def check_resize(work: Path) -> Check:
+    check = Check(4)
+    result = in_lab(check, work, ResizeLab.JOB, run_resize,
+                    lambda lab: f"rank 0's log ends: {lab.log(0)[-400:]}; rank 1's: {lab.log(1)[-300:]}")
+    if isinstance(result, Check):
+        return result
     reforms = result["reform_s"]
     problems = []
     if len(reforms) != 2:
@@ -544,16 +553,10 @@ CUDA_RANK = ("cuda:0", "cpu:gloo,cuda:nccl")  # the device and backend a rank on
 def check_restart(work: Path, expect: tuple[str, str] = CUDA_RANK) -> Check:
     """``expect``: the (device, backend) both launches must report (the CPU's in the tests)."""
     check = Check(7)
-    try:
-        lab = ResizeLab(work, prepare_digits(work), job="job-gpu-check-restart")
-    except Exception as exc:  # noqa: BLE001 - any start-up failure is this check's failure
-        return failed(check, f"the agent or metadata service did not start: {exc}")
-    try:
-        result = run_restart(lab)
-    except (TimeoutError, RuntimeError) as exc:
-        return failed(check, f"{exc}; rank 0's log ends: {lab.log(0)[-600:]}")
-    finally:
-        lab.close()
+    result = in_lab(check, work, "job-gpu-check-restart", run_restart,
+                    lambda lab: f"rank 0's log ends: {lab.log(0)[-600:]}")
+    if isinstance(result, Check):
+        return result
     stopped, resumed = result["stopped_at_step"], result["resumed_at_step"]
     problems = []
     if stopped is None:

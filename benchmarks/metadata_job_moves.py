@@ -21,13 +21,12 @@ import gc
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.metadata_node_writes import scratch_postgres  # noqa: E402
+from benchmarks.metadata_node_writes import add_database_arguments, database  # noqa: E402
 from services.metadata.migrate import upgrade_engine  # noqa: E402
 from services.metadata.store import MetadataStore  # noqa: E402
 from services.runtime.errors import ServiceError  # noqa: E402
@@ -40,16 +39,10 @@ REPEATS = 3
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=1000, help="moves per batch (the service takes up to 1,000)")
-    parser.add_argument("--db", default="", help="database URL (default: a fresh SQLite file)")
-    parser.add_argument("--scratch-postgres", default="", metavar="URL",
-                        help="a PostgreSQL server (URL of any database on it) to create a scratch database on")
+    add_database_arguments(parser)
     args = parser.parse_args(argv)
-    if args.scratch_postgres:
-        with scratch_postgres(args.scratch_postgres) as url:
-            result = run(url, args.jobs)
-    else:
-        result = run(args.db or f"sqlite:///{tempfile.mkdtemp(prefix='silod-moves-')}/m.db", args.jobs)
-    print(json.dumps(result))
+    with database(args) as url:
+        print(json.dumps(run(url, args.jobs)))
     return 0
 
 

@@ -50,17 +50,27 @@ GPUS = 8
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=1000)
+    add_database_arguments(parser)
+    args = parser.parse_args(argv)
+    with database(args) as url:
+        print(json.dumps(run(url, args.nodes)))
+    return 0
+
+
+def add_database_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default="", help="database URL (default: a fresh SQLite file)")
     parser.add_argument("--scratch-postgres", default="", metavar="URL",
                         help="a PostgreSQL server (URL of any database on it) to create a scratch database on")
-    args = parser.parse_args(argv)
+
+
+@contextmanager
+def database(args: argparse.Namespace) -> Iterator[str]:
+    """The URL of the database that ``add_database_arguments``' flags name (a scratch one dropped afterwards)."""
     if args.scratch_postgres:
         with scratch_postgres(args.scratch_postgres) as url:
-            result = run(url, args.nodes)
+            yield url
     else:
-        result = run(args.db or f"sqlite:///{tempfile.mkdtemp(prefix='silod-nodes-')}/m.db", args.nodes)
-    print(json.dumps(result))
-    return 0
+        yield args.db or f"sqlite:///{tempfile.mkdtemp(prefix='silod-bench-')}/m.db"
 
 
 def run(url: str, nodes: int) -> dict[str, object]:
