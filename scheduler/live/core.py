@@ -241,11 +241,12 @@ class SchedulerCore:
         self.jobs.reset()
         self.trigger("elected")
 
-    def spawn(self, call: Awaitable[None]) -> None:
+    def spawn(self, call: Awaitable[None]) -> asyncio.Future[None]:
         """Run ``call`` in the background, cancelled by stop()."""
         task = asyncio.ensure_future(call)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def stop(self) -> None:
         try:  # the progress taken in so far, before the stubs go

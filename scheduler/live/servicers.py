@@ -8,7 +8,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -20,6 +20,7 @@ from scheduler.live.models import known_applications
 from services.metadata.validation.common import check_enum, check_float, check_int
 from services.metadata.validation.jobs import check_client_request_id, check_progress, job_spec_problems
 from services.runtime import downstream
+from services.runtime.batching import Coalescer
 from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Problems, ServiceError, Unavailable
 from silod.v1 import (
     allocation_pb2,
@@ -100,82 +101,58 @@ def task_problems(task: allocation_pb2.TaskReport, field: str, problems: Problem
 
 
 class _Creations:
-    """Concurrent submissions go to the metadata service together, as CreateJobs calls.
-
-    Nothing waits to fill a batch: a submission is sent at once when no call is in flight, and
-    those arriving while one is go out together in the next call when it returns. Each keeps
-    its own outcome (a refused one fails with CreateJob's code and message). A metadata
-    service without CreateJobs gets one CreateJob per submission, as before.
+    """Concurrent submissions go to the metadata service together, as CreateJobs calls
+    (services.runtime.batching: those arriving while a call is in flight make the next one).
+    Each keeps its own outcome (a refused one fails with CreateJob's code and message); when the
+    scheduler stops, a submission in flight fails CANCELLED and a queued one UNAVAILABLE. A
+    metadata service without CreateJobs gets one CreateJob per submission, as before.
     """
 
     def __init__(self, core: Scheduler) -> None:
         self.core = core
-        self._queue: list[tuple[metadata_pb2.CreateJobRequest, asyncio.Future[common_pb2.Job]]] = []
-        self._sending = False
         self._batched = True
+        self._calls: Coalescer[metadata_pb2.CreateJobRequest, common_pb2.Job] = Coalescer(
+            self._send_batch, MAX_CREATIONS, spawn=core.spawn, stopped=_stopping)
 
     async def create(self, request: metadata_pb2.CreateJobRequest) -> common_pb2.Job:
         if not self._batched:
             return await forward(self.core.md.CreateJob(request))
-        future: asyncio.Future[common_pb2.Job] = asyncio.get_running_loop().create_future()
-        self._queue.append((request, future))
-        if not self._sending:
-            self._sending = True
-            self.core.spawn(self._send())
-        return await future
+        return await self._calls.submit(request)
 
-    async def _send(self) -> None:
+    async def _send_batch(self, batch: Sequence[metadata_pb2.CreateJobRequest]) -> list[common_pb2.Job | BaseException]:
         try:
-            while self._queue:
-                batch, self._queue = self._queue[:MAX_CREATIONS], self._queue[MAX_CREATIONS:]
-                try:
-                    await self._send_batch(batch)
-                except asyncio.CancelledError:  # the scheduler is stopping; the call may have been made
-                    _fail(batch, grpc.StatusCode.CANCELLED, "the scheduler stopped while forwarding this submission")
-                    raise
-                except Exception:  # a bug: its submissions fail (INTERNAL), later ones still go
-                    _log.exception("forwarding submissions failed")
-                # Nobody may wait forever, whatever happened (e.g. fewer results than requests).
-                _fail(batch, grpc.StatusCode.INTERNAL, "submission not forwarded (see the scheduler log)")
-        finally:
-            self._sending = False
-            _fail(self._queue, grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping")
-            self._queue = []
+            outcomes = await self._create_jobs(batch)
+        except Exception:  # a bug: its submissions fail (INTERNAL), later ones still go
+            _log.exception("forwarding submissions failed")
+            outcomes = []
+        # Nobody may wait forever, whatever happened (e.g. fewer results than requests).
+        return outcomes + [ForwardedError(code=grpc.StatusCode.INTERNAL, details="submission not forwarded (see the "
+                                          "scheduler log)")] * (len(batch) - len(outcomes))
 
-    async def _send_batch(self, batch: list[tuple[metadata_pb2.CreateJobRequest, asyncio.Future[common_pb2.Job]]]) -> None:
+    async def _create_jobs(self, batch: Sequence[metadata_pb2.CreateJobRequest]) -> list[common_pb2.Job | BaseException]:
         try:
-            reply = await self.core.md.CreateJobs(metadata_pb2.CreateJobsRequest(jobs=[r for r, _ in batch]))
+            reply = await self.core.md.CreateJobs(metadata_pb2.CreateJobsRequest(jobs=list(batch)))
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 error = downstream.translate(exc, "metadata CreateJobs", downstream.PASS_THROUGH)
-                _fail(batch, error.code, str(error))
-                return
+                return [ForwardedError(code=error.code, details=str(error)) for _ in batch]
             self._batched = False  # an older metadata service: one call each from now on
-            outcomes = await asyncio.gather(*(forward(self.core.md.CreateJob(r)) for r, _ in batch),
-                                            return_exceptions=True)
-            for (_, future), outcome in zip(batch, outcomes):
-                if future.done():
-                    continue
-                if isinstance(outcome, BaseException):
-                    future.set_exception(outcome)
-                else:
-                    future.set_result(outcome)
-            return
-        for (_, future), result in zip(batch, reply.results):
-            if future.done():  # its caller went away
-                continue
+            return list(await asyncio.gather(*(forward(self.core.md.CreateJob(r)) for r in batch),
+                                             return_exceptions=True))
+        outcomes: list[common_pb2.Job | BaseException] = []
+        for result in reply.results[:len(batch)]:
             if result.error_code:
                 code = getattr(grpc.StatusCode, result.error_code, grpc.StatusCode.UNKNOWN)
-                future.set_exception(ForwardedError(code=code, details=result.error))
+                outcomes.append(ForwardedError(code=code, details=result.error))
             else:
-                future.set_result(result.job)
+                outcomes.append(result.job)
+        return outcomes
 
 
-def _fail(batch: list[tuple[metadata_pb2.CreateJobRequest, asyncio.Future[common_pb2.Job]]], code: grpc.StatusCode,
-          details: str) -> None:
-    for _, future in batch:
-        if not future.done():
-            future.set_exception(ForwardedError(code=code, details=details))
+def _stopping(in_flight: bool) -> ForwardedError:
+    if in_flight:
+        return ForwardedError(code=grpc.StatusCode.CANCELLED, details="the scheduler stopped while forwarding this submission")
+    return ForwardedError(code=grpc.StatusCode.UNAVAILABLE, details="the scheduler is stopping")
 
 
 class JobService(scheduler_pb2_grpc.JobServiceServicer):

@@ -54,8 +54,8 @@ class _FakeCore:
     def __init__(self, md: _FakeMetadata) -> None:
         self.md = md
 
-    def spawn(self, call) -> None:
-        asyncio.ensure_future(call)
+    def spawn(self, call):  # type: ignore[no-untyped-def]
+        return asyncio.ensure_future(call)
 
 
 def _submit_all(md: _FakeMetadata, names: list[str]) -> list[common_pb2.Job | BaseException]:
@@ -125,3 +125,26 @@ def test_a_short_answer_fails_the_unanswered_submissions_instead_of_leaving_them
     first, second = _submit_all(md, ["a", "b"])
     assert first.id == "job-first"
     assert isinstance(second, ForwardedError) and second.code == grpc.StatusCode.INTERNAL
+
+
+def test_a_stopping_scheduler_fails_the_submission_in_flight_cancelled_and_the_queued_unavailable() -> None:
+    md = _FakeMetadata()
+    spawned: list[asyncio.Future] = []
+
+    class _StoppingCore(_FakeCore):
+        def spawn(self, call):  # type: ignore[no-untyped-def]
+            spawned.append(asyncio.ensure_future(call))
+            return spawned[-1]
+
+    async def run():
+        creations = _Creations(_StoppingCore(md))  # type: ignore[arg-type]
+        first = asyncio.ensure_future(creations.create(metadata_pb2.CreateJobRequest(spec=common_pb2.JobSpec(name="a"))))
+        await asyncio.sleep(0.002)  # "a" is in flight, "b" queues behind it
+        second = asyncio.ensure_future(creations.create(metadata_pb2.CreateJobRequest(spec=common_pb2.JobSpec(name="b"))))
+        await asyncio.sleep(0)
+        spawned[0].cancel()  # the scheduler stops
+        return await asyncio.gather(first, second, return_exceptions=True)
+
+    in_flight, queued = asyncio.run(run())
+    assert isinstance(in_flight, ForwardedError) and in_flight.code == grpc.StatusCode.CANCELLED
+    assert isinstance(queued, ForwardedError) and queued.code == grpc.StatusCode.UNAVAILABLE
