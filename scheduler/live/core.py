@@ -11,6 +11,7 @@ CommitPlan and one TransitionJob per job whose state the plan changes, sent conc
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Awaitable, Iterable
@@ -39,6 +40,8 @@ from scheduler.live.rounds import RoundPacer
 from scheduler.live.snapshot import SnapshotBuilder
 from scheduler.policy import ClusterSnapshot
 from silod.v1 import allocation_pb2, common_pb2, metadata_pb2_grpc, plan_pb2
+
+_log = logging.getLogger("silod.scheduler")
 
 
 class SchedulerCore:
@@ -127,6 +130,9 @@ class SchedulerCore:
                                    {node.name: node.pool for node in snap.nodes})
         metrics.plan_in_force(self.plans.latest, snap, self.snapshots.usable.faulted)
         timer.done(self.committer.last_outcome)
+        # One line a round: which one ran slow, and in which phase, beside the histogram.
+        _log.info("round", extra={"reason": reason, "outcome": self.committer.last_outcome, "jobs": len(jobs),
+                                  "seconds": {k: round(v, 3) for k, v in timer.seconds.items()}})
         return committed
 
     async def _snapshot(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:

@@ -66,16 +66,19 @@ class RoundTimer:
 
     def __init__(self) -> None:
         self.started = time.monotonic()
+        self.seconds: dict[str, float] = {}  # phase -> seconds, "total" once done
 
     async def timed(self, phase: str, call: Awaitable[T]) -> T:
         started = time.monotonic()
         try:
             return await call
         finally:
-            ROUND_SECONDS.labels(phase).observe(time.monotonic() - started)
+            self.seconds[phase] = time.monotonic() - started
+            ROUND_SECONDS.labels(phase).observe(self.seconds[phase])
 
     def done(self, outcome: str) -> None:
-        ROUND_SECONDS.labels("total").observe(time.monotonic() - self.started)
+        self.seconds["total"] = time.monotonic() - self.started
+        ROUND_SECONDS.labels("total").observe(self.seconds["total"])
         ROUNDS.labels(outcome).inc()
 
 
