@@ -7,7 +7,11 @@ the metadata service's work; a round changes the state of a few dozen.
 
 * A whole read every ``full_every_s`` (and the first, and after an election) catches anything an
   incremental read could miss; an incremental read asks from the previous read's time less
-  ``overlap_s``, for writes stamped before that time that committed after it.
+  ``overlap_s``, for writes stamped before that time that committed after it. The periodic whole
+  read runs in the background, beside the rounds (reading 5,000 jobs took a round a third of a
+  second), and is merged at the next refresh: what this scheduler learnt of a job while it ran
+  (a move, a submission, an incremental read, reported progress) is newer than the whole read
+  and wins over it.
 * Progress: the scheduler forwards every rank-0 report to the store (scheduler.live.progress)
   and keeps the newest here, so the policy sees it without reading it back. Progress written to
   the store by anything else (an admin's UpdateJobProgress) shows at the next whole read.
@@ -19,6 +23,7 @@ the metadata service's work; a round changes the state of a few dozen.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from google.protobuf import timestamp_pb2
@@ -38,7 +43,10 @@ class KnownJobs:
         self._active: dict[str, common_pb2.Job] = {}  # in submission order
         self._others: dict[str, common_pb2.Job] = {}  # read for a report, not (yet) among the active
         self._since: timestamp_pb2.Timestamp | None = None  # the next incremental read asks from here
-        self._full_at = -float("inf")  # monotonic time of the last whole read
+        self._full_at = -float("inf")  # monotonic time of the last whole read's start
+        # The periodic whole read in flight, and the jobs this scheduler learnt of meanwhile.
+        self._whole: asyncio.Future[tuple[list[common_pb2.Job], timestamp_pb2.Timestamp | None]] | None = None
+        self._touched: set[str] = set()
         self.full_reads = 0
         self.incremental_reads = 0
 
@@ -50,6 +58,7 @@ class KnownJobs:
         known = self.get(job.id)
         if known is not None and job.state_version < known.state_version:
             return
+        self._touch(job.id)
         if job.state in ACTIVE_STATES:
             self._others.pop(job.id, None)
             self._active[job.id] = job  # a new one last: submissions come in order
@@ -66,6 +75,7 @@ class KnownJobs:
         """Rank 0's progress, as forwarded to the store."""
         known = self._active.get(job_id)
         if known is not None:
+            self._touch(job_id)
             job = common_pb2.Job()  # a new message: a round in flight may be reading the old one
             job.CopyFrom(known)
             job.progress.CopyFrom(progress)
@@ -74,42 +84,79 @@ class KnownJobs:
     def reset(self) -> None:
         """The next read is whole (a newly elected leader starts from the store's view)."""
         self._since = None
+        self._drop_whole()
 
     async def refresh(self) -> list[common_pb2.Job]:
         """The active jobs now, in submission order."""
-        whole = self._since is None or time.monotonic() - self._full_at >= self.full_every_s
-        if whole:
+        if self._since is None:  # the first read, after an election, or no read times: whole, now
+            self._drop_whole()
             started = time.monotonic()
             jobs, read_at = await self._read(metadata_pb2.ListJobsRequest(states=ACTIVE_STATES))
-            fresh: dict[str, common_pb2.Job] = {}
-            for job in jobs:
-                known = self._active.get(job.id)
-                fresh[job.id] = known if known is not None and known.state_version > job.state_version else job
-            self._active = fresh
-            self._others.clear()
+            self._merge_whole(jobs, touched=set())
             self._full_at = started
-            self.full_reads += 1
-        else:
-            assert self._since is not None
-            jobs, read_at = await self._read(metadata_pb2.ListJobsRequest(state_changed_since=self._since))
-            for job in jobs:
-                known = self._active.get(job.id)
-                if known is not None and known.state_version > job.state_version:
-                    continue  # this scheduler moved it since
-                if job.state in ACTIVE_STATES:
-                    if known is not None and known.state_version == job.state_version:
-                        job.progress.CopyFrom(known.progress)  # the reported progress is as new
-                    self._active[job.id] = job
-                else:
-                    self._active.pop(job.id, None)
-            self.incremental_reads += 1
+            self._advance(read_at)
+            return list(self._active.values())
+        if self._whole is not None and self._whole.done():
+            whole, self._whole = self._whole, None
+            if whole.exception() is None:  # a failed one is tried again when next due
+                jobs, read_at = whole.result()
+                self._merge_whole(jobs, touched=self._touched)
+                if read_at is not None and self._since is not None:
+                    self._since = min(self._since, _less(read_at, self.overlap_s), key=lambda t: t.ToNanoseconds())
+        if self._whole is None and time.monotonic() - self._full_at >= self.full_every_s:
+            self._full_at = time.monotonic()
+            self._touched = set()
+            self._whole = asyncio.ensure_future(self._read(metadata_pb2.ListJobsRequest(states=ACTIVE_STATES)))
+        assert self._since is not None
+        jobs, read_at = await self._read(metadata_pb2.ListJobsRequest(state_changed_since=self._since))
+        for job in jobs:
+            known = self._active.get(job.id)
+            if known is not None and known.state_version > job.state_version:
+                continue  # this scheduler moved it since
+            self._touch(job.id)
+            if job.state in ACTIVE_STATES:
+                if known is not None and known.state_version == job.state_version:
+                    job.progress.CopyFrom(known.progress)  # the reported progress is as new
+                self._active[job.id] = job
+            else:
+                self._active.pop(job.id, None)
+        self.incremental_reads += 1
+        self._advance(read_at)
+        return list(self._active.values())
+
+    def _merge_whole(self, jobs: list[common_pb2.Job], touched: set[str]) -> None:
+        """A whole read: every active job as of its start. A job this scheduler learnt of since
+        (``touched``) is as it knows it, active or ended; one it knows that the read lacks and it
+        did not touch ended or went away before the read."""
+        fresh: dict[str, common_pb2.Job] = {}
+        for job in jobs:
+            known = self._active.get(job.id)
+            if job.id in touched:
+                if known is not None:
+                    fresh[job.id] = known
+                continue
+            fresh[job.id] = known if known is not None and known.state_version > job.state_version else job
+        for job_id in touched:  # submitted or started while the read ran
+            if job_id not in fresh and job_id in self._active:
+                fresh[job_id] = self._active[job_id]
+        self._active = fresh
+        self._others.clear()
+        self.full_reads += 1
+
+    def _advance(self, read_at: timestamp_pb2.Timestamp | None) -> None:
         if read_at is None:  # a metadata service that keeps no state change times: whole reads only
             self._since = None
         else:
-            since = timestamp_pb2.Timestamp()
-            since.FromNanoseconds(read_at.ToNanoseconds() - int(self.overlap_s * 1e9))
-            self._since = since
-        return list(self._active.values())
+            self._since = _less(read_at, self.overlap_s)
+
+    def _touch(self, job_id: str) -> None:
+        if self._whole is not None:
+            self._touched.add(job_id)
+
+    def _drop_whole(self) -> None:
+        if self._whole is not None:
+            self._whole.cancel()
+            self._whole = None
 
     async def _read(self, request: metadata_pb2.ListJobsRequest
                     ) -> tuple[list[common_pb2.Job], timestamp_pb2.Timestamp | None]:
@@ -125,3 +172,9 @@ class KnownJobs:
             if not page.next_page_token:
                 return jobs, read_at
             request.page_token = page.next_page_token
+
+
+def _less(time_stamp: timestamp_pb2.Timestamp, seconds: float) -> timestamp_pb2.Timestamp:
+    earlier = timestamp_pb2.Timestamp()
+    earlier.FromNanoseconds(time_stamp.ToNanoseconds() - int(seconds * 1e9))
+    return earlier

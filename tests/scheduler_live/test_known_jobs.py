@@ -96,6 +96,42 @@ def test_whole_reads_every_interval_and_from_a_service_without_read_times() -> N
         known = KnownJobs(Clients(md=md), full_every_s=0.0)
         for _ in range(3):
             await known.refresh()
-        assert known.full_reads == 3
+            await asyncio.sleep(0)  # a round's time: a read in the background goes on
+        # The first whole read is the refresh itself; the periodic ones run beside the refreshes
+        # and are merged at the next one, which reads the changes as usual.
+        assert known.full_reads == 2 and known.incremental_reads == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_whole_read_in_the_background_yields_to_what_was_learnt_while_it_ran() -> None:
+    async def scenario() -> None:
+        md = FakeMetadata()
+        md.put("job-a", RUNNING, 3)
+        md.put("job-b", PENDING, 1)
+        md.put("job-c", RUNNING, 3)
+        known = KnownJobs(Clients(md=md), full_every_s=0.0, overlap_s=0)
+        await known.refresh()  # the first whole read, in the refresh
+        release = asyncio.Event()
+        whole_reads = md.ListJobs
+
+        async def slow_whole(request):  # noqa: N802 - the store's answer as of the call, delivered later
+            reply = await whole_reads(request)
+            if request.states:
+                await release.wait()
+            return reply
+
+        md.ListJobs = slow_whole  # type: ignore[method-assign]
+        await known.refresh()  # starts the periodic whole read; reads the changes meanwhile
+        assert known.full_reads == 1 and [list(r.states) for r in md.requests[-2:]] == [list(ACTIVE_STATES), []]
+        known.saw(common_pb2.Job(id="job-b", state=SCHEDULED, state_version=2))  # placed by this scheduler
+        md.put("job-c", SUCCEEDED, 4)  # ended
+        md.put("job-d", PENDING, 1)  # submitted elsewhere
+        assert _ids(await known.refresh()) == ["job-a", "job-b", "job-d"]
+        release.set()
+        await asyncio.sleep(0)
+        jobs = await known.refresh()  # merges the whole read: its older copies lose
+        assert known.full_reads == 2
+        assert _ids(jobs) == ["job-a", "job-b", "job-d"] and known.get("job-b").state == SCHEDULED
 
     asyncio.run(scenario())
