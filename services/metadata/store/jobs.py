@@ -217,6 +217,9 @@ class JobStore:
                 events: list[dict[str, Any]] = []
                 ended: list[str] = []
                 for (expected_state, new_state, message), indices in groups.items():
+                    # Rows locked in job id order, as every batch write of jobs does (PostgreSQL):
+                    # two transactions that lock the same rows in the same order cannot deadlock.
+                    indices = sorted(indices, key=lambda i: moves[i][0])
                     for start in range(0, len(indices), _GROUP_MOVES):
                         chunk = indices[start:start + _GROUP_MOVES]
                         rows = {row.id: row for row in connection.execute(_group_move_statement(new_state), {
@@ -291,7 +294,7 @@ class JobStore:
                 values["p_allocated"] = convert.to_json(allocated)
             rows.append((index, values))
         with self._db.write_core() as connection:
-            for index, values in rows:
+            for index, values in sorted(rows, key=lambda row: row[1]["p_id"]):  # id order, as moves lock
                 # One prebuilt UPDATE per shape (which of the two columns it sets), not the ORM
                 # load-modify-flush of update_progress: a thousand of these arrive per second.
                 statement = _progress_statement("p_progress" in values, "p_allocated" in values)
