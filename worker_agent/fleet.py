@@ -88,10 +88,6 @@ class FleetNode:
         self.finished: set[str] = set()  # never relaunched for the same generation
         self.applied_version = 0
         self.plan_epoch = 0
-        # The applied version of the last empty report: an empty report after each new plan is
-        # what proves the GPUs of tasks that had exited (and been forgotten) free, as the agent's
-        # reports do; the agent repeats it every report_s, the fleet once (a thousand nodes').
-        self._empty_reported = -1
         self.registered = asyncio.Event()
         self._wake = asyncio.Event()
         self._report_now = asyncio.Event()
@@ -193,13 +189,14 @@ class FleetNode:
                 self._exit(task, 0)
 
     async def _report_loop(self) -> None:
+        # Every report_s, also with no task: as the agent's, an empty report is what proves free
+        # the GPUs of tasks that exited (and were forgotten) before a plan took their jobs away,
+        # and what a newly elected scheduler learns a node's state from.
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._report_now.wait(), self.fleet.settings.report_s)
             self._report_now.clear()
             self._progress()
-            if not self.tasks and self._empty_reported == self.applied_version:
-                continue  # the scheduler already has this empty report
             try:
                 acknowledged = await node_protocol.report_tasks(
                     self.alloc, self.name, self.applied_version, [t.report() for t in self.tasks.values()], timeout=30)
@@ -209,8 +206,6 @@ class FleetNode:
             for key in acknowledged:
                 if key in self.tasks and self.tasks[key].exited.is_set():
                     del self.tasks[key]
-            if not self.tasks:
-                self._empty_reported = self.applied_version
 
 
 class Fleet:
