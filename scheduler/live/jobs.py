@@ -33,6 +33,7 @@ from silod.v1 import common_pb2, metadata_pb2
 
 FULL_EVERY_S = 30.0
 OVERLAP_S = 2.0
+MAX_IDS_PER_READ = 1000  # ListJobsRequest.job_ids
 
 
 class KnownJobs:
@@ -108,7 +109,7 @@ class KnownJobs:
             self._touched = set()
             self._whole = asyncio.ensure_future(self._read(metadata_pb2.ListJobsRequest(states=ACTIVE_STATES)))
         assert self._since is not None
-        jobs, read_at = await self._read(metadata_pb2.ListJobsRequest(state_changed_since=self._since))
+        jobs, read_at = await self._changed_since(self._since)
         for job in jobs:
             known = self._active.get(job.id)
             if known is not None and known.state_version > job.state_version:
@@ -123,6 +124,33 @@ class KnownJobs:
         self.incremental_reads += 1
         self._advance(read_at)
         return list(self._active.values())
+
+    async def _changed_since(self, since: timestamp_pb2.Timestamp
+                             ) -> tuple[list[common_pb2.Job], timestamp_pb2.Timestamp | None]:
+        """The jobs whose state changed since ``since`` that this scheduler does not already
+        hold at that state: which moved is read in the state view (id, state, version), and only
+        those it lacks are read whole. Most moves are this scheduler's own (a round places
+        thousands, the reports start and end them): reading those back whole made a round's
+        snapshot wait a tenth to half a second at 5,000 jobs."""
+        moved, read_at = await self._read(metadata_pb2.ListJobsRequest(
+            state_changed_since=since, view=metadata_pb2.JOB_VIEW_STATE))
+        jobs: list[common_pb2.Job] = []
+        lacking: list[str] = []
+        for job in moved:
+            if job.HasField("spec"):  # a metadata service without views sends the whole job
+                jobs.append(job)
+                continue
+            known = self._active.get(job.id)
+            if known is not None and known.state_version >= job.state_version:
+                continue  # held here as it is, or newer (moved by this scheduler since)
+            if job.state in ACTIVE_STATES:
+                lacking.append(job.id)
+            else:
+                jobs.append(job)  # ended: its state is all it takes to drop it
+        for first in range(0, len(lacking), MAX_IDS_PER_READ):
+            whole, _ = await self._read(metadata_pb2.ListJobsRequest(job_ids=lacking[first:first + MAX_IDS_PER_READ]))
+            jobs.extend(whole)
+        return jobs, read_at
 
     def _merge_whole(self, jobs: list[common_pb2.Job], touched: set[str]) -> None:
         """A whole read: every active job as of its start. A job this scheduler learnt of since

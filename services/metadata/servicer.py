@@ -146,6 +146,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             page_size=request.page_size,
             page_token=request.page_token,
             state_changed_since=since,
+            view=request.view,
+            job_ids=list(request.job_ids),
         )
         return metadata_pb2.ListJobsResponse(jobs=jobs, next_page_token=token, read_at=to_timestamp(read_at))
 

@@ -14,6 +14,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from silod.v1 import common_pb2 as _common_pb2
 from silod.v1 import plan_pb2 as _plan_pb2
 import builtins as _builtins
@@ -26,6 +27,34 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _JobView:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _JobViewEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobView.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    JOB_VIEW_UNSPECIFIED: _JobView.ValueType  # 0
+    """the whole job"""
+    JOB_VIEW_FULL: _JobView.ValueType  # 1
+    """the whole job"""
+    JOB_VIEW_STATE: _JobView.ValueType  # 2
+    """id, state and state_version only: enough to tell which jobs moved since a copy was read,
+    at a fraction of the cost (a scheduler then reads in full only the jobs it lacks).
+    """
+
+class JobView(_JobView, metaclass=_JobViewEnumTypeWrapper):
+    """How much of each job a listing returns."""
+
+JOB_VIEW_UNSPECIFIED: JobView.ValueType  # 0
+"""the whole job"""
+JOB_VIEW_FULL: JobView.ValueType  # 1
+"""the whole job"""
+JOB_VIEW_STATE: JobView.ValueType  # 2
+"""id, state and state_version only: enough to tell which jobs moved since a copy was read,
+at a fraction of the cost (a scheduler then reads in full only the jobs it lacks).
+"""
+Global___JobView: _TypeAlias = JobView  # noqa: Y015
 
 @_typing.final
 class AcquireLeadershipRequest(_message.Message):
@@ -403,6 +432,8 @@ class ListJobsRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     STATE_CHANGED_SINCE_FIELD_NUMBER: _builtins.int
+    VIEW_FIELD_NUMBER: _builtins.int
+    JOB_IDS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     """filter; empty = all tenants"""
     application: _builtins.str
@@ -413,6 +444,8 @@ class ListJobsRequest(_message.Message):
     """1..1000; 0 = 100"""
     page_token: _builtins.str
     """from the previous response; empty = first page"""
+    view: Global___JobView.ValueType
+    """how much of each job to return; UNSPECIFIED = the whole job"""
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[_common_pb2.JobState.ValueType]:
         """filter; empty = all states"""
@@ -425,6 +458,10 @@ class ListJobsRequest(_message.Message):
         committed late.
         """
 
+    @_builtins.property
+    def job_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Filter: only these jobs (at most 1,000 ids); empty = all. Ids that match no job are left out."""
+
     def __init__(
         self,
         *,
@@ -435,10 +472,12 @@ class ListJobsRequest(_message.Message):
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
         state_changed_since: _timestamp_pb2.Timestamp | None = ...,
+        view: Global___JobView.ValueType = ...,
+        job_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state_changed_since", b"state_changed_since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["application", b"application", "kind", b"kind", "page_size", b"page_size", "page_token", b"page_token", "state_changed_since", b"state_changed_since", "states", b"states", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["application", b"application", "job_ids", b"job_ids", "kind", b"kind", "page_size", b"page_size", "page_token", b"page_token", "state_changed_since", b"state_changed_since", "states", b"states", "tenant", b"tenant", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -274,6 +274,22 @@ def test_list_jobs_since_a_time_gives_only_jobs_created_or_moved_after_it(stub):
     assert_rpc_error(lambda: stub.ListJobs(m.ListJobsRequest(state_changed_since=timestamp_pb2.Timestamp(seconds=-10**12))),
                      grpc.StatusCode.INVALID_ARGUMENT, "state_changed_since")
 
+    # The state view: what moved, cheaply; then only the jobs wanted, whole, by id.
+    states = stub.ListJobs(m.ListJobsRequest(state_changed_since=since, view=m.JOB_VIEW_STATE))
+    assert [(j.id, j.state, j.state_version) for j in states.jobs] == [(j.id, j.state, j.state_version)
+                                                                       for j in changed.jobs]
+    assert not any(j.HasField("spec") or j.HasField("created_at") for j in states.jobs)
+    assert states.HasField("read_at")
+    wanted = stub.ListJobs(m.ListJobsRequest(job_ids=[d.id, a.id, "job-000000000000"]))
+    assert [j.id for j in wanted.jobs] == [a.id, d.id]  # in submission order; an unknown id is left out
+    assert wanted.jobs[0] == stub.GetJob(m.GetJobRequest(job_id=a.id))
+    assert [j.id for j in stub.ListJobs(m.ListJobsRequest(job_ids=[a.id, b.id], states=[PENDING])).jobs] == [b.id]
+    assert_rpc_error(lambda: stub.ListJobs(m.ListJobsRequest(view=7)), grpc.StatusCode.INVALID_ARGUMENT, "view")
+    assert_rpc_error(lambda: stub.ListJobs(m.ListJobsRequest(job_ids=[a.id, "not a job"])),
+                     grpc.StatusCode.INVALID_ARGUMENT, "job_ids[1]")
+    assert_rpc_error(lambda: stub.ListJobs(m.ListJobsRequest(job_ids=[a.id] * 1001)),
+                     grpc.StatusCode.INVALID_ARGUMENT, "job_ids")
+
 
 def test_update_jobs_progress_stores_each_independently_and_reports_refusals(stub):
     a, b = create_job(stub), create_job(stub)

@@ -19,22 +19,27 @@ SUCCEEDED = common_pb2.JOB_STATE_SUCCEEDED
 class FakeMetadata:
     """Jobs with the time of their last state change, on a clock the test moves."""
 
-    def __init__(self, read_time: bool = True) -> None:
+    def __init__(self, read_time: bool = True, views: bool = True) -> None:
         self.now = 1000
         self.jobs: dict[str, tuple[common_pb2.Job, int]] = {}
         self.requests: list[metadata_pb2.ListJobsRequest] = []
         self.read_time = read_time
+        self.views = views  # False: an older service, which ignores view and job_ids
 
     def put(self, job_id: str, state: int, version: int, samples: int = 0) -> None:
         self.now += 1
         self.jobs[job_id] = (common_pb2.Job(id=job_id, state=state, state_version=version,
+                                            spec=common_pb2.JobSpec(application="resnet18"),
                                             progress=common_pb2.JobProgress(samples_done=samples)), self.now)
 
     async def ListJobs(self, request):  # noqa: N802
         self.requests.append(metadata_pb2.ListJobsRequest.FromString(request.SerializeToString()))
         since = request.state_changed_since.seconds if request.HasField("state_changed_since") else None
         jobs = [job for job, at in self.jobs.values()
-                if (not request.states or job.state in request.states) and (since is None or at >= since)]
+                if (not request.states or job.state in request.states) and (since is None or at >= since)
+                and (not self.views or not request.job_ids or job.id in request.job_ids)]
+        if self.views and request.view == metadata_pb2.JOB_VIEW_STATE:
+            jobs = [common_pb2.Job(id=j.id, state=j.state, state_version=j.state_version) for j in jobs]
         reply = metadata_pb2.ListJobsResponse(jobs=jobs)
         if self.read_time:
             reply.read_at.CopyFrom(timestamp_pb2.Timestamp(seconds=self.now))
@@ -57,9 +62,13 @@ def test_whole_read_then_changes_only() -> None:
         md.put("job-3", SCHEDULED, 4)  # placed
         md.put("job-5", PENDING, 1)  # submitted
         jobs = await known.refresh()
-        assert md.requests[-1].HasField("state_changed_since") and not md.requests[-1].states
+        # What moved, in the state view; then, whole, only the active jobs not held at that state.
+        changed, lacking = md.requests[-2:]
+        assert changed.HasField("state_changed_since") and not changed.states
+        assert changed.view == metadata_pb2.JOB_VIEW_STATE
+        assert sorted(lacking.job_ids) == ["job-3", "job-5"] and not lacking.HasField("state_changed_since")
         assert _ids(jobs) == ["job-1", "job-2", "job-3", "job-4", "job-5"]
-        assert known.get("job-3").state == SCHEDULED
+        assert known.get("job-3").state == SCHEDULED and known.get("job-5").spec.application == "resnet18"
         assert known.full_reads == 1 and known.incremental_reads == 1
 
         # Moves this scheduler made and progress reported are kept over older copies read later.
@@ -133,5 +142,46 @@ def test_a_whole_read_in_the_background_yields_to_what_was_learnt_while_it_ran()
         jobs = await known.refresh()  # merges the whole read: its older copies lose
         assert known.full_reads == 2
         assert _ids(jobs) == ["job-a", "job-b", "job-d"] and known.get("job-b").state == SCHEDULED
+
+    asyncio.run(scenario())
+
+
+def test_jobs_held_at_their_state_are_not_read_again() -> None:
+    """A round's own moves (thousands of placements) are already held here: the incremental read
+    learns that from the state view and reads nothing whole."""
+    async def scenario() -> None:
+        md = FakeMetadata()
+        for i in range(3):
+            md.put(f"job-{i}", PENDING, 1)
+        known = KnownJobs(Clients(md=md), full_every_s=3600, overlap_s=0)
+        await known.refresh()
+        for i in range(3):  # placed by this scheduler: its move and the store agree
+            known.saw(common_pb2.Job(id=f"job-{i}", state=SCHEDULED, state_version=2,
+                                     spec=common_pb2.JobSpec(application="resnet18")))
+            md.put(f"job-{i}", SCHEDULED, 2)
+        reads = len(md.requests)
+        jobs = await known.refresh()
+        assert len(md.requests) == reads + 1 and md.requests[-1].view == metadata_pb2.JOB_VIEW_STATE
+        assert [j.state for j in jobs] == [SCHEDULED] * 3 and all(j.spec.application for j in jobs)
+        md.put("job-1", SUCCEEDED, 3)  # ended elsewhere: the state view says enough
+        reads = len(md.requests)
+        assert _ids(await known.refresh()) == ["job-0", "job-2"] and len(md.requests) == reads + 1
+
+    asyncio.run(scenario())
+
+
+def test_a_service_without_views_is_read_as_before() -> None:
+    async def scenario() -> None:
+        md = FakeMetadata(views=False)  # sends whole jobs whatever the view asked
+        md.put("job-0", PENDING, 1)
+        known = KnownJobs(Clients(md=md), full_every_s=3600, overlap_s=0)
+        await known.refresh()
+        md.put("job-1", PENDING, 1)
+        md.put("job-0", SCHEDULED, 2)
+        reads = len(md.requests)
+        jobs = await known.refresh()
+        assert len(md.requests) == reads + 1  # the whole jobs came with the first answer
+        assert _ids(jobs) == ["job-0", "job-1"] and known.get("job-0").state == SCHEDULED
+        assert known.get("job-1").spec.application == "resnet18"
 
     asyncio.run(scenario())

@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import Connection, Text, Update, bindparam, cast, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
-from silod.v1 import access_pb2, common_pb2
+from silod.v1 import access_pb2, common_pb2, metadata_pb2
 
 from services.metadata import convert, paging
 from services.metadata.clock import utc_now
@@ -30,7 +30,7 @@ from services.metadata.validation.jobs import (
     check_transition,
     normalized_job_spec,
 )
-from services.runtime.errors import AlreadyExists, FailedPrecondition, NotFound, ServiceError
+from services.runtime.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError
 
 STATE_EVENT = "state"
 _log = logging.getLogger(__name__)
@@ -113,20 +113,31 @@ class JobStore:
         page_size: int = 0,
         page_token: str = "",
         state_changed_since: datetime | None = None,
+        view: int = 0,
+        job_ids: Sequence[str] = (),
     ) -> tuple[list[common_pb2.Job], str]:
         """One page, in submission order; ``state_changed_since``: only jobs created or moved
-        (a state change) at or after it."""
+        (a state change) at or after it; ``job_ids``: only these; ``view`` JOB_VIEW_STATE: each
+        job's id, state and state_version only."""
         for index, state in enumerate(states):
             check_enum(state, common_pb2.JobState.DESCRIPTOR, f"states[{index}]")
         check_text(tenant, "tenant", max_chars=128)
         check_text(application, "application", max_chars=128)
         check_enum(kind, common_pb2.JobKind.DESCRIPTOR, "kind")
+        check_enum(view, metadata_pb2.JobView.DESCRIPTOR, "view")
+        if len(job_ids) > MAX_LISTED_IDS:
+            raise InvalidArgument(f"at most {MAX_LISTED_IDS} ids, got {len(job_ids)}", field="job_ids")
+        for index, job_id in enumerate(job_ids):
+            check_job_id(job_id, f"job_ids[{index}]")
         size = paging.JOBS.size(page_size)
         after = paging.decode_token(page_token, "jobs", int)
 
         # Plain rows rather than ORM objects: a scheduler lists every active job each round, and
         # identity-map bookkeeping for 1,000 objects costs more than the query itself.
-        query = select(*_LIST_COLUMNS).order_by(Job.seq).limit(size + 1)
+        states_only = view == metadata_pb2.JOB_VIEW_STATE
+        query = select(*(_STATE_COLUMNS if states_only else _LIST_COLUMNS)).order_by(Job.seq).limit(size + 1)
+        if job_ids:
+            query = query.where(Job.id.in_(sorted(set(job_ids))))
         if after:
             query = query.where(Job.seq > after[0])
         if states:
@@ -145,6 +156,8 @@ class JobStore:
             rows = list(session.execute(query))
         page = rows[:size]
         next_token = paging.encode_token("jobs", page[-1].seq) if len(rows) > size else ""
+        if states_only:
+            return [common_pb2.Job(id=r.id, state=r.state, state_version=r.state_version) for r in page], next_token
         return [convert.listed_job_to_proto(row) for row in page], next_token
 
     def transition(self, job_id: str, expected_state: int, new_state: int, message: str = "") -> common_pb2.Job:
@@ -416,6 +429,8 @@ def _progress_statement(progress: bool, allocated: bool) -> Update:
 
 
 _LIST_COLUMNS = [cast(c, Text).label(c.name) if c.name in ("spec", "progress", "allocated") else c for c in _JOBS.columns]
+_STATE_COLUMNS = [Job.seq, Job.id, Job.state, Job.state_version]  # JOB_VIEW_STATE
+MAX_LISTED_IDS = 1000  # ListJobsRequest.job_ids
 _BY_REQUEST_ID = select(*_JOBS.columns).where(_JOBS.c.client_request_id == bindparam("r_id"))
 
 
