@@ -32,7 +32,8 @@ Placement = tuple[tuple[str, tuple[int, ...]], ...]
 
 def faulted_gpus(nodes: Iterable[common_pb2.Node]) -> dict[str, frozenset[int]]:
     """Node -> its faulted GPU indices, for the nodes that have any."""
-    found = {n.spec.name: frozenset(f.index for f in n.gpu_faults if 0 <= f.index < n.spec.gpus) for n in nodes}
+    found = {n.spec.name: frozenset(f.index for f in n.gpu_faults if 0 <= f.index < n.spec.gpus)
+             for n in nodes if n.gpu_faults}
     return {name: indices for name, indices in found.items() if indices}
 
 

@@ -104,9 +104,10 @@ def plan_in_force(plan: plan_pb2.AllocationPlan | None, snap: ClusterSnapshot,
     """GPUs by state, grants and version under ``plan``, on the nodes of ``snap`` (live ones)."""
     jobs = list(plan.jobs) if plan is not None else []
     training: dict[tuple[str, int], bool] = {}
-    for entry in jobs:
-        for node, index in convert.ranks_of(entry):
-            training[(node, index)] = True
+    for entry in jobs:  # every GPU a rank holds; their order does not matter here
+        for placement in entry.placements:
+            for index in placement.gpu_indices:
+                training[(placement.node, index)] = True
     inference = {(r.node, r.gpu_index) for r in (plan.replicas if plan is not None else [])
                  if r.state in (plan_pb2.REPLICA_STATE_RUNNING, plan_pb2.REPLICA_STATE_PROTECT)}
     counts: dict[tuple[str, str, str], int] = {}

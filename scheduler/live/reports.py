@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+from google.protobuf import timestamp_pb2
 from prometheus_client import Counter
 
 from scheduler.live import convert, metrics
@@ -100,10 +102,8 @@ class TaskReports:
             for name, value in (("step_time_s", rank0.step_time_s),
                                 ("samples_per_s", rank0.progress.throughput_samples_per_s)):
                 if value > 0:
-                    sample = common_pb2.MetricSample(job_id=job_id, name=name, value=value,
-                                                     labels={"node": node, "rank": "0"})
-                    sample.time.GetCurrentTime()
-                    samples.append(sample)
+                    samples.append(common_pb2.MetricSample(job_id=job_id, name=name, value=value, time=_now(),
+                                                           labels={"node": node, "rank": "0"}))
             update = metadata_pb2.UpdateJobProgressRequest(
                 job_id=job_id, progress=rank0.progress,
                 allocated=common_pb2.ResourceVector(gpus=len(convert.ranks_of(entry)))) \
@@ -152,3 +152,10 @@ class TaskReports:
                                    f"generation {entry.generation} finished")
             return True
         return False
+
+
+def _now() -> timestamp_pb2.Timestamp:
+    # Timestamp.GetCurrentTime goes through datetime; at a thousand nodes' reports a second it
+    # showed in the scheduler's profile.
+    now = time.time_ns()
+    return timestamp_pb2.Timestamp(seconds=now // 1_000_000_000, nanos=now % 1_000_000_000)
