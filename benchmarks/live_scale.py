@@ -19,7 +19,9 @@ It reads the scheduler's own round histogram (``silod_scheduler_round_duration_s
 phase, from its ``/metrics``) over phases 2 and 3, the fleet's receive and ack times of every
 plan against the plan's creation time in the metadata store, and each process's CPU time and
 resident memory (Linux /proc). Each target prints MET or MISSED with its value. On a machine
-of few cores every process competes with the fleet's own CPU (reported too).
+of few cores every process competes with the fleet's own CPU (reported too): the fleet and the
+client stand in for a thousand machines and their users, and ``--pin-scheduler`` keeps them, and
+the metadata service, off the scheduler's CPU, as a deployment's own host for it would.
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ def rss_mib(pid: int) -> tuple[float, float]:
     """(resident now, peak resident) MiB of process ``pid`` (Linux /proc)."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Run every thread of process ``pid`` on ``cpus`` (threads it starts later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), cpus)
 
 
 def scrape(port: int) -> dict[tuple[str, str], float]:
@@ -218,7 +226,14 @@ def postgres_database(stack: ExitStack) -> str:
 def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"policy": policy, "nodes": args.nodes, "gpus_per_node": 8, "jobs": args.jobs,
                               "database": "postgresql" if args.postgres else "sqlite"}
+    all_cpus = os.sched_getaffinity(0)
+    if args.pin_scheduler:  # this process, and so the metadata service and the fleet it starts, off the first CPU
+        scheduler_cpus = {min(all_cpus)}
+        pin(os.getpid(), all_cpus - scheduler_cpus)
+        result["scheduler_cpus"] = sorted(scheduler_cpus)
     with ExitStack() as stack:
+        if args.pin_scheduler:
+            stack.callback(pin, os.getpid(), all_cpus)
         db = postgres_database(stack) if args.postgres else f"sqlite:///{workdir / 'm.db'}"
         md = stack.enter_context(start_service("metadata", "--db", db, "--log-level", args.log_level, workdir=workdir))
         port = _free_port()
@@ -226,6 +241,8 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
             "scheduler", "--metadata-address", md.address, "--policy", policy, "--interval-s", f"{args.interval_s:g}",
             "--node-timeout-s", f"{max(15.0, 3 * args.heartbeat_s):g}", "--metrics-port", str(port),
             "--metrics-host", "127.0.0.1", "--log-level", args.log_level, workdir=workdir))
+        if args.pin_scheduler:
+            pin(sch.pid, scheduler_cpus)
         warm_up(sch.address, md.address)
         preload = max(0, args.jobs - args.measure_jobs)
         if preload:  # before the fleet: queued, not yet placed (there are no nodes)
@@ -315,9 +332,10 @@ def table(paths: list[str]) -> str:
             cpu = r["cpu_cores"]
             p99 = "> 32 s" if ro["p99_total_s_at_most"] == float("inf") else f"{ro['p99_total_s_at_most']} s"
             submitted = r.get("submissions_measured", r["jobs"])
+            pinned = ", scheduler on a CPU of its own" if r.get("scheduler_cpus") else ""
             rows.append(
                 f"| [{Path(path).stem}](../benchmarks/results/{Path(path).parent.name}/{Path(path).name}) "
-                f"| {r['policy']} | {r['nodes']:,} x 8, {r['jobs']:,} | {r['database']} | {ro['mean_total_s']} s ({ro['mean_snapshot_s']}, "
+                f"| {r['policy']} | {r['nodes']:,} x 8, {r['jobs']:,} | {r['database']}{pinned} | {ro['mean_total_s']} s ({ro['mean_snapshot_s']}, "
                 f"{ro['mean_policy_s']}, {ro['mean_commit_s']}) over {ro['rounds']} rounds | {p99} "
                 f"| {r['acks']['all_nodes_acked_p99_s']} s | {r['submissions_per_s']} (of {submitted:,}) "
                 f"| {r['rss_mib']['scheduler'][1]} MiB | {r['rss_mib']['metadata'][1]} MiB "
@@ -342,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="an emulated rank finishes after this (within --measure-s: the steady rounds place the queue "
                              "on the GPUs that completions free)")
     parser.add_argument("--measure-s", type=float, default=30.0, help="steady seconds measured after submitting")
+    parser.add_argument("--pin-scheduler", action="store_true",
+                        help="give the scheduler the first CPU to itself and run everything this benchmark starts "
+                             "(metadata, fleet, client) on the others, as a deployment gives the scheduler its own "
+                             "core; needs 2 or more CPUs (PostgreSQL, a system service, stays where it runs)")
     parser.add_argument("--json", default="", help="write the results here (a JSON list, one entry per policy)")
     parser.add_argument("--keep", default="", metavar="DIR", help="keep each policy's logs and database in DIR/<policy> "
                         "(default: a temporary directory, removed)")
@@ -349,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the services' log level (info logs every RPC with its duration)")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print a markdown table of result files and exit")
     args = parser.parse_args(argv)
+    if args.pin_scheduler and len(os.sched_getaffinity(0)) < 2:
+        parser.error("--pin-scheduler: needs 2 or more CPUs, this process may use "
+                     f"{len(os.sched_getaffinity(0))}")
     if args.table:
         print(table(args.table))
         return 0
@@ -368,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                                      cwd=Path(__file__).resolve().parent).stdout.strip()
         r["cpus"] = os.cpu_count()
         results.append(r)
-        print(f"--- {policy}, {args.nodes} nodes x 8 GPUs, {args.jobs} jobs, {r['database']}", flush=True)
+        where = f", scheduler alone on CPU {r['scheduler_cpus']}" if r.get("scheduler_cpus") else ""
+        print(f"--- {policy}, {args.nodes} nodes x 8 GPUs, {args.jobs} jobs, {r['database']}{where}", flush=True)
         for line in verdicts(r):
             print("  " + line, flush=True)
     if args.json:

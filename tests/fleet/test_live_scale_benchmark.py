@@ -1,0 +1,40 @@
+"""benchmarks/live_scale.py end to end at a toy size: real metadata and scheduler processes and a
+fleet of a few nodes, with the scheduler on a CPU of its own; the figures it writes are the ones
+docs/sizing.md tabulates."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import live_scale  # noqa: E402
+
+
+def test_live_scale_runs_a_small_cluster_and_reports_each_target(tmp_path: Path, capsys) -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("--pin-scheduler needs 2 CPUs")  # CI and this machine have 2
+    out = tmp_path / "r.json"
+    cpus = os.sched_getaffinity(0)
+    assert live_scale.main(["--nodes", "4", "--jobs", "24", "--measure-jobs", "12", "--measure-s", "3",
+                            "--task-seconds", "1", "--interval-s", "0.5", "--heartbeat-s", "1", "--report-s", "1",
+                            "--pin-scheduler", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "scheduler alone on CPU" in printed
+    for target in ("round (fifo)", "plan to every node it changed acked", "submissions while rounds run"):
+        assert target in printed and ("MET" in printed or "MISSED" in printed)
+    [result] = json.loads(out.read_text())
+    assert result["submissions_measured"] == 12 and result["submissions_per_s"] > 0
+    assert result["scheduler_cpus"] == [min(os.sched_getaffinity(0))]
+    assert os.sched_getaffinity(0) == cpus  # the benchmark gave its own process its CPUs back
+    assert result["rounds_all"]["rounds"] >= 1 and result["acks"]["plans_fully_acked"] >= 1
+    assert sum(result["jobs_at_end"].values()) == 24
+    assert set(result["cpu_cores"]) == {"scheduler", "metadata", "fleet"}
+    table = live_scale.table([str(out)])
+    assert "scheduler on a CPU of its own" in table and "| fifo |" in table
+
