@@ -11,9 +11,11 @@ For each ``--policy`` (comma-separated), on a fresh database:
    ``--measure-jobs`` jobs are queued (there are no nodes yet, so nothing is placed);
 2. the fleet starts and registers; the other ``--measure-jobs`` jobs are submitted over gRPC,
    ``--concurrency`` at a time, while rounds run (each arrival triggers one, and the first
-   places the queue): the submission rate is measured here;
+   places the queue): the submission rate as the nodes join is measured here, at the busiest
+   moment of the run (a first round places thousands of jobs, whose ranks all start and report);
 3. ``--measure-s`` seconds of steady running follow: ranks finish after ``--task-seconds``,
-   so every round has completions to commit and pending jobs to place.
+   so every round has completions to commit and pending jobs to place; ``--steady-after-s``
+   into it, ``--steady-jobs`` more jobs are submitted and timed: the rate in steady running.
 
 It reads the scheduler's own round histogram (``silod_scheduler_round_duration_seconds`` by
 phase, from its ``/metrics``) over phases 2 and 3, the fleet's receive and ack times of every
@@ -266,9 +268,21 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
         result["submissions_measured"] = measured
         result["submissions_per_s"] = round(measured / elapsed, 1)
         result["submissions_retried"] = RETRIES[0]
+        # Which process the submissions waited for: its share of a core while they ran.
+        result["cpu_cores_while_submitting"] = {k: round((cpu_seconds(p) - cpu0[k]) / elapsed, 2) for k, p in pids.items()}
         mid = scrape(port)
         result["rounds_while_submitting"] = round_figures(before, mid)
-        time.sleep(args.measure_s)
+        steady_from = time.monotonic()
+        if args.steady_jobs:  # once the queue is placed: submissions beside ordinary rounds
+            time.sleep(args.steady_after_s)
+            cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
+            steady_ids, steady_elapsed = asyncio.run(submit(sch.address, args.steady_jobs, args.concurrency, "steady"))
+            assert len(set(steady_ids)) == args.steady_jobs
+            result["steady_submissions"] = {
+                "jobs": args.steady_jobs, "after_s": args.steady_after_s,
+                "per_s": round(args.steady_jobs / steady_elapsed, 1),
+                "cpu_cores": {k: round((cpu_seconds(p) - cpu1[k]) / steady_elapsed, 2) for k, p in pids.items()}}
+        time.sleep(max(0.0, args.measure_s - (time.monotonic() - steady_from)))
         after = scrape(port)
         span = time.monotonic() - t0
         result["rounds_steady"] = round_figures(mid, after)
@@ -314,8 +328,15 @@ def verdicts(r: dict[str, Any]) -> list[str]:
                  f"p99 {r['acks'].get('all_nodes_received_p99_s')} s)  "
                  f"[target <= {ACK_TARGET_S:g} s: {'MET' if ack is not None and ack <= ACK_TARGET_S else 'MISSED'}]")
     rate = r["submissions_per_s"]
-    lines.append(f"submissions while rounds run: {rate}/s  [target >= {SUBMIT_TARGET:g}/s: "
-                 f"{'MET' if rate >= SUBMIT_TARGET else 'MISSED'}]")
+    lines.append(f"submissions while the nodes join and the queue is placed: {rate}/s  [target >= {SUBMIT_TARGET:g}/s: "
+                 f"{'MET' if rate >= SUBMIT_TARGET else 'MISSED'}]; CPU cores used meanwhile: "
+                 f"{r.get('cpu_cores_while_submitting')}")
+    steady = r.get("steady_submissions")
+    if steady:
+        lines.append(f"submissions in steady running ({steady['jobs']:,} more, {steady['after_s']:g} s later): "
+                     f"{steady['per_s']}/s  [target >= {SUBMIT_TARGET:g}/s: "
+                     f"{'MET' if steady['per_s'] >= SUBMIT_TARGET else 'MISSED'}]; CPU cores used meanwhile: "
+                     f"{steady['cpu_cores']}")
     lines.append(f"RSS MiB (now, peak): scheduler {r['rss_mib']['scheduler']}, metadata {r['rss_mib']['metadata']}, "
                  f"fleet {r['rss_mib']['fleet']}; CPU cores used: {r['cpu_cores']}")
     return lines
@@ -360,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="an emulated rank finishes after this (within --measure-s: the steady rounds place the queue "
                              "on the GPUs that completions free)")
     parser.add_argument("--measure-s", type=float, default=30.0, help="steady seconds measured after submitting")
+    parser.add_argument("--steady-jobs", type=int, default=1000,
+                        help="jobs submitted (and timed) in steady running, beyond --jobs: "
+                             "--steady-after-s into the --measure-s window; 0: none")
+    parser.add_argument("--steady-after-s", type=float, default=10.0,
+                        help="when the --steady-jobs go, in seconds after the first submissions ended")
     parser.add_argument("--pin-scheduler", action="store_true",
                         help="give the scheduler the first CPU to itself and run everything this benchmark starts "
                              "(metadata, fleet, client) on the others, as a deployment gives the scheduler its own "

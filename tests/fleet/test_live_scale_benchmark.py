@@ -22,18 +22,20 @@ def test_live_scale_runs_a_small_cluster_and_reports_each_target(tmp_path: Path,
     out = tmp_path / "r.json"
     cpus = os.sched_getaffinity(0)
     assert live_scale.main(["--nodes", "4", "--jobs", "24", "--measure-jobs", "12", "--measure-s", "3",
-                            "--task-seconds", "1", "--interval-s", "0.5", "--heartbeat-s", "1", "--report-s", "1",
+                            "--task-seconds", "1", "--interval-s", "0.5", "--steady-jobs", "6", "--steady-after-s", "1", "--heartbeat-s", "1", "--report-s", "1",
                             "--pin-scheduler", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "scheduler alone on CPU" in printed
-    for target in ("round (fifo)", "plan to every node it changed acked", "submissions while rounds run"):
+    for target in ("round (fifo)", "plan to every node it changed acked", "submissions while the nodes join",
+                   "submissions in steady running"):
         assert target in printed and ("MET" in printed or "MISSED" in printed)
     [result] = json.loads(out.read_text())
     assert result["submissions_measured"] == 12 and result["submissions_per_s"] > 0
     assert result["scheduler_cpus"] == [min(os.sched_getaffinity(0))]
     assert os.sched_getaffinity(0) == cpus  # the benchmark gave its own process its CPUs back
     assert result["rounds_all"]["rounds"] >= 1 and result["acks"]["plans_fully_acked"] >= 1
-    assert sum(result["jobs_at_end"].values()) == 24
+    assert result["steady_submissions"]["jobs"] == 6 and result["steady_submissions"]["per_s"] > 0
+    assert sum(result["jobs_at_end"].values()) == 24 + 6
     assert set(result["cpu_cores"]) == {"scheduler", "metadata", "fleet"}
     table = live_scale.table([str(out)])
     assert "scheduler on a CPU of its own" in table and "| fifo |" in table
