@@ -13,8 +13,9 @@ For each ``--policy`` (comma-separated), on a fresh database:
    ``--concurrency`` at a time, while rounds run (each arrival triggers one, and the first
    places the queue): the submission rate as the nodes join is measured here, at the busiest
    moment of the run (a first round places thousands of jobs, whose ranks all start and report);
-3. ``--measure-s`` seconds of steady running follow: ranks finish after ``--task-seconds``,
-   so every round has completions to commit and pending jobs to place; ``--steady-after-s``
+3. ``--measure-s`` seconds of steady running follow: ranks finish after ``--task-seconds``
+   (times 1 +- ``--task-spread``, by job), so rounds have completions to commit and pending
+   jobs to place; ``--steady-after-s``
    into it, ``--steady-jobs`` more jobs are submitted and timed: the rate in steady running.
 
 It reads the scheduler's own round histogram (``silod_scheduler_round_duration_seconds`` by
@@ -254,7 +255,8 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
         started = time.monotonic()
         fleet = start_fleet(FleetSettings(
             nodes=args.nodes, gpus=8, metadata_address=md.address, scheduler_address=sch.address,
-            heartbeat_s=args.heartbeat_s, report_s=args.report_s, task_seconds=args.task_seconds), workdir / "fleet",
+            heartbeat_s=args.heartbeat_s, report_s=args.report_s, task_seconds=args.task_seconds,
+            task_spread=args.task_spread), workdir / "fleet",
             timeout_s=max(300.0, 0.5 * args.nodes))
         stack.callback(fleet.terminate)
         result["fleet_start_s"] = round(time.monotonic() - started, 1)
@@ -380,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task-seconds", type=float, default=20.0,
                         help="an emulated rank finishes after this (within --measure-s: the steady rounds place the queue "
                              "on the GPUs that completions free)")
+    parser.add_argument("--task-spread", type=float, default=0.5,
+                        help="each job runs --task-seconds x (1 +- this), by job id: the jobs placed together at the "
+                             "start end over a span of rounds rather than all in one, as in a cluster in steady running")
     parser.add_argument("--measure-s", type=float, default=30.0, help="steady seconds measured after submitting")
     parser.add_argument("--steady-jobs", type=int, default=1000,
                         help="jobs submitted (and timed) in steady running, beyond --jobs: "

@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,9 @@ class FleetSettings:
     heartbeat_s: float = 5.0
     report_s: float = 2.0
     task_seconds: float = 0.0  # 0: ranks run until the plan takes them away
+    # Each job's ranks run task_seconds x (1 +- task_spread), the factor drawn from the job id (all
+    # its ranks alike): jobs placed in one round do not all end in one later round.
+    task_spread: float = 0.0
     streams_per_channel: int = 1000
     register_batch: int = 100  # nodes registering at a time while the fleet starts
     token: str = ""
@@ -185,7 +189,7 @@ class FleetNode:
                 rate = SAMPLES_PER_S_PER_GPU * max(1, task.assignment.world_size)
                 task.progress = common_pb2.JobProgress(samples_done=int(rate * ran), steps_done=int(ran / 0.1),
                                                        throughput_samples_per_s=rate)
-            if limit > 0 and ran >= limit:
+            if limit > 0 and ran >= limit * _spread(task.job_id, self.fleet.settings.task_spread):
                 self._exit(task, 0)
 
     async def _report_loop(self) -> None:
@@ -206,6 +210,13 @@ class FleetNode:
             for key in acknowledged:
                 if key in self.tasks and self.tasks[key].exited.is_set():
                     del self.tasks[key]
+
+
+def _spread(job_id: str, spread: float) -> float:
+    """1 +- ``spread``, the same for every rank of ``job_id`` (on any node, in any run)."""
+    if spread <= 0:
+        return 1.0
+    return 1.0 + spread * (2.0 * (zlib.crc32(job_id.encode()) / 2**32) - 1.0)
 
 
 class Fleet:
@@ -341,7 +352,7 @@ def _flags(s: FleetSettings) -> list[str]:
     return ["--nodes", str(s.nodes), "--gpus", str(s.gpus), "--metadata-address", s.metadata_address,
             "--scheduler-address", s.scheduler_address, "--prefix", s.prefix, "--gpu-type", s.gpu_type,
             "--heartbeat-s", f"{s.heartbeat_s:g}", "--report-s", f"{s.report_s:g}",
-            "--task-seconds", f"{s.task_seconds:g}", "--streams-per-channel", str(s.streams_per_channel)]
+            "--task-seconds", f"{s.task_seconds:g}", "--task-spread", f"{s.task_spread:g}", "--streams-per-channel", str(s.streams_per_channel)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-s", type=float, default=2.0, help="seconds between a node's task reports (default 2)")
     p.add_argument("--task-seconds", type=float, default=0.0,
                    help="a rank exits 0 this long after it starts, so its job succeeds (default 0: never)")
+    p.add_argument("--task-spread", type=float, default=0.0,
+                   help="each job's ranks run --task-seconds x (1 +- this), by job id (0 <= it < 1; default 0)")
     p.add_argument("--streams-per-channel", type=int, default=1000, help="nodes sharing one scheduler connection")
     p.add_argument("--ready-file", default="", help="written once every node is registered")
     p.add_argument("--stats-file", default="", help="JSON stats, rewritten every second and at exit")
@@ -366,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                 if getattr(args, name) <= 0]
     if args.task_seconds < 0:
         problems.append("--task-seconds: must be >= 0")
+    if not 0 <= args.task_spread < 1:
+        problems.append("--task-spread: must be >= 0 and < 1")
     if problems:
         p.error("; ".join(problems))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -373,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         nodes=args.nodes, gpus=args.gpus, metadata_address=args.metadata_address,
         scheduler_address=args.scheduler_address, prefix=args.prefix, gpu_type=args.gpu_type,
         heartbeat_s=args.heartbeat_s, report_s=args.report_s, task_seconds=args.task_seconds,
-        streams_per_channel=args.streams_per_channel, token=os.environ.get("SILOD_AUTH_TOKEN", ""))
+        task_spread=args.task_spread, streams_per_channel=args.streams_per_channel, token=os.environ.get("SILOD_AUTH_TOKEN", ""))
     asyncio.run(serve(settings, args.ready_file, args.stats_file))
     return 0
 

@@ -137,9 +137,11 @@ def test_fleet_gpus_are_reused_after_their_jobs_end(tmp_path: Path) -> None:
 
 def test_fleet_refuses_bad_flags_naming_them() -> None:
     out = subprocess.run([sys.executable, "-m", "worker_agent.fleet", "--nodes", "0", "--metadata-address", "x:1",
-                          "--scheduler-address", "y:1", "--report-s", "-1"], capture_output=True, text=True)
+                          "--scheduler-address", "y:1", "--report-s", "-1", "--task-spread", "1"],
+                         capture_output=True, text=True)
     assert out.returncode == 2
     assert "--nodes: must be > 0" in out.stderr and "--report-s: must be > 0" in out.stderr
+    assert "--task-spread: must be >= 0 and < 1" in out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -175,3 +177,13 @@ def test_silod_up_with_a_fleet(tmp_path: Path) -> None:
             out, _ = up.communicate()
     assert up.returncode == 0, out[-3000:]
     assert "node fleet (fleet-0..19)" in out and "20 nodes x 4 GPUs" in out
+
+
+def test_task_spread_gives_every_rank_of_a_job_one_factor_and_jobs_different_ones() -> None:
+    from worker_agent.fleet import _spread
+
+    factors = [_spread(f"job-{i:012x}", 0.5) for i in range(2000)]
+    assert all(0.5 <= f <= 1.5 for f in factors)
+    assert _spread("job-00000000002a", 0.5) == _spread("job-00000000002a", 0.5)  # any node, any run
+    assert sum(f < 0.75 for f in factors) > 300 and sum(f > 1.25 for f in factors) > 300  # spread out
+    assert _spread("job-00000000002a", 0.0) == 1.0
