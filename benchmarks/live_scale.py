@@ -305,6 +305,8 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
                         break
                 counts[state.lower()] = n
             result["jobs_at_end"] = counts
+            # The churn the rounds carried: jobs that ended (and so freed GPUs to re-place) a second.
+            result["jobs_succeeded_per_s"] = round(counts["succeeded"] / span, 1)
         stats = fleet.stats()
         result["fleet_running_tasks"] = stats.get("running_tasks")
         result["acks"] = ack_figures(md.address, stats.get("plans", {}))
@@ -339,6 +341,7 @@ def verdicts(r: dict[str, Any]) -> list[str]:
                      f"{steady['per_s']}/s  [target >= {SUBMIT_TARGET:g}/s: "
                      f"{'MET' if steady['per_s'] >= SUBMIT_TARGET else 'MISSED'}]; CPU cores used meanwhile: "
                      f"{steady['cpu_cores']}")
+    lines.append(f"jobs that ended and freed their GPUs: {r.get('jobs_succeeded_per_s')}/s over the run")
     lines.append(f"RSS MiB (now, peak): scheduler {r['rss_mib']['scheduler']}, metadata {r['rss_mib']['metadata']}, "
                  f"fleet {r['rss_mib']['fleet']}; CPU cores used: {r['cpu_cores']}")
     return lines
@@ -347,7 +350,7 @@ def verdicts(r: dict[str, Any]) -> list[str]:
 def table(paths: list[str]) -> str:
     """A markdown table of result files (docs/sizing.md)."""
     rows = ["| run | policy | nodes x GPUs, jobs | database | round mean (snapshot, policy, commit) | round p99 at most "
-            "| plan to every node it changed acked, p99 | submissions/s | scheduler RSS | metadata RSS | CPU cores used "
+            "| plan to every node it changed acked, p99 | submissions/s as the nodes join; in steady running | scheduler RSS | metadata RSS | CPU cores used "
             "(scheduler, metadata, fleet) | load average |", "|" + "---|" * 12]
     for path in paths:
         for r in json.loads(Path(path).read_text()):
@@ -356,11 +359,13 @@ def table(paths: list[str]) -> str:
             p99 = "> 32 s" if ro["p99_total_s_at_most"] == float("inf") else f"{ro['p99_total_s_at_most']} s"
             submitted = r.get("submissions_measured", r["jobs"])
             pinned = ", scheduler on a CPU of its own" if r.get("scheduler_cpus") else ""
+            steady = (f"{r['steady_submissions']['per_s']} (of {r['steady_submissions']['jobs']:,})"
+                      if r.get("steady_submissions") else "not measured")
             rows.append(
                 f"| [{Path(path).stem}](../benchmarks/results/{Path(path).parent.name}/{Path(path).name}) "
                 f"| {r['policy']} | {r['nodes']:,} x 8, {r['jobs']:,} | {r['database']}{pinned} | {ro['mean_total_s']} s ({ro['mean_snapshot_s']}, "
                 f"{ro['mean_policy_s']}, {ro['mean_commit_s']}) over {ro['rounds']} rounds | {p99} "
-                f"| {r['acks']['all_nodes_acked_p99_s']} s | {r['submissions_per_s']} (of {submitted:,}) "
+                f"| {r['acks']['all_nodes_acked_p99_s']} s | {r['submissions_per_s']} (of {submitted:,}); {steady} "
                 f"| {r['rss_mib']['scheduler'][1]} MiB | {r['rss_mib']['metadata'][1]} MiB "
                 f"| {cpu['scheduler']}, {cpu['metadata']}, {cpu['fleet']} | {r['load_average_1m']:.0f} on {r['cpus']} |")
     return "\n".join(rows)
@@ -379,10 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval-s", type=float, default=2.0, help="the scheduler's round interval")
     parser.add_argument("--heartbeat-s", type=float, default=5.0, help="the fleet's heartbeat interval")
     parser.add_argument("--report-s", type=float, default=5.0, help="the fleet's task report interval")
-    parser.add_argument("--task-seconds", type=float, default=20.0,
-                        help="an emulated rank finishes after this (within --measure-s: the steady rounds place the queue "
-                             "on the GPUs that completions free)")
-    parser.add_argument("--task-spread", type=float, default=0.5,
+    parser.add_argument("--task-seconds", type=float, default=120.0,
+                        help="an emulated rank finishes after this, times 1 +- --task-spread (the shortest within "
+                             "--measure-s: the steady rounds place the queue on the GPUs that completions free)")
+    parser.add_argument("--task-spread", type=float, default=0.9,
                         help="each job runs --task-seconds x (1 +- this), by job id: the jobs placed together at the "
                              "start end over a span of rounds rather than all in one, as in a cluster in steady running")
     parser.add_argument("--measure-s", type=float, default=30.0, help="steady seconds measured after submitting")
