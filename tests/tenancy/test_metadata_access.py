@@ -62,6 +62,10 @@ def test_users_see_and_act_on_their_tenants_jobs_only(cluster: Cluster) -> None:
     assert "'bob' is not a member of tenant 'vision'" in refused.details()
     assert_rpc_error(lambda: alice.ListJobs(m.ListJobsRequest()), DENIED, "tenant")  # two tenants: name one
     assert [j.id for j in alice.ListJobs(m.ListJobsRequest(tenant="vision")).jobs] == [mine.id]
+    # Asking by id, in either view, stays inside the caller's tenant: another's job is left out.
+    for view in (m.JOB_VIEW_FULL, m.JOB_VIEW_STATE):
+        listed = bob.ListJobs(m.ListJobsRequest(job_ids=[mine.id, theirs.id], view=view)).jobs
+        assert [j.id for j in listed] == [theirs.id]
 
     assert bob.GetJob(m.GetJobRequest(job_id=theirs.id)).id == theirs.id
     refused = assert_rpc_error(lambda: bob.GetJob(m.GetJobRequest(job_id=mine.id)), DENIED, "job_id")
