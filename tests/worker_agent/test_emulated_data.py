@@ -4,6 +4,8 @@ hit ratio it sees."""
 
 from __future__ import annotations
 
+import random
+
 import grpc
 
 from silod.v1 import allocation_pb2, cache_pb2, cache_pb2_grpc
@@ -40,10 +42,14 @@ def test_emulated_job_reads_its_dataset_through_the_cache_and_reports_the_hit_ra
         assert done.exit_code == 0, agent.log(job, 0)
         assert done.progress.samples_done == EPOCHS * FILES and done.progress.epochs_done == EPOCHS
 
-        # Every sample read went through the cache server: each object fetched once, then hits.
+        # Every sample read went through the cache server: each object fetched once, then hits. The
+        # job reads a step ahead, so the first step of an epoch is asked for while the last one of
+        # the epoch before may still be fetching: an object in both (epochs are shuffled) can be
+        # asked for twice before it lands, and each such ask is a miss (seen on a loaded machine).
         stats = cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(cache.address)).Stats(
             cache_pb2.StatsRequest(job_id=job), timeout=5).jobs[0]
-        assert (stats.hits + stats.misses, stats.misses) == (EPOCHS * FILES, FILES)
+        assert stats.hits + stats.misses == EPOCHS * FILES
+        assert FILES <= stats.misses <= FILES + _keys_at_epoch_boundaries(batch=8), (stats.hits, stats.misses)
 
         # What the job reported: cold in the first epoch, warm from the second one on.
         seen = [(t.progress.epochs_done, t.progress.cache_hit_ratio) for t in allocation.task_reports()
@@ -55,3 +61,14 @@ def test_emulated_job_reads_its_dataset_through_the_cache_and_reports_the_hit_ra
         assert done.progress.cache_hit_ratio > 0.9
         assert done.progress.throughput_samples_per_s > 0
         assert "emulated: epoch 0 read; recent cache hit ratio" in agent.log(job, 0)
+
+
+def _keys_at_epoch_boundaries(batch: int) -> int:
+    """Objects in both the last step of an epoch and the first of the next, in the emulated
+    job's order (silod/jobs/emulated.py: epoch e reads range(FILES) shuffled by Random(e))."""
+    orders = []
+    for epoch in range(EPOCHS):
+        order = list(range(FILES))
+        random.Random(epoch).shuffle(order)
+        orders.append(order)
+    return sum(len(set(orders[e][-batch:]) & set(orders[e + 1][:batch])) for e in range(EPOCHS - 1))
