@@ -407,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the services' log level (info logs every RPC with its duration)")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print a markdown table of result files and exit")
     args = parser.parse_args(argv)
+    if not 0 <= args.task_spread < 1:
+        parser.error(f"--task-spread: must be >= 0 and < 1, got {args.task_spread:g}")
+    if args.steady_jobs < 0 or args.steady_after_s < 0:
+        parser.error("--steady-jobs and --steady-after-s: must be >= 0")
     if args.pin_scheduler and len(os.sched_getaffinity(0)) < 2:
         parser.error("--pin-scheduler: needs 2 or more CPUs, this process may use "
                      f"{len(os.sched_getaffinity(0))}")

@@ -40,3 +40,14 @@ def test_live_scale_runs_a_small_cluster_and_reports_each_target(tmp_path: Path,
     table = live_scale.table([str(out)])
     assert "scheduler on a CPU of its own" in table and "| fifo |" in table
 
+
+
+def test_live_scale_refuses_bad_flags_naming_them(capsys) -> None:
+    for flags, named in ((["--task-spread", "1.5"], "--task-spread"), (["--steady-jobs", "-1"], "--steady-jobs")):
+        try:
+            live_scale.main(flags)
+        except SystemExit as exit_:
+            assert exit_.code == 2
+        else:
+            raise AssertionError(f"{flags} accepted")
+        assert named in capsys.readouterr().err
