@@ -5,34 +5,8 @@
 #   (carry the checkout and .gpu-wheels/ to the GPU machine)
 #   bash benchmarks/gpu_check.sh       # flags go to gpu_check.py (e.g. --write-docs)
 #
-# The wheels of benchmarks/gpu_wheels.txt are installed once into .gpu-wheels/site-<python>
-# (pip install --no-index --no-deps --target), and gpu_check.py runs with that folder and the
-# checkout on PYTHONPATH; every process it starts inherits both. PYTHON picks the interpreter
-# (default: python3 on PATH, named by its full path: on such machines it is a virtual
-# environment's, and the jobs' command lines must name the same one).
+# benchmarks/offline_python.sh installs the wheels and sets PYTHONPATH; PYTHON picks the
+# interpreter there.
 set -euo pipefail
-
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-python=$(command -v "${PYTHON:-python3}") || { echo "gpu_check.sh: no ${PYTHON:-python3} on PATH (set PYTHON=...)" >&2; exit 1; }
-wheels=${GPU_WHEELS:-$root/.gpu-wheels}
-tag=$("$python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-site=$wheels/site-$tag
-
-shopt -s nullglob
-found=("$wheels"/*.whl)
-if ((${#found[@]})); then
-  # Installed again when a wheel is newer than the last install (a fresh `make gpu-wheels`).
-  if [[ ! -f $site/.installed ]] || [[ -n $(find "$wheels" -maxdepth 1 -name '*.whl' -newer "$site/.installed") ]]; then
-    echo "gpu_check.sh: installing ${#found[@]} wheels from $wheels into $site"
-    rm -rf "$site"
-    "$python" -m pip install --quiet --no-index --no-deps --target "$site" "${found[@]}"
-    touch "$site/.installed"
-  fi
-  export PYTHONPATH="$site:$root${PYTHONPATH:+:$PYTHONPATH}"
-else
-  echo "gpu_check.sh: no wheels in $wheels (run \`make gpu-wheels\` on a connected machine and carry the" \
-       "folder here); using what $python has" >&2
-  export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-fi
-cd "$root"
-exec "$python" "$root/benchmarks/gpu_check.py" "$@"
+exec bash "$root/benchmarks/offline_python.sh" "$root/benchmarks/gpu_check.py" "$@"

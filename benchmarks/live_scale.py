@@ -400,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="give the scheduler the first CPU to itself and run everything this benchmark starts "
                              "(metadata, fleet, client) on the others, as a deployment gives the scheduler its own "
                              "core; needs 2 or more CPUs (PostgreSQL, a system service, stays where it runs)")
-    parser.add_argument("--json", default="", help="write the results here (a JSON list, one entry per policy)")
+    parser.add_argument("--json", default="", help="write the results here (a JSON list, one entry per policy, "
+                        "written again after each)")
     parser.add_argument("--keep", default="", metavar="DIR", help="keep each policy's logs and database in DIR/<policy> "
                         "(default: a temporary directory, removed)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
@@ -437,9 +438,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--- {policy}, {args.nodes} nodes x 8 GPUs, {args.jobs} jobs, {r['database']}{where}", flush=True)
         for line in verdicts(r):
             print("  " + line, flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        if args.json:  # after each policy: a run cut short keeps what it measured
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 
