@@ -89,6 +89,16 @@ def scrape(port: int) -> dict[tuple[str, str], float]:
     return out
 
 
+def gc_seconds(port: int) -> tuple[float, float]:
+    """(seconds, collections) the scheduler's cyclic garbage collector ran, from its /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    seconds = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("silod_gc_pause_seconds_sum"))
+    count = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("silod_gc_pause_seconds_count"))
+    return seconds, count
+
+
 def round_figures(before: dict, after: dict) -> dict[str, Any]:
     """Rounds between two scrapes: count, mean per phase, and the smallest bucket bound that
     holds 99 % of whole rounds (an upper bound on their p99)."""
@@ -263,6 +273,7 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
         pids = {"scheduler": sch.pid, "metadata": md.pid, "fleet": fleet.pid}
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
         before = scrape(port)
+        gc0 = gc_seconds(port)
         t0 = time.monotonic()
         measured = args.jobs - preload
         ids, elapsed = asyncio.run(submit(sch.address, measured, args.concurrency))
@@ -287,6 +298,9 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
         time.sleep(max(0.0, args.measure_s - (time.monotonic() - steady_from)))
         after = scrape(port)
         span = time.monotonic() - t0
+        gc1 = gc_seconds(port)
+        result["scheduler_gc"] = {"seconds": round(gc1[0] - gc0[0], 2), "collections": int(gc1[1] - gc0[1]),
+                                  "share_of_wall_time": round((gc1[0] - gc0[0]) / span, 3)}
         result["rounds_steady"] = round_figures(mid, after)
         result["rounds_all"] = round_figures(before, after)
         result["cpu_cores"] = {k: round((cpu_seconds(p) - cpu0[k]) / span, 2) for k, p in pids.items()}
@@ -344,6 +358,10 @@ def verdicts(r: dict[str, Any]) -> list[str]:
     lines.append(f"jobs that ended and freed their GPUs: {r.get('jobs_succeeded_per_s')}/s over the run")
     lines.append(f"RSS MiB (now, peak): scheduler {r['rss_mib']['scheduler']}, metadata {r['rss_mib']['metadata']}, "
                  f"fleet {r['rss_mib']['fleet']}; CPU cores used: {r['cpu_cores']}")
+    gc_time = r.get("scheduler_gc")
+    if gc_time:
+        lines.append(f"the scheduler's garbage collector: {gc_time['seconds']} s in {gc_time['collections']} "
+                     f"collections ({gc_time['share_of_wall_time']:.1%} of the time measured)")
     return lines
 
 

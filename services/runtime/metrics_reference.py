@@ -22,7 +22,7 @@ REFERENCE_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 # (process, the modules that hold its metrics), in the order of the page.
 PROCESSES = (
-    ("every process", ("services.runtime.metrics", "services.runtime.audit")),
+    ("every process", ("services.runtime.metrics", "services.runtime.audit", "services.runtime.gc_pauses")),
     ("scheduler", ("scheduler.live.metrics", "scheduler.live.reports")),
     ("worker agent", ("worker_agent.metrics",)),
     ("cache server", ("cache_server.metrics",)),

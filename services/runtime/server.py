@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from silod.rpc.limits import MESSAGE_SIZE_OPTIONS
 from silod.rpc.keepalive import SERVER_KEEPALIVE_OPTIONS
-from services.runtime import metrics
+from services.runtime import gc_pauses, metrics
 from services.runtime.access import AccessInterceptor
 from services.runtime.audit import AuditInterceptor, AuditRecorder, AuditSink, recorder_for
 from services.runtime.auth import auth_enabled, caller_token
@@ -261,6 +261,7 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
 
+    gc_pauses.measure()
     # A file left by a killed predecessor would announce an address nobody serves.
     remove_ready_file(settings.ready_file)
     metrics_server = None
@@ -276,6 +277,8 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
         if running is None:
             _log.info("stopped before serving", extra={"signal": received[0]})
             return
+        if settings.gc_young_threshold:
+            gc_pauses.tune(settings.gc_young_threshold)
         try:
             if settings.ready_file:
                 write_ready_file(settings.ready_file, running.address)

@@ -64,6 +64,13 @@ class ServiceSettings(BaseSettings):
     shutdown_grace_s: float = Field(
         10.0, ge=0, description="Seconds in-flight calls get to finish after SIGTERM/SIGINT"
     )
+    gc_young_threshold: int = Field(
+        50_000, ge=0,
+        description="Once serving, what start-up made is frozen out of garbage collection and the youngest "
+        "generation is collected after this many net allocations (CPython's default is 700): collections "
+        "of a big heap become rarer (docs/sizing.md); 0 leaves CPython's settings. Time spent: "
+        "silod_gc_pause_seconds",
+    )
     @field_validator("listen")
     @classmethod
     def _listen_is_host_port(cls, value: str) -> str:
