@@ -25,7 +25,7 @@ T = TypeVar("T")
 ROUND_SECONDS = Histogram(
     "silod_scheduler_round_duration_seconds", "A scheduling round's wall time, by phase: snapshot (metadata reads "
     "and models), policy (the pure planning step), commit (plan commit and job state moves), total",
-    ["phase"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
+    ["phase"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4, 8, 16, 32))
 ROUNDS = Counter("silod_scheduler_rounds_total", "Rounds by outcome: committed (a new plan version), unchanged "
                  "(the plan in force still holds), lost_race (another commit won; retried), failed", ["outcome"])
 JOBS = Gauge("silod_scheduler_jobs", "Active jobs by state and tenant, as the last round saw them (tenants are the "
