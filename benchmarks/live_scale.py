@@ -89,6 +89,27 @@ def scrape(port: int) -> dict[tuple[str, str], float]:
     return out
 
 
+def loop_lag(port: int) -> dict[str, float]:
+    """The event loop lag histogram of the process serving /metrics on ``port``: le -> count, and sum."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("silod_event_loop_lag_seconds_bucket"):
+            out[line.split('le="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("silod_event_loop_lag_seconds_sum"):
+            out["sum"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def lag_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Between two scrapes: the mean lag, and the smallest bucket bound holding 99 % of the probes."""
+    count = after.get("+Inf", 0.0) - before.get("+Inf", 0.0)
+    buckets = sorted((float(k), k) for k in after if k not in ("sum", "+Inf"))
+    p99 = next((b for b, k in buckets if count and after[k] - before.get(k, 0.0) >= 0.99 * count), None)
+    return {"probes": int(count), "mean_s": round((after.get("sum", 0.0) - before.get("sum", 0.0)) / count, 4) if count else None,
+            "p99_s_at_most": p99}
+
+
 def gc_seconds(port: int) -> tuple[float, float]:
     """(seconds, collections) the scheduler's cyclic garbage collector ran, from its /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -248,7 +269,9 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
         if args.pin_scheduler:
             stack.callback(pin, os.getpid(), all_cpus)
         db = postgres_database(stack) if args.postgres else f"sqlite:///{workdir / 'm.db'}"
-        md = stack.enter_context(start_service("metadata", "--db", db, "--log-level", args.log_level, workdir=workdir))
+        md_port = _free_port()
+        md = stack.enter_context(start_service("metadata", "--db", db, "--log-level", args.log_level, "--metrics-port",
+                                               str(md_port), "--metrics-host", "127.0.0.1", workdir=workdir))
         port = _free_port()
         sch = stack.enter_context(start_service(
             "scheduler", "--metadata-address", md.address, "--policy", policy, "--interval-s", f"{args.interval_s:g}",
@@ -274,6 +297,7 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
         before = scrape(port)
         gc0 = gc_seconds(port)
+        lag0 = {"scheduler": loop_lag(port), "metadata": loop_lag(md_port)}
         t0 = time.monotonic()
         measured = args.jobs - preload
         ids, elapsed = asyncio.run(submit(sch.address, measured, args.concurrency))
@@ -299,6 +323,9 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
         after = scrape(port)
         span = time.monotonic() - t0
         gc1 = gc_seconds(port)
+        # How long every call waited for each service's event loop (silod_event_loop_lag_seconds).
+        result["event_loop_lag"] = {k: lag_figures(lag0[k], loop_lag(p)) for k, p in
+                                    (("scheduler", port), ("metadata", md_port))}
         result["scheduler_gc"] = {"seconds": round(gc1[0] - gc0[0], 2), "collections": int(gc1[1] - gc0[1]),
                                   "share_of_wall_time": round((gc1[0] - gc0[0]) / span, 3)}
         result["rounds_steady"] = round_figures(mid, after)
@@ -358,6 +385,10 @@ def verdicts(r: dict[str, Any]) -> list[str]:
     lines.append(f"jobs that ended and freed their GPUs: {r.get('jobs_succeeded_per_s')}/s over the run")
     lines.append(f"RSS MiB (now, peak): scheduler {r['rss_mib']['scheduler']}, metadata {r['rss_mib']['metadata']}, "
                  f"fleet {r['rss_mib']['fleet']}; CPU cores used: {r['cpu_cores']}")
+    lag = r.get("event_loop_lag")
+    if lag:
+        lines.append("event loop lag (mean, p99 at most): " + ", ".join(
+            f"{k} {v['mean_s']} s, {v['p99_s_at_most']} s" for k, v in lag.items()))
     gc_time = r.get("scheduler_gc")
     if gc_time:
         lines.append(f"the scheduler's garbage collector: {gc_time['seconds']} s in {gc_time['collections']} "

@@ -22,7 +22,8 @@ REFERENCE_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 # (process, the modules that hold its metrics), in the order of the page.
 PROCESSES = (
-    ("every process", ("services.runtime.metrics", "services.runtime.audit", "services.runtime.gc_pauses")),
+    ("every process", ("services.runtime.metrics", "services.runtime.audit", "services.runtime.gc_pauses",
+                       "services.runtime.loop_lag")),
     ("scheduler", ("scheduler.live.metrics", "scheduler.live.reports")),
     ("worker agent", ("worker_agent.metrics",)),
     ("cache server", ("cache_server.metrics",)),

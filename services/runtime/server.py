@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from silod.rpc.limits import MESSAGE_SIZE_OPTIONS
 from silod.rpc.keepalive import SERVER_KEEPALIVE_OPTIONS
-from services.runtime import gc_pauses, metrics
+from services.runtime import gc_pauses, loop_lag, metrics
 from services.runtime.access import AccessInterceptor
 from services.runtime.audit import AuditInterceptor, AuditRecorder, AuditSink, recorder_for
 from services.runtime.auth import auth_enabled, caller_token
@@ -262,6 +262,7 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
         loop.add_signal_handler(sig, on_signal, sig)
 
     gc_pauses.measure()
+    lag_probe = asyncio.ensure_future(loop_lag.probe())
     # A file left by a killed predecessor would announce an address nobody serves.
     remove_ready_file(settings.ready_file)
     metrics_server = None
@@ -300,6 +301,7 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
             remove_ready_file(settings.ready_file)
         _log.info("shutdown complete")
     finally:
+        lag_probe.cancel()
         if metrics_server is not None:
             metrics_server.shutdown()
 

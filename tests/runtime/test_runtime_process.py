@@ -137,6 +137,7 @@ def test_metrics_endpoint_counts_calls(estimator: tuple[ServiceProcess, int]) ->
     assert samples[("silod_build_info", (("version", silod_version()),))] == 1
     # Once serving, the collector was tuned (docs/sizing.md); its pauses are measured from the start.
     assert samples[("silod_gc_pause_seconds_count", (("generation", "2"),))] >= 1
+    assert samples[("silod_event_loop_lag_seconds_count", ())] >= 1  # the loop's probe runs from the start
 
 
 def test_json_log_has_one_line_per_call(estimator: tuple[ServiceProcess, int]) -> None:
