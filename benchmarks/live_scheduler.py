@@ -129,13 +129,18 @@ async def _submit_async(scheduler_addr: str, jobs: int, concurrency: int) -> tup
         await channel.close()
 
 
-def register_nodes(metadata_addr: str, nodes: int) -> None:
-    with open_channel(metadata_addr) as channel:
-        stub = metadata_pb2_grpc.MetadataServiceStub(channel)
-        for n in range(nodes):
-            stub.UpsertNode(metadata_pb2.UpsertNodeRequest(spec=common_pb2.NodeSpec(
+async def register_nodes(md: metadata_pb2_grpc.MetadataServiceStub, nodes: int, concurrency: int = 64) -> None:
+    # Concurrently: one by one, 1,000 registrations took longer than the scheduler's node-poll
+    # rhythm, and the timed round then warned that the metadata service had been unreachable.
+    gate = asyncio.Semaphore(concurrency)
+
+    async def register(n: int) -> None:
+        async with gate:
+            await md.UpsertNode(metadata_pb2.UpsertNodeRequest(spec=common_pb2.NodeSpec(
                 name=f"bench-node-{n}", gpus=8, pool=common_pb2.NODE_POOL_TRAINING, gpu_model="emulated",
                 agent_address=f"127.0.0.1:{20000 + n}")))
+
+    await asyncio.gather(*(register(n) for n in range(nodes)))
 
 
 async def time_round(metadata_addr: str, policy: str, nodes: int, metadata_pid: int,
@@ -155,13 +160,17 @@ async def time_round(metadata_addr: str, policy: str, nodes: int, metadata_pid: 
         await core.warm_up()
         # Registered just before the round: on a loaded machine the warm-up may outlast the
         # liveness window of nodes registered earlier, and the round would see fewer GPUs.
-        await asyncio.to_thread(register_nodes, metadata_addr, nodes)
+        await register_nodes(core.md, nodes)
         cpu_before = cpu_seconds(os.getpid()) + cpu_seconds(metadata_pid)
         started = time.perf_counter()
         plan = await core.run_round("benchmark")
         elapsed = time.perf_counter() - started
         cpu = cpu_seconds(os.getpid()) + cpu_seconds(metadata_pid) - cpu_before
         placed = sum(1 for job in plan.jobs if job.placements) if plan is not None else 0
+        if placed < (steady_rounds + 1) * churn:  # the ended jobs' GPUs stay held (below): it would run dry
+            raise SystemExit(f"live_scheduler: --churn {churn}: the first round placed {placed} jobs and each of "
+                             f"{steady_rounds} steady rounds ends {churn} more; use --churn "
+                             f"{placed // (steady_rounds + 1)} or less, or more --nodes")
         steady = []
         for r in range(steady_rounds):
             # Rounds of a running cluster are seconds apart: the scheduler's incremental job read
@@ -183,7 +192,10 @@ async def time_round(metadata_addr: str, policy: str, nodes: int, metadata_pid: 
             steady.append((time.perf_counter() - started,
                            cpu_seconds(os.getpid()) + cpu_seconds(metadata_pid) - cpu_before))
             still = sum(1 for job in core.latest.jobs if job.placements)
-            assert still > placed // 2, f"a steady round placed {still} jobs, the first {placed}: nodes aged out?"
+            # The ended jobs' GPUs stay held until a node acks their release, and no agent runs
+            # here: a steady round places the survivors.
+            assert still > (placed - (r + 1) * churn) // 2, \
+                f"a steady round placed {still} jobs, the first {placed} ({(r + 1) * churn} ended): nodes aged out?"
     finally:
         await channel.close()
     return elapsed, cpu, placed, steady

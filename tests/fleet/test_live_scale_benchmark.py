@@ -37,6 +37,9 @@ def test_live_scale_runs_a_small_cluster_and_reports_each_target(tmp_path: Path,
     assert result["steady_submissions"]["jobs"] == 6 and result["steady_submissions"]["per_s"] > 0
     assert sum(result["jobs_at_end"].values()) == 24 + 6
     assert set(result["cpu_cores"]) == {"scheduler", "metadata", "fleet"}
+    # Both services' loop probes ran through the measured span (one every 0.1 s, several seconds).
+    assert all(result["event_loop_lag"][k]["probes"] >= 10 for k in ("scheduler", "metadata"))
+    assert result["scheduler_gc"]["seconds"] >= 0 and "event loop lag" in printed
     table = live_scale.table([str(out)])
     assert "scheduler on a CPU of its own" in table and "| fifo |" in table
 
