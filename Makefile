@@ -56,7 +56,7 @@ test: $(STAMP)
 	  $(VENV)/chromium-install.log chromium chromium-browser google-chrome
 	@bash tests/support/ensure_debian_package.sh prometheus "the metrics tests" \
 	  $(VENV)/prometheus-install.log prometheus
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --max-worker-restart=0
 
 # The namespaced multi-host lab (root): what `make test` runs of it plus the longer fault
 # scenarios (30 s partitions of the control plane and of the leading scheduler's host).
