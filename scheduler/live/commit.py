@@ -65,6 +65,9 @@ class Committer:
                 return None
             raise
         self._entries = (committed.version, entries)  # the committed plan's entries are the proto's
+        # Its placements, worked out once here rather than by the release record below and again
+        # when it becomes the plan in force (a pass over every entry, a round's 5,000 jobs).
+        convert.remember_committed(committed)
         # GPUs taken from a job are pending release until the node acknowledges them.
         if latest is not None:
             self.releases.record(latest, committed)
