@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -74,50 +75,51 @@ def pin(pid: int, cpus: set[int]) -> None:
         os.sched_setaffinity(int(task.name), cpus)
 
 
-def scrape(port: int) -> dict[tuple[str, str], float]:
-    """The scheduler's round histogram: (series, phase) -> value, for _count, _sum and buckets."""
+ROUNDS = "silod_scheduler_round_duration_seconds"
+LOOP_LAG = "silod_event_loop_lag_seconds"
+GC_PAUSES = "silod_gc_pause_seconds"
+
+
+def histograms(port: int) -> dict[str, dict[tuple[str, str], float]]:
+    """Every histogram of the process serving /metrics on ``port``: name -> {(series, phase): value},
+    series "count", "sum" or "bucket le=X", phase the ``phase`` label ("" without one; other labels
+    summed)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[tuple[str, str], float] = {}
-    for line in text.splitlines():
-        if not line.startswith("silod_scheduler_round_duration_seconds"):
+    out: dict[str, dict[tuple[str, str], float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type != "histogram":
             continue
-        name_labels, value = line.rsplit(" ", 1)
-        name, _, labels = name_labels.partition("{")
-        parts = dict(p.split("=", 1) for p in labels.rstrip("}").split(",") if "=" in p)
-        key = name.rsplit("_", 1)[-1] + (f" le={parts['le'].strip(chr(34))}" if "le" in parts else "")
-        out[(key, parts.get("phase", "").strip('"'))] = float(value)
+        series = out.setdefault(family.name, {})
+        for sample in family.samples:
+            suffix = sample.name[len(family.name) + 1:]
+            if suffix not in ("bucket", "count", "sum"):
+                continue  # _created
+            key = (f"bucket le={sample.labels['le']}" if suffix == "bucket" else suffix, sample.labels.get("phase", ""))
+            series[key] = series.get(key, 0.0) + sample.value
     return out
 
 
-def loop_lag(port: int) -> dict[str, float]:
-    """The event loop lag histogram of the process serving /metrics on ``port``: le -> count, and sum."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("silod_event_loop_lag_seconds_bucket"):
-            out[line.split('le="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("silod_event_loop_lag_seconds_sum"):
-            out["sum"] = float(line.rsplit(" ", 1)[1])
-    return out
+def _p99_at_most(before: dict, after: dict, phase: str, count: float) -> float | None:
+    """The smallest bucket bound holding 99 % of the observations between two scrapes."""
+    bounds = sorted((float(k.split("=")[1]), k) for k, p in after if k.startswith("bucket le=") and p == phase)
+    return next((b for b, k in bounds if count and after[(k, phase)] - before.get((k, phase), 0.0) >= 0.99 * count),
+                None)
 
 
-def lag_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """Between two scrapes: the mean lag, and the smallest bucket bound holding 99 % of the probes."""
-    count = after.get("+Inf", 0.0) - before.get("+Inf", 0.0)
-    buckets = sorted((float(k), k) for k in after if k not in ("sum", "+Inf"))
-    p99 = next((b for b, k in buckets if count and after[k] - before.get(k, 0.0) >= 0.99 * count), None)
-    return {"probes": int(count), "mean_s": round((after.get("sum", 0.0) - before.get("sum", 0.0)) / count, 4) if count else None,
-            "p99_s_at_most": p99}
+def lag_figures(before: dict, after: dict) -> dict[str, Any]:
+    """Loop-lag probes between two scrapes: how many, the mean lag, and a bound on the p99."""
+    count = after.get(("count", ""), 0.0) - before.get(("count", ""), 0.0)
+    total = after.get(("sum", ""), 0.0) - before.get(("sum", ""), 0.0)
+    return {"probes": int(count), "mean_s": round(total / count, 4) if count else None,
+            "p99_s_at_most": _p99_at_most(before, after, "", count)}
 
 
-def gc_seconds(port: int) -> tuple[float, float]:
-    """(seconds, collections) the scheduler's cyclic garbage collector ran, from its /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    seconds = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line.startswith("silod_gc_pause_seconds_sum"))
-    count = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("silod_gc_pause_seconds_count"))
-    return seconds, count
+def gc_figures(before: dict, after: dict, span_s: float) -> dict[str, Any]:
+    """The garbage collector between two scrapes: seconds, collections, share of the span."""
+    seconds = after.get(("sum", ""), 0.0) - before.get(("sum", ""), 0.0)
+    return {"seconds": round(seconds, 2),
+            "collections": int(after.get(("count", ""), 0.0) - before.get(("count", ""), 0.0)),
+            "share_of_wall_time": round(seconds / span_s, 3)}
 
 
 def round_figures(before: dict, after: dict) -> dict[str, Any]:
@@ -131,8 +133,7 @@ def round_figures(before: dict, after: dict) -> dict[str, Any]:
     for phase in ("snapshot", "policy", "commit", "total"):
         n = delta("count", phase)
         figures[f"mean_{phase}_s"] = round(delta("sum", phase) / n, 3) if n else None
-    bounds = sorted((float(k.split("=")[1]), k) for k, p in after if k.startswith("bucket le=") and p == "total")
-    figures["p99_total_s_at_most"] = next((b for b, k in bounds if count and delta(k, "total") >= 0.99 * count), None)
+    figures["p99_total_s_at_most"] = _p99_at_most(before, after, "total", count)
     return figures
 
 
@@ -295,9 +296,7 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
         result["fleet_start_s"] = round(time.monotonic() - started, 1)
         pids = {"scheduler": sch.pid, "metadata": md.pid, "fleet": fleet.pid}
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
-        before = scrape(port)
-        gc0 = gc_seconds(port)
-        lag0 = {"scheduler": loop_lag(port), "metadata": loop_lag(md_port)}
+        before, md_before = histograms(port), histograms(md_port)
         t0 = time.monotonic()
         measured = args.jobs - preload
         ids, elapsed = asyncio.run(submit(sch.address, measured, args.concurrency))
@@ -307,8 +306,8 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
         result["submissions_retried"] = RETRIES[0]
         # Which process the submissions waited for: its share of a core while they ran.
         result["cpu_cores_while_submitting"] = {k: round((cpu_seconds(p) - cpu0[k]) / elapsed, 2) for k, p in pids.items()}
-        mid = scrape(port)
-        result["rounds_while_submitting"] = round_figures(before, mid)
+        mid = histograms(port)
+        result["rounds_while_submitting"] = round_figures(before.get(ROUNDS, {}), mid.get(ROUNDS, {}))
         steady_from = time.monotonic()
         if args.steady_jobs:  # once the queue is placed: submissions beside ordinary rounds
             time.sleep(args.steady_after_s)
@@ -320,16 +319,15 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
                 "per_s": round(args.steady_jobs / steady_elapsed, 1),
                 "cpu_cores": {k: round((cpu_seconds(p) - cpu1[k]) / steady_elapsed, 2) for k, p in pids.items()}}
         time.sleep(max(0.0, args.measure_s - (time.monotonic() - steady_from)))
-        after = scrape(port)
+        after, md_after = histograms(port), histograms(md_port)
         span = time.monotonic() - t0
-        gc1 = gc_seconds(port)
         # How long every call waited for each service's event loop (silod_event_loop_lag_seconds).
-        result["event_loop_lag"] = {k: lag_figures(lag0[k], loop_lag(p)) for k, p in
-                                    (("scheduler", port), ("metadata", md_port))}
-        result["scheduler_gc"] = {"seconds": round(gc1[0] - gc0[0], 2), "collections": int(gc1[1] - gc0[1]),
-                                  "share_of_wall_time": round((gc1[0] - gc0[0]) / span, 3)}
-        result["rounds_steady"] = round_figures(mid, after)
-        result["rounds_all"] = round_figures(before, after)
+        result["event_loop_lag"] = {
+            "scheduler": lag_figures(before.get(LOOP_LAG, {}), after.get(LOOP_LAG, {})),
+            "metadata": lag_figures(md_before.get(LOOP_LAG, {}), md_after.get(LOOP_LAG, {}))}
+        result["scheduler_gc"] = gc_figures(before.get(GC_PAUSES, {}), after.get(GC_PAUSES, {}), span)
+        result["rounds_steady"] = round_figures(mid.get(ROUNDS, {}), after.get(ROUNDS, {}))
+        result["rounds_all"] = round_figures(before.get(ROUNDS, {}), after.get(ROUNDS, {}))
         result["cpu_cores"] = {k: round((cpu_seconds(p) - cpu0[k]) / span, 2) for k, p in pids.items()}
         result["rss_mib"] = {k: [round(v) for v in rss_mib(p)] for k, p in pids.items()}
         with open_channel(md.address, default_timeout_s=60) as channel:

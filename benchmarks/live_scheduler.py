@@ -211,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="fifo")
     parser.add_argument("--churn", type=int, default=50, help="jobs that end and arrive before each steady round")
     args = parser.parse_args(argv)
+    for flag in ("jobs", "nodes", "threads"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag}: must be >= 1, got {getattr(args, flag)}")
+    if args.churn < 0:
+        parser.error(f"--churn: must be >= 0, got {args.churn}")
     print(f"$ python benchmarks/live_scheduler.py --jobs {args.jobs} --nodes {args.nodes} "
           f"--threads {args.threads} --policy {args.policy} --client {args.client}")
     with tempfile.TemporaryDirectory(prefix="silod-bench-") as tmp:

@@ -36,7 +36,9 @@ def test_each_collection_is_observed_once_by_generation() -> None:
     before = _count("2")
     gc.collect()
     gc.collect()
-    assert _count("2") == before + 2
+    # Each counted once (measured twice, each would count two); an automatic collection may
+    # slip in between on a busy worker, never two of ours.
+    assert before + 2 <= _count("2") < before + 4
     assert _sample("silod_gc_pause_seconds_sum", "2") > 0
 
 

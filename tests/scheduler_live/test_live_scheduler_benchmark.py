@@ -25,3 +25,10 @@ def test_a_churn_the_first_round_cannot_feed_is_refused_naming_the_flag() -> Non
     with pytest.raises(SystemExit) as refused:
         live_scheduler.main(["--jobs", "60", "--nodes", "2", "--threads", "4", "--policy", "fifo", "--churn", "50"])
     assert "--churn 50" in str(refused.value.code) and "or less, or more --nodes" in str(refused.value.code)
+
+
+def test_bad_flags_are_refused_naming_them(capsys: pytest.CaptureFixture[str]) -> None:
+    for flags, named in ((["--churn", "-1"], "--churn"), (["--nodes", "0"], "--nodes"), (["--jobs", "-5"], "--jobs")):
+        with pytest.raises(SystemExit) as refused:
+            live_scheduler.main(flags)
+        assert refused.value.code == 2 and named in capsys.readouterr().err
