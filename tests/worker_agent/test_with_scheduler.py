@@ -51,10 +51,19 @@ def test_submitted_job_runs_on_the_agent_to_success(cluster) -> None:  # type: i
                       timeout=40, what="job finished")
     assert done.state == common_pb2.JOB_STATE_SUCCEEDED, done.message
     assert done.progress.samples_done == 800
-    # The job succeeds once rank 0 has exited; rank 1 may write its last line a moment later.
+    # The job succeeds once rank 0 has exited. Rank 1 runs on its own clock (the emulation has no
+    # collective to keep the ranks in step): it either reaches the budget too, or, if it started
+    # late, the plan that drops the finished job stops it a few steps short. Either way it ran and
+    # ended cleanly, once.
     rank1 = agent_dir / "jobs" / job.id / "rank-1.log"
-    wait_until(lambda: "emulated: done samples=800" in rank1.read_text(), timeout=20, what="rank 1's last line")
-    assert rank1.read_text().count("emulated: done samples=800") == 1
+    endings = ("emulated: done samples=800", "emulated: checkpointed at samples=")
+    wait_until(lambda: any(e in rank1.read_text() for e in endings), timeout=20, what="rank 1's last line")
+    log = rank1.read_text()
+    assert "emulated: resumed at samples=0" in log
+    assert sum(log.count(e) for e in endings) == 1, log
+    wait_until(lambda: all(t.state == "exited" and t.exit_code == 0
+                           for t in agent.GetNodeStatus(worker_agent_pb2.GetNodeStatusRequest(), timeout=5).tasks
+                           if t.job_id == job.id), timeout=20, what="both ranks exited with code 0")
 
 
 def test_cancelled_job_is_stopped_by_the_agent(cluster) -> None:  # type: ignore[no-untyped-def]
