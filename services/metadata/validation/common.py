@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import unicodedata
@@ -115,20 +116,49 @@ def reject_nul_characters(message: Message, path: str = "") -> None:
 
 
 def _find_nul(message: Message, path: str) -> str | None:
-    for descriptor, value in message.ListFields():
-        name = f"{path}.{descriptor.name}" if path else descriptor.name
-        if descriptor.message_type is not None and descriptor.message_type.GetOptions().map_entry:
-            found = _find_nul_in_map(value, name, descriptor.message_type.fields_by_name["value"])
-        elif descriptor.is_repeated:
-            found = next(
-                (hit for index, item in enumerate(value) if (hit := _find_nul_in_value(item, descriptor, f"{name}[{index}]"))),
-                None,
-            )
-        else:
-            found = _find_nul_in_value(value, descriptor, name)
+    for field, kind in _string_bearing_fields(message.DESCRIPTOR):
+        name = f"{path}.{field.name}" if path else field.name
+        value = getattr(message, field.name)
+        if kind == "map":
+            found = _find_nul_in_map(value, name, field.message_type.fields_by_name["value"])
+        elif kind == "strings":
+            found = next((f"{name}[{index}]" for index, item in enumerate(value) if "\x00" in item), None)
+        elif kind == "string":
+            found = name if "\x00" in value else None
+        elif kind == "messages":
+            found = next((hit for index, item in enumerate(value) if (hit := _find_nul(item, f"{name}[{index}]"))), None)
+        else:  # "message"
+            found = _find_nul(value, name) if message.HasField(field.name) else None
         if found is not None:
             return found
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _string_bearing_fields(descriptor: Any) -> tuple[tuple[FieldDescriptor, str], ...]:
+    """The fields of ``descriptor`` that hold a string, directly or within: (field, kind), kind
+    one of string, strings, message, messages, map. Worked out once per message type, so a
+    request of thousands of entries (a plan) is walked through its strings only, not every
+    number of every entry."""
+    return _string_bearing_fields_of(descriptor, frozenset())
+
+
+def _string_bearing_fields_of(descriptor: Any, visiting: frozenset[str]) -> tuple[tuple[FieldDescriptor, str], ...]:
+    steps: list[tuple[FieldDescriptor, str]] = []
+    for field in descriptor.fields:
+        repeated = field.is_repeated
+        if field.type == FieldDescriptor.TYPE_STRING:
+            steps.append((field, "strings" if repeated else "string"))
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            inner = field.message_type
+            if inner.GetOptions().map_entry:
+                key, value = inner.fields_by_name["key"], inner.fields_by_name["value"]
+                if FieldDescriptor.TYPE_STRING in (key.type, value.type) or value.type == FieldDescriptor.TYPE_MESSAGE:
+                    steps.append((field, "map"))
+            elif inner.full_name in visiting or _string_bearing_fields_of(inner, visiting | {descriptor.full_name}):
+                # A recursive type (Struct, Value) is assumed to hold strings.
+                steps.append((field, "messages" if repeated else "message"))
+    return tuple(steps)
 
 
 def _find_nul_in_map(mapping: Mapping[Any, Any], path: str, value_descriptor: FieldDescriptor) -> str | None:
