@@ -8,6 +8,7 @@ jobs whose state the plan changes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
@@ -124,15 +125,21 @@ class Committer:
                                    f"resized by plan {plan.version} (generation {entry.generation})"))
             elif not placed and job.state in PLACED_STATES:
                 moves.append(_move(job, common_pb2.JOB_STATE_PENDING, f"preempted by plan {plan.version}; requeued"))
-        for start in range(0, len(moves), MAX_MOVES):
-            batch = moves[start:start + MAX_MOVES]
-            reply = await self.clients.md.TransitionJobs(metadata_pb2.TransitionJobsRequest(transitions=batch))
+        # The batches at once: the metadata service parses one while it writes another, and this
+        # process takes in one reply while the next is being built (a round that places 3,200 jobs
+        # spent half a second on four batches one after the other). Each job is in one batch, and
+        # every batch locks its rows in job id order, so they cannot deadlock on PostgreSQL.
+        batches = [moves[start:start + MAX_MOVES] for start in range(0, len(moves), MAX_MOVES)]
+        replies = await asyncio.gather(*(
+            self.clients.md.TransitionJobs(metadata_pb2.TransitionJobsRequest(transitions=batch, state_only=True))
+            for batch in batches))
+        for batch, reply in zip(batches, replies):
             for move, result in zip(batch, reply.results):
                 if result.error_code:  # moved meanwhile (a report, a cancel): the next round sees it
                     _log.info("transition skipped", extra={"job_id": move.job_id, "reason": result.error})
                     self.jobs.forget(move.job_id)
                 else:
-                    self.jobs.saw(result.job)
+                    self.jobs.moved(result.job, jobs[move.job_id])
 
     async def transition(self, job_id: str, expected: int, new: int, message: str) -> common_pb2.Job | None:
         # Moves of many reports at once go out together, one TransitionJobs call (one commit).

@@ -67,6 +67,20 @@ class KnownJobs:
             self._active.pop(job.id, None)
             self._others[job.id] = job
 
+    def moved(self, brief: common_pb2.Job, before: common_pb2.Job) -> None:
+        """A move made here, as TransitionJobs answers with state_only (state, version, message,
+        time stamps): spec and progress are those known here, or ``before``'s (the copy the move
+        was made from) if the job is no longer known."""
+        job = common_pb2.Job()
+        job.CopyFrom(self.get(brief.id) or before)
+        job.state, job.state_version, job.message = brief.state, brief.state_version, brief.message
+        for name in ("updated_at", "started_at", "finished_at"):
+            if brief.HasField(name):
+                getattr(job, name).CopyFrom(getattr(brief, name))
+            else:
+                job.ClearField(name)
+        self.saw(job)
+
     def forget(self, job_id: str) -> None:
         """Moved by someone else: read afresh when next needed. An active job needs nothing: its
         move came after the read that gave the copy here, so the next read brings it."""

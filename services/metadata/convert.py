@@ -100,6 +100,22 @@ def _job_message(row: models.Job | Any, *, columns_as_text: bool) -> common_pb2.
     )
 
 
+def job_state_to_proto(row: Any) -> common_pb2.Job:
+    """The Job of ``row`` without spec, progress and allocated: its state and time stamps
+    (TransitionJobsRequest.state_only)."""
+    return common_pb2.Job(
+        id=row.id,
+        state=row.state,
+        client_request_id=row.client_request_id or "",
+        state_version=row.state_version,
+        created_at=to_timestamp(row.created_at),
+        updated_at=to_timestamp(row.updated_at),
+        started_at=to_timestamp(row.started_at),
+        finished_at=to_timestamp(row.finished_at),
+        message=row.message,
+    )
+
+
 class _JobMemo:
     """The Job message of each job's last listed row, reused while the row is unchanged.
 

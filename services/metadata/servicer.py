@@ -168,7 +168,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     def _transition_each(self, request: metadata_pb2.TransitionJobsRequest) -> metadata_pb2.TransitionJobsResponse:
         # One transaction (one commit) for all the moves, each its own compare-and-set.
         outcomes = self._store.jobs.transition_many(
-            [(m.job_id, m.expected_state, m.new_state, m.message) for m in request.transitions])
+            [(m.job_id, m.expected_state, m.new_state, m.message) for m in request.transitions],
+            state_only=request.state_only)
         reply = metadata_pb2.TransitionJobsResponse()
         for index, outcome in enumerate(outcomes):
             result = reply.results.add()

@@ -552,6 +552,12 @@ class TransitionJobsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TRANSITIONS_FIELD_NUMBER: _builtins.int
+    STATE_ONLY_FIELD_NUMBER: _builtins.int
+    state_only: _builtins.bool
+    """true: each moved job comes back as its id, state, state_version, message and time stamps only,
+    without spec, progress and allocated (for a caller that holds those: a scheduler's round moves
+    thousands of jobs, and building and sending them whole was most of the call's cost)
+    """
     @_builtins.property
     def transitions(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransitionJobRequest]:
         """1..1000 moves, applied one by one in this order"""
@@ -560,10 +566,11 @@ class TransitionJobsRequest(_message.Message):
         self,
         *,
         transitions: _abc.Iterable[Global___TransitionJobRequest] | None = ...,
+        state_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["transitions", b"transitions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["state_only", b"state_only", "transitions", b"transitions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -22,6 +22,20 @@ def _jobs(store: MetadataStore, count: int) -> list[str]:
     return [job.id for job in store.jobs.create_many([(spec, "")] * count)]
 
 
+@pytest.mark.parametrize("count", [1, 3], ids=["one-by-one", "grouped"])
+def test_state_only_moves_answer_the_state_and_times_without_spec_or_progress(store: MetadataStore, count: int) -> None:
+    ids = _jobs(store, count)
+    store.jobs.update_progress(ids[0], common_pb2.JobProgress(samples_done=7))
+    whole = store.jobs.transition_many([(i, PENDING, SCHEDULED, "placed") for i in ids])
+    brief = store.jobs.transition_many([(i, SCHEDULED, RUNNING, "started") for i in ids], state_only=True)
+    for before, job in zip(whole, brief):
+        assert (job.id, job.state, job.state_version, job.message) == (before.id, RUNNING, 3, "started")
+        assert job.created_at == before.created_at and job.updated_at.seconds > 0 and job.started_at.seconds > 0
+        assert not job.HasField("spec") and not job.HasField("progress") and not job.HasField("allocated")
+    got = store.jobs.get(ids[0])  # the store still holds them whole
+    assert got.state == RUNNING and got.spec.name == "grouped" and got.progress.samples_done == 7
+
+
 def test_many_alike_moves_happen_each_with_its_event_across_the_chunks(store: MetadataStore,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     ids = _jobs(store, job_store._GROUP_MOVES + 101)  # two UPDATEs for one kind of move
@@ -73,7 +87,7 @@ def test_a_final_move_in_a_batch_revokes_the_jobs_credentials(store: MetadataSto
 def test_a_batch_the_database_refuses_is_moved_one_by_one_with_nothing_half_done(
         store: MetadataStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     ids = _jobs(store, 4)
-    monkeypatch.setattr(job_store, "_group_move_statement", lambda new_state: text("SELECT no_such_column"))
+    monkeypatch.setattr(job_store, "_group_move_statement", lambda new_state, state_only=False: text("SELECT no_such_column"))
     results = store.jobs.transition_many([(i, PENDING, SCHEDULED, "placed") for i in ids])
     assert [r.state for r in results] == [SCHEDULED] * 4
     assert [len(store.jobs.list_events(i)) for i in ids] == [2] * 4  # one move each, not two

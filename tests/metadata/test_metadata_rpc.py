@@ -249,8 +249,12 @@ def test_transition_jobs_moves_each_independently_and_reports_refusals(stub):
     assert stub.GetJob(m.GetJobRequest(job_id=b.id)).state == PENDING  # the refusal changed nothing
     events = stub.ListJobEvents(m.ListJobEventsRequest(job_id=a.id)).events
     assert [e.type for e in events][-1] == "state"  # recorded like a single TransitionJob
+    brief = stub.TransitionJobs(m.TransitionJobsRequest(state_only=True, transitions=[
+        m.TransitionJobRequest(job_id=a.id, expected_state=SCHEDULED, new_state=RUNNING, message="started")])).results[0]
+    assert (brief.job.id, brief.job.state, brief.job.message) == (a.id, RUNNING, "started")
+    assert brief.job.started_at.seconds > 0 and not brief.job.HasField("spec")
     for count in (0, 1001):
-        moves = [m.TransitionJobRequest(job_id=a.id, expected_state=SCHEDULED, new_state=RUNNING)] * count
+        moves = [m.TransitionJobRequest(job_id=a.id, expected_state=RUNNING, new_state=SUCCEEDED)] * count
         assert_rpc_error(lambda: stub.TransitionJobs(m.TransitionJobsRequest(transitions=moves)),
                          grpc.StatusCode.INVALID_ARGUMENT, "transitions")
 

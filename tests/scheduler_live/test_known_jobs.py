@@ -185,3 +185,24 @@ def test_a_service_without_views_is_read_as_before() -> None:
         assert known.get("job-1").spec.application == "resnet18"
 
     asyncio.run(scenario())
+
+
+def test_a_move_answered_state_only_keeps_the_spec_and_the_newest_progress_known_here() -> None:
+    known = KnownJobs(Clients(md=FakeMetadata()))
+    before = common_pb2.Job(id="job-1", state=PENDING, state_version=1, spec=common_pb2.JobSpec(application="bert"),
+                            progress=common_pb2.JobProgress(samples_done=10))
+    known.saw(before)
+    known.reported("job-1", common_pb2.JobProgress(samples_done=20))  # after the round's copy was taken
+    brief = common_pb2.Job(id="job-1", state=SCHEDULED, state_version=2, message="placed by plan 3")
+    brief.updated_at.FromSeconds(50)
+    known.moved(brief, before)
+    job = known.get("job-1")
+    assert (job.state, job.state_version, job.message, job.updated_at.seconds) == (SCHEDULED, 2, "placed by plan 3", 50)
+    assert job.spec.application == "bert" and job.progress.samples_done == 20
+    # A job no longer known here (dropped meanwhile) is rebuilt from the copy the move was made from.
+    other = common_pb2.Job(id="job-2", state=PENDING, state_version=4, spec=common_pb2.JobSpec(application="ncf"))
+    known.moved(common_pb2.Job(id="job-2", state=SCHEDULED, state_version=5), other)
+    assert known.get("job-2").spec.application == "ncf" and known.get("job-2").state == SCHEDULED
+    # An answer older than what is known (a later move already seen) changes nothing.
+    known.moved(common_pb2.Job(id="job-1", state=PENDING, state_version=1), before)
+    assert known.get("job-1").state == SCHEDULED
