@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from scheduler.policy import Allocation, NodeInfo, Plan
 from silod.v1 import common_pb2, plan_pb2
@@ -32,7 +32,12 @@ def placement_of(allocation: plan_pb2.JobAllocation) -> tuple[tuple[str, tuple[i
 
 
 def _placement(allocation: plan_pb2.JobAllocation) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple(sorted((p.node, tuple(sorted(p.gpu_indices))) for p in allocation.placements if p.gpu_indices))
+    return normalized(((p.node, p.gpu_indices) for p in allocation.placements))
+
+
+def normalized(placement: Iterable[tuple[str, Iterable[int]]]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """A placement as placement_of gives it: nodes by name, GPU indices ascending, no empty node."""
+    return tuple(sorted((node, tuple(sorted(indices))) for node, indices in placement if indices))
 
 
 # The placements of the entries of the last few committed plans, computed once per plan: a round
@@ -93,13 +98,15 @@ def master_node(allocation: plan_pb2.JobAllocation) -> str:
     return ranks[0][0] if ranks else ""
 
 
-def assign_master_ports(plan: plan_pb2.AllocationPlan, previous: Mapping[str, plan_pb2.JobAllocation]) -> None:
+def assign_master_ports(plan: plan_pb2.AllocationPlan, previous: Mapping[str, plan_pb2.JobAllocation],
+                        masters: Mapping[str, str] | None = None) -> None:
     """Give every placed job of ``plan`` its rendezvous port: kept while its generation is the
-    previous plan's, else a fresh one that no other job with rank 0 on that node uses."""
+    previous plan's, else a fresh one that no other job with rank 0 on that node uses.
+    ``masters``: each job's rank-0 node where the caller knows it (else read off the entry)."""
     taken: dict[str, set[int]] = {}
     fresh = []
     for job in plan.jobs:
-        node = master_node(job)
+        node = masters[job.job_id] if masters is not None else master_node(job)
         if not node:
             job.master_port = 0
             continue

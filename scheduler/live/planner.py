@@ -61,8 +61,8 @@ class RoundPlanner:
     def _allocate(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], usable: UsableGpus,
                   busy: Mapping[Gpu, str]) -> tuple[Plan, set[str]]:
         # On the usable GPUs only, within the tenants' quotas (the simulator's rule, scheduler.quotas).
+        # Checked on the policy's view by usable.schedule, and below as the plan that goes out.
         policy_plan = usable.schedule(QuotaBounded(self.policy), snap)
-        check_plan(snap, policy_plan)
         inference_jobs = [j for j in jobs if is_inference_job(j)]
         plan = self.inference.place(snap, policy_plan, inference_jobs, unusable=usable.faulted)
         plan = hold_releases(plan, snap.current, busy)
@@ -91,9 +91,12 @@ class RoundPlanner:
         proto.created_at.GetCurrentTime()
         kinds = node_types(snap)
         policy_afe = bool(getattr(self.policy, "afe", False))
+        masters: dict[str, str] = {}  # each job's rank-0 node: the first of its normalized placement
         for job in jobs:
             alloc = plan.get(job.id)
             entry = proto.jobs.add(job_id=job.id)
+            placement = convert.normalized(alloc.placement) if alloc is not None else ()
+            masters[job.id] = placement[0][0] if placement else ""
             if alloc is not None:
                 for node, idx in alloc.placement:
                     entry.placements.add(node=node, gpu_indices=list(idx))
@@ -108,7 +111,8 @@ class RoundPlanner:
                     data.add_grants(entry, alloc, self.cache_mode, job.spec.dataset, managed)
             else:
                 entry.batch_size = job.spec.batch_size
-            set_generation(entry, job, old.get(job.id), restarting=job.id in restarting, policy_afe=policy_afe)
-        convert.assign_master_ports(proto, old)
+            set_generation(entry, job, old.get(job.id), restarting=job.id in restarting, policy_afe=policy_afe,
+                           placement=placement)
+        convert.assign_master_ports(proto, old, masters)
         self.inference.describe(proto, {n.name for n in snap.nodes if n.pool == "inference"})
         return proto

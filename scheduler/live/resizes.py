@@ -42,16 +42,20 @@ class CrashRestarts:
 
 
 def set_generation(entry: plan_pb2.JobAllocation, job: common_pb2.Job, previous: plan_pb2.JobAllocation | None,
-                   *, restarting: bool, policy_afe: bool) -> None:
+                   *, restarting: bool, policy_afe: bool,
+                   placement: tuple[tuple[str, tuple[int, ...]], ...] | None = None) -> None:
     """``entry.generation`` (and ``fast_resize`` where the ranks re-form in place) from the
-    job's previous entry."""
+    job's previous entry. ``placement``: the entry's, as convert.placement_of would give it,
+    where the caller has it (a round builds 5,000 entries from placements it holds)."""
+    if placement is None:
+        placement = convert.placement_of(entry)
     generation = previous.generation if previous is not None else 0
-    if restarting and convert.ranks_of(entry):
+    if restarting and placement:
         generation += 1  # every rank again, from the checkpoint: no survivors to keep
-    elif convert.placement_of(entry) != (convert.placement_of(previous) if previous is not None else ()):
+    elif placement != (convert.placement_of(previous) if previous is not None else ()):
         generation += 1
         entry.fast_resize = fast_resize(job, previous, entry, policy_afe)
-    elif job.spec.resize_in_place and previous is not None and convert.ranks_of(entry) \
+    elif job.spec.resize_in_place and previous is not None and placement \
             and entry.batch_size != previous.batch_size:
         # A retuned batch size reaches ranks that re-form in place as a resize to the same
         # GPUs: every rank switches at the same step (silod.job.distributed).
