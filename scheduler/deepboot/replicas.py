@@ -208,10 +208,13 @@ class InferencePool:
 
     def end_lent(self, plan: Plan, now: float) -> tuple[str, ...]:
         """End the SLEEP replicas whose GPU ``plan`` gives to training; returns their ids."""
+        sleeping = [view for view in self.views(now) if view.state is ReplicaState.SLEEP]
+        if not sleeping:
+            return ()  # the usual case: no GPU of the whole plan to look at
         taken = {(node, i) for allocation in plan.allocations.values() for node, indices in allocation.placement for i in indices}
         ended = []
-        for view in self.views(now):
-            if view.state is ReplicaState.SLEEP and (view.node, view.gpu) in taken:
+        for view in sleeping:
+            if (view.node, view.gpu) in taken:
                 self._replicas[view.replica_id].end(now)
                 ended.append(view.replica_id)
         return tuple(ended)

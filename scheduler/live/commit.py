@@ -45,9 +45,12 @@ class Committer:
             Coalescer(self._send_moves, max_items=MAX_MOVES)
 
     async def commit(self, proto: plan_pb2.AllocationPlan, base: plan_pb2.AllocationPlan | None,
-                     jobs: Mapping[str, common_pb2.Job], reason: str) -> plan_pb2.AllocationPlan | None:
+                     jobs: Mapping[str, common_pb2.Job], reason: str, *,
+                     placements: Mapping[str, tuple[tuple[str, tuple[int, ...]], ...]] | None = None,
+                     ) -> plan_pb2.AllocationPlan | None:
         """Commit ``proto``, built on ``base`` (the plan in force), and carry it out; None when it
-        changes nothing or another commit won the race (a retry round is triggered)."""
+        changes nothing or another commit won the race (a retry round is triggered).
+        ``placements``: each job's placement in ``proto``, where the caller has them."""
         latest = base
         self.last_outcome = "unchanged"
         entries = {entry.job_id: entry.SerializeToString(deterministic=True) for entry in proto.jobs}
@@ -66,9 +69,9 @@ class Committer:
                 return None
             raise
         self._entries = (committed.version, entries)  # the committed plan's entries are the proto's
-        # Its placements, worked out once here rather than by the release record below and again
-        # when it becomes the plan in force (a pass over every entry, a round's 5,000 jobs).
-        convert.remember_committed(committed)
+        # Its placements, worked out once (by the planner, for its own proto) rather than by the
+        # release record below and again when it becomes the plan in force.
+        convert.remember_placements(committed, placements if committed is proto else None)
         # GPUs taken from a job are pending release until the node acknowledges them.
         if latest is not None:
             self.releases.record(latest, committed)
@@ -96,16 +99,24 @@ class Committer:
         header.CopyFrom(proto)
         del header.jobs[:]
         by_job = {entry.job_id: entry for entry in proto.jobs}
-        request = metadata_pb2.CommitPlanChangesRequest(plan=header, changes=plan_pb2.PlanChanges(
+        request = metadata_pb2.CommitPlanChangesRequest(plan=header, header_only=True, changes=plan_pb2.PlanChanges(
             base_version=proto.version - 1, jobs=[by_job[job] for job in changes.upserts],
             removed_job_ids=list(changes.removals)))
         try:
-            return await md.CommitPlanChanges(request)
+            reply = await md.CommitPlanChanges(request)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise
             self._changes_supported = False  # an older metadata service: whole plans from now on
             return await md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=proto))
+        if reply.jobs or reply.version != proto.version:
+            return reply  # a metadata service that answers the whole plan whatever it is asked
+        # The committed plan is the one sent, its header as stored (created_at to the microsecond).
+        # Its entries are in this scheduler's order, the store's may differ: nothing reads an
+        # entry by position. Keeping these objects keeps what was worked out about them (their
+        # placements, convert.remember_placements) for the rounds this plan is in force.
+        proto.created_at.CopyFrom(reply.created_at)
+        return proto
 
     async def _transitions(self, plan: plan_pb2.AllocationPlan, old: dict, jobs: Mapping[str, common_pb2.Job]) -> None:
         # Each job moves independently (a compare-and-set of its own); they go out in one

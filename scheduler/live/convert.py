@@ -40,22 +40,26 @@ def normalized(placement: Iterable[tuple[str, Iterable[int]]]) -> tuple[tuple[st
     return tuple(sorted((node, tuple(sorted(indices))) for node, indices in placement if indices))
 
 
-# The placements of the entries of the last few committed plans, computed once per plan: a round
-# at 5,000 jobs asked for them some 45,000 times (releases, restarts, metrics, the snapshot, the
-# reports), a quarter of its CPU. Keyed by the entry object, held here so that its id stays its
-# own; a committed plan is never changed.
+# The placements of the entries of the last few plans whose entries will not change (committed,
+# or built by a round and about to be), computed once per plan: a round at 5,000 jobs asked for
+# them some 45,000 times (releases, restarts, metrics, the snapshot, the reports), a quarter of its
+# CPU. Keyed by the entry object, held here so that its id stays its own. Used from the event
+# loop's thread only.
 _COMMITTED: dict[int, tuple[plan_pb2.JobAllocation, tuple[tuple[str, tuple[int, ...]], ...]]] = {}
 _COMMITTED_PLANS: list[plan_pb2.AllocationPlan] = []
-KEEP_COMMITTED_PLANS = 3
+KEEP_COMMITTED_PLANS = 4
 
 
-def remember_committed(plan: plan_pb2.AllocationPlan) -> None:
-    """``plan`` is committed (it will not change): its entries' placements are kept."""
+def remember_placements(plan: plan_pb2.AllocationPlan,
+                        known: Mapping[str, tuple[tuple[str, tuple[int, ...]], ...]] | None = None) -> None:
+    """``plan``'s entries will not change: their placements are kept, taken from ``known`` (job
+    -> placement as placement_of gives it) where the caller has them, else worked out."""
     if any(p is plan for p in _COMMITTED_PLANS):
         return
     _COMMITTED_PLANS.append(plan)
     for entry in plan.jobs:
-        _COMMITTED[id(entry)] = (entry, _placement(entry))
+        placement = known.get(entry.job_id) if known is not None else None
+        _COMMITTED[id(entry)] = (entry, placement if placement is not None else _placement(entry))
     while len(_COMMITTED_PLANS) > KEEP_COMMITTED_PLANS:
         for entry in _COMMITTED_PLANS.pop(0).jobs:
             kept = _COMMITTED.get(id(entry))

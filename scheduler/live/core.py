@@ -113,7 +113,8 @@ class SchedulerCore:
             proto.epoch = self.leadership.epoch
             try:
                 committed = await timer.timed(
-                    "commit", self.committer.commit(proto, base, {j.id: j for j in jobs}, reason))
+                    "commit", self.committer.commit(proto, base, {j.id: j for j in jobs}, reason,
+                                                    placements=self.planner.placements))
             except grpc.aio.AioRpcError as exc:
                 if self.leadership.enabled and exc.code() == grpc.StatusCode.FAILED_PRECONDITION \
                         and "epoch" in (exc.details() or ""):

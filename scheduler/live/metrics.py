@@ -10,6 +10,7 @@ docs/operators.md lists them; deploy/prometheus/alerts.yaml alerts on them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
@@ -82,12 +83,14 @@ class RoundTimer:
         ROUNDS.labels(outcome).inc()
 
 
+_STATE_NAMES = {number: name.removeprefix("JOB_STATE_") for name, number in common_pb2.JobState.items()}
+
+
 def jobs_seen(jobs: Iterable[common_pb2.Job], now_s: float) -> None:
     counts: dict[tuple[str, str], int] = {}
     oldest = 0.0
     for job in jobs:
-        state = common_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_")
-        key = (state, job.spec.tenant)
+        key = (_STATE_NAMES.get(job.state, str(job.state)), job.spec.tenant)
         counts[key] = counts.get(key, 0) + 1
         if job.state == common_pb2.JOB_STATE_PENDING and job.created_at.seconds:
             oldest = max(oldest, now_s - job.created_at.ToSeconds())
@@ -99,49 +102,81 @@ def jobs_seen(jobs: Iterable[common_pb2.Job], now_s: float) -> None:
     OLDEST_PENDING.set(max(oldest, 0.0))
 
 
+@dataclasses.dataclass(frozen=True)
+class _PlanGpus:
+    """What plan_in_force reads off a plan: worked out once per plan in force, which every round
+    reports and only a commit changes (25,000 GPUs at 1,000 nodes)."""
+
+    training: dict[str, frozenset[int]]  # node -> GPU indices ranks hold
+    inference: dict[str, frozenset[int]]  # node -> GPU indices of serving (RUNNING, PROTECT) replicas
+    cache_bytes: int
+    io_bytes_per_s: int
+
+    @classmethod
+    def of(cls, plan: plan_pb2.AllocationPlan | None) -> _PlanGpus:
+        if plan is None:
+            return cls({}, {}, 0, 0)
+        training: dict[str, set[int]] = {}
+        for entry in plan.jobs:
+            for node, indices in convert.placement_of(entry):  # known for a committed plan's entries
+                training.setdefault(node, set()).update(indices)
+        inference: dict[str, set[int]] = {}
+        for r in plan.replicas:
+            if r.state in (plan_pb2.REPLICA_STATE_RUNNING, plan_pb2.REPLICA_STATE_PROTECT):
+                inference.setdefault(r.node, set()).add(r.gpu_index)
+        grants = [g for e in plan.jobs for g in e.cache_grants]
+        return cls({n: frozenset(i) for n, i in training.items()}, {n: frozenset(i) for n, i in inference.items()},
+                   sum(g.cache_quota_bytes for g in grants), sum(g.remote_io_bytes_per_s for g in grants))
+
+
+_in_force: tuple[plan_pb2.AllocationPlan | None, _PlanGpus] = (None, _PlanGpus.of(None))
+
+
 def plan_in_force(plan: plan_pb2.AllocationPlan | None, snap: ClusterSnapshot,
                   faulted: Mapping[str, frozenset[int]]) -> None:
     """GPUs by state, grants and version under ``plan``, on the nodes of ``snap`` (live ones)."""
-    jobs = list(plan.jobs) if plan is not None else []
-    training: dict[tuple[str, int], bool] = {}
-    for entry in jobs:  # every GPU a rank holds; their order does not matter here
-        for placement in entry.placements:
-            for index in placement.gpu_indices:
-                training[(placement.node, index)] = True
-    inference = {(r.node, r.gpu_index) for r in (plan.replicas if plan is not None else [])
-                 if r.state in (plan_pb2.REPLICA_STATE_RUNNING, plan_pb2.REPLICA_STATE_PROTECT)}
+    global _in_force
+    if _in_force[0] is not plan:
+        _in_force = (plan, _PlanGpus.of(plan))
+    gpus = _in_force[1]
+    none: frozenset[int] = frozenset()
     counts: dict[tuple[str, str, str], int] = {}
     for node in snap.nodes:
-        bad = faulted.get(node.name, frozenset())
-        for index in range(node.gpus):  # every GPU of the node: the policy's narrower view is made later
-            if index in bad:
-                state = "faulted"
-            elif (node.name, index) in training:
-                state = "lent" if node.pool == "inference" else "allocated"
-            elif (node.name, index) in inference:
-                state = "inference"
-            else:
-                state = "idle"
-            key = (state, node.gpu_type, node.pool)
-            counts[key] = counts.get(key, 0) + 1
+        # Every GPU of the node, each in one state, the first that holds of: faulted, held by a
+        # rank (lent on an inference node), serving inference, idle.
+        present = range(node.gpus)
+        bad = {i for i in faulted.get(node.name, none) if i in present}
+        held = {i for i in gpus.training.get(node.name, none) if i in present} - bad
+        serving = {i for i in gpus.inference.get(node.name, none) if i in present} - bad - held
+        for state, count in (("faulted", len(bad)), ("lent" if node.pool == "inference" else "allocated", len(held)),
+                             ("inference", len(serving)), ("idle", node.gpus - len(bad) - len(held) - len(serving))):
+            if count:
+                key = (state, node.gpu_type, node.pool)
+                counts[key] = counts.get(key, 0) + count
     GPUS.clear()
     for (state, gpu_type, pool), count in counts.items():
         GPUS.labels(state, gpu_type, pool).set(count)
-    CACHE_GRANTED.set(sum(g.cache_quota_bytes for e in jobs for g in e.cache_grants))
-    IO_GRANTED.set(sum(g.remote_io_bytes_per_s for e in jobs for g in e.cache_grants))
+    CACHE_GRANTED.set(gpus.cache_bytes)
+    IO_GRANTED.set(gpus.io_bytes_per_s)
     PLAN_VERSION.set(plan.version if plan is not None else 0)
 
 
 def plan_committed(new: plan_pb2.AllocationPlan, old: Mapping[str, plan_pb2.JobAllocation],
                    pools: Mapping[str, str]) -> None:
     """Count what ``new`` did to each job against ``old`` (the plan it replaced)."""
-    lent_before = {(n, i) for e in old.values() for n, i in convert.ranks_of(e) if pools.get(n) == "inference"}
+    lending = "inference" in pools.values()  # no inference pool: no GPU to lend, no pass for it
+    lent_before = {(n, i) for e in old.values() for n, i in convert.ranks_of(e) if pools.get(n) == "inference"} \
+        if lending else set()
     lent_now = set()
     for entry in new.jobs:
-        ranks = convert.ranks_of(entry)
         previous = old.get(entry.job_id)
+        ranks = convert.ranks_of(entry)
+        if lending:
+            lent_now |= {(n, i) for n, i in ranks if pools.get(n) == "inference"}
+        if previous is not None and entry.generation == previous.generation \
+                and convert.placement_of(entry) == convert.placement_of(previous):
+            continue  # unchanged: nothing to count (most of 5,000 entries, most rounds)
         before = convert.ranks_of(previous) if previous is not None else ()
-        lent_now |= {(n, i) for n, i in ranks if pools.get(n) == "inference"}
         if ranks and not before:
             JOB_CHANGES.labels("started").inc()
         elif before and not ranks:

@@ -48,6 +48,10 @@ class RoundPlanner:
     policy_co_designs: bool
     cache_mode: str
     inference: LiveInference
+    # Each job's placement in the last plan built, as convert.placement_of gives it: the caller
+    # hands them to convert.remember_placements (from its own thread) rather than have them read
+    # off the 5,000 entries again.
+    placements: dict[str, tuple[tuple[str, tuple[int, ...]], ...]] = dataclasses.field(default_factory=dict)
 
     def plan(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], usable: UsableGpus, *,
              base: plan_pb2.AllocationPlan | None, busy: Mapping[Gpu, str], restarting: Collection[str],
@@ -92,10 +96,12 @@ class RoundPlanner:
         kinds = node_types(snap)
         policy_afe = bool(getattr(self.policy, "afe", False))
         masters: dict[str, str] = {}  # each job's rank-0 node: the first of its normalized placement
+        self.placements = {}
         for job in jobs:
             alloc = plan.get(job.id)
             entry = proto.jobs.add(job_id=job.id)
             placement = convert.normalized(alloc.placement) if alloc is not None else ()
+            self.placements[job.id] = placement
             masters[job.id] = placement[0][0] if placement else ""
             if alloc is not None:
                 for node, idx in alloc.placement:

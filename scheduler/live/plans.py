@@ -58,7 +58,7 @@ class PlanStore:
 
     async def set_latest(self, plan: plan_pb2.AllocationPlan) -> None:
         if self.latest is None or plan.version > self.latest.version:
-            convert.remember_committed(plan)
+            convert.remember_placements(plan)
             self.latest = plan
             async with self._changed:
                 self._changed.notify_all()

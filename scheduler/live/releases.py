@@ -27,11 +27,15 @@ Gpu = tuple[str, int]  # (node, GPU index)
 class ReleaseTracker:
     def __init__(self) -> None:
         self.pending: dict[Gpu, tuple[str, int]] = {}  # (node, gpu) -> (job, releasing version)
+        self._held: tuple[plan_pb2.AllocationPlan | None, dict[Gpu, str]] = (None, {})  # see _held_under
 
     def record(self, previous: plan_pb2.AllocationPlan, new: plan_pb2.AllocationPlan) -> None:
         entries = {e.job_id: e for e in new.jobs}
         for entry in previous.jobs:
-            kept = set(convert.ranks_of(entries[entry.job_id])) if entry.job_id in entries else set()
+            now = entries.get(entry.job_id)
+            if now is not None and convert.placement_of(now) == convert.placement_of(entry):
+                continue  # the usual case: most of 5,000 jobs keep what they hold
+            kept = set(convert.ranks_of(now)) if now is not None else set()
             for gpu in convert.ranks_of(entry):
                 if gpu not in kept:
                     self.pending[gpu] = (entry.job_id, new.version)
@@ -68,12 +72,18 @@ class ReleaseTracker:
         """GPU -> the job it belongs to until released."""
         # GPUs held under the plan in force count as busy for every other job: handing one over
         # means its holder releases it in this plan, and it is reusable only once that is acked.
-        busy = {gpu: job for gpu, (job, _) in self.pending.items()}
-        if latest is not None:
-            for entry in latest.jobs:
-                for gpu in convert.ranks_of(entry):
-                    busy.setdefault(gpu, entry.job_id)
+        busy = dict(self._held_under(latest))
+        busy.update((gpu, job) for gpu, (job, _) in self.pending.items())
         return busy
+
+    def _held_under(self, latest: plan_pb2.AllocationPlan | None) -> dict[Gpu, str]:
+        """GPU -> its job under ``latest``: worked out once per plan (25,000 GPUs at 1,000 nodes,
+        every round, while the plan in force changes only when one is committed)."""
+        if latest is None:
+            return {}
+        if self._held[0] is not latest:
+            self._held = (latest, {gpu: entry.job_id for entry in latest.jobs for gpu in convert.ranks_of(entry)})
+        return self._held[1]
 
 
 def hold_releases(plan: Plan, current: Plan, busy: Mapping[Gpu, str]) -> Plan:

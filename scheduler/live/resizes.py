@@ -38,7 +38,8 @@ class CrashRestarts:
 
     def placed(self, plan: plan_pb2.AllocationPlan) -> None:
         """A committed plan placed these jobs again: their restart is under way."""
-        self.waiting -= {entry.job_id for entry in plan.jobs if convert.ranks_of(entry)}
+        if self.waiting:
+            self.waiting -= {entry.job_id for entry in plan.jobs if entry.job_id in self.waiting and convert.ranks_of(entry)}
 
 
 def set_generation(entry: plan_pb2.JobAllocation, job: common_pb2.Job, previous: plan_pb2.JobAllocation | None,

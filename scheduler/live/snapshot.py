@@ -24,7 +24,7 @@ from scheduler.live.models import JobModels, application_of
 from scheduler.live.plans import PlanStore
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.quotas_proto import quotas_of
-from silod.v1 import access_pb2, common_pb2, metadata_pb2
+from silod.v1 import access_pb2, common_pb2, metadata_pb2, plan_pb2
 
 
 class SnapshotBuilder:
@@ -46,6 +46,9 @@ class SnapshotBuilder:
         self.node_types: dict[str, str] = {}  # node -> GPU type, as of the last snapshot
         self._epoch_starts = data.EpochStarts()  # snapshot.fresh_bytes from what the probe saw, round by round
         self._inference_restored = False
+        self._in_force: tuple[plan_pb2.AllocationPlan | None, Plan] = (None, Plan())
+        # job id -> (its Job message, model, target, type models, the JobInfo made of them)
+        self._job_infos: dict[str, tuple[common_pb2.Job, object, float, dict, JobInfo]] = {}
 
     async def build(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
         nodes_resp = await self.clients.md.ListNodes(
@@ -73,6 +76,7 @@ class SnapshotBuilder:
         specs = self.plans.specs
         for job in inference_jobs:
             specs[job.id] = job.spec
+        infos_before, self._job_infos = self._job_infos, {}
         for job in training:
             specs[job.id] = job.spec
             model, target = self.models.model_now(job, datasets)
@@ -80,15 +84,23 @@ class SnapshotBuilder:
             if len(node_gpu_types) == 1 and not is_reference(node_gpu_types[0]):
                 # One type, not the reference: policies price every job with its model there.
                 model, type_models = type_models[node_gpu_types[0]], {}
+            type_models = type_models if len(node_gpu_types) > 1 else {}
+            # Last round's JobInfo while nothing it is made of changed: the job's message (a new
+            # one on any change: KnownJobs), its model and target. Most of 5,000 jobs, most rounds.
+            kept = infos_before.get(job.id)
+            if kept is not None and kept[0] is job and kept[1] is model and kept[2] == target and kept[3] == type_models:
+                job_infos.append(kept[4])
+                self._job_infos[job.id] = kept
+                continue
             spec = job.spec
             job_infos.append(JobInfo(
                 job_id=job.id, model=model, submit_time_s=_epoch_s(job.created_at),
                 min_gpus=spec.min_gpus, max_gpus=spec.max_gpus, target_samples=target,
                 samples_done=min(float(job.progress.samples_done), target * 0.999), requested_gpus=spec.max_gpus,
                 batch_size=spec.batch_size, dataset=spec.dataset, priority=spec.priority,
-                tenant=spec.tenant or "default", gpu_types=tuple(spec.gpu_types),
-                type_models=type_models if len(node_gpu_types) > 1 else {},
+                tenant=spec.tenant or "default", gpu_types=tuple(spec.gpu_types), type_models=type_models,
             ))
+            self._job_infos[job.id] = (job, model, target, type_models, job_infos[-1])
         current = self._current(training, alive)
         # Tenant quotas, read every round: a SetTenantQuota applies from the next round.
         quotas = quotas_of((await self.clients.md.ListTenants(access_pb2.ListTenantsRequest())).tenants)
@@ -115,7 +127,10 @@ class SnapshotBuilder:
         """What each training job holds under the plan in force and can still run on."""
         min_gpus = {j.id: j.spec.min_gpus for j in training}  # inference tasks: LiveInference keeps them
         current: dict[str, Allocation] = {}
-        for job_id, alloc in convert.plan_from_proto(self.plans.latest).allocations.items():
+        latest = self.plans.latest
+        if self._in_force[0] is not latest:  # the plan in force as value objects, once per plan
+            self._in_force = (latest, convert.plan_from_proto(latest))
+        for job_id, alloc in self._in_force[1].allocations.items():
             if job_id not in min_gpus:
                 continue  # finished or cancelled: holds nothing any more
             # Placements on lost nodes and faulted GPUs are gone; the survivors stay if the job can

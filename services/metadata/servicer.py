@@ -263,7 +263,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     async def CommitPlanChanges(
         self, request: metadata_pb2.CommitPlanChangesRequest, context: Context
     ) -> plan_pb2.AllocationPlan:
-        return await self._run(request, self._store.plans.commit, request.plan, request.changes)
+        return await self._run(request, self._store.plans.commit, request.plan, request.changes,
+                               header_only=request.header_only)
 
     async def AcquireLeadership(
         self, request: metadata_pb2.AcquireLeadershipRequest, context: Context

@@ -986,6 +986,12 @@ class CommitPlanChangesRequest(_message.Message):
 
     PLAN_FIELD_NUMBER: _builtins.int
     CHANGES_FIELD_NUMBER: _builtins.int
+    HEADER_ONLY_FIELD_NUMBER: _builtins.int
+    header_only: _builtins.bool
+    """true: answer with the committed plan's header only (every field but jobs), for a caller that
+    holds the entries it sent and the base they change (a scheduler): the whole plan is thousands
+    of entries to copy, send and parse again, every round
+    """
     @_builtins.property
     def plan(self) -> _plan_pb2.AllocationPlan:
         """every field of the new plan but jobs, which must be empty"""
@@ -1001,10 +1007,11 @@ class CommitPlanChangesRequest(_message.Message):
         *,
         plan: _plan_pb2.AllocationPlan | None = ...,
         changes: _plan_pb2.PlanChanges | None = ...,
+        header_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "plan", b"plan"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "header_only", b"header_only", "plan", b"plan"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

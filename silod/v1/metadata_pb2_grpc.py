@@ -392,7 +392,8 @@ class MetadataServiceServicer:
 
     def CommitPlanChanges(self, request, context):
         """A plan as what it changes of the latest one: a round at a thousand nodes changes a few dozen
-        of thousands of entries, and the store keeps such a plan as its changes. Answers the whole plan.
+        of thousands of entries, and the store keeps such a plan as its changes. Answers the whole plan
+        (its header only with header_only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

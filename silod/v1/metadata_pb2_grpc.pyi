@@ -86,7 +86,8 @@ class MetadataServiceStub:
     """Allocation plans. CommitPlan succeeds only if plan.version == latest + 1."""
     CommitPlanChanges: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.CommitPlanChangesRequest, _plan_pb2.AllocationPlan]
     """A plan as what it changes of the latest one: a round at a thousand nodes changes a few dozen
-    of thousands of entries, and the store keeps such a plan as its changes. Answers the whole plan.
+    of thousands of entries, and the store keeps such a plan as its changes. Answers the whole plan
+    (its header only with header_only).
     """
     GetLatestPlan: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.GetLatestPlanRequest, _plan_pb2.AllocationPlan]
     """NOT_FOUND before the first commit"""
@@ -183,7 +184,8 @@ class MetadataServiceAsyncStub(MetadataServiceStub):
     """Allocation plans. CommitPlan succeeds only if plan.version == latest + 1."""
     CommitPlanChanges: _aio.UnaryUnaryMultiCallable[_metadata_pb2.CommitPlanChangesRequest, _plan_pb2.AllocationPlan]  # type: ignore[assignment]
     """A plan as what it changes of the latest one: a round at a thousand nodes changes a few dozen
-    of thousands of entries, and the store keeps such a plan as its changes. Answers the whole plan.
+    of thousands of entries, and the store keeps such a plan as its changes. Answers the whole plan
+    (its header only with header_only).
     """
     GetLatestPlan: _aio.UnaryUnaryMultiCallable[_metadata_pb2.GetLatestPlanRequest, _plan_pb2.AllocationPlan]  # type: ignore[assignment]
     """NOT_FOUND before the first commit"""
@@ -403,7 +405,8 @@ class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_plan_pb2.AllocationPlan, _abc.Awaitable[_plan_pb2.AllocationPlan]]:
         """A plan as what it changes of the latest one: a round at a thousand nodes changes a few dozen
-        of thousands of entries, and the store keeps such a plan as its changes. Answers the whole plan.
+        of thousands of entries, and the store keeps such a plan as its changes. Answers the whole plan
+        (its header only with header_only).
         """
 
     @_abc_1.abstractmethod

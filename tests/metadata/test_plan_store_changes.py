@@ -117,3 +117,15 @@ def test_changes_that_do_not_fit_are_refused_and_change_nothing(store: MetadataS
     assert {v.field for v in refused.value.violations} == {"changes.jobs[0].job_id", "changes.removed_job_ids[0]"}
     assert store.plans.latest() == expected[3]
     assert store.plans.commit(_header(4), plan_pb2.PlanChanges(base_version=3)).jobs == expected[3].jobs
+
+
+def test_a_header_only_commit_answers_the_header_and_stores_the_whole_plan(store: MetadataStore) -> None:
+    expected = _commit_rounds(store, 2)
+    changes = plan_pb2.PlanChanges(base_version=3, jobs=[_entry(JOBS[0], 5000, 9)])
+    sent = _header(4)
+    header = store.plans.commit(sent, changes, header_only=True)
+    assert not header.jobs and header.version == 4 and header.reason == "round 4"
+    assert header.created_at.ToMicroseconds() == sent.created_at.ToMicroseconds()  # as stored: microseconds
+    whole = store.plans.latest()
+    assert whole.version == 4 and len(whole.jobs) == len(expected[3].jobs)
+    assert next(j for j in whole.jobs if j.job_id == JOBS[0]).generation == 9

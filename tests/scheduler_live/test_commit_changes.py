@@ -20,8 +20,9 @@ from silod.v1 import plan_pb2
 class FakeMetadata:
     """Keeps the latest plan whole, as the store does, and records what each commit sent."""
 
-    def __init__(self, changes_supported: bool = True) -> None:
+    def __init__(self, changes_supported: bool = True, header_only_supported: bool = True) -> None:
         self.changes_supported = changes_supported
+        self.header_only_supported = header_only_supported  # False: an older one, which answers whole plans
         self.latest: plan_pb2.AllocationPlan | None = None
         self.sent: list[tuple[str, int]] = []  # (method, entries sent)
 
@@ -36,6 +37,12 @@ class FakeMetadata:
         assert self.latest is not None and request.changes.base_version == self.latest.version
         self.sent.append(("CommitPlanChanges", len(request.changes.jobs) + len(request.changes.removed_job_ids)))
         self.latest = apply_changes(self.latest, request.plan, request.changes.jobs, request.changes.removed_job_ids)
+        self.latest.created_at.FromMicroseconds(1_700_000_000_000_000 + self.latest.version)  # as stored
+        if request.header_only and self.header_only_supported:
+            header = plan_pb2.AllocationPlan()
+            header.CopyFrom(self.latest)
+            del header.jobs[:]
+            return header
         return self.latest
 
 
@@ -56,7 +63,10 @@ def _rounds(md: FakeMetadata) -> list[plan_pb2.AllocationPlan]:
         placed["job-000000000007"] = "n99"  # one moves, one ends, one starts
         del placed["job-000000000009"]
         placed["job-0000000000ff"] = "n98"
-        committed.append(await committer.commit(_plan(2, placed), plans.latest, {}, "completion"))
+        sent = _plan(2, placed)
+        committed.append(await committer.commit(sent, plans.latest, {}, "completion"))
+        # Answered with the header, the committed plan is the one sent, stamped as stored.
+        assert (committed[-1] is sent) == (md.changes_supported and md.header_only_supported)
         assert await committer.commit(_plan(3, placed), plans.latest, {}, "interval") is None  # nothing changed
         assert committed[-1] == md.latest and committed[-1] == plans.latest
         assert {j.job_id: j.placements[0].node for j in committed[-1].jobs} == placed
@@ -75,3 +85,9 @@ def test_an_older_metadata_service_gets_whole_plans() -> None:
     md = FakeMetadata(changes_supported=False)
     _rounds(md)
     assert md.sent == [("CommitPlan", 50), ("CommitPlan", 50)]
+
+
+def test_a_metadata_service_that_answers_whole_plans_to_header_only_requests_still_works() -> None:
+    md = FakeMetadata(header_only_supported=False)
+    _rounds(md)
+    assert md.sent == [("CommitPlan", 50), ("CommitPlanChanges", 3)]

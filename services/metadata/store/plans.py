@@ -53,11 +53,11 @@ class PlanStore:
         copy.CopyFrom(plan)
         return copy
 
-    def commit(self, plan: plan_pb2.AllocationPlan,
-               changes: plan_pb2.PlanChanges | None = None) -> plan_pb2.AllocationPlan:
+    def commit(self, plan: plan_pb2.AllocationPlan, changes: plan_pb2.PlanChanges | None = None, *,
+               header_only: bool = False) -> plan_pb2.AllocationPlan:
         """Commit ``plan`` as the next version; with ``changes``, ``plan`` holds every field but
         jobs, and its jobs are ``changes`` applied to plan ``changes.base_version``. The whole
-        plan committed is returned either way."""
+        plan committed is returned either way (``header_only``: every field of it but jobs)."""
         if changes is not None:
             if plan.jobs:
                 raise InvalidArgument("must be empty when changes are given (the plan's jobs are the changes applied "
@@ -103,7 +103,7 @@ class PlanStore:
             # primary key decides, in any process and on either database.
             raise _stale(plan.version, plan.version) from None
         self._remember(plan.version, created_at, stored)
-        return self._copy(stored)
+        return header if header_only else self._copy(stored)
 
     def _whole(self, session: Session, version: int) -> plan_pb2.AllocationPlan:
         """Plan ``version`` whole (the store's own message: copy before handing it out)."""
