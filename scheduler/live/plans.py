@@ -45,15 +45,19 @@ class PlanStore:
         return await asyncio.shield(self._reading)
 
     async def _read(self) -> plan_pb2.AllocationPlan | None:
+        known = self.latest_version
         try:
-            plan = await self.clients.md.GetLatestPlan(metadata_pb2.GetLatestPlanRequest())
+            # The plan held here, if still the latest, comes back as its header: 5,000 entries
+            # not copied, sent and parsed again every round.
+            plan = await self.clients.md.GetLatestPlan(metadata_pb2.GetLatestPlanRequest(known_version=known))
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
             self._read_at = time.monotonic()
             return self.latest
         self._read_at = time.monotonic()
-        await self.set_latest(plan)
+        if not (known and plan.version == known and not plan.jobs):
+            await self.set_latest(plan)
         return self.latest
 
     async def set_latest(self, plan: plan_pb2.AllocationPlan) -> None:

@@ -283,7 +283,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     async def GetLatestPlan(
         self, request: metadata_pb2.GetLatestPlanRequest, context: Context
     ) -> plan_pb2.AllocationPlan:
-        return await self._run(request, self._store.plans.latest)
+        return await self._run(request, self._store.plans.latest, request.known_version)
 
     async def GetPlan(self, request: metadata_pb2.GetPlanRequest, context: Context) -> plan_pb2.AllocationPlan:
         return await self._run(request, self._store.plans.get, request.version)

@@ -1021,12 +1021,19 @@ Global___CommitPlanChangesRequest: _TypeAlias = CommitPlanChangesRequest  # noqa
 class GetLatestPlanRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    KNOWN_VERSION_FIELD_NUMBER: _builtins.int
+    known_version: _builtins.int
+    """> 0: when the latest plan is this version, answer its header only (every field but jobs): the
+    caller holds it already (a scheduler checks every round that no other one committed since)
+    """
     def __init__(
         self,
+        *,
+        known_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["known_version", b"known_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -129,3 +129,13 @@ def test_a_header_only_commit_answers_the_header_and_stores_the_whole_plan(store
     whole = store.plans.latest()
     assert whole.version == 4 and len(whole.jobs) == len(expected[3].jobs)
     assert next(j for j in whole.jobs if j.job_id == JOBS[0]).generation == 9
+
+
+def test_the_latest_plan_comes_back_as_its_header_to_a_reader_that_holds_it(store: MetadataStore) -> None:
+    expected = _commit_rounds(store, 2)
+    assert store.plans.latest(known_version=3) == plan_pb2.AllocationPlan(
+        version=3, reason="round 3", policy="pollux", cache_mode="silod", created_at=expected[3].created_at)
+    assert list(store.plans.latest(known_version=2).jobs) == list(expected[3].jobs)  # an older one: whole
+    assert list(store.plans.latest().jobs) == list(expected[3].jobs)
+    with pytest.raises(InvalidArgument, match="known_version"):
+        store.plans.latest(known_version=-1)

@@ -91,3 +91,27 @@ def test_a_metadata_service_that_answers_whole_plans_to_header_only_requests_sti
     md = FakeMetadata(header_only_supported=False)
     _rounds(md)
     assert md.sent == [("CommitPlan", 50), ("CommitPlanChanges", 3)]
+
+
+def test_a_round_rereads_the_plan_in_force_as_its_header_and_keeps_its_own() -> None:
+    class Store:
+        def __init__(self) -> None:
+            self.latest = _plan(4, {"job-000000000001": "n1"})
+            self.asked: list[int] = []
+
+        async def GetLatestPlan(self, request):  # noqa: N802
+            self.asked.append(request.known_version)
+            if request.known_version == self.latest.version:
+                return plan_pb2.AllocationPlan(version=self.latest.version)  # the header
+            return self.latest
+
+    async def scenario() -> None:
+        md = Store()
+        plans = PlanStore(Clients(md=md))
+        first = await plans.refresh()
+        assert first is md.latest and md.asked == [0]
+        assert await plans.refresh() is first and md.asked == [0, 4]  # the same plan: the one held stays
+        md.latest = _plan(5, {"job-000000000001": "n2"})  # another scheduler committed
+        assert (await plans.refresh()).version == 5 and plans.latest.jobs[0].placements[0].node == "n2"
+
+    asyncio.run(scenario())

@@ -42,6 +42,7 @@ class PlanStore:
         # of ms of pure-Python json_format) cost more than the round's other reads. Plans are
         # never changed once committed, so the key read from the table tells whether it is current.
         self._latest: tuple[int, datetime, plan_pb2.AllocationPlan] | None = None
+        self._latest_header: tuple[plan_pb2.AllocationPlan, plan_pb2.AllocationPlan] | None = None  # see _header
 
     def _remember(self, version: int, created_at: datetime, plan: plan_pb2.AllocationPlan) -> None:
         # Last writer wins: a stale entry is only a cache miss, since readers check the key.
@@ -112,18 +113,30 @@ class PlanStore:
             return cached[2]
         return whole_plans(session, [version])[version]
 
-    def latest(self) -> plan_pb2.AllocationPlan:
+    def latest(self, known_version: int = 0) -> plan_pb2.AllocationPlan:
+        """The latest plan; its header only (no jobs) when it is ``known_version``."""
+        check_int(known_version, "known_version", minimum=0, maximum=2**63 - 1)
         with self._db.read() as session:
             head = session.execute(
                 select(Plan.version, Plan.created_at).order_by(Plan.version.desc()).limit(1)).one_or_none()
             if head is None:
                 raise NotFound("no plan has been committed yet")
             cached = self._latest
-            if cached is not None and cached[0] == head.version and cached[1] == head.created_at:
-                return self._copy(cached[2])
-            plan = whole_plans(session, [head.version])[head.version]
-        self._remember(head.version, head.created_at, plan)
-        return self._copy(plan)
+            if cached is None or cached[0] != head.version or cached[1] != head.created_at:
+                cached = (head.version, head.created_at, whole_plans(session, [head.version])[head.version])
+                self._remember(*cached)
+        if head.version == known_version:
+            return self._header(cached[2])
+        return self._copy(cached[2])
+
+    def _header(self, plan: plan_pb2.AllocationPlan) -> plan_pb2.AllocationPlan:
+        """``plan`` without its jobs, made once per plan (the latest is asked for every round)."""
+        kept = self._latest_header
+        if kept is None or kept[0] is not plan:
+            header = self._copy(plan)
+            del header.jobs[:]
+            kept = self._latest_header = (plan, header)
+        return self._copy(kept[1])
 
     def get(self, version: int) -> plan_pb2.AllocationPlan:
         check_int(version, "version", minimum=1, maximum=2**63 - 1)
