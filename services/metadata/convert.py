@@ -84,20 +84,11 @@ def _job_message(row: models.Job | Any, *, columns_as_text: bool) -> common_pb2.
     ``columns_as_text``, the columns' text (a Core row)."""
     memos = (_JOB_SPECS, _JOB_PROGRESS, _JOB_ALLOCATED)
     spec, progress, allocated = (m.parse_text if columns_as_text else m.parse for m in memos)
-    return common_pb2.Job(
-        id=row.id,
-        spec=spec(row.id, row.spec),
-        state=row.state,  # type: ignore[arg-type]
-        client_request_id=row.client_request_id or "",
-        state_version=row.state_version,
-        created_at=to_timestamp(row.created_at),
-        updated_at=to_timestamp(row.updated_at),
-        started_at=to_timestamp(row.started_at),
-        finished_at=to_timestamp(row.finished_at),
-        progress=progress(row.id, row.progress),
-        allocated=allocated(row.id, row.allocated),
-        message=row.message,
-    )
+    job = job_state_to_proto(row)
+    job.spec.CopyFrom(spec(row.id, row.spec))
+    job.progress.CopyFrom(progress(row.id, row.progress))
+    job.allocated.CopyFrom(allocated(row.id, row.allocated))
+    return job
 
 
 def job_state_to_proto(row: Any) -> common_pb2.Job:
