@@ -9,9 +9,11 @@ on that server and drops it afterwards.
 
 One batch places every job (PENDING -> SCHEDULED, "placed by plan 2 (generation g)" with g of
 1-3, as a round's commit words it), the next requeues them all (SCHEDULED -> PENDING), three
-times over. Figures per move: ``wall_ms`` (the database server's work included: it runs beside
-this process) and ``cpu_ms`` (this process alone), the median batch of each kind. Through the
-store's own code on one thread, without gRPC.
+times over, each batch answered whole and answered state only (TransitionJobsRequest.state_only,
+as the scheduler asks), in turn. Figures per move: ``wall_ms`` (the database server's work
+included: it runs beside this process) and ``cpu_ms`` (this process alone), the median batch of
+each kind; ``state_only_cpu_ratio``: state-only CPU over whole, measured side by side. Through
+the store's own code on one thread, without gRPC.
 """
 
 from __future__ import annotations
@@ -52,26 +54,34 @@ def run(url: str, jobs: int) -> dict[str, object]:
     created = store.jobs.create_many([(common_pb2.JobSpec(name=f"moves-{i}", min_gpus=1, max_gpus=1, batch_size=64,
                                                           epochs=1), "") for i in range(jobs)])
     ids = [job.id for job in created]
-    timings: dict[str, list[tuple[float, float]]] = {"place": [], "requeue": []}
+    timings: dict[str, list[tuple[float, float]]] = {
+        f"{kind}{answer}": [] for kind in ("place", "requeue") for answer in ("", "_state_only")}
     for repeat in range(REPEATS):
-        place = [(job_id, PENDING, SCHEDULED, f"placed by plan {2 + 2 * repeat} (generation {1 + i % 3})")
-                 for i, job_id in enumerate(ids)]
-        requeue = [(job_id, SCHEDULED, PENDING, f"preempted by plan {3 + 2 * repeat}; requeued") for job_id in ids]
-        for kind, moves in (("place", place), ("requeue", requeue)):
-            gc.collect()
-            wall, cpu = time.perf_counter(), time.process_time()
-            results = store.jobs.transition_many(moves)
-            timings[kind].append((time.perf_counter() - wall, time.process_time() - cpu))
-            refused = [r for r in results if isinstance(r, ServiceError)]
-            assert not refused, refused[:3]
-            assert all(r.state == moves[0][2] for r in results)
+        for state_only in (False, True):
+            plan = 2 + 4 * repeat + 2 * state_only
+            place = [(job_id, PENDING, SCHEDULED, f"placed by plan {plan} (generation {1 + i % 3})")
+                     for i, job_id in enumerate(ids)]
+            requeue = [(job_id, SCHEDULED, PENDING, f"preempted by plan {plan + 1}; requeued") for job_id in ids]
+            for kind, moves in (("place", place), ("requeue", requeue)):
+                gc.collect()
+                wall, cpu = time.perf_counter(), time.process_time()
+                results = store.jobs.transition_many(moves, state_only=state_only)
+                timings[kind + ("_state_only" if state_only else "")].append(
+                    (time.perf_counter() - wall, time.process_time() - cpu))
+                refused = [r for r in results if isinstance(r, ServiceError)]
+                assert not refused, refused[:3]
+                assert all(r.state == moves[0][2] for r in results)
+                assert all(r.HasField("spec") != state_only for r in results)
     events = store.jobs.list_events(ids[0])
-    assert len(events) == 1 + 2 * REPEATS, events  # created, then every move
+    assert len(events) == 1 + 4 * REPEATS, events  # created, then every move
     store.close()
     result: dict[str, object] = {"jobs": jobs, "database": url.split(":", 1)[0].split("+", 1)[0]}
     for kind, pairs in timings.items():
         result[f"{kind}_wall_ms_per_move"] = round(statistics.median(w for w, _ in pairs) * 1000 / jobs, 3)
         result[f"{kind}_cpu_ms_per_move"] = round(statistics.median(c for _, c in pairs) * 1000 / jobs, 3)
+    whole = sum(c for kind in ("place", "requeue") for _, c in timings[kind])
+    brief = sum(c for kind in ("place", "requeue") for _, c in timings[kind + "_state_only"])
+    result["state_only_cpu_ratio"] = round(brief / whole, 2)
     return result
 
 
