@@ -47,6 +47,8 @@ class SnapshotBuilder:
         self._epoch_starts = data.EpochStarts()  # snapshot.fresh_bytes from what the probe saw, round by round
         self._inference_restored = False
         self._in_force: tuple[plan_pb2.AllocationPlan | None, Plan] = (None, Plan())
+        # (plan in force, live nodes' sizes and faulted GPUs, job -> what it keeps): see _current
+        self._kept: tuple[plan_pb2.AllocationPlan | None, tuple, dict[str, Allocation | None]] = (None, (), {})
         # job id -> (its Job message, model, target, type models, the JobInfo made of them)
         self._job_infos: dict[str, tuple[common_pb2.Job, object, float, dict, JobInfo]] = {}
 
@@ -130,18 +132,31 @@ class SnapshotBuilder:
         latest = self.plans.latest
         if self._in_force[0] is not latest:  # the plan in force as value objects, once per plan
             self._in_force = (latest, convert.plan_from_proto(latest))
+        # What a job keeps depends on the plan, the live nodes' sizes and the faulted GPUs only:
+        # while those are as last round, last round's answer per job stands (most rounds).
+        nodes = (tuple((name, info.gpus) for name, info in alive.items()), tuple(sorted(self.usable.faulted.items())))
+        if self._kept[0] is not latest or self._kept[1] != nodes:
+            self._kept = (latest, nodes, {})
+        kept = self._kept[2]
         for job_id, alloc in self._in_force[1].allocations.items():
             if job_id not in min_gpus:
                 continue  # finished or cancelled: holds nothing any more
-            # Placements on lost nodes and faulted GPUs are gone; the survivors stay if the job can
-            # still run on them.
-            survivors = self.usable.without_faulted(tuple(
-                (node, idx) for node, idx in alloc.placement if node in alive and all(i < alive[node].gpus for i in idx)))
-            if sum(len(idx) for _, idx in survivors) >= max(1, min_gpus[job_id]):
-                current[job_id] = Allocation(placement=survivors, batch_size=alloc.batch_size,
-                                             cache_bytes={n: b for n, b in alloc.cache_bytes.items() if n in alive},
-                                             remote_io_bytes_per_s=alloc.remote_io_bytes_per_s, gpu_type=alloc.gpu_type)
+            if job_id not in kept:
+                kept[job_id] = self._surviving(alloc, alive, min_gpus[job_id])
+            if kept[job_id] is not None:
+                current[job_id] = kept[job_id]
         return current
+
+    def _surviving(self, alloc: Allocation, alive: dict, min_gpus: int) -> Allocation | None:
+        """``alloc`` without its placements on lost nodes and faulted GPUs, if the job can still run
+        on what is left."""
+        survivors = self.usable.without_faulted(tuple(
+            (node, idx) for node, idx in alloc.placement if node in alive and all(i < alive[node].gpus for i in idx)))
+        if sum(len(idx) for _, idx in survivors) < max(1, min_gpus):
+            return None
+        return Allocation(placement=survivors, batch_size=alloc.batch_size,
+                          cache_bytes={n: b for n, b in alloc.cache_bytes.items() if n in alive},
+                          remote_io_bytes_per_s=alloc.remote_io_bytes_per_s, gpu_type=alloc.gpu_type)
 
 
 def _epoch_s(stamp) -> float:
