@@ -19,13 +19,16 @@ class PlanStore:
     def __init__(self, clients: Clients) -> None:
         self.clients = clients
         self.latest: plan_pb2.AllocationPlan | None = None
-        self._changed = asyncio.Condition()
+        # Resolved when a newer plan is set, then replaced: every watcher of the old one wakes in
+        # the same turn of the event loop. (An asyncio.Condition hands its lock from waiter to
+        # waiter, one turn each: behind a busy loop, a thousand watchers took most of a second.)
+        self._newer: asyncio.Future[None] | None = None
         self.specs: dict[str, common_pb2.JobSpec] = {}
         self.agent_addresses: dict[str, str] = {}
         self.cache_addresses: dict[str, str] = {}  # node -> its CacheService (peers of multi-node jobs)
         self._views: dict[str, plan_pb2.NodePlan] = {}  # node -> its part of the plan of _views_version
         self._views_version = -1
-        self._cutting = asyncio.Lock()
+        self._cuts: dict[int, asyncio.Future[dict[str, plan_pb2.NodePlan]]] = {}  # version -> its cut in flight
         self._read_at = -math.inf  # monotonic time the last GetLatestPlan answered
         self._reading: asyncio.Future[plan_pb2.AllocationPlan | None] | None = None
         self._index: dict[str, plan_pb2.JobAllocation] = {}  # job -> its entry in the plan of _index_version
@@ -64,17 +67,20 @@ class PlanStore:
         if self.latest is None or plan.version > self.latest.version:
             convert.remember_placements(plan)
             self.latest = plan
-            async with self._changed:
-                self._changed.notify_all()
+            newer, self._newer = self._newer, None
+            if newer is not None and not newer.done():
+                newer.set_result(None)
 
     async def wait_newer(self, version: int, timeout: float) -> None:
-        async with self._changed:
-            try:
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self.latest is not None and self.latest.version > version), timeout
-                )
-            except asyncio.TimeoutError:
-                pass
+        """Return once a plan newer than ``version`` is in force, or after ``timeout`` seconds."""
+        if self.latest is not None and self.latest.version > version:
+            return
+        if self._newer is None:
+            self._newer = asyncio.get_running_loop().create_future()
+        try:  # shielded: a watcher that times out must not cancel the others' wait
+            await asyncio.wait_for(asyncio.shield(self._newer), timeout)
+        except asyncio.TimeoutError:
+            pass
 
     @property
     def latest_version(self) -> int:
@@ -106,14 +112,25 @@ class PlanStore:
         """``node``'s part of ``plan``. Every node's part is cut in one pass the first time a
         watcher asks for a version and kept for the others: with N nodes watching, a plan of J
         jobs costs O(J + N) to hand out, not O(J x N)."""
-        if self._views_version != plan.version:
-            async with self._cutting:  # the watchers woken by one commit wait for one cut
-                if self._views_version != plan.version:
-                    await self._learn(plan)
-                    self._views = convert.node_plans(plan, self.specs, self.agent_addresses, self.cache_addresses)
-                    self._views_version = plan.version
-        view = self._views.get(node)
+        views = self._views if self._views_version == plan.version else await self._views_of(plan)
+        view = views.get(node)
         return view if view is not None else plan_pb2.NodePlan(version=plan.version, node=node, epoch=plan.epoch)
+
+    async def _views_of(self, plan: plan_pb2.AllocationPlan) -> dict[str, plan_pb2.NodePlan]:
+        """The watchers woken by one commit share one cut, and all wake when it is done (a lock
+        would let them through one turn of the event loop at a time)."""
+        cut = self._cuts.get(plan.version)
+        if cut is None:
+            cut = self._cuts[plan.version] = asyncio.ensure_future(self._cut(plan))
+            cut.add_done_callback(lambda _, version=plan.version: self._cuts.pop(version, None))
+        return await asyncio.shield(cut)
+
+    async def _cut(self, plan: plan_pb2.AllocationPlan) -> dict[str, plan_pb2.NodePlan]:
+        await self._learn(plan)
+        views = convert.node_plans(plan, self.specs, self.agent_addresses, self.cache_addresses)
+        if plan.version >= self._views_version:  # an older plan's cut that ends late is not kept
+            self._views, self._views_version = views, plan.version
+        return views
 
     async def _learn(self, plan: plan_pb2.AllocationPlan) -> None:
         """The specs and addresses a plan's views need that this scheduler has not seen yet."""
