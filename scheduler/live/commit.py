@@ -17,6 +17,7 @@ import grpc
 from scheduler.live import convert
 from services.runtime.batching import Coalescer
 from scheduler.live.clients import PLACED_STATES, Clients
+from scheduler.live.gpu_health import Placement
 from scheduler.live.jobs import KnownJobs
 from scheduler.live.plans import PlanStore
 from scheduler.live.releases import ReleaseTracker
@@ -46,7 +47,7 @@ class Committer:
 
     async def commit(self, proto: plan_pb2.AllocationPlan, base: plan_pb2.AllocationPlan | None,
                      jobs: Mapping[str, common_pb2.Job], reason: str, *,
-                     placements: Mapping[str, tuple[tuple[str, tuple[int, ...]], ...]] | None = None,
+                     placements: Mapping[str, Placement] | None = None,
                      ) -> plan_pb2.AllocationPlan | None:
         """Commit ``proto``, built on ``base`` (the plan in force), and carry it out; None when it
         changes nothing or another commit won the race (a retry round is triggered).

@@ -6,6 +6,7 @@ import math
 import zlib
 from collections.abc import Iterable, Mapping
 
+from scheduler.live.gpu_health import Placement
 from scheduler.policy import Allocation, NodeInfo, Plan
 from silod.v1 import common_pb2, plan_pb2
 
@@ -24,18 +25,18 @@ def node_info(node: common_pb2.Node) -> NodeInfo:
                     gpu_type=spec.gpu_type)
 
 
-def placement_of(allocation: plan_pb2.JobAllocation) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def placement_of(allocation: plan_pb2.JobAllocation) -> Placement:
     hit = _COMMITTED.get(id(allocation))
     if hit is not None and hit[0] is allocation:
         return hit[1]
     return _placement(allocation)
 
 
-def _placement(allocation: plan_pb2.JobAllocation) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def _placement(allocation: plan_pb2.JobAllocation) -> Placement:
     return normalized(((p.node, p.gpu_indices) for p in allocation.placements))
 
 
-def normalized(placement: Iterable[tuple[str, Iterable[int]]]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def normalized(placement: Iterable[tuple[str, Iterable[int]]]) -> Placement:
     """A placement as placement_of gives it: nodes by name, GPU indices ascending, no empty node."""
     return tuple(sorted((node, tuple(sorted(indices))) for node, indices in placement if indices))
 
@@ -45,13 +46,13 @@ def normalized(placement: Iterable[tuple[str, Iterable[int]]]) -> tuple[tuple[st
 # them some 45,000 times (releases, restarts, metrics, the snapshot, the reports), a quarter of its
 # CPU. Keyed by the entry object, held here so that its id stays its own. Used from the event
 # loop's thread only.
-_COMMITTED: dict[int, tuple[plan_pb2.JobAllocation, tuple[tuple[str, tuple[int, ...]], ...]]] = {}
+_COMMITTED: dict[int, tuple[plan_pb2.JobAllocation, Placement]] = {}
 _COMMITTED_PLANS: list[plan_pb2.AllocationPlan] = []
 KEEP_COMMITTED_PLANS = 4
 
 
 def remember_placements(plan: plan_pb2.AllocationPlan,
-                        known: Mapping[str, tuple[tuple[str, tuple[int, ...]], ...]] | None = None) -> None:
+                        known: Mapping[str, Placement] | None = None) -> None:
     """``plan``'s entries will not change: their placements are kept, taken from ``known`` (job
     -> placement as placement_of gives it) where the caller has them, else worked out."""
     if any(p is plan for p in _COMMITTED_PLANS):
@@ -103,14 +104,19 @@ def master_node(allocation: plan_pb2.JobAllocation) -> str:
 
 
 def assign_master_ports(plan: plan_pb2.AllocationPlan, previous: Mapping[str, plan_pb2.JobAllocation],
-                        masters: Mapping[str, str] | None = None) -> None:
+                        placements: Mapping[str, Placement] | None = None) -> None:
     """Give every placed job of ``plan`` its rendezvous port: kept while its generation is the
     previous plan's, else a fresh one that no other job with rank 0 on that node uses.
-    ``masters``: each job's rank-0 node where the caller knows it (else read off the entry)."""
+    ``placements``: each job's normalized placement where the caller has it (rank 0 is on its
+    first node), else it is read off the entry."""
     taken: dict[str, set[int]] = {}
     fresh = []
     for job in plan.jobs:
-        node = masters[job.job_id] if masters is not None else master_node(job)
+        if placements is not None:
+            placement = placements[job.job_id]
+            node = placement[0][0] if placement else ""
+        else:
+            node = master_node(job)
         if not node:
             job.master_port = 0
             continue

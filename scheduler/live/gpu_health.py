@@ -27,6 +27,8 @@ from scheduler.invariants import check_plan
 from scheduler.policy import Allocation, ClusterSnapshot, Plan, Policy
 from silod.v1 import common_pb2
 
+# A job's GPUs as (node, GPU indices) pairs; normalized (convert.normalized): nodes by name, indices
+# ascending, no empty node.
 Placement = tuple[tuple[str, tuple[int, ...]], ...]
 
 

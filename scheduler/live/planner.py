@@ -16,7 +16,7 @@ from collections.abc import Collection, Mapping, Sequence
 from scheduler.codesign import is_active as co_active
 from scheduler.invariants import check_plan
 from scheduler.live import convert, data
-from scheduler.live.gpu_health import UsableGpus
+from scheduler.live.gpu_health import Placement, UsableGpus
 from scheduler.live.inference import LiveInference, is_inference_job
 from scheduler.live.releases import Gpu, hold_releases
 from scheduler.live.resizes import set_generation
@@ -51,7 +51,7 @@ class RoundPlanner:
     # Each job's placement in the last plan built, as convert.placement_of gives it: the caller
     # hands them to convert.remember_placements (from its own thread) rather than have them read
     # off the 5,000 entries again.
-    placements: dict[str, tuple[tuple[str, tuple[int, ...]], ...]] = dataclasses.field(default_factory=dict)
+    placements: dict[str, Placement] = dataclasses.field(default_factory=dict)
 
     def plan(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], usable: UsableGpus, *,
              base: plan_pb2.AllocationPlan | None, busy: Mapping[Gpu, str], restarting: Collection[str],
@@ -95,14 +95,12 @@ class RoundPlanner:
         proto.created_at.GetCurrentTime()
         kinds = node_types(snap)
         policy_afe = bool(getattr(self.policy, "afe", False))
-        masters: dict[str, str] = {}  # each job's rank-0 node: the first of its normalized placement
         self.placements = {}
         for job in jobs:
             alloc = plan.get(job.id)
             entry = proto.jobs.add(job_id=job.id)
             placement = convert.normalized(alloc.placement) if alloc is not None else ()
             self.placements[job.id] = placement
-            masters[job.id] = placement[0][0] if placement else ""
             if alloc is not None:
                 for node, idx in alloc.placement:
                     entry.placements.add(node=node, gpu_indices=list(idx))
@@ -119,6 +117,6 @@ class RoundPlanner:
                 entry.batch_size = job.spec.batch_size
             set_generation(entry, job, old.get(job.id), restarting=job.id in restarting, policy_afe=policy_afe,
                            placement=placement)
-        convert.assign_master_ports(proto, old, masters)
+        convert.assign_master_ports(proto, old, self.placements)
         self.inference.describe(proto, {n.name for n in snap.nodes if n.pool == "inference"})
         return proto

@@ -8,6 +8,7 @@ it stays when the placement is unchanged.
 from __future__ import annotations
 
 from scheduler.live import convert
+from scheduler.live.gpu_health import Placement
 from silod.v1 import common_pb2, plan_pb2
 
 # Exit statuses after which a job restarts from its checkpoint instead of failing.
@@ -44,7 +45,7 @@ class CrashRestarts:
 
 def set_generation(entry: plan_pb2.JobAllocation, job: common_pb2.Job, previous: plan_pb2.JobAllocation | None,
                    *, restarting: bool, policy_afe: bool,
-                   placement: tuple[tuple[str, tuple[int, ...]], ...] | None = None) -> None:
+                   placement: Placement | None = None) -> None:
     """``entry.generation`` (and ``fast_resize`` where the ranks re-form in place) from the
     job's previous entry. ``placement``: the entry's, as convert.placement_of would give it,
     where the caller has it (a round builds 5,000 entries from placements it holds)."""
