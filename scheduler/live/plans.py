@@ -7,6 +7,7 @@ import asyncio
 import math
 import time
 from collections.abc import Iterable
+from typing import TypeVar
 
 import grpc
 
@@ -14,15 +15,19 @@ from scheduler.live import convert
 from scheduler.live.clients import Clients
 from silod.v1 import common_pb2, metadata_pb2, plan_pb2
 
+T = TypeVar("T")
+
 
 class PlanStore:
     def __init__(self, clients: Clients) -> None:
         self.clients = clients
         self.latest: plan_pb2.AllocationPlan | None = None
-        # Resolved when a newer plan is set, then replaced: every watcher of the old one wakes in
-        # the same turn of the event loop. (An asyncio.Condition hands its lock from waiter to
-        # waiter, one turn each: behind a busy loop, a thousand watchers took most of a second.)
-        self._newer: asyncio.Future[None] | None = None
+        # One future per waiting watcher, all resolved when a newer plan is set: every watcher
+        # wakes in the same turn of the event loop. (An asyncio.Condition hands its lock from
+        # waiter to waiter, one turn each: behind a busy loop, 1,000 watchers took most of a
+        # second. A set, not callbacks on one shared future: removing a callback, as
+        # asyncio.shield and wait_for do when a wait ends, costs O(waiters) each.)
+        self._waiters: set[asyncio.Future[None]] = set()
         self.specs: dict[str, common_pb2.JobSpec] = {}
         self.agent_addresses: dict[str, str] = {}
         self.cache_addresses: dict[str, str] = {}  # node -> its CacheService (peers of multi-node jobs)
@@ -67,20 +72,23 @@ class PlanStore:
         if self.latest is None or plan.version > self.latest.version:
             convert.remember_placements(plan)
             self.latest = plan
-            newer, self._newer = self._newer, None
-            if newer is not None and not newer.done():
-                newer.set_result(None)
+            waiters, self._waiters = self._waiters, set()
+            for waiter in waiters:
+                _resolve(waiter)
 
     async def wait_newer(self, version: int, timeout: float) -> None:
         """Return once a plan newer than ``version`` is in force, or after ``timeout`` seconds."""
         if self.latest is not None and self.latest.version > version:
             return
-        if self._newer is None:
-            self._newer = asyncio.get_running_loop().create_future()
-        try:  # shielded: a watcher that times out must not cancel the others' wait
-            await asyncio.wait_for(asyncio.shield(self._newer), timeout)
-        except asyncio.TimeoutError:
-            pass
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._waiters.add(waiter)
+        timer = loop.call_later(timeout, _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiters.discard(waiter)
 
     @property
     def latest_version(self) -> int:
@@ -123,7 +131,7 @@ class PlanStore:
         if cut is None:
             cut = self._cuts[plan.version] = asyncio.ensure_future(self._cut(plan))
             cut.add_done_callback(lambda _, version=plan.version: self._cuts.pop(version, None))
-        return await asyncio.shield(cut)
+        return await _outcome_of(cut)
 
     async def _cut(self, plan: plan_pb2.AllocationPlan) -> dict[str, plan_pb2.NodePlan]:
         await self._learn(plan)
@@ -144,3 +152,27 @@ class PlanStore:
                         self.cache_addresses[name] = n.spec.cache_address
                     except grpc.aio.AioRpcError:
                         pass
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _outcome_of(shared: asyncio.Future[T]) -> asyncio.Future[T]:
+    """A future of ``shared``'s outcome that its awaiter may cancel alone (as asyncio.shield
+    gives, without removing a callback from ``shared`` for each of its thousand awaiters)."""
+    mine: asyncio.Future[T] = shared.get_loop().create_future()
+
+    def copy(done: asyncio.Future[T]) -> None:
+        if mine.done():
+            return
+        if done.cancelled():
+            mine.cancel()
+        elif done.exception() is not None:
+            mine.set_exception(done.exception())  # type: ignore[arg-type]
+        else:
+            mine.set_result(done.result())
+
+    shared.add_done_callback(copy)
+    return mine

@@ -111,6 +111,36 @@ def test_a_watcher_that_times_out_leaves_the_others_waiting() -> None:
         await store.set_latest(plan_pb2.AllocationPlan(version=2))
         await asyncio.wait_for(patient, 5)
         await store.wait_newer(1, timeout=60)  # already newer: returns at once
+        for _ in range(100):  # watchers time out every few seconds while no plan comes: nothing piles up
+            await store.wait_newer(2, timeout=0)
+        cancelled = asyncio.create_task(store.wait_newer(2, timeout=60))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        assert not store._waiters
+
+    asyncio.run(main())
+
+
+def test_a_watcher_cancelled_during_the_cut_leaves_it_to_the_others(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        store = _store()
+        go = asyncio.Event()
+        real_learn = store._learn
+
+        async def learn(plan: plan_pb2.AllocationPlan) -> None:
+            await go.wait()
+            await real_learn(plan)
+
+        monkeypatch.setattr(store, "_learn", learn)
+        plan = _plan(5)
+        first = asyncio.create_task(store.node_plan(plan, "n0"))  # starts the cut
+        second = asyncio.create_task(store.node_plan(plan, "n1"))
+        await asyncio.sleep(0)
+        first.cancel()  # its stream closed mid-cut
+        await asyncio.gather(first, return_exceptions=True)
+        go.set()
+        assert [t.job_id for t in (await asyncio.wait_for(second, 5)).tasks] == ["j1"]
 
     asyncio.run(main())
 
