@@ -34,6 +34,18 @@ def _plan(version: int) -> plan_pb2.AllocationPlan:
     return plan
 
 
+def _before_learning(store: PlanStore, monkeypatch, wait) -> None:  # type: ignore[no-untyped-def]
+    """The cut of a plan awaits ``wait(plan)`` first, as it would a GetJob of a spec new to the
+    scheduler (the cut then takes turns of the loop)."""
+    real_learn = store._learn
+
+    async def learn(plan: plan_pb2.AllocationPlan) -> None:
+        await wait(plan)
+        await real_learn(plan)
+
+    monkeypatch.setattr(store, "_learn", learn)
+
+
 async def _turns_until(done) -> int:  # type: ignore[no-untyped-def]
     turns = 0
     while not done():
@@ -76,13 +88,7 @@ def test_every_watcher_gets_its_part_from_one_cut_within_a_few_turns(monkeypatch
 
     async def main() -> int:
         store = _store()
-        real_learn = store._learn
-
-        async def learn(plan: plan_pb2.AllocationPlan) -> None:
-            await asyncio.sleep(0)  # as a GetJob of a spec new to the scheduler would: the cut takes turns
-            await real_learn(plan)
-
-        monkeypatch.setattr(store, "_learn", learn)
+        _before_learning(store, monkeypatch, lambda plan: asyncio.sleep(0))
         plan = _plan(7)
         await store.set_latest(plan)
         parts: dict[str, plan_pb2.NodePlan] = {}
@@ -126,13 +132,7 @@ def test_a_watcher_cancelled_during_the_cut_leaves_it_to_the_others(monkeypatch)
     async def main() -> None:
         store = _store()
         go = asyncio.Event()
-        real_learn = store._learn
-
-        async def learn(plan: plan_pb2.AllocationPlan) -> None:
-            await go.wait()
-            await real_learn(plan)
-
-        monkeypatch.setattr(store, "_learn", learn)
+        _before_learning(store, monkeypatch, lambda plan: go.wait())
         plan = _plan(5)
         first = asyncio.create_task(store.node_plan(plan, "n0"))  # starts the cut
         second = asyncio.create_task(store.node_plan(plan, "n1"))
@@ -149,14 +149,12 @@ def test_an_older_plans_cut_that_ends_late_does_not_replace_the_newer_one(monkey
     async def main() -> None:
         store = _store()
         release_old = asyncio.Event()
-        real_learn = store._learn
 
-        async def learn(plan: plan_pb2.AllocationPlan) -> None:
+        async def slow_for_the_old_plan(plan: plan_pb2.AllocationPlan) -> None:
             if plan.version == 3:
                 await release_old.wait()  # the old plan's cut waits on the store (a slow GetJob)
-            await real_learn(plan)
 
-        monkeypatch.setattr(store, "_learn", learn)
+        _before_learning(store, monkeypatch, slow_for_the_old_plan)
         old, new = _plan(3), _plan(4)
         del new.jobs[0]  # the newer plan no longer runs j0 on n0
         await store.set_latest(new)
