@@ -5,8 +5,12 @@ batch. On SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import threading
+
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from services.metadata.store import MetadataStore
 from services.metadata.store import jobs as job_store
@@ -92,3 +96,38 @@ def test_a_batch_the_database_refuses_is_moved_one_by_one_with_nothing_half_done
     assert [r.state for r in results] == [SCHEDULED] * 4
     assert [len(store.jobs.list_events(i)) for i in ids] == [2] * 4  # one move each, not two
     assert "moving each on its own" in caplog.text
+
+
+def test_two_batches_whose_kinds_of_move_cross_do_not_deadlock(store: MetadataStore,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Two batches at once, as the scheduler's concurrent commit batches and its report-driven moves
+    are: each moves jobs a and b, but in kinds of move that come in the opposite order, so one UPDATE
+    per kind would lock a then b in one transaction and b then a in the other. Each waits, after its
+    first UPDATE, for the other to have done its first (or 2 s): with the rows locked in job id order
+    up front, the second batch waits for the first instead of deadlocking (PostgreSQL broke such a
+    deadlock after a second and the batch fell back to moving each job in a transaction of its own)."""
+    a, b = sorted(_jobs(store, 2))
+    both_did_one = threading.Barrier(2, timeout=2.0)
+    updates: dict[int, int] = {}
+
+    def hold_after_the_first_update(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if statement.lstrip().upper().startswith("UPDATE JOBS"):
+            me = threading.get_ident()
+            updates[me] = updates.get(me, 0) + 1
+            if updates[me] == 2:
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    both_did_one.wait()
+
+    event.listen(store.db.engine, "before_cursor_execute", hold_after_the_first_update)
+    try:
+        batches = [[(a, PENDING, SCHEDULED, "first kind"), (b, PENDING, SCHEDULED, "second kind")],
+                   [(b, PENDING, SCHEDULED, "first kind"), (a, PENDING, SCHEDULED, "second kind")]]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(store.jobs.transition_many, batches))
+    finally:
+        event.remove(store.db.engine, "before_cursor_execute", hold_after_the_first_update)
+    assert "moving each on its own" not in caplog.text  # no database error, no fallback
+    moved = [r for batch in results for r in batch if not isinstance(r, ServiceError)]
+    assert sorted(r.id for r in moved) == [a, b]  # each job moved once, by one of the batches
+    assert all(isinstance(r, FailedPrecondition) for batch in results for r in batch if r not in moved)
+    assert [len(store.jobs.list_events(i)) for i in (a, b)] == [2, 2]

@@ -7,7 +7,7 @@ import functools
 import logging
 import secrets
 from datetime import datetime
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, Text, Update, bindparam, cast, func, insert, select, update
@@ -194,6 +194,7 @@ class JobStore:
         spec, progress and allocated (TransitionJobsRequest.state_only)."""
         results: list[common_pb2.Job | ServiceError | None] = [None] * len(moves)
         with self._db.batch():
+            self._lock_in_id_order(job_id for job_id, *_ in moves)
             one_by_one = range(len(moves))
             if len({job_id for job_id, *_ in moves}) == len(moves) > 1:  # a job twice: its moves in order
                 one_by_one = self._transition_grouped(moves, results, state_only)
@@ -208,6 +209,30 @@ class JobStore:
                         job.ClearField(name)
                 results[index] = job
         return results  # type: ignore[return-value]  # every index was filled
+
+    def _lock_in_id_order(self, job_ids: Iterable[str]) -> None:
+        """PostgreSQL: lock the rows of ``job_ids`` now, in id order, for the rest of the batch's
+        transaction. Every batch write of jobs takes its rows in that order (progress too), so two
+        batches wait for each other rather than deadlock: moved one UPDATE per kind of move, a
+        batch would take its rows kind by kind, and two batches whose kinds cross (a round's
+        commit, the moves task reports make) deadlocked, each then falling back to a transaction
+        per job. SQLite has one writer at a time: nothing to order."""
+        if self._db.dialect != "postgresql":
+            return
+        ids = []
+        for job_id in set(job_ids):
+            try:
+                check_job_id(job_id)  # the moves refuse the others themselves, each on its own
+            except ServiceError:
+                continue
+            ids.append(job_id)
+        ids.sort()
+        try:
+            with self._db.write_core() as connection:
+                for start in range(0, len(ids), _GROUP_MOVES):
+                    connection.execute(_LOCK_JOBS, {"m_ids": ids[start:start + _GROUP_MOVES]}).all()
+        except SQLAlchemyError:  # the moves still happen, each compare-and-set as safe as before
+            _log.warning("could not lock the batch's jobs first", exc_info=True)
 
     def _transition_grouped(self, moves: Sequence[tuple[str, int, int, str]],
                             results: list[common_pb2.Job | ServiceError | None], state_only: bool) -> list[int]:
@@ -237,8 +262,6 @@ class JobStore:
                 events: list[dict[str, Any]] = []
                 ended: list[str] = []
                 for (expected_state, new_state, message), indices in groups.items():
-                    # Rows locked in job id order, as every batch write of jobs does (PostgreSQL):
-                    # two transactions that lock the same rows in the same order cannot deadlock.
                     indices = sorted(indices, key=lambda i: moves[i][0])
                     for start in range(0, len(indices), _GROUP_MOVES):
                         chunk = indices[start:start + _GROUP_MOVES]
@@ -388,6 +411,11 @@ _REVOKE_JOBS_CREDENTIALS = (
 
 
 _GROUP_MOVES = 500  # job ids bound in one UPDATE of _transition_grouped (SQLite allows 32,766 variables)
+# Locks rows in the ORDER BY's order: PostgreSQL locks the rows a SELECT ... FOR UPDATE returns
+# after sorting them (what an UPDATE ... WHERE id IN (...) locks follows its scan, a bitmap scan's
+# being the table's physical order).
+_LOCK_JOBS = (select(_JOBS.c.id).where(_JOBS.c.id.in_(bindparam("m_ids", expanding=True)))
+              .order_by(_JOBS.c.id).with_for_update())
 
 
 @functools.lru_cache(maxsize=None)
