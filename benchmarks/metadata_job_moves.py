@@ -12,8 +12,10 @@ One batch places every job (PENDING -> SCHEDULED, "placed by plan 2 (generation 
 times over, each batch answered whole and answered state only (TransitionJobsRequest.state_only,
 as the scheduler asks), in turn. Figures per move: ``wall_ms`` (the database server's work
 included: it runs beside this process) and ``cpu_ms`` (this process alone), the median batch of
-each kind; ``state_only_cpu_ratio``: state-only CPU over whole, measured side by side. Through
-the store's own code on one thread, without gRPC.
+each kind; ``state_only_cpu_ratio``: state-only CPU over whole, measured side by side. Then a
+batch of progress writes of every job (UpdateJobsProgress, as task reports make them),
+``progress_wall_ms_per_write`` and ``progress_cpu_ms_per_write``. Through the store's own code
+on one thread, without gRPC.
 """
 
 from __future__ import annotations
@@ -74,11 +76,25 @@ def run(url: str, jobs: int) -> dict[str, object]:
                 assert all(r.HasField("spec") != state_only for r in results)
     events = store.jobs.list_events(ids[0])
     assert len(events) == 1 + 4 * REPEATS, events  # created, then every move
+    # A batch of progress writes (UpdateJobsProgress: what rank 0's task reports write), each
+    # job's progress and allocation, as the scheduler's report batches carry them.
+    progress_timings = []
+    for repeat in range(REPEATS):
+        updates = [(job_id, common_pb2.JobProgress(samples_done=1000 * repeat + i, steps_done=repeat + 1),
+                    common_pb2.ResourceVector(gpus=1 + i % 4)) for i, job_id in enumerate(ids)]
+        gc.collect()
+        wall, cpu = time.perf_counter(), time.process_time()
+        written = store.jobs.update_progress_many(updates)
+        progress_timings.append((time.perf_counter() - wall, time.process_time() - cpu))
+        assert not any(written), [w for w in written if w][:3]
+    assert store.jobs.get(ids[-1]).progress.samples_done == 1000 * (REPEATS - 1) + jobs - 1
     store.close()
     result: dict[str, object] = {"jobs": jobs, "database": url.split(":", 1)[0].split("+", 1)[0]}
     for kind, pairs in timings.items():
         result[f"{kind}_wall_ms_per_move"] = round(statistics.median(w for w, _ in pairs) * 1000 / jobs, 3)
         result[f"{kind}_cpu_ms_per_move"] = round(statistics.median(c for _, c in pairs) * 1000 / jobs, 3)
+    result["progress_wall_ms_per_write"] = round(statistics.median(w for w, _ in progress_timings) * 1000 / jobs, 3)
+    result["progress_cpu_ms_per_write"] = round(statistics.median(c for _, c in progress_timings) * 1000 / jobs, 3)
     whole = sum(c for kind in ("place", "requeue") for _, c in timings[kind])
     brief = sum(c for kind in ("place", "requeue") for _, c in timings[kind + "_state_only"])
     result["state_only_cpu_ratio"] = round(brief / whole, 2)

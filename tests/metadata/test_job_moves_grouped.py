@@ -131,3 +131,22 @@ def test_two_batches_whose_kinds_of_move_cross_do_not_deadlock(store: MetadataSt
     assert sorted(r.id for r in moved) == [a, b]  # each job moved once, by one of the batches
     assert all(isinstance(r, FailedPrecondition) for batch in results for r in batch if r not in moved)
     assert [len(store.jobs.list_events(i)) for i in (a, b)] == [2, 2]
+
+
+def test_a_batch_of_progress_writes_stores_each_shape_across_chunks_and_names_the_missing(store: MetadataStore) -> None:
+    """UpdateJobsProgress's batch (JobStore.update_progress_many): on PostgreSQL one UPDATE per
+    shape (progress, allocated, both) and 500 jobs; each job's own values, a missing job refused."""
+    ids = _jobs(store, job_store._GROUP_MOVES + 20)
+    updates = []
+    for n, job_id in enumerate(ids):
+        progress = common_pb2.JobProgress(samples_done=n + 1, steps_done=n) if n % 3 != 1 else None
+        allocated = common_pb2.ResourceVector(gpus=n % 4 + 1) if n % 3 != 0 else None
+        updates.append((job_id, progress, allocated))
+    updates.insert(7, ("job-000000000000", common_pb2.JobProgress(samples_done=1), None))
+    results = store.jobs.update_progress_many(updates)
+    assert [type(r) for r in results].count(NotFound) == 1 and isinstance(results[7], NotFound)
+    assert all(r is None for i, r in enumerate(results) if i != 7)
+    for n in (0, 1, 2, len(ids) - 1):
+        job = store.jobs.get(ids[n])
+        assert job.progress.samples_done == (n + 1 if n % 3 != 1 else 0)
+        assert job.allocated.gpus == (n % 4 + 1 if n % 3 != 0 else 0)
