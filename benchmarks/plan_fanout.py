@@ -114,6 +114,10 @@ def main() -> None:
                         help="other work on the event loop per turn, in ms")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if min(args.watchers) < 1:
+        parser.error("--watchers: each must be 1 or more")
+    if min(args.busy_ms) < 0:
+        parser.error("--busy-ms: each must be 0 or more")
     rows = []
     for watchers in args.watchers:
         for busy in args.busy_ms:

@@ -166,3 +166,20 @@ def test_an_older_plans_cut_that_ends_late_does_not_replace_the_newer_one(monkey
         assert not (await store.node_plan(new, "n0")).tasks  # and the newer cut is still the one kept
 
     asyncio.run(main())
+
+
+def test_the_fanout_benchmark_runs_small_and_names_a_bad_flag(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_fanout.py"
+    out = tmp_path / "fanout.json"
+    run = subprocess.run([sys.executable, str(script), "--watchers", "20", "--busy-ms", "0", "--json", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["watchers"] == 20 and row["plan_store_s"] >= 0 and row["condition_s"] >= 0
+    bad = subprocess.run([sys.executable, str(script), "--watchers", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--watchers" in bad.stderr and "Traceback" not in bad.stderr
