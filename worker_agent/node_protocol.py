@@ -1,5 +1,5 @@
 """A node's side of the control-plane protocol, shared by the worker agent (one node per
-process, worker_agent/agent.py) and the node fleet (many emulated nodes in one process,
+process, worker_agent/agent.py and plans.py) and the node fleet (many emulated nodes in one process,
 worker_agent/fleet.py), so that the fleet exercises the scheduler and metadata service with
 the very calls a real agent makes:
 

@@ -4,7 +4,7 @@ It registers its node with the metadata service (UpsertNode, then Heartbeat ever
 ``heartbeat_s``), watches its node's part of the allocation plan on the scheduler's
 AllocationService, runs one subprocess per assigned rank, reports task phases with
 ReportTasks, and serves WorkerAgentService to the SDK inside the jobs (silod.job). The
-protocol is described in worker_agent/agent.py.
+protocol is described in worker_agent/agent.py and the modules it names.
 """
 
 from __future__ import annotations
@@ -113,11 +113,11 @@ class WorkerAgentServicer(worker_agent_pb2_grpc.WorkerAgentServiceServicer):
 
     async def ReportProgress(self, request, context):  # type: ignore[no-untyped-def]
         _check_report(request)  # what is recorded goes on to the scheduler, the metadata store and the estimator
-        self.agent.record_progress(request)
+        self.agent.calls.record_progress(request)
         return worker_agent_pb2.ReportProgressResponse()
 
     async def GetDirective(self, request, context):  # type: ignore[no-untyped-def]
-        return self.agent.directive(request)
+        return self.agent.calls.directive(request)
 
     async def TailLogs(self, request, context) -> AsyncIterator[worker_agent_pb2.LogChunk]:  # type: ignore[no-untyped-def,override]
         agent = self.agent

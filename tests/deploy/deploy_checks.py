@@ -137,7 +137,7 @@ def compose_interpolate(value: Any) -> Any:
 def shutdown_needs_s(service: str, settings: ServiceSettings) -> float:
     """Seconds a service may take to stop after SIGTERM before the supervisor must not kill it:
     the server's grace for calls in flight, plus for an agent the time its tasks get to
-    checkpoint (worker_agent/agent.py stops tasks first)."""
+    checkpoint (worker_agent/agent.py's shutdown stops tasks first)."""
     return settings.shutdown_grace_s + (getattr(settings, "stop_grace_s", 0.0) if service == "worker-agent" else 0.0)
 
 

@@ -50,12 +50,12 @@ def test_a_bad_node_credential_file_stops_the_agent_naming_the_setting(tmp_path:
 
 
 def test_ranks_do_not_inherit_the_node_credential(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker_agent.agent import Agent
+    from worker_agent.launch_env import base_env
 
     monkeypatch.setenv("SILOD_NODE_CREDENTIAL", TOKEN)
     monkeypatch.setenv("SILOD_AUTH_TOKEN", "")
     settings = load_settings(AgentSettings, metadata_address="127.0.0.1:1", work_dir=str(tmp_path))
-    env = Agent.base_env(type("A", (), {"settings": settings})())  # type: ignore[arg-type]
+    env = base_env(settings)
     assert "SILOD_NODE_CREDENTIAL" not in env and TOKEN not in env.values()
 
 
