@@ -76,6 +76,8 @@ class Ranks:
             task_metrics.launch_failed(self.node)
             self.mark_exited(task, task_metrics.LAUNCH_FAILED_EXIT_CODE, why)
             return
+        # Its process runs: RUNNING whether or not its command ever calls the agent through the SDK.
+        task.phase = allocation_pb2.TASK_PHASE_RUNNING
         _log.info("task launched", extra={"task": key, "pid": task.process.pid, "gpus": list(a.gpu_indices),
                                           "warm": task.process.warm})
         task_metrics.launched(self.node, warm=task.process.warm)

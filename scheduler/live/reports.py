@@ -97,6 +97,7 @@ class TaskReports:
         if job.state in TERMINAL_STATES:
             return False
         rank0 = next((t for t in reports if t.rank == 0), None)
+        allocated_sent = False
         if rank0 is not None and (rank0.progress.ByteSize() or rank0.step_time_s):
             samples = []
             for name, value in (("step_time_s", rank0.step_time_s),
@@ -110,6 +111,7 @@ class TaskReports:
                 if rank0.progress.ByteSize() else None
             await self.progress.write(update, samples)
             if update is not None:
+                allocated_sent = True
                 self.jobs.reported(job_id, rank0.progress)
             self.feedback.observe(job, entry, rank0)
         failed = next((t for t in reports if t.phase == allocation_pb2.TASK_PHASE_EXITED and t.exit_code != 0), None)
@@ -147,6 +149,9 @@ class TaskReports:
             updated = await self._transition(job_id, state, common_pb2.JOB_STATE_RUNNING,
                                              f"all {world} ranks of generation {entry.generation} running")
             state = updated.state if updated is not None else state
+            if updated is not None and not allocated_sent:  # a command without the SDK reports no progress
+                await self.progress.write(metadata_pb2.UpdateJobProgressRequest(
+                    job_id=job_id, allocated=common_pb2.ResourceVector(gpus=world)), [])
         if state == common_pb2.JOB_STATE_RUNNING and (all_done or rank0_done):
             await self._transition(job_id, state, common_pb2.JOB_STATE_SUCCEEDED,
                                    f"generation {entry.generation} finished")

@@ -47,9 +47,9 @@ class _TaskPhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskPhase.V
     DESCRIPTOR: _descriptor.EnumDescriptor
     TASK_PHASE_UNSPECIFIED: _TaskPhase.ValueType  # 0
     TASK_PHASE_STARTING: _TaskPhase.ValueType  # 1
-    """process launched, not yet reporting progress"""
+    """being started (its image pulled, its sandbox made), or a survivor of an in-place resize not yet re-formed"""
     TASK_PHASE_RUNNING: _TaskPhase.ValueType  # 2
-    """reporting progress"""
+    """its process runs (whether or not it uses the SDK)"""
     TASK_PHASE_CHECKPOINTING: _TaskPhase.ValueType  # 3
     """asked to checkpoint before a resize or preemption"""
     TASK_PHASE_EXITED: _TaskPhase.ValueType  # 4
@@ -59,9 +59,9 @@ class TaskPhase(_TaskPhase, metaclass=_TaskPhaseEnumTypeWrapper): ...
 
 TASK_PHASE_UNSPECIFIED: TaskPhase.ValueType  # 0
 TASK_PHASE_STARTING: TaskPhase.ValueType  # 1
-"""process launched, not yet reporting progress"""
+"""being started (its image pulled, its sandbox made), or a survivor of an in-place resize not yet re-formed"""
 TASK_PHASE_RUNNING: TaskPhase.ValueType  # 2
-"""reporting progress"""
+"""its process runs (whether or not it uses the SDK)"""
 TASK_PHASE_CHECKPOINTING: TaskPhase.ValueType  # 3
 """asked to checkpoint before a resize or preemption"""
 TASK_PHASE_EXITED: TaskPhase.ValueType  # 4
@@ -173,6 +173,7 @@ class TaskReport(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     GRAD_SQR_FIELD_NUMBER: _builtins.int
     GRAD_VAR_FIELD_NUMBER: _builtins.int
+    EXIT_REASON_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """job id"""
     rank: _builtins.int
@@ -191,6 +192,10 @@ class TaskReport(_message.Message):
     """gradient statistics the job measured (ReportProgressRequest); 0 = none"""
     grad_var: _builtins.float
     """gradient variance at the initial batch size; 0 = none"""
+    exit_reason: _builtins.str
+    """Why the process ended where the node's runtime knows more than exit_code says, e.g.
+    "out of memory: the rank passed its limit of 512 MiB"; empty otherwise.
+    """
     @_builtins.property
     def gpu_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """device indices the process holds right now"""
@@ -213,10 +218,11 @@ class TaskReport(_message.Message):
         batch_size: _builtins.int = ...,
         grad_sqr: _builtins.float = ...,
         grad_var: _builtins.float = ...,
+        exit_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "exit_code", b"exit_code", "generation", b"generation", "gpu_indices", b"gpu_indices", "grad_sqr", b"grad_sqr", "grad_var", b"grad_var", "job_id", b"job_id", "phase", b"phase", "progress", b"progress", "rank", b"rank", "step_time_s", b"step_time_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "exit_code", b"exit_code", "exit_reason", b"exit_reason", "generation", b"generation", "gpu_indices", b"gpu_indices", "grad_sqr", b"grad_sqr", "grad_var", b"grad_var", "job_id", b"job_id", "phase", b"phase", "progress", b"progress", "rank", b"rank", "step_time_s", b"step_time_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

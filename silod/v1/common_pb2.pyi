@@ -191,6 +191,9 @@ class JobSpec(_message.Message):
     EMULATED_STEP_COMPUTE_S_FIELD_NUMBER: _builtins.int
     GPU_TYPES_FIELD_NUMBER: _builtins.int
     RESIZE_IN_PLACE_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    CPUS_PER_RANK_FIELD_NUMBER: _builtins.int
+    MEMORY_BYTES_PER_RANK_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """human-readable name, 1..128 chars; need not be unique"""
     tenant: _builtins.str
@@ -223,6 +226,20 @@ class JobSpec(_message.Message):
     """The job's ranks re-form their process group in place when the job is resized (silod.job's
     ctx.distributed() does): surviving ranks keep running, only joiners are launched. Jobs
     without a command (the emulated job) always can. False = checkpoint and relaunch every rank.
+    """
+    image: _builtins.str
+    """Container image every rank runs in, e.g. "registry.example:5000/team/train:1.4"; nodes
+    whose agent runs containers pull it from the registry its name points at. Empty = the
+    node's default (its agent's own environment on nodes without containers).
+    """
+    cpus_per_rank: _builtins.float
+    """CPU cores each rank may use (fractions allowed). The scheduler places a rank only on a node
+    with that many cores not requested by other ranks, and the node's runtime limits the rank to
+    them. 0 = none requested: placed by GPUs alone, no CPU limit.
+    """
+    memory_bytes_per_rank: _builtins.int
+    """Bytes of memory each rank may use; placed and limited as cpus_per_rank. A rank past it is
+    killed alone and the job fails with a message saying out of memory. 0 = none requested.
     """
     @_builtins.property
     def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -259,10 +276,13 @@ class JobSpec(_message.Message):
         emulated_step_compute_s: _builtins.float = ...,
         gpu_types: _abc.Iterable[_builtins.str] | None = ...,
         resize_in_place: _builtins.bool = ...,
+        image: _builtins.str = ...,
+        cpus_per_rank: _builtins.float = ...,
+        memory_bytes_per_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "epochs", b"epochs", "sample_budget", b"sample_budget"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["application", b"application", "batch_size", b"batch_size", "budget", b"budget", "command", b"command", "dataset", b"dataset", "emulated_step_compute_s", b"emulated_step_compute_s", "env", b"env", "epochs", b"epochs", "gpu_types", b"gpu_types", "inference_duration_s", b"inference_duration_s", "kind", b"kind", "max_batch_size", b"max_batch_size", "max_gpus", b"max_gpus", "min_gpus", b"min_gpus", "name", b"name", "priority", b"priority", "resize_in_place", b"resize_in_place", "sample_budget", b"sample_budget", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["application", b"application", "batch_size", b"batch_size", "budget", b"budget", "command", b"command", "cpus_per_rank", b"cpus_per_rank", "dataset", b"dataset", "emulated_step_compute_s", b"emulated_step_compute_s", "env", b"env", "epochs", b"epochs", "gpu_types", b"gpu_types", "image", b"image", "inference_duration_s", b"inference_duration_s", "kind", b"kind", "max_batch_size", b"max_batch_size", "max_gpus", b"max_gpus", "memory_bytes_per_rank", b"memory_bytes_per_rank", "min_gpus", b"min_gpus", "name", b"name", "priority", b"priority", "resize_in_place", b"resize_in_place", "sample_budget", b"sample_budget", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_budget: _TypeAlias = _typing.Literal["epochs", "sample_budget"]  # noqa: Y015
     _WhichOneofArgType_budget: _TypeAlias = _typing.Literal["budget", b"budget"]  # noqa: Y015
@@ -473,6 +493,9 @@ class NodeSpec(_message.Message):
     CACHE_ADDRESS_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     GPU_TYPE_FIELD_NUMBER: _builtins.int
+    CPUS_FIELD_NUMBER: _builtins.int
+    MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    RUNTIME_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """unique node name, 1..128 chars of [A-Za-z0-9._-]"""
     pool: Global___NodePool.ValueType
@@ -496,6 +519,18 @@ class NodeSpec(_message.Message):
     1..32 chars of [a-z0-9._-], e.g. "v100", "a100", "l4"; derived from gpu_model under NVML,
     configured otherwise; empty = untyped (a cluster with one kind of GPU).
     """
+    cpus: _builtins.float
+    """CPU cores ranks may request on the node (read from the machine unless configured); 0 = not
+    reported (an older agent): ranks that request cores are not placed there.
+    """
+    memory_bytes: _builtins.int
+    """Bytes of memory ranks may request on the node (read from the machine unless configured);
+    0 = not reported, as cpus.
+    """
+    runtime: _builtins.str
+    """How the node's agent runs ranks: "process" (the agent's own user, uncontained),
+    "contained" (a user, namespaces and cgroup of the job's own) or "container" (Docker).
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """free-form key/value labels"""
@@ -514,10 +549,13 @@ class NodeSpec(_message.Message):
         cache_address: _builtins.str = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         gpu_type: _builtins.str = ...,
+        cpus: _builtins.float = ...,
+        memory_bytes: _builtins.int = ...,
+        runtime: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_address", b"agent_address", "cache_address", b"cache_address", "cache_capacity_bytes", b"cache_capacity_bytes", "gpu_model", b"gpu_model", "gpu_type", b"gpu_type", "gpus", b"gpus", "labels", b"labels", "memory_cache_bytes", b"memory_cache_bytes", "name", b"name", "network_bandwidth_bytes_per_s", b"network_bandwidth_bytes_per_s", "pool", b"pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_address", b"agent_address", "cache_address", b"cache_address", "cache_capacity_bytes", b"cache_capacity_bytes", "cpus", b"cpus", "gpu_model", b"gpu_model", "gpu_type", b"gpu_type", "gpus", b"gpus", "labels", b"labels", "memory_bytes", b"memory_bytes", "memory_cache_bytes", b"memory_cache_bytes", "name", b"name", "network_bandwidth_bytes_per_s", b"network_bandwidth_bytes_per_s", "pool", b"pool", "runtime", b"runtime"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

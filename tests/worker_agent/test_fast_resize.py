@@ -14,6 +14,7 @@ from worker_agent.gpus import check_exclusive
 
 EXITED = allocation_pb2.TASK_PHASE_EXITED
 RUNNING = allocation_pb2.TASK_PHASE_RUNNING
+STARTING = allocation_pb2.TASK_PHASE_STARTING
 BUDGET = 6000  # 8 samples per 0.02 s step: ~15 s of work, several times what the resizes take
 # The last resize of a case doubles the batch (a fast resize takes the new one): the ~5,000 samples
 # left then take half the time, still seconds more than the checks of the new world need.
@@ -37,8 +38,15 @@ def _latest(allocation, job, rank, generation):  # type: ignore[no-untyped-def]
 
 
 def _phase(allocation, job, rank, generation) -> int:  # type: ignore[no-untyped-def]
+    """The phase of its latest report; RUNNING only once its SDK has reported progress under that
+    generation (a rank is RUNNING as soon as its process starts, before its signal handlers are in
+    place; a survivor is STARTING until it has re-formed)."""
     report = _latest(allocation, job, rank, generation)
-    return report.phase if report is not None else -1
+    if report is None:
+        return -1
+    if report.phase == RUNNING and report.progress.samples_done == 0:
+        return STARTING
+    return report.phase
 
 
 def _pids(agent, job: str) -> dict[tuple[int, int], int]:  # type: ignore[no-untyped-def]

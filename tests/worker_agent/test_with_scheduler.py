@@ -76,3 +76,20 @@ def test_cancelled_job_is_stopped_by_the_agent(cluster) -> None:  # type: ignore
                             if t.state != "exited"], timeout=30, what="tasks stopped")
     assert "checkpointed at samples=" in (agent_dir / "jobs" / job.id / "rank-0.log").read_text()
     assert _state(jobs, job.id).state == common_pb2.JOB_STATE_CANCELLED
+
+
+def test_a_command_without_the_sdk_shows_running_with_its_gpus(cluster) -> None:  # type: ignore[no-untyped-def]
+    # A rank counts as running once its process has started, whether or not it ever calls the
+    # agent: `silod jobs` then shows RUNNING and the job's GPUs, not SCHEDULED and "-".
+    import sys
+
+    jobs, agent, _ = cluster
+    spec = common_pb2.JobSpec(name="plain", min_gpus=1, max_gpus=1, batch_size=1, sample_budget=1,
+                              command=[sys.executable, "-c", "import time; time.sleep(6)"])
+    job = jobs.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec), timeout=10)
+    running = wait_until(lambda: (j := _state(jobs, job.id)).state == common_pb2.JOB_STATE_RUNNING
+                         and j.allocated.gpus == 1 and j, timeout=20, what="RUNNING with its GPU")
+    assert "ranks of generation" in running.message
+    done = wait_until(lambda: (j := _state(jobs, job.id)).state in (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED) and j,
+                      timeout=30, what="job finished")
+    assert done.state == common_pb2.JOB_STATE_SUCCEEDED, done.message
