@@ -47,6 +47,7 @@ import numpy as np
 
 from estimator.predict import ModelTable, predict
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
+from scheduler.rank_requests import NodeRoom
 
 Placement = tuple[tuple[str, tuple[int, ...]], ...]
 IoOrder = Literal["srpt", "priority", "max_min"]
@@ -312,7 +313,8 @@ def spread_for_cache(snapshot: ClusterSnapshot, placements: Mapping[str, Placeme
     one per GPU) among the free GPUs and its own, most free GPUs first, GPUs dealt round-robin;
     it keeps its placement unless that gives it more nodes. The slower all-reduce over more
     nodes is what the estimator's ``T(g, n)`` charges for it; for an IO-bound job it is
-    outweighed by the remote bytes the larger cache saves.
+    outweighed by the remote bytes the larger cache saves. A job whose ranks request cores or
+    memory is spread only where the nodes have room for them (:mod:`scheduler.rank_requests`).
     """
     budget = snapshot.storage_bandwidth_bytes_per_s
     nodes = {n.name: n for n in snapshot.nodes if n.pool == "training"}
@@ -325,6 +327,7 @@ def spread_for_cache(snapshot: ClusterSnapshot, placements: Mapping[str, Placeme
             used.setdefault(node, set()).update(ix)
     free = {name: [i for i in range(n.gpus) if i not in used.get(name, set())] for name, n in nodes.items()}
     jobs = {job.job_id: job for job in snapshot.jobs}
+    room = NodeRoom.of_plan(snapshot.nodes, out, jobs) if any(j.has_requests for j in jobs.values()) else None
     for job_id in dict.fromkeys(list(order) + list(out)):
         placement = out.get(job_id)
         job = jobs.get(job_id)
@@ -367,6 +370,12 @@ def spread_for_cache(snapshot: ClusterSnapshot, placements: Mapping[str, Placeme
         if left:
             continue
         spread = tuple(sorted((n, tuple(avail[n][:c])) for n, c in take.items() if c))
+        if room is not None and job.has_requests:
+            room.give_back(job, placement)
+            if not room.fits(job, spread):
+                room.take(job, placement)
+                continue
+            room.take(job, spread)
         for n, ix in spread:
             avail[n] = [i for i in avail[n] if i not in ix]
         free = avail

@@ -1,4 +1,7 @@
-"""Checks every plan must pass, in tests, in every simulated round and before a live commit."""
+"""Checks every plan must pass, in tests, in every simulated round and before a live commit.
+
+Among them: no node's cores or memory requested beyond what it has, summed over the ranks of the
+jobs placed there that request them (``JobInfo.cpus_per_rank``, ``memory_bytes_per_rank``)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ def plan_problems(snapshot: ClusterSnapshot, plan: Plan) -> list[str]:
     holder: dict[tuple[str, int], str] = {}
     cache_use: dict[str, float] = {}
     nic_use: dict[str, float] = {}  # a job reads through its nodes' NICs in proportion to its GPUs there
+    requested: dict[str, list] = {}  # node -> [cores, bytes, jobs] that ranks with requests ask of it
     io_total = 0.0
     for job_id, allocation in plan.allocations.items():
         job = jobs.get(job_id)
@@ -43,6 +47,13 @@ def plan_problems(snapshot: ClusterSnapshot, plan: Plan) -> list[str]:
                     problems.append(f"{job_id}: GPU {node_name}:{index} already held by {holder[(node_name, index)]}")
                 else:
                     holder[(node_name, index)] = job_id
+        if job.cpus_per_rank or job.memory_bytes_per_rank:
+            for node_name, indices in allocation.placement:
+                if indices and node_name in nodes:
+                    entry = requested.setdefault(node_name, [0.0, 0.0, []])
+                    entry[0] += len(indices) * job.cpus_per_rank
+                    entry[1] += len(indices) * job.memory_bytes_per_rank
+                    entry[2].append(job_id)
         if allocation.batch_size < 0:
             problems.append(f"{job_id}: negative batch size {allocation.batch_size}")
         for node_name, quota in allocation.cache_bytes.items():
@@ -63,6 +74,12 @@ def plan_problems(snapshot: ClusterSnapshot, plan: Plan) -> list[str]:
             problems.append(f"cache quota on unknown node {node_name}")
         elif used > node.cache_capacity_bytes * (1 + _TOLERANCE) + _TOLERANCE:
             problems.append(f"node {node_name}: cache quotas {used:.0f} B exceed capacity {node.cache_capacity_bytes:.0f} B")
+    for node_name, (cpus, memory, holders) in requested.items():
+        node = nodes[node_name]
+        for resource, used, capacity, shown in (("cores", cpus, node.cpus, "{:g}"), ("memory", memory, node.memory_bytes, "{:.0f} B")):
+            if used > capacity * (1 + _TOLERANCE) + _TOLERANCE:
+                problems.append(f"node {node_name}: {resource} requested by the ranks of {', '.join(holders)} "
+                                f"({shown.format(used)}) exceed its {shown.format(capacity)}")
     for node_name, used in nic_use.items():
         node = nodes.get(node_name)
         if node is not None and math.isfinite(node.nic_bytes_per_s) and used > node.nic_bytes_per_s * (1 + _TOLERANCE) + _TOLERANCE:

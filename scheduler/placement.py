@@ -4,11 +4,14 @@ Policies decide *how many* GPUs each job gets (and its batch size); this module 
 *which* ones, the same way for every policy (the Kubernetes scheduler framework's split of
 Filter / Score / Reserve):
 
-- filter: nodes of an allowed pool with enough free GPUs, of one GPU type (below);
+- filter: nodes of an allowed pool with enough free GPUs, of one GPU type (below), and for a
+  job that requests cores or memory per rank, room for its ranks (:mod:`scheduler.rank_requests`;
+  a job without requests is placed by GPUs alone);
 - score: keep a job where it already runs (a move costs a restart and its local cache),
   then nodes that already cache the job's dataset, then the tightest fit (packing keeps
   large holes free for large jobs and keeps a job on few nodes, where it syncs fastest);
-- reserve: take the GPU indices, so no GPU is ever handed out twice.
+- reserve: take the GPU indices (and the ranks' cores and memory), so no GPU is ever handed
+  out twice and no node's cores or memory are promised beyond what it has.
 
 **GPU types: one type per job.** Every placement :func:`place` makes is on nodes of a single
 GPU type: a data-parallel job steps in lockstep, so ranks on a faster type would wait for
@@ -30,6 +33,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from scheduler import rank_requests
 from scheduler.gpu_type_choice import (  # noqa: F401 (the type choice's names, re-exported for the policies)
     TypeRoom,
     blind_preferences,
@@ -40,6 +44,7 @@ from scheduler.gpu_type_choice import (  # noqa: F401 (the type choice's names, 
     type_preferences,
 )
 from scheduler.policy import UNLIMITED, Allocation, ClusterSnapshot, JobInfo, Plan, Pool
+from scheduler.rank_requests import NodeRoom
 
 Placement = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -53,6 +58,7 @@ class FreeGpus:
 
     def __init__(self, snapshot: ClusterSnapshot, pools: Iterable[Pool] = ("training",)):
         pools = tuple(pools)
+        self._nodes, self._room = snapshot.nodes, None  # cores and memory: rank_requests, for jobs with requests only
         # Every round starts from the same empty nodes: copy a view built once per node tuple.
         key = (id(snapshot.nodes), pools)
         found = _EMPTY.get(key)
@@ -93,6 +99,17 @@ class FreeGpus:
             self._smallest[key] = sorted(names)  # a sorted list is a heap
         self._types = tuple(sorted(self._total_by_type))
         self._widest = max(self._size.values(), default=0)
+
+    @property
+    def room(self) -> NodeRoom:
+        """Cores and memory not yet requested per node (built when a job with requests asks)."""
+        if self._room is None:
+            self._room = NodeRoom(self._nodes)
+        return self._room
+
+    def share_room(self, other: "FreeGpus") -> None:
+        """Count cores and memory in ``other``'s room: two views of the same nodes take them once."""
+        self._room = other.room
 
     def count(self, node: str) -> int:
         return self._size.get(node, 0)
@@ -236,8 +253,9 @@ def cache_by_dataset(snapshot: ClusterSnapshot) -> dict[str, dict[str, float]]:
 
 
 def keep_current(current: Allocation | None, count: int, free: FreeGpus,
-                 keep_first: Callable[[str], bool] = lambda node: False) -> Placement | None:
-    """The job's current GPUs (or a subset when it shrinks), if all are still free.
+                 keep_first: Callable[[str], bool] = lambda node: False, job: JobInfo | None = None) -> Placement | None:
+    """The job's current GPUs (or a subset when it shrinks), if all are still free and, for a
+    ``job`` that requests cores or memory, its nodes still have room for the ranks it keeps.
 
     Shrinking keeps survivors on nodes where ``keep_first(node)`` holds first (DeepBoot keeps
     training-pool GPUs and gives lent ones back), then where the job has the most GPUs (fewest nodes).
@@ -246,23 +264,29 @@ def keep_current(current: Allocation | None, count: int, free: FreeGpus,
         return None
     placement = current.placement
     # Every GPU still free, none named twice (a malformed plan: place afresh).
-    if len({node for node, _ in placement}) != len(placement):
+    if len(placement) > 1 and len({node for node, _ in placement}) != len(placement):
         held = [(node, index) for node, indices in placement for index in indices]
         if len(set(held)) != len(held):
             return None
     if not all(free.has(node, indices) for node, indices in placement):
         return None
+    requests = job is not None and (job.cpus_per_rank or job.memory_bytes_per_rank)
     if count == current.gpus:  # keeps everything: no survivors to choose (most running jobs, every round)
-        return tuple(sorted((node, free.reserve(node, indices)) for node, indices in placement if indices))
-    kept: list[tuple[str, tuple[int, ...]]] = []
-    remaining = count
-    for node, indices in sorted(placement, key=lambda p: (not keep_first(p[0]), -len(p[1]), p[0])):
-        if remaining == 0:
-            break
-        take = indices[:remaining]
-        kept.append((node, free.reserve(node, take)))
-        remaining -= len(take)
-    return tuple(sorted(kept))
+        if not requests:
+            return tuple(sorted((node, free.reserve(node, indices)) for node, indices in placement if indices))
+        kept = [(node, indices) for node, indices in placement if indices]
+    else:
+        kept, remaining = [], count
+        for node, indices in sorted(placement, key=lambda p: (not keep_first(p[0]), -len(p[1]), p[0])):
+            if remaining == 0:
+                break
+            kept.append((node, indices[:remaining]))
+            remaining -= len(kept[-1][1])
+    if requests:
+        if not free.room.fits(job, kept):
+            return None
+        free.room.take(job, kept)
+    return tuple(sorted((node, free.reserve(node, indices)) for node, indices in kept))
 
 
 def fresh_placement(job: JobInfo, count: int, free: FreeGpus, cache: Mapping[str, float],
@@ -271,8 +295,11 @@ def fresh_placement(job: JobInfo, count: int, free: FreeGpus, cache: Mapping[str
     ``cache`` maps nodes to bytes of the job's dataset they hold."""
     if (free.total if gpu_type is None else free.total_of(gpu_type)) < count:
         return None
+    if job.cpus_per_rank or job.memory_bytes_per_rank:  # only nodes with room for its ranks: the slower path
+        return rank_requests.fresh_placement(job, count, free, cache, gpu_type)
     # One node if possible: prefer the dataset's cache, then the tightest fit.
-    cached = [n for n in cache if free.count(n) >= count and (gpu_type is None or free.type_of(n) == gpu_type)]
+    cached = [n for n in cache if free.count(n) >= count and (gpu_type is None or free.type_of(n) == gpu_type)] \
+        if cache else None
     best = min(cached, key=lambda n: (-cache[n], free.count(n), n)) if cached else free.tightest(count, gpu_type)
     if best is not None:
         return ((best, free.reserve_any(best, count)),)
@@ -308,8 +335,9 @@ def place(
     placed first, so running jobs are not moved to make room; the rest follow ``order``
     (default: the order of ``gpu_counts``; jobs that ``order`` omits come after it), each on
     the first type of its ``preferences`` (default :func:`type_preferences`) with room. A job
-    whose count does not fit gets nothing and is listed in ``unplaced``: the policy decides
-    what to do with the room left (often nothing).
+    whose count does not fit (its GPUs, or the cores and memory its ranks request) gets
+    nothing and is listed in ``unplaced``: the policy decides what to do with the room left
+    (often nothing).
     """
     pools = tuple(pools)
     free = FreeGpus(snapshot, pools)
@@ -322,10 +350,16 @@ def place(
         current = snapshot.current.get(job_id)
         if current is None or not current.placement:
             continue
-        current_types = {free.type_of(node) for node, _ in current.placement}
-        if len(current_types) != 1 or next(iter(current_types)) not in preferences.get(job_id, ()):
+        if len(current.placement) == 1:  # most running jobs: one node, one type
+            current_type = free.type_of(current.placement[0][0])
+        else:
+            current_types = {free.type_of(node) for node, _ in current.placement}
+            if len(current_types) != 1:
+                continue
+            current_type = next(iter(current_types))
+        if current_type not in preferences.get(job_id, ()):
             continue
-        kept = keep_current(current, count, free)
+        kept = keep_current(current, count, free, job=jobs.get(job_id))
         if kept is not None:
             placements[job_id] = kept
     unplaced = []

@@ -43,6 +43,8 @@ class NodeInfo:
     cache_capacity_bytes: float = 0.0           # bytes of dataset cache on the node
     nic_bytes_per_s: float = UNLIMITED          # bytes/s the node can read from remote storage
     gpu_type: str = ""                          # type of every GPU of the node ("v100"); "" = untyped
+    cpus: float = UNLIMITED                     # CPU cores ranks may request on the node; UNLIMITED = no limit
+    memory_bytes: float = UNLIMITED             # bytes of memory ranks may request on the node; UNLIMITED = no limit
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,13 @@ class JobInfo:
     # GPU type -> the job's model on that type (estimator.gpu_types); a type missing here
     # (and untyped nodes) use ``model``.
     type_models: Mapping[str, JobModel] = field(default_factory=dict)
+    cpus_per_rank: float = 0.0                  # CPU cores each rank requests; 0 = none (placed by GPUs alone)
+    memory_bytes_per_rank: int = 0              # bytes of memory each rank requests; 0 = none
+
+    @property
+    def has_requests(self) -> bool:
+        """Does a rank request cores or memory (so placement must find room for them)?"""
+        return bool(self.cpus_per_rank or self.memory_bytes_per_rank)
 
     def model_on(self, gpu_type: str) -> JobModel:
         """The job's model on GPUs of ``gpu_type``."""

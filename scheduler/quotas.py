@@ -45,6 +45,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from scheduler.policy import UNLIMITED, Allocation, ClusterSnapshot, JobInfo, Plan, Policy
+from scheduler.rank_requests import less_requested, within_reach
 
 Gpu = tuple[str, int]  # (node, physical GPU index)
 ANY_TYPE = ""          # key of TenantQuota.gpus: GPUs of any type (the only key an untyped cluster needs)
@@ -78,7 +79,9 @@ class _Slice:
 
 
 def schedule(policy: Policy, snapshot: ClusterSnapshot) -> Plan:
-    """``policy``'s plan for ``snapshot`` within the tenants' quotas (module docstring)."""
+    """``policy``'s plan for ``snapshot`` within the tenants' quotas (module docstring), every
+    job held to the ranks the cluster could hold for its cores and memory (rank_requests.within_reach)."""
+    snapshot = within_reach(snapshot)
     quotas = snapshot.quotas
     if not quotas:
         return policy.schedule(snapshot)
@@ -97,7 +100,7 @@ def schedule(policy: Policy, snapshot: ClusterSnapshot) -> Plan:
         if not slices[tenant].gpus:
             continue
         plan = _run_on(policy, snapshot, slices[tenant].gpus, by_tenant[tenant], inference=False,
-                       io_share=quotas[tenant].remote_io_share)
+                       io_share=quotas[tenant].remote_io_share, placed=allocations)
         for job_id, alloc in plan.allocations.items():
             if alloc.gpus:
                 allocations[job_id] = alloc
@@ -122,7 +125,7 @@ def _lend(policy: Policy, snapshot: ClusterSnapshot, pool: set[Gpu], waiting: li
     excluded: set[str] = set()
     for attempt in range(BORROW_RETRIES + 1):
         jobs = [job for job in waiting if job.job_id not in excluded]
-        plan = _run_on(policy, snapshot, pool, jobs, inference=True, io_share=1.0) if jobs else Plan()
+        plan = _run_on(policy, snapshot, pool, jobs, inference=True, io_share=1.0, placed=placed) if jobs else Plan()
         over = _over_borrowing(quotas, snapshot.jobs, placed, plan)
         if not over:
             return plan
@@ -152,10 +155,10 @@ def _grow(policy: Policy, snapshot: ClusterSnapshot, pool: set[Gpu], waiting: li
                   key=lambda j: (j.submit_time_s, j.job_id))
     current = dict(snapshot.current.allocations)
     current.update({job.job_id: placed[job.job_id] for job in growable})
-    plan = _run_on(policy, snapshot, pool | theirs, jobs, inference=True, io_share=1.0, current=current)
+    rest = {j: a for j, a in placed.items() if j not in sizes}
+    plan = _run_on(policy, snapshot, pool | theirs, jobs, inference=True, io_share=1.0, current=current, placed=rest)
     if any(plan.gpus_of(j) < n for j, n in sizes.items()):
         return None
-    rest = {j: a for j, a in placed.items() if j not in sizes}
     if _over_borrowing(quotas, snapshot.jobs, rest, Plan({j: a for j, a in plan.allocations.items() if j not in sizes})):
         return None
     if sum(a.gpus for a in plan.allocations.values()) <= sum(sizes.values()) + sum(a.gpus for a in lent.allocations.values()):
@@ -327,15 +330,16 @@ def _gpus_of(alloc: Allocation | None) -> list[Gpu]:
     return [(node, i) for node, idx in alloc.placement for i in idx] if alloc is not None else []
 
 
-def _run_on(policy: Policy, snapshot: ClusterSnapshot, gpus: set[Gpu], jobs: list[JobInfo], *,
-            inference: bool, io_share: float, current: Mapping[str, Allocation] | None = None) -> Plan:
+def _run_on(policy: Policy, snapshot: ClusterSnapshot, gpus: set[Gpu], jobs: list[JobInfo], *, inference: bool,
+            io_share: float, current: Mapping[str, Allocation] | None = None, placed: Mapping[str, Allocation] = {}) -> Plan:
     """``policy``'s plan for ``jobs`` on the training GPUs ``gpus`` (and, with ``inference``,
     the inference pool), mapped back to the real GPU indices.
 
     Policies know a node's GPUs as indices 0..gpus-1, so a node is shown with only the GPUs
-    of ``gpus``, renumbered; a job's current allocation (``current``: the snapshot's) is kept
-    when all its GPUs are there, an elastic job's also when at least ``min_gpus`` of them are
-    (it then shrinks in place)."""
+    of ``gpus``, renumbered, and without the cores and memory the ranks of ``placed`` (this
+    round's earlier runs) request there; a job's current allocation (``current``: the
+    snapshot's) is kept when all its GPUs are there, an elastic job's also when at least
+    ``min_gpus`` of them are (it then shrinks in place)."""
     physical: dict[str, list[int]] = {}
     for node, index in sorted(gpus):
         physical.setdefault(node, []).append(index)
@@ -366,7 +370,7 @@ def _run_on(policy: Policy, snapshot: ClusterSnapshot, gpus: set[Gpu], jobs: lis
             held[job_id] = mapped
     budget = snapshot.storage_bandwidth_bytes_per_s
     view = dataclasses.replace(
-        snapshot, nodes=tuple(nodes), jobs=tuple(jobs), current=Plan(held),
+        snapshot, nodes=less_requested(tuple(nodes), placed, snapshot.jobs), jobs=tuple(jobs), current=Plan(held),
         storage_bandwidth_bytes_per_s=budget * io_share if math.isfinite(budget) else budget,
         inference_busy=snapshot.inference_busy if inference else {}, quotas={},
     )

@@ -77,6 +77,7 @@ def place_lending(
     pools = BOTH_POOLS if lend else ("training",)
     anywhere = FreeGpus(snapshot, pools)
     training = FreeGpus(snapshot, ("training",))
+    training.share_room(anywhere)  # a rank's cores and memory are taken once, whichever view places it
     if lend:
         for node, indices in busy_gpus(snapshot).items():
             anywhere.reserve(node, indices)
@@ -98,7 +99,7 @@ def place_lending(
             continue  # it moves to another type: a fresh placement below
         grows = current is not None and count > current.gpus > 0
         kept = keep_current(current, current.gpus if grows else count, anywhere,
-                            keep_first=lambda node: node in training_nodes)
+                            keep_first=lambda node: node in training_nodes, job=jobs.get(job_id))
         if kept is not None:
             mirror(kept, training, training_nodes)
             (growing if grows else placements)[job_id] = kept
@@ -136,8 +137,9 @@ def _grow(job: JobInfo, kept: Placement, count: int, training: FreeGpus, anywher
 
     A growing job keeps its workers (with AFE only the new ones start, DeepBoot's scale-out);
     a fresh placement elsewhere would restart all of them. New GPUs come from the job's own
-    nodes, then the training pool, then (lending) its own inference nodes, then lent GPUs. If
-    not all fit, the job gets what did (at least its current GPUs).
+    nodes, then the training pool, then (lending) its own inference nodes, then lent GPUs, on
+    nodes with room for the cores and memory its ranks request. If not all fit, the job gets
+    what did (at least its current GPUs).
     """
     held: dict[str, list[int]] = {node: list(indices) for node, indices in kept}
     remaining = count - sum(map(len, held.values()))
@@ -154,7 +156,14 @@ def _grow(job: JobInfo, kept: Placement, count: int, training: FreeGpus, anywher
                 continue
             if gpu_type is not None and view.type_of(node) != gpu_type:
                 continue
-            taken = view.reserve_any(node, min(remaining, view.count(node)))
+            ranks = min(remaining, view.count(node))
+            if job.has_requests:  # no more ranks than the node has cores and memory for
+                ranks = int(min(ranks, view.room.ranks_fit(node, job)))
+                if ranks <= 0:
+                    continue
+            taken = view.reserve_any(node, ranks)
+            if job.has_requests:
+                view.room.take(job, ((node, taken),))
             if other is not None:
                 other.reserve(node, taken)
             add(((node, taken),))

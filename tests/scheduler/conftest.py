@@ -9,6 +9,8 @@ a rigid 1-GPU cifar10 job with 1e6 efficiency-weighted samples to go, submitted 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import pytest
@@ -136,6 +138,7 @@ def snapshots(
     max_jobs: int = 10,
     inference_nodes: bool = True,
     stale_current: bool = True,
+    requests: bool = False,
 ) -> ClusterSnapshot:
     """Random but well-formed snapshots.
 
@@ -144,6 +147,10 @@ def snapshots(
     priorities and datasets, some cached bytes, and a current plan that never double-books
     but (with ``stale_current``) may mention finished jobs, lost nodes or GPUs that no
     longer exist — what a scheduler sees after a node failure.
+
+    With ``requests`` nodes offer a random number of cores and bytes of memory (none, a few,
+    no limit) and jobs request some per rank (or none); the current plan may then already
+    overflow a node, as after a node re-registers smaller.
     """
     n_training = draw(st.integers(1, max_nodes))
     nodes = [
@@ -152,6 +159,10 @@ def snapshots(
     ]
     if inference_nodes:
         nodes += [NodeInfo(name=f"i{k}", gpus=draw(st.integers(1, 4)), pool="inference") for k in range(draw(st.integers(0, 2)))]
+    if requests:
+        nodes = [dataclasses.replace(node, cpus=draw(st.sampled_from([math.inf, 0.0, 3.0, 8.0, 32.0])),
+                                     memory_bytes=draw(st.sampled_from([math.inf, 0.0, 16e9, 64e9])))
+                 for node in nodes]
     time = draw(st.floats(0.0, 1e5))
     n_jobs = draw(st.integers(0, max_jobs))
     jobs = []
@@ -176,6 +187,10 @@ def snapshots(
                 priority=draw(st.integers(0, 2)),
             )
         )
+    if requests:
+        jobs = [dataclasses.replace(job, cpus_per_rank=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0, 4.0])),
+                                    memory_bytes_per_rank=draw(st.sampled_from([0, 0, 4 * 10**9, 20 * 10**9])))
+                for job in jobs]
     # A current plan that never double-books.
     free = {node.name: list(range(node.gpus)) for node in nodes}
     if stale_current:
