@@ -11,7 +11,10 @@ Defaults are the Pollux artifact simulator's: 16 nodes x 4 GPUs, a scheduling ro
     #   - {name: big, gpus: 8}
     #   - {count: 8, gpus: 4, pool: inference}   # DeepBoot: inference-pool nodes (default pool: training)
     #   - {count: 8, gpus: 4, gpu_type: v100}     # GPU type of the node's GPUs (lower case; default: untyped)
+    #   - {count: 8, gpus: 4, cpus: 64, memory_bytes: 512Gi}  # cores and memory ranks may request
     gpu_type: v100          # type of every node of a "nodes: N" cluster (default: untyped)
+    cpus_per_node: .inf     # CPU cores ranks may request on every node (default .inf: no limit)
+    memory_bytes_per_node: .inf  # bytes of memory ranks may request on every node ("256Gi", "512 GB"; default .inf)
     restart_cost_s: 30      # seconds without progress after every (re)placement
     job_overheads: true     # where an application's profile has overheads.csv (measured launch and
                             # exit per world size), charge those instead of restart_cost_s
@@ -21,7 +24,7 @@ Defaults are the Pollux artifact simulator's: 16 nodes x 4 GPUs, a scheduling ro
     stall_timeout_s: 86400  # fail when active jobs make no progress for this long
     # Cache and remote IO (issue 7). The defaults model today's GPU-only cluster: no cache
     # and unlimited storage bandwidth, which reproduces the GPU-only results exactly.
-    # Numbers or strings with decimal units: 8e9, "8 GB", "100 MB/s", .inf.
+    # Numbers or strings with units: 8e9, "8 GB", "100 MB/s", "256Gi" (binary), .inf.
     cache_bytes_per_node: 0              # dataset cache on every node (a list entry may set cache_bytes)
     storage_bandwidth_bytes_per_s: .inf  # cluster-wide remote read budget
     nic_bytes_per_s: .inf                # per-node cap on remote reads (a list entry may set its own)
@@ -49,9 +52,10 @@ DEFAULT_STALL_TIMEOUT_S = 86400.0
 
 _FIELDS = {
     "nodes", "gpus_per_node", "restart_cost_s", "job_overheads", "interval_s", "max_gpus_per_job", "schedule_on_events", "stall_timeout_s",
-    "cache_bytes_per_node", "storage_bandwidth_bytes_per_s", "nic_bytes_per_s", "gpu_type",
+    "cache_bytes_per_node", "storage_bandwidth_bytes_per_s", "nic_bytes_per_s", "gpu_type", "cpus_per_node",
+    "memory_bytes_per_node",
 }
-_NODE_FIELDS = {"name", "gpus", "count", "cache_bytes", "nic_bytes_per_s", "pool", "gpu_type"}
+_NODE_FIELDS = {"name", "gpus", "count", "cache_bytes", "nic_bytes_per_s", "pool", "gpu_type", "cpus", "memory_bytes"}
 # What nodes advertise (NodeSpec.gpu_type): lower case, so "V100" is not a type of its own.
 _GPU_TYPE = re.compile(r"[a-z0-9][a-z0-9._-]{0,31}")
 _POOLS = ("training", "inference")
@@ -62,11 +66,11 @@ def _default_nodes() -> tuple[NodeInfo, ...]:
 
 
 def uniform_nodes(count: int, gpus: int, cache_bytes: float = 0.0, nic_bytes_per_s: float = math.inf,
-                  gpu_type: str = "") -> tuple[NodeInfo, ...]:
+                  gpu_type: str = "", cpus: float = math.inf, memory_bytes: float = math.inf) -> tuple[NodeInfo, ...]:
     width = max(2, len(str(count - 1)))
     return tuple(
         NodeInfo(name=f"node-{i:0{width}d}", gpus=gpus, cache_capacity_bytes=cache_bytes, nic_bytes_per_s=nic_bytes_per_s,
-                 gpu_type=gpu_type)
+                 gpu_type=gpu_type, cpus=cpus, memory_bytes=memory_bytes)
         for i in range(count)
     )
 
@@ -120,6 +124,9 @@ class ClusterSpec:
                 raise SimulatorInputError(f"cluster field 'cache_bytes_per_node': node {n.name} needs a finite number >= 0, got {n.cache_capacity_bytes!r}")
             if not n.nic_bytes_per_s > 0:
                 raise SimulatorInputError(f"cluster field 'nic_bytes_per_s': node {n.name} needs a number > 0 (.inf = unlimited), got {n.nic_bytes_per_s!r}")
+            for name, value in (("cpus", n.cpus), ("memory_bytes", n.memory_bytes)):
+                if not value >= 0:
+                    raise SimulatorInputError(f"cluster field '{name}': node {n.name} needs a number >= 0 (.inf = no limit), got {value!r}")
 
     @property
     def total_gpus(self) -> int:
@@ -199,11 +206,14 @@ def _number(data: dict, key: str, default: float, *, integer: bool = False, wher
     return float(value)
 
 
-_UNITS = {"": 1.0, "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+_UNITS = {"": 1.0, "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40, "kib": 2.0**10, "mib": 2.0**20, "gib": 2.0**30,
+          "tib": 2.0**40}
 
 
 def _quantity(text: str) -> float | str:
-    """``"8e9"``, ``"8 GB"``, ``"100 MB/s"``, ``"inf"`` -> a number (decimal units); other text unchanged.
+    """``"8e9"``, ``"8 GB"``, ``"100 MB/s"``, ``"256Gi"``, ``"inf"`` -> a number (decimal units, and binary
+    ones: Ki, Mi, Gi, Ti, with or without B); other text unchanged.
 
     YAML 1.1 reads ``8e9`` (no sign in the exponent) as a string, hence the plain numbers too.
     """
@@ -228,6 +238,16 @@ def _non_negative(data: dict, key: str, default: float, where: str) -> float:
     return value
 
 
+def _capacity(data: dict, key: str, default: float, where: str, *, whole: bool = False) -> float:
+    """Cores or bytes a node offers: a number >= 0, .inf = no limit (bytes: whole, or with a unit)."""
+    value = _number(data, key, default, where=where)
+    if not value >= 0:
+        raise SimulatorInputError(f"{where} {key!r}: must be a number >= 0 (.inf = no limit), got {value!r}")
+    if whole and math.isfinite(value) and value != int(value):
+        raise SimulatorInputError(f"{where} {key!r}: expected whole bytes, got {value!r}")
+    return value
+
+
 def _positive_int(data: dict, key: str, default: int, where: str) -> int:
     value = _number(data, key, default, integer=True, where=where)
     if value < 1:
@@ -248,6 +268,8 @@ def cluster_from_dict(data: dict[str, Any] | None, source: str = "cluster spec")
     cache = _non_negative(data, "cache_bytes_per_node", 0.0, "cluster field")
     nic = _number(data, "nic_bytes_per_s", math.inf)
     gpu_type = _gpu_type(data, "cluster field")
+    cpus = _capacity(data, "cpus_per_node", math.inf, "cluster field")
+    memory = _capacity(data, "memory_bytes_per_node", math.inf, "cluster field", whole=True)
     raw_nodes = data.get("nodes", DEFAULT_NODES)
     if isinstance(raw_nodes, list):
         if "gpus_per_node" in data:
@@ -275,15 +297,17 @@ def cluster_from_dict(data: dict[str, Any] | None, source: str = "cluster spec")
             node_cache = _non_negative(entry, "cache_bytes", cache, where + " field")
             node_nic = _number(entry, "nic_bytes_per_s", nic, where=where + " field")
             node_type = _gpu_type(entry, where + " field", gpu_type)
+            node_cpus = _capacity(entry, "cpus", cpus, where + " field")
+            node_memory = _capacity(entry, "memory_bytes", memory, where + " field", whole=True)
             for _ in range(count):
                 nodes.append(NodeInfo(name=name or "", gpus=gpus, pool=pool, cache_capacity_bytes=node_cache,
-                                      nic_bytes_per_s=node_nic, gpu_type=node_type))
+                                      nic_bytes_per_s=node_nic, gpu_type=node_type, cpus=node_cpus, memory_bytes=node_memory))
         width = max(2, len(str(len(nodes) - 1)))
         nodes = [n if n.name else dataclasses.replace(n, name=f"node-{i:0{width}d}") for i, n in enumerate(nodes)]
         node_tuple = tuple(nodes)
     else:
         count = _positive_int(data, "nodes", DEFAULT_NODES, "cluster field")
-        node_tuple = uniform_nodes(count, gpus_per_node, cache, nic, gpu_type)
+        node_tuple = uniform_nodes(count, gpus_per_node, cache, nic, gpu_type, cpus, memory)
     flag = data.get("schedule_on_events", False)
     if not isinstance(flag, bool):
         raise SimulatorInputError(f"cluster field 'schedule_on_events': expected true or false, got {flag!r}")

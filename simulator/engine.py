@@ -232,6 +232,8 @@ class _Job:
             gpu_types=s.gpu_types,
             type_models=self.type_models,
             tenant=s.tenant,
+            cpus_per_rank=s.cpus_per_rank,
+            memory_bytes_per_rank=s.memory_bytes_per_rank,
         )
 
 

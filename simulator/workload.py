@@ -1,8 +1,11 @@
 """Workloads: jobs from Pollux-format CSVs, and what "finished" means for each application.
 
 A workload CSV has the Pollux artifact's columns ``name,time,application,num_replicas,batch_size``
-and optionally ``tenant`` (the job's tenant, for tenant quotas; empty or absent: ``default``);
-other columns are ignored. ``--workload`` takes a path, or the name of a packaged
+and optionally ``tenant`` (the job's tenant, for tenant quotas; empty or absent: ``default``),
+``cpus_per_rank`` (CPU cores each rank requests, fractions allowed) and ``memory_bytes_per_rank``
+(bytes of memory each rank requests, a whole number): placement puts a rank only on a node
+with that much not yet requested (the cluster's ``cpus`` and ``memory_bytes``); empty, 0 or
+absent = none requested. Other columns are ignored. ``--workload`` takes a path, or the name of a packaged
 workload (``workload-6``, ``workloads/workload-6.csv``, ``workloads-2.0/workload-6``); the
 packaged ones live in ``simulator/workloads/<dir>/`` (see SOURCE.md there).
 
@@ -32,6 +35,10 @@ from pathlib import Path
 from simulator.errors import SimulatorInputError
 
 COLUMNS = ("name", "time", "application", "num_replicas", "batch_size")
+REQUEST_COLUMNS = ("cpus_per_rank", "memory_bytes_per_rank")  # optional: what each rank requests
+_REQUEST_LIMITS = {"cpus_per_rank": 4096.0, "memory_bytes_per_rank": 2**50}  # as the metadata service's
+_REQUEST_EXPECTED = {"cpus_per_rank": "CPU cores per rank (a number in 0..4096)",
+                     "memory_bytes_per_rank": "bytes per rank (a whole number in 0..2**50)"}
 _PACKAGE = "simulator.workloads"
 DEFAULT_DIR = "workloads"
 _INFERENCE_PREFIX = "infer-"  # simulator.inference.PREFIX (not imported: that module pulls in the scheduler)
@@ -50,6 +57,8 @@ class JobSpec:
     target_samples: float = 0.0  # efficiency-weighted samples to finish; 0 = the application's (target_samples())
     gpu_types: tuple[str, ...] = ()  # GPU types the job may run on; () = any
     tenant: str = "default"  # the tenant the job belongs to (tenant quotas, scheduler.quotas)
+    cpus_per_rank: float = 0.0  # CPU cores each rank requests; 0 = none
+    memory_bytes_per_rank: int = 0  # bytes of memory each rank requests; 0 = none
 
 
 @dataclass(frozen=True)
@@ -163,6 +172,7 @@ def parse_workload(text: str, source: str = "workload") -> tuple[JobSpec, ...]:
         )
     col = {c: header.index(c) for c in COLUMNS}
     tenant_col = header.index("tenant") if "tenant" in header else None
+    optional = {c: header.index(c) for c in REQUEST_COLUMNS if c in header}
     apps = set(known_applications())
     jobs: list[JobSpec] = []
     seen: dict[str, int] = {}
@@ -202,11 +212,30 @@ def parse_workload(text: str, source: str = "workload") -> tuple[JobSpec, ...]:
         if batch is None or batch < 1:
             raise bad("batch_size", "a whole number >= 1")
         tenant = row[tenant_col].strip() if tenant_col is not None else ""
-        jobs.append(JobSpec(name, application, arrival, replicas, batch, tenant=tenant or "default"))
+        requests = {}
+        for column, index in optional.items():
+            text = row[index].strip()
+            value = _request(column, text)
+            if value is None:
+                raise SimulatorInputError(f"workload {source}: row {line}, column {column!r}: expected "
+                                          f"{_REQUEST_EXPECTED[column]}, got {text!r}")
+            requests[column] = value
+        jobs.append(JobSpec(name, application, arrival, replicas, batch, tenant=tenant or "default", **requests))
     if not jobs:
         raise SimulatorInputError(f"workload {source}: no jobs (only a header, or only inference rows)")
     order = sorted(range(len(jobs)), key=lambda i: (jobs[i].arrival_s, i))
     return tuple(jobs[i] for i in order)
+
+
+def _request(column: str, text: str) -> float | int | None:
+    """A request column's value (empty = 0), or None if it is not one."""
+    if not text:
+        return 0
+    try:
+        value = float(text) if column == "cpus_per_rank" else _whole(text)
+    except ValueError:
+        return None
+    return value if value is not None and math.isfinite(value) and 0 <= value <= _REQUEST_LIMITS[column] else None
 
 
 def _whole(text: str) -> int | None:
@@ -223,12 +252,15 @@ def write_workload(jobs: Iterable[JobSpec], path: str | Path) -> None:
     """Write jobs in the Pollux CSV format (times as whole seconds when they are whole)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    jobs = list(jobs)
+    requests = any(job.cpus_per_rank or job.memory_bytes_per_rank for job in jobs)  # their columns only then
     with path.open("w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(COLUMNS)
+        writer.writerow(COLUMNS + (REQUEST_COLUMNS if requests else ()))
         for job in jobs:
             time = int(job.arrival_s) if float(job.arrival_s).is_integer() else round(job.arrival_s, 3)
-            writer.writerow((job.name, time, job.application, job.num_replicas, job.batch_size))
+            extra = (f"{job.cpus_per_rank:g}", job.memory_bytes_per_rank) if requests else ()
+            writer.writerow((job.name, time, job.application, job.num_replicas, job.batch_size, *extra))
 
 
 def workload_from_jobs(jobs: Sequence[JobSpec], name: str = "custom") -> Workload:
