@@ -21,8 +21,11 @@ def node_info(node: common_pb2.Node) -> NodeInfo:
     # The cache server checks quotas against all its tiers (disk + memory); a node that names
     # no cache server has no cache to grant, whatever it advertises.
     cache = float(spec.cache_capacity_bytes + spec.memory_cache_bytes) if spec.cache_address else 0.0
+    # Cores and memory ranks may request, as reported: a node that reports none (0, an older
+    # agent) has none to give, so ranks that request them go elsewhere; ranks that request none
+    # need none and are placed there as before.
     return NodeInfo(name=spec.name, gpus=spec.gpus, pool=pool, cache_capacity_bytes=cache, nic_bytes_per_s=nic,
-                    gpu_type=spec.gpu_type)
+                    gpu_type=spec.gpu_type, cpus=max(0.0, spec.cpus), memory_bytes=float(max(0, spec.memory_bytes)))
 
 
 def placement_of(allocation: plan_pb2.JobAllocation) -> Placement:

@@ -189,6 +189,13 @@ class SchedulerCore:
         return self.liveness.node_set_version
 
     @property
+    def rank_room(self) -> frozenset[tuple[float, int]] | None:
+        return self.liveness.rank_room
+
+    async def read_rank_room(self) -> frozenset[tuple[float, int]]:
+        return await self.liveness.read_rank_room()
+
+    @property
     def latest(self) -> plan_pb2.AllocationPlan | None:
         return self.plans.latest
 

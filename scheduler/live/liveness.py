@@ -1,5 +1,7 @@
-"""Which nodes are alive: the heartbeat window the scheduler asks the metadata store with, and
-the watch that triggers a round when the set of live nodes (or of faulted GPUs) changes.
+"""Which nodes are alive: the heartbeat window the scheduler asks the metadata store with, the
+watch that triggers a round when the set of live nodes (or of faulted GPUs) changes, and what
+the live training nodes offer a rank (cores and memory), for JobService's check of a
+submission's per-rank requests.
 
 Partitions of the control plane: heartbeats that could not reach the control plane while it
 was cut off are not the nodes' fault: after such a blind span, a node keeps counting as alive
@@ -12,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import grpc
 
 from scheduler.live.clients import Clients
 from scheduler.live.gpu_health import faulted_gpus
-from silod.v1 import metadata_pb2
+from silod.v1 import common_pb2, metadata_pb2
 
 _log = logging.getLogger("silod.scheduler")
 
@@ -38,6 +40,21 @@ class NodeLiveness:
         # stays on the faulted GPU until the next periodic round.
         self._known_faults: dict[str, frozenset[int]] = {}
         self.node_set_version = 0  # bumped whenever the set of live nodes changes
+        # (cores, bytes) ranks may request on each live training node with GPUs, as last listed
+        # (each distinct pair once); None until a listing came back.
+        self.rank_room: frozenset[tuple[float, int]] | None = None
+
+    def saw_nodes(self, nodes: Iterable[common_pb2.Node]) -> None:
+        """Remember what the live nodes of a listing offer ranks (the watch's and the rounds')."""
+        self.rank_room = frozenset((n.spec.cpus, n.spec.memory_bytes) for n in nodes
+                                   if n.spec.gpus > 0 and n.spec.pool != common_pb2.NODE_POOL_INFERENCE)
+
+    async def read_rank_room(self) -> frozenset[tuple[float, int]]:
+        """:attr:`rank_room` from a fresh listing of the live nodes."""
+        nodes = await self.clients.md.ListNodes(
+            metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self.window_s()))
+        self.saw_nodes(nodes.nodes)
+        return self.rank_room or frozenset()
 
     def _unseen_for_s(self, now: float) -> float:
         """How long the metadata has not answered, if that is longer than the node poll's own
@@ -81,6 +98,7 @@ class NodeLiveness:
             except grpc.aio.AioRpcError:
                 continue
             self.metadata_seen()
+            self.saw_nodes(nodes.nodes)
             names = frozenset(n.spec.name for n in nodes.nodes)
             if self._known_nodes is not None and names != self._known_nodes:
                 self.node_set_version += 1

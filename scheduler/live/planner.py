@@ -69,7 +69,7 @@ class RoundPlanner:
         policy_plan = usable.schedule(QuotaBounded(self.policy), snap)
         inference_jobs = [j for j in jobs if is_inference_job(j)]
         plan = self.inference.place(snap, policy_plan, inference_jobs, unusable=usable.faulted)
-        plan = hold_releases(plan, snap.current, busy)
+        plan = hold_releases(plan, snap.current, busy, snap)
         inference_ids = {j.id for j in inference_jobs}
         # Cache quotas and IO rates of the cache mode, on the placements that survived the
         # release holds and inference reclaims (inference tasks read no dataset).

@@ -18,7 +18,8 @@ from collections.abc import Iterable, Mapping
 import grpc
 
 from scheduler.live import convert
-from scheduler.policy import Allocation, Plan
+from scheduler.policy import Allocation, ClusterSnapshot, Plan
+from scheduler.rank_requests import NodeRoom
 from silod.v1 import metadata_pb2, plan_pb2
 
 Gpu = tuple[str, int]  # (node, GPU index)
@@ -86,8 +87,10 @@ class ReleaseTracker:
         return self._held[1]
 
 
-def hold_releases(plan: Plan, current: Plan, busy: Mapping[Gpu, str]) -> Plan:
-    """Drop allocations that would use a GPU another job has not released yet."""
+def hold_releases(plan: Plan, current: Plan, busy: Mapping[Gpu, str], snapshot: ClusterSnapshot | None = None) -> Plan:
+    """Drop allocations that would use a GPU another job has not released yet. With
+    ``snapshot``, also those whose ranks no longer find the cores and memory they request
+    once kept allocations took theirs (a job kept on its old GPUs holds its old nodes' share)."""
 
     def conflicts(job_id: str, alloc: Allocation | None) -> bool:
         if alloc is None:
@@ -108,10 +111,15 @@ def hold_releases(plan: Plan, current: Plan, busy: Mapping[Gpu, str]) -> Plan:
         result[job_id] = alloc
     # A kept (running) allocation wins over a new one of another job on the same GPU.
     used: set[Gpu] = set()
+    jobs = {job.job_id: job for job in snapshot.jobs if job.has_requests} if snapshot is not None and kept_old else {}
+    room = NodeRoom(snapshot.nodes) if jobs else None
     for job_id in sorted(result, key=lambda j: j not in kept_old):
         gpus = {(node, i) for node, idx in result[job_id].placement for i in idx}
-        if gpus & used:
+        job = jobs.get(job_id)
+        if gpus & used or (job is not None and not room.fits(job, result[job_id].placement)):
             del result[job_id]
-        else:
-            used |= gpus
+            continue
+        used |= gpus
+        if job is not None:
+            room.take(job, result[job_id].placement)
     return Plan(result)

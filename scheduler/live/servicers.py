@@ -64,6 +64,9 @@ class Scheduler(Protocol):
     @property
     def node_set_version(self) -> int: ...  # changes whenever the set of live nodes does
     @property
+    def rank_room(self) -> frozenset[tuple[float, int]] | None: ...  # (cores, bytes) of live training nodes; None = none listed yet
+    async def read_rank_room(self) -> frozenset[tuple[float, int]]: ...  # the same, listed afresh
+    @property
     def latest(self) -> plan_pb2.AllocationPlan | None: ...
     @property
     def latest_version(self) -> int: ...
@@ -223,10 +226,39 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
                 raise FailedPrecondition(
                     f"{spec.min_gpus} GPUs can never be granted: the cluster has {total} training GPUs",
                     field="spec.min_gpus")
+        if spec.kind != common_pb2.JOB_KIND_INFERENCE and (spec.cpus_per_rank > 0 or spec.memory_bytes_per_rank > 0):
+            await self._refuse_ranks_no_node_holds(spec)
         job = await self._creations.create(
             metadata_pb2.CreateJobRequest(spec=spec, client_request_id=request.client_request_id))
         self.core.job_submitted(job)
         return job
+
+    async def _refuse_ranks_no_node_holds(self, spec: common_pb2.JobSpec) -> None:
+        """FAILED_PRECONDITION when no live training node could ever hold one rank of ``spec``:
+        decided on the nodes the scheduler last listed (no read per submission), confirmed on a
+        fresh listing before refusing (a bigger node may just have joined). No node known: accepted."""
+        def holds(room: frozenset[tuple[float, int]]) -> bool:
+            return any(spec.cpus_per_rank <= cpus and spec.memory_bytes_per_rank <= memory for cpus, memory in room)
+
+        room = self.core.rank_room
+        if not room or holds(room):
+            return
+        try:
+            room = await self.core.read_rank_room()
+        except grpc.aio.AioRpcError:
+            return  # not confirmed: accepted (placement still puts its ranks only where they fit)
+        if not room or holds(room):
+            return
+        most_cpus, most_memory = max(cpus for cpus, _ in room), max(memory for _, memory in room)
+        if spec.cpus_per_rank > most_cpus:
+            raise FailedPrecondition(f"{spec.cpus_per_rank:g} cores per rank can never be granted: no live training "
+                                     f"node offers ranks more than {most_cpus:g}", field="spec.cpus_per_rank")
+        if spec.memory_bytes_per_rank > most_memory:
+            raise FailedPrecondition(f"{spec.memory_bytes_per_rank} bytes of memory per rank can never be granted: no "
+                                     f"live training node offers ranks more than {most_memory}",
+                                     field="spec.memory_bytes_per_rank")
+        raise FailedPrecondition(f"no live training node offers both {spec.cpus_per_rank:g} cores and "
+                                 f"{spec.memory_bytes_per_rank} bytes of memory to a rank", field="spec.cpus_per_rank")
 
     async def GetJob(self, request, context):  # noqa: N802
         return await forward(self.md.GetJob(request))

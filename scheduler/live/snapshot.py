@@ -57,6 +57,7 @@ class SnapshotBuilder:
             metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self.liveness.window_s())
         )
         self.liveness.metadata_seen()
+        self.liveness.saw_nodes(nodes_resp.nodes)
         nodes = [n for n in nodes_resp.nodes if n.spec.gpus > 0]
         self.usable = UsableGpus(nodes)
         self.plans.remember_nodes(nodes)
@@ -101,6 +102,7 @@ class SnapshotBuilder:
                 samples_done=min(float(job.progress.samples_done), target * 0.999), requested_gpus=spec.max_gpus,
                 batch_size=spec.batch_size, dataset=spec.dataset, priority=spec.priority,
                 tenant=spec.tenant or "default", gpu_types=tuple(spec.gpu_types), type_models=type_models,
+                cpus_per_rank=spec.cpus_per_rank, memory_bytes_per_rank=spec.memory_bytes_per_rank,
             ))
             self._job_infos[job.id] = (job, model, target, type_models, job_infos[-1])
         current = self._current(training, alive)
