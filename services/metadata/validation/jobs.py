@@ -28,6 +28,19 @@ MAX_INFERENCE_DURATION_S = 30 * 24 * 3600.0
 MAX_EMULATED_STEP_S = 3600.0
 MAX_CLIENT_REQUEST_ID_CHARS = 128
 MAX_MESSAGE_CHARS = 4096
+MAX_CPUS_PER_RANK = 4096.0
+MAX_MEMORY_BYTES_PER_RANK = 2**50
+MAX_IMAGE_CHARS = 255
+# A container image reference in Docker's grammar (distribution/reference): an optional registry
+# host (with a dot or a port, or "localhost") and port, path components of lower-case letters and
+# digits joined by ".", "_", "__" or dashes, an optional tag, an optional sha256 digest.
+_IMAGE_COMPONENT = r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*"
+_HOST_PART = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+# A first component is a host only with a dot or a port, or as "localhost" (else it is a path component).
+_IMAGE_HOST = rf"(?:{_HOST_PART}(?:\.{_HOST_PART})+(?::[0-9]+)?|{_HOST_PART}:[0-9]+|localhost)"
+IMAGE_REFERENCE = re.compile(
+    rf"(?:{_IMAGE_HOST}/)?{_IMAGE_COMPONENT}(?:/{_IMAGE_COMPONENT})*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}})?"
+    r"(?:@sha256:[a-f0-9]{64})?")
 DEFAULT_TENANT = "default"
 RESERVED_EVENT_TYPE = "state"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
@@ -65,6 +78,10 @@ def job_spec_problems(spec: common_pb2.JobSpec, field: str, problems: Problems) 
         _check_training_shape(spec, field, problems)
     check(check_float, spec.emulated_step_compute_s, f"{field}.emulated_step_compute_s", minimum=0.0,
           maximum=MAX_EMULATED_STEP_S)
+    check(check_float, spec.cpus_per_rank, f"{field}.cpus_per_rank", minimum=0.0, maximum=MAX_CPUS_PER_RANK)
+    check(check_int, spec.memory_bytes_per_rank, f"{field}.memory_bytes_per_rank", minimum=0,
+          maximum=MAX_MEMORY_BYTES_PER_RANK)
+    check(check_image, spec.image, f"{field}.image")
     _check_command(spec, field, problems)
 
 
@@ -114,6 +131,18 @@ def _check_command(spec: common_pb2.JobSpec, field: str, problems: Problems) -> 
         for key in spec.env:
             if not _ENV_NAME.fullmatch(key):
                 problems.add(f"{field}.env", f"not an environment variable name: {key!r}")
+
+
+def check_image(value: str, field: str) -> str:
+    """Empty (the node's default), or a container image reference such as
+    ``registry.example:5000/team/train:1.4`` or ``ubuntu@sha256:<64 hex>``."""
+    if len(value) > MAX_IMAGE_CHARS:
+        raise InvalidArgument(f"must be at most {MAX_IMAGE_CHARS} characters, got {len(value)}", field=field)
+    if value and not IMAGE_REFERENCE.fullmatch(value):
+        raise InvalidArgument(f"must be a container image reference, [HOST[:PORT]/]NAME[:TAG][@sha256:DIGEST] with "
+                              f"lower-case name components (e.g. registry.example:5000/team/train:1.4), got {value!r}",
+                              field=field)
+    return value
 
 
 def check_client_request_id(value: str) -> None:

@@ -24,6 +24,9 @@ from silod.rpc.identifiers import NODE_NAME
 MAX_NODE_GPUS = 1024
 MAX_GPU_FAULTS = 1024  # faults one heartbeat carries (an agent cut off for a while queues them)
 MAX_LIVENESS_WINDOW_S = 7 * 24 * 3600.0
+MAX_NODE_CPUS = 1e6
+MAX_NODE_MEMORY_BYTES = 2**60
+RUNTIMES = ("", "process", "contained", "container")  # "" = not reported (an older agent)
 
 
 def normalized_node_spec(spec: common_pb2.NodeSpec, field: str = "spec") -> common_pb2.NodeSpec:
@@ -38,6 +41,11 @@ def normalized_node_spec(spec: common_pb2.NodeSpec, field: str = "spec") -> comm
         check(check_gpu_type, spec.gpu_type, f"{field}.gpu_type")
     for capacity in ("cache_capacity_bytes", "memory_cache_bytes", "network_bandwidth_bytes_per_s"):
         check(check_int, getattr(spec, capacity), f"{field}.{capacity}", minimum=0, maximum=MAX_BYTES)
+    check(check_float, spec.cpus, f"{field}.cpus", minimum=0.0, maximum=MAX_NODE_CPUS)
+    check(check_int, spec.memory_bytes, f"{field}.memory_bytes", minimum=0, maximum=MAX_NODE_MEMORY_BYTES)
+    if spec.runtime not in RUNTIMES:
+        problems.add(f"{field}.runtime", f"must be one of {', '.join(repr(r) for r in RUNTIMES[1:])} (or empty), "
+                                         f"got {spec.runtime[:80]!r}")
     for address in ("agent_address", "cache_address"):
         value = getattr(spec, address)
         if check(check_text, value, f"{field}.{address}", max_chars=256) and any(ch.isspace() for ch in value):
