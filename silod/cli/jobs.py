@@ -1,4 +1,5 @@
-"""Job commands of ``silod``: submit, jobs, watch, cancel, logs (JobService and the agents' TailLogs).
+"""Job commands of ``silod``: submit, jobs (and ``jobs show JOB``), watch, cancel, logs (JobService
+and the agents' TailLogs).
 
 The scheduler address comes from --scheduler, else SILOD_SCHEDULER_ADDR, else the
 cluster.json that `silod up` writes in its state dir (--state-dir / SILOD_STATE_DIR).
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
+import re
 import shlex
 import sys
 import time
@@ -21,10 +24,14 @@ from silod.cli.client_commands import _channel, _fail, _rpc_failure, all_pages, 
 from silod.rpc.identifiers import DATASET_NAME, JOB_ID, TENANT
 
 INT_KEYS = ("min_gpus", "max_gpus", "batch_size", "max_batch_size", "epochs", "priority")
-FLOAT_KEYS = ("emulated_step_compute_s", "inference_duration_s")
-STR_KEYS = ("name", "application", "dataset", "tenant")
+FLOAT_KEYS = ("emulated_step_compute_s", "inference_duration_s", "cpus_per_rank")
+STR_KEYS = ("name", "application", "dataset", "tenant", "image")
 ALLOWED_KEYS = frozenset((*INT_KEYS, *FLOAT_KEYS, *STR_KEYS, "sample_budget", "command", "env", "kind", "gpu_types",
-                          "resize_in_place"))
+                          "resize_in_place", "memory_per_rank"))
+# Bytes with a unit, as Kubernetes writes memory: binary Ki..Ei, decimal k..E (a trailing B allowed).
+_BYTES = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kKMGTPE]i?)?B?\s*")
+_UNIT = {"": 1, **{u: 1000 ** (k + 1) for k, u in enumerate("kMGTPE")}, "K": 1000,
+         **{f"{u}i": 1024 ** (k + 1) for k, u in enumerate("KMGTPE")}}
 
 
 class JobFileError(ValueError):
@@ -120,6 +127,15 @@ def _set_key(spec: Any, key: str, value: Any, common_pb2: Any) -> str | None:
         if name not in common_pb2.JobKind.keys():
             return f"key 'kind' must be 'training' or 'inference', got {value!r}"
         spec.kind = common_pb2.JobKind.Value(name)
+    elif key == "memory_per_rank":
+        memory = parse_bytes(value)
+        if memory is None:
+            return (f"key 'memory_per_rank' must be bytes: an integer or a number with a unit such as 512Mi, 4Gi or "
+                    f"2G, got {value!r}")
+        try:
+            spec.memory_bytes_per_rank = memory
+        except ValueError:
+            return f"key 'memory_per_rank' is out of range, got {value!r}"
     elif key == "resize_in_place":
         if not isinstance(value, bool):
             return f"key 'resize_in_place' must be true or false, got {value!r}"
@@ -130,6 +146,17 @@ def _set_key(spec: Any, key: str, value: Any, common_pb2: Any) -> str | None:
             return "key 'gpu_types' must be a list of GPU types such as [a100, h100]"
         spec.gpu_types.extend(value)
     return None
+
+
+def parse_bytes(value: Any) -> int | None:
+    """Bytes from an integer or a string such as "512Mi", "4Gi", "2G", "1.5Gi" (rounded up to a
+    whole byte); None if it is neither."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value >= 0 else None
+    match = _BYTES.fullmatch(value) if isinstance(value, str) else None
+    if match is None or (match.group(2) is None and "." in match.group(1)):
+        return None
+    return math.ceil(float(match.group(1)) * _UNIT[match.group(2) or ""])
 
 
 def request_id_for(content: bytes) -> str:
@@ -147,6 +174,10 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 
     jobs = sub.add_parser("jobs", help="list jobs: id, name, state, GPUs, progress, age")
     jobs.set_defaults(handler=_jobs)
+    show = jobs.add_subparsers(dest="jobs_command", metavar="ACTION").add_parser(
+        "show", help="one job: its state and what it asks for (GPUs, image, cores and memory per rank, ...)")
+    show.add_argument("job_id", metavar="JOB", type=identifier(JOB_ID))
+    show.set_defaults(handler=_show)
 
     watch = sub.add_parser("watch", help="follow a job's state and progress until it ends")
     watch.add_argument("job_id", metavar="JOB", type=identifier(JOB_ID))
@@ -164,7 +195,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     locate.add_flags(logs, "metadata")
     logs.set_defaults(handler=_logs)
 
-    for p in (submit, jobs, watch, cancel):
+    for p in (submit, jobs, show, watch, cancel):
         locate.add_flags(p, "scheduler")
 
 
@@ -244,6 +275,41 @@ def _jobs(args: argparse.Namespace) -> int:
         return 0
 
     return _run(args, body)
+
+
+def _show(args: argparse.Namespace) -> int:
+    from silod.v1 import metadata_pb2
+
+    def body(stub: Any) -> int:
+        print("\n".join(job_lines(stub.GetJob(metadata_pb2.GetJobRequest(job_id=args.job_id), timeout=15))))
+        return 0
+
+    return _run(args, body)
+
+
+def job_lines(job: Any) -> list[str]:
+    """What ``silod jobs show`` prints of ``job``: one "key: value" line each, requests only when set."""
+    from silod.cli.client_commands import _human_bytes
+    from silod.v1 import common_pb2
+
+    spec = job.spec
+    rows = [("id", job.id), ("name", spec.name), ("state", _state_name(job.state)), ("tenant", spec.tenant),
+            ("kind", common_pb2.JobKind.Name(spec.kind).removeprefix("JOB_KIND_").lower()),
+            ("application", spec.application or "-"), ("dataset", spec.dataset or "-"),
+            ("gpus", f"{spec.min_gpus}..{spec.max_gpus} ({job.allocated.gpus} allocated)"),
+            ("gpu types", ", ".join(spec.gpu_types) or "any"), ("batch size", str(spec.batch_size))]
+    if spec.image:
+        rows.append(("image", spec.image))
+    if spec.cpus_per_rank:
+        rows.append(("cpus per rank", f"{spec.cpus_per_rank:g}"))
+    if spec.memory_bytes_per_rank:
+        rows.append(("memory per rank", f"{_human_bytes(spec.memory_bytes_per_rank)} ({spec.memory_bytes_per_rank} B)"))
+    if spec.command:
+        rows.append(("command", shlex.join(spec.command)))
+    rows += [("progress", f"{100 * job.progress.fraction_done:.1f}%"), ("age", _age(job.created_at))]
+    if job.message:
+        rows.append(("message", job.message))
+    return [f"{key + ':':<17}{value}" for key, value in rows]
 
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")

@@ -1,6 +1,7 @@
 """``silod nodes``: the cluster's nodes as an operator checks them (metadata's ListNodes and the
-latest plan): pool, GPU type, GPUs in use by the plan, cache size, liveness, last heartbeat,
-and the plan version the node's agent applied; where agents measure their GPUs (NVML), also
+latest plan): pool, GPU type, how its agent runs ranks (runtime), GPUs in use by the plan, the
+cores and memory ranks may request there ("-": not reported), cache size, liveness, last
+heartbeat, and the plan version the node's agent applied; where agents measure their GPUs (NVML), also
 the GPUs' mean utilisation, their memory in use and the faulted ones, each fault listed below
 the table.
 
@@ -27,7 +28,8 @@ from silod.rpc.identifiers import NODE_NAME
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    nodes = sub.add_parser("nodes", help="list nodes: pool, GPU type, GPUs in use, cache, alive, last heartbeat")
+    nodes = sub.add_parser("nodes", help="list nodes: pool, GPU type, runtime, GPUs in use, cores, memory, cache, "
+                                          "alive, last heartbeat")
     nodes.add_argument("--json", action="store_true", help="one JSON object per node instead of the table")
     locate.add_flags(nodes, "metadata")
     nodes.set_defaults(handler=_nodes)
@@ -82,20 +84,7 @@ def _nodes(args: argparse.Namespace) -> int:
     if not rows:
         print("no nodes have registered yet (a node appears when its worker agent starts)")
         return 0
-    # The GPU columns only where agents measure their GPUs (NVML): emulated GPUs have no figures.
-    measured = any(r["gpu_telemetry"] or r["gpu_faults"] for r in rows)
-    header = f"{'NAME':<20} {'POOL':<9} {'TYPE':<8} {'GPUS':>7} {'CACHE':>9} {'ALIVE':<5} {'HEARTBEAT':>9} {'PLAN':>6}"
-    print(header + (f" {'UTIL':>5} {'GPU-MEM':>19} FAULTED" if measured else ""))
-    for r in rows:
-        line = (f"{r['name'][:20]:<20} {r['pool']:<9} {(r['gpu_type'] or '-')[:8]:<8} {r['gpus_used']:>3}/{r['gpus']:<3} "
-                f"{_human_bytes(r['cache_bytes']):>9} {'yes' if r['alive'] else 'NO':<5} {r['heartbeat_age']:>9} "
-                f"{r['applied_plan_version'] or '-':>6}")
-        if measured:
-            util = r["gpu_utilization_ratio"]
-            memory = (f"{_human_bytes(r['gpu_memory_used_bytes'])}/{_human_bytes(r['gpu_memory_total_bytes'])}"
-                      if r["gpu_memory_total_bytes"] else "-")
-            line += (f" {'-' if util is None else f'{100 * util:.0f}%':>5} {memory:>19} "
-                     f"{','.join(str(f['index']) for f in r['gpu_faults']) or '-'}")
+    for line in node_table(rows):
         print(line)
     faults = [(r["name"], f) for r in rows for f in r["gpu_faults"]]
     if faults:
@@ -103,6 +92,30 @@ def _nodes(args: argparse.Namespace) -> int:
         for name, f in faults:
             print(f"  {name}:{f['index']}  {f['reason']}  (since {f['since_age']} ago)")
     return 0
+
+
+def node_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The table of :func:`node_rows`: a header and one line per node."""
+    # The GPU columns only where agents measure their GPUs (NVML): emulated GPUs have no figures.
+    measured = any(r["gpu_telemetry"] or r["gpu_faults"] for r in rows)
+    header = (f"{'NAME':<20} {'POOL':<9} {'TYPE':<8} {'RUNTIME':<9} {'GPUS':>7} {'CPUS':>6} {'MEMORY':>10} {'CACHE':>9} "
+              f"{'ALIVE':<5} {'HEARTBEAT':>9} {'PLAN':>6}")
+    lines = [header + (f" {'UTIL':>5} {'GPU-MEM':>19} FAULTED" if measured else "")]
+    for r in rows:
+        cpus = f"{r['cpus']:g}" if r["cpus"] else "-"  # 0: not reported (an older agent)
+        memory = _human_bytes(r["memory_bytes"]) if r["memory_bytes"] else "-"
+        line = (f"{r['name'][:20]:<20} {r['pool']:<9} {(r['gpu_type'] or '-')[:8]:<8} {(r['runtime'] or '-')[:9]:<9} "
+                f"{r['gpus_used']:>3}/{r['gpus']:<3} {cpus:>6} {memory:>10} "
+                f"{_human_bytes(r['cache_bytes']):>9} {'yes' if r['alive'] else 'NO':<5} {r['heartbeat_age']:>9} "
+                f"{r['applied_plan_version'] or '-':>6}")
+        if measured:
+            util = r["gpu_utilization_ratio"]
+            gpu_memory = (f"{_human_bytes(r['gpu_memory_used_bytes'])}/{_human_bytes(r['gpu_memory_total_bytes'])}"
+                          if r["gpu_memory_total_bytes"] else "-")
+            line += (f" {'-' if util is None else f'{100 * util:.0f}%':>5} {gpu_memory:>19} "
+                     f"{','.join(str(f['index']) for f in r['gpu_faults']) or '-'}")
+        lines.append(line)
+    return lines
 
 
 def node_rows(nodes: list[Any], plan: Any | None) -> list[dict[str, Any]]:
@@ -126,7 +139,10 @@ def node_rows(nodes: list[Any], plan: Any | None) -> list[dict[str, Any]]:
             "name": spec.name,
             "pool": common_pb2.NodePool.Name(spec.pool).removeprefix("NODE_POOL_").lower().replace("unspecified", "training"),
             "gpu_type": spec.gpu_type,
+            "runtime": spec.runtime,  # "" = not reported
             "gpus": spec.gpus,
+            "cpus": spec.cpus,  # cores ranks may request; 0 = not reported
+            "memory_bytes": spec.memory_bytes,  # bytes ranks may request; 0 = not reported
             "gpus_used": min(used.get(spec.name, 0), spec.gpus),
             "cache_bytes": spec.cache_capacity_bytes + spec.memory_cache_bytes,
             "alive": node.alive,

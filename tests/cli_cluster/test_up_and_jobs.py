@@ -272,7 +272,8 @@ def test_up_submit_watch_logs_cancel_and_shutdown(up_cluster: tuple[subprocess.P
         # `silod nodes`: both emulated nodes, alive, their GPUs, and the running job's GPU in use.
         table = _silod(state, "nodes")
         assert table.returncode == 0, table.stderr
-        assert table.stdout.splitlines()[0].split() == ["NAME", "POOL", "TYPE", "GPUS", "CACHE", "ALIVE", "HEARTBEAT", "PLAN"]
+        assert table.stdout.splitlines()[0].split() == ["NAME", "POOL", "TYPE", "RUNTIME", "GPUS", "CPUS", "MEMORY", "CACHE",
+                                                        "ALIVE", "HEARTBEAT", "PLAN"]
         rows = [json.loads(line) for line in _silod(state, "nodes", "--json").stdout.splitlines()]
         assert [r["name"] for r in rows] == sorted(n["name"] for n in info["nodes"])
         assert all(r["alive"] and r["gpus"] == 2 and r["pool"] == "training" and r["cache_bytes"] > 0 for r in rows)
