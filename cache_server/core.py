@@ -130,6 +130,13 @@ class CacheCore:
     def stats(self, job_id: str = "") -> dict[str, Any]:
         return self.statistics.report(self.jobs, self.plan_version, job_id)
 
+    def reader_paths(self) -> list[str]:
+        """The directories local readers open leased objects in."""
+        paths = [tier.root for tier in self.tiers]
+        if self.leases.transient_dir:
+            paths.append(self.leases.transient_dir)
+        return paths
+
     # -- introspection for the service, tests and tools ------------------------------------------
 
     @property

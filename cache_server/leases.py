@@ -77,6 +77,7 @@ class LeaseTable:
         if self.transient_dir:
             shutil.rmtree(self.transient_dir, ignore_errors=True)
             os.makedirs(self.transient_dir, exist_ok=True)
+            os.chmod(self.transient_dir, 0o711)  # readers open their files by path; nobody lists them
 
     async def lease(self, job_id: str, dataset: str, keys: Sequence[str], lease_s: float) -> tuple[Lease, list[Served]]:
         check_batch(keys)

@@ -187,7 +187,14 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             plan_version=stats["plan_version"],
             tiers=[cache_pb2.TierStats(**t) for t in stats["tiers"]],
             jobs=[cache_pb2.JobCacheStats(**j) for j in stats["jobs"]],
+            reader_paths=self.reader_paths(),
         )
+
+    def reader_paths(self) -> list[str]:
+        paths = self.core.reader_paths()
+        if self.local_socket:
+            paths.append(os.path.dirname(self.local_socket))
+        return sorted(set(paths))
 
 
 def definition(settings: Settings) -> ServiceDefinition:

@@ -99,9 +99,15 @@ class Tier:
     # -- lifecycle (blocking) ----------------------------------------------------------------
 
     def open(self) -> list[Entry]:
-        """Lock the directory, clean it and re-index what a predecessor left; returns the entries."""
+        """Lock the directory, clean it and re-index what a predecessor left; returns the entries.
+
+        Readers on this host open leased objects by path, and may run as other users (contained
+        ranks): the directories let them through (0711) without letting them list what is cached,
+        and the journal, which names every object, is the server's alone (0600)."""
         os.makedirs(self._objects, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.root, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        for directory in (self.root, self._objects):
+            os.chmod(directory, 0o711)
+        self._lock_fd = os.open(os.path.join(self.root, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -109,10 +115,10 @@ class Tier:
             self._lock_fd = None
             raise TierLocked(f"{self.root} is in use by another cache server") from None
         shutil.rmtree(self._tmp, ignore_errors=True)
-        os.makedirs(self._tmp, exist_ok=True)
+        os.makedirs(self._tmp, mode=0o700, exist_ok=True)
         entries = self._reindex()
         self._rewrite_journal(entries)
-        self._journal = open(self._journal_path, "a", encoding="utf-8")  # noqa: SIM115
+        self._journal = _append_private(self._journal_path)
         self.used = sum(e.size for e in entries)
         return entries
 
@@ -160,6 +166,7 @@ class Tier:
             if not os.path.isdir(subdir):
                 _unlink(subdir)
                 continue
+            os.chmod(subdir, 0o711)
             for name in os.listdir(subdir):
                 if name not in seen:
                     _unlink(os.path.join(subdir, name))
@@ -167,7 +174,7 @@ class Tier:
 
     def _rewrite_journal(self, entries: list[Entry]) -> None:
         tmp = self._journal_path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as out:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as out:
             for entry in entries:
                 out.write(_put_line(entry))
             out.flush()
@@ -203,6 +210,7 @@ class Tier:
                 os.replace(tmp, path)
             except FileNotFoundError:  # the first object of its subdirectory (cheaper than makedirs each time)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.chmod(os.path.dirname(path), 0o711)  # passable, not listable (see open)
                 os.replace(tmp, path)
         except BaseException:
             _unlink(tmp)
@@ -271,7 +279,7 @@ class Tier:
         if self._journal is not None:
             self._journal.close()
         self._rewrite_journal(entries)
-        self._journal = open(self._journal_path, "a", encoding="utf-8")  # noqa: SIM115
+        self._journal = _append_private(self._journal_path)
 
     # -- capacity ----------------------------------------------------------------------------------
 
@@ -306,3 +314,10 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _append_private(path: str) -> Any:
+    """``path`` opened for appending, readable by this process's user only."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)  # a journal a predecessor left readable
+    return os.fdopen(fd, "a", encoding="utf-8")

@@ -3,7 +3,8 @@
 Every DDP job in the suite (examples, fidelity runs, resize and crash tests) names the
 ``cudaonly`` backend (tests/support/cudaonly_backend.py) for its accelerator, as a GPU job names
 NCCL: a silod collective on a CPU tensor that reached it would fail as it does on a GPU. The
-ranks import the module through PYTHONPATH, which the agents pass on to them.
+ranks import the module through PYTHONPATH, which the agents pass on to them (contained ranks
+because SILOD_RANK_ENV_PASSTHROUGH names it).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("SILOD_DIST_BACKEND", "cudaonly")
 os.environ.setdefault("SILOD_DIST_BACKEND_MODULE", "tests.support.cudaonly_backend")
+# Agents that contain their ranks (as root: the default) let them read the job code of the
+# repository and get the variables above, as an operator's node settings would.
+os.environ.setdefault("SILOD_CONTAINED_READ_PATHS", ",".join(str(ROOT / d) for d in ("examples", "tests", "benchmarks")))
+os.environ.setdefault("SILOD_RANK_ENV_PASSTHROUGH", "PYTHONPATH,SILOD_DIST_*")
 _paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 if str(ROOT) not in _paths:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *_paths])

@@ -36,15 +36,16 @@ from services.runtime.auth import auth_enabled, caller_token
 from services.runtime.structured_logging import get_logger
 from silod.rpc.channels import open_channel
 from silod.v1 import allocation_pb2, allocation_pb2_grpc, common_pb2, metadata_pb2, metadata_pb2_grpc, worker_agent_pb2
-from worker_agent import launch_env, node_protocol, nvml, task_metrics
+from worker_agent import capacity, launch_env, node_protocol, nvml, task_metrics
+from worker_agent.cache_paths import CachePaths
 from worker_agent.credentials import JobCredentials
 from worker_agent.gpu_monitor import GpuMonitor
 from worker_agent.gpus import GpuTable, resolve_gpu_type
 from worker_agent.plans import PlanApplier
 from worker_agent.rank_calls import RankCalls
 from worker_agent.ranks import Ranks
-from worker_agent.runtimes.base import Runtime
-from worker_agent.runtimes.process import ProcessRuntime, spawn
+from worker_agent.runtimes.choose import choose_runtime
+from worker_agent.runtimes.process import spawn
 from worker_agent.tasks import Task
 from worker_agent.warm_start import WarmPool
 
@@ -58,6 +59,7 @@ class Agent:
         # NVML (worker_agent.nvml) gives the GPUs and their health; without it they are emulated.
         session = nvml.open_session(getattr(settings, "nvml_module", ""))
         gpus, model = (session.count, session.model) if session is not None else (settings.gpus, "emulated")
+        self._gpu_minors = session.minor_numbers() if session is not None else {}
         self.work_dir = Path(settings.work_dir).resolve()
         (self.work_dir / "jobs").mkdir(parents=True, exist_ok=True)
         self.checkpoint_root = Path(settings.checkpoint_root or self.work_dir / "checkpoints").resolve()
@@ -72,6 +74,8 @@ class Agent:
             memory_cache_bytes=settings.memory_cache_bytes,
             agent_address=agent_address,
             cache_address=settings.cache_address,
+            cpus=getattr(settings, "cpus", 0.0) or capacity.machine_cpus(),
+            memory_bytes=getattr(settings, "memory_bytes", 0) or capacity.machine_memory_bytes(),
         )
         self.gpu_table = GpuTable(gpus, self.work_dir / "gpu-table.jsonl")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -92,22 +96,27 @@ class Agent:
         self._token = token
         if self._scheduler_addresses:
             self._use_scheduler(0)
-        self.runtime = self._runtime()
+        self.runtime = choose_runtime(settings, self.spec.name, self.work_dir, self._warm_pool,
+                                      lambda indices: capacity.gpu_devices(indices, self._gpu_minors))
+        self.spec.runtime = self.runtime.name
         credentials = JobCredentials(self._metadata, self.spec.name, auth_enabled(settings))
         self.ranks = Ranks(self.spec.name, settings, agent_address, self.runtime, self.gpu_table, credentials,
-                           self.work_dir, self.checkpoint_root, self._report_now.set)
+                           self.work_dir, self.checkpoint_root, self._report_now.set,
+                           CachePaths(settings.cache_address, token))
         self.plans = PlanApplier(self.spec.name, self.ranks, settings.checkpoint_deadline_s,
                                  lambda: self._alloc, lambda version: self._report_now.set())
         self.calls = RankCalls(self.ranks)
         task_metrics.track_ranks(self.spec.name, lambda: len(self.ranks.live()))
 
-    def _runtime(self) -> Runtime:
-        warm = None
-        if getattr(self.settings, "warm_processes", 0) > 0 and self.settings.scheduler_address:
-            preload = [m.strip() for m in self.settings.warm_preload.split(",") if m.strip()]
-            warm = WarmPool(self.settings.warm_processes, preload,
-                            {**launch_env.base_env(self.settings), "PYTHONUNBUFFERED": "1"}, self.work_dir, spawn)
-        return ProcessRuntime(self.work_dir / "run", warm)
+    def _warm_pool(self, contained: bool) -> WarmPool | None:
+        """Warm processes (worker_agent.warm_start) if configured; a contained runtime's start
+        from the minimal environment its ranks get."""
+        if getattr(self.settings, "warm_processes", 0) <= 0 or not self.settings.scheduler_address:
+            return None
+        preload = [m.strip() for m in self.settings.warm_preload.split(",") if m.strip()]
+        base = launch_env.minimal_base(self.settings.rank_env_passthrough) if contained \
+            else launch_env.base_env(self.settings)
+        return WarmPool(self.settings.warm_processes, preload, {**base, "PYTHONUNBUFFERED": "1"}, self.work_dir, spawn)
 
     @property
     def tasks(self) -> dict[str, Task]:
@@ -142,6 +151,7 @@ class Agent:
             with contextlib.suppress(BaseException):
                 await t
         await self.runtime.close()
+        await self.ranks.cache_paths.close()
         if self.gpu_monitor is not None:
             await asyncio.to_thread(self.gpu_monitor.close)  # joins the Xid thread
         await self._meta_channel.close()

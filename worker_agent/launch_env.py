@@ -30,6 +30,20 @@ def base_env(settings: Any) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in own}
 
 
+# What a rank that does not run as the agent's user keeps of the agent's environment: where
+# programs are and how text is read, nothing that could hold a secret.
+MINIMAL_KEYS = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ")
+
+
+def minimal_base(passthrough: str = "") -> dict[str, str]:
+    """The agent's environment as a contained rank gets it: :data:`MINIMAL_KEYS` and what the
+    operator lets through (``rank_env_passthrough``: comma-separated names, ``PREFIX*`` for
+    every name that starts so), never a secret the operator did not name."""
+    wanted = [w.strip() for w in passthrough.split(",") if w.strip()]
+    return {k: v for k, v in os.environ.items()
+            if k in MINIMAL_KEYS or any(k == w or (w.endswith("*") and k.startswith(w[:-1])) for w in wanted)}
+
+
 def master_addr(a: plan_pb2.TaskAssignment, agent_address: str) -> str:
     """Rank 0's host as the plan names it; a plan without one (an older scheduler) has all
     ranks here, so this node's advertised host is right."""
@@ -40,8 +54,9 @@ def master_addr(a: plan_pb2.TaskAssignment, agent_address: str) -> str:
 
 
 def rank_env(settings: Any, agent_address: str, a: plan_pb2.TaskAssignment, checkpoint_dir: Path,
-             job_token: str = "", base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of the rank ``a`` (``base``: what it inherits, by default :func:`base_env`)."""
+             job_token: str = "", base: dict[str, str] | None = None, agent_visible: bool = True) -> dict[str, str]:
+    """The environment of the rank ``a`` (``base``: what it inherits, by default :func:`base_env`;
+    ``agent_visible``: the rank sees the agent's process, see SILOD_AGENT_PID)."""
     spec = a.spec
     env = {
         **(base_env(settings) if base is None else base),
@@ -74,6 +89,8 @@ def rank_env(settings: Any, agent_address: str, a: plan_pb2.TaskAssignment, chec
         # Wall-clock launch time: the SDK says how long the rank took to be ready to train.
         "SILOD_LAUNCH_TIME": f"{time.time():.3f}",
     }
+    if not agent_visible:
+        del env["SILOD_AGENT_PID"], env["SILOD_AGENT_START_TIME"]
     if spec.dataset:  # what the job reads through silod.data (the emulated job reads it each step)
         env["SILOD_DATASET"] = spec.dataset
     if spec.kind == common_pb2.JOB_KIND_INFERENCE:

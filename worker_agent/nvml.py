@@ -100,6 +100,21 @@ class Session:
                 return name.decode() if isinstance(name, bytes) else str(name)
         return "unknown"
 
+    def minor_numbers(self) -> dict[int, int]:
+        """GPU index -> the minor number of its /dev/nvidiaN (they need not agree); GPUs NVML
+        cannot tell are left out (their index is used)."""
+        minors: dict[int, int] = {}
+        call = getattr(self.lib, "nvmlDeviceGetMinorNumber", None)
+        for index, handle in enumerate(self.handles):
+            if handle is None or call is None:
+                continue
+            try:
+                minors[index] = int(call(handle))
+            except Exception as exc:  # noqa: BLE001 - not answered: the index stands in
+                if not self.is_error(exc):
+                    raise
+        return minors
+
     # ---- errors ------------------------------------------------------------------------
     def is_error(self, exc: BaseException) -> bool:
         base = getattr(self.lib, "NVMLError", None)

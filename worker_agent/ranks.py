@@ -22,6 +22,7 @@ from typing import Any
 from services.runtime.structured_logging import get_logger
 from silod.v1 import allocation_pb2, plan_pb2
 from worker_agent import launch_env, task_metrics
+from worker_agent.cache_paths import CachePaths
 from worker_agent.credentials import JobCredentialError, JobCredentials
 from worker_agent.gpus import GpuTable
 from worker_agent.runtimes.base import LaunchError, RankLaunch, Runtime
@@ -33,7 +34,7 @@ _log = get_logger("silod.worker_agent")
 class Ranks:
     def __init__(self, node: str, settings: Any, agent_address: str, runtime: Runtime, gpu_table: GpuTable,
                  credentials: JobCredentials, work_dir: Path, checkpoint_root: Path,
-                 changed: Callable[[], None]) -> None:
+                 changed: Callable[[], None], cache_paths: CachePaths) -> None:
         self.node = node
         self.settings = settings
         self.agent_address = agent_address
@@ -43,6 +44,7 @@ class Ranks:
         self.work_dir = work_dir
         self.checkpoint_root = checkpoint_root
         self.changed = changed  # something a report would show changed: report now
+        self.cache_paths = cache_paths
         self.tasks: dict[str, Task] = {}  # live tasks and exited ones not yet acknowledged
         self.finished: set[str] = set()  # keys of tasks that exited; never relaunched for the same generation
         self._reapers: set[asyncio.Task[None]] = set()  # one per process; never cancelled before it exits
@@ -65,10 +67,15 @@ class Ranks:
             log.write(f"--- silod: generation {a.generation} rank {a.rank} gpus {list(a.gpu_indices)}\n".encode())
         try:
             token = await self.credentials.token(a.job_id, (t.job_id for t in self.tasks.values() if t is not task))
-            env = launch_env.rank_env(self.settings, self.agent_address, a, checkpoint_dir, token)
+            base = None if self.runtime.inherits_agent_env else \
+                launch_env.minimal_base(getattr(self.settings, "rank_env_passthrough", ""))
+            env = launch_env.rank_env(self.settings, self.agent_address, a, checkpoint_dir, token, base,
+                                      agent_visible=self.runtime.sees_agent_process)
             task.process = await self.runtime.start(RankLaunch(
                 key=key, job_id=a.job_id, command=command, env=env, work_dir=log_dir, log_path=task.log_path,
-                checkpoint_dir=checkpoint_dir, gpus=list(a.gpu_indices), resize_in_place=a.spec.resize_in_place))
+                checkpoint_dir=checkpoint_dir, gpus=list(a.gpu_indices), resize_in_place=a.spec.resize_in_place,
+                image=a.spec.image, cpus=a.spec.cpus_per_rank, memory_bytes=a.spec.memory_bytes_per_rank,
+                read_paths=await self.cache_paths.get() if self.runtime.own_root else []))
         except (LaunchError, JobCredentialError) as exc:
             why = str(exc) if isinstance(exc, LaunchError) else f"cannot launch {command!r}: {exc}"
             with open(task.log_path, "ab") as log:

@@ -71,6 +71,45 @@ class Settings(NodeIdentitySettings):
         "torch._dynamo is what creating the first optimizer imports (about 1 s)",
     )
 
+    runtime: Literal["auto", "process", "contained"] = Field(
+        "auto", description="How ranks run: contained (a uid, namespaces and cgroup per job; needs root), process "
+        "(as the agent's user, uncontained), auto = contained when the agent runs as root, else process "
+        "(docs/operators.md, 'Job containment')",
+    )
+    allow_uncontained: bool = Field(
+        False, description="Run ranks uncontained (the process runtime) even with auth on; without it such an agent "
+        "refuses to start, since any rank could read the node's credential and signal other jobs",
+    )
+    job_uids: str = Field(
+        "1000000-1065535", description="START-END: the Unix uids (and gids) the contained runtime gives jobs, one per "
+        "job on the node; must not hold the agent's own or any account's uid",
+    )
+    contained_read_paths: str = Field(
+        "", description="Comma-separated host paths contained ranks may read besides the system directories, "
+        "the interpreter and silod (job code, local datasets, the cache server's directories)",
+    )
+    rank_env_passthrough: str = Field(
+        "", description="Comma-separated names of the agent's environment variables contained ranks get (NAME* for "
+        "every name that starts so) besides PATH, LANG, LC_ALL, LC_CTYPE, TZ; the process runtime passes the agent's "
+        "whole environment but its own settings",
+    )
+    rank_pids_limit: int = Field(4096, ge=16, le=4_194_304,
+                                 description="Processes and threads each contained rank may have")
+    cpus: float = Field(0.0, ge=0.0, le=1e6, description="CPU cores ranks may request on the node; 0 = the machine's")
+    memory_bytes: int = Field(0, ge=0, le=2**60, description="Bytes of memory ranks may request on the node; "
+                              "0 = the machine's")
+
+    @field_validator("job_uids")
+    @classmethod
+    def _job_uids(cls, value: str) -> str:
+        from worker_agent.runtimes.job_users import UidRangeError, parse_range
+
+        try:
+            parse_range(value)
+        except UidRangeError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
     @field_validator("node_name")
     @classmethod
     def _node_name(cls, value: str) -> str:

@@ -63,6 +63,14 @@ def become(order: dict) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    if "sandbox" in order:  # the contained runtime's rank: into its sandbox before anything runs
+        from worker_agent.runtimes.sandbox import SandboxError, contain
+
+        try:
+            contain(order["sandbox"])
+        except (SandboxError, OSError) as exc:
+            print(f"--- silod: cannot contain the rank: {exc}", flush=True)
+            os._exit(127)
     os.chdir(order["cwd"])
     os.environ.clear()
     os.environ.update(order["env"])

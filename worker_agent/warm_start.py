@@ -29,6 +29,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from services.runtime.structured_logging import get_logger
 
@@ -112,18 +113,23 @@ class WarmPool:
             self._idle.append(proc)
 
     async def take(self, command: Sequence[str], env: Mapping[str, str], cwd: str,
-                   log_path: Path) -> asyncio.subprocess.Process | None:
+                   log_path: Path, sandbox: Mapping[str, Any] | None = None) -> asyncio.subprocess.Process | None:
         """A warm process now running ``command`` (its pid and exit status are the task's), or
-        None: start it cold (not eligible, or no warm process left)."""
+        None: start it cold (not eligible, or no warm process left). ``sandbox``: the contained
+        runtime's configuration, which the warm process applies to itself first
+        (worker_agent.runtimes.sandbox.contain)."""
         if not eligible(command, env, cwd, self.env):
             return None
-        order = json.dumps({"argv": list(command[1:]), "env": dict(env), "cwd": cwd, "log": str(log_path)})
+        order = {"argv": list(command[1:]), "env": dict(env), "cwd": cwd, "log": str(log_path)}
+        if sandbox is not None:
+            order["sandbox"] = {**sandbox, "agent_pid": os.getpid()}
+        line = json.dumps(order)
         while self._idle:
             proc = self._idle.pop(0)
             if proc.returncode is not None or proc.stdin is None:
                 continue
             try:
-                proc.stdin.write(order.encode() + b"\n")
+                proc.stdin.write(line.encode() + b"\n")
                 await proc.stdin.drain()
                 proc.stdin.close()
             except (BrokenPipeError, ConnectionResetError):  # it died while idle: try the next one

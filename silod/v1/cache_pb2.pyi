@@ -444,6 +444,7 @@ class StatsResponse(_message.Message):
     PLAN_VERSION_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
+    READER_PATHS_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     """node name"""
     plan_version: _builtins.int
@@ -456,6 +457,13 @@ class StatsResponse(_message.Message):
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobCacheStats]:
         """one entry per job"""
 
+    @_builtins.property
+    def reader_paths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Directories local readers open leased objects in, and the local lease socket's: what a
+        node's runtime mounts read-only into contained ranks. The server's bookkeeping in them is its
+        own (0600), and readers may pass through them but not list them.
+        """
+
     def __init__(
         self,
         *,
@@ -463,10 +471,11 @@ class StatsResponse(_message.Message):
         plan_version: _builtins.int = ...,
         tiers: _abc.Iterable[Global___TierStats] | None = ...,
         jobs: _abc.Iterable[Global___JobCacheStats] | None = ...,
+        reader_paths: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "node", b"node", "plan_version", b"plan_version", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "node", b"node", "plan_version", b"plan_version", "reader_paths", b"reader_paths", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -268,8 +268,9 @@ def test_restarted_agent_stops_tasks_its_killed_predecessor_left_then_resumes_th
     # The task is a shell (its leader, which dies with the agent) that started the training
     # process and a helper in its process group; neither inherits the death signal. Training
     # uses the SDK, which sees the agent gone and exits without checkpointing; the helper does
-    # not, and the next agent must stop the group before it relaunches the job.
-    first = start_agent()
+    # not, and the next agent must stop the group before it relaunches the job. (Contained ranks
+    # need none of this: everything they start dies with their PID namespace; the next test.)
+    first = start_agent("--runtime", "process")
     command = ["/bin/sh", "-c", f"SILOD_CHECKPOINT_EVERY_S=0.2 '{sys.executable}' -m silod.jobs.emulated & sleep 120 & wait"]
     allocation.push(node_plan(first.node, 1, assignment("job-orphan", 0, 1, [1], command=command)))
     saves = first.work_dir / "checkpoints" / "job-orphan" / "checkpoints.jsonl"
@@ -290,7 +291,7 @@ def test_restarted_agent_stops_tasks_its_killed_predecessor_left_then_resumes_th
         last_saved = json.loads(saves.read_text().splitlines()[-1])["samples_done"]
         assert 0 < last_saved <= gone_at
 
-        second = start_agent(node=first.node, work_dir=first.work_dir)
+        second = start_agent("--runtime", "process", node=first.node, work_dir=first.work_dir)
         assert not _group(leader) and not any(_alive(p) for p in helpers)  # stopped before the new agent served
         wait_until(lambda: second.log("job-orphan", 0).count("--- silod: generation 1") == 2, what="relaunch")
         wait_until(lambda: "resumed at samples=" in second.log("job-orphan", 0).split("--- silod: generation 1")[-1],
@@ -305,6 +306,21 @@ def test_restarted_agent_stops_tasks_its_killed_predecessor_left_then_resumes_th
         for pgid in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
+
+
+def test_everything_a_contained_rank_started_dies_with_its_killed_agent(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
+    # As root the agent contains ranks: the shell, the training process and the helper share a
+    # PID namespace whose init dies with the agent, and the kernel kills the rest with it.
+    agent = start_agent()
+    command = ["/bin/sh", "-c", f"'{sys.executable}' -m silod.jobs.emulated & sleep 120 & wait"]
+    allocation.push(node_plan(agent.node, 1, assignment("job-ns", 0, 1, [1], command=command)))
+    wait_until(lambda: _training(allocation, "job-ns", 0), what="training")
+    launcher = next(t.pid for t in agent.status().tasks)
+    members = _group(launcher)
+    assert len(members) >= 5  # launcher, init, shell, training, sleep
+    assert any("sleep 120" in _cmdline(p) for p in members)
+    agent.proc.kill()
+    wait_until(lambda: not any(_alive(p) for p in members), timeout=10, what="every process of the rank gone")
 
 
 def test_pytorch_example_under_the_agent_checkpoints_on_resize_and_finishes(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]

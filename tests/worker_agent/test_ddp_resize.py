@@ -24,6 +24,7 @@ import grpc
 from scheduler.live import convert
 from silod.v1 import allocation_pb2, cache_pb2, cache_pb2_grpc, common_pb2, plan_pb2
 from tests.cache_server.harness import moto_s3, register
+from tests.support.contained import readable
 from tests.support.procs import start_service
 from tests.worker_agent.conftest import wait_until
 
@@ -185,7 +186,8 @@ def test_a_re_form_that_cannot_complete_falls_back_to_checkpoint_restart(metadat
     store = tmp_path / "digits"
     subprocess.run([sys.executable, str(EXAMPLE), "prepare", str(store)], check=True, capture_output=True, timeout=120)
     register(metadata.address, "ddp-digits-fallback", f"file://{store}")
-    agent = start_agent("--checkpoint-root", str(tmp_path / "checkpoints"), gpus=1, node="fallback-n0")
+    agent = start_agent("--checkpoint-root", str(tmp_path / "checkpoints"), *readable(store), gpus=1,
+                        node="fallback-n0")
     spec = common_pb2.JobSpec(
         name="ddp-fallback", min_gpus=1, max_gpus=2, batch_size=32, epochs=50, dataset="ddp-digits-fallback",
         resize_in_place=True, command=[sys.executable, str(EXAMPLE)],

@@ -129,7 +129,9 @@ def test_a_survivor_below_which_the_world_shrank_is_renumbered(allocation, start
     wait_until(lambda: _phase(allocation, job, 0, 2) == EXITED, timeout=120, what="the job finished")
     assert _latest(allocation, job, 0, 2).progress.samples_done == BUDGET
     saves = [line for line in (agent.work_dir / "checkpoints" / job / "checkpoints.jsonl").read_text().splitlines()]
-    assert f'"pid": {first[(1, 1)]}' in saves[-1] and '"generation": 2' in saves[-1]  # the final save is the survivor's
+    # The final save is the survivor's: generation 2's rank 0, the old rank 1 (its pid above is
+    # unchanged; the pid the rank saw itself as is its namespace's where it is contained).
+    assert '"generation": 2' in saves[-1] and '"rank": 0' in saves[-1]
     check_exclusive(agent.gpu_history())
 
 

@@ -65,7 +65,9 @@ def test_an_in_place_jobs_rank_runs_in_a_warm_process_as_if_started_cold(allocat
     script = tmp_path / "scripts" / "rank.py"
     script.parent.mkdir()
     script.write_text(SCRIPT)
-    agent = start_agent("--warm-processes", "1", "--warm-preload", PRELOAD)
+    # The process runtime, whose ranks share the agent's view of the host: the test reads the
+    # rank's host pid and writes where the script says (a contained rank: the next test).
+    agent = start_agent("--warm-processes", "1", "--warm-preload", PRELOAD, "--runtime", "process")
     agent_pid = agent.proc.proc.pid
     warm = wait_until(lambda: _warm_pids(agent_pid), what="a warm process")
     assert wait_until(lambda: all(Path(f"/proc/{p}/comm").read_text().strip() == "silod-warm" for p in warm),
@@ -102,6 +104,38 @@ def test_an_in_place_jobs_rank_runs_in_a_warm_process_as_if_started_cold(allocat
     report = wait_until(lambda: next((t for t in allocation.task_reports()
                                       if t.job_id == "job-missing" and t.phase == EXITED), None), what="exit")
     assert report.exit_code == 2 and "can't open file" in agent.log("job-missing", 0)
+
+
+CONTAINED_SCRIPT = """\
+import json, os, sys
+print("seen:", json.dumps({"preloaded": "wave" in sys.modules and "colorsys" in sys.modules, "uid": os.getuid(),
+                           "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()), "cwd": os.getcwd(),
+                           "warm": os.environ.get("SILOD_WARM_START"), "argv": sys.argv[1:]}), flush=True)
+"""
+
+
+def test_a_contained_rank_runs_in_a_warm_process_inside_its_sandbox(allocation, start_agent, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The warm process (root, torch's stand-ins imported) puts itself in the rank's sandbox when it
+    # takes the rank: the job's uid, a PID namespace of its own, its own work directory.
+    scripts = tmp_path / "scripts"
+    scripts.mkdir(mode=0o755)
+    (scripts / "rank.py").write_text(CONTAINED_SCRIPT)
+    from tests.support.contained import readable
+
+    agent = start_agent("--warm-processes", "1", "--warm-preload", PRELOAD, *readable(scripts))
+    warm = wait_until(lambda: _warm_pids(agent.proc.proc.pid), what="a warm process")
+    a = assignment("job-cwarm", 0, 1, [0], command=[sys.executable, str(scripts / "rank.py"), "x"])
+    a.spec.resize_in_place = True
+    allocation.push(node_plan(agent.node, 1, a))
+    report = wait_until(lambda: next((t for t in allocation.task_reports()
+                                      if t.job_id == "job-cwarm" and t.phase == EXITED), None), what="exit")
+    log = agent.log("job-cwarm", 0)
+    assert report.exit_code == 0, log
+    seen = json.loads(log.split("seen: ", 1)[1].splitlines()[0])
+    assert seen["preloaded"] and seen["warm"] == "1" and seen["argv"] == ["x"]
+    assert seen["uid"] >= 1_000_000 and seen["pids"] == [1, 2]  # its init and itself, nothing of the host
+    assert seen["cwd"] == str((agent.work_dir / "jobs" / "job-cwarm" / "work").resolve())
+    assert next(iter(warm)) not in _warm_pids(agent.proc.proc.pid)  # it was taken
 
 
 def test_which_commands_may_run_warm(tmp_path) -> None:  # type: ignore[no-untyped-def]

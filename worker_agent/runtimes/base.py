@@ -36,6 +36,7 @@ class RankLaunch:
     checkpoint_dir: Path
     gpus: list[int] = field(default_factory=list)
     resize_in_place: bool = False  # may run in a warm process where the runtime keeps them
+    read_paths: list[str] = field(default_factory=list)  # host paths it may read besides the runtime's own
     image: str = ""  # the job's container image ("" = none asked for)
     cpus: float = 0.0  # cores it may use (0 = no limit)
     memory_bytes: int = 0  # memory it may use (0 = no limit)
@@ -69,6 +70,15 @@ class Runtime(abc.ABC):
     """How this node runs ranks."""
 
     name: str = ""  # "process", "contained", "container": what `silod nodes` shows
+    # Ranks start from the agent's environment (less its settings) rather than from a minimal
+    # one: only where they run as the agent's user anyway.
+    inherits_agent_env: bool = False
+    # Ranks see the agent's process (the same PID namespace): the SDK then watches it, for the
+    # processes a rank started that would outlive a killed agent. Where every process of a rank
+    # dies with its namespace (and so with the agent), there is nothing to watch.
+    sees_agent_process: bool = False
+    # Ranks see only what is mounted for them: they need the cache server's reader paths.
+    own_root: bool = True
 
     async def prepare(self, grace_s: float) -> None:
         """Before the first plan: stop ranks a previous agent on this work_dir left running (it

@@ -51,10 +51,13 @@ DIE_WITH_AGENT = (
 )
 
 
-async def spawn(*argv: str, **kwargs: Any) -> asyncio.subprocess.Process:
-    """Start ``argv`` as the leader of a new process group that dies with the agent."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-S", "-c", DIE_WITH_AGENT, str(os.getpid()), *argv, start_new_session=True, **kwargs)
+async def spawn(*argv: str, trampoline: bool = True, **kwargs: Any) -> asyncio.subprocess.Process:
+    """Start ``argv`` as the leader of a new process group that dies with the agent (through
+    the trampoline; without it, ``argv`` is a Python script run with ``-S`` that sees to that
+    itself, as the contained runtime's sandbox does)."""
+    prefix = ("-c", DIE_WITH_AGENT, str(os.getpid())) if trampoline else ()
+    return await asyncio.create_subprocess_exec(sys.executable, "-S", *prefix, *argv, start_new_session=True,
+                                                **kwargs)
 
 
 def exit_status(returncode: int) -> int:
@@ -82,6 +85,9 @@ class GroupProcess(RankProcess):
 
 class ProcessRuntime(Runtime):
     name = "process"
+    inherits_agent_env = True
+    sees_agent_process = True
+    own_root = False
 
     def __init__(self, run_dir: Path, warm: WarmPool | None = None) -> None:
         self.records = leftovers.RunRecords(run_dir)
