@@ -6,7 +6,7 @@ worker agent's protocol to the real scheduler and metadata service.
 Each node registers (``UpsertNode``), heartbeats, keeps its own ``AllocationService.Watch``
 stream, applies every NodePlan it is sent, Acks it (naming the jobs whose GPUs it released) and
 reports its tasks (``ReportTasks``), with the functions the real agent calls
-(worker_agent/node_protocol.py) and the agent's own task records (``agent.Task``). Only the
+(worker_agent/node_protocol.py) and the agent's own task records (``tasks.Task``). Only the
 ranks are emulated: a task is RUNNING from the moment its plan is applied, reports progress
 (rank 0: samples, steps, throughput) and, with ``--task-seconds S``, exits 0 after S seconds
 so that its job succeeds; a task the plan takes away checkpoints and exits at once. Nodes
@@ -43,7 +43,7 @@ from typing import Any
 from silod.rpc.channels import open_channel
 from silod.v1 import allocation_pb2, allocation_pb2_grpc, common_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
 from worker_agent import node_protocol
-from worker_agent.agent import Task, task_key
+from worker_agent.tasks import Task, task_key
 
 _log = logging.getLogger("silod.fleet")
 _WORKER = allocation_pb2.PLAN_COMPONENT_WORKER_AGENT
