@@ -369,6 +369,7 @@ class ResizeLab:
 
     NODE = "gpu-check"
     JOB = "job-gpu-check-resize"
+    runtime = "process"  # how the agent runs the ranks (--runtime): process, or contained (as root)
 
     def __init__(self, work: Path, data: Path, job: str = JOB) -> None:
         from silod.launcher import start_service
@@ -394,8 +395,9 @@ class ResizeLab:
             agent = start_service("worker-agent", "--metadata-address", metadata.address, "--scheduler-address",
                                   self.allocation.address, "--node-name", self.NODE, "--work-dir",
                                   str(self.work / "agent"), "--heartbeat-s", "0.5", "--report-s", "0.5",
-                                  "--warm-processes", "2", "--log-level", "warning", workdir=logs, env=env,
-                                  timeout_s=120)
+                                  "--warm-processes", "2", "--runtime", self.runtime,
+                                  "--contained-read-paths", f"{data},{EXAMPLE.parent}", "--log-level", "warning",
+                                  workdir=logs, env=env, timeout_s=120)
             self.procs.append(agent)
         except BaseException:
             self.close()
@@ -728,7 +730,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="rebuild the table of docs/benchmarks.md from benchmarks/results/gpu-check-*.json")
     parser.add_argument("--keep", metavar="DIR", help="keep the services' and jobs' files here (default: a "
                         "temporary directory, removed)")
+    parser.add_argument("--runtime", choices=("process", "contained"), default="process",
+                        help="how the worker agent runs the ranks of the resize and restart checks (default process; "
+                             "contained needs root)")
     options = parser.parse_args(argv)
+    ResizeLab.runtime = options.runtime
     when = dt.datetime.now(dt.timezone.utc)
     began = time.monotonic()
     error = ""

@@ -11,6 +11,9 @@ and shows its log tail, then stops the rest (exit 1). SIGINT/SIGTERM stop everyt
 cleanly (agents first, then cache servers, scheduler, estimator, metadata) and exit 0.
 With auth on (SILOD_AUTH_TOKEN set), each node's agent and cache server get a node credential of
 their own (``<state-dir>/nodes/<name>/node-credential``) instead of the cluster token.
+Run as root, the nodes contain their ranks (docs/operators.md, "Job containment"), which may
+read the directory silod up was started in (--contained-read-paths); the table says how each
+node runs them.
 """
 
 from __future__ import annotations
@@ -67,6 +70,14 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--dashboard-port", type=int, default=0,
                    help="port of the web dashboard on 127.0.0.1 (default 0: a free port, printed)")
     p.add_argument("--no-dashboard", action="store_true", help="do not start the web dashboard")
+    p.add_argument("--runtime", default="auto", choices=("auto", "contained", "process"),
+                   help="how the nodes run ranks: contained (a uid, namespaces and cgroup per job; needs root), "
+                        "process (as this user, uncontained); auto (default): contained when run as root")
+    p.add_argument("--allow-uncontained", action="store_true",
+                   help="with auth on, run ranks uncontained anyway (not root); without it silod up refuses")
+    p.add_argument("--contained-read-paths", default=None, metavar="PATHS",
+                   help="comma-separated paths contained ranks may read besides the system, the interpreter and "
+                        "silod (job code, local datasets); default: the directory silod up is started in")
     p.add_argument("--log-level", default="warning", help="log level of the services (default warning)")
     p.set_defaults(handler=_up)
 
@@ -121,6 +132,13 @@ def _up(args: argparse.Namespace) -> int:
     if args.cache_disk_bytes < 0 or args.cache_memory_bytes < 0:
         print("silod up: --cache-disk-bytes and --cache-memory-bytes must be >= 0", file=sys.stderr)
         return 2
+    if os.environ.get("SILOD_AUTH_TOKEN") and not args.allow_uncontained and (
+            args.runtime == "process" or (args.runtime == "auto" and os.geteuid() != 0)):
+        print("silod up: with auth on, ranks must be contained (any rank run as this user could read the nodes' "
+              "credentials and signal other tenants' ranks): run silod up as root, or pass --allow-uncontained to "
+              "accept uncontained ranks", file=sys.stderr)
+        return 2
+    read_paths = os.getcwd() if args.contained_read_paths is None else args.contained_read_paths
     if hasattr(signal, "SIGPIPE"):
         # main() gives client commands the Unix default (die on a closed stdout); a supervisor
         # must outlive its terminal or pipe, or its children are orphaned.
@@ -190,6 +208,9 @@ def _up(args: argparse.Namespace) -> int:
                            "--pool", pool, "--metadata-address", md.address, "--scheduler-address", sch.address]
             if gpu_type:
                 agent_flags += ["--gpu-type", gpu_type]
+            agent_flags += ["--runtime", args.runtime, "--contained-read-paths", read_paths]
+            if args.allow_uncontained:
+                agent_flags += ["--allow-uncontained"]
             identity = _node_identity(md.address, name, node_dir)  # auth on: a node credential, no cluster token
             if not args.no_cache:
                 cache = start(f"cache-server {name}", "cache-server", "--metadata-address", md.address, "--node", name,
@@ -208,6 +229,7 @@ def _up(args: argparse.Namespace) -> int:
                                 "--memory-cache-bytes", str(args.cache_memory_bytes)]
             agent = start(f"worker-agent {name}", "worker-agent", *agent_flags, tier=agents, env=identity)
             node["agent"] = agent.address
+            node["runtime"] = _runtime_of(agent.address)
             return node
 
         # Each node starts its cache server, then its agent (which needs the cache's address).
@@ -332,6 +354,20 @@ def _supervise(children: list[tuple[str, Any]], stop: list[int]) -> tuple[str, A
     return None
 
 
+def _runtime_of(agent: str) -> str:
+    """How the agent runs ranks (its NodeSpec.runtime): contained, process, ..."""
+    from silod.rpc.channels import open_channel
+    from silod.v1 import worker_agent_pb2, worker_agent_pb2_grpc
+
+    try:
+        with open_channel(agent, token=os.environ.get("SILOD_AUTH_TOKEN", "")) as channel:  # the cluster token
+            status = worker_agent_pb2_grpc.WorkerAgentServiceStub(channel).GetNodeStatus(
+                worker_agent_pb2.GetNodeStatusRequest(), timeout=10)
+    except Exception:  # noqa: BLE001 - shown as unknown; the cluster runs all the same
+        return ""
+    return status.spec.runtime
+
+
 def _tail(text: str, lines: int = 30) -> str:
     return "\n".join("    " + line for line in text.splitlines()[-lines:])
 
@@ -339,7 +375,7 @@ def _tail(text: str, lines: int = 30) -> str:
 def _print_table(info: dict[str, Any], logs: Path) -> None:
     rows = [("metadata", info["metadata"]), ("estimator", info["estimator"]), ("scheduler", info["scheduler"])]
     for node in info["nodes"]:
-        rows.append((f"{node['name']} worker-agent", node["agent"]))
+        rows.append((f"{node['name']} worker-agent", f"{node['agent']}  (ranks {node.get('runtime') or '?'})"))
         if "cache" in node:
             rows.append((f"{node['name']} cache-server", node["cache"]))
     fleet = info.get("fleet")

@@ -237,7 +237,10 @@ class JobContext:
         One short O_APPEND write per line: concurrent writers never interleave within a line."""
         record = {
             "t": time.time(), "job_id": self.job_id, "generation": self.generation, "rank": self.rank,
-            "world_size": self.world_size, "pid": os.getpid(), "samples_done": self.samples_done,
+            "world_size": self.world_size, "pid": os.getpid(),
+            # The agent's stamp of this launch: tells processes apart where the pid is a PID
+            # namespace's (a contained rank is pid 2 of its own).
+            "launch": os.environ.get("SILOD_LAUNCH_TIME", ""), "samples_done": self.samples_done,
             "steps_done": self.steps_done, "epochs_done": self.epochs_done,
         }
         fd = os.open(self.checkpoint_dir / CHECKPOINT_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -138,11 +138,13 @@ def sdk_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                       "--disk-cache-dir", str(root / "disk"), "--memory-cache-bytes", "0", "--no-fsync",
                       "--log-level", "warning")
         # PYTHONPATH empty: the agent passes its environment on to the jobs it launches, and a
-        # client job must import the silod it installed, not this checkout.
+        # client job must import the silod it installed, not this checkout. The process runtime:
+        # the jobs run the interpreters of the tests' own client installs, made in temporary
+        # directories after the node starts (a contained rank reads only what its agent names).
         start("worker-agent", "--metadata-address", md.address, "--scheduler-address", scheduler,
               "--node-name", "n0", "--gpus", "1", "--work-dir", str(root / "work"),
               "--heartbeat-s", "0.5", "--report-s", "0.5", "--cache-address", cache.address,
-              "--log-level", "warning", env={"PYTHONPATH": ""})
+              "--runtime", "process", "--log-level", "warning", env={"PYTHONPATH": ""})
         yield Cluster(root, md.address, scheduler, cache.address, procs)
     finally:
         for proc in reversed(procs):

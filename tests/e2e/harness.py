@@ -22,6 +22,7 @@ import grpc
 
 from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from silod.v1 import worker_agent_pb2, worker_agent_pb2_grpc
+from tests.support.contained import readable
 from tests.support.procs import LaunchError, ServiceProcess, free_port, start_service
 from worker_agent.gpus import check_exclusive
 
@@ -72,6 +73,7 @@ class Agent:
             "--checkpoint-deadline-s", "15",
             "--stop-grace-s", "5",
             "--log-level", "warning",
+            *readable(*cluster.read_paths),
             workdir=cluster.root / f"agent-{name}-proc",
         )
         self.channel = grpc.insecure_channel(self.proc.address)
@@ -105,8 +107,10 @@ class Agent:
 class Cluster:
     def __init__(self, root: Path, db_url: str, *, nodes: int = 3, gpus_per_node: int = 4, policy: str = "fifo",
                  interval_s: float = 1.0, restart_cost_s: float = 1.0, node_timeout_s: float = 4.0,
-                 inference_nodes: int = 0, scheduler_args: tuple[str, ...] = ()) -> None:
+                 inference_nodes: int = 0, scheduler_args: tuple[str, ...] = (),
+                 read_paths: tuple[Path, ...] = ()) -> None:
         self.root = root
+        self.read_paths = read_paths  # what contained ranks read besides the suite's default (a test's store)
         self.checkpoints = root / "checkpoints"
         self.gpus_per_node = gpus_per_node
         self._scheduler_args = (

@@ -46,7 +46,7 @@ def test_killed_agent_takes_its_tasks_down_and_its_jobs_finish_elsewhere(make_cl
     wait_until(lambda: not any(_running(t.pid) for t in victim_tasks), timeout=NODE_TIMEOUT_S,
                what="the killed agent's tasks to die")
     dead_at = time.time()
-    victim_pids = {t.pid for t in victim_tasks}
+    victim_generations = {(t.job_id, t.generation) for t in victim_tasks}
 
     finished = cluster.wait_terminal(list(ids.values()), timeout=240)
     for name, job_id in ids.items():
@@ -68,9 +68,11 @@ def test_killed_agent_takes_its_tasks_down_and_its_jobs_finish_elsewhere(make_cl
         # directory), which nobody overwrote in between: the dead wrote nothing more.
         saves = cluster.checkpoint_history(job_id)
         before = [s for s in saves if s["t"] <= dead_at]
-        assert before and all(s["pid"] in victim_pids for s in before[-1:])
+        assert before and (job_id, before[-1]["generation"]) in victim_generations
         assert resumed_at == before[-1]["samples_done"] > 0
-        assert not [s for s in saves if s["pid"] in victim_pids and s["t"] > dead_at]
+        # Which launches died (the agent's stamp: a contained rank's pid is its namespace's).
+        victim_launches = {s["launch"] for s in before if (job_id, s["generation"]) in victim_generations}
+        assert not [s for s in saves if s["launch"] in victim_launches and s["t"] > dead_at]
     cluster.assert_gpus_never_double_held()  # the surviving agents
     check_exclusive(cluster.killed[victim].gpu_history())
     assert cluster.double_held_total() == 0

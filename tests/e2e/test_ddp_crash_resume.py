@@ -43,8 +43,8 @@ def _submit(cluster, name: str) -> str:  # type: ignore[no-untyped-def]
 
 
 def test_a_killed_rank_restarts_the_job_from_its_checkpoint_to_the_same_parameters(make_cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster("sqlite", nodes=2, gpus_per_node=2)
     store = tmp_path / "digits"
+    cluster = make_cluster("sqlite", nodes=2, gpus_per_node=2, read_paths=(store,))
     subprocess.run([sys.executable, str(EXAMPLE), "prepare", str(store)], check=True, capture_output=True, timeout=120)
     register(cluster.metadata.address, "crash-digits", f"file://{store}")
 

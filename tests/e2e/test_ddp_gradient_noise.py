@@ -22,9 +22,9 @@ def test_measured_gradient_noise_reaches_the_estimators_model(make_cluster, tmp_
     import grpc
 
     with start_service("estimator", "--log-level", "warning", workdir=tmp_path / "estimator") as estimator:
-        cluster = make_cluster("sqlite", nodes=2, gpus_per_node=2, policy="fifo",
-                               scheduler_args=("--estimator-address", estimator.address))
         store = tmp_path / "digits"
+        cluster = make_cluster("sqlite", nodes=2, gpus_per_node=2, policy="fifo",
+                               scheduler_args=("--estimator-address", estimator.address), read_paths=(store,))
         subprocess.run([sys.executable, str(EXAMPLE), "prepare", str(store)], check=True, capture_output=True,
                        timeout=120)
         register(cluster.metadata.address, "noise-digits", f"file://{store}")

@@ -38,9 +38,11 @@ def _runs(cluster, job_id: str) -> list[dict]:  # type: ignore[no-untyped-def]
 
 
 def test_an_unmodified_env_rendezvous_script_runs_as_a_four_rank_job(make_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster("sqlite", nodes=2, gpus_per_node=2)
-    script = tmp_path / "allreduce.py"
+    scripts = tmp_path / "scripts"
+    scripts.mkdir(mode=0o755)  # job code contained ranks may read (tmp_path itself is the test's, 0700)
+    script = scripts / "allreduce.py"
     script.write_text(SCRIPT)
+    cluster = make_cluster("sqlite", nodes=2, gpus_per_node=2, read_paths=(scripts,))
     ids = []
     for name, gpus in (("four", 4), ("two-a", 1), ("two-b", 1)):
         spec = common_pb2.JobSpec(name=name, min_gpus=gpus, max_gpus=gpus, batch_size=8, sample_budget=8,

@@ -17,8 +17,8 @@ from tests.worker_agent.conftest import allocation, assignment, metadata, node_p
 __all__ = ["allocation", "metadata", "start_agent"]  # the fixtures, used by name below
 
 CLUSTER_TOKEN = "cluster-secret-of-the-agent"
-WRITE_TOKEN = ("import os, sys, time; open(sys.argv[1], 'a').write(os.environ.get('SILOD_AUTH_TOKEN', '-') + '\\n'); "
-               "time.sleep(0.5)")
+# Says its credential in its log (a contained rank writes nothing outside its own directories).
+WRITE_TOKEN = "import os, time; print('token:', os.environ.get('SILOD_AUTH_TOKEN', '-'), flush=True); time.sleep(0.5)"
 
 
 def _exited(allocation, job: str, generation: int) -> list[allocation_pb2.TaskReport]:  # type: ignore[no-untyped-def]
@@ -30,15 +30,18 @@ def _exited(allocation, job: str, generation: int) -> list[allocation_pb2.TaskRe
 def test_ranks_get_a_job_credential_or_are_not_launched(metadata, allocation, start_agent, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     agent = start_agent("--auth-token", CLUSTER_TOKEN, gpus=2)
     job = metadata.stub.CreateJob(m.CreateJobRequest(spec=training_spec(tenant="vision"))).id
-    seen = tmp_path / "tokens.txt"
-    command = [sys.executable, "-c", WRITE_TOKEN, str(seen)]
+    command = [sys.executable, "-c", WRITE_TOKEN]
+
+    def seen() -> list[str]:
+        return [line.split(" ", 1)[1] for rank in (0, 1) if (agent.work_dir / "jobs" / job / f"rank-{rank}.log").exists()
+                for line in agent.log(job, rank).splitlines() if line.startswith("token: ")]
 
     # No plan places the job on this node: no credential, so no launch.
     allocation.push(node_plan(agent.node, 1, assignment(job, 0, 1, [0], generation=1, command=command)))
     failed = wait_until(lambda: _exited(allocation, job, 1), what="the refused rank reported")[0]
     assert failed.exit_code == 127
     assert "no job credential: PERMISSION_DENIED" in agent.log(job, 0)
-    assert not seen.exists(), "the rank was not started"
+    assert not seen(), "the rank was not started"
 
     # Placed: both ranks on this node get the job's credential, one for the node.
     try:
@@ -53,7 +56,7 @@ def test_ranks_get_a_job_credential_or_are_not_launched(metadata, allocation, st
     done = wait_until(lambda: len(_exited(allocation, job, 2)) == 2 and _exited(allocation, job, 2),
                       what="both ranks done")
     assert [t.exit_code for t in done] == [0, 0], agent.log(job, 0)
-    tokens = seen.read_text().split()
+    tokens = seen()
     assert len(tokens) == 2 and len(set(tokens)) == 1, tokens
     assert CLUSTER_TOKEN not in tokens
     principal = metadata.stub.ResolveCredential(a.ResolveCredentialRequest(token=tokens[0])).principal

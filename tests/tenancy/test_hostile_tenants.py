@@ -35,6 +35,7 @@ from silod.launcher import ServiceProcess, start_service
 from silod.rpc.channels import open_channel
 from tests.cache_server.harness import make_dataset, silod_cli
 from tests.tenancy import hostile_cases
+from tests.tenancy.job_results import result_of
 from tests.tenancy.hostile_cases import Case, Target, empty_request, method_descriptor
 
 CLUSTER_TOKEN = "cluster-secret-for-the-hostile-suite"
@@ -65,6 +66,7 @@ class Cluster:
     admin_md: Any
     admin_jobs: Any
     admin_cache: Any
+    root: Path = Path()  # the module's directory: the agents' work directories are <root>/<node>
     channels: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     def address(self, method: str) -> str:
@@ -173,7 +175,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                      "bob": target(job_a, "alpha", "", "alice", own_tenant="beta"),
                      "node-n1": target(job_a, "alpha", "n1", "alice"),
                      "job-B": target(job_a, "alpha", "", "alice", own_job=job_b)},
-            job_a=job_a, job_b=job_b, admin_md=admin_md, admin_jobs=admin_jobs, admin_cache=admin_cache)
+            job_a=job_a, job_b=job_b, admin_md=admin_md, admin_jobs=admin_jobs, admin_cache=admin_cache,
+            root=root)
         for job in (job_a, job_b):
             admin_jobs.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job))
 
@@ -215,16 +218,15 @@ def test_a_jobs_own_code_cannot_commit_a_plan_cancel_another_job_or_read_its_sam
     credential) tries with its SILOD_AUTH_TOKEN what only the scheduler, another tenant or another job
     may do; it is refused each time, and trains to the end with what a job needs."""
     c = cluster
-    result = tmp_path / "result.json"
     bob = scheduler_pb2_grpc.JobServiceStub(c.channel("bob", c.processes["scheduler"].address))
     job = bob.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=common_pb2.JobSpec(
         name="curious", tenant="beta", application="cifar10", dataset="imgs", min_gpus=1, max_gpus=1,
         batch_size=8, sample_budget=64, command=[sys.executable, str(SCRIPT)],
-        env={"RESULT": str(result), "VICTIM": c.job_a, "SCHEDULER_ADDR": c.processes["scheduler"].address})))
+        env={"VICTIM": c.job_a, "SCHEDULER_ADDR": c.processes["scheduler"].address})))
     done = wait_for(lambda: (j := c.admin_jobs.GetJob(m.GetJobRequest(job_id=job.id))).state not in (
         common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED, RUNNING) and j, 60, "the job ended")
     assert done.state == SUCCEEDED, done.message
-    results = json.loads(result.read_text())["results"]
+    results = result_of(c.root / "n0" / "jobs" / job.id / "rank-0.log")["results"]
     own = {k: v for k, v in results.items() if k.startswith("own:") and k != "own: leased bytes"}
     assert own and set(own.values()) == {"OK"}, own
     refused = {k: v for k, v in results.items() if not k.startswith("own:")}

@@ -21,6 +21,7 @@ from silod.v1 import scheduler_pb2_grpc, worker_agent_pb2 as w, worker_agent_pb2
 from silod.launcher import start_service
 from silod.rpc.channels import open_channel
 from tests.cache_server.harness import make_dataset, silod_cli
+from tests.tenancy.job_results import result_of
 
 CLUSTER_TOKEN = "cluster-secret-for-job-credential-tests"
 CACHE_S = 1.0  # credential_cache_s of the scheduler, the agent and the cache server
@@ -65,17 +66,16 @@ def test_a_jobs_ranks_hold_a_credential_of_their_own_job_only(tmp_path: Path) ->
             name="victim", tenant="speech", application="cifar10", min_gpus=1, max_gpus=1, batch_size=8,
             sample_budget=10_000_000, emulated_step_compute_s=0.05)))  # the emulated job: the SDK's own calls
         wait_for(lambda: admin.GetJob(m.GetJobRequest(job_id=victim.id)).state == RUNNING, 40, "victim running")
-        result = tmp_path / "result.json"
         job = admin.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=common_pb2.JobSpec(
             name="curious", tenant="vision", application="cifar10", dataset="imgs", min_gpus=1, max_gpus=1,
             batch_size=8, sample_budget=64, command=[sys.executable, str(SCRIPT)], resize_in_place=True,
-            env={"RESULT": str(result), "VICTIM": victim.id, "SCHEDULER_ADDR": sch.address})))
+            env={"VICTIM": victim.id, "SCHEDULER_ADDR": sch.address})))
         done = wait_for(lambda: (j := admin.GetJob(m.GetJobRequest(job_id=job.id))).state not in (
             common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED, RUNNING) and j, 60, "the job ended")
         log = (tmp_path / "agent" / "jobs" / job.id / "rank-0.log").read_text()
         assert done.state == SUCCEEDED, f"{done.message}\n{log}"
         assert done.progress.samples_done == 64, "its progress went through its agent"
-        seen = json.loads(result.read_text())
+        seen = result_of(tmp_path / "agent" / "jobs" / job.id / "rank-0.log")
         results = seen["results"]
 
         # What the job needs works; all else is refused.
