@@ -115,7 +115,10 @@ class TaskReports:
                 self.jobs.reported(job_id, rank0.progress)
             self.feedback.observe(job, entry, rank0)
         failed = next((t for t in reports if t.phase == allocation_pb2.TASK_PHASE_EXITED and t.exit_code != 0), None)
-        if failed is not None and self.restarts.allows(job_id, failed.exit_code):
+        # Killed for passing its memory limit: a restart would pass it again, so the job fails
+        # saying so (its owner raises memory_bytes_per_rank or uses less).
+        out_of_memory = failed is not None and failed.exit_reason.startswith("out of memory")
+        if failed is not None and not out_of_memory and self.restarts.allows(job_id, failed.exit_code):
             count = self.restarts.begin(job_id)
             metrics.restarted_after_crash()
             why = (f"rank {failed.rank} (generation {failed.generation}) on {node} "
@@ -133,8 +136,10 @@ class TaskReports:
         if failed is not None and job_id in self.restarts.waiting:
             return False  # the other ranks of the killed generation fail as their peer vanished
         if failed is not None:
+            why = f": {failed.exit_reason}" if failed.exit_reason else ""
             await self._transition(job_id, job.state, common_pb2.JOB_STATE_FAILED,
-                                   f"rank {failed.rank} (generation {failed.generation}) on {node} exited with code {failed.exit_code}")
+                                   f"rank {failed.rank} (generation {failed.generation}) on {node} exited with code "
+                                   f"{failed.exit_code}{why}")
             return True
         world = len(convert.ranks_of(entry))
         seen = self.tasks.get((job_id, entry.generation), {})

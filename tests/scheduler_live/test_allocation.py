@@ -134,6 +134,23 @@ def test_nonzero_exit_fails_the_job(cluster) -> None:
     assert failed.state == common_pb2.JOB_STATE_FAILED and "code 3" in failed.message
 
 
+def test_a_rank_killed_for_its_memory_limit_fails_the_job_saying_so(cluster) -> None:
+    # SIGKILL (137) would restart the job from its checkpoint; killed for passing its memory
+    # limit, a restart would pass it again: the job fails, and its message says why.
+    from silod.v1 import metadata_pb2
+
+    cluster.add_node("n1", gpus=1)
+    job = cluster.submit("oom")
+    plan = cluster.round()
+    gen = _entry(plan, job.id).generation
+    reason = "out of memory: the rank passed its limit of 256 MiB"
+    cluster.report("n1", plan.version, allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=gen, phase=EXITED,
+                                                                exit_code=137, exit_reason=reason))
+    failed = cluster.md.GetJob(metadata_pb2.GetJobRequest(job_id=job.id))
+    assert failed.state == common_pb2.JOB_STATE_FAILED
+    assert failed.message.endswith(f"exited with code 137: {reason}"), failed.message
+
+
 def test_released_gpu_not_reused_before_ack(cluster) -> None:
     cluster.add_node("n1", gpus=1)
     a = cluster.submit("a")
