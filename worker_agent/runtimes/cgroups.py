@@ -214,6 +214,12 @@ class Cgroups:
         if limits.pids > 0:
             (path / "pids.max").write_text(str(limits.pids))
 
+    def remove_base(self) -> None:
+        """The agent stops: its node's groups go if no rank's is left in them."""
+        for base in self.bases.values():
+            with contextlib.suppress(OSError):
+                base.rmdir()
+
     def remove_stale(self) -> list[str]:
         """Remove empty groups a killed agent left; the names of those still holding processes."""
         busy = []

@@ -181,6 +181,7 @@ class ContainedRuntime(Runtime):
     async def close(self) -> None:
         if self.warm is not None:
             await self.warm.close()
+        self.cgroups.remove_base()
 
     def describe(self) -> str:
         return (f"contained: a uid per job ({self.users.start}-{self.users.end}), PID/mount/IPC namespaces, "

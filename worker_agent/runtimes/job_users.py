@@ -31,6 +31,11 @@ def parse_range(text: str) -> tuple[int, int]:
         raise UidRangeError(f"must be 1 <= START <= END <= {2**32 - 2}; got {text!r}")
     if start <= os.geteuid() <= end:
         raise UidRangeError(f"{text!r} holds the agent's own uid {os.geteuid()}")
+    import pwd
+
+    account = next((p for p in pwd.getpwall() if start <= p.pw_uid <= end), None)
+    if account is not None:  # a job would act as that account on files it owns
+        raise UidRangeError(f"{text!r} holds uid {account.pw_uid} of the account {account.pw_name!r}")
     return start, end
 
 
