@@ -71,6 +71,7 @@ class Task:
             generation=self.generation,
             phase=self.phase,
             exit_code=self.exit_code,
+            exit_reason=self.exit_reason,
             gpu_indices=[] if self.phase == allocation_pb2.TASK_PHASE_EXITED else self.gpus,
             progress=self.progress,
             step_time_s=self.step_time_s,
