@@ -239,6 +239,19 @@ def test_task_dies_with_its_killed_agent(allocation, start_agent) -> None:  # ty
     assert "checkpointed at" not in agent.log("job-pdeath", 0)  # killed like on a crashed machine, not asked
 
 
+def test_a_jobs_image_on_a_node_without_containers_is_noted_in_its_log(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
+    # The contained runtime (as root) runs the command on the node's own system: it says so.
+    agent = start_agent()
+    a = assignment("job-image", 0, 1, [0], budget=16, step_s=0.01)
+    a.spec.image = "registry.example:5000/team/train:1.4"
+    allocation.push(node_plan(agent.node, 1, a))
+    wait_until(lambda: (_latest(allocation, "job-image", 0, 1) or allocation_pb2.TaskReport()).phase == EXITED,
+               what="task exited")
+    assert ("--- silod: this node runs no containers (runtime contained): image registry.example:5000/team/train:1.4 "
+            "is not used") in agent.log("job-image", 0)
+    assert _latest(allocation, "job-image", 0, 1).exit_code == 0
+
+
 def test_task_whose_command_cannot_start_exits_127(allocation, start_agent) -> None:  # type: ignore[no-untyped-def]
     metrics_port = free_port()
     agent = start_agent("--metrics-port", str(metrics_port))

@@ -16,6 +16,7 @@ import abc
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 class LaunchError(Exception):
@@ -99,3 +100,11 @@ class Runtime(abc.ABC):
     def describe(self) -> str:
         """One line on what this runtime isolates, for the agent's start-up log."""
         return self.name
+
+
+def note_image_unused(log: Any, launch: RankLaunch, runtime: str) -> None:
+    """A job that names an image, on a node that runs no containers: its log says so."""
+    if launch.image:
+        log.write(f"--- silod: this node runs no containers (runtime {runtime}): image {launch.image} is not used\n"
+                  .encode())
+        log.flush()

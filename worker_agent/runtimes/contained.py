@@ -23,7 +23,7 @@ from pathlib import Path
 
 from services.runtime.structured_logging import get_logger
 from worker_agent.runtimes import cgroups, leftovers, sandbox
-from worker_agent.runtimes.base import LaunchError, RankExit, RankLaunch, RankProcess, Runtime
+from worker_agent.runtimes.base import LaunchError, RankExit, RankLaunch, RankProcess, Runtime, note_image_unused
 from worker_agent.runtimes.job_users import JobUsers, own_tree
 from worker_agent.runtimes.process import GroupProcess, spawn
 from worker_agent.warm_start import WarmPool
@@ -145,6 +145,7 @@ class ContainedRuntime(Runtime):
         rank: GroupProcess | None = None
         try:
             with open(launch.log_path, "ab") as log:
+                note_image_unused(log, launch, self.name)
                 if self.warm is not None and launch.resize_in_place:
                     proc = await self.warm.take(launch.command, config["env"], str(work), launch.log_path,
                                                 sandbox=config)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from worker_agent.runtimes import leftovers
-from worker_agent.runtimes.base import LaunchError, RankExit, RankLaunch, RankProcess, Runtime
+from worker_agent.runtimes.base import LaunchError, RankExit, RankLaunch, RankProcess, Runtime, note_image_unused
 from worker_agent.warm_start import WarmPool
 
 # Run as ``python -S -c DIE_WITH_AGENT AGENT_PID COMMAND...``: sets PR_SET_PDEATHSIG and execs
@@ -102,6 +102,7 @@ class ProcessRuntime(Runtime):
         rank: RankProcess | None = None
         try:
             with open(launch.log_path, "ab") as log:
+                note_image_unused(log, launch, self.name)
                 if self.warm is not None and launch.resize_in_place:
                     proc = await self.warm.take(launch.command, launch.env, str(launch.work_dir), launch.log_path)
                     if proc is not None:
