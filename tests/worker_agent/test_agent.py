@@ -88,7 +88,9 @@ def test_two_ranks_launch_with_env_report_phases_and_exit(metadata, allocation, 
     assert env["SILOD_GENERATION"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert env["SILOD_AGENT_ADDR"] == agent.address and env["SILOD_METADATA_ADDR"] == metadata.address
     assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["SILOD_BATCH_SIZE"]) == ("127.0.0.1", "29511", "8")
-    assert env["SILOD_CHECKPOINT_DIR"] == str((agent.work_dir / "checkpoints" / "job-two").resolve())
+    # A contained rank (as root, the default) finds the job's checkpoint directory at a path of
+    # its own; it is <work_dir>/checkpoints/job-two on the host.
+    assert env["SILOD_CHECKPOINT_DIR"] == "/silod/checkpoint"
     assert env["SILOD_TEST_MARK"] == "yes" and env["SILOD_SAMPLE_BUDGET"] == "160"
     # Acked once, and acknowledged exits are forgotten by the agent.
     wait_until(lambda: [a.version for a in allocation.servicer.acks] == [1], what="ack of v1")

@@ -30,6 +30,8 @@ from worker_agent.warm_start import WarmPool
 
 _log = get_logger("silod.worker_agent")
 
+# Where a rank finds its own directories (its working directory, the job's checkpoints).
+WORK, CHECKPOINT = "/silod/work", "/silod/checkpoint"
 SYSTEM_READ_ONLY = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/sys")
 SANDBOX_SCRIPT = sandbox.__file__
 
@@ -137,17 +139,22 @@ class ContainedRuntime(Runtime):
         box = self.sandboxes / name
         (box / "root").mkdir(parents=True, exist_ok=True)
         config = {
-            "cgroups": group.join, "root": str(box / "root"), "uid": uid, "gid": uid, "cwd": str(work),
-            "read_only": [*self.read_paths, *launch.read_paths], "read_write": [str(work), str(launch.checkpoint_dir)],
+            "cgroups": group.join, "root": str(box / "root"), "uid": uid, "gid": uid, "cwd": WORK,
+            "read_only": [*self.read_paths, *launch.read_paths],
+            "read_write": {str(work): WORK, str(launch.checkpoint_dir): CHECKPOINT},
+            # A read path that holds the agent's work directory or the checkpoints (a `silod up`
+            # started where its state lives) shows them empty.
+            "hide": [str(self.run_dir.parent), str(launch.checkpoint_dir.parent)],
             "devices": devices, "files": passwd_files(box, uid, uid), "command": launch.command,
-            "env": {"HOME": "/tmp", "USER": "silod-job", "LOGNAME": "silod-job", **launch.env},
+            "env": {"HOME": "/tmp", "USER": "silod-job", "LOGNAME": "silod-job", **launch.env,
+                    "SILOD_CHECKPOINT_DIR": CHECKPOINT},
         }
         rank: GroupProcess | None = None
         try:
             with open(launch.log_path, "ab") as log:
                 note_image_unused(log, launch, self.name)
                 if self.warm is not None and launch.resize_in_place:
-                    proc = await self.warm.take(launch.command, config["env"], str(work), launch.log_path,
+                    proc = await self.warm.take(launch.command, config["env"], WORK, launch.log_path,
                                                 sandbox=config)
                     if proc is not None:
                         rank = ContainedProcess(proc, group, limits, lambda: self._ended(launch, box), warm=True)

@@ -21,7 +21,8 @@ with the same configuration before it becomes the rank.
   no capabilities and PR_SET_NO_NEW_PRIVS set.
 
 The rank's root is a small tmpfs holding only what the configuration names: system directories
-and the interpreter read-only, its own work and checkpoint directories read-write, a fresh
+and the interpreter read-only, its own work and checkpoint directories read-write (at
+``/silod/work`` and ``/silod/checkpoint``: the way to them crosses nothing of the host), a fresh
 ``/proc`` (its own processes only), a ``/dev`` of the harmless devices and its own GPUs, a
 private ``/tmp`` and ``/dev/shm``, ``/sys`` read-only, and an ``/etc/passwd`` that names its
 user. Nothing else of the host is there: not the agent's work directory, not other jobs'
@@ -74,12 +75,12 @@ def _inside(root: str, path: str) -> str:
     return os.path.join(root, path.lstrip("/"))
 
 
-def _bind(root: str, source: str, *, writable: bool = False, device: bool = False) -> None:
-    """``source`` at the same path under ``root``: read-only unless ``writable``, never setuid,
-    and device nodes usable only where ``device``."""
+def _bind(root: str, source: str, *, at: str = "", writable: bool = False, device: bool = False) -> None:
+    """``source`` under ``root`` at its own path (or ``at``): read-only unless ``writable``, never
+    setuid, and device nodes usable only where ``device``."""
     if not os.path.lexists(source):
         return
-    target = _inside(root, source)
+    target = _inside(root, at or source)
     if os.path.islink(source):  # /bin -> usr/bin on merged-/usr systems: the same link
         os.makedirs(os.path.dirname(target), exist_ok=True)
         if not os.path.lexists(target):
@@ -106,8 +107,12 @@ def _build_root(config: dict) -> None:
     # Parents before children: a directory bound later inside an earlier one stays visible.
     for path in sorted(set(config.get("read_only", ())), key=len):
         _bind(root, path)
-    for path in config.get("read_write", ()):
-        _bind(root, path, writable=True)
+    for path in config.get("hide", ()):  # the agent's own directories, should a read path hold them
+        inside = _inside(root, path)
+        if os.path.isdir(inside):
+            _mount("tmpfs", inside, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755,size=64k")
+    for source, at in config.get("read_write", {}).items():  # at paths of their own: no host path to pass
+        _bind(root, source, at=at, writable=True)
     dev = _inside(root, "/dev")
     os.makedirs(dev, exist_ok=True)
     _mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
