@@ -14,7 +14,8 @@
   which the SDK picks up on its next poll. The agent also answers the survivor's SDK under the
   old identity until then. If the job has a survivor on this node, its other old tasks are
   removed with directive EXIT (exit 0, no checkpoint: the survivors keep the state), else the
-  usual checkpoint-and-exit stop applies. New ranks launch once removed ones have exited. A
+  usual checkpoint-and-exit stop applies. New ranks launch once removed ones have exited: the
+  jobs side by side, each job's ranks one after another in the plan's order. A
   survivor's GPUs and run record stay under the key it was launched as (``launch_key``), so the
   GPU table's acquires are exactly the launched processes. See docs/development.md.
 """
@@ -135,11 +136,23 @@ class PlanApplier:
                     ranks.finished.discard(t.key)
                     del ranks.tasks[t.key]
         running = {t.key for t in ranks.live()}
+        by_job: dict[str, list[plan_pb2.TaskAssignment]] = {}
         for key, a in desired.items():
-            if key in running or key in ranks.finished:
-                continue
-            await ranks.launch(a)
+            if key not in running and key not in ranks.finished:
+                by_job.setdefault(a.job_id, []).append(a)
+        # Jobs launch side by side, each job's ranks in the plan's order: a launch that waits (a
+        # container image being pulled) holds up its own job only. Every launch takes its GPUs in
+        # the table before its first await and only after the stops above have released theirs,
+        # so the table refuses exactly what it refused when launches ran one by one.
+        done = await asyncio.gather(*(self._launch_in_order(job) for job in by_job.values()), return_exceptions=True)
+        failed = next((e for e in done if isinstance(e, BaseException)), None)
+        if failed is not None:
+            raise failed
         return released
+
+    async def _launch_in_order(self, assignments: list[plan_pb2.TaskAssignment]) -> None:
+        for a in assignments:
+            await self.ranks.launch(a)
 
     def _fast_resize(self, plan: plan_pb2.NodePlan) -> set[str]:
         """Re-key survivors of fast resizes to their new assignments; return the jobs that have one.
