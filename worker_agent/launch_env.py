@@ -35,13 +35,14 @@ def base_env(settings: Any) -> dict[str, str]:
 MINIMAL_KEYS = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ")
 
 
-def minimal_base(passthrough: str = "") -> dict[str, str]:
-    """The agent's environment as a contained rank gets it: :data:`MINIMAL_KEYS` and what the
-    operator lets through (``rank_env_passthrough``: comma-separated names, ``PREFIX*`` for
-    every name that starts so), never a secret the operator did not name."""
+def minimal_base(passthrough: str = "", host_keys: bool = True) -> dict[str, str]:
+    """The agent's environment as a contained rank gets it: :data:`MINIMAL_KEYS` (unless
+    ``host_keys`` is false: a rank in an image has the image's) and what the operator lets through
+    (``rank_env_passthrough``: comma-separated names, ``PREFIX*`` for every name that starts so),
+    never a secret the operator did not name."""
     wanted = [w.strip() for w in passthrough.split(",") if w.strip()]
-    return {k: v for k, v in os.environ.items()
-            if k in MINIMAL_KEYS or any(k == w or (w.endswith("*") and k.startswith(w[:-1])) for w in wanted)}
+    return {k: v for k, v in os.environ.items() if (host_keys and k in MINIMAL_KEYS)
+            or any(k == w or (w.endswith("*") and k.startswith(w[:-1])) for w in wanted)}
 
 
 def master_addr(a: plan_pb2.TaskAssignment, agent_address: str) -> str:

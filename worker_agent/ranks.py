@@ -62,13 +62,13 @@ class Ranks:
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         task = Task(assignment=a, log_path=log_dir / f"rank-{a.rank}.log", batch_size=a.batch_size, launch_key=key)
         self.tasks[key] = task
-        command = list(a.spec.command) or [sys.executable, "-m", "silod.jobs.emulated"]
+        command = list(a.spec.command) or [self.runtime.python or sys.executable, "-m", "silod.jobs.emulated"]
         with open(task.log_path, "ab") as log:
             log.write(f"--- silod: generation {a.generation} rank {a.rank} gpus {list(a.gpu_indices)}\n".encode())
         try:
             token = await self.credentials.token(a.job_id, (t.job_id for t in self.tasks.values() if t is not task))
-            base = None if self.runtime.inherits_agent_env else \
-                launch_env.minimal_base(getattr(self.settings, "rank_env_passthrough", ""))
+            base = None if self.runtime.inherits_agent_env else launch_env.minimal_base(
+                getattr(self.settings, "rank_env_passthrough", ""), host_keys=not self.runtime.image_env)
             env = launch_env.rank_env(self.settings, self.agent_address, a, checkpoint_dir, token, base,
                                       agent_visible=self.runtime.sees_agent_process)
             task.process = await self.runtime.start(RankLaunch(

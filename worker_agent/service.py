@@ -71,10 +71,11 @@ class Settings(NodeIdentitySettings):
         "torch._dynamo is what creating the first optimizer imports (about 1 s)",
     )
 
-    runtime: Literal["auto", "process", "contained"] = Field(
+    runtime: Literal["auto", "process", "contained", "container"] = Field(
         "auto", description="How ranks run: contained (a uid, namespaces and cgroup per job; needs root), process "
-        "(as the agent's user, uncontained), auto = contained when the agent runs as root, else process "
-        "(docs/operators.md, 'Job containment')",
+        "(as the agent's user, uncontained), container (a Docker container per rank, of the job's image; needs root "
+        "and the Docker Engine, docs/containers.md), auto = contained when the agent runs as root, else process, "
+        "never container (docs/operators.md, 'Job containment')",
     )
     allow_uncontained: bool = Field(
         False, description="Run ranks uncontained (the process runtime) even with auth on; without it such an agent "
@@ -95,6 +96,26 @@ class Settings(NodeIdentitySettings):
     )
     rank_pids_limit: int = Field(4096, ge=16, le=4_194_304,
                                  description="Processes and threads each contained rank may have")
+    docker_host: str = Field(
+        "unix:///var/run/docker.sock", pattern=r"^(unix:///\S+|tcp://[^/\s]+)$",
+        description="runtime: container: the Docker Engine's API (unix:///PATH, or tcp://HOST:PORT without TLS)",
+    )
+    default_image: str = Field(
+        "", description="runtime: container: the image of a job that names none; empty = such a job's ranks fail, "
+        "naming the missing image",
+    )
+    registry_auth_file: str = Field(
+        "", description="runtime: container: a JSON file of the operator's registry credentials, "
+        "{\"HOST[:PORT]\": {\"username\": ..., \"password\": ...}}, sent when pulling from that registry",
+    )
+    container_read_paths: str = Field(
+        "", description="runtime: container: comma-separated host paths each rank's container mounts read-only at "
+        "the same path (local datasets); the cache server's directories are mounted anyway",
+    )
+    image_pull_timeout_s: float = Field(
+        600.0, gt=0, le=86_400, description="runtime: container: seconds a pull of a job's image may take before "
+        "its ranks fail",
+    )
     cpus: float = Field(0.0, ge=0.0, le=1e6, description="CPU cores ranks may request on the node; 0 = the machine's")
     memory_bytes: int = Field(0, ge=0, le=2**60, description="Bytes of memory ranks may request on the node; "
                               "0 = the machine's")

@@ -18,7 +18,7 @@ SERVER_PACKAGES = frozenset({"services", "scheduler", "estimator", "cache_server
 # Third-party packages only the server, simulator or test installs have.
 SERVER_ONLY_DEPENDENCIES = frozenset({
     "sqlalchemy", "alembic", "psycopg2", "scipy", "matplotlib", "prometheus_client", "pydantic", "pydantic_settings",
-    "grpc_reflection",
+    "grpc_reflection", "aiodocker",
 })
 # Modules of commands that start servers: server imports inside functions are allowed there.
 SERVER_COMMAND_MODULES = frozenset({"silod.cli.main", "silod.cli.up", "silod.cli.admin", "silod.demo", "silod.launcher"})

@@ -80,6 +80,12 @@ class Runtime(abc.ABC):
     sees_agent_process: bool = False
     # Ranks see only what is mounted for them: they need the cache server's reader paths.
     own_root: bool = True
+    # Ranks run in an image whose own PATH, LANG, ... apply: the agent's are not passed on (only
+    # the variables the operator lets through, rank_env_passthrough).
+    image_env: bool = False
+    # The interpreter a job without a command runs ``-m silod.jobs.emulated`` with ("" = the
+    # agent's own, sys.executable; an image's is its own ``python3``).
+    python: str = ""
 
     async def prepare(self, grace_s: float) -> None:
         """Before the first plan: stop ranks a previous agent on this work_dir left running (it

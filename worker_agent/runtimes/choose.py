@@ -2,7 +2,8 @@
 
 ``runtime: auto`` (the default) contains ranks whenever the agent can: as root it runs them as
 contained processes; otherwise they run as the agent's own user, uncontained, and the agent
-says so when it starts. With auth on, an agent that would run ranks uncontained refuses to
+says so when it starts. ``runtime: container`` (Docker containers of the job's image) is only
+ever chosen by name. With auth on, an agent that would run ranks uncontained refuses to
 start unless the operator passes ``allow_uncontained``: any such rank could read the node's
 credential and signal other tenants' ranks.
 """
@@ -35,6 +36,8 @@ def choose_runtime(settings: Any, node: str, work_dir: Path, warm: Callable[[boo
     Raises ConfigError naming the setting when the choice cannot work or is unsafe."""
     wanted = settings.runtime
     run_dir = work_dir / "run"
+    if wanted == "container":
+        return _container_runtime(settings, node, work_dir, gpu_devices)
     why_not_contained = ""
     if wanted in ("auto", "contained"):
         if os.geteuid() != 0:
@@ -58,3 +61,22 @@ def choose_runtime(settings: Any, node: str, work_dir: Path, warm: Callable[[boo
     _log.warning("ranks run uncontained, as the agent's user", extra={
         "reason": why_not_contained or "runtime: process", "see": "docs/operators.md, 'Job containment'"})
     return ProcessRuntime(run_dir, warm(False))
+
+
+def _container_runtime(settings: Any, node: str, work_dir: Path, gpu_devices: GpuDevices) -> Runtime:
+    """``runtime: container`` (never chosen by auto): ranks in Docker containers of their image."""
+    from worker_agent.runtimes.container import ContainerRuntime
+    from worker_agent.runtimes.container_spec import RegistryAuthError, load_registry_auth
+
+    if os.geteuid() != 0:
+        raise ConfigError("runtime: container needs the agent to run as root (it gives each job's uid its "
+                          "directories)")
+    try:
+        load_registry_auth(settings.registry_auth_file)  # refused now rather than at the first pull
+    except RegistryAuthError as exc:
+        raise ConfigError(f"registry_auth_file: {exc}") from None
+    start, end = parse_range(settings.job_uids)
+    read = [p.strip() for p in settings.container_read_paths.split(",") if p.strip()]
+    return ContainerRuntime(node, work_dir, JobUsers(start, end), settings.docker_host, settings.default_image,
+                            settings.registry_auth_file, read, settings.rank_pids_limit,
+                            lambda indices: bool(gpu_devices(indices)[0]), settings.image_pull_timeout_s)
