@@ -30,6 +30,7 @@ from silod.v1 import scheduler_pb2_grpc, worker_agent_pb2, worker_agent_pb2_grpc
 from silod.launcher import ServiceProcess, start_service
 from silod.rpc.channels import open_channel
 from tests.cache_server.harness import make_dataset, silod_cli
+from tests.e2e.harness import wait_until as wait_for
 from tests.tenancy.job_results import result_of
 
 CLUSTER_TOKEN = "cluster-secret-of-the-containment-suite"
@@ -41,16 +42,6 @@ REFUSED_FILE = {"ENOENT", "EACCES", "EPERM"}
 HARMLESS_DEVICES = {"null", "zero", "full", "random", "urandom", "tty", "fd", "stdin", "stdout", "stderr", "shm"}
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the contained runtime needs root")
-
-
-def wait_for(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def group_pids(pgid: int) -> list[int]:
