@@ -37,7 +37,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 GUIDES = ["README.md", "docs/operators.md", "docs/cache.md", "docs/clients.md", "docs/distributed.md",
-          "docs/development.md", "docs/configuration.md", "docs/tenants.md"]
+          "docs/development.md", "docs/configuration.md", "docs/tenants.md", "docs/containers.md"]
 NOT_GUIDES = {
     "docs/api.md": "reference, generated from the protos",
     "docs/configuration-reference.md": "reference, generated from the settings",
