@@ -420,7 +420,18 @@ def pydeps_image(engine: Engine) -> str:
         f"ENV PATH={IMAGE_PATH}\n"))
     shutil.rmtree(context, ignore_errors=True)
     TIMINGS["pydeps_build_s"] = time.monotonic() - started
+    _prune(engine, "silod-test/pydeps")
     return tag
+
+
+def _prune(engine: Engine, repository: str, keep: int = 3) -> None:
+    """Drop all but the ``keep`` newest tags of one of the tests' repositories (an image a container
+    still uses stays: the Engine refuses)."""
+    listed = engine.docker("images", repository, "--format", "{{.CreatedAt}}\t{{.Repository}}:{{.Tag}}",
+                           check=False, timeout=60).stdout.splitlines()
+    old = [line.split("\t")[1] for line in sorted(listed, reverse=True)[keep:] if "\t" in line]
+    if old:
+        engine.docker("rmi", *old, check=False, timeout=300)
 
 
 def sdk_sources_digest() -> str:
@@ -450,6 +461,7 @@ def build_job_image(engine: Engine) -> str:
         f"RUN /opt/venv/bin/pip install -q --no-cache-dir --no-deps /tmp/{wheel} && rm /tmp/{wheel}\n"))
     shutil.rmtree(context, ignore_errors=True)
     TIMINGS["job_build_s"] = time.monotonic() - started
+    _prune(engine, "silod-test/job")
     return tag
 
 

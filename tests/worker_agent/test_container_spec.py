@@ -163,3 +163,16 @@ def test_a_non_root_agent_is_refused_the_container_runtime(tmp_path: Path, monke
     monkeypatch.setattr(os, "geteuid", lambda: 12345)
     with pytest.raises(ConfigError, match="^runtime: container needs the agent to run as root"):
         _choose(_settings(tmp_path, runtime="container", job_uids="2000000-2000100"), tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the container runtime needs root; as another user it is refused")
+def test_an_agent_that_cannot_reach_the_engine_exits_2_naming_docker_host(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "silod.cli", "worker-agent", "--metadata-address", "127.0.0.1:1",
+                           "--runtime", "container", "--docker-host", f"unix://{tmp_path}/no-docker.sock",
+                           "--work-dir", str(tmp_path / "agent"), "--listen", "127.0.0.1:0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"docker_host: cannot reach the Docker Engine at unix://{tmp_path}/no-docker.sock" in done.stderr
