@@ -17,6 +17,7 @@ import pytest
 from silod.lab import netns
 from tests.support.docker_engine import LAB_SUBNET, POOL, Engine, docker_engine, forward_policy, forward_rules
 
+pytestmark = pytest.mark.timeout(600)  # the first test of a fresh machine installs Docker (apt-get)
 __all__ = ["docker_engine"]  # the fixture, used by name below
 
 PREFIX = f"sddk{os.getpid() % 100000}"  # never the lab's prefix: neither removes the other's links

@@ -35,6 +35,8 @@ from tests.support.docker_engine import Engine, docker_engine as docker_engine, 
 from tests.support.procs import free_port
 from tests.worker_agent.conftest import assignment, node_plan, wait_until
 
+pytestmark = pytest.mark.timeout(900)  # the first test of a fresh machine installs Docker and builds the images (about 3 min here)
+
 EXITED = allocation_pb2.TASK_PHASE_EXITED
 RUNNING = allocation_pb2.TASK_PHASE_RUNNING
 CLUSTER_TOKEN = "cluster-secret-of-the-agent"

@@ -9,7 +9,6 @@ import json
 import os
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
