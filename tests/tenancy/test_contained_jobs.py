@@ -1,8 +1,9 @@
 """Jobs that cannot touch each other: a hostile tenant's rank beside another tenant's, on one node
-whose agent contains its ranks, with real processes and auth on.
+whose agent contains its ranks, with real processes and auth on, for both runtimes that contain:
+contained processes and containers (Docker, tests/support/docker_engine.py).
 
 `silod metadata`, `silod scheduler`, `silod estimator`, a cache server and a worker agent (as
-root: the contained runtime) on node n0, node credentials for the node's processes; tenants alpha
+root) on node n0, node credentials for the node's processes; tenants alpha
 (alice) and beta (bob). Alice's job trains; bob's job (tests/tenancy/hostile_rank.py) tries what
 a rank can reach: every process's environment and command line, the node's credential file, the
 agent's and the cache server's state, alice's job's directories, signals and ptrace on alice's
@@ -31,6 +32,7 @@ from silod.launcher import ServiceProcess, start_service
 from silod.rpc.channels import open_channel
 from tests.cache_server.harness import make_dataset, silod_cli
 from tests.e2e.harness import wait_until as wait_for
+from tests.support.docker_engine import docker_engine as docker_engine, job_image as job_image
 from tests.tenancy.job_results import result_of
 
 CLUSTER_TOKEN = "cluster-secret-of-the-containment-suite"
@@ -40,8 +42,10 @@ RUNNING, SUCCEEDED, FAILED = common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_
 TERMINAL = (SUCCEEDED, FAILED, common_pb2.JOB_STATE_CANCELLED)
 REFUSED_FILE = {"ENOENT", "EACCES", "EPERM"}
 HARMLESS_DEVICES = {"null", "zero", "full", "random", "urandom", "tty", "fd", "stdin", "stdout", "stderr", "shm"}
+DOCKER_DEVICES = {"core", "mqueue", "ptmx", "pts", "console"}  # what Docker adds to a container's /dev
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the contained runtime needs root")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="both runtimes need root"),
+              pytest.mark.timeout(900)]  # a fresh machine installs Docker and builds the job image first
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -53,6 +57,21 @@ def group_pids(pgid: int) -> list[int]:
                 fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
                 if int(fields[2]) == pgid:
                     found.append(int(entry))
+    return found
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of ``pid``."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, parent in parents.items() if parent in frontier]
+        found += kids
+        frontier = kids
     return found
 
 
@@ -70,9 +89,19 @@ def snapshot(md: Any, victim: str) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    root = tmp_path_factory.mktemp("contained")
+@pytest.fixture(scope="module", params=["contained", "container"])
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    runtime = request.param
+    if runtime == "container":  # the Engine and the job image (skipped where there is none, failed under CI)
+        image = request.getfixturevalue("job_image")
+        engine = request.getfixturevalue("docker_engine")
+        python = "python3"  # the image's
+        runtime_flags = ("--runtime", "container", "--default-image", image,
+                         "--container-read-paths", str(HOSTILE.parent))
+    else:
+        engine, python = None, sys.executable
+        runtime_flags = ("--runtime", "contained")
+    root = tmp_path_factory.mktemp(runtime)
     make_dataset(root / "store", 10, 200, seed=3)
     auth = ("--auth-token", CLUSTER_TOKEN, "--log-level", "warning")
     with contextlib.ExitStack() as stack:
@@ -101,11 +130,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         agent = stack.enter_context(start_service(
             "worker-agent", "--metadata-address", md.address, "--scheduler-address", sch.address, "--node-name", "n0",
             "--gpus", "3", "--work-dir", str(root / "n0"), "--cache-address", cache.address,
-            "--node-credential-file", str(credential), "--runtime", "contained",
+            "--node-credential-file", str(credential), *runtime_flags,
             "--rank-pids-limit", str(PIDS_LIMIT), "--report-s", "0.5", "--heartbeat-s", "0.5",
             "--checkpoint-deadline-s", "5", "--log-level", "warning", workdir=root / "agent"))
         yield {"root": root, "md": md, "sch": sch, "est": est, "cache": cache, "agent": agent, "users": users,
-               "node_token": node_token, "admin_md": admin_md,
+               "node_token": node_token, "admin_md": admin_md, "runtime": runtime, "python": python, "engine": engine,
                "admin_jobs": scheduler_pb2_grpc.JobServiceStub(open_channel(sch.address, token=CLUSTER_TOKEN))}
 
 
@@ -128,10 +157,12 @@ def test_a_hostile_rank_reaches_nothing_of_its_neighbour_or_the_node(cluster: di
     wait_for(lambda: (j := admin_md.GetJob(m.GetJobRequest(job_id=victim))).state == RUNNING
              and j.progress.samples_done > 0, 60, "the victim training")
     agent = worker_agent_pb2_grpc.WorkerAgentServiceStub(open_channel(c["agent"].address, token=CLUSTER_TOKEN))
-    launcher = next(t.pid for t in agent.GetNodeStatus(worker_agent_pb2.GetNodeStatusRequest()).tasks
-                    if t.job_id == victim)
-    victim_pids = group_pids(launcher)
-    assert len(victim_pids) >= 3  # launcher, init, rank
+    first = next(t.pid for t in agent.GetNodeStatus(worker_agent_pb2.GetNodeStatusRequest()).tasks
+                 if t.job_id == victim)
+    # Contained: the launcher leads a process group with the namespace's init and the rank.
+    # Container: the container's init (docker-init) and the rank, its child.
+    victim_pids = group_pids(first) if c["runtime"] == "contained" else [first, *children(first)]
+    assert len(victim_pids) >= (3 if c["runtime"] == "contained" else 2), victim_pids
     victim_token = next(v.split("=", 1)[1] for pid in victim_pids
                         for v in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
                         if v.startswith("SILOD_AUTH_TOKEN="))
@@ -143,18 +174,19 @@ def test_a_hostile_rank_reaches_nothing_of_its_neighbour_or_the_node(cluster: di
                  str(root / "disk"), str(root / "disk" / "journal.jsonl"), str(root / "disk" / "objects"),
                  str(root / "meta.db"), "/proc/1/environ", "/etc/shadow"]
 
-    hostile = _submit(c, "bob", "beta", name="hostile", sample_budget=8, command=[sys.executable, str(HOSTILE)],
+    hostile = _submit(c, "bob", "beta", name="hostile", sample_budget=8, command=[c["python"], str(HOSTILE)],
                       env={"VICTIM": victim, "VICTIM_PIDS": json.dumps(victim_pids), "TRY_PATHS": json.dumps(try_paths),
                            "SCHEDULER_ADDR": c["sch"].address, "ESTIMATOR_ADDR": c["est"].address})
     hog = _submit(c, "bob", "beta", name="hog", sample_budget=8, memory_bytes_per_rank=160 << 20,
-                  command=[sys.executable, "-c", "import time; hog = bytearray(1 << 30); time.sleep(30)"])
+                  command=[c["python"], "-c", "import time; hog = bytearray(1 << 30); time.sleep(30)"])
     done = _ended(c, hostile, 120)
     log = (n0 / "jobs" / hostile / "rank-0.log").read_text()
     assert done.state == SUCCEEDED, f"{done.message}\n{log[-3000:]}"
     found = result_of(n0 / "jobs" / hostile / "rank-0.log")
 
-    # It saw its own processes only, and no secret but its own credential.
-    assert found["pids"] == [1, 2], found["pids"]
+    # It saw its own processes only (its namespace's init and itself), and no secret but its own
+    # credential.
+    assert len(found["pids"]) == 2 and found["pids"][0] == 1, found["pids"]
     # Every token it found is a credential of its own job (by its id: the job's credential is
     # revoked now that the job has ended).
     own_ids = {x.id for x in admin_md.ListCredentials(a.ListCredentialsRequest(
@@ -165,13 +197,20 @@ def test_a_hostile_rank_reaches_nothing_of_its_neighbour_or_the_node(cluster: di
         assert secret not in seen and secret not in found["tokens"]
     # Files: none of the node's, the services' or the other job's could be read or listed.
     assert set(found["files"]) == set(try_paths)
+    if c["runtime"] == "container":
+        # The mounts' parents, made empty in the container's own filesystem; its init (docker-init)
+        # runs as the job's user, with the rank's own environment (its tokens are checked above).
+        assert found["files"].pop(str(n0)) in ("ENOENT", "OK: checkpoints,jobs")
+        assert found["files"].pop("/proc/1/environ") == "OK"
     assert set(found["files"].values()) <= REFUSED_FILE, found["files"]
     # The other job's processes: out of its sight; its namespace's init is root's.
     assert set(found["signals"].values()) == {"ESRCH"}, found["signals"]
     assert {p: r for p, r in found["ptrace"].items() if p != "1"} == {str(p): "ESRCH" for p in victim_pids}
-    assert found["ptrace"]["1"] == "EPERM"
+    if c["runtime"] == "contained":  # its init is root's (a container's runs as the job's own user)
+        assert found["ptrace"]["1"] == "EPERM"
     # Devices: the harmless ones only, and no making of others.
-    assert set(found["dev"]) <= HARMLESS_DEVICES, found["dev"]
+    harmless = HARMLESS_DEVICES | (DOCKER_DEVICES if c["runtime"] == "container" else set())
+    assert set(found["dev"]) <= harmless, found["dev"]
     assert found["mknod"] == "EPERM"
     # Services: its own credential acts on its own job only.
     assert found["calls"] and set(found["calls"].values()) == {"PERMISSION_DENIED"}, found["calls"]
