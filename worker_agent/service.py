@@ -112,6 +112,13 @@ class Settings(NodeIdentitySettings):
         "", description="runtime: container: comma-separated host paths each rank's container mounts read-only at "
         "the same path (local datasets); the cache server's directories are mounted anyway",
     )
+    container_network: str = Field(
+        "host", pattern=r"^(host|container:[A-Za-z0-9][A-Za-z0-9_.-]*)$",
+        description="runtime: container: the network each rank's container joins: host (the host's), or "
+        "container:NAME, the network namespace of the container NAME (an agent that runs in a container names "
+        "its own: its ranks then reach what it reaches, by the same names, and the other nodes' ranks reach them "
+        "at its address)",
+    )
     image_pull_timeout_s: float = Field(
         600.0, gt=0, le=86_400, description="runtime: container: seconds a pull of a job's image may take before "
         "its ranks fail",

@@ -158,6 +158,21 @@ def test_docker_host_must_be_a_unix_socket_or_tcp(tmp_path: Path) -> None:
         _settings(tmp_path, docker_host="/var/run/docker.sock")
 
 
+def test_ranks_join_the_network_container_network_names(tmp_path: Path) -> None:
+    """container_network: host (the default) or container:NAME, the network namespace of the agent's
+    own container (an agent in Docker Compose: its ranks resolve the compose services' names)."""
+    assert _settings(tmp_path).container_network == "host"
+    named = _settings(tmp_path, container_network="container:silod-agent-0-1")
+    body = spec.container_body(_launch(tmp_path, []), "img", spec.RankContainer(
+        node="n", agent_work_dir="/w", uid=1, gid=1, pids_limit=64, real_gpus=False,
+        network=named.container_network))
+    assert body["HostConfig"]["NetworkMode"] == "container:silod-agent-0-1"
+    assert "Hostname" not in body and "PortBindings" not in body["HostConfig"]  # the Engine refuses them there
+    for wrong in ("bridge", "container:", "container:-x", "none; rm"):
+        with pytest.raises(ValueError, match="container_network"):
+            _settings(tmp_path, container_network=wrong)
+
+
 def test_a_non_root_agent_is_refused_the_container_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 12345)
     with pytest.raises(ConfigError, match="^runtime: container needs the agent to run as root"):

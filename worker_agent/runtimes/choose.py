@@ -79,4 +79,5 @@ def _container_runtime(settings: Any, node: str, work_dir: Path, gpu_devices: Gp
     read = [p.strip() for p in settings.container_read_paths.split(",") if p.strip()]
     return ContainerRuntime(node, work_dir, JobUsers(start, end), settings.docker_host, settings.default_image,
                             settings.registry_auth_file, read, settings.rank_pids_limit,
-                            lambda indices: bool(gpu_devices(indices)[0]), settings.image_pull_timeout_s)
+                            lambda indices: bool(gpu_devices(indices)[0]), settings.image_pull_timeout_s,
+                            settings.container_network)

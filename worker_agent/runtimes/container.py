@@ -8,7 +8,8 @@ does not have it. The container (:func:`container_spec.container_body`):
 * runs the rank's command (a job without one: the image's ``python3 -m silod.jobs.emulated``)
   under its job's uid and gid (``job_uids``, as the contained runtime), docker-init as PID 1 in a
   PID namespace of its own, with no capability, no-new-privileges, the host's network (gloo and
-  NCCL across nodes as for processes) and a private IPC namespace;
+  NCCL across nodes as for processes; or, ``container_network: container:NAME``, the network
+  namespace of the agent's own container) and a private IPC namespace;
 * holds the job's memory (no swap), CPU and process limits, and only its own GPUs (NVIDIA's
   container runtime, by device request), which it sees numbered from 0;
 * sees of the host only its work directory and the job's checkpoint directory (read-write, at
@@ -108,7 +109,7 @@ class ContainerRuntime(Runtime):
 
     def __init__(self, node: str, work_dir: Path, users: JobUsers, docker_host: str, default_image: str,
                  registry_auth_file: str, read_paths: list[str], pids_limit: int,
-                 real_gpus: Callable[[list[int]], bool], pull_timeout_s: float) -> None:
+                 real_gpus: Callable[[list[int]], bool], pull_timeout_s: float, network: str = "host") -> None:
         self.node = node
         self.work_dir = work_dir
         self.users = users
@@ -119,6 +120,7 @@ class ContainerRuntime(Runtime):
         self.pids_limit = pids_limit
         self.real_gpus = real_gpus  # GPU indices -> are they NVML's (not emulated)?
         self.pull_timeout_s = pull_timeout_s
+        self.network = network  # container_network: host, or container:NAME
         self._docker: aiodocker.Docker | None = None
         self._pulls: dict[str, asyncio.Future[None]] = {}  # image -> its pull in flight, shared
         self._watchdog: asyncio.subprocess.Process | None = None
@@ -276,7 +278,8 @@ class ContainerRuntime(Runtime):
         await self.ensure_image(image)
         body = container_spec.container_body(launch, image, container_spec.RankContainer(
             node=self.node, agent_work_dir=str(self.work_dir), uid=uid, gid=uid, pids_limit=self.pids_limit,
-            real_gpus=bool(launch.gpus) and self.real_gpus(launch.gpus), read_paths=self.read_paths))
+            real_gpus=bool(launch.gpus) and self.real_gpus(launch.gpus), read_paths=self.read_paths,
+            network=self.network))
         name = container_spec.container_name(self.node, str(self.work_dir), launch.key)
         try:
             container = await self._create(body, name)
@@ -338,5 +341,5 @@ class ContainerRuntime(Runtime):
     def describe(self) -> str:
         return (f"container: a Docker container per rank (Engine at {self.docker_host}), of its job's image "
                 f"(default {self.default_image or 'none'}); a uid per job ({self.users.start}-{self.users.end}), "
-                "own PID/mount/IPC/UTS namespaces, host network, no capabilities, no-new-privileges, memory/CPU/pids "
-                "limits, only its own GPUs")
+                f"own PID/mount/IPC/UTS namespaces, {self.network} network, no capabilities, no-new-privileges, "
+                "memory/CPU/pids limits, only its own GPUs")

@@ -39,6 +39,7 @@ class RankContainer:
     pids_limit: int
     real_gpus: bool  # the node's GPUs are NVML's (device requests), not emulated
     read_paths: tuple[str, ...] = ()  # host paths mounted read-only besides the launch's own
+    network: str = "host"  # NetworkMode: host, or container:NAME (container_network)
 
 
 def image_registry(image: str) -> str:
@@ -124,7 +125,9 @@ def container_body(launch: RankLaunch, image: str, node: RankContainer) -> dict[
     read_only = [p for p in dict.fromkeys([*launch.read_paths, *node.read_paths])
                  if p and os.path.exists(p) and p not in (work, str(launch.checkpoint_dir))]
     host: dict[str, Any] = {
-        "NetworkMode": "host",  # gloo and NCCL reach the other nodes' ranks as processes would
+        # host: gloo and NCCL reach the other nodes' ranks as processes would; container:NAME (an
+        # agent in a container names its own): the rank sees the network the agent sees
+        "NetworkMode": node.network,
         "Init": True,  # docker-init as PID 1: signals reach the rank, zombies are reaped
         "IpcMode": "private",
         "CapDrop": ["ALL"],
