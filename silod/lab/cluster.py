@@ -169,6 +169,12 @@ class Lab:
             time.sleep(0.3)
         raise LabError(f"{name}: not {condition} after {self.health_timeout_s:g}s; log:\n{self.log(name)[-3000:]}")
 
+    def work_dir(self, agent: str) -> Path:
+        """The directory agent ``agent``'s ``--work-dir`` is in this lab (its volume's, under the
+        state dir): its task logs are in jobs/JOB/."""
+        svc = self.services[agent]
+        return Path(self._paths(svc.command[svc.command.index("--work-dir") + 1], svc))
+
     def _paths(self, value: str, svc: compose.Service) -> str:
         return compose.map_volumes([value], svc.volumes, self.state_dir / "volumes")[0]
 

@@ -1,13 +1,17 @@
 """What the lab runs, read from ``deploy/compose.yaml``: each service's command, environment,
 ports, health check, volumes and start order.
 
-The lab runs processes, not containers, so three things are translated and nothing else:
-``image: silod`` services run the checkout's ``silod`` console script; a volume's container path
-(in arguments and environment) becomes a directory under the lab's state dir, shared by the
-services that mount the same volume; the ``postgres`` and ``objectstore`` images become a
-PostgreSQL server and moto's server started from this machine's binaries; Prometheus is left
-out (:data:`NOT_IN_THE_LAB`). Variables are
-interpolated as compose does (``${VAR:-default}``, ``${VAR}``) from the given environment.
+The lab runs processes, not containers, so these things are translated and nothing else:
+``image: silod`` services run the checkout's ``silod`` console script; a named volume's container
+path (in arguments and environment) becomes a directory under the lab's state dir, shared by the
+services that mount the same volume (a bind of a Docker host's file, the Engine's socket, is left
+out); the ``postgres`` and ``objectstore`` images (or the stand-ins of deploy/local-images) become
+a PostgreSQL server and moto's server started from this machine's binaries; Prometheus and the
+services that run a shell instead of silod (``entrypoint``: node-dirs, which makes the Docker
+host's directories) are left out (:data:`NOT_IN_THE_LAB`); and the agents' container runtime
+(ranks as Docker containers, :data:`CONTAINER_RUNTIME_ENV`) gives way to the agent's default, ranks
+as its processes. Variables are interpolated as compose does (``${VAR:-default}``, ``${VAR}``,
+nested defaults, ``$$``) from the given environment.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 # Images of the compose file that the lab leaves out: they observe the cluster, not run it.
-NOT_IN_THE_LAB = ("prom/prometheus",)
+NOT_IN_THE_LAB = ("prometheus",)
+# The agents' settings of the container runtime, which needs a Docker Engine: the lab drops them.
+CONTAINER_RUNTIME_ENV = ("SILOD_RUNTIME", "SILOD_DOCKER_HOST", "SILOD_CONTAINER_NETWORK", "SILOD_DEFAULT_IMAGE")
 
 import yaml
 
 COMPOSE_FILE = Path(__file__).resolve().parents[2] / "deploy" / "compose.yaml"
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^${}]*))?\}")  # the innermost: no ${ in its default
 
 
 class ComposeError(ValueError):
@@ -49,7 +55,12 @@ def interpolate(text: str, env: Mapping[str, str]) -> str:
     def sub(m: re.Match[str]) -> str:
         value = env.get(m.group(1), "")
         return value if value else (m.group(2) or "")
-    return _VAR.sub(sub, text)
+    text = text.replace("$$", "\0")  # compose's $ for a literal $
+    while True:  # innermost first: ${A:-${B:-x}}
+        done = _VAR.sub(sub, text)
+        if done == text:
+            return done.replace("\0", "$")
+        text = done
 
 
 def _node_copy(template: dict[str, Any], number: int) -> dict[str, Any]:
@@ -91,21 +102,28 @@ def load(nodes: int = 2, env: Mapping[str, str] | None = None, path: Path = COMP
     for name, spec in services.items():
         if spec.get("profiles"):
             continue   # run on demand (the cli), not by `up`
-        if str(spec.get("image", "")).startswith(NOT_IN_THE_LAB):
+        if any(image in str(spec.get("image", "")) for image in NOT_IN_THE_LAB):
             continue   # watches the cluster; nothing in it depends on it (tests/observability runs a Prometheus)
+        if spec.get("entrypoint"):
+            continue   # a shell for the Docker host (node-dirs): the lab makes its own directories
         result[name] = _service(name, spec, path)
+    for service in result.values():
+        service.depends_on = {d: c for d, c in service.depends_on.items() if d in result or d not in services}
     return _start_order(result)
 
 
 def _service(name: str, spec: dict[str, Any], path: Path) -> Service:
     image = str(spec.get("image", ""))
-    kind = "postgres" if image.startswith("postgres") else "objectstore" if "moto" in image else "silod" if "silod" in image else ""
+    kind = ("postgres" if "postgres" in image else "objectstore" if "moto" in image or "objectstore" in image
+            else "silod" if "silod" in image else "")
     if not kind:
         raise ComposeError(f"{path}: service {name!r}: the lab does not know how to run image {image!r}")
     command = spec.get("command") or []
     if isinstance(command, str):
         raise ComposeError(f"{path}: service {name!r}: command must be a list (exec form)")
     env = {str(k): "" if v is None else str(v) for k, v in (spec.get("environment") or {}).items()}
+    if env.get("SILOD_RUNTIME") == "container":  # ranks as the agent's processes (module docstring)
+        env = {k: v for k, v in env.items() if k not in CONTAINER_RUNTIME_ENV}
     check = (spec.get("healthcheck") or {}).get("test") or []
     if check and check[0] == "CMD":
         check = check[1:]
@@ -121,7 +139,8 @@ def _service(name: str, spec: dict[str, Any], path: Path) -> Service:
     volumes = {}
     for v in spec.get("volumes") or []:
         source, target = str(v).split(":")[:2]
-        volumes[target] = source
+        if not source.startswith(("/", ".")):  # named volumes only: a bind names the Docker host's file
+            volumes[target] = source
     one_shot = str(spec.get("restart", "")) == "no" and bool(command)
     return Service(name, kind, [str(c) for c in command], env, [str(c) for c in check], ports,
                    depends, volumes, one_shot)

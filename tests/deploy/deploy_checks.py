@@ -120,17 +120,25 @@ def each_address(settings: ServiceSettings) -> list[tuple[str, str]]:
     return [(k, a.strip()) for k, v in addresses(settings).items() for a in v.split(",") if a.strip()]
 
 
-_INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+# The innermost ${VAR...}: its default holds no further substitution.
+_INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^${}]*))?\}")
 
 
-def compose_interpolate(value: Any) -> Any:
-    """Compose's ${VAR:-default} / ${VAR-default} / ${VAR} with no variables set: the defaults."""
+def compose_interpolate(value: Any, env: Mapping[str, str] | None = None) -> Any:
+    """Compose's ${VAR:-default} / ${VAR-default} / ${VAR}, nested defaults included, and $$ for
+    a $: with the variables of ``env`` set (none by default: the file's defaults)."""
+    env = env or {}
     if isinstance(value, str):
-        return _INTERPOLATION.sub(lambda m: m.group(2) or "", value)
+        escaped = value.replace("$$", "\0")
+        while True:
+            done = _INTERPOLATION.sub(lambda m: env.get(m.group(1)) or m.group(2) or "", escaped)
+            if done == escaped:
+                return done.replace("\0", "$")
+            escaped = done
     if isinstance(value, list):
-        return [compose_interpolate(v) for v in value]
+        return [compose_interpolate(v, env) for v in value]
     if isinstance(value, dict):
-        return {k: compose_interpolate(v) for k, v in value.items()}
+        return {k: compose_interpolate(v, env) for k, v in value.items()}
     return value
 
 

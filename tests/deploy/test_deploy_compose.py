@@ -8,6 +8,7 @@ parser and settings classes and checks the wiring between services.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,9 @@ def _env(service: dict[str, Any]) -> dict[str, str]:
 
 
 def _silod_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {name: svc for name, svc in compose["services"].items() if svc.get("image", "").startswith("silod:")}
+    """The services that run `silod` (the image's entrypoint; node-dirs runs a shell instead)."""
+    return {name: svc for name, svc in compose["services"].items()
+            if svc.get("image", "").startswith("silod:") and "entrypoint" not in svc}
 
 
 @pytest.fixture(scope="module")
@@ -167,22 +170,133 @@ def test_each_agent_pairs_with_its_nodes_cache_server_and_sees_its_files(compose
         assert cache.node == agent.node_name, f"{name} is node {agent.node_name}, its cache server says {cache.node}"
         check_advertised_cache(agent, cache, where=name)
         node_names.add(agent.node_name)
-        # Jobs open leased files by path: the tiers must be the same volumes at the same paths.
-        cache_mounts = _mounts(compose["services"][cache_host])
-        agent_mounts = _mounts(compose["services"][name])
+        # Jobs open leased files by path, in containers of their own that the agent starts on the
+        # Docker host: the tiers must be host directories at their host paths in both services.
         for directory in (cache.disk_cache_dir, cache.memory_cache_dir):
-            assert directory in cache_mounts, f"{cache_host}: {directory} is not a volume"
-            assert agent_mounts.get(directory) == cache_mounts[directory], f"{name} does not mount {directory}"
+            for service in (cache_host, name):
+                assert _host_path(compose, service, directory) == directory, \
+                    f"{service}: {directory} is not the host's directory of that path"
+            assert _mounts(compose["services"][cache_host])[directory] == _mounts(compose["services"][name])[directory]
     assert len(node_names) == len(agents), "two agents register the same node name"
 
 
 def _mounts(service: dict[str, Any]) -> dict[str, str]:
-    """container path -> volume name."""
+    """container path -> volume name or host path."""
     out = {}
     for spec in service.get("volumes", []):
         source, target = spec.split(":")[:2]
         out[target] = source
     return out
+
+
+def _host_path(compose: dict[str, Any], service: str, target: str) -> str:
+    """The Docker host's directory mounted at ``target``: a bind's source, or the directory a named
+    volume binds (driver_opts type none, o bind); "" for a volume in Docker's data root."""
+    source = _mounts(compose["services"][service]).get(target, "")
+    if source.startswith("/") or not source:
+        return source
+    options = (compose["volumes"][source] or {}).get("driver_opts", {})
+    return options["device"] if (options.get("type"), options.get("o")) == ("none", "bind") else ""
+
+
+def test_agents_run_ranks_as_containers_of_the_host_engine_in_their_own_network(
+        compose: dict[str, Any], loaded: dict[str, tuple[str, Any]]) -> None:
+    """runtime: container through the host's Engine (its socket mounted at docker_host), as root (the
+    runtime gives each job's uid its directories); the work and checkpoint directories, which the
+    ranks' containers mount by path, host directories at their host paths (the checkpoints the same
+    for every agent); each rank in the agent container's network namespace (the container compose
+    names <project>-<service>-1), so that it resolves the services' names."""
+    agents = {n: s for n, (kind, s) in loaded.items() if kind == "worker-agent"}
+    checkpoint_roots = set()
+    for name, agent in agents.items():
+        service = compose["services"][name]
+        assert agent.runtime == "container" and service["user"] == "root", name
+        assert agent.container_network == f"container:silod-{name}-1", (name, agent.container_network)
+        assert agent.docker_host.startswith("unix://")
+        mounts = _mounts(service)
+        assert mounts[agent.docker_host.removeprefix("unix://")] == "/var/run/docker.sock", name
+        for directory in (agent.work_dir, agent.checkpoint_root):
+            assert _host_path(compose, name, directory) == directory, f"{name}: {directory} is not the host's"
+        checkpoint_roots.add(agent.checkpoint_root)
+        # A job that names no image runs in the default image: the silod image unless SILOD_JOB_IMAGE.
+        assert agent.default_image == compose["services"][name]["image"] == "silod:latest"
+    assert len(checkpoint_roots) == 1, "a job moved to another node resumes from the same checkpoints"
+    # The Docker socket is root on the host: no other service gets it.
+    for name, service in compose["services"].items():
+        if name not in agents:
+            assert "/var/run/docker.sock" not in _mounts(service), name
+
+
+def test_node_dirs_makes_every_host_directory_the_nodes_mount_before_they_start(
+        compose: dict[str, Any], loaded: dict[str, tuple[str, Any]]) -> None:
+    """The host directories the node services bind (under SILOD_HOST_DIR and SILOD_HOST_MEM_DIR) are
+    made by the one-shot node-dirs, the cache tiers owned by the image's silod user (10001), the
+    user the cache servers run as; the node services wait for it."""
+    services = compose["services"]
+    node_dirs = services["node-dirs"]
+    assert node_dirs["restart"] == "no" and node_dirs["user"] == "root"
+    script = node_dirs["command"][0]
+    for variable, value in node_dirs["environment"].items():  # the shell's (compose wrote $$ for $)
+        script = script.replace(f"${variable}", value)
+    roots = set(_mounts(node_dirs))
+    assert roots == {"/var/lib/silod-compose", "/dev/shm/silod-compose"}
+    made = _made_by(script)
+    for name, (kind, settings) in loaded.items():
+        if kind not in ("cache-server", "worker-agent"):
+            continue
+        binds = [target for target in _mounts(services[name]) if _host_path(compose, name, target)
+                 and target != "/var/run/docker.sock"]
+        assert binds, name
+        for directory in binds:
+            assert any(directory.startswith(root + "/") for root in roots), f"{name}: {directory}"
+            assert directory in made, f"node-dirs does not make {directory} ({name} mounts it)"
+        if kind == "cache-server":
+            assert services[name]["depends_on"]["node-dirs"]["condition"] == "service_completed_successfully"
+            assert "user" not in services[name]  # the image's: silod
+            for directory in (settings.disk_cache_dir, settings.memory_cache_dir):
+                assert made[directory] == "10001", f"{directory} is not the silod user's"
+
+
+def _made_by(script: str) -> dict[str, str]:
+    """directory -> its owner ("" for root) of node-dirs' script: its `for node in ...` loop unrolled
+    and every `install -d [-o OWNER] ... DIRS`."""
+    import shlex
+
+    loop = re.match(r"for node in ([\w -]+); do (.*?); done && (.*)$", script)
+    assert loop, script
+    commands = [loop.group(2).replace("$node", n) for n in loop.group(1).split()] + [loop.group(3)]
+    made: dict[str, str] = {}
+    for command in commands:
+        for part in re.split(r"&&|\|\|", command):
+            words = shlex.split(part.strip())
+            if words[:2] != ["install", "-d"]:
+                continue
+            owner = words[words.index("-o") + 1] if "-o" in words else ""
+            for word in words[2:]:
+                if word.startswith("/"):
+                    made[word] = owner
+    return made
+
+
+def test_every_image_is_a_variable_with_the_official_default() -> None:
+    """Where no registry is at hand, SILOD_*_IMAGE name local stand-ins."""
+    raw = yaml.safe_load(COMPOSE.read_text())
+    images = {name: svc["image"] for name, svc in raw["services"].items() if "image" in svc}
+    assert raw["x-silod"]["image"] == "${SILOD_IMAGE:-silod:latest}"
+    assert {images[n] for n in ("postgres", "objectstore", "prometheus")} == {
+        "${SILOD_POSTGRES_IMAGE:-postgres:17}", "${SILOD_OBJECTSTORE_IMAGE:-motoserver/moto:5.2.5}",
+        "${SILOD_PROMETHEUS_IMAGE:-prom/prometheus:v2.53.4}"}
+    assert all(image.startswith("${SILOD_") for image in images.values()), images
+
+
+def test_the_compose_network_takes_addresses_from_198_19() -> None:
+    """198.19.0.0/16 is reserved for testing (198.18.0.0/15): never a private range a site routes."""
+    import ipaddress
+
+    networks = _compose()["networks"]
+    assert set(networks) == {"default"}
+    subnets = [c["subnet"] for c in networks["default"]["ipam"]["config"]]
+    assert subnets and all(ipaddress.ip_network(s).subnet_of(ipaddress.ip_network("198.19.0.0/16")) for s in subnets)
 
 
 def test_named_volumes_are_declared(compose: dict[str, Any]) -> None:

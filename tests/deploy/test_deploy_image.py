@@ -1,6 +1,8 @@
 """deploy/Dockerfile and .dockerignore, checked without a Docker engine: the runtime image is
-python:3.11-slim, runs as a non-root user with `silod` as entrypoint, installs the wheel
-without the dev extra (no torch), and has the directories the deployments mount volumes on."""
+python:3.11-slim unless the PYTHON_IMAGE build argument names another base (the tests' compose
+run builds it FROM a Debian bookworm root: tests/deploy/test_compose_docker.py), runs as a non-root
+user with `silod` as entrypoint, installs the wheel without the dev extra (no torch), and has the
+directories the deployments mount volumes on."""
 
 from __future__ import annotations
 
@@ -36,9 +38,16 @@ def _final_stage() -> list[tuple[str, str]]:
     return instructions[last_from:]
 
 
-def test_every_stage_is_python_3_11_slim() -> None:
-    bases = [args.split()[0] for keyword, args in _instructions() if keyword == "FROM"]
-    assert bases and all(base == "python:3.11-slim" for base in bases), bases
+def test_every_stage_is_python_3_11_slim_unless_the_build_argument_says_otherwise() -> None:
+    instructions = _instructions()
+    first_from = min(i for i, (k, _) in enumerate(instructions) if k == "FROM")
+    args = [a for k, a in instructions[:first_from] if k == "ARG"]
+    assert args == ["PYTHON_IMAGE=python:3.11-slim"], args
+    bases = [args.split()[0] for keyword, args in instructions if keyword == "FROM"]
+    assert bases and all(base == "${PYTHON_IMAGE}" for base in bases), bases
+    # The compose file passes the argument through, with the same default.
+    build = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["x-silod"]["build"]
+    assert build["args"] == {"PYTHON_IMAGE": "${SILOD_PYTHON_IMAGE:-python:3.11-slim}"}
     # The image runs the services, which are tested on Python 3.11 only (the SDK alone supports
     # more: README "Pythons"): the Python `make test` runs, and one pyproject.toml admits.
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -86,13 +95,19 @@ def test_build_context_keeps_the_packages_and_drops_the_venv() -> None:
 
 def test_directories_the_deployments_mount_exist_in_the_image() -> None:
     # Docker gives a new named volume the owner of the directory it covers; a directory the
-    # image lacks would be root-owned and unwritable for the silod user.
+    # image lacks would be root-owned and unwritable for the silod user. The compose file's
+    # silod services mount named volumes in Docker's data root (none today: the directories their
+    # nodes share are the host's, which volumes with driver_opts bind), the Kubernetes manifests
+    # volumes under /var.
     created = " ".join(args for keyword, args in _final_stage() if keyword == "RUN")
     compose: dict[str, Any] = compose_interpolate(yaml.safe_load((DEPLOY / "compose.yaml").read_text()))
     targets = set()
     for svc in compose["services"].values():
         if svc.get("image", "").startswith("silod:"):
-            targets |= {spec.split(":")[1] for spec in svc.get("volumes", [])}
-    assert targets
+            targets |= {spec.split(":")[1] for spec in svc.get("volumes", []) if not spec.startswith("/")
+                        and not (compose["volumes"].get(spec.split(":")[0]) or {}).get("driver_opts")}
+    for manifest in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        targets |= set(re.findall(r"mountPath: (/var/[\w/.-]+)", manifest.read_text()))
+    assert "/var/lib/silod/agent" in targets and "/var/cache/silod/disk" in targets
     for target in sorted(targets):
         assert re.search(rf"mkdir -p [^&]*{re.escape(target)}\b", created), f"image does not create {target}"

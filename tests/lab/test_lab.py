@@ -134,7 +134,7 @@ def rank_logs(lab: Lab, job_id: str) -> dict[str, dict[str, str]]:
     started (in that agent's own work volume)."""
     found = {}
     for host in AGENT_HOSTS:
-        work = lab.state_dir / "volumes" / lab.services[host].volumes["/var/lib/silod/agent"] / "jobs" / job_id
+        work = lab.work_dir(host) / "jobs" / job_id
         logs = {p.name: p.read_text(errors="replace") for p in work.glob("rank-*.log")}
         if logs:
             found[host] = logs

@@ -118,7 +118,7 @@ class HA:
             metadata_pb2.ListPlansRequest(page_size=100, page_token=token), timeout=10), "plans")
 
     def work_dir(self, agent: str) -> Path:
-        return self.lab.state_dir / "volumes" / self.lab.services[agent].volumes["/var/lib/silod/agent"]
+        return self.lab.work_dir(agent)
 
     def launches(self, agents: tuple[str, ...] = AGENTS) -> list[tuple[str, int, int]]:
         """(job, rank, generation) of every process the agents launched, from their task logs."""

@@ -39,7 +39,7 @@ def test_more_inference_nodes_are_copies_of_infer_0_with_their_own_names_and_vol
     flags = dict(zip(second.command[1::2], second.command[2::2]))
     assert flags["--node-name"] == "infer-1" and flags["--cache-address"] == "cache-infer-1:7071"
     assert flags["--advertise-address"] == "agent-infer-1:7074"
-    assert second.volumes["/var/lib/silod/agent"] == "agent-work-infer-1"
-    assert second.volumes["/var/lib/silod/checkpoints"] == "checkpoints"   # shared by every agent
+    assert second.volumes[flags["--work-dir"]] == "agent-work-infer-1"
+    assert second.volumes[flags["--checkpoint-root"]] == "checkpoints"   # shared by every agent
     assert second.depends_on["cache-infer-1"] == "service_healthy"
     assert "agent-infer-0" not in compose.load(nodes=1, inference_nodes=0)
