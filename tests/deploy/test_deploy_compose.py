@@ -279,7 +279,7 @@ def _made_by(script: str) -> dict[str, str]:
 
 
 def test_every_image_is_a_variable_with_the_official_default() -> None:
-    """Where no registry is at hand, SILOD_*_IMAGE name local stand-ins."""
+    """Where no registry is at hand, SILOD_*_IMAGE name local stand-ins (deploy/local-images)."""
     raw = yaml.safe_load(COMPOSE.read_text())
     images = {name: svc["image"] for name, svc in raw["services"].items() if "image" in svc}
     assert raw["x-silod"]["image"] == "${SILOD_IMAGE:-silod:latest}"
@@ -287,6 +287,8 @@ def test_every_image_is_a_variable_with_the_official_default() -> None:
         "${SILOD_POSTGRES_IMAGE:-postgres:17}", "${SILOD_OBJECTSTORE_IMAGE:-motoserver/moto:5.2.5}",
         "${SILOD_PROMETHEUS_IMAGE:-prom/prometheus:v2.53.4}"}
     assert all(image.startswith("${SILOD_") for image in images.values()), images
+    for stand_in in ("postgres", "objectstore", "prometheus", "digits-job"):
+        assert (DEPLOY / "local-images" / stand_in / "Dockerfile").is_file(), stand_in
 
 
 def test_the_compose_network_takes_addresses_from_198_19() -> None:
