@@ -67,7 +67,7 @@ def _wait(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
 
 
 class Lab:
-    def __init__(self, root: Path, hidden: int, warm_processes: int) -> None:
+    def __init__(self, root: Path, hidden: int, warm_processes: int, runtime: str = "") -> None:
         self.root = root
         self.procs = []
         self.allocation = AllocationServer().__enter__()
@@ -84,7 +84,9 @@ class Lab:
                                 self.allocation.address, "--node-name", f"n{i}", "--gpus", "2", "--work-dir", str(work),
                                 "--checkpoint-root", str(root / "checkpoints"), "--heartbeat-s", "0.5",
                                 "--report-s", "0.5", "--checkpoint-deadline-s", "60", "--log-level", "warning",
-                                "--warm-processes", str(warm_processes))
+                                "--warm-processes", str(warm_processes),
+                                *(("--runtime", runtime) if runtime else ()),
+                                "--contained-read-paths", f"{store},{EXAMPLE.parent}")
             self.nodes.append((f"n{i}", agent.address, work))
         self.hidden = hidden
         self.version = 0
@@ -163,19 +165,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=3136, help="MLP width: 64-H-H-10 (3136: 10.0M parameters)")
     parser.add_argument("--warm-processes", type=int, default=2,
                         help="each agent's warm processes (worker_agent.warm_start; 0: every rank starts cold)")
+    parser.add_argument("--runtime", choices=("process", "contained"), default="",
+                        help="how the agents run the ranks (default: the agent's own default, contained as root)")
     parser.add_argument("--work-dir", type=Path, help="keep the services' and ranks' logs here (default: a temporary "
                         "directory, removed)")
     args = parser.parse_args(argv)
     params = 64 * args.hidden + args.hidden + args.hidden * args.hidden + args.hidden + args.hidden * 10 + 10
     print(f"model: {params / 1e6:.1f}M parameters; backend gloo on CPU (no GPU present); "
-          f"{args.warm_processes} warm processes per agent; load {os.getloadavg()[0]:.2f}")
+          f"{args.warm_processes} warm processes per agent; runtime {args.runtime or 'default'}; "
+          f"load {os.getloadavg()[0]:.2f}")
     results: dict[tuple[int, int, bool], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="silod-resize-bench-") as tmp:
         root = Path(tmp)
         if args.work_dir:
             root = args.work_dir
             root.mkdir(parents=True, exist_ok=True)
-        lab = Lab(root, args.hidden, args.warm_processes)
+        lab = Lab(root, args.hidden, args.warm_processes, args.runtime)
         try:
             for run in range(args.runs):
                 for before, after in ((2, 4), (4, 2)):
