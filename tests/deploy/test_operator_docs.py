@@ -41,7 +41,7 @@ def _silod_argvs(path: Path) -> list[list[str]]:
             # `docker run [options] silod:TAG ARGS`: ARGS go to the image's entrypoint, silod.
             image = next(i for i, w in enumerate(words) if w.startswith("silod:"))
             out.append(words[image + 1:])
-        elif line.startswith(COMPOSE_CLI):
+        elif line.startswith(COMPOSE_CLI) and "--entrypoint" not in words:
             # `run --rm [-v X] cli ARGS`: ARGS go to the image's entrypoint, silod.
             rest = words[len(COMPOSE_CLI.split()):]
             while rest[0].startswith("-"):
@@ -86,3 +86,35 @@ def test_extraction_finds_a_bad_flag() -> None:
     # Guards the tests above: a documented flag that does not exist must be caught.
     with pytest.raises(AssertionError, match="rejected"):
         parse_cli(["health", "127.0.0.1:7070", "--timeout-s", "1"])
+
+
+def _section(path: Path, heading: str) -> str:
+    """The text from ``heading`` to the next heading of its level or above."""
+    text = path.read_text()
+    start = text.index(heading + "\n")
+    level = heading.split(" ")[0]
+    ends = [m.start() for m in re.finditer(r"^#{1,%d} " % len(level), text[start + len(heading):], flags=re.M)]
+    return text[start:start + len(heading) + (ends[0] if ends else len(text))]
+
+
+def test_the_compose_section_is_what_the_compose_test_runs_in_its_order() -> None:
+    """docs/operators.md "Docker Compose": its `docker`, `export` and `.venv/bin/python` commands are
+    compose_guide.GUIDE's, one for one and in the same order (test_compose_docker.py runs those),
+    but the base image's `docker import` (tests/support/docker_engine.py makes the tests' base so)."""
+    from compose_guide import GUIDE, pattern
+
+    section = _section(ROOT / "docs" / "operators.md", "### Docker Compose")
+    lines: list[str] = []
+    for block in re.findall(r"```sh\n(.*?)```", section, flags=re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = re.sub(r"\s+#.*$", "", line.strip())
+            if line.startswith(("docker ", "export ", ".venv/bin/python ")):
+                lines.append(line)
+    assert len(lines) == len(GUIDE), "\n".join(lines)
+    for line, step in zip(lines, GUIDE):
+        assert pattern(step).match(line), f"the guide shows\n  {line}\nwhere the test runs {step}:\n  {GUIDE[step]}"
+    # The base of the images: the recipe of tests/support/docker_engine.py.
+    from tests.support import docker_engine
+
+    assert f"--include={','.join(docker_engine.BASE_PACKAGES)} bookworm" in section
+    assert docker_engine.DEBIAN_MIRROR in section

@@ -57,8 +57,10 @@ CLUSTER_COMMAND = "silod up --nodes 4 --gpus-per-node 2 &"
 # THE table: every guide command this test does not run, by its first line as the guide shows it
 # (comments dropped; "page: command" where the same command runs on another page), with why not
 # here and what runs it instead.
-DOCKER = "needs a Docker engine (none here); tests/deploy checks the image and compose files offline"
-COMPOSE_CLUSTER = "needs the Compose stack running (Docker engine); tests/deploy/test_deploy_compose.py checks it offline"
+DOCKER = ("needs Docker and the python:3.11-slim image from a registry; tests/deploy/test_compose_docker.py builds "
+          "the image FROM a local base, tests/deploy/test_deploy_image.py checks the Dockerfile")
+COMPOSE_CLUSTER = ("needs Docker, root and minutes; tests/deploy/test_compose_docker.py runs the compose section's "
+                   "commands in its order (tests/deploy/test_operator_docs.py holds the section to them)")
 K8S = "needs a Kubernetes cluster; tests/deploy/test_deploy_k8s.py checks the manifests offline"
 SYSTEMD = "installs into the host (/opt, /etc, systemd); tests/deploy/test_deploy_systemd.py checks the units"
 AUTH = "needs a cluster started with an auth token; tests/tenancy/test_cli_access.py runs these commands"
@@ -70,6 +72,18 @@ CREDENTIAL_ID = "ID is a credential's id from the list above; tests/tenancy/test
 NODE_CLIENT = "needs npm packages from the registry; tests/clients/test_node_client.py runs the Node.js client against a cluster"
 DDP_JOB = ("a real DDP job (minutes of CPU here); tests/e2e/test_elastic_resize.py and tests/worker_agent/"
            "test_ddp_resize.py run the same example on a cluster")
+def _compose_guide_lines() -> list[str]:
+    """The compose section's commands as docs/operators.md shows them (JOB, scheduler-2 and scheduler
+    for the placeholders): tests/deploy/compose_guide.py's, which tests/deploy/test_compose_docker.py runs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compose_guide", ROOT / "tests" / "deploy" / "compose_guide.py")
+    assert spec is not None and spec.loader is not None
+    guide = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(guide)
+    return sorted({guide.command(step, job="JOB", leader="scheduler-2", standby="scheduler") for step in guide.GUIDE})
+
+
 NOT_RUN: dict[str, str] = {
     # README.md
     "make demo": "the whole demo (about a minute and a half); tests/test_demo.py runs it",
@@ -89,15 +103,15 @@ NOT_RUN: dict[str, str] = {
         "stands for it (same state dir); tests/deploy/test_operator_docs.py parses its flags",
     "docker build -f deploy/Dockerfile -t silod:latest .": DOCKER,
     "docker run --rm silod:latest health metadata.example.internal:7070": DOCKER,
-    "export SILOD_AUTH_TOKEN=$(openssl rand -hex 32)": COMPOSE_CLUSTER,
-    "docker compose -f deploy/compose.yaml up -d --build": COMPOSE_CLUSTER,
-    "docker compose -f deploy/compose.yaml ps": COMPOSE_CLUSTER,
-    "docker compose -f deploy/compose.yaml run --rm cli logs JOB --follow": COMPOSE_CLUSTER,
-    'docker compose -f deploy/compose.yaml run --rm -v "$PWD:/jobs:ro" cli submit /jobs/job.yaml': COMPOSE_CLUSTER,
-    "aws --endpoint-url http://127.0.0.1:5000 s3 mb s3://datasets": COMPOSE_CLUSTER + " (its object store)",
-    "aws --endpoint-url http://127.0.0.1:5000 s3 sync ./cifar10 s3://datasets/cifar10": COMPOSE_CLUSTER + " (its object store)",
-    "docker compose -f deploy/compose.yaml run --rm cli dataset register cifar10 s3://datasets/cifar10 "
-    "--option endpoint_url=http://objectstore:5000": COMPOSE_CLUSTER,
+    "debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates bookworm build/rootfs "
+    "http://deb.debian.org/debian": COMPOSE_CLUSTER + " (tests/support/docker_engine.py makes its base so)",
+    "cp /etc/ssl/certs/ca-certificates.crt build/rootfs/etc/ssl/certs/ca-certificates.crt": COMPOSE_CLUSTER,
+    "tar -C build/rootfs -c . | docker import -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' "
+    "- silod-local/base": COMPOSE_CLUSTER,
+    **{line: COMPOSE_CLUSTER for line in _compose_guide_lines()},
+    "curl -s http://127.0.0.1:8080/api/overview": COMPOSE_CLUSTER + " (its dashboard)",
+    "curl -s http://127.0.0.1:9090/api/v1/targets": COMPOSE_CLUSTER + " (its Prometheus)",
+    "curl -s http://127.0.0.1:9090/api/v1/alerts": COMPOSE_CLUSTER + " (its Prometheus)",
     "python3.11 -m venv /opt/silod": SYSTEMD,
     "/opt/silod/bin/pip install /path/to/silod": SYSTEMD,
     "useradd --system --home-dir /var/lib/silod silod": SYSTEMD,
