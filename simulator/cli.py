@@ -36,7 +36,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
             "(same options as 'silod simulate run')."
         ),
         epilog="Workloads: a CSV or Gavel .trace path, or a packaged name like workload-6, workloads/workload-6.csv, "
-               "workloads-2.0/workload-3, gavel/msr-seed0-0e4a51.",
+               "workloads-2.0/workload-3, gavel/msr-seed0-0e4a51, philly (the whole Philly trace), philly/6214e9 (one virtual cluster).",
     )
     _add_run_flags(sim, required=False)
     sim.set_defaults(handler=_run, simulate_parser=sim)
@@ -61,13 +61,18 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                              description="Sample jobs from the packaged Microsoft Philly trace into a Pollux-format "
                                          "workload CSV (mapping in docs/evaluation.md).")
     gen.add_argument("--philly", action="store_true", required=True, help="sample the Philly trace (the only source so far)")
-    gen.add_argument("--jobs", type=int, required=True, metavar="N", help="number of jobs")
+    gen.add_argument("--jobs", type=int, default=None, metavar="N", help="number of jobs to sample (or --replay)")
+    gen.add_argument("--replay", action="store_true",
+                     help="every job of the trace at its own arrival time and GPU count instead of a sample "
+                          "(the same as --workload philly; --seed picks the even-odds applications)")
+    gen.add_argument("--vc", default=None, metavar="ID", help="--replay: only the jobs of this virtual cluster")
     gen.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
     gen.add_argument("--hours", type=float, default=8.0, metavar="H", help="submission window in hours of the day (default 8)")
     gen.add_argument("--start-hour", type=float, default=0.0, metavar="H", help="hour of day the window starts (default 0)")
     gen.add_argument("--load", type=float, default=1.0, metavar="X",
                      help="arrival-rate multiplier: arrival times are divided by X (default 1)")
-    gen.add_argument("--max-gpus", type=int, default=64, metavar="G", help="cap on a job's GPUs (default 64)")
+    gen.add_argument("--max-gpus", type=int, default=None, metavar="G",
+                     help="cap on a job's GPUs (default 64; --replay: none but the application's batch limits)")
     gen.add_argument("--mix", default="pollux", choices=("pollux", "io"),
                      help="applications by GPU-hours: pollux (the artifact's mapping, default) or io (image and speech only)")
     gen.add_argument("--max-gpu-hours", type=float, default=1000.0, metavar="H",
@@ -394,11 +399,22 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     def body() -> int:
-        from simulator.philly import generate_philly
+        from simulator.errors import SimulatorInputError
+        from simulator.philly import generate_philly, replay_philly
         from simulator.workload import write_workload
 
-        jobs = generate_philly(args.jobs, args.seed, hours=args.hours, start_hour=args.start_hour,
-                               load=args.load, max_gpus=args.max_gpus, mix=args.mix, max_gpu_hours=args.max_gpu_hours)
+        if args.replay:
+            if args.jobs is not None:
+                raise SimulatorInputError("--replay takes every job of the trace; leave out --jobs")
+            jobs = replay_philly(args.seed, cluster=args.vc, max_gpus=args.max_gpus, mix=args.mix)
+        elif args.jobs is None:
+            raise SimulatorInputError("--jobs N (a sample) or --replay (every job) required")
+        elif args.vc is not None:
+            raise SimulatorInputError("--vc goes with --replay")
+        else:
+            jobs = generate_philly(args.jobs, args.seed, hours=args.hours, start_hour=args.start_hour, load=args.load,
+                                   max_gpus=64 if args.max_gpus is None else args.max_gpus, mix=args.mix,
+                                   max_gpu_hours=args.max_gpu_hours)
         write_workload(jobs, args.out)
         print(f"wrote {len(jobs)} jobs to {args.out}", file=sys.stderr)
         return 0
@@ -457,4 +473,5 @@ def _list(args: argparse.Namespace) -> int:
     print("packaged workloads:")
     for name in packaged_workloads():
         print(f"  {name}")
+    print("  philly (every job of the Philly trace at its own arrival time; philly/<virtual cluster> for one)")
     return 0

@@ -4,6 +4,9 @@
   ``job_type,total_steps,...``), both read by :mod:`simulator.gavel_trace`; any other CSV is a
   Pollux-format workload (:mod:`simulator.workload`), told apart by content, not by name;
 - ``gavel/<trace>``: a packaged Gavel trace;
+- ``philly``: every job of the packaged Philly trace at its own arrival time
+  (:func:`simulator.philly.replay_philly`); ``philly/<virtual cluster>`` the jobs of one of its
+  virtual clusters (``philly/6214e9``);
 - any other name: a packaged Pollux-format workload (``workload-6``, ``workloads-2.0/workload-3``).
 """
 
@@ -27,6 +30,12 @@ def load_workload(source: str | Path) -> Workload:
         return mixed_workload(str(source), text)
     if path.is_dir():
         raise SimulatorInputError(f"workload {path}: is a directory; give one CSV or .trace file")
+    name = str(source).strip()
+    if name == "philly" or name.startswith("philly/"):
+        from simulator.philly import replay_philly
+
+        cluster = name.partition("/")[2] or None
+        return Workload(name, replay_philly(cluster=cluster))
     if str(source).startswith("gavel/"):
         from simulator.gavel_trace import load_gavel_trace
 
@@ -35,7 +44,8 @@ def load_workload(source: str | Path) -> Workload:
     if workload is None:
         raise SimulatorInputError(
             f"workload {source}: no such file, and not a packaged workload "
-            "(e.g. workload-6, workloads/workload-6.csv, workloads-2.0/workload-3, gavel/msr-seed0-0e4a51; "
+            "(e.g. workload-6, workloads/workload-6.csv, workloads-2.0/workload-3, gavel/msr-seed0-0e4a51, philly, "
+            "philly/6214e9; "
             "see 'silod simulate list')"
         )
     return workload

@@ -47,6 +47,7 @@ The same seed and arguments always give the same CSV.
 from __future__ import annotations
 
 import csv
+import datetime
 import functools
 import io
 import math
@@ -64,6 +65,7 @@ IO_APPLICATION_BY_GPU_HOURS = ((1.0, ("cifar10",)), (10.0, ("deepspeech2", "yolo
 MIXES = {"pollux": APPLICATION_BY_GPU_HOURS, "io": IO_APPLICATION_BY_GPU_HOURS}
 MIN_DURATION_S = 60.0
 MAX_GPU_HOURS = 1000.0
+_EPOCH = datetime.date(1970, 1, 1)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class PhillyJob:
     duration_s: float
     num_gpus: int
     gpu_hours: float
+    submit_s: float = 0.0      # submission, seconds since 1970-01-01 (the trace's clock, no time zone)
+    cluster: str = ""          # the anonymised virtual cluster id
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,8 +87,12 @@ def read_trace() -> tuple[PhillyJob, ...]:
     for row in reader:
         try:
             stamp = row["timestamp"].strip()
-            hh, mm, ss = (int(x) for x in stamp.split(" ")[1].split(":"))
-            jobs.append(PhillyJob(hh * 3600 + mm * 60 + ss, float(row["duration"]), int(float(row["num_gpus"])), float(row["gpu_time"]) / 3600.0))
+            day, clock = stamp.split(" ")
+            hh, mm, ss = (int(x) for x in clock.split(":"))
+            year, month, date = (int(x) for x in day.split("-"))
+            submit = (datetime.date(year, month, date) - _EPOCH).days * 86400 + hh * 3600 + mm * 60 + ss
+            jobs.append(PhillyJob(hh * 3600 + mm * 60 + ss, float(row["duration"]), int(float(row["num_gpus"])),
+                                  float(row["gpu_time"]) / 3600.0, float(submit), (row.get("cluster") or "").strip()))
         except (KeyError, ValueError, IndexError, AttributeError):
             continue
     return tuple(jobs)
@@ -147,3 +155,131 @@ def generate_philly(
         specs.append((round(offset / load), app, replicas, batch))
     specs.sort(key=lambda s: s[0])
     return tuple(JobSpec(f"{app}-{i}", app, float(t), replicas, batch) for i, (t, app, replicas, batch) in enumerate(specs))
+
+
+def trace_jobs(cluster: str | None = None) -> tuple[PhillyJob, ...]:
+    """The trace's jobs (of one virtual cluster with ``cluster``) by submission, ties in file order."""
+    jobs = read_trace()
+    if cluster is not None:
+        known = {job.cluster for job in jobs}
+        if cluster not in known:
+            raise SimulatorInputError(f"Philly virtual cluster {cluster!r}: not in the trace; known: {', '.join(sorted(known))}")
+        jobs = tuple(job for job in jobs if job.cluster == cluster)
+    order = sorted(range(len(jobs)), key=lambda i: (jobs[i].submit_s, i))
+    return tuple(jobs[i] for i in order)
+
+
+def replay_philly(
+    seed: int = 0,
+    *,
+    cluster: str | None = None,
+    max_gpus: int | None = None,
+    mix: str = "pollux",
+    min_duration_s: float = 0.0,
+    max_gpu_hours: float = math.inf,
+) -> tuple[JobSpec, ...]:
+    """Every job of the Philly trace (or of its virtual cluster ``cluster``) at its own arrival time.
+
+    A job arrives at its submission minus the first submission of the jobs replayed, asks for
+    the trace's ``num_gpus`` (capped only by its application's batch limits, and ``max_gpus``
+    when given), and gets its application and epoch budget from its GPU-hours exactly as
+    :func:`generate_philly` maps a sampled job (``random.Random(seed)`` draws the even-odds
+    choices, in arrival order). Nothing is sampled or filtered by default; ``min_duration_s``
+    and ``max_gpu_hours`` keep only jobs that ran at least that long and used less than that
+    (the sampler's filters are 60 s and 1,000 GPU-hours). Jobs are named
+    ``<application>-<index>`` in arrival order; the same arguments give the same jobs.
+    """
+    if mix not in MIXES:
+        raise SimulatorInputError(f"mix must be one of {', '.join(MIXES)}, got {mix!r}")
+    if max_gpus is not None and max_gpus < 1:
+        raise SimulatorInputError(f"--max-gpus must be >= 1, got {max_gpus}")
+    from estimator.profiles import load_profile
+
+    chosen = [job for job in trace_jobs(cluster)
+              if job.num_gpus >= 1 and job.duration_s >= min_duration_s and job.gpu_hours < max_gpu_hours]
+    if not chosen:
+        raise SimulatorInputError("the Philly replay has no jobs (filters too strict)")
+    rng = random.Random(seed)
+    first = chosen[0].submit_s
+    bounds: dict[str, object] = {}
+    specs = []
+    for index, job in enumerate(chosen):
+        app = application_for(job.gpu_hours, rng, mix)
+        if app not in bounds:
+            bounds[app] = load_profile(app).bounds
+        b = bounds[app]
+        replicas = max(1, min(job.num_gpus, max_gpus or job.num_gpus, b.max_batch_size // b.min_local_bsz))
+        batch = min(b.init_batch_size * replicas, b.max_batch_size)
+        specs.append(JobSpec(f"{app}-{index}", app, job.submit_s - first, replicas, batch))
+    return tuple(specs)
+
+
+@dataclass(frozen=True)
+class TraceShape:
+    """What the Philly trace (or one virtual cluster) asked of its cluster, as it ran there."""
+
+    jobs: int
+    first_submit: str          # "YYYY-MM-DD HH:MM:SS"
+    last_submit: str
+    days: float                # last submission - first, in days
+    gpu_hours: float           # sum of num_gpus x duration
+    mean_busy_gpus: float      # GPUs busy on average from the first submission to the last finish
+    peak_busy_gpus: int        # most GPUs busy at once (jobs as they ran on Philly)
+    gpus_per_job: tuple[tuple[int, int], ...]   # (GPUs, jobs) by GPUs
+    weeks: tuple[tuple[str, int, float, int], ...]  # (week starting, jobs submitted, mean busy GPUs, peak busy GPUs)
+
+
+def trace_shape(cluster: str | None = None) -> TraceShape:
+    """Jobs, days and GPU demand over time of the trace as it ran on Philly (durations from the
+    trace: queueing on Philly is not in them), by week from the first submission."""
+    jobs = trace_jobs(cluster)
+    first = jobs[0].submit_s
+    changes: dict[float, int] = {}
+    for job in jobs:
+        changes[job.submit_s] = changes.get(job.submit_s, 0) + job.num_gpus
+        end = job.submit_s + job.duration_s
+        changes[end] = changes.get(end, 0) - job.num_gpus
+    end = max(job.submit_s + job.duration_s for job in jobs)
+    week = 7 * 86400.0
+    weeks = int(math.ceil((jobs[-1].submit_s - first + 1) / week))
+    area = [0.0] * weeks          # GPU-seconds busy within each week
+    peak = [0] * weeks
+    submitted = [0] * weeks
+    for job in jobs:
+        submitted[int((job.submit_s - first) // week)] += 1
+    busy, peak_all, last = 0, 0, first
+    for t in sorted(changes):
+        _spread(area, busy, last - first, t - first, week)
+        busy += changes[t]
+        last = t
+        peak_all = max(peak_all, busy)
+        w = int((t - first) // week)
+        if 0 <= w < weeks:
+            peak[w] = max(peak[w], busy)
+
+    def stamp(s: float) -> str:
+        return (datetime.datetime(1970, 1, 1) + datetime.timedelta(seconds=s)).strftime("%Y-%m-%d %H:%M:%S")
+
+    counts: dict[int, int] = {}
+    for job in jobs:
+        counts[job.num_gpus] = counts.get(job.num_gpus, 0) + 1
+    gpu_hours = sum(job.gpu_hours for job in jobs)
+    return TraceShape(
+        jobs=len(jobs), first_submit=stamp(first), last_submit=stamp(jobs[-1].submit_s),
+        days=(jobs[-1].submit_s - first) / 86400.0, gpu_hours=gpu_hours,
+        mean_busy_gpus=gpu_hours * 3600.0 / (end - first), peak_busy_gpus=peak_all,
+        gpus_per_job=tuple(sorted(counts.items())),
+        weeks=tuple((stamp(first + w * week)[:10], submitted[w], area[w] / min(week, end - first - w * week), peak[w])
+                    for w in range(weeks)),
+    )
+
+
+def _spread(area: list[float], busy: int, begin: float, end: float, width: float) -> None:
+    """Add ``busy`` GPUs over [begin, end) to the per-``width`` buckets of ``area``."""
+    if busy == 0 or end <= begin:
+        return
+    w = int(begin // width)
+    while begin < end and w < len(area):
+        stop = min(end, (w + 1) * width)
+        area[w] += busy * (stop - begin)
+        begin, w = stop, w + 1
