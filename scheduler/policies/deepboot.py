@@ -62,6 +62,7 @@ from scheduler.policies.typed_counts import assign_types, best_start
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
+from scheduler.steady import NO_PROMISE, Steadiness, attained_order_change, unchanged
 
 # Utility bonus for being allocated, spread over the jobs' ranks: only orders equal jobs
 # (speedup differences that matter are >= 1e-3).
@@ -236,6 +237,15 @@ class DeepBootPolicy:
         batch = estimates.predict(np.arange(len(placed)), gpus, nodes, per_node=table.per_node).batch_size
         return Plan({job_id: Allocation(placement=placements[job_id], batch_size=int(b), gpu_type=t)
                      for job_id, b, t in zip(placed, batch, on)})
+
+    def stable_until(self, snapshot: ClusterSnapshot, plan: Plan) -> Steadiness:
+        """See scheduler.steady. ATS-T reads no clock and no progress, only the order of attained
+        service (it breaks ties between equal jobs) and which inference GPUs are busy (the
+        snapshot's, which a promise does not cover): its own plan shown back to it is kept
+        until a job arrives or leaves, or that order changes."""
+        if not unchanged(snapshot, plan):
+            return NO_PROMISE
+        return Steadiness(attained_order_change(snapshot, plan))
 
     def type_table(self, snapshot: ClusterSnapshot, gpu_type: str) -> CountTable:
         """:meth:`count_table` over the nodes of ``gpu_type`` (both pools: a lent GPU is worth

@@ -20,6 +20,7 @@ from scheduler.placement import TypeRoom, plan_from_placements, type_preferences
 from scheduler.policies.estimates import place_admitted
 from scheduler.policy import ClusterSnapshot, Plan
 from scheduler.registry import register
+from scheduler.steady import FOREVER, FOREVER_DEPARTURES, NO_PROMISE, Steadiness, everyone_placed, unchanged
 
 
 @register("fifo")
@@ -33,6 +34,15 @@ class FifoPolicy:
             return co.without_starved(snapshot, lambda excluded: self._admit(snapshot, excluded))
         placements, _ = self._admit(snapshot, frozenset())
         return plan_from_placements(placements, snapshot=snapshot)
+
+    def stable_until(self, snapshot: ClusterSnapshot, plan: Plan) -> Steadiness:
+        """FIFO reads no clock and no progress: its own plan shown back to it is kept until a job
+        arrives or leaves (and while every job runs, also when one leaves). See scheduler.steady."""
+        if self.codesign and co.is_active(snapshot):
+            return NO_PROMISE
+        if everyone_placed(snapshot, plan):  # running jobs keep what they hold; nobody waits
+            return FOREVER_DEPARTURES
+        return FOREVER if unchanged(snapshot, plan) else NO_PROMISE
 
     def _admit(self, snapshot: ClusterSnapshot, excluded: frozenset[str]):
         """``(placements, arrival order)``; jobs in ``excluded`` are passed over unless running."""

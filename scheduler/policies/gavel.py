@@ -101,6 +101,7 @@ from scheduler.placement import (TypeRoom, blind_preferences, gpu_allocation, la
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes, row_codes
 from scheduler.policy import ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
+from scheduler.steady import FOREVER, NO_PROMISE, Steadiness, unchanged
 
 # Relative slack on the max-min level when water-filling (keeps the second LP feasible
 # under the first one's rounding).
@@ -335,12 +336,7 @@ class GavelPolicy:
         priority = self.round_priorities(snapshot, allocation)
         order = np.lexsort((np.array([job.job_id for job in jobs]), np.array([job.submit_time_s for job in jobs]),
                             -priority)).tolist()
-        # Each job's candidates with time in the LP, most-weighted first (the smaller count among
-        # near-equal weights); a job the LP gives no time keeps its first one, for leftover GPUs.
-        ranked = np.lexsort((allocation.gpus, -np.round(allocation.fraction / 1e-6), allocation.job))
-        first = np.ones(ranked.size, dtype=bool)
-        first[1:] = allocation.job[ranked[1:]] != allocation.job[ranked[:-1]]
-        choices = _by_job(ranked[first | (allocation.fraction[ranked] > _NOISE)], allocation.job, len(jobs))
+        choices = _choices(allocation)
         blind = blind_preferences(snapshot, [job.job_id for job in jobs]) if not self.heterogeneity_aware else None
         fastest = _by_job(np.lexsort((-allocation.throughput, allocation.job)), allocation.job, len(jobs))
 
@@ -390,6 +386,29 @@ class GavelPolicy:
         return Plan({job_id: gpu_allocation(current.get(job_id), p, batch.get(job_id, 0),
                                             kinds[p[0][0]] if len(p) == 1 else placement_type(p, kinds, None))
                      for job_id, p in placements.items()})
+
+    def stable_until(self, snapshot: ClusterSnapshot, plan: Plan) -> Steadiness:
+        """See scheduler.steady. A round's order moves with the clock (target over received
+        share), but when every job already runs on its first choice (the LP's most-weighted
+        candidate) and the plan is the one in force, every job gets its choice whatever the
+        order, nobody waits for the leftovers and nobody is starting (so nobody grows): the same
+        plan until the LP changes, i.e. until a job arrives or leaves. The makespan objective's
+        LP reads progress, co-design reads caches, and type-blind rounds try types in an order:
+        no promise for those."""
+        if (self.objective != "max_min_fairness" or (self.codesign and co.is_active(snapshot))
+                or not self.heterogeneity_aware or not snapshot.jobs or not snapshot.nodes
+                or not unchanged(snapshot, plan)):
+            return NO_PROMISE
+        allocation = self.solve(snapshot)
+        held = plan.allocations
+        for j, candidates in enumerate(_choices(allocation)):
+            allocated = held.get(allocation.jobs[j].job_id)
+            if allocated is None or not candidates:
+                return NO_PROMISE
+            first = candidates[0]
+            if allocated.gpus != int(allocation.gpus[first]) or allocated.gpu_type != allocation.type_of(first):
+                return NO_PROMISE
+        return FOREVER
 
     def _pick(self, job: JobInfo, allocation: GavelAllocation, candidates: list[int], room: TypeRoom,
               blind: dict[str, tuple[str, ...]] | None) -> tuple[int, tuple[str, ...]] | None:
@@ -450,6 +469,15 @@ def _time_unit(job: np.ndarray, normalized: np.ndarray, n_jobs: int) -> float:
     np.maximum.at(best, job, normalized)
     best = best[best > 0]
     return float(np.median(1.0 / best)) if best.size else 1.0
+
+
+def _choices(allocation: GavelAllocation) -> list[list[int]]:
+    """Per job: its candidates with time in the LP, most-weighted first (the smaller count among
+    near-equal weights); a job the LP gives no time keeps its first one, for leftover GPUs."""
+    ranked = np.lexsort((allocation.gpus, -np.round(allocation.fraction / 1e-6), allocation.job))
+    first = np.ones(ranked.size, dtype=bool)
+    first[1:] = allocation.job[ranked[1:]] != allocation.job[ranked[:-1]]
+    return _by_job(ranked[first | (allocation.fraction[ranked] > _NOISE)], allocation.job, len(allocation.jobs))
 
 
 def _bounds(jobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -81,6 +81,7 @@ from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in
 from scheduler.policies.typed_counts import assign_types, best_start
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
+from scheduler.steady import NO_PROMISE, Steadiness, attained_order_change, unchanged
 
 # Tie-break bonus (utility units) for being allocated, spread over the jobs' ranks. Utility
 # differences that matter are >= 1e-3 or so (speedups of order 1); this only orders equals.
@@ -432,6 +433,17 @@ class PolluxPolicy:
             sizes = {job_id: int(b) for job_id, b in zip(placed, batch)}
             return co.co_allocate(snapshot, best, placed, sizes, io=self.codesign_io)
         return Plan({job_id: Allocation(placement=best[job_id], batch_size=int(b)) for job_id, b in zip(placed, batch)})
+
+    def stable_until(self, snapshot: ClusterSnapshot, plan: Plan) -> Steadiness:
+        """See scheduler.steady. With the interval restart penalty (the default) the search reads
+        no clock and no progress, only the order of attained service (it breaks ties between
+        equal jobs): its own plan shown back to it is kept until a job arrives or leaves, or
+        that order changes. The age penalty reads the clock; co-design reads caches."""
+        if (self.penalty_model != "interval" and self.restart_penalty) or (self.codesign and co.is_active(snapshot)):
+            return NO_PROMISE
+        if not unchanged(snapshot, plan):
+            return NO_PROMISE
+        return Steadiness(attained_order_change(snapshot, plan))
 
     # -- several GPU types --------------------------------------------------------------
 

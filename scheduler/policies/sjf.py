@@ -29,9 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from scheduler import codesign as co
 from scheduler.policies.estimates import in_place, remaining_time_s, rigid_plan, sorted_by
 from scheduler.policy import ClusterSnapshot, Plan
 from scheduler.registry import register
+from scheduler.steady import FOREVER, FOREVER_DEPARTURES, NO_PROMISE, Steadiness, everyone_holds_requested, unchanged
 
 
 @register("sjf")
@@ -53,3 +55,14 @@ class SjfPolicy:
         running = [job for job in order if snapshot.current.gpus_of(job.job_id) > 0]
         waiting = [job for job in order if snapshot.current.gpus_of(job.job_id) == 0]
         return rigid_plan(snapshot, running + waiting, codesign=self.codesign)
+
+    def stable_until(self, snapshot: ClusterSnapshot, plan: Plan) -> Steadiness:
+        """See scheduler.steady. While every job runs on its request nobody waits, and no order
+        changes the plan. A fixed point (the plan in force kept) holds until an arrival or a
+        departure: a waiting job's estimate does not move, a running job's only shrinks, so a
+        running job only moves up the order and a job that did not fit still does not."""
+        if self.codesign and co.is_active(snapshot):
+            return NO_PROMISE
+        if everyone_holds_requested(snapshot, plan):
+            return FOREVER_DEPARTURES
+        return FOREVER if unchanged(snapshot, plan) else NO_PROMISE

@@ -77,8 +77,10 @@ from scheduler.policies.estimates import (
     rigid_plan,
     sorted_by,
 )
+from scheduler import codesign as co
 from scheduler.policy import ClusterSnapshot, Plan
 from scheduler.registry import register
+from scheduler.steady import FOREVER_DEPARTURES, NO_PROMISE, Steadiness, everyone_holds_requested
 
 IO_AWARE_KEEP_MARGIN = 0.1  # io_aware_rho's smallest keep_margin: two ImageNet jobs restart 1 time in 20,000 s instead of 79
 
@@ -151,6 +153,13 @@ class ThemisPolicy:
         taken = {job.job_id for job in bidders}
         order = auction + [job for job in by_rho if job.job_id not in taken]
         return rigid_plan(snapshot, order, codesign=self.codesign)
+
+    def stable_until(self, snapshot: ClusterSnapshot, plan: Plan) -> Steadiness:
+        """See scheduler.steady. Every job's rho moves with the clock, so only a round in which
+        every job runs on its request (nobody waits, no order matters) makes a promise."""
+        if self.codesign and co.is_active(snapshot):
+            return NO_PROMISE
+        return FOREVER_DEPARTURES if everyone_holds_requested(snapshot, plan) else NO_PROMISE
 
 
 def _ratio(time_s: np.ndarray, ideal_s: np.ndarray) -> np.ndarray:

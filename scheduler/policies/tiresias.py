@@ -31,9 +31,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from scheduler import codesign as co
 from scheduler.policies.estimates import rigid_plan, sorted_by
 from scheduler.policy import ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
+from scheduler.steady import (FOREVER_DEPARTURES, NO_PROMISE, Steadiness, everyone_holds_requested, threshold_crossing,
+                              unchanged)
 
 POLLUX_ARTIFACT_THRESHOLD_GPU_S = 3600.0 * 16  # petuum/adaptdl simulator/tiresias.py: _queue_threshold
 
@@ -67,3 +70,16 @@ class TiresiasPolicy:
         jobs = snapshot.jobs
         levels = [self.queue(job, snapshot.time_s) for job in jobs]
         return rigid_plan(snapshot, sorted_by(jobs, levels), codesign=self.codesign)
+
+    def stable_until(self, snapshot: ClusterSnapshot, plan: Plan) -> Steadiness:
+        """See scheduler.steady. While every job runs on its request nobody waits, and no order
+        changes the plan; a fixed point holds until a running job reaches its next threshold
+        (its queue is all the order reads of its service), unless starvation promotion reads
+        the clock."""
+        if self.codesign and co.is_active(snapshot):
+            return NO_PROMISE
+        if everyone_holds_requested(snapshot, plan):
+            return FOREVER_DEPARTURES
+        if self.starvation_factor > 0 or not unchanged(snapshot, plan):
+            return NO_PROMISE
+        return Steadiness(threshold_crossing(snapshot, plan, self.thresholds_gpu_s))
