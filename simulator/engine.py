@@ -56,10 +56,9 @@ finishes every job or says why not.
 from __future__ import annotations
 
 import dataclasses
-
+import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -68,183 +67,31 @@ from estimator.gpu_types import typed_models
 from estimator.job_model import JobModel
 from estimator.profiles.loading import JobOverheads, read_overheads
 from scheduler import data_grants
-from scheduler import quotas as quota_rule
-from scheduler.plan_changes import changes_between
-from scheduler.placement import placement_type
-from scheduler.invariants import PlanViolation, plan_problems
-from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan, Policy
+from scheduler.policy import Allocation, ClusterSnapshot, Plan, Policy
 from scheduler.quotas import TenantQuota
 from scheduler.registry import get_policy
+from simulator.cacheio import CACHE_MODES, CacheIoRates
 from simulator.clock import SimClock
 from simulator.cluster import ClusterSpec
 from simulator.errors import SimulationStuck, SimulatorInputError
-from simulator.cacheio import CACHE_MODES, CacheIoRates
+from simulator.inference import InferenceTask, LifecycleConfig
+from simulator.jobs import SimJob, _Job, max_gpus_for  # noqa: F401 (re-exported: the engine's former names)
 from simulator.rates import GoodputRates, RateModel
+from simulator.records import (  # noqa: F401 (re-exported: the engine's former names)
+    InferenceRecord,
+    JobRecord,
+    SimProgress,
+    SimulationResult,
+    TimelinePoint,
+)
+from simulator.rounds import RoundsMixin
+from simulator.serving import InferenceMixin
 from simulator.workload import JobSpec, Workload, target_samples, workload_from_jobs
-from scheduler.deepboot.ats_i import place_inference_tasks
-from scheduler.deepboot.state import ReplicaState
-from simulator.inference import InferencePool, InferenceTask, LifecycleConfig, ProtectSchedule
 
 _EPS = 1e-9
 
 
-@dataclass(frozen=True)
-class SimProgress:
-    """What an observer sees after every event."""
-
-    time_s: float
-    finished: int
-    total: int
-    active: int       # arrived and not finished
-    running: int      # holding GPUs
-    rounds: int
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """One finished job (a row of jobs.csv)."""
-
-    name: str
-    application: str
-    arrival_s: float
-    start_s: float            # first time it held GPUs
-    finish_s: float
-    jct_s: float              # finish - arrival
-    restarts: int             # placements after the first
-    attained_gpu_s: float     # GPU-seconds held (restarts included)
-    mean_gpus: float          # attained_gpu_s / (finish - start)
-    requested_gpus: int
-    batch_size: int
-    target_samples: float
-    isolated_jct_s: float     # alone on the cluster with its requested GPUs (see docs/evaluation.md)
-    tenant: str = "default"   # the job's tenant (workload column ``tenant``)
-
-
-@dataclass(frozen=True)
-class InferenceRecord:
-    """One finished inference task (a row of inference.csv)."""
-
-    name: str
-    application: str
-    arrival_s: float
-    start_s: float            # placed on a GPU (its replica starts, or is reused)
-    ready_s: float            # start + cold start (the task runs from here)
-    finish_s: float
-    wait_s: float             # start - arrival: time queued for a GPU
-    cold_start: bool          # a new replica (free GPU, an evicted sleeper, or a reclaimed lent GPU)
-    kind: str                 # ATS-I decision: reuse, free, sleep or reclaim
-
-
-@dataclass(frozen=True)
-class TimelinePoint:
-    time_s: float
-    allocated_gpus: int
-    active_jobs: int
-    running_jobs: int
-    lent_gpus: int = 0        # training GPUs on inference-pool nodes
-    inference_gpus: int = 0   # inference GPUs held by RUNNING/PROTECT replicas
-
-
-@dataclass(frozen=True)
-class SimulationResult:
-    policy: str
-    workload: str
-    cluster: ClusterSpec
-    jobs: tuple[JobRecord, ...]           # in arrival order
-    timeline: tuple[TimelinePoint, ...]   # after every event that changed allocations or the job set
-    rounds: int
-    events: int
-    plans_checked: int
-    start_s: float                        # the clock's start
-    wall_time_s: float = 0.0              # filled by :func:`simulator.runner.simulate`
-    policy_options: dict = field(default_factory=dict)  # the policy's constructor options, for reproducibility
-    cache_mode: str = "none"              # see simulator.cacheio
-    remote_bytes_read: float = 0.0        # bytes read from remote storage by all jobs (IO utilization)
-    inference: tuple[InferenceRecord, ...] = ()  # inference tasks, in arrival order
-    lent_gpu_s: float = 0.0               # GPU-seconds training held on inference-pool nodes
-    reclaims: int = 0                     # lent GPUs ATS-I took back from training
-    protect_scale: float = 1.0            # the replicas' protect times were scaled by this
-    restart_charges: dict = field(default_factory=dict)  # "afe"/"full"/"fixed"/"launch" -> [count, seconds] charged to jobs
-
-
-class _Job:
-    """Mutable per-job state inside the engine."""
-
-    __slots__ = (
-        "spec", "model", "type_models", "dataset", "target", "min_gpus", "max_gpus", "requested", "done", "attained", "restarts",
-        "start", "finish", "allocation", "restart_until", "rate", "finish_at", "_info", "_info_at",
-        "overheads", "work_done_at",
-    )
-
-    def __init__(self, spec: JobSpec, model: JobModel, target: float, max_gpus: int, dataset: str = "",
-                 type_models: Mapping[str, JobModel] | None = None):
-        self.spec = spec
-        self.model = model
-        self.type_models = type_models or {}
-        self.dataset = dataset
-        self.target = target
-        self.min_gpus = 1
-        self.max_gpus = max_gpus
-        self.requested = min(spec.num_replicas, max_gpus)
-        self.done = 0.0
-        self.attained = 0.0
-        self.restarts = 0
-        self.start: float | None = None
-        self.finish: float | None = None
-        self.allocation: Allocation | None = None
-        self.restart_until = -math.inf
-        self.rate = 0.0
-        self.finish_at = math.inf
-        self._info: JobInfo | None = None
-        self._info_at: tuple[float, float, int] | None = None
-        self.overheads: JobOverheads | None = None  # measured launch/finish times (None: restart_cost_s, no tail)
-        self.work_done_at: float | None = None      # with overheads: when its last step ended
-
-    def info(self) -> JobInfo:
-        # Only progress, attained service and restarts change while a job is active: a job that
-        # waits keeps its JobInfo from round to round.
-        state = (self.done, self.attained, self.restarts)
-        if self._info is None or self._info_at != state:
-            self._info, self._info_at = self._new_info(), state
-        return self._info
-
-    def _new_info(self) -> JobInfo:
-        if self._info is not None:  # only the progress fields change: copy the rest (JobInfo has no __post_init__)
-            info = object.__new__(JobInfo)
-            info.__dict__.update(self._info.__dict__)
-            info.__dict__.update(samples_done=min(self.done, self.target), attained_gpu_s=self.attained,
-                                 restarts=self.restarts)
-            return info
-        s = self.spec
-        return JobInfo(
-            job_id=s.name,
-            model=self.model,
-            submit_time_s=s.arrival_s,
-            min_gpus=self.min_gpus,
-            max_gpus=self.max_gpus,
-            target_samples=self.target,
-            samples_done=min(self.done, self.target),
-            requested_gpus=self.requested,
-            batch_size=s.batch_size,
-            attained_gpu_s=self.attained,
-            restarts=self.restarts,
-            dataset=self.dataset,
-            gpu_types=s.gpu_types,
-            type_models=self.type_models,
-            tenant=s.tenant,
-            cpus_per_rank=s.cpus_per_rank,
-            memory_bytes_per_rank=s.memory_bytes_per_rank,
-        )
-
-
-def max_gpus_for(model: JobModel, requested: int, cap: int) -> int:
-    """A job's largest world size: what its batch limits allow (``max_batch // min_local``), at
-    least what its owner asked for, at most ``cap`` (the cluster, or ``max_gpus_per_job``)."""
-    by_batch = max(1, model.bounds.max_batch_size // model.bounds.min_local_bsz)
-    return max(1, min(cap, max(by_batch, requested)))
-
-
-class Simulator:
+class Simulator(RoundsMixin, InferenceMixin):
     """Run ``policy`` over ``workload`` on ``cluster``; :meth:`run` returns the result.
 
     ``policy`` is a policy object or a registered name; ``clock`` defaults to a clock at 0
@@ -256,6 +103,9 @@ class Simulator:
     ``inference_tasks`` (default: the workload's inference rows) run on the cluster's
     inference-pool nodes with replica lifecycle ``lifecycle`` (default: DeepBoot's protect
     times scaled by ``protect_scale``); see the module docstring.
+    ``skip_known_rounds`` (default on) leaves out the rounds whose plan the policy promised
+    (:mod:`scheduler.steady`; :mod:`simulator.rounds`); ``verify_known_rounds`` runs them anyway
+    and raises ``AssertionError`` if one's plan is not the promised one (tests).
     """
 
     def __init__(
@@ -275,6 +125,8 @@ class Simulator:
         protect_scale: float = 1.0,
         quotas: Mapping[str, TenantQuota] | None = None,
         on_round: Callable[[ClusterSnapshot, Plan], None] | None = None,
+        skip_known_rounds: bool = True,
+        verify_known_rounds: bool = False,
     ):
         if cache_mode not in CACHE_MODES:
             raise SimulatorInputError(f"--cache: unknown cache mode {cache_mode!r}; known: {', '.join(CACHE_MODES)}")
@@ -301,7 +153,7 @@ class Simulator:
 
         cap = self.cluster.job_gpu_cap
         self._node_types = {node.name: node.gpu_type for node in self.cluster.nodes}
-        self._jobs: list[_Job] = []
+        self._jobs: list[SimJob] = []
         models: dict[str, JobModel] = {}
         overheads: dict[str, JobOverheads | None] = {}
         # (application, Gavel job type) -> the job's model per GPU type of the cluster; shared by
@@ -319,7 +171,7 @@ class Simulator:
             if kind not in typed:
                 typed[kind] = typed_models(model, gpu_types, job_type=spec.job_type)
             target = spec.target_samples or target_samples(spec.application)
-            self._jobs.append(_Job(spec, model, target, max_gpus_for(model, spec.num_replicas, cap), _dataset_of(spec.application),
+            self._jobs.append(SimJob(spec, model, target, max_gpus_for(model, spec.num_replicas, cap), _dataset_of(spec.application),
                                    typed[kind]))
             if self.cluster.job_overheads:
                 if spec.application not in overheads:
@@ -333,9 +185,14 @@ class Simulator:
             list(models.values()) + [m for by_type in typed.values() for m in by_type.values()],
             gpus_per_node=self.cluster.gpus_per_node)
         self._epoch_starts = data_grants.EpochStarts()  # --cache silod: snapshot.fresh_bytes, as live
+        self._stateful = hasattr(self.rate_model, "advance")  # caches that fill as jobs read (simulator.cacheio)
 
         self._pending = 0                    # index of the next job to arrive
-        self._active: list[_Job] = []        # arrived, unfinished, in arrival order
+        self._active: list[SimJob] = []      # arrived, unfinished, in arrival order
+        self._running: dict[SimJob, None] = {}  # the active jobs that hold GPUs (a set, in the order they got them)
+        self._allocated = 0                  # GPUs they hold
+        self._finishing: list[tuple[float, int, SimJob]] = []  # (finish_at, sequence, job) heap; stale entries skipped
+        self._sequence = 0
         self._finished = 0
         self._round_index = 0                # next round at start + _round_index * interval
         self.rounds = 0
@@ -344,6 +201,7 @@ class Simulator:
         self._stalled_since: float | None = None
         self._timeline: list[TimelinePoint] = []
         self._init_inference(workload.inference if inference_tasks is None else tuple(inference_tasks), lifecycle, protect_scale)
+        self._init_known_rounds(skip_known_rounds, verify_known_rounds)
 
     # --- public ------------------------------------------------------------------------
 
@@ -371,17 +229,23 @@ class Simulator:
         self._advance(now, t_next)
         self.clock.advance_to(t_next)
         self.events += 1
-        changed = self._complete(t_next)
+        self._pass_known_ticks(t_next)
+        completed = self._complete(t_next)
         served = self._finish_tasks(t_next)
         arrived = self._arrive(t_next)
         queued = self._arrive_tasks(t_next)
-        if self._queue:  # inference first: a new replica is busy in this instant's round
-            changed |= self._place_inference(t_next)
+        reclaimed = self._place_inference(t_next) if self._queue else False  # inference first: a new replica is busy in this instant's round
+        changed = completed or reclaimed
+        if arrived or served or queued or reclaimed or (completed and not self._promise_departures):
+            self._forget_promise()
         tick = t_next >= self._tick(self._round_index) - _EPS
         if tick or (self.cluster.schedule_on_events and (changed or arrived)):
             if self._active:
-                self._round(t_next)
-                changed = True
+                if self._known(t_next):
+                    self.rounds += 1
+                else:
+                    self._round(t_next)
+                    changed = True
             if tick:
                 self._round_index = self._first_tick_after(t_next)
         if self._tasks and self.check_invariants:
@@ -398,7 +262,7 @@ class Simulator:
             finished=self._finished,
             total=len(self._jobs),
             active=len(self._active),
-            running=sum(1 for j in self._active if j.allocation is not None),
+            running=len(self._running),
             rounds=self.rounds,
         )
 
@@ -427,6 +291,7 @@ class Simulator:
             cache_mode=self.cache_mode, remote_bytes_read=float(getattr(self.rate_model, "bytes_read", 0.0)),
             inference=self._inference_records(), lent_gpu_s=self._lent_gpu_s, reclaims=self._reclaims,
             protect_scale=self._protect_scale, restart_charges={k: list(v) for k, v in sorted(self._charges.items())},
+            rounds_computed=self.rounds_computed,
         )
 
     # --- time --------------------------------------------------------------------------
@@ -447,50 +312,47 @@ class Simulator:
         return index
 
     def _next_event_time(self) -> float:
+        """The next arrival, completion, inference event or round (a round whose plan is known
+        is no event: the clock jumps over it, see :meth:`_pass_known_ticks`)."""
         candidates = []
         if self._pending < len(self._jobs):
             candidates.append(self._arrival(self._jobs[self._pending]))
         candidates.extend(self._inference_events())
-        if self._active:
-            candidates.append(self._tick(self._round_index))
+        if not self._active:
+            return min(candidates, default=math.inf)
+        candidates.append(self._next_completion())
+        if self._stateful:  # a rate model with state of its own is told of every restart's end, as it always was
             now = self.clock.now()
-            for job in self._active:
-                if job.allocation is not None:
-                    candidates.append(job.finish_at)
-                    if job.restart_until > now:
-                        candidates.append(job.restart_until)
-        return min(candidates, default=math.inf)
+            candidates.extend(j.restart_until for j in self._running if j.restart_until > now)
+        other = min(candidates, default=math.inf)
+        tick = self._tick(self._round_index)
+        if self._promise_until > tick and math.isfinite(other) and not self._verify_known:
+            # (with nothing else to come, rounds tick on: the stall guard; verification runs every round)
+            tick = self._tick(self._first_tick_at_or_after(self._promise_until)) if math.isfinite(self._promise_until) else math.inf
+        return min(other, tick)
 
-    def _arrival(self, job: _Job) -> float:
+    def _arrival(self, job: SimJob) -> float:
         return self.start_s + job.spec.arrival_s
 
     # --- events ------------------------------------------------------------------------
 
     def _advance(self, t: float, t_next: float) -> None:
-        """Progress every running job from ``t`` to ``t_next`` (no event in between)."""
+        """From ``t`` to ``t_next`` (no event in between): running jobs progress by themselves
+        (their progress is anchored, :mod:`simulator.jobs`); a rate model with state of its own
+        (caches that fill) is told how long each worked; the stall guard."""
         dt = t_next - t
-        progressed = False
-        working_s: dict[str, float] = {}  # job id -> seconds it worked (not restarting) in this interval
-        for job in self._active:
-            allocation = job.allocation
-            if allocation is None:
-                continue
-            job.attained += allocation.gpus * dt
-            if self._inference_nodes:
-                self._lent_gpu_s += dt * sum(len(ix) for node, ix in allocation.placement if node in self._inference_nodes)
-            working = t_next - max(t, job.restart_until)
-            if job.overheads is not None:
-                working = self._steps_until_done(job, t, working)
-                progressed |= job.work_done_at is not None  # its finish tail is progress towards the end
-            working_s[job.spec.name] = max(working, 0.0)
-            if working > 0 and job.rate > 0:
-                job.done = min(job.done + job.rate * working, job.target) if job.work_done_at is not None \
-                    else job.done + job.rate * working
-                progressed = True
-        advance = getattr(self.rate_model, "advance", None)
-        if advance is not None and working_s:
-            advance(working_s)
-        if progressed or not self._active:
+        if self._stateful and self._running:
+            working_s: dict[str, float] = {}  # job id -> seconds it worked (not restarting) in this interval
+            for job in self._active:
+                if job.allocation is None:
+                    continue
+                begin = max(t, job.restart_until)
+                working = t_next - begin
+                if job.overheads is not None:  # steps only until its last sample, none in its finish tail
+                    working = 0.0 if job.in_tail(t) else min(working, job.work_end - begin)
+                working_s[job.spec.name] = max(working, 0.0)
+            self.rate_model.advance(working_s)
+        if not self._active or self._next_completion() < math.inf:  # some job will finish: progress is made
             self._stalled_since = None
         elif dt > 0:
             if self._stalled_since is None:
@@ -498,19 +360,42 @@ class Simulator:
             if t_next - self._stalled_since > self.cluster.stall_timeout_s:
                 self._stuck(t_next)
 
-    @staticmethod
-    def _steps_until_done(job: _Job, t: float, working: float) -> float:
-        """Of ``working`` seconds of running from ``t``, those ``job`` still steps: none in its
-        finish tail; up to its last sample otherwise, recording when that is (``work_done_at``)."""
-        if job.work_done_at is not None:
-            return 0.0
-        if working <= 0 or job.rate <= 0:
-            return working
-        need = (job.target - job.done) / job.rate
-        if working < need - _EPS * max(1.0, need):
-            return working
-        job.work_done_at = max(t, job.restart_until) + need
-        return need
+    def _next_completion(self) -> float:
+        """The earliest completion time of a running job (inf if none has one)."""
+        heap = self._finishing
+        while heap:
+            at, _, job = heap[0]
+            if job.finish is None and job.allocation is not None and at == job.finish_at:
+                return at
+            heapq.heappop(heap)
+        return math.inf
+
+    def _settle(self, job: SimJob, t: float) -> None:
+        """Write ``job``'s progress at ``t`` back (before its allocation or rate changes)."""
+        if self._inference_nodes and job.allocation is not None and t > job.base_t:
+            self._lent_gpu_s += (t - job.base_t) * self._lent_of(job.allocation)
+        job.settle(t)
+
+    def _lent_of(self, allocation: Allocation) -> int:
+        return sum(len(ix) for node, ix in allocation.placement if node in self._inference_nodes)
+
+    def _assign(self, job: SimJob, allocation: Allocation | None, t: float) -> None:
+        """``job`` holds ``allocation`` (None: nothing) from ``t``; its rate is set by ``_set_rates``."""
+        self._settle(job, t)
+        if job.allocation is not None:
+            self._allocated -= job.allocation.gpus
+        if allocation is None:
+            job.stop()
+            self._running.pop(job, None)
+            return
+        job.allocation = allocation
+        self._allocated += allocation.gpus
+        self._running[job] = None
+
+    def _expect_finish(self, job: SimJob) -> None:
+        if job.finish_at < math.inf:
+            self._sequence += 1
+            heapq.heappush(self._finishing, (job.finish_at, self._sequence, job))
 
     def _stuck(self, t: float) -> None:
         waiting = ", ".join(
@@ -524,15 +409,18 @@ class Simulator:
         )
 
     def _complete(self, t: float) -> bool:
-        done = [j for j in self._active if j.allocation is not None and j.finish_at <= t + _EPS * max(1.0, abs(t))]
+        limit = t + _EPS * max(1.0, abs(t))
+        heap, done = self._finishing, {}
+        while heap and heap[0][0] <= limit:
+            at, _, job = heapq.heappop(heap)
+            if job.finish is None and job.allocation is not None and at == job.finish_at:
+                done[job] = None  # (a job whose time was set twice to the same value has two entries)
         for job in done:
+            self._assign(job, None, t)
             job.done = job.target
             job.finish = t
-            job.allocation = None
-            job.finish_at = math.inf
             self._finished += 1
-        if done:
-            self._active = [j for j in self._active if j.finish is None]
+            self._active.remove(job)
         return bool(done)
 
     def _arrive(self, t: float) -> bool:
@@ -545,253 +433,17 @@ class Simulator:
             arrived = True
         return arrived
 
-    def _snapshot(self, t: float) -> ClusterSnapshot:
-        infos = tuple(job.info() for job in self._active)
-        current = Plan({j.spec.name: j.allocation for j in self._active if j.allocation is not None})
-        # Only a co-designing scheduler (--cache silod) is told about the storage budget and
-        # what is cached; with an independent cache the scheduler is GPU-only.
-        silod = self.cache_mode == "silod"
-        cached = self.rate_model.cached_bytes() if silod and hasattr(self.rate_model, "cached_bytes") else {}
-        fresh = self._epoch_starts.fresh(cached, (
-            (j.spec.name, j.dataset, self.rate_model.epochs_done(j.spec.name),
-             [n for n, _ in j.allocation.placement] if j.allocation is not None else [])
-            for j in self._active)) if silod and hasattr(self.rate_model, "epochs_done") else {}
-        return ClusterSnapshot(
-            time_s=t,
-            nodes=self.cluster.nodes,
-            jobs=infos,
-            current=current,
-            restart_cost_s=self.cluster.restart_cost_s,
-            interval_s=self.cluster.interval_s,
-            storage_bandwidth_bytes_per_s=self.cluster.storage_bandwidth_bytes_per_s if silod else math.inf,
-            cached_bytes=cached,
-            fresh_bytes=fresh,
-            inference_busy=self._pool.busy(t) if self._tasks else {},
-            quotas=self.quotas,
-        )
-
-    def _round(self, t: float) -> None:
-        self.rounds += 1
-        snapshot = self._snapshot(t)
-        infos = snapshot.jobs
-        plan = quota_rule.schedule(self.policy, snapshot)  # the policy itself when there are no quotas
-        if self.cache_mode == "silod":
-            # The live scheduler's data step after its policy (which jobs start without IO, the
-            # spare budget): one rulebook for both worlds. The other modes' grants only label
-            # quotas for the cache servers; here cacheio models those caches itself.
-            plan = data_grants.grant("silod", snapshot, plan, plan, {job.job_id for job in infos}, policy_co_designs=True)
-        if self.check_invariants:
-            self.plans_checked += 1
-            problems = plan_problems(snapshot, plan)
-            if problems:
-                raise PlanViolation(f"policy {self.policy_name} at t={t:.0f}s: " + "; ".join(problems))
-        if self.on_round is not None:
-            self.on_round(snapshot, plan)
-        if self._tasks:
-            self._pool.end_lent(plan, t)  # sleepers whose GPU the plan lends to training end
-        # Only what the plan changes is carried out (the live scheduler commits the same changes).
-        changes = changes_between(snapshot.current.allocations, plan.allocations)
-        stopped = set(changes.removals)
-        for job, info in zip(self._active, infos):
-            if job.spec.name not in changes.upserts and job.spec.name not in stopped:
-                continue  # holds what it held (or still nothing)
-            new = plan.get(job.spec.name)
-            if new is None or new.gpus == 0:
-                job.allocation = None
-                job.rate = 0.0
-                job.finish_at = math.inf
-                continue
-            if not new.same_gpus(job.allocation):
-                job.restart_until = t + self._resize_cost(job, info, new)
-                if job.start is None:
-                    job.start = t
-                else:
-                    job.restarts += 1
-            # The job runs at the speed of the GPUs it got, whatever type the plan names.
-            kind = self._node_types.get(new.placement[0][0], "") if len(new.placement) == 1 else \
-                placement_type(new.placement, self._node_types, info)
-            if new.gpu_type != kind:
-                new = dataclasses.replace(new, gpu_type=kind)
-            if new != job.allocation:  # an unchanged allocation keeps its object (and what it has cached)
-                job.allocation = new
-        self._set_rates(t)
-
-    def _resize_cost(self, job: _Job, info: JobInfo, new: Allocation) -> float:
-        """Seconds without progress after ``job`` moves to ``new`` (see the module docstring)."""
-        if self._costs is None:
-            if job.overheads is not None:
-                return self._charge("launch", job.overheads.launch(new.gpus))
-            return self._charge("fixed", self.cluster.restart_cost_s)
-        old = job.allocation
-        kept = old is not None and bool(_gpu_set(old) & _gpu_set(new))
-        cost = self._costs.cost_s(info, starting=not kept, default_s=self.cluster.restart_cost_s)
-        return self._charge("afe" if kept and self._costs.afe else "full", cost)
-
-    def _charge(self, kind: str, seconds: float) -> float:
-        """Count a restart cost (summary.json ``restart_charges``: what the resize model cost the jobs)."""
-        entry = self._charges.setdefault(kind, [0, 0.0])
-        entry[0] += 1
-        entry[1] += seconds
-        return seconds
-
-    def _set_rates(self, t: float) -> None:
-        """Rates and completion times of every running job from ``t`` (after their allocations changed)."""
-        running_jobs = [j for j in self._active if j.allocation is not None]
-        running_infos = [j.info() for j in running_jobs]  # unchanged since the round's snapshot: the same objects
-        if running_jobs:
-            rates = np.asarray(self.rate_model.rates(running_infos, [j.allocation for j in running_jobs]), dtype=float)
-            if rates.shape != (len(running_jobs),) or not np.all(np.isfinite(rates)) or np.any(rates < 0):
-                bad = next((j.spec.name for j, r in zip(running_jobs, np.atleast_1d(rates)) if not (r >= 0 and math.isfinite(r))), "?")
-                raise ValueError(f"rate model returned an invalid rate (job {bad}): {rates!r}")
-            for job, rate in zip(running_jobs, rates.tolist()):
-                job.rate = rate
-                begin = max(t, job.restart_until)
-                if job.overheads is None:
-                    job.finish_at = begin + (job.target - job.done) / rate if rate > 0 else math.inf
-                    continue
-                tail = job.overheads.finish(job.allocation.gpus)
-                if job.work_done_at is not None:  # in its finish tail (re-placed since: after the launch)
-                    job.finish_at = max(job.work_done_at, job.restart_until) + tail
-                else:
-                    job.finish_at = begin + (job.target - job.done) / rate + tail if rate > 0 else math.inf
 
     def _record(self, t: float) -> None:
-        allocated = sum(j.allocation.gpus for j in self._active if j.allocation is not None)
-        running = sum(1 for j in self._active if j.allocation is not None)
         lent = busy = 0
         if self._tasks:
-            lent = sum(len(ix) for j in self._active if j.allocation is not None
-                       for node, ix in j.allocation.placement if node in self._inference_nodes)
+            lent = sum(self._lent_of(j.allocation) for j in self._running)
             busy = sum(map(len, self._pool.busy(t).values()))
-        point = TimelinePoint(t, allocated, len(self._active), running, lent, busy)
+        point = TimelinePoint(t, self._allocated, len(self._active), len(self._running), lent, busy)
         if self._timeline and self._timeline[-1].time_s == t:
             self._timeline[-1] = point
         else:
             self._timeline.append(point)
-
-    # --- inference (DeepBoot) ----------------------------------------------------------
-
-    def _init_inference(self, tasks: tuple[InferenceTask, ...], lifecycle: LifecycleConfig | None, protect_scale: float) -> None:
-        if not (math.isfinite(protect_scale) and protect_scale >= 0):
-            raise SimulatorInputError(f"--inference-protect-scale: expected a number >= 0, got {protect_scale!r}")
-        self._protect_scale = protect_scale
-        self._tasks = tuple(sorted(tasks, key=lambda task: task.arrival_s))
-        self._inference_nodes = {n.name for n in self.cluster.nodes if n.pool == "inference"}
-        if self._tasks and not self._inference_nodes:
-            raise SimulatorInputError(
-                f"workload {self.workload.name}: {len(self._tasks)} inference tasks but the cluster has no inference-pool "
-                "nodes (a node list entry with 'pool: inference')"
-            )
-        if lifecycle is None:
-            p = ProtectSchedule()
-            lifecycle = LifecycleConfig(protect=ProtectSchedule(p.base_s * protect_scale, p.per_reuse_s * protect_scale,
-                                                                p.max_s * protect_scale))
-        self._pool = InferencePool(lifecycle)
-        self._costs = getattr(self.policy, "costs", None)   # ResizeCosts of a DeepBoot-style policy
-        self._task_next = 0                                  # index of the next task to arrive
-        self._queue: list[int] = []                          # arrived, not placed (task indices, FIFO)
-        self._serving: dict[str, tuple[float, int]] = {}     # replica id -> (task finish time, task index)
-        self._placed: dict[int, tuple[float, float, bool, str]] = {}  # task -> (start, ready, cold, kind)
-        self._task_finish: dict[int, float] = {}
-        self._lent_gpu_s = 0.0
-        self._reclaims = 0
-        self._charges: dict[str, list] = {}
-
-    def _inference_done(self) -> bool:
-        return self._task_next == len(self._tasks) and not self._queue and not self._serving
-
-    def _inference_events(self) -> list[float]:
-        events = []
-        if self._task_next < len(self._tasks):
-            events.append(self.start_s + self._tasks[self._task_next].arrival_s)
-        events.extend(finish for finish, _ in self._serving.values())
-        if self._queue:  # PROTECT -> SLEEP frees a GPU for a queued task
-            events.append(self._pool.next_change_s())
-        return events
-
-    def _arrive_tasks(self, t: float) -> bool:
-        first = self._task_next
-        while self._task_next < len(self._tasks) and self.start_s + self._tasks[self._task_next].arrival_s <= t + _EPS:
-            self._queue.append(self._task_next)
-            self._task_next += 1
-        return self._task_next > first
-
-    def _finish_tasks(self, t: float) -> bool:
-        done = [rid for rid, (finish, _) in self._serving.items() if finish <= t + _EPS * max(1.0, abs(t))]
-        for replica_id in sorted(done, key=lambda rid: self._serving[rid]):
-            _, index = self._serving.pop(replica_id)
-            self._task_finish[index] = t
-            self._pool.finish(replica_id, t)
-        return bool(done)
-
-    def _place_inference(self, t: float) -> bool:
-        """ATS-I for the queued tasks; applies reclaims to the training plan. True if training allocations changed."""
-        snapshot = self._snapshot(t)
-        tasks = [self._tasks[i] for i in self._queue]
-        applications = [task.application for task in tasks]
-        place = getattr(self.policy, "place_inference", None)
-        if place is not None:
-            result = place(snapshot, applications, self._pool.views(t))
-        else:  # a non-lending policy: ATS-I on the inference pool, nothing lent so nothing to reclaim
-            result = place_inference_tasks(snapshot, applications, self._pool.views(t))
-        jobs = {job.spec.name: (job, info) for job, info in zip(self._active, snapshot.jobs)}
-        waiting, resized = [], False
-        for index, task, decision in zip(self._queue, tasks, result.decisions):
-            if decision.kind == "wait":
-                waiting.append(index)
-                continue
-            if decision.kind == "reclaim":
-                job, info = jobs[decision.job_id]
-                self._reclaims += 1
-                resized = True
-                new = decision.job_allocation
-                if new is None or not new.placement:  # below its minimum: the job stops (checkpointed)
-                    job.allocation, job.rate, job.finish_at = None, 0.0, math.inf
-                else:
-                    cost = self._charge("afe" if self._costs.afe else "full",
-                                        self._costs.cost_s(info, starting=False, default_s=self.cluster.restart_cost_s)) \
-                        if self._costs is not None else self._resize_cost(job, info, new)
-                    job.restart_until = max(job.restart_until, t + cost)
-                    job.allocation = dataclasses.replace(
-                        new, gpu_type=placement_type(new.placement, self._node_types, info))
-                    job.restarts += 1  # a stopped job counts when it is placed again
-            replica_id, finish = self._pool.start(decision, task, t)
-            self._serving[replica_id] = (finish, index)
-            cold = self._pool.config.cold_start(task.application) if decision.cold_start else 0.0
-            self._placed[index] = (t, t + cold, decision.cold_start, decision.kind)
-        self._queue = waiting
-        if resized:
-            self._set_rates(t)
-        return resized
-
-    def _check_gpus(self, t: float) -> None:
-        """No GPU has two holders (training jobs and live replicas), and a queued task sees no lendable GPU."""
-        holders: dict[tuple[str, int], str] = {}
-        replicas = self._pool.views(t)
-        claims = [(f"replica {v.replica_id}", ((v.node, (v.gpu,)),)) for v in replicas]
-        claims += [(f"job {j.spec.name}", j.allocation.placement) for j in self._active if j.allocation is not None]
-        for who, placement in claims:
-            for node, indices in placement:
-                for i in indices:
-                    if (node, i) in holders:
-                        raise PlanViolation(f"policy {self.policy_name} at t={t:.0f}s: GPU {node}/{i} held by both "
-                                            f"{holders[(node, i)]} and {who}")
-                    holders[(node, i)] = who
-        if self._queue:  # ATS-I ends another application's idle PROTECT replica before a task waits
-            busy = {(v.node, v.gpu) for v in replicas if v.state is ReplicaState.RUNNING}
-            idle = [(n.name, i) for n in self.cluster.nodes if n.pool == "inference" for i in range(n.gpus) if (n.name, i) not in busy]
-            if idle:
-                raise PlanViolation(f"policy {self.policy_name} at t={t:.0f}s: {len(self._queue)} inference tasks wait "
-                                    f"while inference GPU {idle[0][0]}/{idle[0][1]} is not RUNNING")
-
-    def _inference_records(self) -> tuple[InferenceRecord, ...]:
-        records = []
-        for index, task in enumerate(self._tasks):
-            start, ready, cold, kind = self._placed[index]
-            arrival = self.start_s + task.arrival_s
-            records.append(InferenceRecord(task.name, task.application, arrival, start, ready, self._task_finish[index],
-                                           start - arrival, cold, kind))
-        return tuple(records)
 
     # --- results -----------------------------------------------------------------------
 
@@ -817,10 +469,6 @@ class Simulator:
         ]
 
 
-def _gpu_set(allocation: Allocation) -> set[tuple[str, int]]:
-    return {(node, i) for node, indices in allocation.placement for i in indices}
-
-
 def _dataset_of(application: str) -> str:
     """The dataset a job of ``application`` reads (``datasets.csv``), or ""."""
     from estimator.profiles import dataset_for
@@ -841,3 +489,4 @@ def _options_of(policy: object) -> dict:
     if not dataclasses.is_dataclass(policy):
         return {}
     return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+

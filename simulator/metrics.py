@@ -78,6 +78,7 @@ def summary(result: SimulationResult) -> dict[str, Any]:
         "restart_charges": {k: {"count": n, "seconds": _r(sec, 3)} for k, (n, sec) in result.restart_charges.items()},
         "cluster": result.cluster.describe(),
         "rounds": result.rounds,
+        "rounds_computed": result.rounds if result.rounds_computed < 0 else result.rounds_computed,
         "events": result.events,
         "plans_checked": result.plans_checked,
         "wall_time_s": _r(result.wall_time_s, 3),

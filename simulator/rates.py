@@ -40,6 +40,8 @@ def effective_batch_size(job: JobInfo, allocation: Allocation) -> int:
 class GoodputRates:
     """GPU-only rates: Pollux goodput at the allocation's GPUs, nodes and batch size; IO unlimited."""
 
+    stateless = True  # a job's rate depends on its allocation alone (rounds whose plan is known need not run)
+
     def __init__(self, models: Sequence[JobModel] = (), *, gpus_per_node: int = DEFAULT_GPUS_PER_NODE):
         self.gpus_per_node = gpus_per_node
         self._models: list[JobModel] = []
