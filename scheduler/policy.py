@@ -22,12 +22,9 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
 from estimator.job_model import JobModel
-
-if TYPE_CHECKING:
-    from scheduler.quotas import TenantQuota
 
 Pool = Literal["training", "inference"]
 UNLIMITED = math.inf
@@ -147,6 +144,24 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class TenantQuota:
+    """A tenant's nominal share of the cluster (Kueue: a ClusterQueue's nominalQuota and limits)."""
+
+    # GPU type -> nominal GPUs of that type; "" (scheduler.quotas.ANY_TYPE) -> nominal GPUs of any
+    # type (untyped clusters: the only key that matters). Empty: no GPU guarantee.
+    gpus: Mapping[str, int] = field(default_factory=dict)
+    cache_bytes: float = UNLIMITED              # ceiling on the cache quotas of the tenant's jobs, bytes, all nodes
+    remote_io_share: float = 1.0                # ceiling on its jobs' remote IO, fraction (0, 1] of the storage budget
+    borrowing_limit_gpus: int | None = None     # GPUs it may hold beyond its nominal share; None = no limit
+    lending_limit_gpus: int | None = None       # of its idle nominal GPUs, how many may be lent; None = all
+
+    @property
+    def nominal_gpus(self) -> int:
+        """Nominal GPUs over all types."""
+        return sum(self.gpus.values())
+
+
+@dataclass(frozen=True)
 class ClusterSnapshot:
     """Everything a policy may look at, at one instant."""
 
@@ -167,7 +182,7 @@ class ClusterSnapshot:
     inference_busy: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     # Tenant -> its quota (scheduler.quotas). Policies do not read it: scheduler.quotas.schedule
     # runs them on each tenant's share. Empty = no quotas, every tenant shares the whole cluster.
-    quotas: Mapping[str, "TenantQuota"] = field(default_factory=dict)
+    quotas: Mapping[str, TenantQuota] = field(default_factory=dict)
 
     @property
     def total_gpus(self) -> int:
@@ -192,3 +207,6 @@ class Policy(Protocol):
     def schedule(self, snapshot: ClusterSnapshot) -> Plan:
         """Return the plan for ``snapshot``; must not mutate it, read clocks or do I/O."""
         ...
+
+    # Optional: ``stable_until(snapshot, plan) -> scheduler.steady.Steadiness``, how long ``plan``
+    # (= ``schedule(snapshot)``) stands while only the clock and progress move (see scheduler.steady).

@@ -44,30 +44,12 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from scheduler.policy import UNLIMITED, Allocation, ClusterSnapshot, JobInfo, Plan, Policy
+from scheduler.policy import UNLIMITED, Allocation, ClusterSnapshot, JobInfo, Plan, Policy, TenantQuota  # noqa: F401 (TenantQuota: its former home)
 from scheduler.rank_requests import less_requested, within_reach
 
 Gpu = tuple[str, int]  # (node, physical GPU index)
 ANY_TYPE = ""          # key of TenantQuota.gpus: GPUs of any type (the only key an untyped cluster needs)
 BORROW_RETRIES = 4     # re-runs of the lending pass without the jobs of tenants over their borrowing limit
-
-
-@dataclass(frozen=True)
-class TenantQuota:
-    """A tenant's nominal share of the cluster (Kueue: a ClusterQueue's nominalQuota and limits)."""
-
-    # GPU type -> nominal GPUs of that type; ANY_TYPE ("") -> nominal GPUs of any type (untyped
-    # clusters: the only key that matters). Empty: no GPU guarantee.
-    gpus: Mapping[str, int] = field(default_factory=dict)
-    cache_bytes: float = UNLIMITED              # ceiling on the cache quotas of the tenant's jobs, bytes, all nodes
-    remote_io_share: float = 1.0                # ceiling on its jobs' remote IO, fraction (0, 1] of the storage budget
-    borrowing_limit_gpus: int | None = None     # GPUs it may hold beyond its nominal share; None = no limit
-    lending_limit_gpus: int | None = None       # of its idle nominal GPUs, how many may be lent; None = all
-
-    @property
-    def nominal_gpus(self) -> int:
-        """Nominal GPUs over all types."""
-        return sum(self.gpus.values())
 
 
 @dataclass

@@ -67,8 +67,7 @@ from estimator.gpu_types import typed_models
 from estimator.job_model import JobModel
 from estimator.profiles.loading import JobOverheads, read_overheads
 from scheduler import data_grants
-from scheduler.policy import Allocation, ClusterSnapshot, Plan, Policy
-from scheduler.quotas import TenantQuota
+from scheduler.policy import Allocation, ClusterSnapshot, Plan, Policy, TenantQuota
 from scheduler.registry import get_policy
 from simulator.cacheio import CACHE_MODES, CacheIoRates
 from simulator.clock import SimClock

@@ -12,8 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from scheduler.policy import Policy
-from scheduler.quotas import TenantQuota
+from scheduler.policy import Policy, TenantQuota
 from simulator.cluster import ClusterSpec, load_cluster
 from simulator.engine import SimProgress, SimulationResult, Simulator
 from simulator.loading import load_workload

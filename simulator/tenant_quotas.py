@@ -22,7 +22,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from scheduler.quotas import ANY_TYPE, TenantQuota
+from scheduler.policy import TenantQuota
+from scheduler.quotas import ANY_TYPE
 from simulator.errors import SimulatorInputError
 
 FIELDS = ("gpus", "cache_bytes", "remote_io_share", "borrowing_limit_gpus", "lending_limit_gpus")
