@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +47,16 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     run.set_defaults(handler=_run)
 
     cmp_ = actions.add_parser("compare", help="run several policies on one workload, side by side",
-                              description="Run each --policy on the same workload and cluster; write compare.md, "
-                                          "compare.json, compare.png and one directory per policy to --out.")
+                              description="Run each --policy on the same workload and cluster, in parallel processes "
+                                          "(--jobs); write compare.md, compare.json, compare.png and one directory per "
+                                          "policy to --out.")
     cmp_.add_argument("--workload", required=True, metavar="CSV", help="workload CSV path or packaged name")
     cmp_.add_argument("--policy", dest="policies", action="append", required=True, metavar="NAME",
                       help="policy to run (repeat, or comma-separate: --policy fifo --policy tiresias)")
     _add_common_flags(cmp_)
+    cmp_.add_argument("--jobs", type=int, default=None, metavar="N",
+                      help="simulations at once, one process each (default: one per core, here "
+                           f"{_cores()}; 1 = one after another in this process)")
     cmp_.add_argument("--out", required=True, metavar="DIR", help="directory for the results")
     cmp_.set_defaults(handler=_compare)
 
@@ -134,7 +137,8 @@ def _add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant-quotas", metavar="FILE", default=None,
                    help="tenant quotas (YAML/JSON 'tenants: {NAME: {gpus: N, ...}}', see docs/tenants.md); "
                         "jobs name their tenant in the workload's tenant column")
-    p.add_argument("--quiet", action="store_true", help="no progress bar and no result lines")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress and no result lines (progress is shown only when stderr is a terminal)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-check", action="store_true", help="skip the per-round plan invariant checks (faster)")
 
@@ -237,48 +241,10 @@ def _check_policies(names: list[str]) -> str | None:
     return None
 
 
-class _Bar:
-    """A rich progress bar on stderr, or nothing when quiet or not on a terminal."""
+def _cores() -> int:
+    from simulator.parallel import default_jobs
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and sys.stderr.isatty()
-        self._progress = None
-        self._task = None
-        self._last = 0.0
-
-    def __enter__(self) -> "_Bar":
-        if self.enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._progress = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("jobs"),
-                TextColumn("sim {task.fields[sim]}"), TimeElapsedColumn(),
-                console=Console(stderr=True), transient=True,
-            )
-            self._progress.__enter__()
-        return self
-
-    def start(self, label: str, total: int) -> None:
-        if self._progress is not None:
-            if self._task is not None:
-                self._progress.remove_task(self._task)
-            self._task = self._progress.add_task(label, total=total, sim="0:00:00")
-
-    def update(self, progress: Any) -> None:
-        if self._progress is None or self._task is None:
-            return
-        now = time.monotonic()
-        if now - self._last < 0.1 and progress.finished < progress.total:
-            return
-        self._last = now
-        seconds = int(progress.time_s)
-        sim = f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-        self._progress.update(self._task, completed=progress.finished, sim=sim)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._progress is not None:
-            self._progress.__exit__(*exc)
+    return default_jobs()
 
 
 def _guarded(body):
@@ -343,10 +309,14 @@ def _run(args: argparse.Namespace) -> int:
         modes = _cache_modes(args.cache)
         if len(modes) != 1:
             raise SimulatorInputError(f"--cache {args.cache!r}: run takes one mode; use 'silod simulate compare' for several")
-        with _Bar(not args.quiet) as bar:
-            bar.start(f"{args.policy}", len(workload))
-            result = simulate(workload, policy, cluster, check_invariants=not args.no_check, observer=bar.update,
-                              cache_mode=modes[0], protect_scale=args.inference_protect_scale, quotas=quotas)
+        from simulator.parallel import Board, Run, run_many
+
+        def task(observer):
+            return simulate(workload, policy, cluster, check_invariants=not args.no_check, observer=observer,
+                            cache_mode=modes[0], protect_scale=args.inference_protect_scale, quotas=quotas)
+
+        with Board(not args.quiet) as board:
+            (result,) = run_many([Run(args.policy, task)], 1, board)
         data = write_outputs(result, args.out, plots=not args.no_plots)
         if not args.quiet:
             print(_result_line(data, Path(args.out)))
@@ -373,21 +343,29 @@ def _compare(args: argparse.Namespace) -> int:
         from simulator.runner import simulate
         from simulator.loading import load_workload
 
+        from simulator.errors import SimulatorInputError
+        from simulator.parallel import Board, Run, default_jobs, run_many
+
+        if args.jobs is not None and args.jobs < 1:
+            raise SimulatorInputError(f"--jobs: expected a number >= 1, got {args.jobs}")
         options = _parse_options(args.options, names)
         workload = load_workload(args.workload)
         cluster = load_cluster(args.cluster)
         modes = _cache_modes(args.cache)
         quotas = _quotas(args)
-        results = []
-        with _Bar(not args.quiet) as bar:
-            for name in names:
-                for mode in modes:
-                    label = name if len(modes) == 1 else f"{name}/{mode}"  # also the output directory
-                    bar.start(label, len(workload))
-                    result = simulate(workload, _policy(name, None, options), cluster, check_invariants=not args.no_check,
-                                      observer=bar.update, cache_mode=mode, protect_scale=args.inference_protect_scale,
-                                      quotas=quotas)
-                    results.append(dataclasses.replace(result, policy=label))
+
+        def task(name: str, mode: str, label: str):
+            def run(observer):
+                result = simulate(workload, _policy(name, None, options), cluster, check_invariants=not args.no_check,
+                                  observer=observer, cache_mode=mode, protect_scale=args.inference_protect_scale,
+                                  quotas=quotas)
+                return dataclasses.replace(result, policy=label)
+            return run
+
+        runs = [Run(label, task(name, mode, label)) for name in names for mode in modes
+                for label in [name if len(modes) == 1 else f"{name}/{mode}"]]  # the label is also the output directory
+        with Board(not args.quiet) as board:
+            results = run_many(runs, args.jobs or default_jobs(), board)
         data = write_compare(results, args.out, plots=not args.no_plots)
         if not args.quiet:
             print((Path(args.out) / "compare.md").read_text().rstrip())
