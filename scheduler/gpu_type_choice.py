@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 _LOCK = threading.Lock()
 _KINDS_KEPT = 16
+_BY_TYPE: dict[tuple[int, tuple], tuple[tuple, dict[str, int]]] = {}
 
 
 def type_preferences(
@@ -102,10 +103,7 @@ class TypeRoom:
     """
 
     def __init__(self, snapshot: ClusterSnapshot, pools: Iterable[Pool] = ("training",), capacity: int | None = None):
-        self.room: dict[str, int] = {}
-        for node in snapshot.nodes:
-            if node.pool in tuple(pools):
-                self.room[node.gpu_type] = self.room.get(node.gpu_type, 0) + node.gpus
+        self.room: dict[str, int] = dict(gpus_by_type(snapshot, pools))
         self.left = sum(self.room.values()) if capacity is None else capacity
         self._unclaimed = sum(self.room.values())  # kept by claim: asked for every job of a round
 
@@ -142,11 +140,26 @@ def blind_preferences(snapshot: ClusterSnapshot, job_ids: Iterable[str],
 
 def largest_type_gpus(snapshot: ClusterSnapshot, pools: Iterable[Pool] = ("training",)) -> int:
     """GPUs of the largest GPU type of ``pools``: the most any one job can hold."""
+    return max(gpus_by_type(snapshot, pools).values(), default=0)
+
+
+def gpus_by_type(snapshot: ClusterSnapshot, pools: Iterable[Pool] = ("training",)) -> Mapping[str, int]:
+    """GPU type -> GPUs of the nodes of ``pools``, types in the order of their first node
+    (read-only: one mapping per node tuple and pools, shared by the rounds that ask)."""
+    pools = tuple(pools)
+    key = (id(snapshot.nodes), pools)
+    found = _BY_TYPE.get(key)
+    if found is not None and found[0] is snapshot.nodes:
+        return found[1]
     by_type: dict[str, int] = {}
     for node in snapshot.nodes:
-        if node.pool in tuple(pools):
+        if node.pool in pools:
             by_type[node.gpu_type] = by_type.get(node.gpu_type, 0) + node.gpus
-    return max(by_type.values(), default=0)
+    with _LOCK:
+        if len(_BY_TYPE) >= _KINDS_KEPT:
+            _BY_TYPE.pop(next(iter(_BY_TYPE)))
+        _BY_TYPE[key] = (snapshot.nodes, by_type)  # the entry holds the tuple: its id stays its own
+    return by_type
 
 
 def slowest_type(job: JobInfo, gpu_types: Iterable[str]) -> str:

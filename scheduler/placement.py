@@ -175,6 +175,15 @@ class FreeGpus:
         self._take(node, mask, bits, len(taken))
         return taken
 
+    def take(self, node: str, indices: tuple[int, ...]) -> tuple[int, ...] | None:
+        """:meth:`reserve` if all of ``indices`` are free GPUs of ``node`` (the sorted indices), else None."""
+        mask = self._mask.get(node)
+        bits = _bits(indices)
+        if mask is None or bits is None or mask & bits != bits:
+            return None
+        self._take(node, mask, bits, len(indices))
+        return indices if _ascending(indices) else tuple(sorted(indices))
+
     def reserve_any(self, node: str, count: int) -> tuple[int, ...]:
         """The node's first ``count`` free GPUs (lowest indices)."""
         mask = self._mask[node]
@@ -221,6 +230,10 @@ _LOWEST: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
 _MEMO_KEPT = 100_000
 
 
+def _ascending(indices: tuple[int, ...]) -> bool:
+    return all(a < b for a, b in zip(indices, indices[1:])) if len(indices) > 1 else True
+
+
 def _bits(indices: Iterable[int]) -> int | None:
     """The bit set of GPU ``indices`` (None if one repeats or is negative)."""
     key = indices if isinstance(indices, tuple) else tuple(indices)
@@ -263,6 +276,11 @@ def keep_current(current: Allocation | None, count: int, free: FreeGpus,
     if current is None or not current.placement or count > current.gpus:
         return None
     placement = current.placement
+    if len(placement) == 1 and count == current.gpus and (job is None or not job.has_requests):
+        # Most running jobs, every round: one node, all of it kept, nothing requested.
+        node, indices = placement[0]
+        taken = free.take(node, indices)
+        return None if taken is None else ((node, taken),)
     # Every GPU still free, none named twice (a malformed plan: place afresh).
     if len(placement) > 1 and len({node for node, _ in placement}) != len(placement):
         held = [(node, index) for node, indices in placement for index in indices]

@@ -192,6 +192,8 @@ class Simulator(RoundsMixin, InferenceMixin):
         self._allocated = 0                  # GPUs they hold
         self._finishing: list[tuple[float, int, SimJob]] = []  # (finish_at, sequence, job) heap; stale entries skipped
         self._sequence = 0
+        self._moves = 0                      # allocations changed so far (the GPU check looks again only after one)
+        self._checked: tuple | None = None   # (moves, pool version, time with tasks queued) of the last GPU check
         self._finished = 0
         self._round_index = 0                # next round at start + _round_index * interval
         self.rounds = 0
@@ -235,8 +237,10 @@ class Simulator(RoundsMixin, InferenceMixin):
         queued = self._arrive_tasks(t_next)
         reclaimed = self._place_inference(t_next) if self._queue else False  # inference first: a new replica is busy in this instant's round
         changed = completed or reclaimed
-        if arrived or served or queued or reclaimed or (completed and not self._promise_departures):
+        if arrived or reclaimed or (completed and not self._promise_departures):
             self._forget_promise()
+        elif served or queued:
+            self._inference_moved(t_next)
         tick = t_next >= self._tick(self._round_index) - _EPS
         if tick or (self.cluster.schedule_on_events and (changed or arrived)):
             if self._active:
@@ -248,7 +252,11 @@ class Simulator(RoundsMixin, InferenceMixin):
             if tick:
                 self._round_index = self._first_tick_after(t_next)
         if self._tasks and self.check_invariants:
-            self._check_gpus(t_next)
+            # Holders change only when an allocation or the pool does; a queued task's view, with the clock.
+            checked = (self._moves, self._pool_version, t_next if self._queue else None)
+            if checked != self._checked:
+                self._check_gpus(t_next)
+                self._checked = checked
         if changed or arrived or served or queued:
             self._record(t_next)
         if self.observer is not None:
@@ -381,6 +389,7 @@ class Simulator(RoundsMixin, InferenceMixin):
     def _assign(self, job: SimJob, allocation: Allocation | None, t: float) -> None:
         """``job`` holds ``allocation`` (None: nothing) from ``t``; its rate is set by ``_set_rates``."""
         self._settle(job, t)
+        self._moves += 1
         if job.allocation is not None:
             self._allocated -= job.allocation.gpus
         if allocation is None:
@@ -437,7 +446,7 @@ class Simulator(RoundsMixin, InferenceMixin):
         lent = busy = 0
         if self._tasks:
             lent = sum(self._lent_of(j.allocation) for j in self._running)
-            busy = sum(map(len, self._pool.busy(t).values()))
+            busy = sum(map(len, self._busy(t).values()))
         point = TimelinePoint(t, self._allocated, len(self._active), len(self._running), lent, busy)
         if self._timeline and self._timeline[-1].time_s == t:
             self._timeline[-1] = point

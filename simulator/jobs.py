@@ -34,7 +34,7 @@ class SimJob:
                  type_models: Mapping[str, JobModel] | None = None):
         self.spec = spec
         self.model = model
-        self.type_models = type_models or {}
+        self.type_models = type_models if type_models is not None else {}
         self.dataset = dataset
         self.target = target
         self.min_gpus = 1

@@ -44,6 +44,7 @@ class RoundsMixin:
     def _init_known_rounds(self, skip: bool, verify: bool) -> None:
         self._promise_until = -math.inf       # rounds before this return the plan in force
         self._promise_departures = False      # ... also after jobs finish
+        self._promise_busy: dict | None = None  # the inference GPUs busy when it was made
         self.rounds_computed = 0
         self._verify_known = verify
         self._promises = (skip or verify) and hasattr(self.policy, "stable_until") and not self.quotas \
@@ -52,6 +53,17 @@ class RoundsMixin:
     def _forget_promise(self) -> None:
         self._promise_until = -math.inf
         self._promise_departures = False
+
+    def _inference_moved(self, t: float) -> None:
+        """After inference tasks came or went at ``t`` (no training job moved): the promise stands
+        while the same inference GPUs are busy (all a training policy sees of them), until the next
+        replica's protect time runs out."""
+        if self._promise_until == -math.inf:
+            return
+        if self._busy(t) != self._promise_busy:
+            self._forget_promise()
+        else:
+            self._promise_until = min(self._promise_until, self._pool.next_change_s())
 
     def _known(self, t: float) -> bool:
         """Is the plan of a round at ``t`` the plan in force (promised)? With verification the
@@ -88,6 +100,7 @@ class RoundsMixin:
         until = promise.until
         if self._tasks:  # a replica's protect time running out changes which inference GPUs are busy
             until = min(until, self._pool.next_change_s())
+            self._promise_busy = self._busy(t)
         self._promise_until = until if until > t else -math.inf
         self._promise_departures = promise.departures and until > t
 
@@ -113,7 +126,7 @@ class RoundsMixin:
             storage_bandwidth_bytes_per_s=self.cluster.storage_bandwidth_bytes_per_s if silod else math.inf,
             cached_bytes=cached,
             fresh_bytes=fresh,
-            inference_busy=self._pool.busy(t) if self._tasks else {},
+            inference_busy=self._busy(t) if self._tasks else {},
             quotas=self.quotas,
         )
 
@@ -137,7 +150,8 @@ class RoundsMixin:
         if self.on_round is not None:
             self.on_round(snapshot, plan)
         if self._tasks:
-            self._pool.end_lent(plan, t)  # sleepers whose GPU the plan lends to training end
+            if self._pool.end_lent(plan, t):  # sleepers whose GPU the plan lends to training end
+                self._pool_changed()
         # Only what the plan changes is carried out (the live scheduler commits the same changes).
         changes = changes_between(snapshot.current.allocations, plan.allocations)
         stopped = set(changes.removals)

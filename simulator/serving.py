@@ -12,7 +12,7 @@ import dataclasses
 import math
 
 from scheduler.deepboot.ats_i import place_inference_tasks
-from scheduler.deepboot.state import ReplicaState
+from scheduler.deepboot.state import ReplicaState, busy_gpus
 from scheduler.invariants import PlanViolation
 from scheduler.placement import placement_type
 from simulator.errors import SimulatorInputError
@@ -47,7 +47,25 @@ class InferenceMixin:
         self._task_finish: dict[int, float] = {}
         self._lent_gpu_s = 0.0
         self._reclaims = 0
+        self._pool_version = 0                               # bumped whenever the engine changes the pool
+        self._seen_views: tuple = (None, (), {})              # ((t, version), views, busy) of the last look
         self._charges: dict[str, list] = {}
+
+    def _pool_changed(self) -> None:
+        self._pool_version += 1
+
+    def _views(self, t: float):
+        """The pool's live replicas at ``t`` (asked several times an event: remembered until the pool changes)."""
+        key = (t, self._pool_version)
+        if self._seen_views[0] != key:
+            views = self._pool.views(t)
+            self._seen_views = (key, views, busy_gpus(views))
+        return self._seen_views[1]
+
+    def _busy(self, t: float) -> dict[str, tuple[int, ...]]:
+        """``ClusterSnapshot.inference_busy`` at ``t``: GPUs of RUNNING and PROTECT replicas."""
+        self._views(t)
+        return self._seen_views[2]
 
     def _inference_done(self) -> bool:
         return self._task_next == len(self._tasks) and not self._queue and not self._serving
@@ -74,6 +92,7 @@ class InferenceMixin:
             _, index = self._serving.pop(replica_id)
             self._task_finish[index] = t
             self._pool.finish(replica_id, t)
+            self._pool_changed()
         return bool(done)
 
     def _place_inference(self, t: float) -> bool:
@@ -83,9 +102,9 @@ class InferenceMixin:
         applications = [task.application for task in tasks]
         place = getattr(self.policy, "place_inference", None)
         if place is not None:
-            result = place(snapshot, applications, self._pool.views(t))
+            result = place(snapshot, applications, self._views(t))
         else:  # a non-lending policy: ATS-I on the inference pool, nothing lent so nothing to reclaim
-            result = place_inference_tasks(snapshot, applications, self._pool.views(t))
+            result = place_inference_tasks(snapshot, applications, self._views(t))
         jobs = {job.spec.name: (job, info) for job, info in zip(self._active, snapshot.jobs)}
         waiting, resized, moved = [], False, []
         for index, task, decision in zip(self._queue, tasks, result.decisions):
@@ -110,6 +129,7 @@ class InferenceMixin:
                     moved.append(job)
                     job.restarts += 1  # a stopped job counts when it is placed again
             replica_id, finish = self._pool.start(decision, task, t)
+            self._pool_changed()
             self._serving[replica_id] = (finish, index)
             cold = self._pool.config.cold_start(task.application) if decision.cold_start else 0.0
             self._placed[index] = (t, t + cold, decision.cold_start, decision.kind)
@@ -121,7 +141,7 @@ class InferenceMixin:
     def _check_gpus(self, t: float) -> None:
         """No GPU has two holders (training jobs and live replicas), and a queued task sees no lendable GPU."""
         holders: dict[tuple[str, int], str] = {}
-        replicas = self._pool.views(t)
+        replicas = self._views(t)
         claims = [(f"replica {v.replica_id}", ((v.node, (v.gpu,)),)) for v in replicas]
         claims += [(f"job {j.spec.name}", j.allocation.placement) for j in self._active if j.allocation is not None]
         for who, placement in claims:

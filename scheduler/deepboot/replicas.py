@@ -106,6 +106,7 @@ class Replica:
         self._since = now
         self._until = math.inf           # end of the current timed state
         self._seen = now
+        self._view: ReplicaView | None = None  # the last view, while the state it shows lasts
 
     def state(self, now: float) -> ReplicaState:
         if now < self._seen:
@@ -140,7 +141,11 @@ class Replica:
         self._enter(ReplicaState.END, now, math.inf)
 
     def view(self, now: float) -> ReplicaView:
-        return ReplicaView(self.replica_id, self.application, self.node, self.gpu, self.state(now), self._since)
+        state = self.state(now)
+        view = self._view
+        if view is None or view.state is not state or view.since_s != self._since:
+            view = self._view = ReplicaView(self.replica_id, self.application, self.node, self.gpu, state, self._since)
+        return view
 
     def _expect(self, now: float, allowed, action: str) -> None:
         state = self.state(now)

@@ -59,7 +59,7 @@ from scheduler.deepboot.state import ReplicaView
 from scheduler.placement import TypeRoom, blind_preferences, largest_type_gpus, node_types, placement_type
 from scheduler.policies.pollux import _current_type, base_goodput_ratio, remembered_speedups, solve_counts, with_model
 from scheduler.policies.typed_counts import assign_types, best_start
-from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place
+from scheduler.policies.pollux_estimates import JobTable, best_batch_sizes, gpus_per_node, held_in_place
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
 from scheduler.steady import NO_PROMISE, Steadiness, attained_order_change, unchanged
@@ -233,8 +233,9 @@ class DeepBootPolicy:
         on = [placement_type(placements[job_id], kinds, snapshot.jobs[index[job_id]]) for job_id in placed]
         gpus = np.array([sum(len(ix) for _, ix in placements[job_id]) for job_id in placed])
         nodes = np.array([len(placements[job_id]) for job_id in placed])
-        estimates = JobTable([snapshot.jobs[index[job_id]] for job_id in placed], gpu_types=on)
-        batch = estimates.predict(np.arange(len(placed)), gpus, nodes, per_node=table.per_node).batch_size
+        # The batch each job's count and spread gives on its type, remembered across rounds.
+        batch = best_batch_sizes([snapshot.jobs[index[job_id]].model_on(t) for job_id, t in zip(placed, on)], gpus, nodes,
+                                 per_node=table.per_node)
         return Plan({job_id: Allocation(placement=placements[job_id], batch_size=int(b), gpu_type=t)
                      for job_id, b, t in zip(placed, batch, on)})
 

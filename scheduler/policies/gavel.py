@@ -96,12 +96,13 @@ except ImportError:  # older scipy: through linprog only
     _highs = None
 
 from scheduler import codesign as co
+from scheduler.gpu_type_choice import gpus_by_type
 from scheduler.placement import (TypeRoom, blind_preferences, gpu_allocation, largest_type_gpus, node_types, place,
                                  placement_type)
-from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, pool_nodes, row_codes
+from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, row_codes
 from scheduler.policy import ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
-from scheduler.steady import FOREVER, NO_PROMISE, Steadiness, unchanged
+from scheduler.steady import FOREVER, NO_PROMISE, Steadiness
 
 # Relative slack on the max-min level when water-filling (keeps the second LP feasible
 # under the first one's rounding).
@@ -215,17 +216,53 @@ class GavelPolicy:
             if gpu_type and constrained:
                 counts[[k for k in constrained if not jobs[k].allows(gpu_type)]] = 0
             by_type.append(counts)
+        width = max(counts.shape[1] for counts in by_type)  # types of different sizes offer different powers of two
+        by_type = [np.pad(counts, ((0, 0), (0, width - counts.shape[1]))) for counts in by_type]
         stacked = np.stack(by_type, axis=1)  # job x type x option
         job, kind, _ = np.nonzero(stacked)
         return job.astype(np.int64), stacked[stacked > 0].astype(np.int64), kind.astype(np.int64)
 
+    def _priced_candidates(self, jobs, types: tuple[str, ...], type_capacity: np.ndarray, widest: int, per_node: int):
+        """``(job, gpus, type, throughput)`` of every candidate (:meth:`_candidates`, each priced on
+        the fewest nodes, no cache, IO not limiting). A job's candidates and their prices depend on
+        its bounds, batch, allowed types and models only, which jobs of one kind share and keep for
+        life: each kind is worked out once and remembered (the same numbers, row for row)."""
+        context = (self.elastic, self.max_gpus_per_job, self.adapt_batch, types, type_capacity.tobytes(), widest, per_node)
+        keys = [(context, j.min_gpus, j.max_gpus, j.requested, j.initial_batch_size, j.gpu_types, id(j.model),
+                 id(j.type_models) if j.type_models else 0) for j in jobs]
+        missing = {key: k for k, key in zip(range(len(jobs) - 1, -1, -1), reversed(keys)) if key not in _KINDS}
+        if missing:
+            firsts = sorted(missing.values())
+            reps = [jobs[k] for k in firsts]
+            job, gpus, kind = self._candidates(reps, types, type_capacity, widest)
+            throughput = np.zeros(0)
+            if gpus.size:
+                batch = 0 if self.adapt_batch else np.array([j.initial_batch_size for j in reps], dtype=np.int64)[job]
+                pair, pair_of = np.unique(job * len(types) + kind, return_inverse=True)
+                table = JobTable([reps[p // len(types)] for p in pair], gpu_types=[types[p % len(types)] for p in pair])
+                throughput = table.predict(pair_of.ravel(), gpus, 0, per_node=per_node, batch_size=batch).goodput_samples_per_s
+            counts = np.bincount(job, minlength=len(reps))
+            ends = np.cumsum(counts)
+            if len(_KINDS) > _KINDS_KEPT:
+                _KINDS.clear()
+            for r, (k, end, count) in enumerate(zip(firsts, ends.tolist(), counts.tolist())):
+                begin = end - count
+                _KINDS[keys[k]] = (gpus[begin:end], kind[begin:end], throughput[begin:end], (reps[r].model, reps[r].type_models))
+        found = [_KINDS[key] for key in keys]
+        sizes = np.array([f[0].size for f in found], dtype=np.int64)
+        if not sizes.sum():
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty, np.zeros(0)
+        return (np.repeat(np.arange(len(jobs), dtype=np.int64), sizes), np.concatenate([f[0] for f in found]),
+                np.concatenate([f[1] for f in found]), np.concatenate([f[2] for f in found]))
+
     def pool_types(self, snapshot: ClusterSnapshot) -> tuple[tuple[str, ...], np.ndarray]:
         """``(types, GPUs of each)`` the LP sees: the pool's types, or one pool when type-blind."""
-        nodes = pool_nodes(snapshot)
+        by_type = gpus_by_type(snapshot)
         if not self.heterogeneity_aware:
-            return ("",), np.array([sum(node.gpus for node in nodes)], dtype=np.int64)
-        types = tuple(sorted({node.gpu_type for node in nodes}))
-        return types, np.array([sum(n.gpus for n in nodes if n.gpu_type == t) for t in types], dtype=np.int64)
+            return ("",), np.array([sum(by_type.values())], dtype=np.int64)
+        types = tuple(sorted(by_type))
+        return types, np.array([by_type[t] for t in types], dtype=np.int64)
 
     def solve(self, snapshot: ClusterSnapshot) -> GavelAllocation:
         """The fractional allocation of ``snapshot`` (see the module docstring).
@@ -234,6 +271,14 @@ class GavelPolicy:
         without co-design, what the LP is built from does not change while no job arrives or
         leaves (progress and attained service do not enter it), so such a round reuses it.
         """
+        last = _LAST_SOLVED
+        if last is not None and last[1] is snapshot and last[0] == self:  # asked again for the same snapshot
+            return last[2]
+        allocation = self._solve_snapshot(snapshot)
+        globals()["_LAST_SOLVED"] = (self, snapshot, allocation)
+        return allocation
+
+    def _solve_snapshot(self, snapshot: ClusterSnapshot) -> GavelAllocation:
         jobs = tuple(snapshot.jobs)
         types, type_capacity = self.pool_types(snapshot)
         per_node = gpus_per_node(snapshot)
@@ -245,17 +290,22 @@ class GavelPolicy:
         return _remembered(key, jobs, lambda: self._solve(snapshot, jobs, types, type_capacity, per_node, widest))
 
     def _solve(self, snapshot, jobs, types, type_capacity, per_node, widest) -> GavelAllocation:
-        job, gpus, kind = self._candidates(jobs, types, type_capacity, widest)
+        codesign = self.codesign and co.is_active(snapshot)
+        if codesign:
+            job, gpus, kind = self._candidates(jobs, types, type_capacity, widest)
+        else:  # candidates and their throughputs, per kind of job, remembered across rounds
+            job, gpus, kind, throughput = self._priced_candidates(jobs, types, type_capacity, widest, per_node)
         weight = np.array([self.priority_base ** job_.priority for job_ in jobs], dtype=np.float64)
         if gpus.size == 0:
             empty = np.zeros(0)
             return GavelAllocation(jobs, job, gpus, empty, np.zeros(len(jobs)), weight, empty, 0.0, None, types, kind)
-        batch = 0 if self.adapt_batch else np.array([j.initial_batch_size for j in jobs], dtype=np.int64)[job]
         # One priced row per (job, type) pair: the job's model on that type.
         pair, pair_of = np.unique(job * len(types) + kind, return_inverse=True)
-        table = JobTable([jobs[p // len(types)] for p in pair], gpu_types=[types[p % len(types)] for p in pair])
+        pair_of = pair_of.ravel()
         io_row = None
-        if self.codesign and co.is_active(snapshot):
+        if codesign:
+            batch = 0 if self.adapt_batch else np.array([j.initial_batch_size for j in jobs], dtype=np.int64)[job]
+            table = JobTable([jobs[p // len(types)] for p in pair], gpu_types=[types[p % len(types)] for p in pair])
             cache, _ = co.expected_grants(snapshot, [jobs[j] for j in job], gpus=gpus)
             budget = snapshot.storage_bandwidth_bytes_per_s
             pred = table.predict(pair_of, gpus, 0, per_node=per_node, batch_size=batch, cache_bytes=cache,
@@ -263,8 +313,6 @@ class GavelPolicy:
             throughput = pred.goodput_samples_per_s
             io_demand = pred.io_demand_bytes_per_s
             io_row = np.minimum(io_demand, budget)
-        else:
-            throughput = table.predict(pair_of, gpus, 0, per_node=per_node, batch_size=batch).goodput_samples_per_s
         reference = self._reference(jobs, job, gpus, kind, throughput, type_capacity)
         with np.errstate(divide="ignore", invalid="ignore"):
             normalized = np.where(reference[job] > 0, throughput / reference[job], 0.0)
@@ -389,15 +437,14 @@ class GavelPolicy:
 
     def stable_until(self, snapshot: ClusterSnapshot, plan: Plan) -> Steadiness:
         """See scheduler.steady. A round's order moves with the clock (target over received
-        share), but when every job already runs on its first choice (the LP's most-weighted
-        candidate) and the plan is the one in force, every job gets its choice whatever the
-        order, nobody waits for the leftovers and nobody is starting (so nobody grows): the same
+        share), but when the plan gives every job its first choice (the LP's most-weighted
+        candidate), then shown that plan every job gets its choice whatever the order, keeps its
+        GPUs, nobody waits for the leftovers and nobody is starting (so nobody grows): the same
         plan until the LP changes, i.e. until a job arrives or leaves. The makespan objective's
         LP reads progress, co-design reads caches, and type-blind rounds try types in an order:
         no promise for those."""
         if (self.objective != "max_min_fairness" or (self.codesign and co.is_active(snapshot))
-                or not self.heterogeneity_aware or not snapshot.jobs or not snapshot.nodes
-                or not unchanged(snapshot, plan)):
+                or not self.heterogeneity_aware or not snapshot.jobs or not snapshot.nodes):
             return NO_PROMISE
         allocation = self.solve(snapshot)
         held = plan.allocations
@@ -473,7 +520,26 @@ def _time_unit(job: np.ndarray, normalized: np.ndarray, n_jobs: int) -> float:
 
 def _choices(allocation: GavelAllocation) -> list[list[int]]:
     """Per job: its candidates with time in the LP, most-weighted first (the smaller count among
-    near-equal weights); a job the LP gives no time keeps its first one, for leftover GPUs."""
+    near-equal weights); a job the LP gives no time keeps its first one, for leftover GPUs.
+    (Remembered for the last allocation: a round and its promise both ask.)"""
+    last = _LAST_CHOICES
+    if last is not None and last[0] is allocation:
+        return last[1]
+    choices = _rank_choices(allocation)
+    globals()["_LAST_CHOICES"] = (allocation, choices)
+    return choices
+
+
+# A kind of job's candidates and their throughputs (GavelPolicy._priced_candidates): (gpus, types,
+# throughputs, the models the key names by id, kept so their ids stay their own).
+_KINDS: dict[tuple, tuple] = {}
+_KINDS_KEPT = 20_000
+# The last snapshot solved and the last allocation's choices (a round, then its promise, ask the same).
+_LAST_SOLVED: tuple | None = None
+_LAST_CHOICES: tuple | None = None
+
+
+def _rank_choices(allocation: GavelAllocation) -> list[list[int]]:
     ranked = np.lexsort((allocation.gpus, -np.round(allocation.fraction / 1e-6), allocation.job))
     first = np.ones(ranked.size, dtype=bool)
     first[1:] = allocation.job[ranked[1:]] != allocation.job[ranked[:-1]]
@@ -703,9 +769,11 @@ def _max_min_lp(
 
 def forget_lps() -> None:
     """Drop the remembered LPs and their inputs (a benchmark times a round that solves its LP)."""
+    global _LAST_SOLVED, _LAST_CHOICES
     with _SOLVED_LOCK:
         _SOLVED.clear()
         _PREPARED.clear()
+        _LAST_SOLVED = _LAST_CHOICES = None
 
 
 def _solve_max_min_lp(

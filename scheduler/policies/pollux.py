@@ -77,7 +77,8 @@ import numpy as np
 from scheduler import codesign as co
 from scheduler.placement import blind_preferences, largest_type_gpus, node_types, place, placement_type
 from scheduler.policies.estimates import io_demand
-from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, packed_goodput, pool_nodes
+from scheduler.policies.pollux_estimates import (JobTable, best_batch_sizes, gpus_per_node, held_in_place, packed_goodput,
+                                                 pool_nodes)
 from scheduler.policies.typed_counts import assign_types, best_start
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
@@ -426,9 +427,12 @@ class PolluxPolicy:
         rows = np.array([index[job_id] for job_id in placed])
         gpus = np.array([sum(len(ix) for _, ix in best[job_id]) for job_id in placed])
         nodes = np.array([len(best[job_id]) for job_id in placed])
-        cache, io = self.grants(snapshot, rows, gpus)
-        batch = table.estimates.predict(rows, gpus, nodes, per_node=table.per_node, cache_bytes=cache,
-                                        remote_io_bytes_per_s=io).batch_size
+        if self.codesign and co.is_active(snapshot):
+            cache, io = self.grants(snapshot, rows, gpus)
+            batch = table.estimates.predict(rows, gpus, nodes, per_node=table.per_node, cache_bytes=cache,
+                                            remote_io_bytes_per_s=io).batch_size
+        else:  # no cache, IO not limiting: the batch each count and spread gives, remembered across rounds
+            batch = best_batch_sizes([table.jobs[r].model for r in rows], gpus, nodes, per_node=table.per_node)
         if self.codesign and co.is_active(snapshot):
             sizes = {job_id: int(b) for job_id, b in zip(placed, batch)}
             return co.co_allocate(snapshot, best, placed, sizes, io=self.codesign_io)
@@ -486,10 +490,14 @@ class PolluxPolicy:
         gpus = np.array([sum(len(ix) for _, ix in placements[job_id]) for job_id in placed])
         nodes = np.array([len(placements[job_id]) for job_id in placed])
         on = [placement_type(placements[job_id], kinds, snapshot.jobs[index[job_id]]) for job_id in placed]
-        cache, io = self.grants(snapshot, rows, gpus)
-        estimates = JobTable([snapshot.jobs[r] for r in rows], gpu_types=on)
-        batch = estimates.predict(np.arange(len(placed)), gpus, nodes, per_node=tables[0].per_node, cache_bytes=cache,
-                                  remote_io_bytes_per_s=io).batch_size
+        if self.codesign and co.is_active(snapshot):
+            cache, io = self.grants(snapshot, rows, gpus)
+            estimates = JobTable([snapshot.jobs[r] for r in rows], gpu_types=on)
+            batch = estimates.predict(np.arange(len(placed)), gpus, nodes, per_node=tables[0].per_node, cache_bytes=cache,
+                                      remote_io_bytes_per_s=io).batch_size
+        else:
+            batch = best_batch_sizes([snapshot.jobs[r].model_on(t) for r, t in zip(rows, on)], gpus, nodes,
+                                     per_node=tables[0].per_node)
         if self.codesign and co.is_active(snapshot):
             return co.co_allocate(snapshot, placements, placed, {j: int(b) for j, b in zip(placed, batch)}, io=self.codesign_io)
         return Plan({job_id: Allocation(placement=placements[job_id], batch_size=int(b), gpu_type=t)

@@ -33,8 +33,20 @@ def pool_nodes(snapshot: ClusterSnapshot, pools: Sequence[Pool] = ("training",))
 
 
 def gpus_per_node(snapshot: ClusterSnapshot, pools: Sequence[Pool] = ("training",)) -> int:
-    """GPUs of the largest node of the pools (what "packed" means for a job's node count); at least 1."""
-    return max((node.gpus for node in pool_nodes(snapshot, pools)), default=1) or 1
+    """GPUs of the largest node of the pools (what "packed" means for a job's node count); at least 1.
+    Remembered per node tuple (every round of a simulation, or of a live scheduler between node changes, asks)."""
+    key = (id(snapshot.nodes), tuple(pools))
+    found = _PER_NODE.get(key)
+    if found is not None and found[0] is snapshot.nodes:
+        return found[1]
+    per_node = max((node.gpus for node in pool_nodes(snapshot, pools)), default=1) or 1
+    if len(_PER_NODE) >= 16:
+        _PER_NODE.clear()
+    _PER_NODE[key] = (snapshot.nodes, per_node)  # the entry holds the tuple: its id stays its own
+    return per_node
+
+
+_PER_NODE: dict[tuple[int, tuple], tuple[tuple, int]] = {}
 
 
 def packed_nodes(gpus: ArrayLike, per_node: int) -> np.ndarray:
@@ -168,6 +180,32 @@ def goodput_on_nodes(models: Sequence, gpus: ArrayLike, nodes: ArrayLike, batch_
         for k, rate in zip(first, rates):
             known[keys[k]] = _GOODPUT[keys[k]] = (rate, models[k])
     return np.array([known[key][0] for key in keys], dtype=np.float64)
+
+
+_BEST: dict[tuple[int, int, int, int], tuple[int, object]] = {}  # (id(model), GPUs, nodes, per node) -> (batch, model)
+
+
+def best_batch_sizes(models: Sequence, gpus: ArrayLike, nodes: ArrayLike, *, per_node: int) -> np.ndarray:
+    """The goodput-optimal global batch of ``models[k]`` on ``gpus[k]`` GPUs over ``nodes[k]``
+    nodes, no cache, IO not limiting (what ``JobTable.predict(...).batch_size`` answers) —
+    memoized like :func:`goodput_on_nodes`: the batch sizes a plan hands out are asked again
+    every round for every job that keeps its GPUs."""
+    count = len(models)
+    gpus = np.broadcast_to(np.asarray(gpus, dtype=np.int64), (count,)).tolist()
+    nodes = np.broadcast_to(np.asarray(nodes, dtype=np.int64), (count,)).tolist()
+    keys = [(id(m), g, n, per_node) for m, g, n in zip(models, gpus, nodes)]
+    known = {key: _BEST.get(key) for key in keys}
+    missing = [k for k, key in enumerate(keys) if known[key] is None]
+    if missing:
+        first = list({keys[k]: k for k in reversed(missing)}.values())  # one row per missing key
+        table = JobTable([_Priced(models[k]) for k in first])
+        batches = table.predict(np.arange(len(first)), [gpus[k] for k in first], [nodes[k] for k in first],
+                                per_node=per_node).batch_size.tolist()
+        if len(_BEST) > _GOODPUT_KEPT:
+            _BEST.clear()
+        for k, batch in zip(first, batches):
+            known[keys[k]] = _BEST[keys[k]] = (int(batch), models[k])
+    return np.array([known[key][0] for key in keys], dtype=np.int64)
 
 
 class _Priced:

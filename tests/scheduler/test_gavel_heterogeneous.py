@@ -144,3 +144,18 @@ def test_identical_jobs_are_solved_as_one_lp_row_without_changing_the_optimum():
     klass = gavel._job_classes(by_class.job, by_class.gpus, by_class.gpu_type, by_class.throughput / by_class.reference[by_class.job],
                                by_class.weight, None, len(jobs))
     assert klass.max() + 1 == 6 and klass[0] == klass[12] != klass[1]
+
+
+def test_types_of_different_sizes_offer_their_own_gpu_counts():
+    # 8 K80s and 2 V100s: a 4-GPU elastic job has counts up to 8 on the K80s and up to 2 on the
+    # V100s; the candidates of both types are solved together (they once failed to stack).
+    nodes = typed(make_nodes(2, 4, prefix="k"), "k80") + typed(make_nodes(1, 2, prefix="v"), "v100")
+    jobs = [tjob(f"j{i}", "cifar10", gpus=4, min_gpus=1, max_gpus=8) for i in range(3)]
+    snap = make_snapshot(nodes, jobs)
+    policy = GavelPolicy(elastic=True)
+    solved = policy.solve(snap)
+    offered = {(solved.type_of(c), int(solved.gpus[c])) for c in range(solved.job.size)}
+    assert ("k80", 8) in offered and ("v100", 2) in offered and ("v100", 4) not in offered
+    plan = policy.schedule(snap)
+    assert_sound(snap, plan)
+    assert plan.allocations
