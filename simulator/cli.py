@@ -4,6 +4,7 @@
     silod simulate run ...                      (the same, spelled out)
     silod simulate compare --workload CSV --policy A --policy B ... [--cluster YAML] [--cache all] --out DIR
     silod simulate generate --philly --jobs N --seed S --out CSV
+    silod simulate shape --philly [--vc ID]     (the trace's jobs, days and GPU demand by week)
     silod simulate mix --workload CSV --pattern diurnal --rate R --seed S --out CSV   (training + inference rows)
     silod simulate list                         (packaged workloads and registered policies)
 
@@ -82,6 +83,13 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                      help="sample only Philly jobs under H GPU-hours (default 1000, at most 1000)")
     gen.add_argument("--out", required=True, metavar="CSV", help="file to write")
     gen.set_defaults(handler=_generate)
+
+    shape = actions.add_parser("shape", help="the Philly trace's shape: jobs, days, GPU demand by week",
+                               description="Print what the packaged Philly trace (or one virtual cluster) asked of its "
+                                           "cluster as it ran there: jobs, days, GPU-hours, GPUs busy by week.")
+    shape.add_argument("--philly", action="store_true", required=True, help="the Philly trace (the only source so far)")
+    shape.add_argument("--vc", default=None, metavar="ID", help="only the jobs of this virtual cluster")
+    shape.set_defaults(handler=lambda args: _guarded(lambda: _print_shape(args.vc)))
 
     mix = actions.add_parser("mix", help="write a DeepBoot workload: training rows plus generated inference tasks",
                              description="Copy a workload's training rows and add inference tasks drawn by "
@@ -398,6 +406,13 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
 
     return _guarded(body)
+
+
+def _print_shape(vc: str | None) -> int:
+    from simulator.philly import describe_shape, trace_shape
+
+    print(describe_shape(trace_shape(vc), "Philly trace" if vc is None else f"Philly virtual cluster {vc}"))
+    return 0
 
 
 def _convert(args: argparse.Namespace) -> int:

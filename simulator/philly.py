@@ -274,6 +274,19 @@ def trace_shape(cluster: str | None = None) -> TraceShape:
     )
 
 
+def describe_shape(shape: TraceShape, name: str = "Philly trace") -> str:
+    """``shape`` as text for a terminal or a page: totals, GPUs per job, then a row a week."""
+    lines = [f"{name}: {shape.jobs:,} jobs submitted {shape.first_submit} to {shape.last_submit} ({shape.days:.1f} days)",
+             f"{shape.gpu_hours:,.0f} GPU-hours as run on Philly; GPUs busy: {shape.mean_busy_gpus:,.0f} on average, "
+             f"{shape.peak_busy_gpus:,} at the peak",
+             "jobs by GPUs: " + ", ".join(f"{gpus}: {count:,}" for gpus, count in shape.gpus_per_job),
+             "",
+             "| week of | jobs | GPUs busy (mean) | GPUs busy (peak) |",
+             "|---|---:|---:|---:|"]
+    lines += [f"| {week} | {jobs:,} | {mean:,.0f} | {peak:,} |" for week, jobs, mean, peak in shape.weeks]
+    return "\n".join(lines)
+
+
 def _spread(area: list[float], busy: int, begin: float, end: float, width: float) -> None:
     """Add ``busy`` GPUs over [begin, end) to the per-``width`` buckets of ``area``."""
     if busy == 0 or end <= begin:

@@ -68,3 +68,16 @@ def test_trace_shape():
     assert dict(shape.gpus_per_job)[128] == 3
     assert sum(w[1] for w in shape.weeks) == shape.jobs
     assert shape.peak_busy_gpus == max(w[3] for w in shape.weeks)
+
+
+def test_shape_command_prints_the_totals_and_a_row_a_week(capsys):
+    assert main(["simulate", "shape", "--philly"]) == 0
+    text = capsys.readouterr().out
+    shape = trace_shape()
+    assert "82,247 jobs submitted 2017-09-04 10:30:41 to 2017-12-22 08:02:11 (108.9 days)" in text
+    assert "374 on average" in text and f"{shape.peak_busy_gpus:,} at the peak" in text
+    assert text.count("\n| 2017-") == len(shape.weeks) == 16
+    assert main(["simulate", "shape", "--philly", "--vc", "ee9e8c"]) == 0
+    assert "Philly virtual cluster ee9e8c:" in capsys.readouterr().out
+    assert main(["simulate", "shape", "--philly", "--vc", "nope"]) == 2
+    assert "'nope': not in the trace" in capsys.readouterr().err
