@@ -99,6 +99,7 @@ from scheduler import codesign as co
 from scheduler.gpu_type_choice import gpus_by_type
 from scheduler.placement import (TypeRoom, blind_preferences, gpu_allocation, largest_type_gpus, node_types, place,
                                  placement_type)
+from scheduler.policies.gavel_lp import solve_by_prices
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, row_codes
 from scheduler.policy import ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
@@ -127,6 +128,7 @@ class GavelAllocation:
     io: np.ndarray | None = None  # per candidate: remote bytes/s it uses while running (codesign only)
     types: tuple[str, ...] = ("",)  # GPU types of the pool, sorted
     gpu_type: np.ndarray | None = None  # per candidate: index into ``types`` (None = all untyped)
+    bound: float | None = None    # price solver only: an upper bound on the LP's level (``level`` is within it)
 
     def type_of(self, candidate: int) -> str:
         return self.types[int(self.gpu_type[candidate])] if self.gpu_type is not None else self.types[0]
@@ -158,8 +160,8 @@ class GavelPolicy:
     codesign: bool = False          # SiloD: price with T(g, c, b), IO as an LP constraint, grant cache and IO
     heterogeneity_aware: bool = True  # candidates per GPU type at the job's speed there; False = one pool, type-blind
     objective: str = "max_min_fairness"  # or "makespan": finish every job's remaining work as early as possible
-    partitions: int = 0             # POP: split jobs and every type's GPUs into this many LPs; 0 = by partition_jobs
-    partition_jobs: int = 2000      # with partitions = 0: one LP per this many distinct jobs (1 LP up to it)
+    partitions: int = 0             # POP: split jobs and every type's GPUs into this many LPs (HiGHS each); 0 = no split
+    partition_jobs: int = 2000      # with partitions = 0: more distinct jobs than this go to the price solver (gavel_lp)
 
     def __post_init__(self):
         if self.partitions < 0 or self.partition_jobs < 1:
@@ -325,23 +327,30 @@ class GavelPolicy:
             io_row = io_row[keep]
         io_lp = io_row if io_row is not None and np.isfinite(budget) else None
         klass = _job_classes(job, gpus, kind, normalized, weight, io_lp, len(jobs))
-        # Identical jobs share one LP row (_classes_lp), so the distinct jobs are what sizes an LP.
-        parts = self.partition_count(len(jobs) if self.partitions else int(klass.max(initial=-1)) + 1)
         # Makespan: 1 / finishing times are ~1e-6 per second, which the interior-point method
         # handles badly (at 20,000 jobs one LP did not finish in minutes). The LP gets them in
         # units of a typical job's time alone on its best candidate (same optimum, scaled).
         scale = _time_unit(job, normalized, len(jobs)) if self.objective == "makespan" else 1.0
-        fraction, level = _partitioned_lp(parts, job, gpus, normalized * scale, weight, len(jobs), type_capacity, kind,
-                                          self.water_fill, io_lp, budget, klass)
+        bound = None
+        # Identical jobs share one LP row (_classes_lp), so the distinct jobs are what sizes an LP.
+        if not self.partitions and int(klass.max(initial=-1)) + 1 > self.partition_jobs:
+            # Many distinct jobs: the LP by prices on its capacity rows (gavel_lp), whole.
+            with np.errstate(divide="ignore"):
+                factor = np.where(reference > 0, scale / reference, 0.0)
+            shape = _job_classes(job, gpus, kind, throughput, np.zeros(len(jobs)), io_lp, len(jobs))
+            solved = solve_by_prices(job, gpus, kind, throughput, factor, weight, len(jobs), type_capacity,
+                                     self.water_fill, shape, io_lp, budget)
+            fraction, level, bound = solved.fraction, solved.level, solved.bound / scale
+        else:
+            parts = self.partition_count(len(jobs))
+            fraction, level = _partitioned_lp(parts, job, gpus, normalized * scale, weight, len(jobs), type_capacity,
+                                              kind, self.water_fill, io_lp, budget, klass)
         return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level / scale, io_row, types,
-                               kind)
+                               kind, bound)
 
     def partition_count(self, n_jobs: int) -> int:
-        """LPs to split the round into (POP): ``partitions``, or with 0 one per ``partition_jobs`` jobs
-        (:meth:`solve` passes the number of *distinct* jobs, which is what sizes an LP)."""
-        if self.partitions:
-            return max(1, min(self.partitions, n_jobs))
-        return max(1, -(-n_jobs // self.partition_jobs))
+        """LPs to split a round of ``n_jobs`` jobs into (POP): ``partitions`` (at most one per job), 1 without."""
+        return max(1, min(self.partitions, n_jobs))
 
     def _reference(self, jobs, job, gpus, kind, throughput, type_capacity) -> np.ndarray:
         """Per job: what its throughput is divided by (see the module docstring).

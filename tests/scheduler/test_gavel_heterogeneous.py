@@ -106,7 +106,8 @@ def test_pop_partitions_stay_close_to_the_whole_lp_and_every_usable_gpu_is_place
     jobs = [tjob(f"j{k:02d}", apps[k % 6], gpus=1 + k % 3, min_gpus=1, max_gpus=4, submit=k) for k in range(24)]
     snap = make_snapshot(nodes, jobs)
     whole, split = GavelPolicy().solve(snap), GavelPolicy(partitions=4).solve(snap)
-    assert GavelPolicy().partition_count(24) == 1 and GavelPolicy(partition_jobs=10).partition_count(24) == 3
+    assert GavelPolicy().partition_count(24) == 1 and GavelPolicy(partitions=3).partition_count(24) == 3
+    assert GavelPolicy(partitions=40).partition_count(24) == 24
     # Each part gets a quarter of every type; the stitched allocation keeps every capacity row.
     for solved in (whole, split):
         for t, gpu_type in enumerate(solved.types):
