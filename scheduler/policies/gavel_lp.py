@@ -223,6 +223,10 @@ class _MaxMin:
             shifted = log_rate - np.repeat(np.log(level), vertices)
         at = s.demand_keys.count(self.group, None, log_value=shifted).reshape(e.rate.shape)
         at[:, 0] = s.shape_start[:-1]
+        # No job runs past its shape's last vertex (the level is at most where the first job
+        # does): a job there by rounding is on the last segment, not lost.
+        last = np.arange(vertices)[None, :] >= e.count[:, None] - 1
+        at = np.where(last, s.shape_start[1:, None], at)
         return np.diff(s.sum_m[at], axis=1), np.diff(s.sum_md[at], axis=1)
 
     def __call__(self, e: _Envelopes, capacity: np.ndarray, alpha: np.ndarray):
