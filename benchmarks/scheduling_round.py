@@ -13,16 +13,23 @@ pollux) may choose any count in the bounds.
 
 ``--gpu-types v100,p100,k80`` gives the nodes those types in turn and every job its models
 on them (estimator.gpu_types). ``--compare-partitions 1,2,4`` instead times gavel's LP split
-POP-style into that many parts and measures the quality lost against the first (unsplit).
+POP-style into that many parts and measures the quality lost against the first (unsplit); 0 is
+gavel's default (one LP, or past ``partition_jobs`` distinct jobs its price solver).
 ``--set OPTION=VALUE`` passes an option to the policies timed (e.g. ``--policy gavel --set
 objective=makespan``: every job its own normalizer, so no two jobs share an LP row).
 
 Each policy is called once to warm up (profile loading, imports), then ``--runs`` timed
 calls; the table shows the median and the slowest call (wall time), the median CPU time of
 the process (what a call costs on an idle core; on a shared machine wall time is larger), how
-many jobs got GPUs and how many GPUs were handed out, then the load average. Targets (issue 4): gavel well under 1 s, pollux under 5 s; on three GPU
-types at 20,000 jobs and 4,096 nodes (heterogeneous-GPU issue): gavel under 1 s, every usable GPU
-placed. gavel remembers its last LPs' answers (a simulation round with no arrival or departure
+many jobs got GPUs and how many GPUs were handed out, then the load average. With gavel, a line
+gives its level (the lowest normalized rate the LP guarantees every job) and, from the price
+solver, an upper bound on the unpartitioned LP's level, so the gap to it (target: at most 1 %);
+``--check-level`` solves the unpartitioned LP too (HiGHS; slow) and prints the measured gap.
+
+Targets (issue 4): gavel well under 1 s, pollux under 5 s; on three GPU types at 20,000 jobs and
+4,096 nodes (heterogeneous-GPU issue): gavel under 1 s of CPU, every usable GPU placed, also with
+distinct jobs (``--set objective=makespan``), its level within 1 % of the unpartitioned LP's.
+gavel remembers its last LPs' answers (a simulation round with no arrival or departure
 reuses one); the benchmark forgets them before every timed call, so each call solves its LP.
 """
 
@@ -150,8 +157,32 @@ def compare_partitions(snapshot: ClusterSnapshot, counts: list[int], runs: int, 
         if base is None:
             base = (low, mean)
         used = sum(a.gpus for a in plan.allocations.values())
-        print(f"{parts:>10d} {statistics.median(solve_times):>8.3f} {statistics.median(round_times):>8.3f} {low:>9.4g} "
+        label = "0 (prices)" if parts == 0 else str(parts)
+        print(f"{label:>10} {statistics.median(solve_times):>8.3f} {statistics.median(round_times):>8.3f} {low:>9.4g} "
               f"{mean:>10.4g} {1 - low / base[0]:>9.2%} {1 - mean / base[1]:>10.2%} {used:>10d}")
+
+
+def gavel_level(snapshot: ClusterSnapshot, options: dict | None, check: bool) -> None:
+    """gavel's level (the lowest normalized rate the LP guarantees every job) against the
+    unpartitioned LP's: the price solver's own upper bound on it, and with ``check`` the LP itself
+    (one HiGHS LP over every job: tens of seconds at 20,000 distinct jobs)."""
+    from scheduler.policies.gavel import GavelPolicy
+
+    policy = GavelPolicy(**(options or {}))
+    solved = policy.solve(snapshot)
+    unit = "1/s: 1 / the makespan" if policy.objective == "makespan" else "normalized throughput"
+    if solved.bound is not None:
+        gap = 1 - solved.level / solved.bound if solved.bound > 0 else 0.0
+        print(f"gavel level {solved.level:.6g} ({unit}), by prices; the unpartitioned LP's is at most "
+              f"{solved.bound:.6g}: gap <= {gap:.4%} (target <= 1 %)")
+    else:
+        print(f"gavel level {solved.level:.6g} ({unit}), one LP per round (no price solver at this size)")
+    if check:
+        forget_lps()
+        start = time.process_time()
+        whole = GavelPolicy(**{**(options or {}), "partitions": 1}).solve(snapshot)
+        print(f"unpartitioned LP (HiGHS, {time.process_time() - start:.1f} s of CPU): level {whole.level:.6g}; "
+              f"gap {1 - solved.level / whole.level:.4%}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-types", default="", help="comma list: nodes take these GPU types in turn (e.g. v100,p100,k80)")
     parser.add_argument("--compare-partitions", default="",
                         help="comma list of POP partition counts for gavel (e.g. 1,2,4): time and quality against the first")
+    parser.add_argument("--check-level", action="store_true",
+                        help="gavel: also solve the unpartitioned LP with HiGHS and print the level's gap (slow)")
     parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
                         help="policy option for the timed policies (repeat), e.g. objective=makespan")
     args = parser.parse_args(argv)
@@ -197,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         median, worst, cpu, running, gpus = time_policy(name, snapshot, args.runs, options)
         print(f"{name:<12} {median:>9.3f} {worst:>8.3f} {cpu:>7.3f} {running:>12d} {gpus:>10d}")
+    if "gavel" in names:
+        gavel_level(snapshot, options, args.check_level)
     print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     return 0
 

@@ -226,9 +226,10 @@ class GavelPolicy:
 
     def _priced_candidates(self, jobs, types: tuple[str, ...], type_capacity: np.ndarray, widest: int, per_node: int):
         """``(job, gpus, type, throughput)`` of every candidate (:meth:`_candidates`, each priced on
-        the fewest nodes, no cache, IO not limiting). A job's candidates and their prices depend on
-        its bounds, batch, allowed types and models only, which jobs of one kind share and keep for
-        life: each kind is worked out once and remembered (the same numbers, row for row)."""
+        the fewest nodes, no cache, IO not limiting), and per job its kind (0, 1, ...). A job's
+        candidates and their prices depend on its bounds, batch, allowed types and models only,
+        which jobs of one kind share and keep for life: each kind is worked out once and remembered
+        (the same numbers, row for row)."""
         context = (self.elastic, self.max_gpus_per_job, self.adapt_batch, types, type_capacity.tobytes(), widest, per_node)
         keys = [(context, j.min_gpus, j.max_gpus, j.requested, j.initial_batch_size, j.gpu_types, id(j.model),
                  id(j.type_models) if j.type_models else 0) for j in jobs]
@@ -250,13 +251,17 @@ class GavelPolicy:
             for r, (k, end, count) in enumerate(zip(firsts, ends.tolist(), counts.tolist())):
                 begin = end - count
                 _KINDS[keys[k]] = (gpus[begin:end], kind[begin:end], throughput[begin:end], (reps[r].model, reps[r].type_models))
-        found = [_KINDS[key] for key in keys]
+        found, index = [], {}
+        shape = np.empty(len(jobs), dtype=np.int64)
+        for k, key in enumerate(keys):
+            found.append(_KINDS[key])
+            shape[k] = index.setdefault(key, len(index))
         sizes = np.array([f[0].size for f in found], dtype=np.int64)
         if not sizes.sum():
             empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty, np.zeros(0)
+            return empty, empty, empty, np.zeros(0), shape
         return (np.repeat(np.arange(len(jobs), dtype=np.int64), sizes), np.concatenate([f[0] for f in found]),
-                np.concatenate([f[1] for f in found]), np.concatenate([f[2] for f in found]))
+                np.concatenate([f[1] for f in found]), np.concatenate([f[2] for f in found]), shape)
 
     def pool_types(self, snapshot: ClusterSnapshot) -> tuple[tuple[str, ...], np.ndarray]:
         """``(types, GPUs of each)`` the LP sees: the pool's types, or one pool when type-blind."""
@@ -293,32 +298,40 @@ class GavelPolicy:
 
     def _solve(self, snapshot, jobs, types, type_capacity, per_node, widest) -> GavelAllocation:
         codesign = self.codesign and co.is_active(snapshot)
+        shape = None  # per job: equal for jobs with the same candidates and throughputs
         if codesign:
             job, gpus, kind = self._candidates(jobs, types, type_capacity, widest)
         else:  # candidates and their throughputs, per kind of job, remembered across rounds
-            job, gpus, kind, throughput = self._priced_candidates(jobs, types, type_capacity, widest, per_node)
+            job, gpus, kind, throughput, shape = self._priced_candidates(jobs, types, type_capacity, widest, per_node)
         weight = np.array([self.priority_base ** job_.priority for job_ in jobs], dtype=np.float64)
         if gpus.size == 0:
             empty = np.zeros(0)
             return GavelAllocation(jobs, job, gpus, empty, np.zeros(len(jobs)), weight, empty, 0.0, None, types, kind)
-        # One priced row per (job, type) pair: the job's model on that type.
-        pair, pair_of = np.unique(job * len(types) + kind, return_inverse=True)
-        pair_of = pair_of.ravel()
         io_row = None
         if codesign:
+            # One priced row per (job, type) pair: the job's model on that type.
+            pair, pair_of = np.unique(job * len(types) + kind, return_inverse=True)
             batch = 0 if self.adapt_batch else np.array([j.initial_batch_size for j in jobs], dtype=np.int64)[job]
             table = JobTable([jobs[p // len(types)] for p in pair], gpu_types=[types[p % len(types)] for p in pair])
             cache, _ = co.expected_grants(snapshot, [jobs[j] for j in job], gpus=gpus)
             budget = snapshot.storage_bandwidth_bytes_per_s
-            pred = table.predict(pair_of, gpus, 0, per_node=per_node, batch_size=batch, cache_bytes=cache,
+            pred = table.predict(pair_of.ravel(), gpus, 0, per_node=per_node, batch_size=batch, cache_bytes=cache,
                                  remote_io_bytes_per_s=budget)
             throughput = pred.goodput_samples_per_s
             io_demand = pred.io_demand_bytes_per_s
             io_row = np.minimum(io_demand, budget)
+            shape = _job_classes(job, gpus, kind, throughput, np.zeros(len(jobs)), io_row, len(jobs))
         reference = self._reference(jobs, job, gpus, kind, throughput, type_capacity)
         with np.errstate(divide="ignore", invalid="ignore"):
             normalized = np.where(reference[job] > 0, throughput / reference[job], 0.0)
-        keep = _undominated(pair_of, gpus, normalized, len(pair))
+        # Jobs the LP cannot tell apart: the same candidates, throughputs, normalizer and weight.
+        # Identical jobs share one LP row (_classes_lp), so the distinct jobs are what sizes an LP;
+        # many go to the price solver (gavel_lp), which works per shape (same candidates, any factor).
+        by_prices = not self.partitions and _count_distinct([shape, reference, weight]) > self.partition_jobs
+        if by_prices:  # the hull does not depend on the normalizer: one per shape
+            keep = _undominated_by(shape, job, kind, gpus, throughput, len(types))
+        else:  # one per kind of job and normalizer (exactly what each job's own hull is)
+            keep = _undominated_by(_codes([shape, reference]), job, kind, gpus, normalized, len(types))
         if io_row is not None and np.isfinite(snapshot.storage_bandwidth_bytes_per_s):
             keep &= _growth_allowed(job, gpus, io_demand, jobs, snapshot.storage_bandwidth_bytes_per_s)
         job, gpus, kind, throughput, normalized = job[keep], gpus[keep], kind[keep], throughput[keep], normalized[keep]
@@ -326,25 +339,23 @@ class GavelPolicy:
         if io_row is not None:
             io_row = io_row[keep]
         io_lp = io_row if io_row is not None and np.isfinite(budget) else None
-        klass = _job_classes(job, gpus, kind, normalized, weight, io_lp, len(jobs))
         # Makespan: 1 / finishing times are ~1e-6 per second, which the interior-point method
         # handles badly (at 20,000 jobs one LP did not finish in minutes). The LP gets them in
         # units of a typical job's time alone on its best candidate (same optimum, scaled).
         scale = _time_unit(job, normalized, len(jobs)) if self.objective == "makespan" else 1.0
         bound = None
-        # Identical jobs share one LP row (_classes_lp), so the distinct jobs are what sizes an LP.
-        if not self.partitions and int(klass.max(initial=-1)) + 1 > self.partition_jobs:
-            # Many distinct jobs: the LP by prices on its capacity rows (gavel_lp), whole.
+        if by_prices:  # many distinct jobs: the whole LP by prices on its capacity rows
+            if io_row is not None:  # the growth rule may have split a shape
+                shape = _job_classes(job, gpus, kind, throughput, np.zeros(len(jobs)), io_lp, len(jobs))
             with np.errstate(divide="ignore"):
                 factor = np.where(reference > 0, scale / reference, 0.0)
-            shape = _job_classes(job, gpus, kind, throughput, np.zeros(len(jobs)), io_lp, len(jobs))
             solved = solve_by_prices(job, gpus, kind, throughput, factor, weight, len(jobs), type_capacity,
                                      self.water_fill, shape, io_lp, budget)
             fraction, level, bound = solved.fraction, solved.level, solved.bound / scale
         else:
-            parts = self.partition_count(len(jobs))
-            fraction, level = _partitioned_lp(parts, job, gpus, normalized * scale, weight, len(jobs), type_capacity,
-                                              kind, self.water_fill, io_lp, budget, klass)
+            klass = _job_classes(job, gpus, kind, normalized, weight, io_lp, len(jobs))
+            fraction, level = _partitioned_lp(self.partition_count(len(jobs)), job, gpus, normalized * scale, weight,
+                                              len(jobs), type_capacity, kind, self.water_fill, io_lp, budget, klass)
         return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level / scale, io_row, types,
                                kind, bound)
 
@@ -586,6 +597,44 @@ def _growth_allowed(job: np.ndarray, gpus: np.ndarray, io: np.ndarray, jobs, bud
     if float(io[at_request].sum()) <= budget:
         return np.ones(job.size, dtype=bool)
     return gpus <= requested[job]
+
+
+def _codes(columns: list[np.ndarray]) -> np.ndarray:
+    """Per row of the parallel per-job ``columns``: a code (0, 1, ...), equal exactly for equal rows."""
+    _, code = np.unique(row_codes(columns), return_inverse=True)
+    return code.ravel()
+
+
+def _count_distinct(columns: list[np.ndarray]) -> int:
+    return int(np.unique(row_codes(columns)).size)
+
+
+def _undominated_by(group: np.ndarray, job: np.ndarray, kind: np.ndarray, gpus: np.ndarray, values: np.ndarray,
+                    n_types: int) -> np.ndarray:
+    """:func:`_undominated` over every ``(job, type)`` pair's ``(gpus, values)``, worked out for one job
+    of each ``group`` (per job; jobs of a group have the same candidates and values, in the same
+    order) and copied to the others: the same answer, row for row."""
+    n_jobs = group.size
+    _, first, rep_of = np.unique(group, return_index=True, return_inverse=True)
+    representative = first[rep_of.ravel()]
+    counts = np.bincount(job, minlength=n_jobs)
+    start = np.cumsum(counts) - counts
+    ordered = job.size < 2 or bool(np.all(job[1:] >= job[:-1]))
+    order = np.arange(job.size) if ordered else np.argsort(job, kind="stable")
+    position = np.empty(job.size, dtype=np.int64)
+    position[order] = np.arange(job.size) - start[job[order]]
+    mine = np.flatnonzero(representative[job] == job)
+    pair_code = job[mine] * n_types + kind[mine]
+    if ordered and np.all(np.diff(kind[mine])[np.diff(job[mine]) == 0] >= 0):  # by job, then type: no sort
+        fresh = np.ones(mine.size, dtype=bool)
+        fresh[1:] = pair_code[1:] != pair_code[:-1]
+        pair_of = np.cumsum(fresh) - 1
+    else:
+        _, pair_of = np.unique(pair_code, return_inverse=True)
+        pair_of = pair_of.ravel()
+    kept = np.zeros(job.size, dtype=bool)
+    kept[mine] = _undominated(pair_of, gpus[mine], values[mine], int(pair_of.max(initial=-1)) + 1)
+    return kept[order[start[representative[job]] + position]]
 
 
 def _undominated(pair: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, n_pairs: int) -> np.ndarray:

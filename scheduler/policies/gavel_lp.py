@@ -76,10 +76,10 @@ class _Shapes:
         take = np.take_along_axis(take, by_rate, axis=1)
         self.position = by_rate  # per shape and column: the candidate's position among its job's
         self.theta = np.where(self.valid, rate[take], np.inf)
-        self.use = np.zeros((self.n_shapes, width, self.resources))
-        self.use[np.arange(self.n_shapes)[:, None], column[None, :], kind[take]] = np.where(self.valid, gpus[take], 0.0)
-        if io is not None:
-            self.use[:, :, n_types] = np.where(self.valid, io[take], 0.0)
+        # What a column uses while it runs: gpus of its type (and io of the storage budget).
+        self.kind = np.where(self.valid, kind[take], 0)
+        self.gpus = np.where(self.valid, gpus[take], 0).astype(np.float64)
+        self.io = np.where(self.valid, io[take], 0.0) if io is not None else None
         self.rows, self.order, self.first_candidate = rows, order, start[rows]
         self.factor = np.asarray(factor, dtype=np.float64)[rows]
         self.many = np.ones(rows.size) if multiplicity is None else np.asarray(multiplicity, dtype=np.float64)[rows]
@@ -137,14 +137,14 @@ class _Keys:
 def _envelope(theta: np.ndarray, cost: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per shape: the vertices of the lower convex envelope of ``(0, 0)`` and the valid
     ``(theta, cost)`` points (sorted by theta): ``(columns, count)``; column 0 is the origin (-1),
-    and past the last vertex the last one repeats."""
+    and past the last vertex the last one repeats. Of collinear points only the ends count."""
     n, width = theta.shape
     vertex = np.full((n, width + 1), -1, dtype=np.int64)
     count = np.ones(n, dtype=np.int64)
     at_x, at_y = np.zeros(n), np.zeros(n)
     live = np.arange(n)
     with np.errstate(divide="ignore", invalid="ignore"):
-        while live.size:
+        while live.size:  # gift wrapping, every shape at once: a vertex a step
             ahead = valid[live] & (theta[live] > at_x[live, None])
             more = ahead.any(axis=1)
             live, ahead = live[more], ahead[more]
@@ -160,24 +160,35 @@ def _envelope(theta: np.ndarray, cost: np.ndarray, valid: np.ndarray) -> tuple[n
 
 
 class _Envelopes:
-    """Every shape's envelope at prices ``p``: per vertex its rate, use and cost, per segment its
-    slope (cost per unit of rate) and use per unit of rate."""
+    """Every shape's envelope at prices ``p``: per vertex its rate, cost and what it uses (gpus of a
+    type, io), per segment its slope (cost per unit of rate)."""
 
     def __init__(self, s: _Shapes, p: np.ndarray):
         self.p = p
-        cost = np.where(s.valid, s.use @ p, np.inf)
-        self.vertex, self.count = _envelope(s.theta, cost, s.valid)
+        n_types = s.resources - (s.io is not None)
+        cost = s.gpus * p[s.kind] + (s.io * p[n_types] if s.io is not None else 0.0)
+        self.vertex, self.count = _envelope(s.theta, np.where(s.valid, cost, np.inf), s.valid)
         origin = self.vertex < 0
         column = np.maximum(self.vertex, 0)
         shape = np.arange(s.n_shapes)[:, None]
         self.rate = np.where(origin, 0.0, s.theta[shape, column])           # shape x vertex
-        self.use = np.where(origin[:, :, None], 0.0, s.use[shape, column])  # shape x vertex x resource
-        cost = self.use @ p
+        self.gpus = np.where(origin, 0.0, s.gpus[shape, column])
+        self.kind = s.kind[shape, column]
+        self.io = np.where(origin, 0.0, s.io[shape, column]) if s.io is not None else None
+        vertex_cost = np.where(origin, 0.0, cost[shape, column])
         self.run = np.diff(self.rate, axis=1)                               # shape x segment
         flat = self.run <= 0
-        run = np.where(flat, 1.0, self.run)
-        self.slope = np.where(flat, np.inf, np.diff(cost, axis=1) / run)
-        self.use_slope = np.where(flat[:, :, None], 0.0, np.diff(self.use, axis=1) / run[:, :, None])
+        self.slope = np.where(flat, np.inf, np.diff(vertex_cost, axis=1) / np.where(flat, 1.0, self.run))
+        self.n_types = n_types
+
+    def use(self, s: _Shapes, weight: np.ndarray) -> np.ndarray:
+        """Per block: what the vertices use, ``weight`` (shape x vertex) times each: block x resource."""
+        block = np.broadcast_to(s.shape_block[:, None], weight.shape)
+        out = np.bincount((block * s.resources + self.kind).ravel(), weights=(weight * self.gpus).ravel(),
+                          minlength=s.n_blocks * s.resources).reshape(s.n_blocks, s.resources)
+        if self.io is not None:
+            out[:, self.n_types] += np.bincount(block.ravel(), weights=(weight * self.io).ravel(), minlength=s.n_blocks)
+        return out
 
     def positions(self, s: _Shapes, rate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per job at ``rate`` on its envelope: its segment (1-based, ``(start, end]`` holds the
@@ -241,11 +252,13 @@ class _MaxMin:
             level = self._sweep(e, slope, alpha)
         shape_level = level[s.shape_block]
         m, md = self._sums(e, log_rate, np.maximum(shape_level, 1e-300))
-        m, md = m * (shape_level > 0)[:, None], md * (shape_level > 0)[:, None]
-        use = (np.einsum("es,esr->er", m, e.use[:, :-1]) +
-               np.einsum("es,esr->er", shape_level[:, None] * md - e.rate[:, :-1] * m, e.use_slope))
-        block_use = np.zeros((s.n_blocks, s.resources))
-        np.add.at(block_use, s.shape_block, use)
+        # A segment's jobs: many_j at its start vertex, moved toward its end by (rate - start) / run.
+        toward = (shape_level > 0)[:, None] * (shape_level[:, None] * md - e.rate[:, :-1] * m) / np.where(e.run > 0, e.run, 1.0)
+        m = m * (shape_level > 0)[:, None]
+        weight = np.zeros(e.rate.shape)
+        weight[:, :-1] += m - toward
+        weight[:, 1:] += toward
+        block_use = e.use(s, weight)
         value = float(e.p @ capacity) + float(alpha @ level) - float(e.p @ block_use.sum(axis=0))
         return value, level, block_use
 
@@ -352,9 +365,7 @@ class _WaterFill:
         index = s.shape * vertices + segment
         weight = np.bincount(index, weights=s.many * share, minlength=s.n_shapes * vertices)
         weight += np.bincount(index - 1, weights=s.many * (1.0 - share), minlength=s.n_shapes * vertices)
-        per_shape = np.einsum("ev,evr->er", weight.reshape(s.n_shapes, vertices), e.use)
-        use = np.zeros((s.n_blocks, s.resources))
-        np.add.at(use, s.shape_block, per_shape)
+        use = e.use(s, weight.reshape(s.n_shapes, vertices))
         total = np.bincount(s.block, weights=self.value * rate, minlength=s.n_blocks)
         return float(e.p @ capacity) + float(total.sum()) - float(e.p @ use.sum(axis=0)), total, use
 
