@@ -9,7 +9,8 @@ the newest version handled, versions not newer than that are ignored. A watch er
 stops the server; each distinct error is logged once.
 
 With several schedulers (``--scheduler-address a,b``: one leads, the others stand by and refuse
-the watch), a broken watch moves to the next address, as the worker agent's does.
+the watch), a broken watch moves to the next address, as the worker agent's does; a watch silent
+for ``watch_timeout_s`` (the leader sends a heartbeat every ``watch_heartbeat_s``) is abandoned.
 
 Epoch fencing (scheduler leadership): a plan whose ``epoch`` is older than the newest epoch seen
 comes from a deposed leader; it is not applied, and is Acked ``ok=False`` naming the reason.
@@ -40,12 +41,15 @@ COMPONENT = allocation_pb2.PLAN_COMPONENT_CACHE_SERVER
 class PlanWatcher:
     """Owns one asyncio task; ``start()`` on the server's loop, ``await stop()`` before the core stops."""
 
-    def __init__(self, core: Any, node: str, channels: Any) -> None:
+    def __init__(self, core: Any, node: str, channels: Any, addresses: Any = (),
+                 timing: node_protocol.WatchTiming = node_protocol.WatchTiming()) -> None:
         self.core = core
         self.node = node
         channels = list(channels) if isinstance(channels, (list, tuple)) else [channels]
         self._stubs = [allocation_pb2_grpc.AllocationServiceStub(c) for c in channels]
-        self._index = 0
+        self.schedulers = node_protocol.Schedulers(list(addresses) or [str(i) for i in range(len(channels))],
+                                                   self._use)
+        self.timing = timing
         self.stub = self._stubs[0]
         self.handled_version = int(getattr(core, "plan_version", 0) or 0)  # applied or refused
         self.applied_versions: list[int] = []
@@ -73,12 +77,14 @@ class PlanWatcher:
     async def _run(self) -> None:
         await node_protocol.follow_plans(
             self.node, COMPONENT, stub=lambda: self.stub, known_version=lambda: self.handled_version,
-            offer=self._offer, on_error=self._log_error,
-            next_scheduler=self._next_scheduler if len(self._stubs) > 1 else None)
+            offer=self._offer, on_error=self._log_error, schedulers=self.schedulers, timing=self.timing,
+            on_follow=self._following)
 
-    def _next_scheduler(self) -> None:
-        self._index = (self._index + 1) % len(self._stubs)
-        self.stub = self._stubs[self._index]
+    def _use(self, index: int) -> None:
+        self.stub = self._stubs[index]
+
+    def _following(self, address: str, epoch: int) -> None:
+        _log.info("plan watch following", extra={"node": self.node, "scheduler": address, "epoch": epoch})
 
     async def _offer(self, plan: plan_pb2.NodePlan) -> None:
         self._last_error = ""

@@ -12,14 +12,15 @@ from typing import Any, Literal
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from cache_server.core import CacheConfig, CacheCore
 from cache_server.peers import PeerReader
 from cache_server.tiers import TierLocked
-from services.runtime.auth import NodeIdentitySettings, auth_enabled, caller_token
+from services.runtime.auth import auth_enabled, caller_token
+from services.runtime.node_settings import PlanFollowerSettings
 from services.runtime.server import ServiceDefinition, StartupError
-from services.runtime.settings import ServiceSettings
+from services.runtime.settings import ServiceSettings, at_least, refuse
 from services.runtime.structured_logging import get_logger
 from silod.data.catalog import load_manifest_async
 from silod.v1 import cache_pb2, cache_pb2_grpc, metadata_pb2, metadata_pb2_grpc
@@ -30,7 +31,7 @@ CHUNK_BYTES = 1 << 20  # ReadChunk.data limit
 SHM = "/dev/shm"
 
 
-class Settings(NodeIdentitySettings):
+class Settings(PlanFollowerSettings):
     metadata_address: str = Field("127.0.0.1:7070", description="HOST:PORT of the metadata service (manifests)")
     metadata_tls_ca_file: str = Field("", description="PEM CA to verify the metadata service's TLS certificate")
     node: str = Field("", description="Node name reported in Stats; empty = this host's name")
@@ -48,7 +49,8 @@ class Settings(NodeIdentitySettings):
         "lrfu-cost", description="Policy of the shared best-effort cache and of quotas that name none"
     )
     lease_default_s: float = Field(60.0, gt=0, description="Seconds a lease lasts when the caller asks for 0")
-    lease_max_s: float = Field(3600.0, gt=0, description="Longest lease a caller may ask for, seconds")
+    lease_max_s: float = Field(3600.0, gt=0, description="Longest lease a caller may ask for, seconds; at least "
+                               "lease_default_s")
     remote_timeout_s: float = Field(30.0, gt=0, description="Seconds one attempt to read a remote object may take")
     remote_retries: int = Field(3, ge=0, le=20, description="Further attempts after a transient remote-read failure")
     remote_concurrency: int = Field(64, ge=1, le=256, description="Remote reads in flight at once")
@@ -93,6 +95,12 @@ class Settings(NodeIdentitySettings):
         from silod.rpc.identifiers import NODE_NAME
 
         return cls._identifier(value, NODE_NAME)
+
+    @model_validator(mode="after")
+    def _lease_default_within_max(self) -> Settings:
+        refuse([at_least(self, "lease_max_s", 1, "lease_default_s",
+                         "a lease asked for with 0 s would last longer than any a caller may ask for")])
+        return self
 
 
 def cache_config(settings: Settings) -> CacheConfig:
@@ -242,10 +250,12 @@ def definition(settings: Settings) -> ServiceDefinition:
             raise StartupError(f"cache directories: {exc}") from None
         if settings.scheduler_address:
             from cache_server.plan_watch import PlanWatcher
+            from worker_agent.node_protocol import WatchTiming
 
             addresses = [a.strip() for a in settings.scheduler_address.split(",") if a.strip()]
             state["alloc_channels"] = [open_channel(a, token=caller_token(settings), aio=True) for a in addresses]
-            state["watcher"] = PlanWatcher(core, config.node, state["alloc_channels"])
+            state["watcher"] = PlanWatcher(core, config.node, state["alloc_channels"], addresses,
+                                           WatchTiming(settings.watch_heartbeat_s, settings.watch_timeout_s))
             state["watcher"].start()
         if settings.lease_socket != "off":
             from cache_server.local_socket import LocalLeaseServer

@@ -4,11 +4,11 @@ plus the scheduling rounds that run the configured policy (see scheduler/live/).
 from __future__ import annotations
 
 import grpc
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from silod.rpc.channels import open_channel
 from services.runtime.server import ServiceDefinition
-from services.runtime.settings import ServiceSettings
+from services.runtime.settings import ServiceSettings, at_least, refuse
 from silod.v1 import allocation_pb2_grpc, estimator_pb2_grpc, metadata_pb2_grpc, scheduler_pb2_grpc
 
 
@@ -22,7 +22,9 @@ class Settings(ServiceSettings):
     interval_s: float = Field(10.0, gt=0, le=3600, description="Seconds between regular scheduling rounds")
     restart_cost_s: float = Field(30.0, ge=0, description="Seconds a job loses when its placement changes")
     node_timeout_s: float = Field(
-        15.0, gt=0, description="Seconds since its last heartbeat after which a node's jobs are requeued")
+        15.0, gt=0, description="Seconds since its last heartbeat after which a node's jobs are requeued; at least "
+        "3x the nodes' heartbeat_s: a worker agent that heartbeats less often is refused its plan watch and exits "
+        "naming both settings")
     cache_mode: str = Field(
         "silod", description="Cache mode: silod (co-allocated cache quotas and IO rates), lru (shared LRU "
         "cache), static (equal cache shares per node) or none (no cache); sent to the cache servers on the plans")
@@ -37,11 +39,20 @@ class Settings(ServiceSettings):
     advertise_address: str = Field(
         "", description="HOST:PORT the nodes reach this scheduler at, recorded with the lease (--leader-election); "
         "empty = the bound listen address")
-    lease_ttl_s: float = Field(5.0, ge=0.5, le=300, description="Seconds the leadership lease lasts unless renewed")
+    lease_ttl_s: float = Field(5.0, ge=0.5, le=300, description="Seconds the leadership lease lasts unless renewed; "
+                               "at least 3x lease_renew_s")
     lease_renew_s: float = Field(1.0, gt=0, le=60, description="Seconds between lease renewals (and a standby's tries)")
     inference_protect_scale: float = Field(
         1.0, gt=0, description="Scale of an inference replica's protect time after its task "
         "(DeepBoot: 30 s + 15 s per reuse, at most 120 s, times this)")
+
+    @model_validator(mode="after")
+    def _lease_outlasts_renewals(self) -> Settings:
+        if self.leader_election:
+            refuse([at_least(self, "lease_ttl_s", 3, "lease_renew_s",
+                             "the leader must renew at least twice within the share of the lease it counts on "
+                             "(0.8 x lease_ttl_s), or one slow renewal stops a healthy leader")])
+        return self
 
     @field_validator("metadata_address")
     @classmethod
@@ -80,7 +91,7 @@ def definition(settings: Settings) -> ServiceDefinition:
 
         settings.listen, address = reachable_address(settings.listen)  # the lease names a concrete address
         leadership = Leadership(enabled=True, address=settings.advertise_address or address,
-                                ttl_s=settings.lease_ttl_s, renew_s=min(settings.lease_renew_s, settings.lease_ttl_s / 2))
+                                ttl_s=settings.lease_ttl_s, renew_s=settings.lease_renew_s)
     core = SchedulerCore(
         None, leadership=leadership, policy=settings.policy, interval_s=settings.interval_s,
         restart_cost_s=settings.restart_cost_s, node_timeout_s=settings.node_timeout_s, cache_mode=settings.cache_mode,

@@ -27,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from services.runtime.auth import auth_enabled, caller_token
+from services.runtime.settings import ConfigError
 from services.runtime.structured_logging import get_logger
 from silod.rpc.channels import open_channel
 from silod.v1 import allocation_pb2, allocation_pb2_grpc, common_pb2, metadata_pb2, metadata_pb2_grpc, worker_agent_pb2
@@ -90,12 +92,15 @@ class Agent:
         self._alloc: allocation_pb2_grpc.AllocationServiceStub | None = None
         # Several schedulers (--scheduler-address a,b; --leader-election on them): the watch moves to
         # the next address whenever it breaks; a standby answers UNAVAILABLE, the leader streams plans.
-        self._scheduler_addresses = [a.strip() for a in settings.scheduler_address.split(",") if a.strip()]
         self._alloc_channels: dict[str, Any] = {}
-        self._scheduler_index = 0
         self._token = token
-        if self._scheduler_addresses:
+        self.schedulers = node_protocol.Schedulers(
+            [a.strip() for a in settings.scheduler_address.split(",") if a.strip()], self._use_scheduler)
+        if self.schedulers.addresses:
             self._use_scheduler(0)
+        # A setting the scheduler refused (the heartbeat too seldom for its node timeout): the
+        # process stops and exits 2 naming it (services/runtime/server.py); tests may leave it unset.
+        self.on_config_error: Callable[[ConfigError], None] | None = None
         self.runtime = choose_runtime(settings, self.spec.name, self.work_dir, self._warm_pool,
                                       lambda indices: capacity.gpu_devices(indices, self._gpu_minors))
         self.spec.runtime = self.runtime.name
@@ -187,8 +192,7 @@ class Agent:
 
     # ---- plans -----------------------------------------------------------------------------
     def _use_scheduler(self, index: int) -> None:
-        self._scheduler_index = index % len(self._scheduler_addresses)
-        address = self._scheduler_addresses[self._scheduler_index]
+        address = self.schedulers.addresses[index]
         if address not in self._alloc_channels:
             self._alloc_channels[address] = open_channel(address, token=self._token, aio=True)
         self._alloc = allocation_pb2_grpc.AllocationServiceStub(self._alloc_channels[address])
@@ -197,12 +201,23 @@ class Agent:
         # Plans are acked only once the node exists in the metadata store: the scheduler records
         # an Ack as the node's heartbeat, which fails for a node not registered yet.
         await self._registered.wait()
-        several = len(self._scheduler_addresses) > 1
-        await node_protocol.follow_plans(
-            self.spec.name, allocation_pb2.PLAN_COMPONENT_WORKER_AGENT, stub=lambda: self._alloc,
-            known_version=lambda: self.applied_version, offer=self.plans.offer,
-            on_error=lambda what, detail: _log.info(what, extra={"detail": detail}),
-            next_scheduler=(lambda: self._use_scheduler(self._scheduler_index + 1)) if several else None)
+        s = self.settings
+        timing = node_protocol.WatchTiming(getattr(s, "watch_heartbeat_s", 0.0), getattr(s, "watch_timeout_s", 0.0),
+                                           s.heartbeat_s)
+        try:
+            await node_protocol.follow_plans(
+                self.spec.name, allocation_pb2.PLAN_COMPONENT_WORKER_AGENT, stub=lambda: self._alloc,
+                known_version=lambda: self.applied_version, offer=self.plans.offer,
+                on_error=lambda what, detail: _log.info(what, extra={"detail": detail}),
+                schedulers=self.schedulers, timing=timing,
+                on_follow=lambda address, epoch: _log.info("plan watch following", extra={
+                    "scheduler": address, "epoch": epoch}))
+        except node_protocol.WatchRefused as exc:
+            error = ConfigError(f"heartbeat_s ({s.heartbeat_s:g}): refused by the scheduler at "
+                                f"{self.schedulers.address}: {str(exc).removeprefix('node_heartbeat_s: ')}")
+            _log.error("configuration refused by the scheduler", extra={"detail": str(error)})
+            if self.on_config_error is not None:
+                self.on_config_error(error)
 
     # ---- reports ---------------------------------------------------------------------------
     async def _report_loop(self) -> None:

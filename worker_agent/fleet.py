@@ -61,6 +61,8 @@ class FleetSettings:
     gpu_type: str = ""
     heartbeat_s: float = 5.0
     report_s: float = 2.0
+    watch_heartbeat_s: float = 1.0  # the agent's settings of the same names (services/runtime/node_settings.py)
+    watch_timeout_s: float = 4.0
     task_seconds: float = 0.0  # 0: ranks run until the plan takes them away
     # Each job's ranks run task_seconds x (1 +- task_spread), the factor drawn from the job id (all
     # its ranks alike): jobs placed in one round do not all end in one later round.
@@ -86,7 +88,7 @@ class FleetNode:
         self.spec = common_pb2.NodeSpec(name=self.name, gpus=s.gpus, pool=common_pb2.NODE_POOL_TRAINING,
                                         gpu_model="emulated", gpu_type=s.gpu_type, agent_address="127.0.0.1:1")
         self.alloc = fleet.alloc_stub(index)
-        self._scheduler = 0
+        self.schedulers = node_protocol.Schedulers(fleet.schedulers, self._use_scheduler)
         self.tasks: dict[str, Task] = {}  # live tasks and exited ones not yet acknowledged
         self.launched: dict[str, float] = {}  # task key -> monotonic launch time
         self.finished: set[str] = set()  # never relaunched for the same generation
@@ -104,21 +106,25 @@ class FleetNode:
             registered=self.registered, request=self._heartbeat, log=_log))
         try:
             await self.registered.wait()
+            s = self.fleet.settings
             await asyncio.gather(
                 node_protocol.follow_plans(
                     self.name, _WORKER, stub=lambda: self.alloc, known_version=lambda: self.applied_version,
                     offer=self.offer, on_error=lambda what, detail: _log.info(what, extra={"detail": detail}),
-                    next_scheduler=self._next_scheduler if len(self.fleet.schedulers) > 1 else None),
+                    schedulers=self.schedulers,
+                    timing=node_protocol.WatchTiming(s.watch_heartbeat_s, s.watch_timeout_s, s.heartbeat_s)),
                 self._apply_loop(), self._report_loop())
+        except node_protocol.WatchRefused as exc:
+            self.fleet.refused = (f"--heartbeat-s ({self.fleet.settings.heartbeat_s:g}): refused by the scheduler: "
+                                  f"{str(exc).removeprefix('node_heartbeat_s: ')}")
         finally:
             hb.cancel()
 
     async def _heartbeat(self) -> metadata_pb2.HeartbeatRequest:
         return metadata_pb2.HeartbeatRequest(node=self.name, applied_plan_version=self.applied_version)
 
-    def _next_scheduler(self) -> None:
-        self._scheduler += 1
-        self.alloc = self.fleet.alloc_stub(self.index, self._scheduler)
+    def _use_scheduler(self, scheduler: int) -> None:
+        self.alloc = self.fleet.alloc_stub(self.index, scheduler)
 
     def offer(self, plan: plan_pb2.NodePlan) -> None:
         self.fleet.times(plan.version).received[self.name] = time.time()
@@ -229,6 +235,7 @@ class Fleet:
         self._channels: dict[tuple[int, int], Any] = {}
         self.plan_times: dict[int, PlanTimes] = {}
         self.nodes: list[FleetNode] = []
+        self.refused = ""  # a setting the scheduler refused: the fleet stops and exits 2 naming it
 
     def alloc_stub(self, index: int, scheduler: int = 0) -> allocation_pb2_grpc.AllocationServiceStub:
         """The AllocationService stub of node ``index``: nodes share a channel per
@@ -274,7 +281,8 @@ def _write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-async def serve(settings: FleetSettings, ready_file: str = "", stats_file: str = "") -> None:
+async def serve(settings: FleetSettings, ready_file: str = "", stats_file: str = "") -> str:
+    """Run the fleet until SIGTERM or SIGINT; "" or the setting the scheduler refused."""
     fleet = Fleet(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -285,7 +293,7 @@ async def serve(settings: FleetSettings, ready_file: str = "", stats_file: str =
     runs = starting.result() if starting.done() else []
     if ready_file and not stop.is_set():
         _write(ready_file, f"{len(fleet.nodes)}\n")
-    while not stop.is_set():
+    while not stop.is_set() and not fleet.refused:
         if stats_file:
             _write(stats_file, json.dumps(fleet.stats()))
         with contextlib.suppress(asyncio.TimeoutError):
@@ -297,6 +305,7 @@ async def serve(settings: FleetSettings, ready_file: str = "", stats_file: str =
     if stats_file:
         _write(stats_file, json.dumps(fleet.stats()))
     await fleet.close()
+    return fleet.refused
 
 
 class FleetProcess:
@@ -352,7 +361,8 @@ def _flags(s: FleetSettings) -> list[str]:
     return ["--nodes", str(s.nodes), "--gpus", str(s.gpus), "--metadata-address", s.metadata_address,
             "--scheduler-address", s.scheduler_address, "--prefix", s.prefix, "--gpu-type", s.gpu_type,
             "--heartbeat-s", f"{s.heartbeat_s:g}", "--report-s", f"{s.report_s:g}",
-            "--task-seconds", f"{s.task_seconds:g}", "--task-spread", f"{s.task_spread:g}", "--streams-per-channel", str(s.streams_per_channel)]
+            "--task-seconds", f"{s.task_seconds:g}", "--task-spread", f"{s.task_spread:g}", "--streams-per-channel", str(s.streams_per_channel),
+            "--watch-heartbeat-s", f"{s.watch_heartbeat_s:g}", "--watch-timeout-s", f"{s.watch_timeout_s:g}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -370,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task-spread", type=float, default=0.0,
                    help="each job's ranks run --task-seconds x (1 +- this), by job id (0 <= it < 1; default 0)")
     p.add_argument("--streams-per-channel", type=int, default=1000, help="nodes sharing one scheduler connection")
+    p.add_argument("--watch-heartbeat-s", type=float, default=1.0,
+                   help="heartbeats asked of the scheduler on each plan watch (default 1; the agent's watch_heartbeat_s)")
+    p.add_argument("--watch-timeout-s", type=float, default=4.0,
+                   help="a plan watch silent this long is abandoned (default 4, 0 = never; at least 3x "
+                        "--watch-heartbeat-s; the agent's watch_timeout_s)")
     p.add_argument("--ready-file", default="", help="written once every node is registered")
     p.add_argument("--stats-file", default="", help="JSON stats, rewritten every second and at exit")
     p.add_argument("--log-level", default="warning")
@@ -381,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         problems.append("--task-seconds: must be >= 0")
     if not 0 <= args.task_spread < 1:
         problems.append("--task-spread: must be >= 0 and < 1")
+    if args.watch_heartbeat_s < 0.1 or args.watch_timeout_s < 0:
+        problems.append("--watch-heartbeat-s: must be >= 0.1; --watch-timeout-s: must be >= 0")
+    elif 0 < args.watch_timeout_s < 3 * args.watch_heartbeat_s:
+        problems.append(f"--watch-timeout-s ({args.watch_timeout_s:g}) must be at least 3x --watch-heartbeat-s "
+                        f"({args.watch_heartbeat_s:g})")
     if problems:
         p.error("; ".join(problems))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -388,8 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         nodes=args.nodes, gpus=args.gpus, metadata_address=args.metadata_address,
         scheduler_address=args.scheduler_address, prefix=args.prefix, gpu_type=args.gpu_type,
         heartbeat_s=args.heartbeat_s, report_s=args.report_s, task_seconds=args.task_seconds,
-        task_spread=args.task_spread, streams_per_channel=args.streams_per_channel, token=os.environ.get("SILOD_AUTH_TOKEN", ""))
-    asyncio.run(serve(settings, args.ready_file, args.stats_file))
+        task_spread=args.task_spread, streams_per_channel=args.streams_per_channel, token=os.environ.get("SILOD_AUTH_TOKEN", ""),
+        watch_heartbeat_s=args.watch_heartbeat_s, watch_timeout_s=args.watch_timeout_s)
+    refused = asyncio.run(serve(settings, args.ready_file, args.stats_file))
+    if refused:
+        print(f"{p.prog}: configuration error: {refused}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -19,14 +19,14 @@ import grpc
 from pydantic import Field, field_validator
 
 from services.runtime import errors
-from services.runtime.auth import NodeIdentitySettings
+from services.runtime.node_settings import PlanFollowerSettings
 from services.runtime.server import ServiceDefinition
 from services.runtime.settings import ConfigError, ServiceSettings, split_host_port
 from silod.v1 import worker_agent_pb2, worker_agent_pb2_grpc
 from worker_agent.agent import Agent
 
 
-class Settings(NodeIdentitySettings):
+class Settings(PlanFollowerSettings):
     node_name: str = Field("", description="Node name registered with the metadata service; empty = hostname")
     pool: Literal["training", "inference"] = Field("training", description="Pool the node serves")
     gpus: int = Field(4, ge=0, le=1024, description="GPUs on the node when NVML (pynvml) is absent or finds none")
@@ -50,7 +50,10 @@ class Settings(NodeIdentitySettings):
         "", description="Directory of job checkpoints (<root>/<job_id>, given to tasks as SILOD_CHECKPOINT_DIR); "
         "empty = <work_dir>/checkpoints. Shared storage on every node lets a job moved to another node resume"
     )
-    heartbeat_s: float = Field(5.0, gt=0, description="Seconds between heartbeats to the metadata service")
+    heartbeat_s: float = Field(
+        5.0, gt=0, description="Seconds between heartbeats to the metadata service; at most a third of the "
+        "scheduler's node_timeout_s, which the scheduler checks when the agent watches its plans: refused, the agent "
+        "exits 2 naming both")
     report_s: float = Field(2.0, gt=0, description="Seconds between ReportTasks calls (also sent on every phase change)")
     checkpoint_deadline_s: float = Field(
         30.0, ge=0, description="Seconds a task asked to checkpoint and exit gets before SIGKILL"
@@ -263,6 +266,7 @@ def definition(settings: Settings) -> ServiceDefinition:
             except (ImportError, AttributeError) as exc:
                 raise ConfigError(f"nvml_module: cannot load {settings.nvml_module!r}: {exc}") from None
         agent = Agent(settings, _advertised(settings))
+        agent.on_config_error = service.fail  # refused by the scheduler: exit 2 naming the setting
         holder["agent"] = agent
         await agent.start()  # background tasks; registration retries until metadata answers
 
@@ -271,10 +275,11 @@ def definition(settings: Settings) -> ServiceDefinition:
         if agent is not None:
             await agent.shutdown()
 
-    return ServiceDefinition(
+    service = ServiceDefinition(
         name="worker-agent",
         service_names=["silod.v1.WorkerAgentService"],
         register=register,
         on_start=on_start,
         on_stop=on_stop,
     )
+    return service

@@ -1,5 +1,5 @@
 """Carrying out a plan: commit it to the metadata store (a new version, or none when nothing
-changed), record the GPUs it takes from jobs as pending release, move the jobs' states, log it.
+changed; a new leader's first plan always, so that the nodes learn its epoch), record the GPUs it takes from jobs as pending release, move the jobs' states, log it.
 
 Cost: one CommitPlanChanges (the entries that changed since the plan in force, the same
 mechanism as the simulator's, scheduler.plan_changes), and one TransitionJobs call per MAX_MOVES
@@ -56,8 +56,9 @@ class Committer:
         self.last_outcome = "unchanged"
         entries = {entry.job_id: entry.SerializeToString(deterministic=True) for entry in proto.jobs}
         changes = changes_between(self._entries_of(latest), entries) if latest is not None else None
-        if changes is not None and not changes:
-            return None  # nothing changed: no new version
+        if changes is not None and not changes and latest is not None and latest.epoch == proto.epoch:
+            return None  # nothing changed: no new version (a new leader's first plan is committed anyway:
+            # every node then learns its epoch at once and refuses the deposed leader's plans)
         old = {a.job_id: a for a in (latest.jobs if latest is not None else [])}
         try:
             committed = await self._send(proto, changes)

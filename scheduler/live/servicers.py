@@ -13,15 +13,16 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from scheduler.live import convert, metrics
+from scheduler.live import metrics
 from scheduler.live.acks import AckForwarder
 from scheduler.live.clients import ACTIVE_STATES, TERMINAL_STATES
 from scheduler.live.models import known_applications
+from scheduler.live.watch import require_leader, watch_node
 from services.metadata.validation.common import check_enum, check_float, check_int
 from services.metadata.validation.jobs import check_client_request_id, check_progress, job_spec_problems
 from services.runtime import downstream
 from services.runtime.batching import Coalescer
-from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Problems, ServiceError, Unavailable
+from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Problems, ServiceError
 from silod.v1 import (
     allocation_pb2,
     allocation_pb2_grpc,
@@ -35,7 +36,6 @@ from silod.v1 import (
 T = TypeVar("T")
 _log = logging.getLogger("silod.scheduler")
 WATCH_POLL_S = 0.5
-WATCH_REFRESH_AGE_S = 1.0  # a Watch accepts a read of the plan in force this old (shared by all watchers)
 ADMISSION_CACHE_S = 5.0
 
 
@@ -317,14 +317,6 @@ class JobService(scheduler_pb2_grpc.JobServiceServicer):
         return await forward(self.md.ListDatasets(request))
 
 
-def require_leader(core: Any) -> None:
-    """With --leader-election, the nodes follow the leader only: a standby answers UNAVAILABLE
-    naming the leader's address, and the node tries its next --scheduler-address."""
-    leadership = getattr(core, "leadership", None)
-    if leadership is not None and not leadership.leading:
-        raise Unavailable(leadership.describe_leader())
-
-
 class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
     @property
     def md(self):
@@ -336,7 +328,7 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
         # A node's acked version is written at most as often as a node heartbeats (a third of
         # the node timeout, 5 s at least): at thousands of nodes these writes are most of the
         # metadata service's work, and the node's heartbeats carry the same version anyway.
-        node_timeout_s = getattr(getattr(core, "liveness", None), "node_timeout_s", 15.0)
+        self.node_timeout_s = node_timeout_s = getattr(getattr(core, "liveness", None), "node_timeout_s", 15.0)
         self.acks = AckForwarder(lambda: self.md, every_s=max(5.0, node_timeout_s / 3))
 
     async def CommitPlan(self, request, context):  # noqa: N802
@@ -349,30 +341,11 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
         return await forward(self.md.GetLatestPlan(metadata_pb2.GetLatestPlanRequest()))
 
     async def Watch(self, request, context):  # noqa: N802
-        if not request.node:
-            raise InvalidArgument("required", field="node")
-        require_leader(self.core)
-        # Watchers share their reads of the store (max_age_s): a thousand nodes reconnecting
-        # after a restart, or waking together, make one GetLatestPlan, not a thousand.
-        await forward(self.core.refresh_latest(max_age_s=WATCH_REFRESH_AGE_S), "metadata GetLatestPlan", None)
-        # A node is sent the plans that change its part only (the first one always): a round
-        # that moves a few jobs on a thousand nodes then costs a few streams' messages, acks and
-        # task reports, not a thousand. Its acked version is so the newest plan that changed it.
-        sent, shown = 0, None
-        while True:
-            plan = self.core.latest
-            if plan is not None and plan.version > sent:
-                node_plan = await self.core.node_plan(plan, request.node)
-                node_plan.epoch = plan.epoch
-                if shown is None or not convert.same_node_part(node_plan, shown):
-                    yield node_plan
-                    shown = node_plan
-                sent = plan.version
-            await self.core.wait_newer(sent, self.refresh_s)
-            require_leader(self.core)  # deposed: the watcher moves to the new leader
-            if self.core.latest is None or self.core.latest.version <= sent:
-                await forward(self.core.refresh_latest(max_age_s=WATCH_REFRESH_AGE_S), "metadata GetLatestPlan",
-                              None)  # committed by someone else
+        # scheduler/live/watch.py: the leader's node views and heartbeats; a node heartbeating
+        # too seldom for the node timeout is refused.
+        async for node_plan in watch_node(self.core, request, refresh_s=self.refresh_s,
+                                          node_timeout_s=self.node_timeout_s):
+            yield node_plan
 
     async def Ack(self, request, context):  # noqa: N802
         if not request.node:
@@ -403,4 +376,4 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
         return allocation_pb2.ReportTasksResponse(acknowledged_exits=acknowledged)
 
 
-__all__ = ["JobService", "AllocationService", "ACTIVE_STATES"]
+__all__ = ["JobService", "AllocationService", "ACTIVE_STATES", "require_leader"]

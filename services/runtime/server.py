@@ -15,6 +15,7 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 
 import grpc
@@ -48,6 +49,16 @@ class ServiceDefinition:
     # Where the audit log's events go (services/runtime/audit.py): the metadata service's own store;
     # None = the metadata service at settings.metadata_address (or the log when there is none).
     audit_sink: AuditSink | None = None
+    _on_fail: Callable[[ConfigError], None] | None = dataclass_field(default=None, repr=False)
+
+    def fail(self, error: ConfigError) -> None:
+        """Stop serving for a configuration error learnt while serving (a setting another process
+        refused): the process stops as on SIGTERM, then :func:`run` prints the error on one line
+        and returns 2. Before serving (or outside :func:`run`) it is only logged."""
+        if self._on_fail is not None:
+            self._on_fail(error)
+        else:
+            _log.error("configuration error", extra={"detail": str(error)})
 
 
 class StartupError(Exception):
@@ -258,6 +269,15 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
         received.append(sig.name)
         stop_requested.set()
 
+    failures: list[ConfigError] = []
+
+    def on_fail(error: ConfigError) -> None:
+        failures.append(error)
+        received.append("configuration error")
+        stop_requested.set()
+
+    definition._on_fail = on_fail
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
 
@@ -277,6 +297,8 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
         running = await _start_unless_stopped(definition, settings, stop_requested)
         if running is None:
             _log.info("stopped before serving", extra={"signal": received[0]})
+            if failures:
+                raise failures[0]
             return
         if settings.gc_young_threshold:
             gc_pauses.tune(settings.gc_young_threshold)
@@ -300,6 +322,8 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
             await running.stop(settings.shutdown_grace_s)
             remove_ready_file(settings.ready_file)
         _log.info("shutdown complete")
+        if failures:
+            raise failures[0]
     finally:
         lag_probe.cancel()
         if metrics_server is not None:

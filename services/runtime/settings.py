@@ -140,13 +140,33 @@ def load_settings(cls: type[S], config_file: str | os.PathLike[str] | None = Non
     try:
         return _Loaded(**overrides)
     except ValidationError as exc:
+        # A rule between settings (a model validator, no loc) names its settings itself.
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
+            (f"{'.'.join(str(p) for p in err['loc'])}: " if err["loc"] else "") + err["msg"].removeprefix("Value error, ")
             for err in exc.errors()
         )
         raise ConfigError(problems) from None
     except Exception as exc:  # malformed YAML/TOML
         raise ConfigError(f"config: cannot read {config_file}: {exc}") from None
+
+
+def at_least(settings: Any, larger: str, factor: float, smaller: str, why: str) -> str:
+    """A rule between two settings: ``larger`` >= ``factor`` x ``smaller``. The problem, naming
+    both settings, their values and the rule ("" when it holds), e.g. "node_timeout_s (5) must be
+    at least 3x heartbeat_s (2): ...". Model validators join their problems and raise them as one
+    ValueError, which :func:`load_settings` passes on as the ConfigError's message."""
+    a, b = getattr(settings, larger), getattr(settings, smaller)
+    if a >= factor * b:
+        return ""
+    times = "" if factor == 1 else f"{factor:g}x "
+    return f"{larger} ({a:g}) must be at least {times}{smaller} ({b:g}): {why}"
+
+
+def refuse(problems: list[str]) -> None:
+    """Raise the rules broken (from :func:`at_least`) as one ValueError, if any."""
+    problems = [p for p in problems if p]
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def split_host_port(address: str, *, field: str = "listen") -> tuple[str, int]:

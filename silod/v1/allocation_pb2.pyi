@@ -75,22 +75,34 @@ class WatchPlanRequest(_message.Message):
     NODE_FIELD_NUMBER: _builtins.int
     COMPONENT_FIELD_NUMBER: _builtins.int
     KNOWN_VERSION_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_S_FIELD_NUMBER: _builtins.int
+    NODE_HEARTBEAT_S_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     """node name"""
     component: Global___PlanComponent.ValueType
     """which process on the node is watching / acknowledging"""
     known_version: _builtins.int
     """version the watcher already applied; 0 = none"""
+    heartbeat_s: _builtins.float
+    """Send a heartbeat at once and then whenever nothing was sent for this many seconds
+    (at least 0.1); 0 = no heartbeats (older nodes).
+    """
+    node_heartbeat_s: _builtins.float
+    """Seconds between the node's heartbeats to the metadata service (a worker agent's
+    heartbeat_s); refused unless the scheduler's node timeout is at least 3x this. 0 = not said.
+    """
     def __init__(
         self,
         *,
         node: _builtins.str = ...,
         component: Global___PlanComponent.ValueType = ...,
         known_version: _builtins.int = ...,
+        heartbeat_s: _builtins.float = ...,
+        node_heartbeat_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["component", b"component", "known_version", b"known_version", "node", b"node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["component", b"component", "heartbeat_s", b"heartbeat_s", "known_version", b"known_version", "node", b"node", "node_heartbeat_s", b"node_heartbeat_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

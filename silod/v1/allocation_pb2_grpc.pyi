@@ -40,7 +40,11 @@ class AllocationServiceStub:
     GetLatestPlan: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.GetLatestPlanRequest, _plan_pb2.AllocationPlan]
     Watch: _grpc.UnaryStreamMultiCallable[_allocation_pb2.WatchPlanRequest, _plan_pb2.NodePlan]
     """Streams the node's view of the latest plan at once, then of every newer plan.
-    A reconnecting watcher always starts from the latest plan, never a stale one.
+    A reconnecting watcher always starts from the latest plan, never a stale one. With
+    heartbeat_s set, heartbeats (NodePlan.heartbeat) come first and whenever the stream was
+    quiet that long, so a node notices a silent scheduler (frozen, or its host cut off).
+    INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
+    scheduler's node timeout (it would count as lost between two heartbeats).
     """
     Ack: _grpc.UnaryUnaryMultiCallable[_allocation_pb2.AckPlanRequest, _allocation_pb2.AckPlanResponse]
     ReportTasks: _grpc.UnaryUnaryMultiCallable[_allocation_pb2.ReportTasksRequest, _allocation_pb2.ReportTasksResponse]
@@ -57,7 +61,11 @@ class AllocationServiceAsyncStub(AllocationServiceStub):
     GetLatestPlan: _aio.UnaryUnaryMultiCallable[_metadata_pb2.GetLatestPlanRequest, _plan_pb2.AllocationPlan]  # type: ignore[assignment]
     Watch: _aio.UnaryStreamMultiCallable[_allocation_pb2.WatchPlanRequest, _plan_pb2.NodePlan]  # type: ignore[assignment]
     """Streams the node's view of the latest plan at once, then of every newer plan.
-    A reconnecting watcher always starts from the latest plan, never a stale one.
+    A reconnecting watcher always starts from the latest plan, never a stale one. With
+    heartbeat_s set, heartbeats (NodePlan.heartbeat) come first and whenever the stream was
+    quiet that long, so a node notices a silent scheduler (frozen, or its host cut off).
+    INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
+    scheduler's node timeout (it would count as lost between two heartbeats).
     """
     Ack: _aio.UnaryUnaryMultiCallable[_allocation_pb2.AckPlanRequest, _allocation_pb2.AckPlanResponse]  # type: ignore[assignment]
     ReportTasks: _aio.UnaryUnaryMultiCallable[_allocation_pb2.ReportTasksRequest, _allocation_pb2.ReportTasksResponse]  # type: ignore[assignment]
@@ -89,7 +97,11 @@ class AllocationServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_plan_pb2.NodePlan], _abc.AsyncIterator[_plan_pb2.NodePlan]]:
         """Streams the node's view of the latest plan at once, then of every newer plan.
-        A reconnecting watcher always starts from the latest plan, never a stale one.
+        A reconnecting watcher always starts from the latest plan, never a stale one. With
+        heartbeat_s set, heartbeats (NodePlan.heartbeat) come first and whenever the stream was
+        quiet that long, so a node notices a silent scheduler (frozen, or its host cut off).
+        INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
+        scheduler's node timeout (it would count as lost between two heartbeats).
         """
 
     @_abc_1.abstractmethod

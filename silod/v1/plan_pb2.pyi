@@ -513,12 +513,17 @@ class NodePlan(_message.Message):
     REPLICAS_FIELD_NUMBER: _builtins.int
     LOANS_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """version of the AllocationPlan this view was cut from"""
     node: _builtins.str
     """node name"""
     epoch: _builtins.int
     """AllocationPlan.epoch: agents and cache servers ignore plans older than the newest seen"""
+    heartbeat: _builtins.bool
+    """A Watch heartbeat (WatchPlanRequest.heartbeat_s), not a plan: only node and epoch are set,
+    epoch being the serving leader's. Nodes apply nothing from it and do not fence on its epoch.
+    """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAssignment]:
         """ranks to run on this node"""
@@ -545,10 +550,11 @@ class NodePlan(_message.Message):
         replicas: _abc.Iterable[Global___InferenceReplica] | None = ...,
         loans: _abc.Iterable[Global___GpuLoan] | None = ...,
         epoch: _builtins.int = ...,
+        heartbeat: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_quotas", b"cache_quotas", "epoch", b"epoch", "loans", b"loans", "node", b"node", "replicas", b"replicas", "tasks", b"tasks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_quotas", b"cache_quotas", "epoch", b"epoch", "heartbeat", b"heartbeat", "loans", b"loans", "node", b"node", "replicas", b"replicas", "tasks", b"tasks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

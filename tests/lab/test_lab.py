@@ -50,11 +50,15 @@ def wait_for(predicate, timeout: float, what: str):
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    # A short node timeout keeps the link-down case inside the suite's budget; the agents'
-    # heartbeat (5 s in compose) stays as deployed.
+    # A short node timeout keeps the link-down case inside the suite's budget; the agents then
+    # heartbeat every 4 s instead of compose's 5 (the scheduler refuses nodes whose heartbeats come
+    # less often than a third of its node timeout: they would count as lost between two).
     lab = Lab(tmp_path_factory.mktemp("lab"), nodes=2)
     for scheduler in ("scheduler", "scheduler-2"):  # compose runs two; either may lead
         lab.services[scheduler].environment["SILOD_NODE_TIMEOUT_S"] = "12"
+    for name, service in lab.services.items():
+        if name.startswith("agent"):
+            service.environment["SILOD_HEARTBEAT_S"] = "4"
     # A read of an uncached object gives up after 2 x 4 s (+10 s slack) instead of the deployed
     # 4 x 30 s when the storage host is gone: the case stays short, the behaviour is the same.
     for n in range(2):

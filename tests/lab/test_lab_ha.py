@@ -2,9 +2,12 @@
 hosts, sharing the lab's PostgreSQL through the metadata host, while jobs run and a client keeps
 submitting. The leader's host loses its link, then the new leader is killed with -9; each time
 the standby leads within 10 s, no acknowledged submission is lost, no generation of a job is
-launched twice, no GPU is held by two tasks (each agent's GPU table log), and the jobs that were
-running keep training in the same processes. Back on the network, the deposed leader does not
-act: it stands by, commits nothing, and a plan of its epoch is refused.
+launched twice, no GPU is held by two tasks (each agent's GPU table log), the jobs that were
+running keep training in the same processes, and every worker agent and cache server follows the
+new leader's plans within 5 s of its election (the time its log gives): with its host cut off the
+old leader's watches go silent, and the nodes leave them once its heartbeats stop. Back on the
+network, the deposed leader does not act: it stands by, commits nothing, and a plan of its epoch
+is refused.
 
 The quick cases run in `make test`; the 30 s partition runs in `make lab-test` (lab_full).
 Runs where namespaces can be made (root and `ip`), like test_lab.py.
@@ -19,6 +22,7 @@ import signal
 import threading
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 import grpc
@@ -35,7 +39,8 @@ from silod.cli.client_commands import all_pages  # noqa: E402
 from silod.lab.cluster import Lab  # noqa: E402
 from silod.rpc.channels import open_channel  # noqa: E402
 from silod.v1 import (  # noqa: E402
-    allocation_pb2, allocation_pb2_grpc, common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc,
+    allocation_pb2, allocation_pb2_grpc, cache_pb2, cache_pb2_grpc, common_pb2, metadata_pb2, metadata_pb2_grpc,
+    scheduler_pb2, scheduler_pb2_grpc, worker_agent_pb2, worker_agent_pb2_grpc,
 )
 from tests.e2e.harness import LAUNCH_MARK  # noqa: E402
 from tests.lab.test_lab import ROOT, rank_env, task_pids, wait_for  # noqa: E402
@@ -43,7 +48,9 @@ from worker_agent.gpus import check_exclusive  # noqa: E402
 
 SCHEDULERS = ("scheduler", "scheduler-2")
 AGENTS = ("agent-0", "agent-1")
+CACHES = ("cache-0", "cache-1")
 FAILOVER_S = 10.0  # the target: the standby leads within this after the leader is gone
+FOLLOW_S = 5.0  # the target: every node follows the new leader within this of its election
 LONG = 2  # jobs running through every failover (1 GPU each, of the lab's 2 nodes x 2 GPUs)
 
 
@@ -78,6 +85,54 @@ class Submitter(threading.Thread):
                     time.sleep(0.2)
             n += 1
             self.stop.wait(self.every_s)
+
+
+class Applied(threading.Thread):
+    """Samples every agent's and cache server's applied plan version every 0.1 s (time.time()),
+    from before the leader is lost, so that when each reached the new leader's first plan is known
+    to the sample however late the test looks."""
+
+    def __init__(self, lab: Lab) -> None:
+        super().__init__(daemon=True)
+        agents = {a: worker_agent_pb2_grpc.WorkerAgentServiceStub(open_channel(lab.address(a, 7074))) for a in AGENTS}
+        caches = {c: cache_pb2_grpc.CacheServiceStub(open_channel(lab.address(c, 7071))) for c in CACHES}
+        self.reads = {**{a: (lambda s=s: s.GetNodeStatus(worker_agent_pb2.GetNodeStatusRequest(), timeout=2)
+                             .applied_plan_version) for a, s in agents.items()},
+                      **{c: (lambda s=s: s.Stats(cache_pb2.StatsRequest(), timeout=2).plan_version)
+                         for c, s in caches.items()}}
+        self.samples: list[tuple[float, str, int]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for who, read in self.reads.items():
+                try:
+                    self.samples.append((time.time(), who, read()))
+                except grpc.RpcError:
+                    pass
+            self.stop.wait(0.1)
+
+    def reached(self, version: int) -> dict[str, float]:
+        """When each node was first seen at ``version`` or newer."""
+        first: dict[str, float] = {}
+        for at, who, applied in list(self.samples):
+            if applied >= version:
+                first.setdefault(who, at)
+        return first
+
+
+def leadership_won_at(log: str, epoch: int) -> float | None:
+    """Wall time of a scheduler's JSON log line "leadership won" for ``epoch``."""
+    for line in log.splitlines():
+        if '"leadership won"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("msg") == "leadership won" and record.get("epoch") == epoch:
+            return datetime.fromisoformat(record["ts"].replace("Z", "+00:00")).timestamp()
+    return None
 
 
 class HA:
@@ -169,6 +224,8 @@ def lose_the_leader(ha: HA, how) -> tuple[str, str, metadata_pb2.Leadership, flo
     wait_for(lambda: len(ha.submitter.acknowledged) >= 2, 30, "submissions flowing")
     samples = ha.samples()
     submitted = len(ha.submitter.acknowledged)
+    applied = Applied(ha.lab)
+    applied.start()
     t0 = time.monotonic()
     how(old)
     wait_for(lambda: ha.leader() == new, FAILOVER_S + 5, f"{new} to lead")
@@ -176,6 +233,18 @@ def lose_the_leader(ha: HA, how) -> tuple[str, str, metadata_pb2.Leadership, flo
     assert took < FAILOVER_S, f"the standby took {took:.1f}s to lead"
     lease = ha.leadership()
     assert lease.epoch == before.epoch + 1
+    # Every node follows the new leader: each applies its first plan (committed at its election
+    # whatever changed) within FOLLOW_S of the election.
+    elected = wait_for(lambda: leadership_won_at(ha.lab.log(new), lease.epoch), 10, f"{new}'s 'leadership won'")
+    first = wait_for(lambda: min((p.version for p in ha.plans() if p.epoch == lease.epoch), default=0), 20,
+                     "the new leader's first plan")
+    try:
+        wait_for(lambda: len(applied.reached(first)) == len(applied.reads), 30, "every node following the new leader")
+    finally:
+        applied.stop.set()
+        applied.join(10)
+    following = {who: at - elected for who, at in applied.reached(first).items()}
+    assert max(following.values()) < FOLLOW_S, f"nodes following the new leader, seconds after its election: {following}"
     wait_for(lambda: ha.metric(new, "silod_scheduler_leader") == 1, 10, f"{new}'s silod_scheduler_leader at 1")
     assert ha.metric(new, "silod_scheduler_leadership_epoch") == lease.epoch
     shown = ha.lab.run("agent-0", [str(ROOT / ".venv/bin/silod"), "admin", "leader", "--metadata", "metadata:7070",
@@ -194,7 +263,9 @@ def lose_the_leader(ha: HA, how) -> tuple[str, str, metadata_pb2.Leadership, flo
     for j in ha.long:
         assert ha.rank_pids(j) == ha.pids[j], f"{j} was restarted"
         assert ha.job(j).state == common_pb2.JOB_STATE_RUNNING
-    print(f"[lab-ha] {old} lost: {new} led after {took:.1f}s (epoch {lease.epoch}); running jobs' progress "
+    print(f"[lab-ha] {old} lost: {new} led after {took:.1f}s (epoch {lease.epoch}); every node followed it "
+          f"{max(following.values()):.2f}s after its election (" + ", ".join(
+              f"{who} {s:+.2f}s" for who, s in sorted(following.items())) + "); running jobs' progress "
           f"reported again after {progress_s:.1f}s; {len(ha.submitter.acknowledged) - submitted} submissions "
           f"acknowledged meanwhile ({len(ha.submitter.failures)} client retries so far)")
     return old, new, before, took

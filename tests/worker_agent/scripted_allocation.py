@@ -2,7 +2,11 @@
 scripts and records what agents send (Acks, ReportTasks). The scheduler's real AllocationService
 is written elsewhere; this one follows the contract in protos/silod/v1/allocation.proto:
 
-* Watch streams the node's latest plan at once (if any), then every newer one pushed;
+* Watch streams the node's latest plan at once (if any), then every newer one pushed; asked for
+  heartbeats (``heartbeat_s``), it sends one first and whenever the stream was quiet that long,
+  as the scheduler does; ``frozen`` makes it accept watches and send nothing (a frozen leader),
+  ``standby`` refuses them with UNAVAILABLE (a standby scheduler), ``old`` sends no heartbeats
+  (a scheduler from before them), ``refusal`` refuses them with INVALID_ARGUMENT and that text;
 * Ack and ReportTasks are recorded; ReportTasks acknowledges every EXITED report it receives
   ("job_id/rank/generation") unless ``ack_exits`` is False.
 """
@@ -12,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Any
+
+import grpc
 
 from services.runtime.server import ServiceDefinition
 from services.runtime.settings import ServiceSettings
@@ -27,6 +33,10 @@ class ScriptedAllocation(allocation_pb2_grpc.AllocationServiceServicer):
         self.reports: list[tuple[float, allocation_pb2.ReportTasksRequest]] = []
         self.ack_exits = True
         self.epoch = 0  # bumping it ends every open Watch stream (as a scheduler restart would)
+        self.frozen = False  # True: watches get nothing at all, not even heartbeats
+        self.standby = False
+        self.old = False
+        self.refusal = ""
         self._changed: asyncio.Condition | None = None
 
     def _cond(self) -> asyncio.Condition:
@@ -47,19 +57,39 @@ class ScriptedAllocation(allocation_pb2_grpc.AllocationServiceServicer):
 
     async def Watch(self, request, context):  # type: ignore[no-untyped-def]
         self.watch_requests.append(request)
+        if self.refusal:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.refusal)
+        if self.standby:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this scheduler is a standby")
         sent = 0
         cond = self._cond()
         epoch = self.epoch
+        beat = plan_pb2.NodePlan(node=request.node, heartbeat=True)
+        beat_s = 0.0 if self.old else request.heartbeat_s
+        if beat_s > 0 and not self.frozen:
+            yield beat
         while True:
             async with cond:
-                await cond.wait_for(lambda: len(self.plans.get(request.node, [])) > sent or self.epoch != epoch)
+                try:
+                    await asyncio.wait_for(cond.wait_for(
+                        lambda: len(self.plans.get(request.node, [])) > sent or self.epoch != epoch),
+                        beat_s or None)
+                except asyncio.TimeoutError:
+                    pending = [] if self.frozen else [beat]
+                else:
+                    pending = None
+            if pending is not None:
+                for message in pending:
+                    yield message
+                continue
+            async with cond:
                 if self.epoch != epoch:
                     return
                 pending = self.plans[request.node][sent:]
                 if sent == 0:
                     pending = pending[-1:]  # a (re)connecting watcher starts from the latest plan
                 sent = len(self.plans[request.node])
-            for plan in pending:
+            for plan in [] if self.frozen else pending:
                 yield plan
 
     async def Ack(self, request, context):  # type: ignore[no-untyped-def]

@@ -1,0 +1,110 @@
+"""AllocationService.Watch: one node's part of every plan that changes it, from the leader only,
+with heartbeats that let the node tell a live leader from a silent one.
+
+* A standby answers UNAVAILABLE naming the leader (:func:`require_leader`); a leader that loses
+  the lease ends its watches at the next wake (within a heartbeat, or ``refresh_s`` without).
+* A node that asks for heartbeats (``WatchPlanRequest.heartbeat_s``, at least 0.1 s) gets one at
+  once, before anything is read, and then whenever its stream was quiet that long: a node that
+  hears nothing for its watch timeout abandons the watch and moves to the next scheduler, where
+  the new leader is (worker_agent/node_protocol.py). Without heartbeats a frozen or cut-off
+  leader's streams stay open until the HTTP/2 keepalive gives up (15 s).
+* A worker agent says how often it heartbeats to the metadata service (``node_heartbeat_s``); a
+  node timeout under :data:`NODE_TIMEOUT_PER_HEARTBEAT` of those would count the node lost
+  between two heartbeats (its jobs requeued, over and over), so the watch is refused naming both
+  settings and the agent exits with a configuration error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from scheduler.live import convert
+from services.runtime import downstream
+from services.runtime.errors import InvalidArgument, Unavailable
+from silod.v1 import allocation_pb2, plan_pb2
+
+WATCH_REFRESH_AGE_S = 1.0  # a Watch accepts a read of the plan in force this old (shared by all watchers)
+MIN_HEARTBEAT_S = 0.1  # the most often a node may ask for heartbeats
+NODE_TIMEOUT_PER_HEARTBEAT = 3  # node_timeout_s must be at least this many node heartbeat intervals
+
+
+def require_leader(core: Any) -> None:
+    """With --leader-election, the nodes follow the leader only: a standby answers UNAVAILABLE
+    naming the leader's address, and the node tries its next --scheduler-address."""
+    leadership = getattr(core, "leadership", None)
+    if leadership is not None and not leadership.leading:
+        raise Unavailable(leadership.describe_leader())
+
+
+def node_heartbeat_problem(node_heartbeat_s: float, node_timeout_s: float) -> str:
+    """Why a node heartbeating every ``node_heartbeat_s`` cannot be served with this node timeout
+    ("" when it can, or when the node did not say)."""
+    if node_heartbeat_s > 0 and node_timeout_s < NODE_TIMEOUT_PER_HEARTBEAT * node_heartbeat_s:
+        return (f"the scheduler's node_timeout_s ({node_timeout_s:g}) must be at least "
+                f"{NODE_TIMEOUT_PER_HEARTBEAT}x the node's heartbeat_s ({node_heartbeat_s:g}), or the node counts "
+                "as lost between two heartbeats and its jobs are requeued over and over: lower heartbeat_s on "
+                "the node or raise node_timeout_s on the scheduler")
+    return ""
+
+
+def check_watch(request: allocation_pb2.WatchPlanRequest, node_timeout_s: float) -> float:
+    """Refuse what cannot be served; the heartbeat interval asked for (0 = none)."""
+    if not request.node:
+        raise InvalidArgument("required", field="node")
+    if request.heartbeat_s < 0 or request.node_heartbeat_s < 0:
+        raise InvalidArgument("must be >= 0", field="heartbeat_s" if request.heartbeat_s < 0 else "node_heartbeat_s")
+    problem = node_heartbeat_problem(request.node_heartbeat_s, node_timeout_s)
+    if problem:
+        raise InvalidArgument(problem, field="node_heartbeat_s")
+    return max(request.heartbeat_s, MIN_HEARTBEAT_S) if request.heartbeat_s > 0 else 0.0
+
+
+def _heartbeat(core: Any, node: str) -> plan_pb2.NodePlan:
+    leadership = getattr(core, "leadership", None)
+    return plan_pb2.NodePlan(node=node, heartbeat=True, epoch=leadership.epoch if leadership is not None else 0)
+
+
+async def watch_node(core: Any, request: allocation_pb2.WatchPlanRequest, *, refresh_s: float,
+                     node_timeout_s: float) -> AsyncIterator[plan_pb2.NodePlan]:
+    """The stream of one node's Watch (see the module's docstring)."""
+    beat_s = check_watch(request, node_timeout_s)
+    require_leader(core)
+    if beat_s:
+        yield _heartbeat(core, request.node)  # at once: the node knows this scheduler leads and answers
+    # Watchers share their reads of the store (max_age_s): a thousand nodes reconnecting
+    # after a restart, or waking together, make one GetLatestPlan, not a thousand.
+    await downstream.forward(core.refresh_latest(max_age_s=WATCH_REFRESH_AGE_S), "metadata GetLatestPlan", None)
+    # A node is sent the plans that change its part only (the first one always): a round
+    # that moves a few jobs on a thousand nodes then costs a few streams' messages, acks and
+    # task reports, not a thousand. Its acked version is so the newest plan that changed it.
+    loop = asyncio.get_running_loop()
+    sent, shown = 0, None
+    refresh_at = loop.time() + refresh_s
+    beat_at = loop.time() + beat_s
+    while True:
+        plan = core.latest
+        if plan is not None and plan.version > sent:
+            node_plan = await core.node_plan(plan, request.node)
+            node_plan.epoch = plan.epoch
+            if shown is None or not convert.same_node_part(node_plan, shown):
+                yield node_plan
+                shown = node_plan
+                beat_at = loop.time() + beat_s
+            sent = plan.version
+        now = loop.time()
+        await core.wait_newer(sent, max(0.0, min(refresh_at, beat_at) - now) if beat_s else refresh_s)
+        require_leader(core)  # deposed: the watcher moves to the new leader
+        now = loop.time()
+        if core.latest is not None and core.latest.version > sent:
+            continue
+        if not beat_s or now >= refresh_at:
+            await downstream.forward(core.refresh_latest(max_age_s=WATCH_REFRESH_AGE_S), "metadata GetLatestPlan",
+                                     None)  # committed by someone else
+            refresh_at = now + refresh_s
+            if core.latest is not None and core.latest.version > sent:
+                continue
+        if beat_s and loop.time() >= beat_at:
+            yield _heartbeat(core, request.node)
+            beat_at = loop.time() + beat_s
