@@ -17,6 +17,8 @@ POP-style into that many parts and measures the quality lost against the first (
 gavel's default (one LP, or past ``partition_jobs`` distinct jobs its price solver).
 ``--set OPTION=VALUE`` passes an option to the policies timed (e.g. ``--policy gavel --set
 objective=makespan``: every job its own normalizer, so no two jobs share an LP row).
+``--own-models`` gives every job models of its own (its speed on each type off by up to 30 %, as
+jobs refitted from their own steps are), so no two jobs are alike under either objective.
 
 Each policy is called once to warm up (profile loading, imports), then ``--runs`` timed
 calls; the table shows the median and the slowest call (wall time), the median CPU time of
@@ -52,14 +54,15 @@ except ImportError:  # run from a clone without installing
 from estimator.job_model import JobModel  # noqa: E402
 from estimator.profiles import POLLUX_APPLICATIONS  # noqa: E402
 from scheduler.invariants import check_plan  # noqa: E402
-from estimator.gpu_types import typed_models  # noqa: E402
+from estimator.gpu_types import on_type, typed_models  # noqa: E402
 from scheduler.placement import TypeRoom, place, plan_from_placements  # noqa: E402
 from scheduler.policy import ClusterSnapshot, JobInfo, NodeInfo  # noqa: E402
 from scheduler.policies.gavel import forget_lps  # noqa: E402
 from scheduler.registry import get_policy, policy_names  # noqa: E402
 
 
-def build_snapshot(jobs: int, nodes: int, gpus_per_node: int, seed: int = 0, gpu_types: tuple[str, ...] = ()) -> ClusterSnapshot:
+def build_snapshot(jobs: int, nodes: int, gpus_per_node: int, seed: int = 0, gpu_types: tuple[str, ...] = (),
+                   own_models: bool = False) -> ClusterSnapshot:
     rng = np.random.default_rng(seed)
     apps = POLLUX_APPLICATIONS
     models = {app: JobModel.from_profile(app) for app in apps}
@@ -76,6 +79,10 @@ def build_snapshot(jobs: int, nodes: int, gpus_per_node: int, seed: int = 0, gpu
         requested = int(rng.integers(1, 9))
         by_batch = max(1, model.bounds.max_batch_size // model.bounds.min_local_bsz)
         target = float(rng.uniform(1e6, 1e8))
+        type_models = by_type[app]
+        if own_models:  # as if refitted from the job's own steps: its speed on each type off by up to 30 %
+            model = on_type(model, model.gpu_type, float(rng.uniform(0.7, 1.3)))
+            type_models = {t: on_type(m, t, float(rng.uniform(0.7, 1.3))) for t, m in type_models.items()}
         infos.append(
             JobInfo(
                 job_id=f"job-{k:05d}",
@@ -88,7 +95,7 @@ def build_snapshot(jobs: int, nodes: int, gpus_per_node: int, seed: int = 0, gpu
                 requested_gpus=requested,
                 attained_gpu_s=float(rng.uniform(0.0, 1.0)) * (now - arrivals[k]) * requested,
                 restarts=int(rng.integers(0, 4)),
-                type_models=by_type[app],
+                type_models=type_models,
             )
         )
     bare = ClusterSnapshot(time_s=now, nodes=cluster, jobs=tuple(infos))
@@ -196,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-types", default="", help="comma list: nodes take these GPU types in turn (e.g. v100,p100,k80)")
     parser.add_argument("--compare-partitions", default="",
                         help="comma list of POP partition counts for gavel (e.g. 1,2,4): time and quality against the first")
+    parser.add_argument("--own-models", action="store_true",
+                        help="every job its own models (speeds off by up to 30 %%, as if refitted): no two jobs alike")
     parser.add_argument("--check-level", action="store_true",
                         help="gavel: also solve the unpartitioned LP with HiGHS and print the level's gap (slow)")
     parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
@@ -213,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 options[key] = {"true": True, "false": False}.get(value.lower(), value)
 
     types = tuple(t for t in args.gpu_types.split(",") if t)
-    snapshot = build_snapshot(args.jobs, args.nodes, args.gpus_per_node, args.seed, types)
+    snapshot = build_snapshot(args.jobs, args.nodes, args.gpus_per_node, args.seed, types, args.own_models)
     names = args.policy or policy_names()
     command = "python benchmarks/scheduling_round.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"$ {command.strip()}")

@@ -12,8 +12,10 @@ collapses the types into one pool priced at the job's reference model (counts ca
 largest type's GPUs) and lets the round put a count on a type in a speed-blind order
 (:func:`scheduler.placement.blind_preferences`). Identical jobs (same candidates, throughputs
 and weight: jobs of one application with the same bounds) are one row of the LP, exactly
-(:func:`_classes_lp`); many *distinct* jobs split the LP POP-style (:func:`_partitioned_lp`). After the LP's choices, leftover GPUs go to waiting jobs at any
-count and type they fit. A later issue adds cache
+(:func:`_classes_lp`); a round of more than ``partition_jobs`` *distinct* jobs solves the same
+LPs by prices on their capacity rows (:mod:`scheduler.policies.gavel_lp`), and ``partitions``
+splits them POP-style (:func:`_partitioned_lp`). After the LP's choices, leftover GPUs go to
+waiting jobs at any count and type they fit. A later issue adds cache
 and remote IO grants as further candidate dimensions (one more column set per grant
 level, priced by the same estimator call, see :mod:`scheduler.policies.pollux_estimates`).
 
@@ -56,6 +58,15 @@ The LP (max-min fairness, Gavel's ``max_min_fairness`` policy)::
   (:func:`_job_classes`) share one set of columns whose capacity use is scaled by the class
   size, so a 20,000-job round of a few dozen kinds of job is an LP of a few dozen rows. Jobs
   whose minimum exceeds the cluster have no candidate and no fairness row.
+- More than ``partition_jobs`` (2,000) distinct jobs (with ``objective="makespan"`` every job's
+  normalizer is its own): the whole LP, both stages, by Dantzig-Wolfe decomposition over the
+  capacity rows (:func:`scheduler.policies.gavel_lp.solve_by_prices`): prices on the few
+  capacity rows split the LP into one closed-form problem per job, and a small master LP
+  combines the allocations they give. Its level is within 0.01 % of the LP's (it returns an
+  upper bound as the certificate; :attr:`GavelAllocation.bound`), its water-filled total too,
+  and it works per *shape* (jobs whose candidates are the same up to the normalizer), so a
+  20,000-job makespan round of a few dozen applications and bounds costs about 0.1 s.
+  ``partitions=P`` splits the round POP-style into ``P`` HiGHS LPs instead.
 
 Cache and remote IO (``codesign``, SiloD; off by default). The cache split is fixed first:
 each job is priced at the cache :func:`scheduler.codesign.expected_grants` expects for it,
@@ -302,7 +313,8 @@ class GavelPolicy:
         if codesign:
             job, gpus, kind = self._candidates(jobs, types, type_capacity, widest)
         else:  # candidates and their throughputs, per kind of job, remembered across rounds
-            job, gpus, kind, throughput, shape = self._priced_candidates(jobs, types, type_capacity, widest, per_node)
+            job, gpus, kind, throughput, priced = self._priced_candidates(jobs, types, type_capacity, widest, per_node)
+            shape = _shapes(priced, job, gpus, kind, throughput, len(jobs))
         weight = np.array([self.priority_base ** job_.priority for job_ in jobs], dtype=np.float64)
         if gpus.size == 0:
             empty = np.zeros(0)
@@ -603,6 +615,18 @@ def _codes(columns: list[np.ndarray]) -> np.ndarray:
     """Per row of the parallel per-job ``columns``: a code (0, 1, ...), equal exactly for equal rows."""
     _, code = np.unique(row_codes(columns), return_inverse=True)
     return code.ravel()
+
+
+def _shapes(group: np.ndarray, job: np.ndarray, gpus: np.ndarray, kind: np.ndarray, rate: np.ndarray,
+            n_jobs: int) -> np.ndarray:
+    """Per job: a code, equal for jobs with the same candidates and rates (:func:`_job_classes`, by
+    value), worked out on one job of each ``group`` (jobs of a group are alike: one kind of job)."""
+    _, first, of_job = np.unique(group, return_index=True, return_inverse=True)
+    index = np.full(n_jobs, -1, dtype=np.int64)
+    index[first] = np.arange(first.size)
+    mine = index[job] >= 0
+    codes = _job_classes(index[job[mine]], gpus[mine], kind[mine], rate[mine], np.zeros(first.size), None, first.size)
+    return np.asarray(codes)[of_job.ravel()]
 
 
 def _count_distinct(columns: list[np.ndarray]) -> int:

@@ -22,7 +22,7 @@ Jobs whose candidates are the same up to one factor on their normalized throughp
 *shape*: jobs of one application with the same bounds, whose normalizers differ (with
 ``objective="makespan"`` the normalizer is each job's remaining work). Envelopes are worked out
 once per shape; a job enters through its demand (rate needed per unit of level) and its factor.
-A 20,000-job round of a few dozen shapes costs about a millisecond per evaluation.
+A 20,000-job round of a few dozen shapes costs a few milliseconds per evaluation.
 """
 
 from __future__ import annotations
@@ -163,11 +163,13 @@ class _Envelopes:
     """Every shape's envelope at prices ``p``: per vertex its rate, cost and what it uses (gpus of a
     type, io), per segment its slope (cost per unit of rate)."""
 
-    def __init__(self, s: _Shapes, p: np.ndarray):
+    def __init__(self, s: _Shapes, p: np.ndarray, hull: tuple[np.ndarray, np.ndarray] | None = None):
         self.p = p
         n_types = s.resources - (s.io is not None)
         cost = s.gpus * p[s.kind] + (s.io * p[n_types] if s.io is not None else 0.0)
-        self.vertex, self.count = _envelope(s.theta, np.where(s.valid, cost, np.inf), s.valid)
+        if hull is None:  # (the envelope's vertices, worked out before at these prices)
+            hull = _envelope(s.theta, np.where(s.valid, cost, np.inf), s.valid)
+        self.vertex, self.count = hull[0].astype(np.int64), hull[1]
         origin = self.vertex < 0
         column = np.maximum(self.vertex, 0)
         shape = np.arange(s.n_shapes)[:, None]
@@ -470,23 +472,22 @@ class _Master:
         return result.x, duals
 
 
-def _price_loop(oracle, s: _Shapes, master: _Master, capacity: np.ndarray, tolerance: float):
-    """Cutting planes on ``L`` (Dantzig-Wolfe on the LP): ``(weights, lower, upper, evaluations,
-    rounds)``; an evaluation is ``(prices, levels per block)``."""
-    upper, evaluated = np.inf, []
-    p = np.zeros(s.resources)
+def _price_loop(oracle, s: _Shapes, master: _Master, capacity: np.ndarray, tolerance: float, start: np.ndarray):
+    """Cutting planes on ``L`` (Dantzig-Wolfe on the LP) from prices ``start``: ``(weights, lower,
+    upper, evaluations, rounds, last prices)``; an evaluation is ``(prices, value per block, hull)``."""
+    upper, evaluated, p = np.inf, [], start
     alpha = np.full(s.n_blocks, 1.0 / s.n_blocks)
     weights, lower = None, -np.inf
     for rounds in range(1, _MAX_ROUNDS + 1):
         e = _Envelopes(s, p)
         value, per_block, use = oracle(e, capacity, alpha)
-        evaluated.append((p, per_block))
+        evaluated.append((p, per_block, (e.vertex.astype(np.int16), e.count)))
         master.add(per_block, use)
         upper = min(upper, value)
         weights, lower, p, alpha = master.solve()
         if upper - lower <= tolerance * abs(upper):
             break
-    return weights, lower, upper, evaluated, rounds
+    return weights, lower, upper, evaluated, rounds, p
 
 
 def solve_by_prices(job, gpus, kind, rate, factor, weight, n_rows, type_capacity, water_fill, shape_of,
@@ -507,11 +508,12 @@ def solve_by_prices(job, gpus, kind, rate, factor, weight, n_rows, type_capacity
     max_min = _MaxMin(s)
     master = _Master(capacity, s.n_blocks, levels=True)
     master.add(np.zeros(s.n_blocks), np.zeros((s.n_blocks, s.resources)))  # idling: keeps every capacity row
-    weights, level, bound, evaluated, rounds = _price_loop(max_min, s, master, capacity, tolerance)
+    weights, level, bound, evaluated, rounds, prices = _price_loop(max_min, s, master, capacity, tolerance,
+                                                                   np.zeros(s.resources))
     fraction = np.zeros(job.size)
-    for w, (p, levels) in zip(weights[1:], evaluated):
+    for w, (p, levels, hull) in zip(weights[1:], evaluated):
         if np.any(w > _USED):
-            _Envelopes(s, p).fractions(s, max_min.rates(levels), np.where(w > _USED, w, 0.0)[s.block], fraction)
+            _Envelopes(s, p, hull).fractions(s, max_min.rates(levels), np.where(w > _USED, w, 0.0)[s.block], fraction)
     if not (water_fill and level > 0):
         return Solved(np.clip(fraction, 0.0, 1.0), level, bound, rounds)
     fill = _WaterFill(s, s.demand * level * (1 - _LEVEL_SLACK))
@@ -520,10 +522,13 @@ def solve_by_prices(job, gpus, kind, rate, factor, weight, n_rows, type_capacity
     reached = np.sum(weights * np.array(master.values), axis=0)   # per block
     second.add(reached * np.bincount(s.block, weights=s.many * s.demand * s.factor, minlength=s.n_blocks),
                np.einsum("ib,ibr->br", weights, np.array(master.uses)))
-    weights2, _, _, evaluated2, rounds2 = _price_loop(fill, s, second, capacity, tolerance)
+    # A unit of level is worth sum(many * weight) of the water-filled total (every job at its floor):
+    # the max-min prices so converted are where the water-filling ones start.
+    start = prices * float(np.sum(s.many * s.factor * s.demand))
+    weights2, _, _, evaluated2, rounds2, _ = _price_loop(fill, s, second, capacity, tolerance, start)
     filled = fraction * weights2[0][s.candidate_block]
-    for w, (p, _) in zip(weights2[1:], evaluated2):
+    for w, (p, _, hull) in zip(weights2[1:], evaluated2):
         if np.any(w > _USED):
-            e = _Envelopes(s, p)
+            e = _Envelopes(s, p, hull)
             e.fractions(s, fill.rates(e), np.where(w > _USED, w, 0.0)[s.block], filled)
     return Solved(np.clip(filled, 0.0, 1.0), level, bound, rounds + rounds2)

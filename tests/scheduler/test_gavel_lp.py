@@ -133,3 +133,18 @@ def test_a_larger_round_by_prices_stays_within_one_percent_of_the_unpartitioned_
     assert priced.level >= 0.99 * whole.level and priced.level <= whole.level * (1 + 1e-9)
     has = np.bincount(priced.job, minlength=len(priced.jobs)) > 0
     assert priced.normalized_throughput()[has].min() >= 0.99 * whole.normalized_throughput()[has].min()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_hull_filter_worked_out_once_per_group_is_every_jobs_own(seed):
+    rng = np.random.default_rng(seed)
+    p = random_problem(rng, n_jobs=80, n_types=3, n_shapes=6, io=False, many=False)
+    job, kind, gpus = p["job"], p["kind"], p["gpus"]
+    shape = gavel._job_classes(job, gpus, kind, p["rate"], np.zeros(p["n_jobs"]), None, p["n_jobs"])
+    factor = rng.choice([0.5, 1.0, 3.0], size=p["n_jobs"])  # a few normalizers: groups of (shape, factor)
+    values = p["rate"] * factor[job]
+    _, pair_of = np.unique(job * 3 + kind, return_inverse=True)
+    expected = gavel._undominated(pair_of.ravel(), gpus, values, int(pair_of.max()) + 1)
+    group = gavel._codes([shape, factor])
+    assert np.array_equal(gavel._undominated_by(group, job, kind, gpus, values, 3), expected)
+    assert not expected.all()  # some candidates are dominated
