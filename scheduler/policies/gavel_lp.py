@@ -12,11 +12,16 @@ mixture of at most two candidates. Hence (Dantzig-Wolfe decomposition):
   LP's optimum for every ``p >= 0``, and cheap to evaluate;
 - every evaluation also yields an allocation (every job on its envelope). A convex combination of
   allocations keeps every job's own rows (its level, its time), so the *master* LP -- the best
-  combination that keeps every capacity row -- has one column per evaluation and a handful of
-  rows. Its optimum is a lower bound (an allocation that achieves it), its duals the next prices.
+  combination that keeps every capacity row -- is small: jobs are dealt by shape (below) into at
+  most 64 blocks, each block combines the evaluations with weights of its own, so the master has
+  a column per block and evaluation and a row or two per block. Its optimum is a lower bound (an
+  allocation that achieves it), its duals the next prices (and, for the max-min LP, how much each
+  block's level counts).
 
-Rounds stop once the bounds are within ``tolerance`` of each other (relative): the level returned
-is within that of the LP's optimum, and the upper bound comes back as the certificate.
+Rounds stop once the bounds are within ``tolerance`` of each other (relative; 1e-6 for the level,
+1e-4 for the water-filled total), or once the gap stops shrinking (HiGHS' own tolerances on the
+master reached): the level returned is reached by the allocation, and the upper bound comes back
+as the certificate.
 
 Jobs whose candidates are the same up to one factor on their normalized throughputs share a
 *shape*: jobs of one application with the same bounds, whose normalizers differ (with
@@ -39,6 +44,9 @@ from scipy.optimize import linprog
 
 _BISECTIONS = 60      # halvings of the level's bracket
 _MAX_ROUNDS = 300     # price evaluations per LP, at most
+_STALLED = 25         # ... and stop after this many without the gap between the bounds shrinking 1 %
+_LEVEL_TOLERANCE = 1e-6  # the max-min level: within this of the LP's (relative)
+_FILL_TOLERANCE = 1e-4   # the water-filled total: within this of the water-filling LP's
 _LEVEL_SLACK = 1e-7   # as gavel's: the water-filling LP keeps every job at level * (1 - this)
 _USED = 1e-12         # combination weights below this are dropped
 _BLOCKS = 64          # the master LP's blocks of jobs, at most
@@ -379,10 +387,12 @@ class _Master:
     """The master LP over blocks ``b`` and evaluated allocations ``i``: weights ``w[b, i] >= 0``,
     ``sum_i w[b, i] = 1`` for every block and ``sum_{b, i} w[b, i] use[b, i] <= capacity``;
     ``max sum w value`` (water-filling), or ``max tau`` with ``sum_i w[b, i] level[b, i] >= tau``
-    for every block (max-min). Warm-started simplex as columns arrive."""
+    for every block (max-min). Warm-started simplex as columns arrive. Values enter in units of
+    ``unit`` (about the optimum's size), so that HiGHS' tolerances are relative to it."""
 
-    def __init__(self, capacity: np.ndarray, blocks: int, levels: bool):
+    def __init__(self, capacity: np.ndarray, blocks: int, levels: bool, unit: float):
         self.capacity, self.blocks, self.levels = capacity, blocks, levels
+        self.unit = unit if unit > 0 and np.isfinite(unit) else 1.0
         self.n_res = len(capacity)
         self.rows = self.n_res + blocks * (2 if levels else 1)
         self.n_cols = 0
@@ -424,12 +434,13 @@ class _Master:
         self.values.append(np.asarray(value, dtype=np.float64))
         self.uses.append(np.asarray(use, dtype=np.float64))
         scaled = use / self.capacity
+        value = np.asarray(value, dtype=np.float64) / self.unit
         rows, values = [], []
         resources = np.arange(self.n_res)
         for b in range(self.blocks):
             rows.append(np.concatenate([resources, [self.n_res + b]] + ([[self.n_res + self.blocks + b]] if self.levels else [])))
             values.append(np.concatenate([scaled[b], [1.0]] + ([[-value[b]]] if self.levels else [])))
-        self._add(np.zeros(self.blocks) if self.levels else -np.asarray(value, dtype=np.float64), rows, values)
+        self._add(np.zeros(self.blocks) if self.levels else -value, rows, values)
 
     def solve(self):
         """``(weights, objective, prices, alpha)``: weights per evaluation and block (evaluations x
@@ -446,8 +457,8 @@ class _Master:
             x, duals = self._linprog()
         first = 1 if self.levels else 0
         weights = x[first:].reshape(-1, self.blocks)
-        objective = float(x[0]) if self.levels else float(np.sum(weights * np.array(self.values)))
-        prices = np.maximum(duals[:self.n_res], 0.0) / self.capacity
+        objective = float(x[0]) * self.unit if self.levels else float(np.sum(weights * np.array(self.values)))
+        prices = np.maximum(duals[:self.n_res], 0.0) * self.unit / self.capacity
         alpha = np.maximum(duals[self.n_res + self.blocks:], 0.0) if self.levels else None
         if alpha is not None:
             alpha = alpha / alpha.sum() if alpha.sum() > 0 else np.full(self.blocks, 1.0 / self.blocks)
@@ -478,6 +489,7 @@ def _price_loop(oracle, s: _Shapes, master: _Master, capacity: np.ndarray, toler
     upper, evaluated, p = np.inf, [], start
     alpha = np.full(s.n_blocks, 1.0 / s.n_blocks)
     weights, lower = None, -np.inf
+    best_gap, since = np.inf, 0
     for rounds in range(1, _MAX_ROUNDS + 1):
         e = _Envelopes(s, p)
         value, per_block, use = oracle(e, capacity, alpha)
@@ -485,13 +497,19 @@ def _price_loop(oracle, s: _Shapes, master: _Master, capacity: np.ndarray, toler
         master.add(per_block, use)
         upper = min(upper, value)
         weights, lower, p, alpha = master.solve()
-        if upper - lower <= tolerance * abs(upper):
+        gap = upper - lower
+        if gap <= tolerance * abs(upper):
+            break
+        # Stalled (the master's tolerances reached before ours): stop.
+        best_gap, since = (gap, 0) if gap < 0.99 * best_gap else (best_gap, since + 1)
+        if since >= _STALLED:
             break
     return weights, lower, upper, evaluated, rounds, p
 
 
 def solve_by_prices(job, gpus, kind, rate, factor, weight, n_rows, type_capacity, water_fill, shape_of,
-                    io=None, io_budget=np.inf, multiplicity=None, tolerance=1e-4) -> Solved:
+                    io=None, io_budget=np.inf, multiplicity=None, tolerance=_LEVEL_TOLERANCE,
+                    fill_tolerance=_FILL_TOLERANCE) -> Solved:
     """gavel's max-min LP and, with ``water_fill``, its water-filling LP, over candidates ``(job,
     gpus, kind)`` whose normalized throughput is ``rate * factor[job]`` (``weight``, ``io`` and
     ``multiplicity`` as in gavel's LP); ``shape_of``: per row, equal for rows whose candidates are
@@ -506,7 +524,7 @@ def solve_by_prices(job, gpus, kind, rate, factor, weight, n_rows, type_capacity
     if s.rows.size == 0 or not s.t_max > 0 or not np.all(capacity > 0):
         return Solved(np.zeros(job.size), 0.0, 0.0, 0)
     max_min = _MaxMin(s)
-    master = _Master(capacity, s.n_blocks, levels=True)
+    master = _Master(capacity, s.n_blocks, levels=True, unit=s.t_max)
     master.add(np.zeros(s.n_blocks), np.zeros((s.n_blocks, s.resources)))  # idling: keeps every capacity row
     weights, level, bound, evaluated, rounds, prices = _price_loop(max_min, s, master, capacity, tolerance,
                                                                    np.zeros(s.resources))
@@ -517,15 +535,15 @@ def solve_by_prices(job, gpus, kind, rate, factor, weight, n_rows, type_capacity
     if not (water_fill and level > 0):
         return Solved(np.clip(fraction, 0.0, 1.0), level, bound, rounds)
     fill = _WaterFill(s, s.demand * level * (1 - _LEVEL_SLACK))
-    second = _Master(capacity, s.n_blocks, levels=False)
     # The max-min allocation keeps every floor and capacity: each block's first column.
     reached = np.sum(weights * np.array(master.values), axis=0)   # per block
-    second.add(reached * np.bincount(s.block, weights=s.many * s.demand * s.factor, minlength=s.n_blocks),
-               np.einsum("ib,ibr->br", weights, np.array(master.uses)))
+    first = reached * np.bincount(s.block, weights=s.many * s.demand * s.factor, minlength=s.n_blocks)
+    second = _Master(capacity, s.n_blocks, levels=False, unit=float(first.sum()))
+    second.add(first, np.einsum("ib,ibr->br", weights, np.array(master.uses)))
     # A unit of level is worth sum(many * weight) of the water-filled total (every job at its floor):
     # the max-min prices so converted are where the water-filling ones start.
     start = prices * float(np.sum(s.many * s.factor * s.demand))
-    weights2, _, _, evaluated2, rounds2, _ = _price_loop(fill, s, second, capacity, tolerance, start)
+    weights2, _, _, evaluated2, rounds2, _ = _price_loop(fill, s, second, capacity, fill_tolerance, start)
     filled = fraction * weights2[0][s.candidate_block]
     for w, (p, _, hull) in zip(weights2[1:], evaluated2):
         if np.any(w > _USED):
