@@ -8,9 +8,10 @@ reconnect with backoff 0.2 s doubling to 5 s (reset once a plan arrives), ``know
 the newest version handled, versions not newer than that are ignored. A watch error never
 stops the server; each distinct error is logged once.
 
-With several schedulers (``--scheduler-address a,b``: one leads, the others stand by and refuse
-the watch), a broken watch moves to the next address, as the worker agent's does; a watch silent
-for ``watch_timeout_s`` (the leader sends a heartbeat every ``watch_heartbeat_s``) is abandoned.
+With several schedulers (``--scheduler-address a,b``: one leads, the others stand by), each is
+watched at once, as the worker agent's: a standby holds the watch until it leads, and Acks go to
+the scheduler that declared the newest epoch. Opt-in (``watch_heartbeat_s``, ``watch_timeout_s``):
+the leader's heartbeats, and its watch opened again once they stop.
 
 Epoch fencing (scheduler leadership): a plan whose ``epoch`` is older than the newest epoch seen
 comes from a deposed leader; it is not applied, and is Acked ``ok=False`` naming the reason.
@@ -76,7 +77,7 @@ class PlanWatcher:
 
     async def _run(self) -> None:
         await node_protocol.follow_plans(
-            self.node, COMPONENT, stub=lambda: self.stub, known_version=lambda: self.handled_version,
+            self.node, COMPONENT, stubs=self._stubs, known_version=lambda: self.handled_version,
             offer=self._offer, on_error=self._log_error, schedulers=self.schedulers, timing=self.timing,
             on_follow=self._following)
 

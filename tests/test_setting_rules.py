@@ -27,8 +27,9 @@ def _load(module: str, **settings: object) -> object:
      "lease_ttl_s (2) must be at least 3x lease_renew_s (1): the leader must renew at least twice"),
     ("scheduler.service", {"metadata_address": "m:1", "leader_election": True, "lease_ttl_s": 5, "lease_renew_s": 2},
      "lease_ttl_s (5) must be at least 3x lease_renew_s (2)"),
-    ("worker_agent.service", {"watch_timeout_s": 2}, "watch_timeout_s (2) must be at least 3x watch_heartbeat_s (1)"),
-    ("worker_agent.service", {"watch_heartbeat_s": 2}, "watch_timeout_s (4) must be at least 3x watch_heartbeat_s (2)"),
+    ("worker_agent.service", {"watch_heartbeat_s": 1, "watch_timeout_s": 2},
+     "watch_timeout_s (2) must be at least 3x watch_heartbeat_s (1)"),
+    ("worker_agent.service", {"watch_timeout_s": 4}, "watch_timeout_s (4) needs watch_heartbeat_s"),
     ("cache_server.service", {"watch_timeout_s": 1, "watch_heartbeat_s": 0.5},
      "watch_timeout_s (1) must be at least 3x watch_heartbeat_s (0.5)"),
     ("cache_server.service", {"lease_default_s": 7200}, "lease_max_s (3600) must be at least lease_default_s (7200)"),
@@ -45,7 +46,8 @@ def test_a_pair_that_cannot_work_is_refused_naming_both(module: str, settings: d
     ("scheduler.service", {"metadata_address": "m:1", "lease_ttl_s": 1}),  # no election: the lease is not used
     ("worker_agent.service", {}),
     ("worker_agent.service", {"watch_timeout_s": 0, "watch_heartbeat_s": 10}),  # 0: no silence rule at all
-    ("cache_server.service", {"watch_timeout_s": 3, "lease_default_s": 3600}),
+    ("worker_agent.service", {"watch_heartbeat_s": 1}),  # heartbeats without a timeout: asked for none
+    ("cache_server.service", {"watch_heartbeat_s": 1, "watch_timeout_s": 3, "lease_default_s": 3600}),
 ])
 def test_pairs_that_work_are_accepted(module: str, settings: dict[str, object]) -> None:
     _load(module, **settings)
@@ -59,7 +61,7 @@ def _silod(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("argv, message", [
     (("scheduler", "--metadata-address", "127.0.0.1:1", "--leader-election", "--lease-ttl-s", "2"),
      "silod scheduler: configuration error: lease_ttl_s (2) must be at least 3x lease_renew_s (1): "),
-    (("worker-agent", "--metadata-address", "127.0.0.1:1", "--watch-timeout-s", "2"),
+    (("worker-agent", "--metadata-address", "127.0.0.1:1", "--watch-heartbeat-s", "1", "--watch-timeout-s", "2"),
      "silod worker-agent: configuration error: watch_timeout_s (2) must be at least 3x watch_heartbeat_s (1): "),
     (("cache-server", "--lease-default-s", "7200"),
      "silod cache-server: configuration error: lease_max_s (3600) must be at least lease_default_s (7200): "),
@@ -105,7 +107,7 @@ def test_a_worker_agent_heartbeating_too_seldom_for_the_schedulers_node_timeout_
 
 def test_the_fleet_refuses_a_watch_timeout_under_3_heartbeats() -> None:
     done = subprocess.run([sys.executable, "-m", "worker_agent.fleet", "--nodes", "1", "--metadata-address", "m:1",
-                           "--scheduler-address", "s:1", "--watch-timeout-s", "2"],
+                           "--scheduler-address", "s:1", "--watch-heartbeat-s", "1", "--watch-timeout-s", "2"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "--watch-timeout-s (2) must be at least 3x --watch-heartbeat-s (1)" in done.stderr

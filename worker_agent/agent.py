@@ -90,8 +90,8 @@ class Agent:
         self._meta_channel = open_channel(settings.metadata_address, token=token, aio=True)
         self._metadata = metadata_pb2_grpc.MetadataServiceStub(self._meta_channel)
         self._alloc: allocation_pb2_grpc.AllocationServiceStub | None = None
-        # Several schedulers (--scheduler-address a,b; --leader-election on them): the watch moves to
-        # the next address whenever it breaks; a standby answers UNAVAILABLE, the leader streams plans.
+        # Several schedulers (--scheduler-address a,b; --leader-election on them): each is watched at
+        # once; the leader streams plans, a standby holds the watch until it leads (node_protocol).
         self._alloc_channels: dict[str, Any] = {}
         self._token = token
         self.schedulers = node_protocol.Schedulers(
@@ -191,11 +191,14 @@ class Agent:
             registered=self._registered, request=self._heartbeat_request, log=_log, on_reply=on_reply)
 
     # ---- plans -----------------------------------------------------------------------------
-    def _use_scheduler(self, index: int) -> None:
-        address = self.schedulers.addresses[index]
+    def _stub(self, address: str) -> allocation_pb2_grpc.AllocationServiceStub:
         if address not in self._alloc_channels:
             self._alloc_channels[address] = open_channel(address, token=self._token, aio=True)
-        self._alloc = allocation_pb2_grpc.AllocationServiceStub(self._alloc_channels[address])
+        return allocation_pb2_grpc.AllocationServiceStub(self._alloc_channels[address])
+
+    def _use_scheduler(self, index: int) -> None:
+        """Acks and reports go to this scheduler: the one that declared the newest epoch."""
+        self._alloc = self._stub(self.schedulers.addresses[index])
 
     async def _watch_loop(self) -> None:
         # Plans are acked only once the node exists in the metadata store: the scheduler records
@@ -206,15 +209,15 @@ class Agent:
                                            s.heartbeat_s)
         try:
             await node_protocol.follow_plans(
-                self.spec.name, allocation_pb2.PLAN_COMPONENT_WORKER_AGENT, stub=lambda: self._alloc,
+                self.spec.name, allocation_pb2.PLAN_COMPONENT_WORKER_AGENT,
+                stubs=[self._stub(a) for a in self.schedulers.addresses],
                 known_version=lambda: self.applied_version, offer=self.plans.offer,
                 on_error=lambda what, detail: _log.info(what, extra={"detail": detail}),
                 schedulers=self.schedulers, timing=timing,
                 on_follow=lambda address, epoch: _log.info("plan watch following", extra={
                     "scheduler": address, "epoch": epoch}))
         except node_protocol.WatchRefused as exc:
-            error = ConfigError(f"heartbeat_s ({s.heartbeat_s:g}): refused by the scheduler at "
-                                f"{self.schedulers.address}: {str(exc).removeprefix('node_heartbeat_s: ')}")
+            error = ConfigError(f"heartbeat_s ({s.heartbeat_s:g}): refused by the scheduler at {exc.address}: {exc}")
             _log.error("configuration refused by the scheduler", extra={"detail": str(error)})
             if self.on_config_error is not None:
                 self.on_config_error(error)

@@ -12,8 +12,8 @@ ranks are emulated: a task is RUNNING from the moment its plan is applied, repor
 so that its job succeeds; a task the plan takes away checkpoints and exits at once. Nodes
 advertise no cache server (the scheduler then grants no cache there).
 
-All nodes share one metadata channel and one scheduler channel per ``--streams-per-channel``
-nodes: one HTTP/2 connection carries many streams, where a channel per node would cost a
+All nodes share one metadata channel and one channel to each scheduler per
+``--streams-per-channel`` nodes (each node watches every scheduler, as the agent does): one HTTP/2 connection carries many streams, where a channel per node would cost a
 connection, its threads and buffers each.
 
 The process writes ``--ready-file`` (the node count) once every node is registered, and
@@ -61,8 +61,8 @@ class FleetSettings:
     gpu_type: str = ""
     heartbeat_s: float = 5.0
     report_s: float = 2.0
-    watch_heartbeat_s: float = 1.0  # the agent's settings of the same names (services/runtime/node_settings.py)
-    watch_timeout_s: float = 4.0
+    watch_heartbeat_s: float = 0.0  # the agent's settings of the same names (services/runtime/node_settings.py)
+    watch_timeout_s: float = 0.0
     task_seconds: float = 0.0  # 0: ranks run until the plan takes them away
     # Each job's ranks run task_seconds x (1 +- task_spread), the factor drawn from the job id (all
     # its ranks alike): jobs placed in one round do not all end in one later round.
@@ -109,14 +109,15 @@ class FleetNode:
             s = self.fleet.settings
             await asyncio.gather(
                 node_protocol.follow_plans(
-                    self.name, _WORKER, stub=lambda: self.alloc, known_version=lambda: self.applied_version,
+                    self.name, _WORKER, stubs=[self.fleet.alloc_stub(self.index, i) for i in range(len(self.fleet.schedulers))],
+                    known_version=lambda: self.applied_version,
                     offer=self.offer, on_error=lambda what, detail: _log.info(what, extra={"detail": detail}),
                     schedulers=self.schedulers,
                     timing=node_protocol.WatchTiming(s.watch_heartbeat_s, s.watch_timeout_s, s.heartbeat_s)),
                 self._apply_loop(), self._report_loop())
         except node_protocol.WatchRefused as exc:
-            self.fleet.refused = (f"--heartbeat-s ({self.fleet.settings.heartbeat_s:g}): refused by the scheduler: "
-                                  f"{str(exc).removeprefix('node_heartbeat_s: ')}")
+            self.fleet.refused = (f"--heartbeat-s ({self.fleet.settings.heartbeat_s:g}): refused by the scheduler at "
+                                  f"{exc.address}: {exc}")
         finally:
             hb.cancel()
 
@@ -380,11 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task-spread", type=float, default=0.0,
                    help="each job's ranks run --task-seconds x (1 +- this), by job id (0 <= it < 1; default 0)")
     p.add_argument("--streams-per-channel", type=int, default=1000, help="nodes sharing one scheduler connection")
-    p.add_argument("--watch-heartbeat-s", type=float, default=1.0,
-                   help="heartbeats asked of the scheduler on each plan watch (default 1; the agent's watch_heartbeat_s)")
-    p.add_argument("--watch-timeout-s", type=float, default=4.0,
-                   help="a plan watch silent this long is abandoned (default 4, 0 = never; at least 3x "
-                        "--watch-heartbeat-s; the agent's watch_timeout_s)")
+    p.add_argument("--watch-heartbeat-s", type=float, default=0.0,
+                   help="heartbeats asked of the leader on each plan watch (default 0: none; the agent's "
+                        "watch_heartbeat_s)")
+    p.add_argument("--watch-timeout-s", type=float, default=0.0,
+                   help="a plan watch whose heartbeats stop for this long is opened again (default 0: never; at "
+                        "least 3x --watch-heartbeat-s; the agent's watch_timeout_s)")
     p.add_argument("--ready-file", default="", help="written once every node is registered")
     p.add_argument("--stats-file", default="", help="JSON stats, rewritten every second and at exit")
     p.add_argument("--log-level", default="warning")
@@ -396,11 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         problems.append("--task-seconds: must be >= 0")
     if not 0 <= args.task_spread < 1:
         problems.append("--task-spread: must be >= 0 and < 1")
-    if args.watch_heartbeat_s < 0.1 or args.watch_timeout_s < 0:
-        problems.append("--watch-heartbeat-s: must be >= 0.1; --watch-timeout-s: must be >= 0")
-    elif 0 < args.watch_timeout_s < 3 * args.watch_heartbeat_s:
+    if args.watch_heartbeat_s < 0 or args.watch_timeout_s < 0:
+        problems.append("--watch-heartbeat-s, --watch-timeout-s: must be >= 0")
+    elif args.watch_timeout_s > 0 and not args.watch_timeout_s >= 3 * args.watch_heartbeat_s > 0:
         problems.append(f"--watch-timeout-s ({args.watch_timeout_s:g}) must be at least 3x --watch-heartbeat-s "
-                        f"({args.watch_heartbeat_s:g})")
+                        f"({args.watch_heartbeat_s:g}), which must be set")
     if problems:
         p.error("; ".join(problems))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")

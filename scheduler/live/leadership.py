@@ -44,6 +44,7 @@ class Leadership:
         self._valid_until = 0.0  # monotonic: leading until then unless renewed
         self._was_leading = False
         self.changed = asyncio.Event()  # set at every change of leading / not leading
+        self._until_leading: set[asyncio.Future[None]] = set()  # standbys' held watches (until_leading)
         LEADER.set(0 if enabled else 1)
 
     @property
@@ -69,6 +70,22 @@ class Leadership:
         if now != self._was_leading:
             self._was_leading = now
             self.changed.set()
+        if now:
+            waiters, self._until_leading = self._until_leading, set()
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def until_leading(self) -> None:
+        """Return once this scheduler leads (at once if it does): what a standby holds the nodes'
+        watches on, so that they hear of its election from it the moment it wins."""
+        while not self.leading:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._until_leading.add(waiter)
+            try:
+                await waiter
+            finally:
+                self._until_leading.discard(waiter)
 
     async def acquire_once(self, md) -> bool:  # type: ignore[no-untyped-def]
         """One AcquireLeadership (a renewal while leading); True when this scheduler leads now."""

@@ -1,13 +1,16 @@
-"""AllocationService.Watch: one node's part of every plan that changes it, from the leader only,
-with heartbeats that let the node tell a live leader from a silent one.
+"""AllocationService.Watch: one node's part of every plan that changes it, from the leader only.
 
-* A standby answers UNAVAILABLE naming the leader (:func:`require_leader`); a leader that loses
-  the lease ends its watches at the next wake (within a heartbeat, or ``refresh_s`` without).
-* A node that asks for heartbeats (``WatchPlanRequest.heartbeat_s``, at least 0.1 s) gets one at
-  once, before anything is read, and then whenever its stream was quiet that long: a node that
-  hears nothing for its watch timeout abandons the watch and moves to the next scheduler, where
-  the new leader is (worker_agent/node_protocol.py). Without heartbeats a frozen or cut-off
-  leader's streams stay open until the HTTP/2 keepalive gives up (15 s).
+* A standby answers UNAVAILABLE naming the leader (:func:`require_leader`), or, when the node
+  asks (``wait_for_leadership``: nodes watch every scheduler at once), holds the watch until it
+  leads. A leader frozen or cut off resets nothing and says nothing, so its nodes cannot tell it
+  from one with nothing to say; they need not: the moment a standby wins the lease, the watches it
+  held get a heartbeat with its epoch and the plan in force, and the nodes follow it
+  (worker_agent/node_protocol.py). A held watch costs the standby nothing while it waits.
+* A leader that loses the lease ends its watches at its next wake (a heartbeat, or ``refresh_s``).
+* A node that asks for heartbeats (``heartbeat_s``, at least 0.1 s; or waits for leadership) gets
+  one first, carrying the serving leader's epoch; with ``heartbeat_s``, also whenever its stream
+  was quiet that long, which a node may use to leave a watch gone silent (opt-in: each heartbeat
+  costs the scheduler a streamed message, tens of microseconds of its one core).
 * A worker agent says how often it heartbeats to the metadata service (``node_heartbeat_s``); a
   node timeout under :data:`NODE_TIMEOUT_PER_HEARTBEAT` of those would count the node lost
   between two heartbeats (its jobs requeued, over and over), so the watch is refused naming both
@@ -70,9 +73,12 @@ async def watch_node(core: Any, request: allocation_pb2.WatchPlanRequest, *, ref
                      node_timeout_s: float) -> AsyncIterator[plan_pb2.NodePlan]:
     """The stream of one node's Watch (see the module's docstring)."""
     beat_s = check_watch(request, node_timeout_s)
+    leadership = getattr(core, "leadership", None)
+    if request.wait_for_leadership and leadership is not None:
+        await leadership.until_leading()  # a standby: held until it wins the lease
     require_leader(core)
-    if beat_s:
-        yield _heartbeat(core, request.node)  # at once: the node knows this scheduler leads and answers
+    if beat_s or request.wait_for_leadership:
+        yield _heartbeat(core, request.node)  # at once: the node knows which leader serves it, and its epoch
     # Watchers share their reads of the store (max_age_s): a thousand nodes reconnecting
     # after a restart, or waking together, make one GetLatestPlan, not a thousand.
     await downstream.forward(core.refresh_latest(max_age_s=WATCH_REFRESH_AGE_S), "metadata GetLatestPlan", None)

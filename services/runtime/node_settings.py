@@ -14,21 +14,24 @@ WATCH_TIMEOUT_PER_HEARTBEAT = 3  # watch_timeout_s must be at least this many wa
 
 class PlanFollowerSettings(NodeIdentitySettings):
     watch_heartbeat_s: float = Field(
-        1.0, ge=0.1, le=60,
-        description="Seconds: the scheduler is asked to send a heartbeat on the plan watch whenever the stream was "
-        "quiet this long (and one at once), so that a leader gone silent (its process frozen, its host cut off) "
-        "is told from one with nothing to say")
+        0.0, ge=0, le=60,
+        description="Seconds: ask the leading scheduler for a heartbeat on the plan watch whenever it was quiet "
+        "this long, so that a leader gone silent (its process frozen, its host cut off, or the link to it) is "
+        "left after watch_timeout_s. 0 = none: a new leader tells the nodes itself when it is elected (the "
+        "standbys hold the nodes' watches), and the HTTP/2 keepalive closes a dead connection within 15 s. "
+        "Each heartbeat costs the scheduler a streamed message")
     watch_timeout_s: float = Field(
-        4.0, ge=0, le=600,
-        description="Seconds of silence after which the plan watch is abandoned and the next scheduler address "
-        "tried (the silent one is passed over for twice this): at least 3x watch_heartbeat_s; below the "
-        "scheduler's lease_ttl_s minus lease_renew_s, a node has left a silent leader when its successor is "
-        "elected. 0 = never: the HTTP/2 keepalive alone notices, within 15 s")
+        0.0, ge=0, le=600,
+        description="Seconds without a heartbeat after which the plan watch is opened again; at least 3x "
+        "watch_heartbeat_s, which it needs. 0 = never")
 
     @model_validator(mode="after")
     def _watch_timeout_above_heartbeats(self) -> PlanFollowerSettings:
         if self.watch_timeout_s > 0:
+            if self.watch_heartbeat_s <= 0:
+                raise ValueError(f"watch_timeout_s ({self.watch_timeout_s:g}) needs watch_heartbeat_s: without "
+                                 "heartbeats a live leader with nothing to say would read as a silent one")
             refuse([at_least(self, "watch_timeout_s", WATCH_TIMEOUT_PER_HEARTBEAT, "watch_heartbeat_s",
-                             "a live scheduler's heartbeat a little late would read as a silent one and the "
-                             "watch would leave it")])
+                             "a live leader's heartbeat a little late would read as a silent leader and the "
+                             "watch would be opened again")])
         return self

@@ -21,9 +21,10 @@ Servers here only serve silod clients, so they count no such strikes at all
 (``max_ping_strikes`` 0); a dead client is still found by the server's own keepalive pings.
 tests/runtime/test_keepalive_pings.py: a client pinging every 200 ms keeps its watch.
 
-The nodes' plan watches do not wait for this to notice a leader gone silent (15 s, and a new
-connection to a frozen host never completes its handshake): the leader sends heartbeats on them
-and a node leaves a watch quiet for its watch_timeout_s (worker_agent/node_protocol.py).
+The nodes' plan watches do not wait for this to leave a leader gone silent (15 s, and a new
+connection to a frozen host never completes its handshake): they watch every scheduler at once
+and a standby answers its held watches the moment it wins the lease (worker_agent/node_protocol.py,
+scheduler/live/watch.py).
 """
 
 KEEPALIVE_TIME_MS = 10_000  # ping a connection idle for this long

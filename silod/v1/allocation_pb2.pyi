@@ -77,6 +77,7 @@ class WatchPlanRequest(_message.Message):
     KNOWN_VERSION_FIELD_NUMBER: _builtins.int
     HEARTBEAT_S_FIELD_NUMBER: _builtins.int
     NODE_HEARTBEAT_S_FIELD_NUMBER: _builtins.int
+    WAIT_FOR_LEADERSHIP_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     """node name"""
     component: Global___PlanComponent.ValueType
@@ -91,6 +92,10 @@ class WatchPlanRequest(_message.Message):
     """Seconds between the node's heartbeats to the metadata service (a worker agent's
     heartbeat_s); refused unless the scheduler's node timeout is at least 3x this. 0 = not said.
     """
+    wait_for_leadership: _builtins.bool
+    """A standby holds the watch until it leads instead of refusing it: nodes watch every
+    scheduler at once and hear of an election from the new leader the moment it wins.
+    """
     def __init__(
         self,
         *,
@@ -99,10 +104,11 @@ class WatchPlanRequest(_message.Message):
         known_version: _builtins.int = ...,
         heartbeat_s: _builtins.float = ...,
         node_heartbeat_s: _builtins.float = ...,
+        wait_for_leadership: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["component", b"component", "heartbeat_s", b"heartbeat_s", "known_version", b"known_version", "node", b"node", "node_heartbeat_s", b"node_heartbeat_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["component", b"component", "heartbeat_s", b"heartbeat_s", "known_version", b"known_version", "node", b"node", "node_heartbeat_s", b"node_heartbeat_s", "wait_for_leadership", b"wait_for_leadership"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -81,10 +81,11 @@ class AllocationServiceServicer:
 
     def Watch(self, request, context):
         """Streams the node's view of the latest plan at once, then of every newer plan.
-        A reconnecting watcher always starts from the latest plan, never a stale one. With
-        heartbeat_s set, heartbeats (NodePlan.heartbeat) come first and whenever the stream was
-        quiet that long, so a node notices a silent scheduler (frozen, or its host cut off).
-        INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
+        A reconnecting watcher always starts from the latest plan, never a stale one. A standby
+        answers UNAVAILABLE, or with wait_for_leadership holds the watch until it leads. With
+        heartbeat_s or wait_for_leadership set, a heartbeat (NodePlan.heartbeat, carrying the
+        serving leader's epoch) comes first; with heartbeat_s, also whenever the stream was quiet
+        that long. INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
         scheduler's node timeout (it would count as lost between two heartbeats).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -40,10 +40,11 @@ class AllocationServiceStub:
     GetLatestPlan: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.GetLatestPlanRequest, _plan_pb2.AllocationPlan]
     Watch: _grpc.UnaryStreamMultiCallable[_allocation_pb2.WatchPlanRequest, _plan_pb2.NodePlan]
     """Streams the node's view of the latest plan at once, then of every newer plan.
-    A reconnecting watcher always starts from the latest plan, never a stale one. With
-    heartbeat_s set, heartbeats (NodePlan.heartbeat) come first and whenever the stream was
-    quiet that long, so a node notices a silent scheduler (frozen, or its host cut off).
-    INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
+    A reconnecting watcher always starts from the latest plan, never a stale one. A standby
+    answers UNAVAILABLE, or with wait_for_leadership holds the watch until it leads. With
+    heartbeat_s or wait_for_leadership set, a heartbeat (NodePlan.heartbeat, carrying the
+    serving leader's epoch) comes first; with heartbeat_s, also whenever the stream was quiet
+    that long. INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
     scheduler's node timeout (it would count as lost between two heartbeats).
     """
     Ack: _grpc.UnaryUnaryMultiCallable[_allocation_pb2.AckPlanRequest, _allocation_pb2.AckPlanResponse]
@@ -61,10 +62,11 @@ class AllocationServiceAsyncStub(AllocationServiceStub):
     GetLatestPlan: _aio.UnaryUnaryMultiCallable[_metadata_pb2.GetLatestPlanRequest, _plan_pb2.AllocationPlan]  # type: ignore[assignment]
     Watch: _aio.UnaryStreamMultiCallable[_allocation_pb2.WatchPlanRequest, _plan_pb2.NodePlan]  # type: ignore[assignment]
     """Streams the node's view of the latest plan at once, then of every newer plan.
-    A reconnecting watcher always starts from the latest plan, never a stale one. With
-    heartbeat_s set, heartbeats (NodePlan.heartbeat) come first and whenever the stream was
-    quiet that long, so a node notices a silent scheduler (frozen, or its host cut off).
-    INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
+    A reconnecting watcher always starts from the latest plan, never a stale one. A standby
+    answers UNAVAILABLE, or with wait_for_leadership holds the watch until it leads. With
+    heartbeat_s or wait_for_leadership set, a heartbeat (NodePlan.heartbeat, carrying the
+    serving leader's epoch) comes first; with heartbeat_s, also whenever the stream was quiet
+    that long. INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
     scheduler's node timeout (it would count as lost between two heartbeats).
     """
     Ack: _aio.UnaryUnaryMultiCallable[_allocation_pb2.AckPlanRequest, _allocation_pb2.AckPlanResponse]  # type: ignore[assignment]
@@ -97,10 +99,11 @@ class AllocationServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_plan_pb2.NodePlan], _abc.AsyncIterator[_plan_pb2.NodePlan]]:
         """Streams the node's view of the latest plan at once, then of every newer plan.
-        A reconnecting watcher always starts from the latest plan, never a stale one. With
-        heartbeat_s set, heartbeats (NodePlan.heartbeat) come first and whenever the stream was
-        quiet that long, so a node notices a silent scheduler (frozen, or its host cut off).
-        INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
+        A reconnecting watcher always starts from the latest plan, never a stale one. A standby
+        answers UNAVAILABLE, or with wait_for_leadership holds the watch until it leads. With
+        heartbeat_s or wait_for_leadership set, a heartbeat (NodePlan.heartbeat, carrying the
+        serving leader's epoch) comes first; with heartbeat_s, also whenever the stream was quiet
+        that long. INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
         scheduler's node timeout (it would count as lost between two heartbeats).
         """
 

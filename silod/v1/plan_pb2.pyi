@@ -521,8 +521,9 @@ class NodePlan(_message.Message):
     epoch: _builtins.int
     """AllocationPlan.epoch: agents and cache servers ignore plans older than the newest seen"""
     heartbeat: _builtins.bool
-    """A Watch heartbeat (WatchPlanRequest.heartbeat_s), not a plan: only node and epoch are set,
-    epoch being the serving leader's. Nodes apply nothing from it and do not fence on its epoch.
+    """A Watch heartbeat (WatchPlanRequest.heartbeat_s, wait_for_leadership), not a plan: only
+    node and epoch are set, epoch being the serving leader's (nodes send their acks and reports
+    to the scheduler that declared the newest). Nodes apply nothing from it and do not fence on it.
     """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAssignment]:

@@ -1,11 +1,12 @@
 """A frozen leader (SIGSTOP: its connections stay open, nothing answers on them) with the deployed
 lease (5 s, renewed every second) and the nodes' default watch settings: the standby is elected
 and every worker agent and cache server follows its plans within 5 s of that election (the item's
-target; the election time is the one the new leader logs). The watches notice the silence by the
-leader's missing heartbeats, not by the HTTP/2 keepalive (with the keepalive alone,
-SILOD_WATCH_TIMEOUT_S=0, the nodes followed 54-64 s after the election: a new watch to the frozen
-host waits on a connection that never completes its handshake). Thawed, the old leader stands by
-and no plan of its epoch comes after the new leader's."""
+target; the election time is the one the new leader logs). The nodes need not notice the silence:
+they watch both schedulers, and the standby answers the watch it held the moment it wins (before
+that, with one watch at a time and the HTTP/2 keepalive to notice, they followed 54-64 s after the
+election: a new watch to the frozen host waits on a connection that never completes its
+handshake). Thawed, the old leader stands by and no plan of its epoch comes after the new
+leader's."""
 
 from __future__ import annotations
 

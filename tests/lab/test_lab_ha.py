@@ -5,8 +5,8 @@ the standby leads within 10 s, no acknowledged submission is lost, no generation
 launched twice, no GPU is held by two tasks (each agent's GPU table log), the jobs that were
 running keep training in the same processes, and every worker agent and cache server follows the
 new leader's plans within 5 s of its election (the time its log gives): with its host cut off the
-old leader's watches go silent, and the nodes leave them once its heartbeats stop. Back on the
-network, the deposed leader does not act: it stands by, commits nothing, and a plan of its epoch
+old leader's watches go silent, and the standby answers the watches it held once it wins. Back on
+the network, the deposed leader does not act: it stands by, commits nothing, and a plan of its epoch
 is refused.
 
 The quick cases run in `make test`; the 30 s partition runs in `make lab-test` (lab_full).

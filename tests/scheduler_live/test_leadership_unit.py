@@ -82,6 +82,27 @@ def test_step_down_shortens_the_lease() -> None:
     assert asyncio.run(scenario()) == [5.0, 0.5]
 
 
+def test_until_leading_returns_when_the_lease_is_won() -> None:
+    """What a standby holds the nodes' watches on (scheduler/live/watch.py)."""
+    async def scenario() -> None:
+        md = FakeMetadata()
+        md.lease = metadata_pb2.Leadership(holder="a", address="a:1", epoch=1)
+        b = Leadership(enabled=True, address="b:1", ttl_s=1.0, renew_s=0.1, holder="b")
+        assert not await b.acquire_once(md)
+        held = [asyncio.ensure_future(b.until_leading()) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert not any(h.done() for h in held)
+        assert not await b.acquire_once(md)  # another renewal of a's lease: still held
+        assert not any(h.done() for h in held)
+        md.lease = metadata_pb2.Leadership(holder="", epoch=1)  # a's lease lapsed
+        assert await b.acquire_once(md) and b.epoch == 2
+        await asyncio.wait_for(asyncio.gather(*held), 1)
+        await asyncio.wait_for(b.until_leading(), 1)  # leading: at once
+        await asyncio.wait_for(Leadership(enabled=False).until_leading(), 1)
+
+    asyncio.run(scenario())
+
+
 def test_off_by_default_always_leads_at_epoch_0() -> None:
     off = Leadership(enabled=False)
     assert off.leading and off.epoch == 0

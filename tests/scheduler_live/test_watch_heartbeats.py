@@ -1,7 +1,8 @@
-"""The scheduler's side of a node's plan watch (scheduler/live/watch.py) against a fake core:
-heartbeats first and whenever the stream was quiet, none for a node that did not ask for them, a
-deposed leader's watch ended at the next heartbeat, and a node that heartbeats too seldom for the
-node timeout refused naming both settings."""
+"""The scheduler's side of a node's plan watch (scheduler/live/watch.py) against a fake core: a
+standby holds a watch that waits for leadership and answers it, a heartbeat with its epoch first,
+the moment it wins (and refuses one that does not wait); heartbeats first and whenever the stream
+was quiet, none for a node that did not ask for them; a deposed leader's watch ended at the next
+heartbeat; a node that heartbeats too seldom for the node timeout refused naming both settings."""
 
 from __future__ import annotations
 
@@ -20,9 +21,18 @@ NODE = "n1"
 class FakeLeadership:
     def __init__(self) -> None:
         self.leading, self.epoch = True, 4
+        self.won = asyncio.Event()
 
     def describe_leader(self) -> str:
         return "this scheduler is a standby; the leader is at b:1 (epoch 5)"
+
+    async def until_leading(self) -> None:
+        if not self.leading:
+            await self.won.wait()
+
+    def win(self, epoch: int) -> None:
+        self.leading, self.epoch = True, epoch
+        self.won.set()
 
 
 class FakeCore:
@@ -81,6 +91,41 @@ def test_heartbeat_first_then_plans_then_heartbeats_while_quiet() -> None:
         assert core.refreshes < 5  # the store is read every refresh_s, not at every heartbeat
 
     asyncio.run(scenario())
+
+
+def test_a_standby_holds_a_waiting_watch_and_answers_it_when_it_wins() -> None:
+    async def scenario() -> None:
+        core = FakeCore()
+        core.leadership.leading = False
+        core.commit(7, "a")
+        with pytest.raises(Unavailable, match="standby"):  # a node that does not wait (older nodes)
+            await watch_node(core, allocation_pb2.WatchPlanRequest(node=NODE), refresh_s=5.0,
+                             node_timeout_s=15.0).__anext__()
+        got: list[tuple[float, plan_pb2.NodePlan]] = []
+        request = allocation_pb2.WatchPlanRequest(node=NODE, wait_for_leadership=True)
+        task = asyncio.ensure_future(_collect(watch_node(core, request, refresh_s=5.0, node_timeout_s=15.0), got, 30))
+        await asyncio.sleep(0.5)
+        assert got == [] and core.refreshes == 0  # held: nothing sent, nothing read
+        won = time.monotonic()
+        core.leadership.win(5)
+        await Node.until(lambda: len(got) >= 2, 5)
+        assert got[0][1].heartbeat and got[0][1].epoch == 5 and got[0][0] - won < 0.5
+        assert not got[1][1].heartbeat and got[1][1].version == 7
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        # Without heartbeats asked for, nothing more comes while nothing changes.
+        assert all(not m.heartbeat for _, m in got[1:])
+
+    asyncio.run(scenario())
+
+
+class Node:
+    @staticmethod
+    async def until(predicate, timeout: float) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
 
 
 def test_no_heartbeats_unless_asked() -> None:

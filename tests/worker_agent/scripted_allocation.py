@@ -4,9 +4,11 @@ is written elsewhere; this one follows the contract in protos/silod/v1/allocatio
 
 * Watch streams the node's latest plan at once (if any), then every newer one pushed; asked for
   heartbeats (``heartbeat_s``), it sends one first and whenever the stream was quiet that long,
-  as the scheduler does; ``frozen`` makes it accept watches and send nothing (a frozen leader),
-  ``standby`` refuses them with UNAVAILABLE (a standby scheduler), ``old`` sends no heartbeats
-  (a scheduler from before them), ``refusal`` refuses them with INVALID_ARGUMENT and that text;
+  as the scheduler does (and one first to a watch that waits for leadership, declaring
+  ``leader_epoch``); ``frozen`` makes it accept watches and send nothing (a frozen leader),
+  ``standby`` holds watches that wait for leadership until it is cleared and refuses the others
+  with UNAVAILABLE (a standby scheduler), ``old`` sends no heartbeats and holds nothing (a
+  scheduler from before them), ``refusal`` refuses watches with INVALID_ARGUMENT and that text;
 * Ack and ReportTasks are recorded; ReportTasks acknowledges every EXITED report it receives
   ("job_id/rank/generation") unless ``ack_exits`` is False.
 """
@@ -35,6 +37,7 @@ class ScriptedAllocation(allocation_pb2_grpc.AllocationServiceServicer):
         self.epoch = 0  # bumping it ends every open Watch stream (as a scheduler restart would)
         self.frozen = False  # True: watches get nothing at all, not even heartbeats
         self.standby = False
+        self.leader_epoch = 1  # what its heartbeats declare
         self.old = False
         self.refusal = ""
         self._changed: asyncio.Condition | None = None
@@ -59,14 +62,16 @@ class ScriptedAllocation(allocation_pb2_grpc.AllocationServiceServicer):
         self.watch_requests.append(request)
         if self.refusal:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.refusal)
-        if self.standby:
+        if self.standby and (self.old or not request.wait_for_leadership):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this scheduler is a standby")
+        while self.standby:  # held until it leads
+            await asyncio.sleep(0.02)
         sent = 0
         cond = self._cond()
         epoch = self.epoch
-        beat = plan_pb2.NodePlan(node=request.node, heartbeat=True)
+        beat = plan_pb2.NodePlan(node=request.node, heartbeat=True, epoch=self.leader_epoch)
         beat_s = 0.0 if self.old else request.heartbeat_s
-        if beat_s > 0 and not self.frozen:
+        if (beat_s > 0 or request.wait_for_leadership and not self.old) and not self.frozen:
             yield beat
         while True:
             async with cond:
