@@ -85,8 +85,8 @@ class Settings(PlanFollowerSettings):
     scheduler_address: str = Field(
         "",
         description="HOST:PORT of the AllocationService to follow (plan cache quotas), or a comma-separated list "
-        "of the schedulers that take turns leading (the watch moves to the next when one breaks); "
-        "empty = best-effort mode, no watch",
+        "of the schedulers that take turns leading (each is watched at once: a standby holds the watch until it "
+        "leads); empty = best-effort mode, no watch",
     )
 
     @field_validator("node")
