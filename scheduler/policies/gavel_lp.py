@@ -280,14 +280,16 @@ class _MaxMin:
         def marginal(level: np.ndarray) -> np.ndarray:  # just below ``level``
             return np.sum(slope * self._sums(e, log_rate, level)[1], axis=1)
 
-        low, high = np.zeros(s.n_shapes), s.shape_t_max.copy()
+        # No level past the first job's top counts (the LP's cannot be higher): capped there,
+        # the master's columns stay on the optimum's scale.
+        low, high = np.zeros(s.n_shapes), np.minimum(s.shape_t_max, s.t_max)
         done = marginal(high) <= alpha
         for _ in range(_BISECTIONS):
             middle = 0.5 * (low + high)
             above = marginal(np.maximum(middle, 1e-300)) > alpha
             high = np.where(above, middle, high)
             low = np.where(above, low, middle)
-        return np.where(done, s.shape_t_max, low)
+        return np.where(done, high, low)
 
     def _sweep(self, e: _Envelopes, slope: np.ndarray, alpha: np.ndarray) -> np.ndarray:
         """Per block: its best level exactly, from its jobs' vertices in level order (many shapes)."""
@@ -306,7 +308,7 @@ class _MaxMin:
         with np.errstate(divide="ignore", invalid="ignore"):
             at = e.rate[shape_of_step[which], vertex_of_step[which]] / s.demand[job]
         block = s.block[job]
-        block_max = np.full(s.n_blocks, np.inf)
+        block_max = np.full(s.n_blocks, s.t_max)  # (capped as in _bisect)
         np.minimum.at(block_max, s.shape_block, s.shape_t_max)
         keep = at < block_max[block]
         at, rise, block = at[keep], (md[job] * step[which])[keep], block[keep]
@@ -442,6 +444,18 @@ class _Master:
             values.append(np.concatenate([scaled[b], [1.0]] + ([[-value[b]]] if self.levels else [])))
         self._add(np.zeros(self.blocks) if self.levels else -value, rows, values)
 
+    def rescale(self, unit: float) -> None:
+        """Water-filling: values in units of ``unit`` from now on (the optimum's size is known
+        better as allocations come in; within 10x of the old unit nothing changes)."""
+        if self.levels or not (unit > 0 and np.isfinite(unit)) or 0.1 <= unit / self.unit <= 10:
+            return
+        self.unit = unit
+        cost = -np.concatenate(self.values) / unit
+        self._columns = [(cost[k * self.blocks:(k + 1) * self.blocks], rows, values)
+                         for k, (_, rows, values) in enumerate(self._columns)]
+        if self._solver is not None:
+            self._solver.changeColsCost(cost.size, np.arange(cost.size, dtype=np.int32), cost)
+
     def solve(self):
         """``(weights, objective, prices, alpha)``: weights per evaluation and block (evaluations x
         blocks), prices the capacity rows' duals, ``alpha`` the level rows' (max-min)."""
@@ -496,6 +510,9 @@ def _price_loop(oracle, s: _Shapes, master: _Master, capacity: np.ndarray, toler
         evaluated.append((p, per_block, (e.vertex.astype(np.int16), e.count)))
         master.add(per_block, use)
         upper = min(upper, value)
+        # The optimum is between the bounds: values in a unit near the lower one, so that reduced
+        # costs are not lost to HiGHS' tolerance, and none more than 1e4 of it.
+        master.rescale(max(abs(lower) if np.isfinite(lower) else master.unit, abs(upper) * 1e-4))
         weights, lower, p, alpha = master.solve()
         gap = upper - lower
         if gap <= tolerance * abs(upper):
