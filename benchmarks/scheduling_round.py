@@ -143,8 +143,8 @@ def compare_partitions(snapshot: ClusterSnapshot, counts: list[int], runs: int, 
     """
     from scheduler.policies.gavel import GavelPolicy
 
-    print(f"{'partitions':>10} {'solve s':>8} {'round s':>8} {'min norm':>9} {'mean norm':>10} {'loss min':>9} {'loss mean':>10} {'GPUs used':>10}"
-          "   (seconds of CPU)")
+    print(f"{'partitions':>10} {'solve s':>8} {'round s':>8} {'min norm':>9} {'mean norm':>10} {'loss min':>9} "
+          f"{'loss mean':>10} {'GPUs used':>10}   (seconds of CPU)")
     base = None
     for parts in counts:
         policy = GavelPolicy(**{**(options or {}), "partitions": parts})

@@ -140,7 +140,7 @@ class GavelAllocation:
     io: np.ndarray | None = None  # per candidate: remote bytes/s it uses while running (codesign only)
     types: tuple[str, ...] = ("",)  # GPU types of the pool, sorted
     gpu_type: np.ndarray | None = None  # per candidate: index into ``types`` (None = all untyped)
-    bound: float | None = None    # price solver only: an upper bound on the LP's level (``level`` is within it)
+    bound: float | None = None    # price solver only: an upper bound on the LP's level
 
     def type_of(self, candidate: int) -> str:
         return self.types[int(self.gpu_type[candidate])] if self.gpu_type is not None else self.types[0]
@@ -172,8 +172,8 @@ class GavelPolicy:
     codesign: bool = False          # SiloD: price with T(g, c, b), IO as an LP constraint, grant cache and IO
     heterogeneity_aware: bool = True  # candidates per GPU type at the job's speed there; False = one pool, type-blind
     objective: str = "max_min_fairness"  # or "makespan": finish every job's remaining work as early as possible
-    partitions: int = 0             # POP: split jobs and every type's GPUs into this many LPs (HiGHS each); 0 = no split
-    partition_jobs: int = 2000      # with partitions = 0: more distinct jobs than this go to the price solver (gavel_lp)
+    partitions: int = 0             # POP: split jobs and every type's GPUs into this many HiGHS LPs; 0 = no split
+    partition_jobs: int = 2000      # partitions = 0: more distinct jobs than this go to the price solver (gavel_lp)
 
     def __post_init__(self):
         if self.partitions < 0 or self.partition_jobs < 1:
@@ -419,7 +419,10 @@ class GavelPolicy:
                             -priority)).tolist()
         choices = _choices(allocation)
         blind = blind_preferences(snapshot, [job.job_id for job in jobs]) if not self.heterogeneity_aware else None
-        fastest = _by_job(np.lexsort((-allocation.throughput, allocation.job)), allocation.job, len(jobs))
+        # Per job, its candidates fastest first (sliced when a job needs them: few do).
+        fastest = np.lexsort((-allocation.throughput, allocation.job))
+        fastest_end = np.cumsum(np.bincount(allocation.job, minlength=len(jobs)))
+        fastest_start = fastest_end - np.bincount(allocation.job, minlength=len(jobs))
 
         def admit(excluded: frozenset[str]):
             room = TypeRoom(snapshot)
@@ -441,7 +444,8 @@ class GavelPolicy:
             offer(lambda j, job: self._pick(job, allocation, choices[j], room, blind) if choices[j] else None)
             # Work conservation: GPUs the LP's choices left over go to jobs still waiting, in
             # the same order, on any type they may use (fastest first) and any count they fit.
-            offer(lambda j, job: self._fill(job, allocation, fastest[j], room, blind))
+            offer(lambda j, job: self._fill(job, allocation, fastest[fastest_start[j]:fastest_end[j]].tolist(), room,
+                                            blind))
             # Still GPUs left: elastic jobs that start (or move) this round anyway grow into them
             # on their type; a job running in place is not restarted for a few more GPUs.
             for j in order:

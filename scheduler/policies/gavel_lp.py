@@ -263,7 +263,8 @@ class _MaxMin:
         shape_level = level[s.shape_block]
         m, md = self._sums(e, log_rate, np.maximum(shape_level, 1e-300))
         # A segment's jobs: many_j at its start vertex, moved toward its end by (rate - start) / run.
-        toward = (shape_level > 0)[:, None] * (shape_level[:, None] * md - e.rate[:, :-1] * m) / np.where(e.run > 0, e.run, 1.0)
+        run = np.where(e.run > 0, e.run, 1.0)
+        toward = (shape_level > 0)[:, None] * (shape_level[:, None] * md - e.rate[:, :-1] * m) / run
         m = m * (shape_level > 0)[:, None]
         weight = np.zeros(e.rate.shape)
         weight[:, :-1] += m - toward
@@ -440,7 +441,8 @@ class _Master:
         rows, values = [], []
         resources = np.arange(self.n_res)
         for b in range(self.blocks):
-            rows.append(np.concatenate([resources, [self.n_res + b]] + ([[self.n_res + self.blocks + b]] if self.levels else [])))
+            level_row = [[self.n_res + self.blocks + b]] if self.levels else []
+            rows.append(np.concatenate([resources, [self.n_res + b]] + level_row))
             values.append(np.concatenate([scaled[b], [1.0]] + ([[-value[b]]] if self.levels else [])))
         self._add(np.zeros(self.blocks) if self.levels else -value, rows, values)
 
