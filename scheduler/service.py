@@ -82,6 +82,7 @@ class Settings(ServiceSettings):
 def definition(settings: Settings) -> ServiceDefinition:
     from scheduler.live.core import SchedulerCore
     from scheduler.live.data import CachedBytesProbe
+    from scheduler.live.feed import PlanFeedService
     from scheduler.live.leadership import Leadership
     from scheduler.live.servicers import AllocationService, JobService
 
@@ -102,6 +103,9 @@ def definition(settings: Settings) -> ServiceDefinition:
     def register(server: grpc.aio.Server) -> None:
         scheduler_pb2_grpc.add_JobServiceServicer_to_server(JobService(core), server)
         allocation_pb2_grpc.add_AllocationServiceServicer_to_server(AllocationService(core), server)
+        # The allocation servers' feed (silod allocation): each committed plan once, acks and reports back.
+        allocation_pb2_grpc.add_PlanFeedServiceServicer_to_server(
+            PlanFeedService(core, node_timeout_s=settings.node_timeout_s), server)
 
     channels = []
 
@@ -129,7 +133,8 @@ def definition(settings: Settings) -> ServiceDefinition:
             await channel.close()
 
     service = ServiceDefinition(
-        name="scheduler", service_names=["silod.v1.JobService", "silod.v1.AllocationService"],
+        name="scheduler", service_names=["silod.v1.JobService", "silod.v1.AllocationService",
+                                           "silod.v1.PlanFeedService"],
         register=register, on_start=on_start, on_stop=on_stop,
     )
     service.core = core  # type: ignore[attr-defined]  # for in-process tests

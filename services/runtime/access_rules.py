@@ -384,6 +384,11 @@ RULES: dict[str, Rule] = {
         "Ack": Rule(node=Itself("node")),
         "ReportTasks": Rule(node=Itself("node")),
     }),
+    # The allocation servers (silod allocation) with the cluster token: whole plans, every node's reports.
+    **_service("silod.v1.PlanFeedService", {
+        "WatchPlans": ADMIN_ONLY,
+        "Relay": ADMIN_ONLY,
+    }),
     **_service("silod.v1.CacheService", {
         "Lease": Rule(job=All((Itself("job_id"), OwnDataset("dataset")))),
         "ReleaseLease": Rule(job=ANY),  # lease ids are unguessable: holding one is the proof
@@ -425,6 +430,7 @@ MUTATING: frozenset[str] = frozenset(
         "MintJobCredential", "AcquireLeadership", "AppendAuditEvents")]
     + [f"/silod.v1.JobService/{m}" for m in ("SubmitJob", "CancelJob", "RegisterDataset")]
     + [f"/silod.v1.AllocationService/{m}" for m in ("CommitPlan", "Ack", "ReportTasks")]
+    + ["/silod.v1.PlanFeedService/Relay"]
     + [f"/silod.v1.CacheService/{m}" for m in ("Lease", "ReleaseLease", "Prefetch")]
     + ["/silod.v1.WorkerAgentService/ReportProgress", "/silod.v1.EstimatorService/Observe"])
 
@@ -438,6 +444,7 @@ ROUTINE: frozenset[str] = frozenset(
         "Heartbeat", "CommitPlan", "CommitPlanChanges", "AppendMetrics", "PutJobModel", "AcquireLeadership",
         "AppendAuditEvents")]
     + [f"/silod.v1.AllocationService/{m}" for m in ("CommitPlan", "Ack", "ReportTasks")]
+    + ["/silod.v1.PlanFeedService/Relay"]
     + [f"/silod.v1.CacheService/{m}" for m in ("Lease", "ReleaseLease")]
     + ["/silod.v1.WorkerAgentService/ReportProgress", "/silod.v1.EstimatorService/Observe"])
 

@@ -25,6 +25,7 @@ PROCESSES = (
     ("every process", ("services.runtime.metrics", "services.runtime.audit", "services.runtime.gc_pauses",
                        "services.runtime.loop_lag")),
     ("scheduler", ("scheduler.live.metrics", "scheduler.live.reports")),
+    ("allocation server", ("scheduler.allocation.metrics",)),
     ("worker agent", ("worker_agent.metrics",)),
     ("cache server", ("cache_server.metrics",)),
     ("metadata service", ("services.metadata.compaction",)),

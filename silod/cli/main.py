@@ -40,6 +40,10 @@ SERVICES: dict[str, ServiceCommand] = {
         "scheduler.service",
         "job front door (JobService), allocation service and scheduling rounds",
     ),
+    "allocation": ServiceCommand(
+        "scheduler.allocation.service",
+        "allocation service apart from the rounds: the nodes' plan watches, acks and task reports",
+    ),
     "cache-server": ServiceCommand(
         "cache_server.service",
         "per-node tiered dataset cache (memory and disk tiers, quotas, IO rates, leases)",

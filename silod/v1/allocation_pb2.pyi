@@ -11,6 +11,7 @@ from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from silod.v1 import common_pb2 as _common_pb2
+from silod.v1 import plan_pb2 as _plan_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -67,6 +68,166 @@ TASK_PHASE_CHECKPOINTING: TaskPhase.ValueType  # 3
 TASK_PHASE_EXITED: TaskPhase.ValueType  # 4
 """process ended; see exit_code"""
 Global___TaskPhase: _TypeAlias = TaskPhase  # noqa: Y015
+
+@_typing.final
+class WatchPlansRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVER_FIELD_NUMBER: _builtins.int
+    KNOWN_VERSION_FIELD_NUMBER: _builtins.int
+    server: _builtins.str
+    """the allocation server's name, for the scheduler's logs"""
+    known_version: _builtins.int
+    """plan version the follower already holds whole; 0 = none"""
+    def __init__(
+        self,
+        *,
+        server: _builtins.str = ...,
+        known_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["known_version", b"known_version", "server", b"server"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchPlansRequest: _TypeAlias = WatchPlansRequest  # noqa: Y015
+
+@_typing.final
+class PlanFeedUpdate(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    PLAN_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
+    NODE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    heartbeat: _builtins.bool
+    """no plan: the leader declares epoch and node_timeout_s (the first message)"""
+    epoch: _builtins.int
+    """the serving leader's epoch, on every message (0 = no leader election)"""
+    node_timeout_s: _builtins.float
+    """on the heartbeat: the scheduler's node_timeout_s (Watch's check of node_heartbeat_s)"""
+    @_builtins.property
+    def plan(self) -> _plan_pb2.AllocationPlan:
+        """The plan: whole, or (changes set) its header, jobs empty. Its own epoch is the committing leader's."""
+
+    @_builtins.property
+    def changes(self) -> _plan_pb2.PlanChanges:
+        """Set: the plan's jobs are these changes applied to the plan of changes.base_version (the plan
+        sent before on this stream, or known_version); the follower holding another version asks again.
+        """
+
+    def __init__(
+        self,
+        *,
+        heartbeat: _builtins.bool = ...,
+        epoch: _builtins.int = ...,
+        plan: _plan_pb2.AllocationPlan | None = ...,
+        changes: _plan_pb2.PlanChanges | None = ...,
+        node_timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "plan", b"plan"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "epoch", b"epoch", "heartbeat", b"heartbeat", "node_timeout_s", b"node_timeout_s", "plan", b"plan"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanFeedUpdate: _TypeAlias = PlanFeedUpdate  # noqa: Y015
+
+@_typing.final
+class RelayRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    ACKS_FIELD_NUMBER: _builtins.int
+    REPORTS_FIELD_NUMBER: _builtins.int
+    SERVER_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """The newest leader epoch the allocation server has seen; a scheduler at an older epoch refuses
+    the batch (FAILED_PRECONDITION naming epoch). 0 = no leader election.
+    """
+    server: _builtins.str
+    """the allocation server's name, for the scheduler's logs"""
+    @_builtins.property
+    def acks(self) -> _containers.RepeatedCompositeFieldContainer[Global___AckPlanRequest]:
+        """acks taken in since the last call"""
+
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReportTasksRequest]:
+        """task reports taken in since the last call"""
+
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        acks: _abc.Iterable[Global___AckPlanRequest] | None = ...,
+        reports: _abc.Iterable[Global___ReportTasksRequest] | None = ...,
+        server: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks", b"acks", "epoch", b"epoch", "reports", b"reports", "server", b"server"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RelayRequest: _TypeAlias = RelayRequest  # noqa: Y015
+
+@_typing.final
+class RelayOutcome(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACKNOWLEDGED_EXITS_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    error_code: _builtins.str
+    """grpc status code name when this report failed; empty = done"""
+    error: _builtins.str
+    """its message"""
+    @_builtins.property
+    def acknowledged_exits(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """as ReportTasksResponse.acknowledged_exits"""
+
+    def __init__(
+        self,
+        *,
+        acknowledged_exits: _abc.Iterable[_builtins.str] | None = ...,
+        error_code: _builtins.str = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledged_exits", b"acknowledged_exits", "error", b"error", "error_code", b"error_code"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RelayOutcome: _TypeAlias = RelayOutcome  # noqa: Y015
+
+@_typing.final
+class RelayResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPORTS_FIELD_NUMBER: _builtins.int
+    LATEST_VERSION_FIELD_NUMBER: _builtins.int
+    latest_version: _builtins.int
+    """the plan in force at the scheduler"""
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___RelayOutcome]:
+        """one per report, in the order of the request"""
+
+    def __init__(
+        self,
+        *,
+        reports: _abc.Iterable[Global___RelayOutcome] | None = ...,
+        latest_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["latest_version", b"latest_version", "reports", b"reports"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RelayResponse: _TypeAlias = RelayResponse  # noqa: Y015
 
 @_typing.final
 class WatchPlanRequest(_message.Message):

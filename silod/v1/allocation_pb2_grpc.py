@@ -280,3 +280,138 @@ class AllocationService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PlanFeedServiceStub:
+    """Between the leading scheduler and the allocation servers (`silod allocation`), which serve
+    AllocationService's node calls (Watch, Ack, ReportTasks) apart from the scheduling rounds: each
+    committed plan is sent to them once, and they pass the nodes' acks and task reports back in
+    batches.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.WatchPlans = channel.unary_stream(
+                '/silod.v1.PlanFeedService/WatchPlans',
+                request_serializer=silod_dot_v1_dot_allocation__pb2.WatchPlansRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_allocation__pb2.PlanFeedUpdate.FromString,
+                _registered_method=True)
+        self.Relay = channel.unary_unary(
+                '/silod.v1.PlanFeedService/Relay',
+                request_serializer=silod_dot_v1_dot_allocation__pb2.RelayRequest.SerializeToString,
+                response_deserializer=silod_dot_v1_dot_allocation__pb2.RelayResponse.FromString,
+                _registered_method=True)
+
+
+class PlanFeedServiceServicer:
+    """Between the leading scheduler and the allocation servers (`silod allocation`), which serve
+    AllocationService's node calls (Watch, Ack, ReportTasks) apart from the scheduling rounds: each
+    committed plan is sent to them once, and they pass the nodes' acks and task reports back in
+    batches.
+    """
+
+    def WatchPlans(self, request, context):
+        """A heartbeat declaring the serving leader's epoch and node timeout first, then the plan in
+        force (whole, or its header alone when it is known_version), then every newer plan as what it
+        changes of the plan sent before it on this stream. A standby holds the stream until it leads,
+        sending nothing; a leader that loses the lease ends it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Relay(self, request, context):
+        """Acks and task reports of many nodes, taken in by the leader as AllocationService's Ack and
+        ReportTasks would be (the acked versions are written to the store by the allocation server).
+        UNAVAILABLE from a standby; FAILED_PRECONDITION naming epoch when the caller follows a newer
+        leader than this scheduler knows of (a deposed leader takes in nothing).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PlanFeedServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'WatchPlans': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchPlans,
+                    request_deserializer=silod_dot_v1_dot_allocation__pb2.WatchPlansRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_allocation__pb2.PlanFeedUpdate.SerializeToString,
+            ),
+            'Relay': grpc.unary_unary_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=silod_dot_v1_dot_allocation__pb2.RelayRequest.FromString,
+                    response_serializer=silod_dot_v1_dot_allocation__pb2.RelayResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'silod.v1.PlanFeedService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('silod.v1.PlanFeedService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PlanFeedService:
+    """Between the leading scheduler and the allocation servers (`silod allocation`), which serve
+    AllocationService's node calls (Watch, Ack, ReportTasks) apart from the scheduling rounds: each
+    committed plan is sent to them once, and they pass the nodes' acks and task reports back in
+    batches.
+    """
+
+    @staticmethod
+    def WatchPlans(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/silod.v1.PlanFeedService/WatchPlans',
+            silod_dot_v1_dot_allocation__pb2.WatchPlansRequest.SerializeToString,
+            silod_dot_v1_dot_allocation__pb2.PlanFeedUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silod.v1.PlanFeedService/Relay',
+            silod_dot_v1_dot_allocation__pb2.RelayRequest.SerializeToString,
+            silod_dot_v1_dot_allocation__pb2.RelayResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

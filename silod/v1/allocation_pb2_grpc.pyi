@@ -126,3 +126,82 @@ class AllocationServiceServicer(metaclass=_abc_1.ABCMeta):
         """
 
 def add_AllocationServiceServicer_to_server(servicer: AllocationServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class PlanFeedServiceStub:
+    """Between the leading scheduler and the allocation servers (`silod allocation`), which serve
+    AllocationService's node calls (Watch, Ack, ReportTasks) apart from the scheduling rounds: each
+    committed plan is sent to them once, and they pass the nodes' acks and task reports back in
+    batches.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> PlanFeedServiceAsyncStub: ...
+    WatchPlans: _grpc.UnaryStreamMultiCallable[_allocation_pb2.WatchPlansRequest, _allocation_pb2.PlanFeedUpdate]
+    """A heartbeat declaring the serving leader's epoch and node timeout first, then the plan in
+    force (whole, or its header alone when it is known_version), then every newer plan as what it
+    changes of the plan sent before it on this stream. A standby holds the stream until it leads,
+    sending nothing; a leader that loses the lease ends it.
+    """
+    Relay: _grpc.UnaryUnaryMultiCallable[_allocation_pb2.RelayRequest, _allocation_pb2.RelayResponse]
+    """Acks and task reports of many nodes, taken in by the leader as AllocationService's Ack and
+    ReportTasks would be (the acked versions are written to the store by the allocation server).
+    UNAVAILABLE from a standby; FAILED_PRECONDITION naming epoch when the caller follows a newer
+    leader than this scheduler knows of (a deposed leader takes in nothing).
+    """
+
+@_typing.type_check_only
+class PlanFeedServiceAsyncStub(PlanFeedServiceStub):
+    """Between the leading scheduler and the allocation servers (`silod allocation`), which serve
+    AllocationService's node calls (Watch, Ack, ReportTasks) apart from the scheduling rounds: each
+    committed plan is sent to them once, and they pass the nodes' acks and task reports back in
+    batches.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    WatchPlans: _aio.UnaryStreamMultiCallable[_allocation_pb2.WatchPlansRequest, _allocation_pb2.PlanFeedUpdate]  # type: ignore[assignment]
+    """A heartbeat declaring the serving leader's epoch and node timeout first, then the plan in
+    force (whole, or its header alone when it is known_version), then every newer plan as what it
+    changes of the plan sent before it on this stream. A standby holds the stream until it leads,
+    sending nothing; a leader that loses the lease ends it.
+    """
+    Relay: _aio.UnaryUnaryMultiCallable[_allocation_pb2.RelayRequest, _allocation_pb2.RelayResponse]  # type: ignore[assignment]
+    """Acks and task reports of many nodes, taken in by the leader as AllocationService's Ack and
+    ReportTasks would be (the acked versions are written to the store by the allocation server).
+    UNAVAILABLE from a standby; FAILED_PRECONDITION naming epoch when the caller follows a newer
+    leader than this scheduler knows of (a deposed leader takes in nothing).
+    """
+
+class PlanFeedServiceServicer(metaclass=_abc_1.ABCMeta):
+    """Between the leading scheduler and the allocation servers (`silod allocation`), which serve
+    AllocationService's node calls (Watch, Ack, ReportTasks) apart from the scheduling rounds: each
+    committed plan is sent to them once, and they pass the nodes' acks and task reports back in
+    batches.
+    """
+
+    @_abc_1.abstractmethod
+    def WatchPlans(
+        self,
+        request: _allocation_pb2.WatchPlansRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_allocation_pb2.PlanFeedUpdate], _abc.AsyncIterator[_allocation_pb2.PlanFeedUpdate]]:
+        """A heartbeat declaring the serving leader's epoch and node timeout first, then the plan in
+        force (whole, or its header alone when it is known_version), then every newer plan as what it
+        changes of the plan sent before it on this stream. A standby holds the stream until it leads,
+        sending nothing; a leader that loses the lease ends it.
+        """
+
+    @_abc_1.abstractmethod
+    def Relay(
+        self,
+        request: _allocation_pb2.RelayRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_allocation_pb2.RelayResponse, _abc.Awaitable[_allocation_pb2.RelayResponse]]:
+        """Acks and task reports of many nodes, taken in by the leader as AllocationService's Ack and
+        ReportTasks would be (the acked versions are written to the store by the allocation server).
+        UNAVAILABLE from a standby; FAILED_PRECONDITION naming epoch when the caller follows a newer
+        leader than this scheduler knows of (a deposed leader takes in nothing).
+        """
+
+def add_PlanFeedServiceServicer_to_server(servicer: PlanFeedServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,174 @@
+"""The plan in force as an allocation server holds it: fed by the leading scheduler's PlanFeedService,
+fenced by epochs, cut into node parts (scheduler.live.plans.PlanStore) for the nodes' watches.
+
+Fencing, wherever plans are served:
+
+* a feed that declares an older leader epoch than the newest one any feed declared is a deposed
+  leader's: nothing it sends is taken in (``silod_allocation_plans_refused_total{reason="epoch"}``);
+* a plan whose own epoch is older than the newest plan epoch taken in is refused as the nodes
+  refuse it (worker_agent/node_protocol.epoch_refusal);
+* a plan no newer than the one held is ignored; changes based on another plan than the one held
+  end the feed, which is opened again and starts with the whole plan.
+
+The metadata store fences commits by epoch too, so the store's latest plan, read once at start,
+is the plan in force: an allocation server started while no scheduler leads serves it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+import grpc
+
+from scheduler.allocation import metrics
+from scheduler.live.plans import PlanStore
+from scheduler.plan_changes import PlanChanges
+from silod.v1 import allocation_pb2, metadata_pb2, plan_pb2
+from worker_agent.node_protocol import epoch_refusal
+
+_log = logging.getLogger("silod.allocation")
+
+SPEC_BATCH = 1000  # job ids per ListJobs when learning a plan's specs (the metadata service's limit)
+
+
+class FeedOutOfStep(RuntimeError):
+    """Changes based on another plan than the one held: the feed is opened again (whole plan first)."""
+
+
+class FeedLeadership:
+    """What the nodes' watches (scheduler.live.watch) read as the server's leadership: it serves
+    once it holds a plan, and keeps serving it while schedulers come and go (the plan in force
+    stays in force); ``epoch`` is the newest leader epoch a feed declared (the watches' heartbeat)."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.serving = False
+        self._serving = asyncio.Event()
+
+    @property
+    def leading(self) -> bool:
+        return self.serving
+
+    def serve(self) -> None:
+        if not self.serving:
+            self.serving = True
+            self._serving.set()
+
+    async def until_leading(self) -> None:
+        await self._serving.wait()
+
+    def describe_leader(self) -> str:
+        return ("this allocation server holds no plan yet: no scheduler has fed it one (none leads, or none is "
+                "reachable)")
+
+
+class PlanFollower:
+    """What ``scheduler.live.watch.watch_node`` calls as its core, and the feed's ``offer``."""
+
+    def __init__(self, plans: PlanStore, *, node_timeout_s: float = 15.0) -> None:
+        self.plans = plans
+        self.leadership = FeedLeadership()
+        self.node_timeout_s = node_timeout_s  # the leader's, once a feed declared it
+        self.plan_epoch = 0  # the newest epoch of a plan taken in
+
+    # ---- read by the watches -----------------------------------------------------------------
+    @property
+    def latest(self) -> plan_pb2.AllocationPlan | None:
+        return self.plans.latest
+
+    @property
+    def latest_version(self) -> int:
+        return self.plans.latest_version
+
+    async def refresh_latest(self, max_age_s: float = 0.0) -> plan_pb2.AllocationPlan | None:
+        return self.plans.latest  # the feed keeps it current; nothing to read
+
+    async def wait_newer(self, version: int, timeout: float) -> None:
+        await self.plans.wait_newer(version, timeout)
+
+    async def node_plan(self, plan: plan_pb2.AllocationPlan, node: str) -> plan_pb2.NodePlan:
+        return await self.plans.node_plan(plan, node)
+
+    # ---- fed ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """The store's latest plan and every node's addresses, read once."""
+        md = self.plans.clients.md
+        try:
+            nodes = await md.ListNodes(metadata_pb2.ListNodesRequest())
+            self.plans.remember_nodes(nodes.nodes)
+            plan = await self.plans.refresh()
+        except grpc.aio.AioRpcError as exc:
+            _log.warning("metadata unreachable at start; waiting for a scheduler's feed",
+                         extra={"code": exc.code().name, "details": exc.details()})
+            return
+        if plan is not None:
+            await self._take(plan, "store")
+
+    async def offer(self, update: allocation_pb2.PlanFeedUpdate) -> None:
+        leadership = self.leadership
+        if update.epoch < leadership.epoch:
+            metrics.PLANS_REFUSED.labels("epoch").inc()
+            _log.warning("feed of a deposed scheduler ignored", extra={"epoch": update.epoch,
+                                                                       "newest_epoch": leadership.epoch})
+            return
+        if update.epoch > leadership.epoch:
+            leadership.epoch = update.epoch
+            metrics.LEADER_EPOCH.set(update.epoch)
+        if update.heartbeat:
+            if update.node_timeout_s > 0:
+                self.node_timeout_s = update.node_timeout_s
+            return
+        plan = update.plan
+        refusal = epoch_refusal(plan, self.plan_epoch)  # type: ignore[arg-type]  # reads .epoch only
+        if refusal:
+            metrics.PLANS_REFUSED.labels("epoch").inc()
+            _log.warning("plan from an older epoch refused", extra={"version": plan.version, "reason": refusal})
+            return
+        if plan.version <= self.latest_version:
+            return  # held already (the feed's first plan after a reconnect, or another feed's)
+        if update.HasField("changes"):
+            held = self.plans.latest
+            if held is None or update.changes.base_version != held.version:
+                metrics.PLANS_REFUSED.labels("out_of_step").inc()
+                raise FeedOutOfStep(f"changes of plan {update.changes.base_version} offered, plan "
+                                    f"{held.version if held is not None else 0} held")
+            plan = _applied(held, plan, update.changes)
+        await self._take(plan, "feed")
+
+    async def _take(self, plan: plan_pb2.AllocationPlan, source: str) -> None:
+        await self._learn_specs(job.job_id for job in plan.jobs)
+        if plan.version <= self.latest_version:
+            return
+        self.plan_epoch = max(self.plan_epoch, plan.epoch)
+        await self.plans.set_latest(plan)
+        metrics.PLAN_VERSION.set(plan.version)
+        metrics.PLANS_TAKEN.labels(source).inc()
+        self.leadership.serve()
+
+    async def _learn_specs(self, job_ids: Iterable[str]) -> None:
+        """The specs of the plan's jobs not known yet, a thousand per ListJobs (the node parts
+        need them; one GetJob each would take tens of seconds for a plan of 20,000 jobs)."""
+        missing = [j for j in job_ids if j not in self.plans.specs]
+        for start in range(0, len(missing), SPEC_BATCH):
+            try:
+                page = await self.plans.clients.md.ListJobs(metadata_pb2.ListJobsRequest(
+                    job_ids=missing[start:start + SPEC_BATCH], page_size=SPEC_BATCH))
+            except grpc.aio.AioRpcError:
+                return  # the cut asks for each missing one (PlanStore.spec_of)
+            for job in page.jobs:
+                self.plans.specs[job.id] = job.spec
+
+
+def _applied(base: plan_pb2.AllocationPlan, header: plan_pb2.AllocationPlan,
+             changes: plan_pb2.PlanChanges) -> plan_pb2.AllocationPlan:
+    """``header`` with its jobs: ``changes`` applied to ``base``'s (scheduler.plan_changes' rule)."""
+    entries = PlanChanges(upserts={j.job_id: j for j in changes.jobs},
+                          removals=tuple(changes.removed_job_ids)).apply({j.job_id: j for j in base.jobs})
+    plan = plan_pb2.AllocationPlan()
+    plan.CopyFrom(header)
+    plan.jobs.extend(entries.values())
+    return plan

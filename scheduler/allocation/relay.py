@@ -1,0 +1,79 @@
+"""The nodes' acks and task reports, passed to the leading scheduler in batches (PlanFeedService.Relay):
+those that arrive while a call is in flight make the next one (services.runtime.batching), so a
+thousand nodes' reports a second cost the scheduler a few calls, not a thousand.
+
+Each node's call waits for its batch: a report is answered with the exits the scheduler
+acknowledged, and an ack once the scheduler took in its releases. A batch the scheduler does not
+take (none leads, or it is unreachable) fails its callers UNAVAILABLE; the nodes send again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import grpc
+
+from scheduler.allocation import metrics
+from services.runtime import downstream
+from services.runtime.batching import Coalescer
+from services.runtime.errors import ServiceError, Unavailable
+from silod.v1 import allocation_pb2
+
+_log = logging.getLogger("silod.allocation")
+
+MAX_RELAYED = 1000  # acks and reports per Relay call
+RELAY_TIMEOUT_S = 30.0
+
+Item = Union[allocation_pb2.AckPlanRequest, allocation_pb2.ReportTasksRequest]
+
+
+class Relay:
+    def __init__(self, stub: Callable[[], Any], epoch: Callable[[], int], server: str) -> None:
+        self._stub = stub  # the leading scheduler's PlanFeedService stub, read at each call
+        self._epoch = epoch
+        self._server = server
+        self._calls: Coalescer[Item, list[str]] = Coalescer(
+            self._send, MAX_RELAYED, stopped=lambda in_flight: Unavailable("the allocation server is stopping"))
+
+    async def ack(self, request: allocation_pb2.AckPlanRequest) -> None:
+        await self._calls.submit(request)
+
+    async def report(self, request: allocation_pb2.ReportTasksRequest) -> list[str]:
+        return await self._calls.submit(request)
+
+    async def flush(self) -> None:
+        await self._calls.flush()
+
+    async def _send(self, items: Sequence[Item]) -> list[list[str] | BaseException]:
+        acks = [i for i in items if isinstance(i, allocation_pb2.AckPlanRequest)]
+        reports = [i for i in items if isinstance(i, allocation_pb2.ReportTasksRequest)]
+        metrics.RELAY_BATCH.observe(len(items))
+        try:
+            reply = await self._stub().Relay(allocation_pb2.RelayRequest(
+                epoch=self._epoch(), acks=acks, reports=reports, server=self._server), timeout=RELAY_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            metrics.RELAY_FAILURES.inc()
+            error = downstream.translate(exc, "scheduler Relay", None)
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
+                error = Unavailable(f"no leading scheduler took this in ({exc.code().name}: {exc.details()}); "
+                                    "send it again")
+            return [error] * len(items)
+        metrics.RELAYED.labels("ack").inc(len(acks))
+        metrics.RELAYED.labels("report").inc(len(reports))
+        outcomes = iter(reply.reports)
+        results: list[list[str] | BaseException] = []
+        for item in items:
+            if isinstance(item, allocation_pb2.AckPlanRequest):
+                results.append([])
+                continue
+            outcome = next(outcomes, None)
+            if outcome is None:
+                results.append(Unavailable("the scheduler answered fewer reports than it was sent"))
+            elif outcome.error_code:
+                code = getattr(grpc.StatusCode, outcome.error_code, grpc.StatusCode.UNKNOWN)
+                results.append(ServiceError(outcome.error, code=code))
+            else:
+                results.append(list(outcome.acknowledged_exits))
+        return results

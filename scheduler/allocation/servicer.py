@@ -1,0 +1,59 @@
+"""AllocationService as the allocation server serves it to worker agents and cache servers: the
+same contract as the scheduler's (Watch, Ack, ReportTasks), from the plan the leading scheduler fed
+(scheduler.allocation.follower), with acks and reports passed to it in batches
+(scheduler.allocation.relay). Plans are committed by the scheduler only: CommitPlan is
+UNIMPLEMENTED here."""
+
+from __future__ import annotations
+
+from scheduler.allocation.follower import PlanFollower
+from scheduler.allocation.relay import Relay
+from scheduler.live.acks import AckForwarder
+from scheduler.live.servicers import task_problems
+from scheduler.live.watch import watch_node
+from services.runtime.errors import InvalidArgument, NotFound, Problems
+from silod.v1 import allocation_pb2, allocation_pb2_grpc
+
+WATCH_REFRESH_S = 5.0  # a watch's wake when nothing happens (the feed wakes it at once on a plan)
+
+
+class NodeAllocationService(allocation_pb2_grpc.AllocationServiceServicer):
+    def __init__(self, follower: PlanFollower, relay: Relay, acks: AckForwarder) -> None:
+        self.follower = follower
+        self.relay = relay
+        self.acks = acks  # the nodes' acked versions, written to the store from here
+
+    async def GetLatestPlan(self, request, context):  # noqa: N802
+        plan = self.follower.latest
+        if plan is None:
+            raise NotFound("this allocation server holds no plan yet")
+        return plan
+
+    async def Watch(self, request, context):  # noqa: N802
+        # scheduler/live/watch.py, on the fed plan: held until a plan is held, then the node's
+        # part of every plan that changes it; a node heartbeating too seldom for the leader's
+        # node timeout is refused.
+        async for node_plan in watch_node(self.follower, request, refresh_s=WATCH_REFRESH_S,
+                                          node_timeout_s=self.follower.node_timeout_s):
+            yield node_plan
+
+    async def Ack(self, request, context):  # noqa: N802
+        if not request.node:
+            raise InvalidArgument("required", field="node")
+        if request.version < 0:
+            raise InvalidArgument("must be >= 0", field="version")
+        await self.relay.ack(request)  # releases free GPUs for the leader's next round
+        if request.component in (allocation_pb2.PLAN_COMPONENT_WORKER_AGENT,
+                                 allocation_pb2.PLAN_COMPONENT_UNSPECIFIED) and request.ok and request.version > 0:
+            self.acks.add(request.node, request.version)
+        return allocation_pb2.AckPlanResponse(latest_version=self.follower.latest_version)
+
+    async def ReportTasks(self, request, context):  # noqa: N802
+        if not request.node:
+            raise InvalidArgument("required", field="node")
+        problems = Problems()
+        for i, t in enumerate(request.tasks):
+            task_problems(t, f"tasks[{i}]", problems)
+        problems.raise_if_any()
+        acknowledged = await self.relay.report(request)
+        return allocation_pb2.ReportTasksResponse(acknowledged_exits=acknowledged)

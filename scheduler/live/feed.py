@@ -1,0 +1,129 @@
+"""PlanFeedService: the leading scheduler's side of the allocation servers (``silod allocation``, see
+scheduler/allocation/), which serve the nodes' Watch, Ack and ReportTasks apart from the rounds.
+
+* ``WatchPlans``: each committed plan once per allocation server. A standby holds the stream until it
+  leads (as a node's held Watch); the leader declares its epoch and node timeout first (a
+  heartbeat), then sends the plan in force whole (its header alone when the follower holds it),
+  then each newer plan as what it changes of the plan sent before it (``PlanChanges``, the same
+  rule as the commits'). A leader that loses the lease ends the stream at its next wake.
+* ``Relay``: the acks and task reports of many nodes in one call, taken in as Ack and ReportTasks
+  would be (releases, the acked-version metric, the reports' state moves). The acked versions are
+  written to the store by the allocation server, not here. A scheduler that is not leading, or
+  leads at an older epoch than the caller has seen, takes in nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+
+from scheduler.live import metrics
+from scheduler.live.servicers import task_problems
+from scheduler.live.watch import WATCH_REFRESH_AGE_S, require_leader
+from scheduler.plan_changes import changes_between
+from services.runtime import downstream
+from services.runtime.errors import FailedPrecondition, Problems, ServiceError
+from silod.v1 import allocation_pb2, allocation_pb2_grpc, plan_pb2
+
+_log = logging.getLogger("silod.scheduler")
+
+FEED_REFRESH_S = 5.0  # how often a quiet feed checks the store for plans committed by someone else
+
+
+class PlanFeedService(allocation_pb2_grpc.PlanFeedServiceServicer):
+    def __init__(self, core: Any, *, node_timeout_s: float, refresh_s: float = FEED_REFRESH_S) -> None:
+        self.core = core
+        self.node_timeout_s = node_timeout_s
+        self.refresh_s = refresh_s
+        # (base version, version) -> the changes between them: the followers share one diff a plan.
+        self._changes: dict[tuple[int, int], plan_pb2.PlanChanges] = {}
+
+    def _epoch(self) -> int:
+        leadership = getattr(self.core, "leadership", None)
+        return leadership.epoch if leadership is not None and leadership.enabled else 0
+
+    async def WatchPlans(self, request, context):  # noqa: N802
+        leadership = getattr(self.core, "leadership", None)
+        if leadership is not None:
+            await leadership.until_leading()  # a standby: held until it wins the lease
+        require_leader(self.core)
+        epoch = self._epoch()
+        _log.info("allocation server following", extra={"server": request.server, "epoch": epoch})
+        yield allocation_pb2.PlanFeedUpdate(heartbeat=True, epoch=epoch, node_timeout_s=self.node_timeout_s)
+        await downstream.forward(self.core.refresh_latest(max_age_s=WATCH_REFRESH_AGE_S), "metadata GetLatestPlan",
+                                 None)
+        loop = asyncio.get_running_loop()
+        sent: plan_pb2.AllocationPlan | None = None
+        known = request.known_version
+        refresh_at = loop.time() + self.refresh_s
+        while True:
+            plan = self.core.latest
+            if plan is not None and (sent is None or plan.version > sent.version):
+                yield self._update(plan, sent, known, epoch)
+                sent, known = plan, 0
+            await self.core.wait_newer(sent.version if sent is not None else 0, self.refresh_s)
+            require_leader(self.core)  # deposed: the allocation server follows the new leader
+            epoch = self._epoch()
+            if loop.time() >= refresh_at:  # committed by someone else (CommitPlan)
+                await downstream.forward(self.core.refresh_latest(max_age_s=WATCH_REFRESH_AGE_S),
+                                         "metadata GetLatestPlan", None)
+                refresh_at = loop.time() + self.refresh_s
+
+    def _update(self, plan: plan_pb2.AllocationPlan, sent: plan_pb2.AllocationPlan | None, known: int,
+                epoch: int) -> allocation_pb2.PlanFeedUpdate:
+        header = plan_pb2.AllocationPlan()
+        header.CopyFrom(plan)
+        del header.jobs[:]
+        if sent is None and known == plan.version:  # the follower holds it: the header says it is still in force
+            return allocation_pb2.PlanFeedUpdate(epoch=epoch, plan=header,
+                                                 changes=plan_pb2.PlanChanges(base_version=plan.version))
+        if sent is None:
+            return allocation_pb2.PlanFeedUpdate(epoch=epoch, plan=plan)
+        key = (sent.version, plan.version)
+        changes = self._changes.get(key)
+        if changes is None:
+            diff = changes_between({j.job_id: j for j in sent.jobs}, {j.job_id: j for j in plan.jobs})
+            changes = plan_pb2.PlanChanges(base_version=sent.version, jobs=list(diff.upserts.values()),
+                                           removed_job_ids=list(diff.removals))
+            if len(self._changes) >= 8:
+                self._changes.pop(next(iter(self._changes)))
+            self._changes[key] = changes
+        return allocation_pb2.PlanFeedUpdate(epoch=epoch, plan=header, changes=changes)
+
+    async def Relay(self, request, context):  # noqa: N802
+        require_leader(self.core)  # releases and job states live with the leader only
+        if request.epoch > self._epoch():
+            raise FailedPrecondition(f"epoch {request.epoch} is newer than this scheduler's ({self._epoch()}): "
+                                     "another scheduler leads now", field="epoch")
+        released = False
+        for ack in request.acks:
+            if not ack.node:
+                continue
+            if ack.released_jobs and self.core.release(ack.node, ack.released_jobs):
+                released = True
+            if ack.component in (allocation_pb2.PLAN_COMPONENT_WORKER_AGENT,
+                                 allocation_pb2.PLAN_COMPONENT_UNSPECIFIED) and ack.ok and ack.version > 0:
+                metrics.node_acked(ack.node, ack.version)
+        if released:
+            self.core.trigger("release")
+
+        async def one(report: allocation_pb2.ReportTasksRequest) -> allocation_pb2.RelayOutcome:
+            try:
+                problems = Problems()
+                if not report.node:
+                    problems.add("node", "required")
+                for i, t in enumerate(report.tasks):
+                    task_problems(t, f"tasks[{i}]", problems)
+                problems.raise_if_any()
+                exits = await downstream.forward(self.core.report_tasks(report), "metadata (task reports)", None)
+                return allocation_pb2.RelayOutcome(acknowledged_exits=exits)
+            except ServiceError as exc:
+                return allocation_pb2.RelayOutcome(error_code=exc.code.name, error=str(exc))
+            except grpc.aio.AioRpcError as exc:
+                return allocation_pb2.RelayOutcome(error_code=exc.code().name, error=exc.details() or "")
+
+        outcomes = await asyncio.gather(*(one(r) for r in request.reports))
+        return allocation_pb2.RelayResponse(reports=outcomes, latest_version=self.core.latest_version)
