@@ -111,11 +111,12 @@ from scheduler import codesign as co
 from scheduler.gpu_type_choice import gpus_by_type
 from scheduler.placement import (TypeRoom, blind_preferences, gpu_allocation, largest_type_gpus, node_types, place,
                                  placement_type)
+from scheduler.policies.gavel_fits import best_fits, fits_after_departures
 from scheduler.policies.gavel_lp import solve_by_prices
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, row_codes
 from scheduler.policy import ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
-from scheduler.steady import FOREVER, NO_PROMISE, Steadiness
+from scheduler.steady import FOREVER, FOREVER_DEPARTURES, NO_PROMISE, Steadiness
 
 # Relative slack on the max-min level when water-filling (keeps the second LP feasible
 # under the first one's rounding).
@@ -477,7 +478,11 @@ class GavelPolicy:
         share), but when the plan gives every job its first choice (the LP's most-weighted
         candidate), then shown that plan every job gets its choice whatever the order, keeps its
         GPUs, nobody waits for the leftovers and nobody is starting (so nobody grows): the same
-        plan until the LP changes, i.e. until a job arrives or leaves. The makespan objective's
+        plan until the LP changes, i.e. until a job arrives or leaves. When every job's first choice
+        is its best candidate, all of them fitting at once (:mod:`scheduler.policies.gavel_fits`),
+        the LP of any jobs that stay is answered the same, so the promise covers departures too
+        (the jobs are few enough for the LP itself, not the price solver, and not split, whoever
+        leaves). The makespan objective's
         LP reads progress, co-design reads caches, and type-blind rounds try types in an order:
         no promise for those."""
         if (self.objective != "max_min_fairness" or (self.codesign and co.is_active(snapshot))
@@ -492,6 +497,9 @@ class GavelPolicy:
             first = candidates[0]
             if allocated.gpus != int(allocation.gpus[first]) or allocated.gpu_type != allocation.type_of(first):
                 return NO_PROMISE
+        if self.water_fill and self.partitions <= 1 and len(allocation.jobs) <= self.partition_jobs and \
+                fits_after_departures(allocation, self.pool_types(snapshot)[1]):
+            return FOREVER_DEPARTURES
         return FOREVER
 
     def _pick(self, job: JobInfo, allocation: GavelAllocation, candidates: list[int], room: TypeRoom,
@@ -834,7 +842,12 @@ def _max_min_lp(
 ) -> tuple[np.ndarray, float]:
     """:func:`_solve_max_min_lp`, remembered for the last few distinct LPs: rounds in which no
     job arrived or left (and nothing else the LP reads changed) pose exactly the same LP, so
-    its answer is reused. The key is every input, byte for byte."""
+    its answer is reused. The key is every input, byte for byte. A round in which every job fits
+    on its best candidate is answered without HiGHS (:func:`scheduler.policies.gavel_fits.best_fits`)."""
+    fits = best_fits(job, gpus, normalized, weight, n_jobs, type_capacity, kind, water_fill, io, io_budget,
+                     multiplicity)
+    if fits is not None:
+        return fits
     arrays = [np.asarray(job, np.int64), np.asarray(gpus, np.int64), np.asarray(normalized, np.float64),
               np.asarray(weight, np.float64), np.asarray(type_capacity, np.int64), np.asarray(kind, np.int64)]
     arrays += [np.asarray(a, np.float64 if a is io else np.int64) for a in (io, multiplicity) if a is not None]
