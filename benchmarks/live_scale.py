@@ -280,6 +280,15 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
             "--metrics-host", "127.0.0.1", "--log-level", args.log_level, workdir=workdir))
         if args.pin_scheduler:
             pin(sch.pid, scheduler_cpus)
+        watched = sch.address  # what the fleet's nodes watch, ack and report at
+        if args.allocation:  # the deployments' topology: the nodes' calls apart from the rounds
+            alloc_port = _free_port()
+            alloc = stack.enter_context(start_service(
+                "allocation", "--metadata-address", md.address, "--scheduler-address", sch.address,
+                "--metrics-port", str(alloc_port), "--metrics-host", "127.0.0.1", "--log-level", args.log_level,
+                workdir=workdir))
+            watched = alloc.address
+            result["allocation_service"] = True
         warm_up(sch.address, md.address)
         preload = max(0, args.jobs - args.measure_jobs)
         if preload:  # before the fleet: queued, not yet placed (there are no nodes)
@@ -288,13 +297,15 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
             result["preload"] = {"jobs": preload, "seconds": round(time.monotonic() - t, 1)}
         started = time.monotonic()
         fleet = start_fleet(FleetSettings(
-            nodes=args.nodes, gpus=8, metadata_address=md.address, scheduler_address=sch.address,
+            nodes=args.nodes, gpus=8, metadata_address=md.address, scheduler_address=watched,
             heartbeat_s=args.heartbeat_s, report_s=args.report_s, task_seconds=args.task_seconds,
             task_spread=args.task_spread), workdir / "fleet",
             timeout_s=max(300.0, 0.5 * args.nodes))
         stack.callback(fleet.terminate)
         result["fleet_start_s"] = round(time.monotonic() - started, 1)
         pids = {"scheduler": sch.pid, "metadata": md.pid, "fleet": fleet.pid}
+        if args.allocation:
+            pids["allocation"] = alloc.pid
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
         before, md_before = histograms(port), histograms(md_port)
         t0 = time.monotonic()
@@ -447,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="give the scheduler the first CPU to itself and run everything this benchmark starts "
                              "(metadata, fleet, client) on the others, as a deployment gives the scheduler its own "
                              "core; needs 2 or more CPUs (PostgreSQL, a system service, stays where it runs)")
+    parser.add_argument("--allocation", action="store_true",
+                        help="start the allocation service (silod allocation) and give it to the fleet's nodes, as the "
+                             "deployments do: their watches, acks and reports off the scheduler's process (with "
+                             "--pin-scheduler it runs on the other CPUs)")
     parser.add_argument("--json", default="", help="write the results here (a JSON list, one entry per policy, "
                         "written again after each)")
     parser.add_argument("--keep", default="", metavar="DIR", help="keep each policy's logs and database in DIR/<policy> "

@@ -84,9 +84,10 @@ class Settings(PlanFollowerSettings):
     )
     scheduler_address: str = Field(
         "",
-        description="HOST:PORT of the AllocationService to follow (plan cache quotas), or a comma-separated list "
-        "of the schedulers that take turns leading (each is watched at once: a standby holds the watch until it "
-        "leads); empty = best-effort mode, no watch",
+        description="HOST:PORT of the AllocationService to follow (plan cache quotas): the allocation service "
+        "(silod allocation, as the deployments run it), or the scheduler, or a comma-separated list of the schedulers "
+        "that take turns leading (each is watched at once: a standby holds the watch until it leads); empty = "
+        "best-effort mode, no watch",
     )
 
     @field_validator("node")

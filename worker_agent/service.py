@@ -39,9 +39,9 @@ class Settings(PlanFollowerSettings):
     memory_cache_bytes: int = Field(0, ge=0, description="Bytes of the node's memory cache tier (advertised)")
     metadata_address: str = Field("", description="HOST:PORT of the metadata service (required)")
     scheduler_address: str = Field(
-        "", description="HOST:PORT of the scheduler's AllocationService, or a comma-separated list of the schedulers "
-        "that take turns leading (each is watched at once: a standby holds the watch until it leads); empty = "
-        "register only, run no tasks"
+        "", description="HOST:PORT of the AllocationService: the allocation service (silod allocation, as the "
+        "deployments run it), or the scheduler, or a comma-separated list of the schedulers that take turns leading "
+        "(each is watched at once: a standby holds the watch until it leads); empty = register only, run no tasks"
     )
     cache_address: str = Field("", description="HOST:PORT of this node's cache server, given to tasks as SILOD_CACHE_ADDR")
     advertise_address: str = Field(

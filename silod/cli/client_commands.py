@@ -149,7 +149,8 @@ def _cluster_health(args: argparse.Namespace) -> int:
     try:
         info = locate.read_cluster_file(args.state_dir)
         if info and not (args.metadata or args.scheduler):
-            targets = [(name, str(info[name])) for name in ("metadata", "estimator", "scheduler") if info.get(name)]
+            targets = [(name, str(info[name])) for name in ("metadata", "estimator", "scheduler", "allocation")
+                       if info.get(name)]
             for node in info.get("nodes") or []:
                 targets += [(f"{kind} {node.get('name', '?')}", str(node[kind])) for kind in ("cache", "agent")
                             if node.get(kind)]

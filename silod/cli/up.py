@@ -1,6 +1,7 @@
 """`silod up`: a whole silod cluster on this machine, as supervised child processes.
 
-Metadata (SQLite under --state-dir unless --db), estimator, scheduler, the web dashboard
+Metadata (SQLite under --state-dir unless --db), estimator, scheduler, the allocation service
+(`silod allocation`: the nodes watch their plans, ack and report there, apart from the rounds), the web dashboard
 (unless --no-dashboard; its URL is printed) and N emulated nodes (a worker agent, plus a
 cache server unless --no-cache), all on loopback with OS-chosen
 ports. --fleet N adds N nodes that all live in one process (worker_agent/fleet.py; their ranks
@@ -8,7 +9,7 @@ are emulated), for clusters of hundreds or thousands of nodes. The addresses are
 client command (`silod submit`, `silod dataset`, `silod health`, ...) finds them
 (silod.cli.locate). If a child dies, `silod up` says which
 and shows its log tail, then stops the rest (exit 1). SIGINT/SIGTERM stop everything
-cleanly (agents first, then cache servers, scheduler, estimator, metadata) and exit 0.
+cleanly (agents first, then cache servers, allocation service, scheduler, estimator, metadata) and exit 0.
 With auth on (SILOD_AUTH_TOKEN set), each node's agent and cache server get a node credential of
 their own (``<state-dir>/nodes/<name>/node-credential``) instead of the cluster token.
 Run as root, the nodes contain their ranks (docs/operators.md, "Job containment"), which may
@@ -199,13 +200,16 @@ def _up(args: argparse.Namespace) -> int:
         if args.storage_bandwidth_bytes_per_s > 0:
             sched_flags += ["--storage-bandwidth-bytes-per-s", f"{args.storage_bandwidth_bytes_per_s:g}"]
         sch = start("scheduler", "scheduler", *sched_flags, tier=core)
+        # The nodes' plan watches, acks and task reports, apart from the rounds (fed by the scheduler).
+        alloc = start("allocation", "allocation", "--metadata-address", md.address,
+                      "--scheduler-address", sch.address, tier=core)
         dashboard = f"http://{dash_future.result().address}/" if dash_future is not None else ""
         def start_node(pool: str, name: str, gpus: int, gpu_type: str) -> dict[str, Any]:
             node_dir = state / "nodes" / name
             node: dict[str, Any] = {"name": name, "pool": pool, "gpus": gpus, "gpu_type": gpu_type,
                                     "work_dir": str(node_dir / "work")}
             agent_flags = ["--node-name", name, "--gpus", str(gpus), "--work-dir", str(node_dir / "work"),
-                           "--pool", pool, "--metadata-address", md.address, "--scheduler-address", sch.address]
+                           "--pool", pool, "--metadata-address", md.address, "--scheduler-address", alloc.address]
             if gpu_type:
                 agent_flags += ["--gpu-type", gpu_type]
             agent_flags += ["--runtime", args.runtime, "--contained-read-paths", read_paths]
@@ -214,7 +218,7 @@ def _up(args: argparse.Namespace) -> int:
             identity = _node_identity(md.address, name, node_dir)  # auth on: a node credential, no cluster token
             if not args.no_cache:
                 cache = start(f"cache-server {name}", "cache-server", "--metadata-address", md.address, "--node", name,
-                              "--scheduler-address", sch.address,
+                              "--scheduler-address", alloc.address,
                               "--disk-cache-dir", str(node_dir / "cache-disk"),
                               "--disk-cache-bytes", str(args.cache_disk_bytes),
                               "--memory-cache-bytes", str(args.cache_memory_bytes),
@@ -237,9 +241,10 @@ def _up(args: argparse.Namespace) -> int:
         wait(futures)
         nodes = [f.result() for f in futures]  # re-raises the first failure (_Stop, LaunchError, ...)
         info = {"pid": os.getpid(), "state_dir": str(state), "db": db, "metadata": md.address,
-                "estimator": est.address, "scheduler": sch.address, "dashboard": dashboard, "nodes": nodes}
+                "estimator": est.address, "scheduler": sch.address, "allocation": alloc.address,
+                "dashboard": dashboard, "nodes": nodes}
         if args.fleet > 0:
-            info["fleet"] = _start_fleet(args, md.address, sch.address, state, agents, children, stop)
+            info["fleet"] = _start_fleet(args, md.address, alloc.address, state, agents, children, stop)
         info["prometheus_targets"] = str(_write_scrape_targets(state, scrape))
         tmp = cluster_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(info, indent=2) + "\n")
@@ -373,7 +378,8 @@ def _tail(text: str, lines: int = 30) -> str:
 
 
 def _print_table(info: dict[str, Any], logs: Path) -> None:
-    rows = [("metadata", info["metadata"]), ("estimator", info["estimator"]), ("scheduler", info["scheduler"])]
+    rows = [("metadata", info["metadata"]), ("estimator", info["estimator"]), ("scheduler", info["scheduler"]),
+            ("allocation", info["allocation"])]
     for node in info["nodes"]:
         rows.append((f"{node['name']} worker-agent", f"{node['agent']}  (ranks {node.get('runtime') or '?'})"))
         if "cache" in node:

@@ -163,7 +163,7 @@ def test_every_client_command_finds_the_cluster_of_silod_up_without_an_address(
     health = _silod(state, "health")
     assert health.returncode == 0, health.stdout + health.stderr
     names = [line.split("  ")[0].strip() for line in health.stdout.splitlines()]
-    assert names == ["metadata", "estimator", "scheduler", *(f"{kind} {n['name']}" for n in info["nodes"]
+    assert names == ["metadata", "estimator", "scheduler", "allocation", *(f"{kind} {n['name']}" for n in info["nodes"]
                                                              for kind in ("cache", "agent"))], health.stdout
     assert all(line.endswith("SERVING") for line in health.stdout.splitlines())
 
@@ -212,9 +212,16 @@ def test_up_submit_watch_logs_cancel_and_shutdown(up_cluster: tuple[subprocess.P
         info = json.loads((state / "cluster.json").read_text())
         assert len(info["nodes"]) == 2 and all(n["agent"] and n["cache"] for n in info["nodes"])
         children = _children(up.pid)
-        assert len(children) == 4 + 2 * 2  # metadata, estimator, scheduler, dashboard; agent + cache per node
+        # metadata, estimator, scheduler, allocation, dashboard; agent + cache per node
+        assert len(children) == 5 + 2 * 2
         commands = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children]
-        scheduler = [c for c in commands if b"scheduler" in c]
+        scheduler = [c for c in commands if b"scheduler" in c and b"allocation" not in c]
+        # The nodes watch their plans, ack and report at the allocation service, which follows the scheduler.
+        (allocation,) = [c for c in commands if b"allocation" in c]
+        assert allocation[allocation.index(b"--scheduler-address") + 1].decode() == info["scheduler"]
+        nodes = [c for c in commands if b"worker-agent" in c or b"cache-server" in c]
+        assert len(nodes) == 4 and all(c[c.index(b"--scheduler-address") + 1].decode() == info["allocation"]
+                                       for c in nodes)
         assert len(scheduler) == 1 and b"--storage-bandwidth-bytes-per-s" in scheduler[0]
         assert scheduler[0][scheduler[0].index(b"--storage-bandwidth-bytes-per-s") + 1] == b"5e+07"
         assert info["dashboard"].startswith("http://127.0.0.1:")
@@ -326,7 +333,7 @@ def test_a_dying_child_is_named_with_its_log_and_the_rest_stopped(tmp_path: Path
     try:
         _wait_up(up, state)
         children = _children(up.pid)
-        assert len(children) == 4
+        assert len(children) == 5  # metadata, estimator, scheduler, allocation, the agent
         ps = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(up.pid)], capture_output=True, text=True).stdout
         agent = next(int(line.split()[0]) for line in ps.splitlines() if " worker-agent " in line)
         os.kill(agent, signal.SIGKILL)

@@ -32,6 +32,18 @@ CLIENT_ENV = {"SILOD_METADATA_ADDR", "SILOD_SCHEDULER_ADDR", "SILOD_CACHE_ADDR",
 # Which service a `<x>_address` setting points at.
 ADDRESS_TARGETS = {"metadata_address": "metadata", "estimator_address": "estimator",
                    "scheduler_address": "scheduler", "cache_address": "cache-server"}
+# The nodes' --scheduler-address names the allocation service (silod allocation), which follows the
+# schedulers: the deployments serve the nodes' plan watches, acks and reports apart from the rounds.
+NODE_KINDS = ("worker-agent", "cache-server")
+
+
+def address_target(kind: str, setting: str) -> str:
+    """The kind of service that ``setting`` of a ``kind`` service must name."""
+    if setting == "scheduler_address" and kind in NODE_KINDS:
+        return "allocation"
+    return ADDRESS_TARGETS[setting]
+
+
 CLIENT_ADDRESS_TARGETS = {"SILOD_METADATA_ADDR": "metadata", "SILOD_SCHEDULER_ADDR": "scheduler",
                           "SILOD_CACHE_ADDR": "cache-server"}
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from deploy_checks import (
-    ADDRESS_TARGETS,
+    address_target,
     CLIENT_ADDRESS_TARGETS,
     DEPLOY,
     check_advertised_cache,
@@ -96,8 +96,8 @@ def test_schema_check_rejects_a_broken_compose_file(tmp_path: Path) -> None:
 
 
 def test_every_silod_command_parses_and_its_settings_load(compose: dict[str, Any], loaded: dict[str, tuple[str, Any]]) -> None:
-    assert {s for s, _ in loaded.values()} == {"metadata", "estimator", "scheduler", "cache-server", "worker-agent",
-                                                  "dashboard"}
+    assert {s for s, _ in loaded.values()} == {"metadata", "estimator", "scheduler", "allocation", "cache-server",
+                                                  "worker-agent", "dashboard"}
     for name, svc in _silod_services(compose).items():
         if name not in loaded:  # one-shot or CLI containers: client commands
             if "command" in svc:
@@ -146,7 +146,7 @@ def test_addresses_name_a_service_listening_on_that_port(compose: dict[str, Any]
     listening = {name: (svc, port_of(settings.listen)) for name, (svc, settings) in loaded.items()}
     pointers: list[tuple[str, str, str]] = []
     for name, (kind, settings) in loaded.items():
-        pointers += [(name, ADDRESS_TARGETS[k], v) for k, v in each_address(settings)]
+        pointers += [(name, address_target(kind, k), v) for k, v in each_address(settings)]
         if getattr(settings, "advertise_address", ""):  # an agent's or a scheduler's own address
             pointers.append((name, kind, settings.advertise_address))
     for name, svc in compose["services"].items():
@@ -364,14 +364,19 @@ def test_two_schedulers_elect_a_leader_on_postgresql(loaded: dict[str, tuple[str
     assert metadata.db.startswith("postgresql")
 
 
-def test_every_node_follows_every_scheduler_and_waits_for_both(compose: dict[str, Any],
-                                                                loaded: dict[str, tuple[str, Any]]) -> None:
+def test_the_allocation_service_follows_every_scheduler_and_the_nodes_follow_it(
+        compose: dict[str, Any], loaded: dict[str, tuple[str, Any]]) -> None:
+    """The nodes' plan watches, acks and reports are served apart from the rounds: the allocation
+    service follows both schedulers (and waits for both), the nodes are given its address alone."""
     advertised = sorted(s.advertise_address for s in _schedulers(loaded).values())
-    nodes = {name: settings for name, (kind, settings) in loaded.items() if kind in ("worker-agent", "cache-server")}
+    (allocation,) = [(name, settings) for name, (kind, settings) in loaded.items() if kind == "allocation"]
+    name, settings = allocation
+    assert sorted(a.strip() for a in settings.scheduler_address.split(",")) == advertised
+    for scheduler in _schedulers(loaded):
+        assert compose["services"][name]["depends_on"][scheduler]["condition"] == "service_healthy"
+    nodes = {n: s for n, (kind, s) in loaded.items() if kind in ("worker-agent", "cache-server")}
     assert len(nodes) >= 4
-    for name, settings in nodes.items():
-        given = [a.strip() for a in settings.scheduler_address.split(",")]
-        assert sorted(given) == advertised, f"{name}: --scheduler-address {settings.scheduler_address}"
-        depends = compose["services"][name]["depends_on"]
-        for scheduler in _schedulers(loaded):
-            assert depends.get(scheduler, {}).get("condition") == "service_healthy", f"{name} does not wait for {scheduler}"
+    for node, node_settings in nodes.items():
+        assert node_settings.scheduler_address == f"{name}:{port_of(settings.listen)}", node
+        depends = compose["services"][node]["depends_on"]
+        assert depends.get(name, {}).get("condition") == "service_healthy", f"{node} does not wait for {name}"

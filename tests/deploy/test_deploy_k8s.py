@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from deploy_checks import (
-    ADDRESS_TARGETS,
+    address_target,
     DEPLOY,
     check_advertised_cache,
     check_client_command,
@@ -125,7 +125,7 @@ def test_kustomization_applies_every_manifest_but_the_example_secret() -> None:
 def test_control_plane_are_deployments_and_node_services_daemonsets(loaded: dict[str, Any]) -> None:
     kinds = {service: workload["kind"] for service, _, workload, _ in loaded.values()}
     assert kinds == {"metadata": "Deployment", "estimator": "Deployment", "scheduler": "StatefulSet", "dashboard": "Deployment",
-                     "cache-server": "DaemonSet", "worker-agent": "DaemonSet"}
+                     "allocation": "Deployment", "cache-server": "DaemonSet", "worker-agent": "DaemonSet"}
 
 
 def _serving_port_name(service: str) -> str:
@@ -189,10 +189,10 @@ def _reachable_names(loaded: dict[str, Any]) -> dict[str, tuple[str, int]]:
 def test_addresses_name_a_service_of_the_right_kind_and_port(loaded: dict[str, Any]) -> None:
     behind = _reachable_names(loaded)
     pointers = 0
-    for name, (_, settings, _, _) in loaded.items():
+    for name, (kind, settings, _, _) in loaded.items():
         for key, address in each_address(settings):
             host, port = host_port(address)
-            assert behind.get(host) == (ADDRESS_TARGETS[key], port), f"{name}: {key}={address}"
+            assert behind.get(host) == (address_target(kind, key), port), f"{name}: {key}={address}"
             pointers += 1
     assert pointers >= 6
 
@@ -285,14 +285,16 @@ def test_two_schedulers_elect_a_leader_each_reachable_by_its_pods_name(loaded: d
     assert metadata.db.startswith("postgresql"), "leader election needs the metadata store on PostgreSQL"
 
 
-def test_every_node_follows_every_scheduler_pod(loaded: dict[str, Any]) -> None:
+def test_the_allocation_service_follows_every_scheduler_pod_and_the_nodes_follow_it(loaded: dict[str, Any]) -> None:
     settings, workload = _scheduler(loaded)
     pods = sorted(f"{workload['metadata']['name']}-{i}.{workload['spec']['serviceName']}:{port_of(settings.listen)}"
                   for i in range(workload["spec"]["replicas"]))
+    (allocation,) = [s for kind, s, _, _ in loaded.values() if kind == "allocation"]
+    assert sorted(a.strip() for a in allocation.scheduler_address.split(",")) == pods
     nodes = [(kind, s) for kind, s, _, _ in loaded.values() if kind in ("worker-agent", "cache-server")]
     assert len(nodes) == 2
-    for kind, node in nodes:
-        assert sorted(a.strip() for a in node.scheduler_address.split(",")) == pods, f"{kind}: {node.scheduler_address}"
+    for kind, node in nodes:  # the allocation service's Service, alone
+        assert node.scheduler_address == f"silod-allocation:{port_of(allocation.listen)}", f"{kind}: {node.scheduler_address}"
 
 
 def test_a_disruption_budget_keeps_one_scheduler() -> None:

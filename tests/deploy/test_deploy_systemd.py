@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from deploy_checks import (
-    ADDRESS_TARGETS,
+    address_target,
     DEPLOY,
     check_advertised_cache,
     check_client_command,
@@ -139,9 +139,9 @@ def test_addresses_point_at_the_ports_the_services_listen_on(units: dict[str, An
     # On one machine every service needs its own metrics port.
     assert len(set(metrics)) == len(metrics) and 0 not in metrics
     checked = 0
-    for name, (_, settings, _) in units.items():
+    for name, (service, settings, _) in units.items():
         for key, address in each_address(settings):
-            assert port_of(address) == listen[ADDRESS_TARGETS[key]], f"{name}: {key}={address}"
+            assert port_of(address) == listen[address_target(service, key)], f"{name}: {key}={address}"
             checked += 1
     assert checked >= 6
 
@@ -199,11 +199,14 @@ def test_two_scheduler_instances_elect_a_leader_on_postgresql(units: dict[str, A
     assert host_port(advertised[0])[0] == control != host_port(advertised[1])[0]
 
 
-def test_every_node_follows_both_schedulers(units: dict[str, Any]) -> None:
+def test_the_allocation_service_follows_both_schedulers_and_the_nodes_follow_it(units: dict[str, Any]) -> None:
     advertised = sorted(s.advertise_address for s in _schedulers(units).values())
+    _, allocation, unit = units["silod-allocation.service"]
+    assert sorted(a.strip() for a in allocation.scheduler_address.split(",")) == advertised
+    control = host_port(allocation.metadata_address)[0]  # beside the metadata service and silod-scheduler@1
     for name in ("silod-worker-agent.service", "silod-cache-server.service"):
         _, settings, _ = units[name]
-        assert sorted(a.strip() for a in settings.scheduler_address.split(",")) == advertised, name
+        assert settings.scheduler_address == f"{control}:{port_of(allocation.listen)}", name
 
 
 def _verify(directory: Path, names: list[str]) -> subprocess.CompletedProcess[str]:

@@ -1,5 +1,6 @@
 """Two schedulers with --leader-election on PostgreSQL, two worker agents (emulated jobs): kill -9
-of the leader while jobs run; the standby takes over within 10 s. No acknowledged submission is
+of the leader while jobs run; the standby takes over within 10 s. The nodes follow both
+schedulers directly, or (as the deployments run them) the allocation service, which follows both. No acknowledged submission is
 lost (submitted before the kill through the leader, during the failover through the standby), no
 generation is launched twice, no GPU is held by two tasks, and the jobs running at the kill keep
 training in the same processes to their end."""
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from silod.v1 import cache_pb2, cache_pb2_grpc, common_pb2, metadata_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.e2e.harness import Cluster, wait_until
@@ -61,6 +63,29 @@ class TwoSchedulers(Cluster):
         super().close()
 
 
+class TwoSchedulersAndAllocation(TwoSchedulers):
+    """The same, with the nodes given the allocation service (silod allocation) alone, which
+    follows both schedulers: the deployments' topology."""
+
+    def start_scheduler(self) -> None:
+        super().start_scheduler()
+        self.allocation = start_service(
+            "allocation", "--metadata-address", self.metadata.address, "--scheduler-address", ",".join(self.addresses),
+            workdir=self.root / "allocation", timeout_s=60)
+
+    def _start_agents(self, nodes: list[tuple[str, str]]) -> None:
+        self.scheduler_address = self.allocation.address
+        try:
+            Cluster._start_agents(self, nodes)
+        finally:
+            self.scheduler_address = self.addresses[0]
+
+    def close(self) -> None:
+        if getattr(self, "allocation", None) is not None:
+            self.allocation.close()
+        super().close()
+
+
 def submit_to(address: str, name: str, gpus: int, samples: int) -> str:
     spec = common_pb2.JobSpec(name=name, application="cifar10", min_gpus=gpus, max_gpus=gpus, batch_size=32,
                               sample_budget=samples, emulated_step_compute_s=0.02, env=ENV)
@@ -70,15 +95,18 @@ def submit_to(address: str, name: str, gpus: int, samples: int) -> str:
             timeout=30, wait_for_ready=True).id
 
 
-def test_standby_takes_over_after_kill_9_of_the_leader(tmp_path: Path, e2e_postgres) -> None:  # type: ignore[no-untyped-def]
-    cluster = TwoSchedulers(tmp_path / "cluster", e2e_postgres.create(), nodes=2)
+@pytest.mark.parametrize("via", ["schedulers", "allocation service"])
+def test_standby_takes_over_after_kill_9_of_the_leader(tmp_path: Path, e2e_postgres, via: str) -> None:  # type: ignore[no-untyped-def]
+    kind = TwoSchedulersAndAllocation if via == "allocation service" else TwoSchedulers
+    cluster = kind(tmp_path / "cluster", e2e_postgres.create(), nodes=2)
     cache = None
     try:
         a, b = cluster.addresses
+        followed = cluster.allocation.address if via == "allocation service" else f"{a},{b}"
         # A cache server follows both schedulers too: after the failover it applies the new leader's plans.
         node = sorted(cluster.agents)[0]
         cache = start_service("cache-server", "--metadata-address", cluster.metadata.address, "--node", node,
-                              "--scheduler-address", f"{a},{b}", "--disk-cache-dir", str(tmp_path / "cache"),
+                              "--scheduler-address", followed, "--disk-cache-dir", str(tmp_path / "cache"),
                               "--memory-cache-bytes", "0", "--no-fsync", "--lease-socket", "off",
                               "--log-level", "warning", workdir=tmp_path / "cache-proc", timeout_s=60)
         first = cluster.leadership()

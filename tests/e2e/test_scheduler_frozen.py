@@ -6,7 +6,8 @@ they watch both schedulers, and the standby answers the watch it held the moment
 that, with one watch at a time and the HTTP/2 keepalive to notice, they followed 54-64 s after the
 election: a new watch to the frozen host waits on a connection that never completes its
 handshake). Thawed, the old leader stands by and no plan of its epoch comes after the new
-leader's."""
+leader's. The same through the allocation service (the nodes given it alone, as deployed), which
+follows both schedulers as the nodes would."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from datetime import datetime
 from pathlib import Path
 
 import grpc
+import pytest
 
 from silod.v1 import cache_pb2, cache_pb2_grpc, common_pb2, metadata_pb2, worker_agent_pb2
 from tests.e2e.harness import wait_until
-from tests.e2e.test_scheduler_failover import TwoSchedulers, submit_to
+from tests.e2e.test_scheduler_failover import TwoSchedulers, TwoSchedulersAndAllocation, submit_to
 from tests.support.procs import start_service
 
 FOLLOW_S = 5.0  # every node follows the new leader within this of its election
@@ -35,6 +37,10 @@ class DeployedLease(TwoSchedulers):
             "scheduler", "--listen", self.addresses[i], "--metadata-address", self.metadata.address,
             "--metrics-port", str(self.metrics_ports[i]), *self._scheduler_args, *ELECTION,
             workdir=self.root / f"scheduler-{i}", timeout_s=60)
+
+
+class DeployedLeaseAndAllocation(DeployedLease, TwoSchedulersAndAllocation):
+    """The nodes given the allocation service alone, which follows both schedulers (as deployed)."""
 
 
 def won_at(log: str, epoch: int) -> float:
@@ -77,14 +83,17 @@ class Followers(threading.Thread):
             self.stop.wait(0.05)
 
 
-def test_every_node_follows_the_new_leader_within_5s_of_its_election(tmp_path: Path, e2e_postgres) -> None:  # type: ignore[no-untyped-def]
-    cluster = DeployedLease(tmp_path / "cluster", e2e_postgres.create(), nodes=2)
+@pytest.mark.parametrize("via", ["schedulers", "allocation service"])
+def test_every_node_follows_the_new_leader_within_5s_of_its_election(tmp_path: Path, e2e_postgres, via: str) -> None:  # type: ignore[no-untyped-def]
+    kind = DeployedLeaseAndAllocation if via == "allocation service" else DeployedLease
+    cluster = kind(tmp_path / "cluster", e2e_postgres.create(), nodes=2)
     caches, channels, frozen, followers = {}, [], None, None
     try:
         a, b = cluster.addresses
+        followed = cluster.allocation.address if via == "allocation service" else f"{a},{b}"
         for node in sorted(cluster.agents):
             cache = start_service("cache-server", "--metadata-address", cluster.metadata.address, "--node", node,
-                                  "--scheduler-address", f"{a},{b}", "--disk-cache-dir", str(tmp_path / f"cache-{node}"),
+                                  "--scheduler-address", followed, "--disk-cache-dir", str(tmp_path / f"cache-{node}"),
                                   "--memory-cache-bytes", "0", "--no-fsync", "--lease-socket", "off",
                                   "--log-level", "info", workdir=tmp_path / f"cache-{node}-proc", timeout_s=60)
             cluster.agents[node].cache = cache  # type: ignore[attr-defined]  # closed below

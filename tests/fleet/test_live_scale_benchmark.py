@@ -44,6 +44,16 @@ def test_live_scale_runs_a_small_cluster_and_reports_each_target(tmp_path: Path,
     assert "scheduler on a CPU of its own" in table and "| fifo |" in table
 
 
+def test_live_scale_with_the_allocation_service(tmp_path: Path) -> None:
+    """--allocation: the fleet's nodes watch, ack and report at the allocation service, as deployed."""
+    out = tmp_path / "r.json"
+    assert live_scale.main(["--nodes", "4", "--jobs", "24", "--measure-jobs", "12", "--measure-s", "3",
+                            "--task-seconds", "1", "--interval-s", "0.5", "--steady-jobs", "0", "--heartbeat-s", "1",
+                            "--report-s", "1", "--allocation", "--json", str(out)]) == 0
+    [result] = json.loads(out.read_text())
+    assert result["allocation_service"] and set(result["cpu_cores"]) == {"scheduler", "metadata", "fleet", "allocation"}
+    assert result["acks"]["plans_fully_acked"] >= 1 and result["jobs_at_end"]["succeeded"] >= 1
+
 
 def test_live_scale_refuses_bad_flags_naming_them(capsys) -> None:
     for flags, named in ((["--task-spread", "1.5"], "--task-spread"), (["--steady-jobs", "-1"], "--steady-jobs")):

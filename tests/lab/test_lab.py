@@ -447,7 +447,7 @@ def nodes_of(meta, job_id: str) -> set[str]:
     return {p.node for a in plan.jobs if a.job_id == job_id for p in a.placements}
 
 
-CONTROL_HOSTS = ("metadata", "scheduler", "scheduler-2", "estimator", "dashboard", "postgres")
+CONTROL_HOSTS = ("metadata", "scheduler", "scheduler-2", "allocation", "estimator", "dashboard", "postgres")
 AGENT_HOSTS = ("agent-0", "agent-1", "agent-infer-0")   # deepboot may lend the inference host's GPUs
 
 

@@ -50,8 +50,8 @@ def test_the_compose_prometheus_scrapes_every_silod_process() -> None:
     expected = set()
     for name, service in compose.items():
         command = service.get("command") or []
-        if not command or command[0] not in ("metadata", "estimator", "scheduler", "cache-server", "worker-agent",
-                                             "dashboard"):
+        if not command or command[0] not in ("metadata", "estimator", "scheduler", "allocation", "cache-server",
+                                             "worker-agent", "dashboard"):
             continue
         expected.add(f"{name}:8080" if command[0] == "dashboard" else f"{name}:9100")
     assert scraped == expected

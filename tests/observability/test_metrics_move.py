@@ -72,7 +72,7 @@ def test_the_metrics_move_with_the_cluster(cluster: tuple[subprocess.Popen[str],
     info = json.loads((state / "cluster.json").read_text())
     targets = json.loads(Path(info["prometheus_targets"]).read_text())
     assert {g["labels"]["job"] for g in targets} == {"silod-metadata", "silod-estimator", "silod-scheduler",
-                                                     "silod-cache-server", "silod-worker-agent"}
+                                                     "silod-allocation", "silod-cache-server", "silod-worker-agent"}
     with prometheus_scraping(Path(info["prometheus_targets"]), tmp_path / "prometheus") as prom:
         try:
             _check(prom, up, state)
@@ -83,7 +83,7 @@ def test_the_metrics_move_with_the_cluster(cluster: tuple[subprocess.Popen[str],
 
 
 def _check(prom: Prometheus, up: subprocess.Popen[str], state: Path) -> None:
-    prom.wait_for('count(up{job=~"silod-.*"} == 1)', lambda v: v == 7, what="every process scraped")
+    prom.wait_for('count(up{job=~"silod-.*"} == 1)', lambda v: v == 8, what="every process scraped")
     # A round happens: the scheduler counts it and times its phases.
     prom.wait_for("sum(silod_scheduler_rounds_total)", lambda v: v >= 1, what="rounds")
     prom.wait_for('sum(silod_scheduler_round_duration_seconds_count{phase="policy"})', lambda v: v >= 1)
@@ -96,6 +96,9 @@ def _check(prom: Prometheus, up: subprocess.Popen[str], state: Path) -> None:
     prom.wait_for('sum(silod_agent_rank_exits_total{cause="succeeded"})', lambda v: v >= 1, what="its rank succeeded")
     prom.wait_for("sum(silod_scheduler_plan_version)", lambda v: v >= 1)
     prom.wait_for("min(silod_scheduler_node_acked_plan_version)", lambda v: v >= 1, what="both nodes acked")
+    # ... at the allocation service, which relays the acks and the task reports to the scheduler.
+    prom.wait_for("silod_allocation_plan_version", lambda v: v >= 1, what="the allocation service fed")
+    prom.wait_for('sum(silod_allocation_relayed_total{kind="report"})', lambda v: v >= 1, what="reports relayed")
 
     # A job on all 4 GPUs, half of them on node-1, which then disappears.
     (state / "elastic.yaml").write_text(ELASTIC)
