@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Iterable
 
 import grpc
@@ -31,6 +33,7 @@ from worker_agent.node_protocol import epoch_refusal
 _log = logging.getLogger("silod.allocation")
 
 SPEC_BATCH = 1000  # job ids per ListJobs when learning a plan's specs (the metadata service's limit)
+NODES_REFRESH_S = 5.0  # the nodes' addresses are read again before a plan at most this often
 
 
 class FeedOutOfStep(RuntimeError):
@@ -74,6 +77,7 @@ class PlanFollower:
         self.leadership = FeedLeadership()
         self.node_timeout_s = node_timeout_s  # the leader's, once a feed declared it
         self.plan_epoch = 0  # the newest epoch of a plan taken in
+        self._nodes_read_at = -math.inf  # monotonic time of the last ListNodes
 
     # ---- read by the watches -----------------------------------------------------------------
     @property
@@ -96,10 +100,8 @@ class PlanFollower:
     # ---- fed ---------------------------------------------------------------------------------
     async def start(self) -> None:
         """The store's latest plan and every node's addresses, read once."""
-        md = self.plans.clients.md
         try:
-            nodes = await md.ListNodes(metadata_pb2.ListNodesRequest())
-            self.plans.remember_nodes(nodes.nodes)
+            await self._read_nodes()
             plan = await self.plans.refresh()
         except grpc.aio.AioRpcError as exc:
             _log.warning("metadata unreachable at start; waiting for a scheduler's feed",
@@ -139,7 +141,19 @@ class PlanFollower:
             plan = _applied(held, plan, update.changes)
         await self._take(plan, "feed")
 
+    async def _read_nodes(self) -> None:
+        nodes = await self.plans.clients.md.ListNodes(metadata_pb2.ListNodesRequest())
+        self.plans.remember_nodes(nodes.nodes)
+        self._nodes_read_at = time.monotonic()
+
     async def _take(self, plan: plan_pb2.AllocationPlan, source: str) -> None:
+        # The nodes' addresses (a rank's MASTER_ADDR, a peer's cache): an agent restarted elsewhere
+        # (a new pod IP) registers its new address, which the plans after it must carry.
+        if time.monotonic() - self._nodes_read_at >= NODES_REFRESH_S:
+            try:
+                await self._read_nodes()
+            except grpc.aio.AioRpcError:
+                pass  # the addresses known stay; read again at the next plan
         await self._learn_specs(job.job_id for job in plan.jobs)
         if plan.version <= self.latest_version:
             return

@@ -99,6 +99,26 @@ def test_serves_watches_and_relays_acks_and_reports(served) -> None:  # type: ig
     assert _first(alloc.stub, "n1", nxt.version).tasks == []
 
 
+def test_a_nodes_new_address_reaches_the_next_plan(served, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An agent restarted elsewhere (a new pod IP) registers its new address: the next plan's
+    node parts carry it (a rank's MASTER_ADDR), as the scheduler's own cut does."""
+    import scheduler.allocation.follower as follower
+
+    monkeypatch.setattr(follower, "NODES_REFRESH_S", 0.0)
+    cluster, alloc = served
+    cluster.add_node("n1", gpus=2)
+    first = cluster.submit("a", min_gpus=1, max_gpus=1)
+    plan = cluster.round()
+    assert _first(alloc.stub, "n1", plan.version).tasks[0].master_addr == "n1.local"
+    cluster.md.UpsertNode(metadata_pb2.UpsertNodeRequest(spec=common_pb2.NodeSpec(
+        name="n1", gpus=2, gpu_model="emulated", agent_address="n1-moved.local:7000")))
+    cluster.submit("b", min_gpus=1, max_gpus=1)
+    nxt = cluster.round()
+    assert nxt.version > plan.version
+    part = _first(alloc.stub, "n1", nxt.version)
+    assert {t.job_id for t in part.tasks} >= {first.id} and {t.master_addr for t in part.tasks} == {"n1-moved.local"}
+
+
 def test_bad_input_is_refused_naming_the_field(served) -> None:  # type: ignore[no-untyped-def]
     _, alloc = served
     with pytest.raises(grpc.RpcError) as refused:
@@ -117,6 +137,9 @@ def _follower() -> PlanFollower:
     class _Md:
         async def ListJobs(self, request):  # noqa: N802
             return metadata_pb2.ListJobsResponse()
+
+        async def ListNodes(self, request):  # noqa: N802
+            return metadata_pb2.ListNodesResponse()
 
     return PlanFollower(PlanStore(Clients(md=_Md())))  # type: ignore[arg-type]
 
