@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from worker_agent.runtimes.cgroups import Cgroups, Limits, gpu_device_rules
+from worker_agent.runtimes.cgroups import Cgroups, Limits, agent_group_name, gpu_device_rules
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="cgroups need root")
 
@@ -84,3 +84,26 @@ def test_a_fork_bomb_stops_at_the_pids_limit(cgroups: Cgroups) -> None:
         assert code == "EAGAIN" and int(count) < 32, done.stdout
     finally:
         asyncio.run(group.remove())
+
+
+def test_agents_of_one_node_name_keep_their_groups_apart(tmp_path: Path) -> None:
+    # Two clusters on one host (or two tests side by side) may both have a "node-1": an agent
+    # clearing its predecessor's empty groups must not remove the other's, which it once did
+    # between the other's mkdir and its limits (ENOENT failed that job's rank).
+    node = f"test-{uuid.uuid4().hex[:8]}"
+    assert agent_group_name(node, tmp_path / "a") == agent_group_name(node, tmp_path / "x" / ".." / "a")
+    first = Cgroups(agent_group_name(node, tmp_path / "a"))
+    second = Cgroups(agent_group_name(node, tmp_path / "b"))
+    try:
+        assert not set(first.bases.values()) & set(second.bases.values())
+        group = second.create("rank", Limits(memory_bytes=64 << 20))
+        assert first.remove_stale() == []
+        first.remove_base()
+        assert all(path.is_dir() for path in group.paths.values())
+    finally:
+        for made in (first, second):
+            for base in made.bases.values():
+                for path in base.iterdir() if base.is_dir() else ():
+                    if path.is_dir():
+                        path.rmdir()
+            made.remove_base()

@@ -1,7 +1,9 @@
 """A control group per contained rank: its memory, CPU and process limits, and its devices.
 
-Each rank gets a group of its own under the agent's own groups (``<agent's group>/silod/<node>/
-<rank>``), so that a rank past its memory limit is killed alone, by the kernel, in its group,
+Each rank gets a group of its own under the agent's own groups (``<agent's group>/silod/<node>-
+<instance>/<rank>``, the instance a digest of the agent's state directory: stable across the
+agent's restarts, which find their predecessor's leftovers there, and apart from any other agent
+of the same node name on the host, whose groups it must never remove), so that a rank past its memory limit is killed alone, by the kernel, in its group,
 and its neighbours never see the OOM killer. Limits:
 
 * memory: ``memory_bytes`` (0 = none), swap included;
@@ -19,6 +21,7 @@ delegated group (systemd: ``Delegate=yes``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import time
@@ -142,8 +145,15 @@ class RankGroup:
                     await asyncio.sleep(0.05)
 
 
+def agent_group_name(node: str, state_dir: Path) -> str:
+    """``<node>-<8 hex digits of the state directory's path>``: one agent's groups, kept apart
+    from those of another agent of the same node name (another cluster, or a test beside it)."""
+    digest = hashlib.sha256(str(Path(state_dir).resolve()).encode()).hexdigest()[:8]
+    return f"{node}-{digest}"
+
+
 class Cgroups:
-    """Creates rank groups under ``<agent's group>/silod/<node>``."""
+    """Creates rank groups under ``<agent's group>/silod/<name>`` (:func:`agent_group_name`)."""
 
     def __init__(self, node: str) -> None:
         mounts, own = _mounts(), _own_groups()

@@ -97,7 +97,7 @@ class ContainedRuntime(Runtime):
         self.run_dir = run_dir
         self.sandboxes = run_dir.parent / "sandboxes"
         self.users = users
-        self.cgroups = cgroups.Cgroups(node)
+        self.cgroups = cgroups.Cgroups(cgroups.agent_group_name(node, run_dir))
         self.read_paths = [*SYSTEM_READ_ONLY, *interpreter_paths(), *read_paths]
         self.pids_limit = pids_limit
         self.gpu_devices = gpu_devices  # GPU indices -> (device files, cgroup rules)
