@@ -149,12 +149,14 @@ class PlanFollower:
     async def _take(self, plan: plan_pb2.AllocationPlan, source: str) -> None:
         # The nodes' addresses (a rank's MASTER_ADDR, a peer's cache): an agent restarted elsewhere
         # (a new pod IP) registers its new address, which the plans after it must carry.
+        reads = [self._learn_specs(job.job_id for job in plan.jobs)]
         if time.monotonic() - self._nodes_read_at >= NODES_REFRESH_S:
-            try:
-                await self._read_nodes()
-            except grpc.aio.AioRpcError:
+            reads.append(self._read_nodes())
+        for failed in await asyncio.gather(*reads, return_exceptions=True):  # side by side: the plan waits for one
+            if isinstance(failed, grpc.aio.AioRpcError):
                 pass  # the addresses known stay; read again at the next plan
-        await self._learn_specs(job.job_id for job in plan.jobs)
+            elif isinstance(failed, BaseException):
+                raise failed
         if plan.version <= self.latest_version:
             return
         self.plan_epoch = max(self.plan_epoch, plan.epoch)
