@@ -392,8 +392,8 @@ def verdicts(r: dict[str, Any]) -> list[str]:
                      f"{'MET' if steady['per_s'] >= SUBMIT_TARGET else 'MISSED'}]; CPU cores used meanwhile: "
                      f"{steady['cpu_cores']}")
     lines.append(f"jobs that ended and freed their GPUs: {r.get('jobs_succeeded_per_s')}/s over the run")
-    lines.append(f"RSS MiB (now, peak): scheduler {r['rss_mib']['scheduler']}, metadata {r['rss_mib']['metadata']}, "
-                 f"fleet {r['rss_mib']['fleet']}; CPU cores used: {r['cpu_cores']}")
+    lines.append("RSS MiB (now, peak): " + ", ".join(f"{k} {v}" for k, v in r["rss_mib"].items())
+                 + f"; CPU cores used: {r['cpu_cores']}")
     lag = r.get("event_loop_lag")
     if lag:
         lines.append("event loop lag (mean, p99 at most): " + ", ".join(
