@@ -2,13 +2,17 @@
 those that arrive while a call is in flight make the next one (services.runtime.batching), so a
 thousand nodes' reports a second cost the scheduler a few calls, not a thousand.
 
-Each node's call waits for its batch: a report is answered with the exits the scheduler
-acknowledged, and an ack once the scheduler took in its releases. A batch the scheduler does not
-take (none leads, or it is unreachable) fails its callers UNAVAILABLE; the nodes send again.
+A report waits for its batch and is answered with the exits the scheduler acknowledged; a batch
+the scheduler does not take (none leads, or it is unreachable) fails its reports UNAVAILABLE, and
+the nodes send them again. An ack is answered at once and relayed after: a worker agent applies
+its next plan only once its ack of the last is answered, so a plan must not wait for a round trip
+to the scheduler (busy with a round, or being replaced). An ack the scheduler does not take is
+logged; the releases it carried are proven again by the node's next task report.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Union
@@ -24,7 +28,7 @@ from silod.v1 import allocation_pb2
 _log = logging.getLogger("silod.allocation")
 
 MAX_RELAYED = 1000  # acks and reports per Relay call
-RELAY_TIMEOUT_S = 30.0
+RELAY_TIMEOUT_S = 10.0  # as long as a node waits for its ReportTasks
 
 Item = Union[allocation_pb2.AckPlanRequest, allocation_pb2.ReportTasksRequest]
 
@@ -36,14 +40,27 @@ class Relay:
         self._server = server
         self._calls: Coalescer[Item, list[str]] = Coalescer(
             self._send, MAX_RELAYED, stopped=lambda in_flight: Unavailable("the allocation server is stopping"))
+        self._acks: set[asyncio.Future[None]] = set()
 
-    async def ack(self, request: allocation_pb2.AckPlanRequest) -> None:
-        await self._calls.submit(request)
+    def ack(self, request: allocation_pb2.AckPlanRequest) -> None:
+        """Relay ``request`` in the next batch; the caller does not wait for it."""
+        async def relay() -> None:
+            try:
+                await self._calls.submit(request)
+            except ServiceError as exc:
+                _log.warning("ack not relayed", extra={"node": request.node, "version": request.version,
+                                                       "released_jobs": list(request.released_jobs),
+                                                       "code": exc.code.name, "details": str(exc)})
+
+        task = asyncio.ensure_future(relay())
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
 
     async def report(self, request: allocation_pb2.ReportTasksRequest) -> list[str]:
         return await self._calls.submit(request)
 
     async def flush(self) -> None:
+        await asyncio.gather(*list(self._acks), return_exceptions=True)
         await self._calls.flush()
 
     async def _send(self, items: Sequence[Item]) -> list[list[str] | BaseException]:

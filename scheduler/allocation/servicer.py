@@ -42,7 +42,7 @@ class NodeAllocationService(allocation_pb2_grpc.AllocationServiceServicer):
             raise InvalidArgument("required", field="node")
         if request.version < 0:
             raise InvalidArgument("must be >= 0", field="version")
-        await self.relay.ack(request)  # releases free GPUs for the leader's next round
+        self.relay.ack(request)  # releases free GPUs for the leader's next round: relayed after the answer
         if request.component in (allocation_pb2.PLAN_COMPONENT_WORKER_AGENT,
                                  allocation_pb2.PLAN_COMPONENT_UNSPECIFIED) and request.ok and request.version > 0:
             self.acks.add(request.node, request.version)

@@ -78,6 +78,10 @@ def test_serves_watches_and_relays_acks_and_reports(served) -> None:  # type: ig
     assert reply.latest_version == plan.version
     wait_for(lambda: cluster.md.GetNode(metadata_pb2.GetNodeRequest(node="n1")).applied_plan_version == part.version,
              what="the acked version in the store")
+    # ... and the ack reaches the leader, after the answer (the scheduler runs in this process).
+    from scheduler.live.metrics import NODE_ACKED
+
+    wait_for(lambda: NODE_ACKED.labels("n1")._value.get() == part.version, what="the ack relayed to the scheduler")
 
     # A report moves the job's state at the leader; an exit is acknowledged.
     task = part.tasks[0]
