@@ -72,7 +72,7 @@ class Cluster:
     def address(self, method: str) -> str:
         service = method.lstrip("/").split("/")[0].rsplit(".", 1)[-1]
         name = {"MetadataService": "metadata", "JobService": "scheduler", "AllocationService": "scheduler",
-                "CacheService": "cache-n0", "WorkerAgentService": "agent-n0", "EstimatorService": "estimator",
+                "PlanFeedService": "scheduler", "CacheService": "cache-n0", "WorkerAgentService": "agent-n0", "EstimatorService": "estimator",
                 "ServerReflection": "metadata"}[service]
         return self.processes[name].address
 
