@@ -68,6 +68,10 @@ The LP (max-min fairness, Gavel's ``max_min_fairness`` policy)::
   normalizer), so a 20,000-job makespan round of a few dozen applications and bounds costs
   about 0.1 s; 20,000 jobs with models of their own, 1.5-2 s.
   ``partitions=P`` splits the round POP-style into ``P`` HiGHS LPs instead.
+- A round with room for every job's best candidate at once (a cluster with more GPUs than its
+  jobs can use well) has one optimum, every job full time on its best candidate: it is
+  answered without HiGHS (:mod:`scheduler.policies.gavel_fits`), and its plan is promised
+  until a job arrives, jobs leaving included (:meth:`GavelPolicy.stable_until`).
 
 Cache and remote IO (``codesign``, SiloD; off by default). The cache split is fixed first:
 each job is priced at the cache :func:`scheduler.codesign.expected_grants` expects for it,
@@ -312,11 +316,15 @@ class GavelPolicy:
     def _solve(self, snapshot, jobs, types, type_capacity, per_node, widest) -> GavelAllocation:
         codesign = self.codesign and co.is_active(snapshot)
         shape = None  # per job: equal for jobs with the same candidates and throughputs
+        # No more distinct jobs than jobs: a round of at most partition_jobs never goes to the price
+        # solver, and its shapes (what the price solver and the hulls of many jobs group by) are not needed.
+        small = bool(self.partitions) or len(jobs) <= self.partition_jobs
         if codesign:
             job, gpus, kind = self._candidates(jobs, types, type_capacity, widest)
         else:  # candidates and their throughputs, per kind of job, remembered across rounds
             job, gpus, kind, throughput, priced = self._priced_candidates(jobs, types, type_capacity, widest, per_node)
-            shape = _shapes(priced, job, gpus, kind, throughput, len(jobs))
+            if not small:
+                shape = _shapes(priced, job, gpus, kind, throughput, len(jobs))
         weight = np.array([self.priority_base ** job_.priority for job_ in jobs], dtype=np.float64)
         if gpus.size == 0:
             empty = np.zeros(0)
@@ -334,18 +342,20 @@ class GavelPolicy:
             throughput = pred.goodput_samples_per_s
             io_demand = pred.io_demand_bytes_per_s
             io_row = np.minimum(io_demand, budget)
-            shape = _job_classes(job, gpus, kind, throughput, np.zeros(len(jobs)), io_row, len(jobs))
+            if not small:
+                shape = _job_classes(job, gpus, kind, throughput, np.zeros(len(jobs)), io_row, len(jobs))
         reference = self._reference(jobs, job, gpus, kind, throughput, type_capacity)
         with np.errstate(divide="ignore", invalid="ignore"):
             normalized = np.where(reference[job] > 0, throughput / reference[job], 0.0)
         # Jobs the LP cannot tell apart: the same candidates, throughputs, normalizer and weight.
         # Identical jobs share one LP row (_classes_lp), so the distinct jobs are what sizes an LP;
         # many go to the price solver (gavel_lp), which works per shape (same candidates, any factor).
-        by_prices = not self.partitions and _count_distinct([shape, reference, weight]) > self.partition_jobs
+        by_prices = not small and _count_distinct([shape, reference, weight]) > self.partition_jobs
         if by_prices:  # the hull does not depend on the normalizer: one per shape
             keep = _undominated_by(shape, job, kind, gpus, throughput, len(types))
-        else:  # one per kind of job and normalizer (exactly what each job's own hull is)
-            keep = _undominated_by(_codes([shape, reference]), job, kind, gpus, normalized, len(types))
+        else:  # one per kind of job and normalizer (exactly what each job's own hull is; a few jobs: each its own)
+            group = np.arange(len(jobs)) if small else _codes([shape, reference])
+            keep = _undominated_by(group, job, kind, gpus, normalized, len(types))
         if io_row is not None and np.isfinite(snapshot.storage_bandwidth_bytes_per_s):
             keep &= _growth_allowed(job, gpus, io_demand, jobs, snapshot.storage_bandwidth_bytes_per_s)
         job, gpus, kind, throughput, normalized = job[keep], gpus[keep], kind[keep], throughput[keep], normalized[keep]
@@ -366,12 +376,21 @@ class GavelPolicy:
             solved = solve_by_prices(job, gpus, kind, throughput, factor, weight, len(jobs), type_capacity,
                                      self.water_fill, shape, io_lp, budget)
             fraction, level, bound = solved.fraction, solved.level, solved.bound / scale
+        elif (fits := self._fits(job, gpus, normalized * scale, weight, len(jobs), type_capacity, kind, io_lp)):
+            fraction, level = fits  # what _classes_lp returns then (gavel_fits), without the classes
         else:
             klass = _job_classes(job, gpus, kind, normalized, weight, io_lp, len(jobs))
             fraction, level = _partitioned_lp(self.partition_count(len(jobs)), job, gpus, normalized * scale, weight,
                                               len(jobs), type_capacity, kind, self.water_fill, io_lp, budget, klass)
         return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level / scale, io_row, types,
                                kind, bound)
+
+    def _fits(self, job, gpus, normalized, weight, n_jobs, type_capacity, kind, io_lp):
+        """:func:`best_fits` over every job (no IO row, one LP), else None: where it holds, :func:`_classes_lp`
+        gets the same from its classes (identical jobs have the same best, and GPU counts add up exactly)."""
+        if io_lp is not None or self.partition_count(n_jobs) != 1:
+            return None
+        return best_fits(job, gpus, normalized, weight, n_jobs, type_capacity, kind, self.water_fill)
 
     def partition_count(self, n_jobs: int) -> int:
         """LPs to split a round of ``n_jobs`` jobs into (POP): ``partitions`` (at most one per job), 1 without."""

@@ -103,3 +103,19 @@ def test_a_crowded_cluster_is_not_promised_across_departures():
     shown, plan = in_force(policy, make_snapshot(make_nodes(2, 4), jobs_of(5), time=100.0))
     assert not fits_after_departures(policy.solve(shown), policy.pool_types(shown)[1])
     assert not policy.stable_until(shown, plan).departures
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 16])
+def test_a_round_of_few_jobs_is_solved_as_through_the_classes(nodes, monkeypatch):
+    """A round of at most ``partition_jobs`` jobs skips the shapes (each job its own hull) and, where every
+    job fits on its best, the classes: the same allocation as with both (crowded or roomy cluster)."""
+    jobs = jobs_of(4) + [make_job(f"r{k}", "imagenet", gpus=1, min_gpus=1, max_gpus=8, submit=9.0 + k) for k in range(3)]
+    jobs += [make_job("x", gpus=4, submit=20.0)]
+    snapshot = make_snapshot(make_nodes(nodes, 4), jobs, time=100.0)
+    few = GavelPolicy().solve(snapshot)
+    gavel.forget_lps()
+    monkeypatch.setattr(GavelPolicy, "_fits", lambda *args: None)
+    through_classes = GavelPolicy(partition_jobs=len(jobs) - 1).solve(snapshot)  # not "small": shapes, classes
+    for field in ("job", "gpus", "throughput", "reference", "weight", "fraction"):
+        assert getattr(few, field).tolist() == getattr(through_classes, field).tolist(), field
+    assert few.level == through_classes.level
