@@ -197,7 +197,9 @@ def test_a_killed_agents_containers_are_killed_by_its_watchdog_or_stopped_by_the
     # The next agent removes it, relaunches the rank, and is then killed with its watchdog.
     second = _agent(start_agent, job_image, node=first.node, work_dir=first.work_dir)
     assert killed_id not in {c["Id"] for c in _containers(docker_engine, *_of(first))}
-    wait_until(lambda: _one(docker_engine, first, "job-k/0/1")["State"]["Running"], timeout=60,
+    # Until the relaunch the rank has no container: wait for one, running.
+    wait_until(lambda: any(c["State"]["Running"] for c in
+                           _containers(docker_engine, *_of(first), "silod.task=job-k/0/1")), timeout=60,
                what="the relaunched rank")
     left = _one(docker_engine, first, "job-k/0/1")["Id"]
     os.kill(_watchdog(second.proc.pid), signal.SIGKILL)
