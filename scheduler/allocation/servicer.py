@@ -9,9 +9,9 @@ from __future__ import annotations
 from scheduler.allocation.follower import PlanFollower
 from scheduler.allocation.relay import Relay
 from scheduler.live.acks import AckForwarder
-from scheduler.live.servicers import task_problems
+from scheduler.live.node_requests import check_ack, check_report_tasks, counts_as_node_ack
 from scheduler.live.watch import watch_node
-from services.runtime.errors import InvalidArgument, NotFound, Problems
+from services.runtime.errors import NotFound
 from silod.v1 import allocation_pb2, allocation_pb2_grpc
 
 WATCH_REFRESH_S = 5.0  # a watch's wake when nothing happens (the feed wakes it at once on a plan)
@@ -38,22 +38,13 @@ class NodeAllocationService(allocation_pb2_grpc.AllocationServiceServicer):
             yield node_plan
 
     async def Ack(self, request, context):  # noqa: N802
-        if not request.node:
-            raise InvalidArgument("required", field="node")
-        if request.version < 0:
-            raise InvalidArgument("must be >= 0", field="version")
+        check_ack(request)
         self.relay.ack(request)  # releases free GPUs for the leader's next round: relayed after the answer
-        if request.component in (allocation_pb2.PLAN_COMPONENT_WORKER_AGENT,
-                                 allocation_pb2.PLAN_COMPONENT_UNSPECIFIED) and request.ok and request.version > 0:
+        if counts_as_node_ack(request):
             self.acks.add(request.node, request.version)
         return allocation_pb2.AckPlanResponse(latest_version=self.follower.latest_version)
 
     async def ReportTasks(self, request, context):  # noqa: N802
-        if not request.node:
-            raise InvalidArgument("required", field="node")
-        problems = Problems()
-        for i, t in enumerate(request.tasks):
-            task_problems(t, f"tasks[{i}]", problems)
-        problems.raise_if_any()
+        check_report_tasks(request)
         acknowledged = await self.relay.report(request)
         return allocation_pb2.ReportTasksResponse(acknowledged_exits=acknowledged)

@@ -21,11 +21,11 @@ from typing import Any
 import grpc
 
 from scheduler.live import metrics
-from scheduler.live.servicers import task_problems
+from scheduler.live.node_requests import check_report_tasks, counts_as_node_ack
 from scheduler.live.watch import WATCH_REFRESH_AGE_S, require_leader
 from scheduler.plan_changes import changes_between
 from services.runtime import downstream
-from services.runtime.errors import FailedPrecondition, Problems, ServiceError
+from services.runtime.errors import FailedPrecondition, ServiceError
 from silod.v1 import allocation_pb2, allocation_pb2_grpc, plan_pb2
 
 _log = logging.getLogger("silod.scheduler")
@@ -102,20 +102,14 @@ class PlanFeedService(allocation_pb2_grpc.PlanFeedServiceServicer):
                 continue
             if ack.released_jobs and self.core.release(ack.node, ack.released_jobs):
                 released = True
-            if ack.component in (allocation_pb2.PLAN_COMPONENT_WORKER_AGENT,
-                                 allocation_pb2.PLAN_COMPONENT_UNSPECIFIED) and ack.ok and ack.version > 0:
+            if counts_as_node_ack(ack):
                 metrics.node_acked(ack.node, ack.version)
         if released:
             self.core.trigger("release")
 
         async def one(report: allocation_pb2.ReportTasksRequest) -> allocation_pb2.RelayOutcome:
             try:
-                problems = Problems()
-                if not report.node:
-                    problems.add("node", "required")
-                for i, t in enumerate(report.tasks):
-                    task_problems(t, f"tasks[{i}]", problems)
-                problems.raise_if_any()
+                check_report_tasks(report)
                 exits = await downstream.forward(self.core.report_tasks(report), "metadata (task reports)", None)
                 return allocation_pb2.RelayOutcome(acknowledged_exits=exits)
             except ServiceError as exc:

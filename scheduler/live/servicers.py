@@ -17,9 +17,9 @@ from scheduler.live import metrics
 from scheduler.live.acks import AckForwarder
 from scheduler.live.clients import ACTIVE_STATES, TERMINAL_STATES
 from scheduler.live.models import known_applications
+from scheduler.live.node_requests import check_ack, check_report_tasks, counts_as_node_ack
 from scheduler.live.watch import require_leader, watch_node
-from services.metadata.validation.common import check_enum, check_float, check_int
-from services.metadata.validation.jobs import check_client_request_id, check_progress, job_spec_problems
+from services.metadata.validation.jobs import check_client_request_id, job_spec_problems
 from services.runtime import downstream
 from services.runtime.batching import Coalescer
 from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Problems, ServiceError
@@ -83,26 +83,6 @@ class Scheduler(Protocol):
 
 
 MAX_CREATIONS = 1000  # jobs per CreateJobs call (the metadata service's limit)
-MAX_TASK_GPUS = 1024
-
-
-def task_problems(task: allocation_pb2.TaskReport, field: str, problems: Problems) -> None:
-    """Every problem of one TaskReport (its job id's shape was checked by the runtime)."""
-    check = problems.check
-    if not task.job_id:
-        problems.add(f"{field}.job_id", "required")
-    check(check_int, task.rank, f"{field}.rank", minimum=0, maximum=2**31 - 1)
-    check(check_int, task.generation, f"{field}.generation", minimum=0, maximum=2**63 - 1)
-    check(check_enum, task.phase, allocation_pb2.TaskPhase.DESCRIPTOR, f"{field}.phase")
-    for index, gpu in enumerate(task.gpu_indices):
-        check(check_int, gpu, f"{field}.gpu_indices[{index}]", minimum=0, maximum=MAX_TASK_GPUS - 1)
-    check(check_progress, task.progress, f"{field}.progress")
-    check(check_float, task.step_time_s, f"{field}.step_time_s", minimum=0.0, maximum=1e6)
-    check(check_int, task.batch_size, f"{field}.batch_size", minimum=0, maximum=2**31 - 1)
-    check(check_float, task.grad_sqr, f"{field}.grad_sqr", minimum=0.0, maximum=1e100)
-    check(check_float, task.grad_var, f"{field}.grad_var", minimum=0.0, maximum=1e100)
-
-
 class _Creations:
     """Concurrent submissions go to the metadata service together, as CreateJobs calls
     (services.runtime.batching: those arriving while a call is in flight make the next one).
@@ -348,28 +328,19 @@ class AllocationService(allocation_pb2_grpc.AllocationServiceServicer):
             yield node_plan
 
     async def Ack(self, request, context):  # noqa: N802
-        if not request.node:
-            raise InvalidArgument("required", field="node")
-        if request.version < 0:
-            raise InvalidArgument("must be >= 0", field="version")
+        check_ack(request)
         require_leader(self.core)
         # Releases first: they live in this process and free GPUs for the next round, so a
         # metadata service that is down (or slow) must not lose or delay them.
         if request.released_jobs and self.core.release(request.node, request.released_jobs):
             self.core.trigger("release")
-        if request.component in (allocation_pb2.PLAN_COMPONENT_WORKER_AGENT, allocation_pb2.PLAN_COMPONENT_UNSPECIFIED) \
-                and request.ok and request.version > 0:
+        if counts_as_node_ack(request):
             metrics.node_acked(request.node, request.version)
             self.acks.add(request.node, request.version)  # written to the store after this answer
         return allocation_pb2.AckPlanResponse(latest_version=self.core.latest_version)
 
     async def ReportTasks(self, request, context):  # noqa: N802
-        if not request.node:
-            raise InvalidArgument("required", field="node")
-        problems = Problems()
-        for i, t in enumerate(request.tasks):
-            task_problems(t, f"tasks[{i}]", problems)
-        problems.raise_if_any()
+        check_report_tasks(request)
         require_leader(self.core)  # job states are written by the leader only
         # What reaches the metadata service from here was checked above: a refusal is a bug.
         acknowledged = await forward(self.core.report_tasks(request), "metadata (task reports)", None)
