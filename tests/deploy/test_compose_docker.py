@@ -93,7 +93,15 @@ class Deployment:
     def ranks(self, job: str) -> list[dict[str, Any]]:
         """docker inspect of the rank containers of ``job`` (labels silod.job, silod.node)."""
         ids = self.docker("ps", "-q", "--no-trunc", "--filter", f"label=silod.job={job}").split()
-        return json.loads(self.docker("inspect", *ids)) if ids else []
+        if not ids:
+            return []
+        # A container listed may be removed before it is inspected (a rank ending, a node's
+        # ranks stopped): docker then prints the others and exits 1 naming each one gone.
+        done = subprocess.run(["docker", "inspect", *ids], env=self.env, capture_output=True, text=True, timeout=120)
+        gone = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 0 or all(line.startswith("Error: No such object") for line in gone), \
+            f"docker inspect: {done.stderr}"
+        return json.loads(done.stdout) if done.stdout.strip() else []
 
 
 def wait_for(what: Callable[[], Any], timeout: float, describe: str, every: float = 0.5) -> Any:
