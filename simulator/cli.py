@@ -16,10 +16,11 @@ job, a plan that breaks an invariant) exits with status 1.
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 from pathlib import Path
 from typing import Any
+
+from simulator import cli_options
 
 USAGE_ERROR = 2
 RUN_ERROR = 1
@@ -154,99 +155,9 @@ def _add_common_flags(p: argparse.ArgumentParser) -> None:
 # --- helpers ---------------------------------------------------------------------------------
 
 
-def _quotas(args: argparse.Namespace):
-    """Tenant -> quota from --tenant-quotas, or None."""
-    if not getattr(args, "tenant_quotas", None):
-        return None
-    from simulator.tenant_quotas import load_quotas
-
-    return load_quotas(args.tenant_quotas)
-
-
 def _fail(message: str, code: int) -> int:
     print(f"silod simulate: error: {message}", file=sys.stderr)
     return code
-
-
-def _policy(name: str, seed: int | None, options: dict[str, dict[str, Any]] | None = None):
-    """Instantiate policy ``name`` with its ``--set`` options, and ``seed`` when its constructor takes one."""
-    from scheduler.registry import get_policy
-
-    chosen = dict((options or {}).get(name, {}))
-    if seed is not None and "seed" in inspect.signature(type(get_policy(name))).parameters:
-        chosen["seed"] = seed
-    return get_policy(name, **chosen)
-
-
-def _parse_options(values: list[str], names: list[str]) -> dict[str, dict[str, Any]]:
-    """``["pollux.p=-0.5", ...]`` -> ``{"pollux": {"p": -0.5}}``, checked against each policy's fields.
-
-    Raises SimulatorInputError naming the bad ``--set`` value.
-    """
-    import ast
-    import dataclasses
-
-    from scheduler.registry import get_policy
-    from simulator.errors import SimulatorInputError
-
-    parsed: dict[str, dict[str, Any]] = {}
-    for value in values:
-        target, sep, raw = value.partition("=")
-        policy, dot, key = target.rpartition(".")
-        if not sep or not key:
-            raise SimulatorInputError(f"--set {value!r}: expected POLICY.OPTION=VALUE")
-        if not dot:
-            if len(names) != 1:
-                raise SimulatorInputError(f"--set {value!r}: name the policy (one of {', '.join(names)}), e.g. pollux.{key}")
-            policy = names[0]
-        if policy not in names:
-            raise SimulatorInputError(f"--set {value!r}: policy {policy!r} is not being run ({', '.join(names)})")
-        fields = {f.name for f in dataclasses.fields(type(get_policy(policy)))}
-        if key not in fields:
-            raise SimulatorInputError(f"--set {value!r}: {policy} has no option {key!r}; options: {', '.join(sorted(fields))}")
-        if raw.strip().lower() in ("true", "false"):  # lend=false must not become the (truthy) string "false"
-            parsed_value = raw.strip().lower() == "true"
-        else:
-            try:
-                parsed_value = ast.literal_eval(raw)
-            except (ValueError, SyntaxError):
-                parsed_value = raw  # plain words, e.g. penalty_model=age
-        parsed.setdefault(policy, {})[key] = parsed_value
-    for policy, options in parsed.items():
-        for key, parsed_value in options.items():  # one at a time first, so the error names the option
-            try:
-                get_policy(policy, **{key: parsed_value})
-            except (TypeError, ValueError) as exc:
-                raise SimulatorInputError(f"--set {policy}.{key}={parsed_value!r}: {exc}") from None
-        try:
-            get_policy(policy, **options)
-        except (TypeError, ValueError) as exc:
-            raise SimulatorInputError(f"--set: bad options for {policy}: {exc}") from None
-    return parsed
-
-
-def _cache_modes(value: str) -> list[str]:
-    """``--cache`` as a list of modes (``all`` = every mode, independent ones first)."""
-    from simulator.cacheio import CACHE_MODES
-    from simulator.errors import SimulatorInputError
-
-    modes = list(CACHE_MODES) if value.strip() == "all" else [m.strip() for m in value.split(",") if m.strip()]
-    for mode in modes:
-        if mode not in CACHE_MODES:
-            raise SimulatorInputError(f"--cache: unknown cache mode {mode!r}; known: {', '.join(CACHE_MODES)}, all")
-    if not modes or len(set(modes)) != len(modes):
-        raise SimulatorInputError(f"--cache {value!r}: give each mode once")
-    return modes
-
-
-def _check_policies(names: list[str]) -> str | None:
-    from scheduler.registry import policy_names
-
-    known = policy_names()
-    for name in names:
-        if name not in known:
-            return f"unknown policy {name!r}; known: {', '.join(known)}"
-    return None
 
 
 def _cores() -> int:
@@ -298,7 +209,7 @@ def _run(args: argparse.Namespace) -> int:
             f"{', '.join(missing)} required: silod simulate --workload CSV --policy NAME --out DIR "
             "(or one of the actions: run, compare, generate, list)", USAGE_ERROR
         )
-    problem = _check_policies([args.policy])
+    problem = cli_options.check_policies([args.policy])
     if problem:
         return _fail(problem, USAGE_ERROR)
 
@@ -309,12 +220,12 @@ def _run(args: argparse.Namespace) -> int:
         from simulator.runner import simulate
         from simulator.loading import load_workload
 
-        options = _parse_options(args.options, [args.policy])
+        options = cli_options.parse_options(args.options, [args.policy])
         workload = load_workload(args.workload)
         cluster = load_cluster(args.cluster)
-        policy = _policy(args.policy, args.seed, options)
-        quotas = _quotas(args)
-        modes = _cache_modes(args.cache)
+        policy = cli_options.policy(args.policy, args.seed, options)
+        quotas = cli_options.quotas(args)
+        modes = cli_options.cache_modes(args.cache)
         if len(modes) != 1:
             raise SimulatorInputError(f"--cache {args.cache!r}: run takes one mode; use 'silod simulate compare' for several")
         from simulator.parallel import Board, Run, run_many
@@ -339,7 +250,7 @@ def _compare(args: argparse.Namespace) -> int:
         return _fail("--policy: give at least one policy", USAGE_ERROR)
     if len(set(names)) != len(names):
         return _fail("--policy: each policy may appear once", USAGE_ERROR)
-    problem = _check_policies(names)
+    problem = cli_options.check_policies(names)
     if problem:
         return _fail(problem, USAGE_ERROR)
 
@@ -356,15 +267,15 @@ def _compare(args: argparse.Namespace) -> int:
 
         if args.jobs is not None and args.jobs < 1:
             raise SimulatorInputError(f"--jobs: expected a number >= 1, got {args.jobs}")
-        options = _parse_options(args.options, names)
+        options = cli_options.parse_options(args.options, names)
         workload = load_workload(args.workload)
         cluster = load_cluster(args.cluster)
-        modes = _cache_modes(args.cache)
-        quotas = _quotas(args)
+        modes = cli_options.cache_modes(args.cache)
+        quotas = cli_options.quotas(args)
 
         def task(name: str, mode: str, label: str):
             def run(observer):
-                result = simulate(workload, _policy(name, None, options), cluster, check_invariants=not args.no_check,
+                result = simulate(workload, cli_options.policy(name, None, options), cluster, check_invariants=not args.no_check,
                                   observer=observer, cache_mode=mode, protect_scale=args.inference_protect_scale,
                                   quotas=quotas)
                 return dataclasses.replace(result, policy=label)

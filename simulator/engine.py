@@ -61,7 +61,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 
 from estimator.gpu_types import typed_models
 from estimator.job_model import JobModel
@@ -83,6 +82,7 @@ from simulator.records import (  # noqa: F401 (re-exported: the engine's former 
     SimulationResult,
     TimelinePoint,
 )
+from simulator.outcome import OutcomeMixin
 from simulator.rounds import RoundsMixin
 from simulator.serving import InferenceMixin
 from simulator.workload import JobSpec, Workload, target_samples, workload_from_jobs
@@ -90,7 +90,7 @@ from simulator.workload import JobSpec, Workload, target_samples, workload_from_
 _EPS = 1e-9
 
 
-class Simulator(RoundsMixin, InferenceMixin):
+class Simulator(RoundsMixin, InferenceMixin, OutcomeMixin):
     """Run ``policy`` over ``workload`` on ``cluster``; :meth:`run` returns the result.
 
     ``policy`` is a policy object or a registered name; ``clock`` defaults to a clock at 0
@@ -150,32 +150,8 @@ class Simulator(RoundsMixin, InferenceMixin):
         self.quotas = dict(quotas or {})  # tenant -> quota: every round's plan is bound by scheduler.quotas
         self.on_round = on_round          # called with each round's snapshot and final plan (evaluation)
 
-        cap = self.cluster.job_gpu_cap
         self._node_types = {node.name: node.gpu_type for node in self.cluster.nodes}
-        self._jobs: list[SimJob] = []
-        models: dict[str, JobModel] = {}
-        overheads: dict[str, JobOverheads | None] = {}
-        # (application, Gavel job type) -> the job's model per GPU type of the cluster; shared by
-        # the jobs of one kind, so rate models and policies price each kind once.
-        typed: dict[tuple[str, str], dict[str, JobModel]] = {}
-        gpu_types = self.cluster.gpu_types
-        for spec in workload.jobs:
-            if spec.application not in models:
-                try:
-                    models[spec.application] = JobModel.from_profile(spec.application)
-                except KeyError as exc:
-                    raise SimulatorInputError(f"job {spec.name}: {exc.args[0]}") from None
-            model = models[spec.application]
-            kind = (spec.application, spec.job_type)
-            if kind not in typed:
-                typed[kind] = typed_models(model, gpu_types, job_type=spec.job_type)
-            target = spec.target_samples or target_samples(spec.application)
-            self._jobs.append(SimJob(spec, model, target, max_gpus_for(model, spec.num_replicas, cap), _dataset_of(spec.application),
-                                   typed[kind]))
-            if self.cluster.job_overheads:
-                if spec.application not in overheads:
-                    overheads[spec.application] = read_overheads(spec.application)
-                self._jobs[-1].overheads = overheads[spec.application]
+        self._jobs, models, typed = _sim_jobs(workload, self.cluster)
         if rate_model is None and (cache_mode != "none" or self.cluster.io_limited):
             rate_model = CacheIoRates(cache_mode, self.cluster.nodes, self.cluster.storage_bandwidth_bytes_per_s,
                                       gpus_per_node=self.cluster.gpus_per_node)
@@ -262,44 +238,6 @@ class Simulator(RoundsMixin, InferenceMixin):
         if self.observer is not None:
             self.observer(self.progress())
         return not self.finished
-
-    def progress(self) -> SimProgress:
-        return SimProgress(
-            time_s=self.clock.now(),
-            finished=self._finished,
-            total=len(self._jobs),
-            active=len(self._active),
-            running=len(self._running),
-            rounds=self.rounds,
-        )
-
-    def result(self) -> SimulationResult:
-        if not self.finished:
-            raise RuntimeError("the simulation has not finished")
-        isolated = self._isolated_jcts()
-        records = []
-        for job, iso in zip(self._jobs, isolated):
-            s = job.spec
-            assert job.start is not None and job.finish is not None
-            run_time = job.finish - job.start
-            records.append(JobRecord(
-                name=s.name, application=s.application, arrival_s=s.arrival_s + self.start_s,
-                start_s=job.start, finish_s=job.finish, jct_s=job.finish - (s.arrival_s + self.start_s),
-                restarts=job.restarts, attained_gpu_s=job.attained,
-                mean_gpus=job.attained / run_time if run_time > 0 else 0.0,
-                requested_gpus=job.requested, batch_size=s.batch_size, target_samples=job.target,
-                isolated_jct_s=iso, tenant=s.tenant,
-            ))
-        return SimulationResult(
-            policy=self.policy_name, workload=self.workload.name, cluster=self.cluster, jobs=tuple(records),
-            policy_options=_options_of(self.policy),
-            timeline=tuple(self._timeline), rounds=self.rounds, events=self.events,
-            plans_checked=self.plans_checked, start_s=self.start_s,
-            cache_mode=self.cache_mode, remote_bytes_read=float(getattr(self.rate_model, "bytes_read", 0.0)),
-            inference=self._inference_records(), lent_gpu_s=self._lent_gpu_s, reclaims=self._reclaims,
-            protect_scale=self._protect_scale, restart_charges={k: list(v) for k, v in sorted(self._charges.items())},
-            rounds_computed=self.rounds_computed,
-        )
 
     # --- time --------------------------------------------------------------------------
 
@@ -442,39 +380,36 @@ class Simulator(RoundsMixin, InferenceMixin):
         return arrived
 
 
-    def _record(self, t: float) -> None:
-        lent = busy = 0
-        if self._tasks:
-            lent = sum(self._lent_of(j.allocation) for j in self._running)
-            busy = sum(map(len, self._busy(t).values()))
-        point = TimelinePoint(t, self._allocated, len(self._active), len(self._running), lent, busy)
-        if self._timeline and self._timeline[-1].time_s == t:
-            self._timeline[-1] = point
-        else:
-            self._timeline.append(point)
 
-    # --- results -----------------------------------------------------------------------
-
-    def _isolated_jcts(self) -> list[float]:
-        """Restart cost + target / goodput of each job alone with its requested GPUs, packed."""
-        nodes = sorted(self.cluster.nodes, key=lambda n: (-n.gpus, n.name))
-        allocations = []
-        for job in self._jobs:
-            placement, remaining = [], job.requested
-            for node in nodes:
-                take = min(node.gpus, remaining)
-                placement.append((node.name, tuple(range(take))))
-                remaining -= take
-                if remaining == 0:
-                    break
-            allocations.append(Allocation(placement=tuple(sorted(placement))))
-        infos = [job.info() for job in self._jobs]
-        isolated = getattr(self.rate_model, "isolated_rates", self.rate_model.rates)
-        rates = np.asarray(isolated(infos, allocations), dtype=float)
-        return [
-            self.cluster.restart_cost_s + job.target / rate if rate > 0 else math.inf
-            for job, rate in zip(self._jobs, rates.tolist())
-        ]
+def _sim_jobs(workload: Workload, cluster: ClusterSpec) -> tuple[
+        list[SimJob], dict[str, JobModel], dict[tuple[str, str], dict[str, JobModel]]]:
+    """The workload's jobs with their models, and the models: per application, and per
+    (application, Gavel job type) for each GPU type of the cluster, shared by the jobs of one
+    kind so that rate models and policies price each kind once."""
+    cap = cluster.job_gpu_cap
+    jobs: list[SimJob] = []
+    models: dict[str, JobModel] = {}
+    overheads: dict[str, JobOverheads | None] = {}
+    typed: dict[tuple[str, str], dict[str, JobModel]] = {}
+    gpu_types = cluster.gpu_types
+    for spec in workload.jobs:
+        if spec.application not in models:
+            try:
+                models[spec.application] = JobModel.from_profile(spec.application)
+            except KeyError as exc:
+                raise SimulatorInputError(f"job {spec.name}: {exc.args[0]}") from None
+        model = models[spec.application]
+        kind = (spec.application, spec.job_type)
+        if kind not in typed:
+            typed[kind] = typed_models(model, gpu_types, job_type=spec.job_type)
+        target = spec.target_samples or target_samples(spec.application)
+        jobs.append(SimJob(spec, model, target, max_gpus_for(model, spec.num_replicas, cap), _dataset_of(spec.application),
+                           typed[kind]))
+        if cluster.job_overheads:
+            if spec.application not in overheads:
+                overheads[spec.application] = read_overheads(spec.application)
+            jobs[-1].overheads = overheads[spec.application]
+    return jobs, models, typed
 
 
 def _dataset_of(application: str) -> str:
@@ -490,11 +425,3 @@ def _co_designing(policy: Policy) -> Policy:
     if not dataclasses.is_dataclass(policy) or "codesign" not in {f.name for f in dataclasses.fields(policy)}:
         raise SimulatorInputError(f"--cache silod: policy {getattr(policy, 'name', policy)!r} has no codesign option")
     return dataclasses.replace(policy, codesign=True)
-
-
-def _options_of(policy: object) -> dict:
-    """A dataclass policy's options as plain values (what summary.json records)."""
-    if not dataclasses.is_dataclass(policy):
-        return {}
-    return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
-

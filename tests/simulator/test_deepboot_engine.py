@@ -12,7 +12,7 @@ from scheduler.deepboot.state import ReplicaState
 from scheduler.invariants import PlanViolation
 from scheduler.policy import Allocation
 from simulator import cluster_from_dict
-from simulator.cli import _parse_options
+from simulator.cli_options import parse_options as _parse_options
 from simulator.engine import Simulator
 from simulator.errors import SimulatorInputError
 from simulator.inference import ArrivalPattern, InferenceTask, generate_inference_tasks, mixed_rows, parse_inference_tasks
