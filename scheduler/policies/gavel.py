@@ -12,9 +12,9 @@ collapses the types into one pool priced at the job's reference model (counts ca
 largest type's GPUs) and lets the round put a count on a type in a speed-blind order
 (:func:`scheduler.placement.blind_preferences`). Identical jobs (same candidates, throughputs
 and weight: jobs of one application with the same bounds) are one row of the LP, exactly
-(:func:`_classes_lp`); a round of more than ``partition_jobs`` *distinct* jobs solves the same
+(:func:`scheduler.policies.gavel_max_min.classes_lp`); a round of more than ``partition_jobs`` *distinct* jobs solves the same
 LPs by prices on their capacity rows (:mod:`scheduler.policies.gavel_lp`), and ``partitions``
-splits them POP-style (:func:`_partitioned_lp`). After the LP's choices, leftover GPUs go to
+splits them POP-style (:func:`scheduler.policies.gavel_max_min.partitioned_lp`). After the LP's choices, leftover GPUs go to
 waiting jobs at any count and type they fit. A later issue adds cache
 and remote IO grants as further candidate dimensions (one more column set per grant
 level, priced by the same estimator call, see :mod:`scheduler.policies.pollux_estimates`).
@@ -55,7 +55,7 @@ The LP (max-min fairness, Gavel's ``max_min_fairness`` policy)::
   ``scipy.sparse`` and solved by HiGHS' interior-point method through
   ``scipy.optimize.linprog`` (2,000 distinct jobs: about 0.1 s per LP on one type, 0.4 s on
   three; the dual simplex stalls on the degenerate max-min LP). Jobs of one class
-  (:func:`_job_classes`) share one set of columns whose capacity use is scaled by the class
+  (:func:`scheduler.policies.gavel_max_min.job_classes`) share one set of columns whose capacity use is scaled by the class
   size, so a 20,000-job round of a few dozen kinds of job is an LP of a few dozen rows. Jobs
   whose minimum exceeds the cluster have no candidate and no fairness row.
 - More than ``partition_jobs`` (2,000) distinct jobs (with ``objective="makespan"`` every job's
@@ -79,7 +79,7 @@ and with the whole storage budget, so ``thr[j, c] = T(g, c, b)`` and a candidate
 ``io[j, c] = min(b*, budget)`` bytes/s while it runs. Remote IO is then one more capacity
 row of the LP, ``sum_j sum_c X[j,c] * io[j,c] <= storage budget``, as DESIGN.md suggests.
 Counts above the requested one are offered only while the budget covers every job's IO
-demand at its requested count (:func:`_growth_allowed`). The plan's cache and IO come from
+demand at its requested count (:func:`scheduler.policies.gavel_candidates.growth_allowed`). The plan's cache and IO come from
 :func:`scheduler.codesign.co_allocate`, and jobs its IO
 grants would starve are left out of the round so their GPUs go to the next jobs
 (:func:`scheduler.codesign.without_starved`).
@@ -103,28 +103,20 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.sparse as sp
-from scipy.optimize import linprog
-
-try:  # HiGHS' own bindings, which scipy >= 1.15 ships (and its linprog calls)
-    from scipy.optimize._highspy import _core as _highs
-except ImportError:  # older scipy: through linprog only
-    _highs = None
 
 from scheduler import codesign as co
 from scheduler.gpu_type_choice import gpus_by_type
 from scheduler.placement import (TypeRoom, blind_preferences, gpu_allocation, largest_type_gpus, node_types, place,
                                  placement_type)
+from scheduler.policies import gavel_candidates as cand
+from scheduler.policies import gavel_max_min as lps
 from scheduler.policies.gavel_fits import best_fits, fits_after_departures
 from scheduler.policies.gavel_lp import solve_by_prices
-from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place, row_codes
+from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place
 from scheduler.policy import ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
 from scheduler.steady import FOREVER, FOREVER_DEPARTURES, NO_PROMISE, Steadiness
 
-# Relative slack on the max-min level when water-filling (keeps the second LP feasible
-# under the first one's rounding).
-_LEVEL_SLACK = 1e-7
 # Time fractions below this are solver noise.
 _NOISE = 1e-9
 OBJECTIVES = ("max_min_fairness", "makespan")
@@ -196,7 +188,7 @@ class GavelPolicy:
 
     def candidate_counts(self, job: JobInfo, capacity: int) -> list[int]:
         """GPU counts the LP may give ``job`` (empty if not even its minimum fits the cluster)."""
-        counts = self._count_matrix(*_bounds([job]), capacity)
+        counts = self._count_matrix(*cand.bounds_of([job]), capacity)
         return [int(g) for g in counts[0] if g > 0]
 
     def _count_matrix(self, low: np.ndarray, top: np.ndarray, asked: np.ndarray, capacity: int) -> np.ndarray:
@@ -228,7 +220,7 @@ class GavelPolicy:
         its type's GPUs (type-blind: the largest type's, since a job still runs on one type) and
         the job must allow the type."""
         by_type = []
-        bounds = _bounds(jobs)
+        bounds = cand.bounds_of(jobs)
         constrained = [k for k, job in enumerate(jobs) if job.gpu_types]  # most jobs allow every type
         for t, gpu_type in enumerate(types):
             counts = self._count_matrix(*bounds, min(int(type_capacity[t]), widest))
@@ -324,7 +316,7 @@ class GavelPolicy:
         else:  # candidates and their throughputs, per kind of job, remembered across rounds
             job, gpus, kind, throughput, priced = self._priced_candidates(jobs, types, type_capacity, widest, per_node)
             if not small:
-                shape = _shapes(priced, job, gpus, kind, throughput, len(jobs))
+                shape = cand.shapes(priced, job, gpus, kind, throughput, len(jobs))
         weight = np.array([self.priority_base ** job_.priority for job_ in jobs], dtype=np.float64)
         if gpus.size == 0:
             empty = np.zeros(0)
@@ -343,21 +335,21 @@ class GavelPolicy:
             io_demand = pred.io_demand_bytes_per_s
             io_row = np.minimum(io_demand, budget)
             if not small:
-                shape = _job_classes(job, gpus, kind, throughput, np.zeros(len(jobs)), io_row, len(jobs))
+                shape = lps.job_classes(job, gpus, kind, throughput, np.zeros(len(jobs)), io_row, len(jobs))
         reference = self._reference(jobs, job, gpus, kind, throughput, type_capacity)
         with np.errstate(divide="ignore", invalid="ignore"):
             normalized = np.where(reference[job] > 0, throughput / reference[job], 0.0)
         # Jobs the LP cannot tell apart: the same candidates, throughputs, normalizer and weight.
         # Identical jobs share one LP row (_classes_lp), so the distinct jobs are what sizes an LP;
         # many go to the price solver (gavel_lp), which works per shape (same candidates, any factor).
-        by_prices = not small and _count_distinct([shape, reference, weight]) > self.partition_jobs
+        by_prices = not small and cand.count_distinct([shape, reference, weight]) > self.partition_jobs
         if by_prices:  # the hull does not depend on the normalizer: one per shape
-            keep = _undominated_by(shape, job, kind, gpus, throughput, len(types))
+            keep = cand.undominated_by(shape, job, kind, gpus, throughput, len(types))
         else:  # one per kind of job and normalizer (exactly what each job's own hull is; a few jobs: each its own)
-            group = np.arange(len(jobs)) if small else _codes([shape, reference])
-            keep = _undominated_by(group, job, kind, gpus, normalized, len(types))
+            group = np.arange(len(jobs)) if small else cand.row_classes([shape, reference])
+            keep = cand.undominated_by(group, job, kind, gpus, normalized, len(types))
         if io_row is not None and np.isfinite(snapshot.storage_bandwidth_bytes_per_s):
-            keep &= _growth_allowed(job, gpus, io_demand, jobs, snapshot.storage_bandwidth_bytes_per_s)
+            keep &= cand.growth_allowed(job, gpus, io_demand, jobs, snapshot.storage_bandwidth_bytes_per_s)
         job, gpus, kind, throughput, normalized = job[keep], gpus[keep], kind[keep], throughput[keep], normalized[keep]
         budget = snapshot.storage_bandwidth_bytes_per_s
         if io_row is not None:
@@ -370,7 +362,7 @@ class GavelPolicy:
         bound = None
         if by_prices:  # many distinct jobs: the whole LP by prices on its capacity rows
             if io_row is not None:  # the growth rule may have split a shape
-                shape = _job_classes(job, gpus, kind, throughput, np.zeros(len(jobs)), io_lp, len(jobs))
+                shape = lps.job_classes(job, gpus, kind, throughput, np.zeros(len(jobs)), io_lp, len(jobs))
             with np.errstate(divide="ignore"):
                 factor = np.where(reference > 0, scale / reference, 0.0)
             solved = solve_by_prices(job, gpus, kind, throughput, factor, weight, len(jobs), type_capacity,
@@ -379,14 +371,14 @@ class GavelPolicy:
         elif (fits := self._fits(job, gpus, normalized * scale, weight, len(jobs), type_capacity, kind, io_lp)):
             fraction, level = fits  # what _classes_lp returns then (gavel_fits), without the classes
         else:
-            klass = _job_classes(job, gpus, kind, normalized, weight, io_lp, len(jobs))
-            fraction, level = _partitioned_lp(self.partition_count(len(jobs)), job, gpus, normalized * scale, weight,
+            klass = lps.job_classes(job, gpus, kind, normalized, weight, io_lp, len(jobs))
+            fraction, level = lps.partitioned_lp(self.partition_count(len(jobs)), job, gpus, normalized * scale, weight,
                                               len(jobs), type_capacity, kind, self.water_fill, io_lp, budget, klass)
         return GavelAllocation(jobs, job, gpus, throughput, reference, weight, fraction, level / scale, io_row, types,
                                kind, bound)
 
     def _fits(self, job, gpus, normalized, weight, n_jobs, type_capacity, kind, io_lp):
-        """:func:`best_fits` over every job (no IO row, one LP), else None: where it holds, :func:`_classes_lp`
+        """:func:`best_fits` over every job (no IO row, one LP), else None: where it holds, :func:`scheduler.policies.gavel_max_min.classes_lp`
         gets the same from its classes (identical jobs have the same best, and GPU counts add up exactly)."""
         if io_lp is not None or self.partition_count(n_jobs) != 1:
             return None
@@ -607,217 +599,7 @@ def _rank_choices(allocation: GavelAllocation) -> list[list[int]]:
     ranked = np.lexsort((allocation.gpus, -np.round(allocation.fraction / 1e-6), allocation.job))
     first = np.ones(ranked.size, dtype=bool)
     first[1:] = allocation.job[ranked[1:]] != allocation.job[ranked[:-1]]
-    return _by_job(ranked[first | (allocation.fraction[ranked] > _NOISE)], allocation.job, len(allocation.jobs))
-
-
-def _bounds(jobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(min_gpus, max_gpus, requested)`` of every job."""
-    bounds = np.array([(job.min_gpus, job.max_gpus, job.requested) for job in jobs], dtype=np.int64).reshape(-1, 3)
-    return bounds[:, 0], bounds[:, 1], bounds[:, 2]
-
-
-def _by_job(candidates: np.ndarray, job: np.ndarray, n_jobs: int) -> list[list[int]]:
-    """Per job: its entries of ``candidates`` (ordered by job, then as the caller wants them)."""
-    ends = np.cumsum(np.bincount(job[candidates], minlength=n_jobs)).tolist()
-    flat = candidates.tolist()
-    return [flat[begin:end] for begin, end in zip([0] + ends[:-1], ends)]
-
-
-def _growth_allowed(job: np.ndarray, gpus: np.ndarray, io: np.ndarray, jobs, budget: float) -> np.ndarray:
-    """All candidates while the storage budget has slack; only counts up to each job's
-    requested one once the jobs' IO demands at their requested counts exceed it.
-
-    The LP prices every candidate with the whole budget, so when storage is the bottleneck a
-    larger count looks faster than it can be once the budget is shared. Offered anyway, the
-    max-min solution moved jobs between counts (and so nodes and caches) round after round:
-    on the storage-bound Philly scenario (docs/evaluation.md) gavel with co-design restarted
-    each job hundreds of times and ran 2.9x slower than without co-design; offering growth
-    only to jobs whose demand fits an equal share of the budget still churned (2,729
-    restarts, 58,798 s), without growth it ran 31,598 s. When storage is not the bottleneck
-    the extra GPUs can be fed and elastic Gavel is unchanged.
-    """
-    requested = np.array([max(j.requested, j.min_gpus) for j in jobs], dtype=np.int64)
-    at_request = gpus == requested[job]
-    if float(io[at_request].sum()) <= budget:
-        return np.ones(job.size, dtype=bool)
-    return gpus <= requested[job]
-
-
-def _codes(columns: list[np.ndarray]) -> np.ndarray:
-    """Per row of the parallel per-job ``columns``: a code (0, 1, ...), equal exactly for equal rows."""
-    _, code = np.unique(row_codes(columns), return_inverse=True)
-    return code.ravel()
-
-
-def _shapes(group: np.ndarray, job: np.ndarray, gpus: np.ndarray, kind: np.ndarray, rate: np.ndarray,
-            n_jobs: int) -> np.ndarray:
-    """Per job: a code, equal for jobs with the same candidates and rates (:func:`_job_classes`, by
-    value), worked out on one job of each ``group`` (jobs of a group are alike: one kind of job)."""
-    _, first, of_job = np.unique(group, return_index=True, return_inverse=True)
-    index = np.full(n_jobs, -1, dtype=np.int64)
-    index[first] = np.arange(first.size)
-    mine = index[job] >= 0
-    codes = _job_classes(index[job[mine]], gpus[mine], kind[mine], rate[mine], np.zeros(first.size), None, first.size)
-    return np.asarray(codes)[of_job.ravel()]
-
-
-def _count_distinct(columns: list[np.ndarray]) -> int:
-    return int(np.unique(row_codes(columns)).size)
-
-
-def _undominated_by(group: np.ndarray, job: np.ndarray, kind: np.ndarray, gpus: np.ndarray, values: np.ndarray,
-                    n_types: int) -> np.ndarray:
-    """:func:`_undominated` over every ``(job, type)`` pair's ``(gpus, values)``, worked out for one job
-    of each ``group`` (per job; jobs of a group have the same candidates and values, in the same
-    order) and copied to the others: the same answer, row for row."""
-    n_jobs = group.size
-    _, first, rep_of = np.unique(group, return_index=True, return_inverse=True)
-    representative = first[rep_of.ravel()]
-    counts = np.bincount(job, minlength=n_jobs)
-    start = np.cumsum(counts) - counts
-    ordered = job.size < 2 or bool(np.all(job[1:] >= job[:-1]))
-    order = np.arange(job.size) if ordered else np.argsort(job, kind="stable")
-    position = np.empty(job.size, dtype=np.int64)
-    position[order] = np.arange(job.size) - start[job[order]]
-    mine = np.flatnonzero(representative[job] == job)
-    pair_code = job[mine] * n_types + kind[mine]
-    if ordered and np.all(np.diff(kind[mine])[np.diff(job[mine]) == 0] >= 0):  # by job, then type: no sort
-        fresh = np.ones(mine.size, dtype=bool)
-        fresh[1:] = pair_code[1:] != pair_code[:-1]
-        pair_of = np.cumsum(fresh) - 1
-    else:
-        _, pair_of = np.unique(pair_code, return_inverse=True)
-        pair_of = pair_of.ravel()
-    kept = np.zeros(job.size, dtype=bool)
-    kept[mine] = _undominated(pair_of, gpus[mine], values[mine], int(pair_of.max(initial=-1)) + 1)
-    return kept[order[start[representative[job]] + position]]
-
-
-def _undominated(pair: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, n_pairs: int) -> np.ndarray:
-    """Candidates on their (job, type) pair's upper concave hull of ``(gpus, normalized)`` from ``(0, 0)``.
-
-    Any other candidate is matched or beaten, in the same time and with no more GPUs, by
-    mixing two hull candidates (or a hull candidate and idling), so the LP never needs it.
-    The hull is walked for every pair at once on a pair x candidate table (a few columns).
-    """
-    order = np.lexsort((gpus, pair))
-    counts = np.bincount(pair, minlength=n_pairs)
-    start = np.cumsum(counts) - counts
-    column = np.empty(pair.size, dtype=np.int64)
-    column[order] = np.arange(pair.size) - start[pair[order]] + 1
-    width = int(counts.max(initial=0)) + 1
-    x = np.full((n_pairs, width), np.inf)
-    y = np.full((n_pairs, width), -np.inf)
-    x[:, 0] = y[:, 0] = 0.0  # the origin: idling
-    x[pair, column] = gpus
-    y[pair, column] = normalized
-    on_hull = np.zeros((n_pairs, width), dtype=bool)
-    at = np.zeros(n_pairs, dtype=np.int64)
-    rows = np.arange(n_pairs)
-    later = np.arange(width)[None, :]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        while rows.size:
-            here = at[rows]
-            slope = (y[rows] - y[rows, here][:, None]) / (x[rows] - x[rows, here][:, None])
-            slope = np.where((later > here[:, None]) & np.isfinite(slope), slope, -np.inf)
-            end = width - 1 - np.argmax(slope[:, ::-1], axis=1)  # the farthest among equal slopes
-            rises = slope[np.arange(rows.size), end] > 0
-            rows, end = rows[rises], end[rises]
-            on_hull[rows, end] = True
-            at[rows] = end
-    return on_hull[pair, column]
-
-
-def _partitioned_lp(
-    parts: int, job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
-    type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool, io: np.ndarray | None, io_budget: float,
-    klass: np.ndarray,
-) -> tuple[np.ndarray, float]:
-    """POP (Narayanan et al., NSDI'21): job ``j`` goes to sub-problem ``j mod parts`` (jobs are in
-    arrival order, so every part gets a like mix), each part gets ``1/parts`` of every type's
-    GPUs (and of the storage budget), and the parts' LPs are solved one by one. Returns the
-    stitched ``X`` and the lowest part's level. One part is the whole LP. ``klass``: each job's
-    class (:func:`_job_classes`); a part's identical jobs are solved as one (:func:`_classes_lp`)."""
-    if parts <= 1:
-        return _classes_lp(job, gpus, normalized, weight, n_jobs, type_capacity, kind, water_fill, io, io_budget, klass)
-    fraction = np.zeros(job.size)
-    level = np.inf
-    part_of = job % parts
-    for p in range(parts):
-        mine = np.flatnonzero(part_of == p)
-        if mine.size == 0:
-            continue
-        members = np.unique(job[mine])
-        local = np.searchsorted(members, job[mine])
-        share = np.where(p < type_capacity % parts, type_capacity // parts + 1, type_capacity // parts)  # remainders to low parts
-        x, t = _classes_lp(local, gpus[mine], normalized[mine], weight[members], members.size, share, kind[mine],
-                           water_fill, io[mine] if io is not None else None, io_budget / parts, klass[members])
-        fraction[mine] = x
-        level = min(level, t)
-    return fraction, float(level if np.isfinite(level) else 0.0)
-
-
-def _job_classes(job: np.ndarray, gpus: np.ndarray, kind: np.ndarray, normalized: np.ndarray, weight: np.ndarray,
-                 io: np.ndarray | None, n_jobs: int) -> np.ndarray:
-    """Per job: a class number (0, 1, ...), the same for jobs the LP cannot tell apart — equal
-    weight and the same candidates (count, type, normalized throughput, IO) in the same order.
-
-    Jobs of one application with the same bounds and batch size share their models, so a large
-    round has few classes (a 20,000-job benchmark round: a few dozen).
-    """
-    columns = [gpus, kind, normalized] + ([io] if io is not None else [])
-    code = row_codes(columns)
-    order = np.argsort(job, kind="stable")
-    counts = np.bincount(job, minlength=n_jobs)
-    first = np.cumsum(counts) - counts
-    position = np.empty(job.size, dtype=np.int64)
-    position[order] = np.arange(job.size) - first[job[order]]
-    width = int(counts.max(initial=0))
-    signature = np.full((n_jobs, width + 1), -1, dtype=np.int64)
-    signature[job, position] = code
-    signature[:, width] = row_codes([weight])
-    # Group rows by a hash of the signature, then check every row against its group's first:
-    # exact, and much faster than sorting the rows (np.unique(axis=0)) on a large round.
-    mixer = np.random.default_rng(0).integers(1, 2**61, size=width + 1, dtype=np.int64) | 1
-    with np.errstate(over="ignore"):
-        digest = (signature * mixer).sum(axis=1)
-    _, first, klass = np.unique(digest, return_index=True, return_inverse=True)
-    klass = klass.ravel()
-    if not np.array_equal(signature, signature[first[klass]]):  # a hash collision: sort the rows instead
-        _, klass = np.unique(signature, axis=0, return_inverse=True)
-    return klass.ravel()
-
-
-def _classes_lp(
-    job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
-    type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool, io: np.ndarray | None, io_budget: float,
-    klass: np.ndarray,
-) -> tuple[np.ndarray, float]:
-    """:func:`_max_min_lp` with each class of identical jobs (``klass``) as one row of the LP.
-
-    Exact, not an approximation: both LPs are unchanged by swapping two identical jobs, so
-    averaging an optimal ``X`` over such swaps gives an optimal ``X`` (the LPs are convex) in
-    which identical jobs have equal fractions. With ``X[j, c] = X[class, c]`` a class's
-    fairness and time rows are any member's, its capacity (and IO) use is its size times one
-    member's, and its water-filling objective is its size times one member's.
-    """
-    classes, first, size = np.unique(klass, return_index=True, return_counts=True)
-    if classes.size == n_jobs:
-        return _max_min_lp(job, gpus, normalized, weight, n_jobs, type_capacity, kind, water_fill, io, io_budget)
-    # Candidate positions within their job, to map every job's candidates onto its representative's.
-    order = np.argsort(job, kind="stable")
-    counts = np.bincount(job, minlength=n_jobs)
-    start = np.cumsum(counts) - counts
-    position = np.empty(job.size, dtype=np.int64)
-    position[order] = np.arange(job.size) - start[job[order]]
-    representative = first[np.searchsorted(classes, klass)]  # per job
-    mine = np.flatnonzero(representative[job] == job)         # the representatives' candidates
-    row = np.searchsorted(classes, klass[job[mine]])
-    x, level = _max_min_lp(row, gpus[mine], normalized[mine], weight[first], classes.size, type_capacity, kind[mine],
-                           water_fill, io[mine] if io is not None else None, io_budget, multiplicity=size)
-    solved = np.zeros(job.size)
-    solved[mine] = x
-    return solved[order[start[representative[job]] + position]], level
+    return cand.by_job(ranked[first | (allocation.fraction[ranked] > _NOISE)], allocation.job, len(allocation.jobs))
 
 
 # What GavelPolicy.solve reads of a job besides its models, which the key holds by identity (the
@@ -827,12 +609,13 @@ _FIELDS = operator.attrgetter("job_id", "min_gpus", "max_gpus", "requested_gpus"
 
 
 _PREPARED: OrderedDict[tuple, tuple[list, GavelAllocation]] = OrderedDict()
+_PREPARED_LOCK = threading.Lock()
 _PREPARED_KEPT = 4
 
 
 def _remembered(key: tuple, jobs: tuple[JobInfo, ...], solve) -> GavelAllocation:
     """``solve()`` for ``key``, or the answer remembered for it with this round's ``jobs``."""
-    with _SOLVED_LOCK:
+    with _PREPARED_LOCK:
         found = _PREPARED.get(key)
         if found is not None:
             _PREPARED.move_to_end(key)
@@ -842,158 +625,19 @@ def _remembered(key: tuple, jobs: tuple[JobInfo, ...], solve) -> GavelAllocation
         if isinstance(value, np.ndarray):
             value.setflags(write=False)  # shared by the rounds that reuse it
     models = [(job.model, job.type_models) for job in jobs]
-    with _SOLVED_LOCK:
+    with _PREPARED_LOCK:
         _PREPARED[key] = (models, allocation)
         while len(_PREPARED) > _PREPARED_KEPT:
             _PREPARED.popitem(last=False)
     return allocation
 
 
-_SOLVED: OrderedDict[bytes, tuple[np.ndarray, float]] = OrderedDict()
-_SOLVED_LOCK = threading.Lock()
-_SOLVED_KEPT = 8
-
-
-def _max_min_lp(
-    job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
-    type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool,
-    io: np.ndarray | None = None, io_budget: float = np.inf, multiplicity: np.ndarray | None = None,
-) -> tuple[np.ndarray, float]:
-    """:func:`_solve_max_min_lp`, remembered for the last few distinct LPs: rounds in which no
-    job arrived or left (and nothing else the LP reads changed) pose exactly the same LP, so
-    its answer is reused. The key is every input, byte for byte. A round in which every job fits
-    on its best candidate is answered without HiGHS (:func:`scheduler.policies.gavel_fits.best_fits`)."""
-    fits = best_fits(job, gpus, normalized, weight, n_jobs, type_capacity, kind, water_fill, io, io_budget,
-                     multiplicity)
-    if fits is not None:
-        return fits
-    arrays = [np.asarray(job, np.int64), np.asarray(gpus, np.int64), np.asarray(normalized, np.float64),
-              np.asarray(weight, np.float64), np.asarray(type_capacity, np.int64), np.asarray(kind, np.int64)]
-    arrays += [np.asarray(a, np.float64 if a is io else np.int64) for a in (io, multiplicity) if a is not None]
-    shape = (job.size, n_jobs, len(type_capacity), bool(water_fill), io is None, multiplicity is None, float(io_budget))
-    key = repr(shape).encode() + b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
-    with _SOLVED_LOCK:
-        found = _SOLVED.get(key)
-        if found is not None:
-            _SOLVED.move_to_end(key)
-            return found[0].copy(), found[1]
-    fraction, level = _solve_max_min_lp(job, gpus, normalized, weight, n_jobs, type_capacity, kind, water_fill, io,
-                                        io_budget, multiplicity)
-    with _SOLVED_LOCK:
-        _SOLVED[key] = (fraction.copy(), level)
-        while len(_SOLVED) > _SOLVED_KEPT:
-            _SOLVED.popitem(last=False)
-    return fraction, level
-
-
 def forget_lps() -> None:
     """Drop the remembered LPs and their inputs (a benchmark times a round that solves its LP)."""
     global _LAST_SOLVED, _LAST_CHOICES
-    with _SOLVED_LOCK:
-        _SOLVED.clear()
+    lps.forget_solved()
+    with _PREPARED_LOCK:
         _PREPARED.clear()
         _LAST_SOLVED = _LAST_CHOICES = None
 
 
-def _solve_max_min_lp(
-    job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight: np.ndarray, n_jobs: int,
-    type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool,
-    io: np.ndarray | None = None, io_budget: float = np.inf, multiplicity: np.ndarray | None = None,
-) -> tuple[np.ndarray, float]:
-    """Solve the max-min LP (and optionally the water-filling LP); return ``(X, t*)``.
-
-    ``kind[c]`` is candidate ``c``'s GPU type (an index into ``type_capacity``, the GPUs of
-    each type): one capacity row per type. With ``io`` (bytes/s each candidate reads) the LP
-    gets one more row: ``sum io x <= io_budget``. ``multiplicity[j]``: how many identical jobs
-    row ``j`` stands for (:func:`_classes_lp`; default 1).
-    """
-    m = job.size
-    many = np.ones(m) if multiplicity is None else multiplicity[job].astype(np.float64)
-    cols = np.arange(m)
-    n_types = len(type_capacity)
-    # Rows 0..n-1: w_j t - sum_c norm x <= 0; rows n..2n-1: sum_c x <= 1; rows 2n..2n+T-1:
-    # sum_{c of type} g x <= G_type. Jobs without a candidate (their minimum exceeds every
-    # type) cannot hold the level down.
-    fair = np.flatnonzero(np.bincount(job, minlength=n_jobs) > 0)
-    rows = np.concatenate([job, n_jobs + job, 2 * n_jobs + kind, fair])
-    columns = np.concatenate([cols, cols, cols, np.full(fair.size, m)])
-    values = np.concatenate([-normalized, np.ones(m), gpus * many, weight[fair]])
-    extra = []
-    if io is not None:  # the last row: the storage budget
-        rows = np.concatenate([rows, np.full(m, 2 * n_jobs + n_types)])
-        columns = np.concatenate([columns, cols])
-        values = np.concatenate([values, io * many])
-        extra = [float(io_budget)]
-    a_ub = sp.csr_matrix((values, (rows, columns)), shape=(2 * n_jobs + n_types + len(extra), m + 1))
-    b_ub = np.concatenate([np.zeros(n_jobs), np.ones(n_jobs), type_capacity.astype(np.float64), extra])
-    bounds = np.zeros((m + 1, 2))
-    bounds[:m, 1] = 1.0
-    bounds[m, 1] = np.inf
-    objective = np.zeros(m + 1)
-    objective[m] = -1.0
-    lp = _InteriorPoint(a_ub, b_ub)
-    x = lp.solve(objective, bounds)
-    if x is None:
-        raise RuntimeError(f"gavel LP failed: {lp.message}")
-    level = float(x[m])
-    fraction = x[:m]
-    if water_fill and level > 0:
-        bounds[m] = level * (1 - _LEVEL_SLACK)
-        second = lp.solve(np.concatenate([-normalized * many, [0.0]]), bounds)
-        if second is not None:
-            fraction = second[:m]
-    return np.clip(fraction, 0.0, 1.0), level
-
-
-class _InteriorPoint:
-    """``min c x`` subject to ``a_ub x <= b_ub`` and bounds, by HiGHS' interior-point method with
-    crossover, exactly as ``linprog(method="highs-ipm")`` solves it (same solver, same options,
-    the same answers bit for bit), for several objectives and bounds over one constraint matrix.
-
-    Where scipy ships HiGHS' bindings the model is handed to HiGHS directly: linprog's input
-    checks and result assembly cost about as much as HiGHS itself on the LPs of a simulated
-    round (a few dozen rows). Each solve starts afresh, as a new linprog call would.
-    """
-
-    def __init__(self, a_ub: sp.csr_matrix, b_ub: np.ndarray):
-        self.a_ub, self.b_ub = a_ub, b_ub
-        self.message = ""
-        self._solver = None
-        if _highs is not None:
-            a = a_ub.tocsc()
-            a.sort_indices()
-            lp = _highs.HighsLp()
-            lp.num_col_, lp.num_row_ = a.shape[1], a.shape[0]
-            lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = a.shape[1], a.shape[0]
-            lp.a_matrix_.format_ = _highs.MatrixFormat.kColwise
-            lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
-            lp.col_cost_ = np.zeros(a.shape[1])
-            lp.col_lower_, lp.col_upper_ = np.zeros(a.shape[1]), np.zeros(a.shape[1])
-            lp.row_lower_ = np.full(a.shape[0], -_highs.kHighsInf)
-            lp.row_upper_ = np.asarray(b_ub, dtype=np.float64)
-            solver = _highs._Highs()
-            # linprog's settings for method="highs-ipm" (the rest are HiGHS' defaults, as there).
-            for option, value in (("output_flag", False), ("log_to_console", False), ("presolve", "on"),
-                                  ("solver", "ipm"), ("simplex_strategy", 1)):
-                solver.setOptionValue(option, value)
-            solver.passModel(lp)
-            self._solver = solver
-            self._columns = np.arange(a.shape[1], dtype=np.int32)
-
-    def solve(self, objective: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
-        """The optimal ``x`` (None if HiGHS found none; ``message`` says why)."""
-        if self._solver is None:
-            result = linprog(objective, A_ub=self.a_ub, b_ub=self.b_ub, bounds=bounds, method="highs-ipm")
-            self.message = result.message
-            return result.x if result.status == 0 else None
-        solver, columns = self._solver, self._columns
-        solver.clearSolver()
-        solver.changeColsCost(columns.size, columns, np.asarray(objective, dtype=np.float64))
-        upper = np.where(np.isfinite(bounds[:, 1]), bounds[:, 1], _highs.kHighsInf)
-        solver.changeColsBounds(columns.size, columns, np.ascontiguousarray(bounds[:, 0], dtype=np.float64), upper)
-        solver.run()
-        status = solver.getModelStatus()
-        if status != _highs.HighsModelStatus.kOptimal:
-            self.message = solver.modelStatusToString(status)
-            return None
-        return np.array(solver.getSolution().col_value)

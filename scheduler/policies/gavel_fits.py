@@ -31,7 +31,7 @@ def best_fits(job: np.ndarray, gpus: np.ndarray, normalized: np.ndarray, weight:
               type_capacity: np.ndarray, kind: np.ndarray, water_fill: bool, io: np.ndarray | None = None,
               io_budget: float = np.inf, multiplicity: np.ndarray | None = None,
               margin: float = MARGIN) -> tuple[np.ndarray, float] | None:
-    """gavel's ``(X, t*)`` (:func:`scheduler.policies.gavel._solve_max_min_lp`, same arguments) when
+    """gavel's ``(X, t*)`` (:func:`scheduler.policies.gavel_max_min.solve_max_min_lp`, same arguments) when
     every job fits on its best candidate (the module docstring), its best ahead of the rest by
     ``margin``, else None."""
     if not water_fill or job.size == 0:

@@ -200,9 +200,9 @@ def test_a_job_that_cannot_fit_does_not_hold_the_others_back():
 
 
 def test_the_lp_through_highs_bindings_matches_linprog_bit_for_bit(monkeypatch):
-    import scheduler.policies.gavel as gavel
+    import scheduler.policies.gavel_max_min as gavel_max_min
 
-    if gavel._highs is None:
+    if gavel_max_min._highs is None:
         pytest.skip("this scipy has no HiGHS bindings: linprog is the only path")
     rng = np.random.default_rng(4)
     problems = []
@@ -216,9 +216,9 @@ def test_the_lp_through_highs_bindings_matches_linprog_bit_for_bit(monkeypatch):
         capacity = rng.integers(4, 24, size=n_types)
         weight = rng.choice([1.0, 2.0], size=n_jobs)
         problems.append((job, gpus, normalized, weight, n_jobs, capacity, kind, True))
-    direct = [gavel._solve_max_min_lp(*p) for p in problems]
-    monkeypatch.setattr(gavel, "_highs", None)
-    through_linprog = [gavel._solve_max_min_lp(*p) for p in problems]
+    direct = [gavel_max_min.solve_max_min_lp(*p) for p in problems]
+    monkeypatch.setattr(gavel_max_min, "_highs", None)
+    through_linprog = [gavel_max_min.solve_max_min_lp(*p) for p in problems]
     for (x, level), (y, expected) in zip(direct, through_linprog):
         assert level == expected and level > 0
         assert np.array_equal(x, y)

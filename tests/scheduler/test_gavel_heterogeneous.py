@@ -122,19 +122,19 @@ def test_pop_partitions_stay_close_to_the_whole_lp_and_every_usable_gpu_is_place
 def test_identical_jobs_are_solved_as_one_lp_row_without_changing_the_optimum():
     # 36 jobs of 6 kinds: the LP over the 6 classes (with their sizes) must reach the same max-min
     # level and the same water-filled total as the LP with one row per job, and keep capacities.
-    from scheduler.policies import gavel
+    from scheduler.policies import gavel_max_min
 
     nodes = typed(make_nodes(3, 4, prefix="k"), "k80") + typed(make_nodes(2, 4, prefix="v"), "v100")
     apps = ["imagenet", "cifar10", "bert", "deepspeech2", "ncf", "yolov3"]
     jobs = [tjob(f"j{k:02d}", apps[k % 6], gpus=1 + k % 2 * 3, min_gpus=1, max_gpus=1 + k % 2 * 3) for k in range(36)]
     snap = make_snapshot(nodes, jobs)
     by_class = GavelPolicy().solve(snap)
-    real = gavel._job_classes
+    real = gavel_max_min.job_classes
     try:
-        gavel._job_classes = lambda job, *rest: np.arange(rest[-1])  # every job a class of its own: the plain LP
+        gavel_max_min.job_classes = lambda job, *rest: np.arange(rest[-1])  # every job a class of its own: the plain LP
         plain = GavelPolicy().solve(snap)
     finally:
-        gavel._job_classes = real
+        gavel_max_min.job_classes = real
     assert by_class.level == pytest.approx(plain.level, rel=1e-6)
     assert by_class.normalized_throughput().sum() == pytest.approx(plain.normalized_throughput().sum(), rel=1e-6)
     for t in range(len(by_class.types)):
@@ -142,7 +142,7 @@ def test_identical_jobs_are_solved_as_one_lp_row_without_changing_the_optimum():
     # Jobs j00 and j12 are alike: the same fractions on the same candidates.
     share = by_class.time_fraction()
     assert share[0] == pytest.approx(share[12]) and share[0] > 0
-    klass = gavel._job_classes(by_class.job, by_class.gpus, by_class.gpu_type, by_class.throughput / by_class.reference[by_class.job],
+    klass = gavel_max_min.job_classes(by_class.job, by_class.gpus, by_class.gpu_type, by_class.throughput / by_class.reference[by_class.job],
                                by_class.weight, None, len(jobs))
     assert klass.max() + 1 == 6 and klass[0] == klass[12] != klass[1]
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 
 from estimator.gpu_types import typed_models
 from scheduler.invariants import check_plan
-from scheduler.policies import gavel
+from scheduler.policies import gavel, gavel_candidates, gavel_max_min
 from scheduler.policies.gavel import GavelPolicy
 from scheduler.policies.gavel_lp import solve_by_prices
 from tests.scheduler.conftest import APPLICATIONS, assert_sound, make_job, make_nodes, make_snapshot, model, snapshots
@@ -53,9 +53,9 @@ def test_prices_reach_the_plain_lps_level_and_water_filled_total(seed):
                        n_shapes=int(rng.integers(1, 8)), io=seed % 3 == 0, many=seed % 2 == 1)
     job, n_jobs, weight, many = p["job"], p["n_jobs"], p["weight"], p["multiplicity"]
     normalized = p["rate"] * p["factor"][job]
-    exact, exact_level = gavel._solve_max_min_lp(job, p["gpus"], normalized, weight, n_jobs, p["capacity"], p["kind"],
+    exact, exact_level = gavel_max_min.solve_max_min_lp(job, p["gpus"], normalized, weight, n_jobs, p["capacity"], p["kind"],
                                                  True, p["io"], p["io_budget"], many)
-    shape = gavel._job_classes(job, p["gpus"], p["kind"], p["rate"], np.zeros(n_jobs), p["io"], n_jobs)
+    shape = gavel_max_min.job_classes(job, p["gpus"], p["kind"], p["rate"], np.zeros(n_jobs), p["io"], n_jobs)
     solved = solve_by_prices(job, p["gpus"], p["kind"], p["rate"], p["factor"], weight, n_jobs, p["capacity"], True,
                              shape, p["io"], p["io_budget"], many)
     # The level: a lower bound within the tolerance of the LP's, and a certified upper bound.
@@ -80,10 +80,10 @@ def test_prices_without_water_filling_reach_the_level():
     rng = np.random.default_rng(11)
     p = random_problem(rng, n_jobs=30, n_types=2, n_shapes=3, io=False, many=False)
     job, n_jobs = p["job"], p["n_jobs"]
-    shape = gavel._job_classes(job, p["gpus"], p["kind"], p["rate"], np.zeros(n_jobs), None, n_jobs)
+    shape = gavel_max_min.job_classes(job, p["gpus"], p["kind"], p["rate"], np.zeros(n_jobs), None, n_jobs)
     solved = solve_by_prices(job, p["gpus"], p["kind"], p["rate"], p["factor"], p["weight"], n_jobs, p["capacity"],
                              False, shape)
-    _, exact_level = gavel._solve_max_min_lp(job, p["gpus"], p["rate"] * p["factor"][job], p["weight"], n_jobs,
+    _, exact_level = gavel_max_min.solve_max_min_lp(job, p["gpus"], p["rate"] * p["factor"][job], p["weight"], n_jobs,
                                              p["capacity"], p["kind"], False)
     assert solved.level == pytest.approx(exact_level, rel=1e-5)
     rate = np.bincount(job, weights=solved.fraction * p["rate"] * p["factor"][job], minlength=n_jobs)
@@ -142,13 +142,13 @@ def test_the_hull_filter_worked_out_once_per_group_is_every_jobs_own(seed):
     rng = np.random.default_rng(seed)
     p = random_problem(rng, n_jobs=80, n_types=3, n_shapes=6, io=False, many=False)
     job, kind, gpus = p["job"], p["kind"], p["gpus"]
-    shape = gavel._job_classes(job, gpus, kind, p["rate"], np.zeros(p["n_jobs"]), None, p["n_jobs"])
+    shape = gavel_max_min.job_classes(job, gpus, kind, p["rate"], np.zeros(p["n_jobs"]), None, p["n_jobs"])
     factor = rng.choice([0.5, 1.0, 3.0], size=p["n_jobs"])  # a few normalizers: groups of (shape, factor)
     values = p["rate"] * factor[job]
     _, pair_of = np.unique(job * 3 + kind, return_inverse=True)
-    expected = gavel._undominated(pair_of.ravel(), gpus, values, int(pair_of.max()) + 1)
-    group = gavel._codes([shape, factor])
-    assert np.array_equal(gavel._undominated_by(group, job, kind, gpus, values, 3), expected)
+    expected = gavel_candidates.undominated(pair_of.ravel(), gpus, values, int(pair_of.max()) + 1)
+    group = gavel_candidates.row_classes([shape, factor])
+    assert np.array_equal(gavel_candidates.undominated_by(group, job, kind, gpus, values, 3), expected)
     assert not expected.all()  # some candidates are dominated
 
 
