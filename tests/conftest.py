@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import self_signal_guard
+
 ROOT = Path(__file__).resolve().parents[1]
+self_signal_guard.install()
 
 os.environ.setdefault("SILOD_DIST_BACKEND", "cudaonly")
 os.environ.setdefault("SILOD_DIST_BACKEND_MODULE", "tests.support.cudaonly_backend")
