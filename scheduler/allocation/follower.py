@@ -78,7 +78,6 @@ class PlanFollower:
         self.node_timeout_s = node_timeout_s  # the leader's, once a feed declared it
         self.plan_epoch = 0  # the newest epoch of a plan taken in
         self._nodes_read_at = -math.inf  # monotonic time of the last ListNodes
-        self._nodes_read: asyncio.Task[None] | None = None  # a ListNodes beside the serving
 
     # ---- read by the watches -----------------------------------------------------------------
     @property
@@ -147,27 +146,12 @@ class PlanFollower:
         self.plans.remember_nodes(nodes.nodes)
         self._nodes_read_at = time.monotonic()
 
-    async def _read_nodes_beside(self) -> None:
-        try:
-            await self._read_nodes()
-        except grpc.aio.AioRpcError:
-            pass  # the addresses known stay; read again later
-        finally:
-            self._nodes_read = None
-
     async def _take(self, plan: plan_pb2.AllocationPlan, source: str) -> None:
         # The nodes' addresses (a rank's MASTER_ADDR, a peer's cache): an agent restarted elsewhere
         # (a new pod IP) registers its new address, which the plans after it must carry.
-        # A plan waits for the addresses only when it places a job on a node whose address is
-        # not known (one that just joined); otherwise they are read again beside the serving,
-        # so a busy metadata service does not hold every plan back by its ListNodes of every node.
         reads = [self._learn_specs(job.job_id for job in plan.jobs)]
-        known = self.plans.agent_addresses
-        if any(p.node not in known for job in plan.jobs for p in job.placements):
+        if time.monotonic() - self._nodes_read_at >= NODES_REFRESH_S:
             reads.append(self._read_nodes())
-        elif time.monotonic() - self._nodes_read_at >= NODES_REFRESH_S and self._nodes_read is None:
-            self._nodes_read_at = time.monotonic()
-            self._nodes_read = asyncio.create_task(self._read_nodes_beside())
         for failed in await asyncio.gather(*reads, return_exceptions=True):  # side by side: the plan waits for one
             if isinstance(failed, grpc.aio.AioRpcError):
                 pass  # the addresses known stay; read again at the next plan
