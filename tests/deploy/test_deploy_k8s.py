@@ -311,7 +311,9 @@ def test_kustomize_renders_the_two_schedulers() -> None:
 
     kubectl = shutil.which("kubectl")
     if kubectl is None:
-        pytest.skip("kubectl is not installed")
+        from tests.support.ci import missing
+
+        missing("kubectl is not installed")
     done = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     rendered = [d for d in yaml.safe_load_all(done.stdout) if d]

@@ -44,7 +44,8 @@ REFUSED_FILE = {"ENOENT", "EACCES", "EPERM"}
 HARMLESS_DEVICES = {"null", "zero", "full", "random", "urandom", "tty", "fd", "stdin", "stdout", "stderr", "shm"}
 DOCKER_DEVICES = {"core", "mqueue", "ptmx", "pts", "console"}  # what Docker adds to a container's /dev
 
-pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="both runtimes need root"),
+# Both runtimes need root: skipped without it on a developer's machine, run (and failed) under CI=true.
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0 and os.environ.get("CI") != "true", reason="both runtimes need root"),
               pytest.mark.timeout(900)]  # a fresh machine installs Docker and builds the job image first
 
 
