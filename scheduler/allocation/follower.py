@@ -78,6 +78,7 @@ class PlanFollower:
         self.node_timeout_s = node_timeout_s  # the leader's, once a feed declared it
         self.plan_epoch = 0  # the newest epoch of a plan taken in
         self._nodes_read_at = -math.inf  # monotonic time of the last ListNodes
+        self._fed_addresses = False  # a feed sent the nodes' addresses: no ListNodes before a plan
 
     # ---- read by the watches -----------------------------------------------------------------
     @property
@@ -130,6 +131,7 @@ class PlanFollower:
             metrics.PLANS_REFUSED.labels("epoch").inc()
             _log.warning("plan from an older epoch refused", extra={"version": plan.version, "reason": refusal})
             return
+        self._absorb(update)
         if plan.version <= self.latest_version:
             return  # held already (the feed's first plan after a reconnect, or another feed's)
         if update.HasField("changes"):
@@ -138,19 +140,35 @@ class PlanFollower:
                 metrics.PLANS_REFUSED.labels("out_of_step").inc()
                 raise FeedOutOfStep(f"changes of plan {update.changes.base_version} offered, plan "
                                     f"{held.version if held is not None else 0} held")
-            plan = _applied(held, plan, update.changes)
+            await self._take(_applied(held, plan, update.changes), "feed", new_jobs=update.changes.jobs)
+            return
         await self._take(plan, "feed")
+
+    def _absorb(self, update: allocation_pb2.PlanFeedUpdate) -> None:
+        """What the plan's node parts need that the feed sent with it: the plan is then served
+        without a call to the metadata service first."""
+        for job_id, spec in update.specs.items():
+            self.plans.specs[job_id] = spec
+        if update.node_addresses:
+            self._fed_addresses = True
+            for address in update.node_addresses:
+                self.plans.agent_addresses[address.node] = address.agent_address
+                self.plans.cache_addresses[address.node] = address.cache_address
 
     async def _read_nodes(self) -> None:
         nodes = await self.plans.clients.md.ListNodes(metadata_pb2.ListNodesRequest())
         self.plans.remember_nodes(nodes.nodes)
         self._nodes_read_at = time.monotonic()
 
-    async def _take(self, plan: plan_pb2.AllocationPlan, source: str) -> None:
-        # The nodes' addresses (a rank's MASTER_ADDR, a peer's cache): an agent restarted elsewhere
-        # (a new pod IP) registers its new address, which the plans after it must carry.
-        reads = [self._learn_specs(job.job_id for job in plan.jobs)]
-        if time.monotonic() - self._nodes_read_at >= NODES_REFRESH_S:
+    async def _take(self, plan: plan_pb2.AllocationPlan, source: str,
+                    new_jobs: Iterable[plan_pb2.JobAllocation] | None = None) -> None:
+        # Whatever the feed did not send is read before the plan is served: the specs of jobs
+        # new to this server (``new_jobs``: those of the plan's changes; None: all of them) and,
+        # from a scheduler whose feed sends no addresses, the nodes' (a rank's MASTER_ADDR, a
+        # peer's cache; an agent restarted elsewhere registers a new one, which the plans after
+        # it must carry).
+        reads = [self._learn_specs(job.job_id for job in (plan.jobs if new_jobs is None else new_jobs))]
+        if not self._fed_addresses and time.monotonic() - self._nodes_read_at >= NODES_REFRESH_S:
             reads.append(self._read_nodes())
         for failed in await asyncio.gather(*reads, return_exceptions=True):  # side by side: the plan waits for one
             if isinstance(failed, grpc.aio.AioRpcError):

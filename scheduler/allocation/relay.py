@@ -8,6 +8,10 @@ the nodes send them again. An ack is answered at once and relayed after: a worke
 its next plan only once its ack of the last is answered, so a plan must not wait for a round trip
 to the scheduler (busy with a round, or being replaced). An ack the scheduler does not take is
 logged; the releases it carried are proven again by the node's next task report.
+
+Acks and reports are relayed in calls of their own: a batch of reports waits for the scheduler's
+writes of what they move (the store's turn, seconds under load), and the releases an ack carries
+should not wait behind them.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ class Relay:
         self._stub = stub  # the leading scheduler's PlanFeedService stub, read at each call
         self._epoch = epoch
         self._server = server
-        self._calls: Coalescer[Item, list[str]] = Coalescer(
+        self._ack_calls: Coalescer[Item, list[str]] = Coalescer(
+            self._send, MAX_RELAYED, stopped=lambda in_flight: Unavailable("the allocation server is stopping"))
+        self._report_calls: Coalescer[Item, list[str]] = Coalescer(
             self._send, MAX_RELAYED, stopped=lambda in_flight: Unavailable("the allocation server is stopping"))
         self._acks: set[asyncio.Future[None]] = set()
 
@@ -46,7 +52,7 @@ class Relay:
         """Relay ``request`` in the next batch; the caller does not wait for it."""
         async def relay() -> None:
             try:
-                await self._calls.submit(request)
+                await self._ack_calls.submit(request)
             except ServiceError as exc:
                 _log.warning("ack not relayed", extra={"node": request.node, "version": request.version,
                                                        "released_jobs": list(request.released_jobs),
@@ -57,11 +63,12 @@ class Relay:
         task.add_done_callback(self._acks.discard)
 
     async def report(self, request: allocation_pb2.ReportTasksRequest) -> list[str]:
-        return await self._calls.submit(request)
+        return await self._report_calls.submit(request)
 
     async def flush(self) -> None:
         await asyncio.gather(*list(self._acks), return_exceptions=True)
-        await self._calls.flush()
+        await self._ack_calls.flush()
+        await self._report_calls.flush()
 
     async def _send(self, items: Sequence[Item]) -> list[list[str] | BaseException]:
         acks = [i for i in items if isinstance(i, allocation_pb2.AckPlanRequest)]

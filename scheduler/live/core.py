@@ -211,6 +211,10 @@ class SchedulerCore:
     def agent_addresses(self) -> dict[str, str]:
         return self.plans.agent_addresses
 
+    @property
+    def cache_addresses(self) -> dict[str, str]:
+        return self.plans.cache_addresses
+
     def job_submitted(self, job: common_pb2.Job) -> None:
         self.plans.specs[job.id] = job.spec
         self.jobs.saw(job)

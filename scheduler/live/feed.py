@@ -5,7 +5,10 @@ scheduler/allocation/), which serve the nodes' Watch, Ack and ReportTasks apart 
   leads (as a node's held Watch); the leader declares its epoch and node timeout first (a
   heartbeat), then sends the plan in force whole (its header alone when the follower holds it),
   then each newer plan as what it changes of the plan sent before it (``PlanChanges``, the same
-  rule as the commits'). A leader that loses the lease ends the stream at its next wake.
+  rule as the commits'). With each plan go what its node parts need that the follower may lack:
+  the specs of the jobs new to the stream and the nodes' addresses not yet sent (or changed), so
+  that the follower serves the plan without asking the metadata service first. A leader that
+  loses the lease ends the stream at its next wake.
 * ``Relay``: the acks and task reports of many nodes in one call, taken in as Ack and ReportTasks
   would be (releases, the acked-version metric, the reports' state moves). The acked versions are
   written to the store by the allocation server, not here. A scheduler that is not leading, or
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -26,7 +30,7 @@ from scheduler.live.watch import WATCH_REFRESH_AGE_S, require_leader
 from scheduler.plan_changes import changes_between
 from services.runtime import downstream
 from services.runtime.errors import FailedPrecondition, ServiceError
-from silod.v1 import allocation_pb2, allocation_pb2_grpc, plan_pb2
+from silod.v1 import allocation_pb2, allocation_pb2_grpc, common_pb2, plan_pb2
 
 _log = logging.getLogger("silod.scheduler")
 
@@ -38,8 +42,9 @@ class PlanFeedService(allocation_pb2_grpc.PlanFeedServiceServicer):
         self.core = core
         self.node_timeout_s = node_timeout_s
         self.refresh_s = refresh_s
-        # (base version, version) -> the changes between them: the followers share one diff a plan.
-        self._changes: dict[tuple[int, int], plan_pb2.PlanChanges] = {}
+        # (base version, version) -> the changes between them and the specs of the jobs they add:
+        # the followers share one diff a plan.
+        self._changes: dict[tuple[int, int], tuple[plan_pb2.PlanChanges, dict[str, common_pb2.JobSpec]]] = {}
 
     def _epoch(self) -> int:
         leadership = getattr(self.core, "leadership", None)
@@ -58,11 +63,14 @@ class PlanFeedService(allocation_pb2_grpc.PlanFeedServiceServicer):
         loop = asyncio.get_running_loop()
         sent: plan_pb2.AllocationPlan | None = None
         known = request.known_version
+        addresses: dict[str, tuple[str, str]] = {}  # node -> (agent, cache) address as sent on this stream
         refresh_at = loop.time() + self.refresh_s
         while True:
             plan = self.core.latest
             if plan is not None and (sent is None or plan.version > sent.version):
-                yield self._update(plan, sent, known, epoch)
+                update = self._update(plan, sent, known, epoch)
+                update.node_addresses.extend(self._new_addresses(addresses))
+                yield update
                 sent, known = plan, 0
             await self.core.wait_newer(sent.version if sent is not None else 0, self.refresh_s)
             require_leader(self.core)  # deposed: the allocation server follows the new leader
@@ -79,17 +87,37 @@ class PlanFeedService(allocation_pb2_grpc.PlanFeedServiceServicer):
             return allocation_pb2.PlanFeedUpdate(epoch=epoch, plan=header,
                                                  changes=plan_pb2.PlanChanges(base_version=plan.version))
         if sent is None:
-            return allocation_pb2.PlanFeedUpdate(epoch=epoch, plan=plan)
+            return allocation_pb2.PlanFeedUpdate(epoch=epoch, plan=plan, specs=self._specs_of(plan.jobs))
         key = (sent.version, plan.version)
-        changes = self._changes.get(key)
-        if changes is None:
-            diff = changes_between({j.job_id: j for j in sent.jobs}, {j.job_id: j for j in plan.jobs})
+        cached = self._changes.get(key)
+        if cached is None:
+            before = {j.job_id: j for j in sent.jobs}
+            diff = changes_between(before, {j.job_id: j for j in plan.jobs})
             changes = plan_pb2.PlanChanges(base_version=sent.version, jobs=list(diff.upserts.values()),
                                            removed_job_ids=list(diff.removals))
+            arrived = self._specs_of(j for j in diff.upserts.values() if j.job_id not in before)
             if len(self._changes) >= 8:
                 self._changes.pop(next(iter(self._changes)))
-            self._changes[key] = changes
-        return allocation_pb2.PlanFeedUpdate(epoch=epoch, plan=header, changes=changes)
+            cached = self._changes[key] = (changes, arrived)
+        changes, arrived = cached
+        return allocation_pb2.PlanFeedUpdate(epoch=epoch, plan=header, changes=changes, specs=arrived)
+
+    def _specs_of(self, jobs: Iterable[plan_pb2.JobAllocation]) -> dict[str, common_pb2.JobSpec]:
+        """The specs this scheduler holds of ``jobs`` (every job of its last snapshot; one missing,
+        e.g. before a new leader's first round, is read by the follower from the store)."""
+        specs = self.core.specs
+        return {j.job_id: specs[j.job_id] for j in jobs if j.job_id in specs}
+
+    def _new_addresses(self, sent: dict[str, tuple[str, str]]) -> list[allocation_pb2.FeedNodeAddress]:
+        """The nodes' addresses not yet sent as they are now on a stream that sent ``sent`` (updated)."""
+        agents, caches = self.core.agent_addresses, self.core.cache_addresses
+        fresh = []
+        for node, agent in agents.items():
+            now = (agent, caches.get(node, ""))
+            if sent.get(node) != now:
+                sent[node] = now
+                fresh.append(allocation_pb2.FeedNodeAddress(node=node, agent_address=now[0], cache_address=now[1]))
+        return fresh
 
     async def Relay(self, request, context):  # noqa: N802
         require_leader(self.core)  # releases and job states live with the leader only

@@ -27,41 +27,47 @@ from silod.v1 import metadata_pb2 as silod_dot_v1_dot_metadata__pb2
 from silod.v1 import plan_pb2 as silod_dot_v1_dot_plan__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19silod/v1/allocation.proto\x12\x08silod.v1\x1a\x15silod/v1/common.proto\x1a\x17silod/v1/metadata.proto\x1a\x13silod/v1/plan.proto\":\n\x11WatchPlansRequest\x12\x0e\n\x06server\x18\x01 \x01(\t\x12\x15\n\rknown_version\x18\x02 \x01(\x03\"\x9a\x01\n\x0ePlanFeedUpdate\x12\x11\n\theartbeat\x18\x01 \x01(\x08\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12&\n\x04plan\x18\x03 \x01(\x0b\x32\x18.silod.v1.AllocationPlan\x12&\n\x07\x63hanges\x18\x04 \x01(\x0b\x32\x15.silod.v1.PlanChanges\x12\x16\n\x0enode_timeout_s\x18\x05 \x01(\x01\"\x84\x01\n\x0cRelayRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12&\n\x04\x61\x63ks\x18\x02 \x03(\x0b\x32\x18.silod.v1.AckPlanRequest\x12-\n\x07reports\x18\x03 \x03(\x0b\x32\x1c.silod.v1.ReportTasksRequest\x12\x0e\n\x06server\x18\x04 \x01(\t\"M\n\x0cRelayOutcome\x12\x1a\n\x12\x61\x63knowledged_exits\x18\x01 \x03(\t\x12\x12\n\nerror_code\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"P\n\rRelayResponse\x12\'\n\x07reports\x18\x01 \x03(\x0b\x32\x16.silod.v1.RelayOutcome\x12\x16\n\x0elatest_version\x18\x02 \x01(\x03\"\xaf\x01\n\x10WatchPlanRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12*\n\tcomponent\x18\x02 \x01(\x0e\x32\x17.silod.v1.PlanComponent\x12\x15\n\rknown_version\x18\x03 \x01(\x03\x12\x13\n\x0bheartbeat_s\x18\x04 \x01(\x01\x12\x18\n\x10node_heartbeat_s\x18\x05 \x01(\x01\x12\x1b\n\x13wait_for_leadership\x18\x06 \x01(\x08\"\x8f\x01\n\x0e\x41\x63kPlanRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12*\n\tcomponent\x18\x02 \x01(\x0e\x32\x17.silod.v1.PlanComponent\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x15\n\rreleased_jobs\x18\x06 \x03(\t\")\n\x0f\x41\x63kPlanResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\"\x95\x02\n\nTaskReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\"\n\x05phase\x18\x04 \x01(\x0e\x32\x13.silod.v1.TaskPhase\x12\x11\n\texit_code\x18\x05 \x01(\x05\x12\x13\n\x0bgpu_indices\x18\x06 \x03(\x05\x12\'\n\x08progress\x18\x07 \x01(\x0b\x32\x15.silod.v1.JobProgress\x12\x13\n\x0bstep_time_s\x18\x08 \x01(\x01\x12\x12\n\nbatch_size\x18\t \x01(\x05\x12\x10\n\x08grad_sqr\x18\n \x01(\x01\x12\x10\n\x08grad_var\x18\x0b \x01(\x01\x12\x13\n\x0b\x65xit_reason\x18\x0c \x01(\t\"e\n\x12ReportTasksRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x1c\n\x14\x61pplied_plan_version\x18\x02 \x01(\x03\x12#\n\x05tasks\x18\x03 \x03(\x0b\x32\x14.silod.v1.TaskReport\"1\n\x13ReportTasksResponse\x12\x1a\n\x12\x61\x63knowledged_exits\x18\x01 \x03(\t*q\n\rPlanComponent\x12\x1e\n\x1aPLAN_COMPONENT_UNSPECIFIED\x10\x00\x12\x1f\n\x1bPLAN_COMPONENT_WORKER_AGENT\x10\x01\x12\x1f\n\x1bPLAN_COMPONENT_CACHE_SERVER\x10\x02*\x8d\x01\n\tTaskPhase\x12\x1a\n\x16TASK_PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13TASK_PHASE_STARTING\x10\x01\x12\x16\n\x12TASK_PHASE_RUNNING\x10\x02\x12\x1c\n\x18TASK_PHASE_CHECKPOINTING\x10\x03\x12\x15\n\x11TASK_PHASE_EXITED\x10\x04\x32\xe6\x02\n\x11\x41llocationService\x12\x43\n\nCommitPlan\x12\x1b.silod.v1.CommitPlanRequest\x1a\x18.silod.v1.AllocationPlan\x12I\n\rGetLatestPlan\x12\x1e.silod.v1.GetLatestPlanRequest\x1a\x18.silod.v1.AllocationPlan\x12\x39\n\x05Watch\x12\x1a.silod.v1.WatchPlanRequest\x1a\x12.silod.v1.NodePlan0\x01\x12:\n\x03\x41\x63k\x12\x18.silod.v1.AckPlanRequest\x1a\x19.silod.v1.AckPlanResponse\x12J\n\x0bReportTasks\x12\x1c.silod.v1.ReportTasksRequest\x1a\x1d.silod.v1.ReportTasksResponse2\x92\x01\n\x0fPlanFeedService\x12\x45\n\nWatchPlans\x12\x1b.silod.v1.WatchPlansRequest\x1a\x18.silod.v1.PlanFeedUpdate0\x01\x12\x38\n\x05Relay\x12\x16.silod.v1.RelayRequest\x1a\x17.silod.v1.RelayResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19silod/v1/allocation.proto\x12\x08silod.v1\x1a\x15silod/v1/common.proto\x1a\x17silod/v1/metadata.proto\x1a\x13silod/v1/plan.proto\":\n\x11WatchPlansRequest\x12\x0e\n\x06server\x18\x01 \x01(\t\x12\x15\n\rknown_version\x18\x02 \x01(\x03\"\xc2\x02\n\x0ePlanFeedUpdate\x12\x11\n\theartbeat\x18\x01 \x01(\x08\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12&\n\x04plan\x18\x03 \x01(\x0b\x32\x18.silod.v1.AllocationPlan\x12&\n\x07\x63hanges\x18\x04 \x01(\x0b\x32\x15.silod.v1.PlanChanges\x12\x16\n\x0enode_timeout_s\x18\x05 \x01(\x01\x12\x32\n\x05specs\x18\x06 \x03(\x0b\x32#.silod.v1.PlanFeedUpdate.SpecsEntry\x12\x31\n\x0enode_addresses\x18\x07 \x03(\x0b\x32\x19.silod.v1.FeedNodeAddress\x1a?\n\nSpecsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.silod.v1.JobSpec:\x02\x38\x01\"M\n\x0f\x46\x65\x65\x64NodeAddress\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x15\n\ragent_address\x18\x02 \x01(\t\x12\x15\n\rcache_address\x18\x03 \x01(\t\"\x84\x01\n\x0cRelayRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12&\n\x04\x61\x63ks\x18\x02 \x03(\x0b\x32\x18.silod.v1.AckPlanRequest\x12-\n\x07reports\x18\x03 \x03(\x0b\x32\x1c.silod.v1.ReportTasksRequest\x12\x0e\n\x06server\x18\x04 \x01(\t\"M\n\x0cRelayOutcome\x12\x1a\n\x12\x61\x63knowledged_exits\x18\x01 \x03(\t\x12\x12\n\nerror_code\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"P\n\rRelayResponse\x12\'\n\x07reports\x18\x01 \x03(\x0b\x32\x16.silod.v1.RelayOutcome\x12\x16\n\x0elatest_version\x18\x02 \x01(\x03\"\xaf\x01\n\x10WatchPlanRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12*\n\tcomponent\x18\x02 \x01(\x0e\x32\x17.silod.v1.PlanComponent\x12\x15\n\rknown_version\x18\x03 \x01(\x03\x12\x13\n\x0bheartbeat_s\x18\x04 \x01(\x01\x12\x18\n\x10node_heartbeat_s\x18\x05 \x01(\x01\x12\x1b\n\x13wait_for_leadership\x18\x06 \x01(\x08\"\x8f\x01\n\x0e\x41\x63kPlanRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12*\n\tcomponent\x18\x02 \x01(\x0e\x32\x17.silod.v1.PlanComponent\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x15\n\rreleased_jobs\x18\x06 \x03(\t\")\n\x0f\x41\x63kPlanResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\"\x95\x02\n\nTaskReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\"\n\x05phase\x18\x04 \x01(\x0e\x32\x13.silod.v1.TaskPhase\x12\x11\n\texit_code\x18\x05 \x01(\x05\x12\x13\n\x0bgpu_indices\x18\x06 \x03(\x05\x12\'\n\x08progress\x18\x07 \x01(\x0b\x32\x15.silod.v1.JobProgress\x12\x13\n\x0bstep_time_s\x18\x08 \x01(\x01\x12\x12\n\nbatch_size\x18\t \x01(\x05\x12\x10\n\x08grad_sqr\x18\n \x01(\x01\x12\x10\n\x08grad_var\x18\x0b \x01(\x01\x12\x13\n\x0b\x65xit_reason\x18\x0c \x01(\t\"e\n\x12ReportTasksRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x1c\n\x14\x61pplied_plan_version\x18\x02 \x01(\x03\x12#\n\x05tasks\x18\x03 \x03(\x0b\x32\x14.silod.v1.TaskReport\"1\n\x13ReportTasksResponse\x12\x1a\n\x12\x61\x63knowledged_exits\x18\x01 \x03(\t*q\n\rPlanComponent\x12\x1e\n\x1aPLAN_COMPONENT_UNSPECIFIED\x10\x00\x12\x1f\n\x1bPLAN_COMPONENT_WORKER_AGENT\x10\x01\x12\x1f\n\x1bPLAN_COMPONENT_CACHE_SERVER\x10\x02*\x8d\x01\n\tTaskPhase\x12\x1a\n\x16TASK_PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13TASK_PHASE_STARTING\x10\x01\x12\x16\n\x12TASK_PHASE_RUNNING\x10\x02\x12\x1c\n\x18TASK_PHASE_CHECKPOINTING\x10\x03\x12\x15\n\x11TASK_PHASE_EXITED\x10\x04\x32\xe6\x02\n\x11\x41llocationService\x12\x43\n\nCommitPlan\x12\x1b.silod.v1.CommitPlanRequest\x1a\x18.silod.v1.AllocationPlan\x12I\n\rGetLatestPlan\x12\x1e.silod.v1.GetLatestPlanRequest\x1a\x18.silod.v1.AllocationPlan\x12\x39\n\x05Watch\x12\x1a.silod.v1.WatchPlanRequest\x1a\x12.silod.v1.NodePlan0\x01\x12:\n\x03\x41\x63k\x12\x18.silod.v1.AckPlanRequest\x1a\x19.silod.v1.AckPlanResponse\x12J\n\x0bReportTasks\x12\x1c.silod.v1.ReportTasksRequest\x1a\x1d.silod.v1.ReportTasksResponse2\x92\x01\n\x0fPlanFeedService\x12\x45\n\nWatchPlans\x12\x1b.silod.v1.WatchPlansRequest\x1a\x18.silod.v1.PlanFeedUpdate0\x01\x12\x38\n\x05Relay\x12\x16.silod.v1.RelayRequest\x1a\x17.silod.v1.RelayResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'silod.v1.allocation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PLANCOMPONENT']._serialized_start=1422
-  _globals['_PLANCOMPONENT']._serialized_end=1535
-  _globals['_TASKPHASE']._serialized_start=1538
-  _globals['_TASKPHASE']._serialized_end=1679
+  _globals['_PLANFEEDUPDATE_SPECSENTRY']._loaded_options = None
+  _globals['_PLANFEEDUPDATE_SPECSENTRY']._serialized_options = b'8\001'
+  _globals['_PLANCOMPONENT']._serialized_start=1669
+  _globals['_PLANCOMPONENT']._serialized_end=1782
+  _globals['_TASKPHASE']._serialized_start=1785
+  _globals['_TASKPHASE']._serialized_end=1926
   _globals['_WATCHPLANSREQUEST']._serialized_start=108
   _globals['_WATCHPLANSREQUEST']._serialized_end=166
   _globals['_PLANFEEDUPDATE']._serialized_start=169
-  _globals['_PLANFEEDUPDATE']._serialized_end=323
-  _globals['_RELAYREQUEST']._serialized_start=326
-  _globals['_RELAYREQUEST']._serialized_end=458
-  _globals['_RELAYOUTCOME']._serialized_start=460
-  _globals['_RELAYOUTCOME']._serialized_end=537
-  _globals['_RELAYRESPONSE']._serialized_start=539
-  _globals['_RELAYRESPONSE']._serialized_end=619
-  _globals['_WATCHPLANREQUEST']._serialized_start=622
-  _globals['_WATCHPLANREQUEST']._serialized_end=797
-  _globals['_ACKPLANREQUEST']._serialized_start=800
-  _globals['_ACKPLANREQUEST']._serialized_end=943
-  _globals['_ACKPLANRESPONSE']._serialized_start=945
-  _globals['_ACKPLANRESPONSE']._serialized_end=986
-  _globals['_TASKREPORT']._serialized_start=989
-  _globals['_TASKREPORT']._serialized_end=1266
-  _globals['_REPORTTASKSREQUEST']._serialized_start=1268
-  _globals['_REPORTTASKSREQUEST']._serialized_end=1369
-  _globals['_REPORTTASKSRESPONSE']._serialized_start=1371
-  _globals['_REPORTTASKSRESPONSE']._serialized_end=1420
-  _globals['_ALLOCATIONSERVICE']._serialized_start=1682
-  _globals['_ALLOCATIONSERVICE']._serialized_end=2040
-  _globals['_PLANFEEDSERVICE']._serialized_start=2043
-  _globals['_PLANFEEDSERVICE']._serialized_end=2189
+  _globals['_PLANFEEDUPDATE']._serialized_end=491
+  _globals['_PLANFEEDUPDATE_SPECSENTRY']._serialized_start=428
+  _globals['_PLANFEEDUPDATE_SPECSENTRY']._serialized_end=491
+  _globals['_FEEDNODEADDRESS']._serialized_start=493
+  _globals['_FEEDNODEADDRESS']._serialized_end=570
+  _globals['_RELAYREQUEST']._serialized_start=573
+  _globals['_RELAYREQUEST']._serialized_end=705
+  _globals['_RELAYOUTCOME']._serialized_start=707
+  _globals['_RELAYOUTCOME']._serialized_end=784
+  _globals['_RELAYRESPONSE']._serialized_start=786
+  _globals['_RELAYRESPONSE']._serialized_end=866
+  _globals['_WATCHPLANREQUEST']._serialized_start=869
+  _globals['_WATCHPLANREQUEST']._serialized_end=1044
+  _globals['_ACKPLANREQUEST']._serialized_start=1047
+  _globals['_ACKPLANREQUEST']._serialized_end=1190
+  _globals['_ACKPLANRESPONSE']._serialized_start=1192
+  _globals['_ACKPLANRESPONSE']._serialized_end=1233
+  _globals['_TASKREPORT']._serialized_start=1236
+  _globals['_TASKREPORT']._serialized_end=1513
+  _globals['_REPORTTASKSREQUEST']._serialized_start=1515
+  _globals['_REPORTTASKSREQUEST']._serialized_end=1616
+  _globals['_REPORTTASKSRESPONSE']._serialized_start=1618
+  _globals['_REPORTTASKSRESPONSE']._serialized_end=1667
+  _globals['_ALLOCATIONSERVICE']._serialized_start=1929
+  _globals['_ALLOCATIONSERVICE']._serialized_end=2287
+  _globals['_PLANFEEDSERVICE']._serialized_start=2290
+  _globals['_PLANFEEDSERVICE']._serialized_end=2436
 # @@protoc_insertion_point(module_scope)

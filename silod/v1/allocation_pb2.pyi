@@ -97,11 +97,34 @@ Global___WatchPlansRequest: _TypeAlias = WatchPlansRequest  # noqa: Y015
 class PlanFeedUpdate(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class SpecsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> _common_pb2.JobSpec: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _common_pb2.JobSpec | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     PLAN_FIELD_NUMBER: _builtins.int
     CHANGES_FIELD_NUMBER: _builtins.int
     NODE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    SPECS_FIELD_NUMBER: _builtins.int
+    NODE_ADDRESSES_FIELD_NUMBER: _builtins.int
     heartbeat: _builtins.bool
     """no plan: the leader declares epoch and node_timeout_s (the first message)"""
     epoch: _builtins.int
@@ -118,6 +141,19 @@ class PlanFeedUpdate(_message.Message):
         sent before on this stream, or known_version); the follower holding another version asks again.
         """
 
+    @_builtins.property
+    def specs(self) -> _containers.MessageMap[_builtins.str, _common_pb2.JobSpec]:
+        """What the nodes' parts of the plan need besides it, so that the follower serves the plan without
+        asking the metadata service first: the specs of the plan's jobs (all of them with a whole plan;
+        with changes, those of the jobs the plan before it on this stream did not hold), job id -> spec.
+        """
+
+    @_builtins.property
+    def node_addresses(self) -> _containers.RepeatedCompositeFieldContainer[Global___FeedNodeAddress]:
+        """The nodes' addresses (all the scheduler knows with a whole plan; with changes, those not sent
+        on this stream yet or changed since: an agent restarted elsewhere registers a new one).
+        """
+
     def __init__(
         self,
         *,
@@ -126,14 +162,44 @@ class PlanFeedUpdate(_message.Message):
         plan: _plan_pb2.AllocationPlan | None = ...,
         changes: _plan_pb2.PlanChanges | None = ...,
         node_timeout_s: _builtins.float = ...,
+        specs: _abc.Mapping[_builtins.str, _common_pb2.JobSpec] | None = ...,
+        node_addresses: _abc.Iterable[Global___FeedNodeAddress] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "epoch", b"epoch", "heartbeat", b"heartbeat", "node_timeout_s", b"node_timeout_s", "plan", b"plan"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "epoch", b"epoch", "heartbeat", b"heartbeat", "node_addresses", b"node_addresses", "node_timeout_s", b"node_timeout_s", "plan", b"plan", "specs", b"specs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PlanFeedUpdate: _TypeAlias = PlanFeedUpdate  # noqa: Y015
+
+@_typing.final
+class FeedNodeAddress(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    AGENT_ADDRESS_FIELD_NUMBER: _builtins.int
+    CACHE_ADDRESS_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """node name"""
+    agent_address: _builtins.str
+    """its worker agent (a rank's MASTER_ADDR host)"""
+    cache_address: _builtins.str
+    """its cache server (peers of multi-node jobs); empty = none"""
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        agent_address: _builtins.str = ...,
+        cache_address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_address", b"agent_address", "cache_address", b"cache_address", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FeedNodeAddress: _TypeAlias = FeedNodeAddress  # noqa: Y015
 
 @_typing.final
 class RelayRequest(_message.Message):

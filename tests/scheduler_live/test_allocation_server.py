@@ -103,12 +103,10 @@ def test_serves_watches_and_relays_acks_and_reports(served) -> None:  # type: ig
     assert _first(alloc.stub, "n1", nxt.version).tasks == []
 
 
-def test_a_nodes_new_address_reaches_the_next_plan(served, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_nodes_new_address_reaches_the_next_plan(served) -> None:  # type: ignore[no-untyped-def]
     """An agent restarted elsewhere (a new pod IP) registers its new address: the next plan's
-    node parts carry it (a rank's MASTER_ADDR), as the scheduler's own cut does."""
-    import scheduler.allocation.follower as follower
-
-    monkeypatch.setattr(follower, "NODES_REFRESH_S", 0.0)
+    node parts carry it (a rank's MASTER_ADDR), as the scheduler's own cut does; the feed sends
+    it with that plan."""
     cluster, alloc = served
     cluster.add_node("n1", gpus=2)
     first = cluster.submit("a", min_gpus=1, max_gpus=1)
@@ -151,6 +149,34 @@ def _follower() -> PlanFollower:
 def _plan(version: int, epoch: int, *jobs: str) -> plan_pb2.AllocationPlan:
     return plan_pb2.AllocationPlan(version=version, epoch=epoch, jobs=[
         plan_pb2.JobAllocation(job_id=j, placements=[plan_pb2.GpuPlacement(node="n1", gpu_indices=[0])]) for j in jobs])
+
+
+def test_a_plan_fed_with_its_specs_and_addresses_is_served_without_asking_the_store() -> None:
+    """The feed sends what the node parts need with the plan: a thousand nodes' plans do not
+    wait for a ListJobs and a ListNodes first (at 1,000 nodes that wait was seconds)."""
+    class _Unreachable:
+        def __getattr__(self, method: str):  # type: ignore[no-untyped-def]
+            async def refused(request, **kwargs):  # type: ignore[no-untyped-def]
+                raise AssertionError(f"the store was asked: {method}")
+            return refused
+
+    async def run() -> None:
+        f = PlanFollower(PlanStore(Clients(md=_Unreachable())))  # type: ignore[arg-type]
+        f._nodes_read_at = 0.0  # as after start(): the addresses would be read again now
+        spec = common_pb2.JobSpec(name="a", application="cifar10", min_gpus=1, max_gpus=1)
+        where = allocation_pb2.FeedNodeAddress(node="n1", agent_address="10.0.0.7:7000", cache_address="10.0.0.7:7001")
+        await f.offer(allocation_pb2.PlanFeedUpdate(epoch=1, plan=_plan(5, 1, "a"), specs={"a": spec},
+                                                    node_addresses=[where]))
+        part = await f.node_plan(f.latest, "n1")
+        assert [(t.job_id, t.spec.application, t.master_addr) for t in part.tasks] == [("a", "cifar10", "10.0.0.7")]
+        # Changes bring the specs of the jobs they add, and an address that changed.
+        moved = allocation_pb2.FeedNodeAddress(node="n1", agent_address="10.0.0.9:7000")
+        await f.offer(allocation_pb2.PlanFeedUpdate(epoch=1, plan=_plan(6, 1), changes=plan_pb2.PlanChanges(
+            base_version=5, jobs=_plan(0, 0, "b").jobs), specs={"b": spec}, node_addresses=[moved]))
+        part = await f.node_plan(f.latest, "n1")
+        assert {t.job_id: t.master_addr for t in part.tasks} == {"a": "10.0.0.9", "b": "10.0.0.9"}
+
+    asyncio.run(run())
 
 
 def test_a_deposed_leaders_feed_is_fenced() -> None:

@@ -28,6 +28,9 @@ def test_watch_plans_sends_the_plan_whole_then_its_changes(cluster) -> None:  # 
         whole = next(stream)
         assert not whole.HasField("changes") and whole.plan.version == first.version
         assert [j.job_id for j in whole.plan.jobs] == [j.job_id for j in first.jobs]
+        # With it, what the node parts need: the specs of its jobs, the nodes' addresses.
+        assert set(whole.specs) == {a.id} and whole.specs[a.id].name == "a"
+        assert [(n.node, n.agent_address) for n in whole.node_addresses] == [("n1", "n1.local:7000")]
         b = cluster.submit("b")
         second = cluster.round()
         update = next(stream)
@@ -36,6 +39,8 @@ def test_watch_plans_sends_the_plan_whole_then_its_changes(cluster) -> None:  # 
         assert update.HasField("changes") and not update.plan.jobs
         assert update.changes.base_version < second.version
         assert b.id in {j.job_id for j in update.changes.jobs} and a.id not in update.changes.removed_job_ids
+        assert b.id in update.specs and a.id not in update.specs  # a's was sent with the whole plan
+        assert not update.node_addresses  # unchanged: sent once on a stream
     finally:
         call.cancel()
     # A follower that holds the plan in force gets its header alone.
