@@ -39,8 +39,26 @@ class InProcessServer:
         self.channel.close()
         try:
             self.submit(self.running.stop(0))
+        except TimeoutError:
+            # Seen once in CI (the scheduler, after a report test): say what the loop was waiting on.
+            raise TimeoutError(f"the server did not stop within 60 s; its event loop's tasks:\n{self._tasks()}") from None
         finally:
             self._close_loop()
+
+    def _tasks(self) -> str:
+        async def describe() -> str:
+            lines = []
+            for task in asyncio.all_tasks():
+                frames = task.get_stack()
+                where = " <- ".join(f"{f.f_code.co_name} ({'/'.join(f.f_code.co_filename.rsplit('/', 2)[-2:])}:{f.f_lineno})"
+                                    for f in reversed(frames)) or "no frames"
+                lines.append(f"{task.get_name()} {task.get_coro()!r}: {where}")
+            return "\n".join(lines)
+
+        try:
+            return self.submit(describe(), timeout=5)
+        except Exception as exc:  # noqa: BLE001 - the loop itself is stuck
+            return f"(not readable: {exc!r}; the loop does not turn)"
 
     def _close_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
