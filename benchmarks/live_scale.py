@@ -289,6 +289,9 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
                 workdir=workdir))
             watched = alloc.address
             result["allocation_service"] = True
+            if args.pin_allocation:
+                pin(alloc.pid, scheduler_cpus)
+                result["allocation_cpus"] = sorted(scheduler_cpus)
         warm_up(sch.address, md.address)
         preload = max(0, args.jobs - args.measure_jobs)
         if preload:  # before the fleet: queued, not yet placed (there are no nodes)
@@ -462,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="start the allocation service (silod allocation) and give it to the fleet's nodes, as the "
                              "deployments do: their watches, acks and reports off the scheduler's process (with "
                              "--pin-scheduler it runs on the other CPUs)")
+    parser.add_argument("--pin-allocation", action="store_true",
+                        help="with --pin-scheduler --allocation: run the allocation service on the scheduler's CPU "
+                             "rather than beside the metadata service, fleet and client (on 2 CPUs the scheduler "
+                             "uses about half of its own, while the other one is the busier)")
     parser.add_argument("--json", default="", help="write the results here (a JSON list, one entry per policy, "
                         "written again after each)")
     parser.add_argument("--keep", default="", metavar="DIR", help="keep each policy's logs and database in DIR/<policy> "
@@ -474,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--task-spread: must be >= 0 and < 1, got {args.task_spread:g}")
     if args.steady_jobs < 0 or args.steady_after_s < 0:
         parser.error("--steady-jobs and --steady-after-s: must be >= 0")
+    if args.pin_allocation and not (args.pin_scheduler and args.allocation):
+        parser.error("--pin-allocation: needs --pin-scheduler and --allocation")
     if args.pin_scheduler and len(os.sched_getaffinity(0)) < 2:
         parser.error("--pin-scheduler: needs 2 or more CPUs, this process may use "
                      f"{len(os.sched_getaffinity(0))}")
@@ -497,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         r["cpus"] = os.cpu_count()
         results.append(r)
         where = f", scheduler alone on CPU {r['scheduler_cpus']}" if r.get("scheduler_cpus") else ""
+        if r.get("allocation_cpus"):
+            where = f", scheduler and allocation service on CPU {r['allocation_cpus']}"
         print(f"--- {policy}, {args.nodes} nodes x 8 GPUs, {args.jobs} jobs, {r['database']}{where}", flush=True)
         for line in verdicts(r):
             print("  " + line, flush=True)
