@@ -69,6 +69,25 @@ def test_a_failed_heartbeat_forward_is_logged_and_the_release_kept(caplog: pytes
     assert any(r.getMessage() == "heartbeat forward failed" and r.node == "n1" for r in caplog.records)
 
 
+def test_an_ack_older_than_the_version_the_store_holds_is_dropped_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    # The node's own heartbeat (same versions) may write a newer version before the forward of
+    # an older ack: the store refuses the decrease, and there is nothing to say about it.
+    core = _FakeCore(heartbeat_error=False)
+
+    async def refuse(request):  # type: ignore[no-untyped-def]
+        core.calls.append(f"heartbeat {request.node} v{request.applied_plan_version}")
+        raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   details="applied_plan_version: must not decrease: node n1 already applied plan "
+                                           "4, got 3")
+
+    core.md.Heartbeat = refuse  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="silod.scheduler"):
+        reply = _ack(core)
+    assert core.calls == ["release n1 ['job-a']", "trigger release", "heartbeat n1 v3"]
+    assert reply.latest_version == 7
+    assert not [r for r in caplog.records if r.getMessage() == "heartbeat forward failed"]
+
+
 def test_acks_of_one_node_are_written_at_most_once_per_period_newest_version_last() -> None:
     from scheduler.live.acks import AckForwarder
 
