@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import Histogram
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
@@ -98,6 +99,14 @@ def _sqlite_engine(url: URL, options: EngineOptions) -> Engine:
 
     return engine
 
+
+# Every acknowledged write waits for one of these. On a disk shared with heavy writers the fsync
+# alone can take tens of milliseconds, and submissions, heartbeats and reports all queue behind it.
+SQLITE_COMMIT_SECONDS = Histogram(
+    "silod_metadata_sqlite_commit_duration_seconds",
+    "Time of each SQLite COMMIT of grouped writes (WAL, synchronous=FULL: one fsync each); "
+    "slow ones mean the database's disk is busy",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
 
 GROUP_COMMIT_MAX_OPS = 64  # operations sharing one SQLite commit, at most ...
 GROUP_COMMIT_MAX_S = 0.05  # ... and seconds since the first of them ran, so none waits long
@@ -195,7 +204,8 @@ class _GroupCommit:
             return
         try:
             assert self._conn is not None
-            self._conn.commit()
+            with SQLITE_COMMIT_SECONDS.time():  # an fsync: what a busy disk makes slow
+                self._conn.commit()
         except BaseException as exc:  # noqa: BLE001  # every member of the batch must hear it
             batch.error = exc
             self._drop_connection()

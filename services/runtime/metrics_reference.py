@@ -28,7 +28,7 @@ PROCESSES = (
     ("allocation server", ("scheduler.allocation.metrics",)),
     ("worker agent", ("worker_agent.metrics",)),
     ("cache server", ("cache_server.metrics",)),
-    ("metadata service", ("services.metadata.compaction",)),
+    ("metadata service", ("services.metadata.compaction", "services.metadata.database")),
     ("dashboard", ("services.dashboard.app",)),
 )
 

@@ -127,3 +127,18 @@ def test_a_batch_of_creations_and_moves_commits_once(sqlite_store) -> None:
         assert states == {**{j.id: scheduled for j in jobs}, retried[-1].id: pending}
     finally:
         reopened.close()
+
+
+def test_each_commit_is_timed_for_the_operators(sqlite_store) -> None:
+    """silod_metadata_sqlite_commit_duration_seconds: one observation per COMMIT (a slow disk
+    shows there first)."""
+    from prometheus_client import REGISTRY
+
+    def commits() -> float:
+        return REGISTRY.get_sample_value("silod_metadata_sqlite_commit_duration_seconds_count") or 0.0
+
+    store, _ = sqlite_store
+    before = commits()
+    with store.db.write() as session:
+        _insert_job(session, training_spec(name="timed"), "timed")
+    assert commits() == before + 1
