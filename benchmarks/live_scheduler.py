@@ -143,6 +143,17 @@ async def register_nodes(md: metadata_pb2_grpc.MetadataServiceStub, nodes: int, 
     await asyncio.gather(*(register(n) for n in range(nodes)))
 
 
+async def heartbeat_nodes(md: metadata_pb2_grpc.MetadataServiceStub, nodes: int, concurrency: int = 64) -> None:
+    # As many in flight as register_nodes: 5,000 at once were CANCELLED.
+    gate = asyncio.Semaphore(concurrency)
+
+    async def beat(n: int) -> None:
+        async with gate:
+            await md.Heartbeat(metadata_pb2.HeartbeatRequest(node=f"bench-node-{n}"))
+
+    await asyncio.gather(*(beat(n) for n in range(nodes)))
+
+
 async def time_round(metadata_addr: str, policy: str, nodes: int, metadata_pid: int,
                      steady_rounds: int = 3, churn: int = 50) -> tuple[float, float, int, list[tuple[float, float]]]:
     """Seconds for one in-process round, CPU seconds it took (this process and the metadata
@@ -184,8 +195,7 @@ async def time_round(metadata_addr: str, policy: str, nodes: int, metadata_pid: 
                     new_state=common_pb2.JOB_STATE_CANCELLED, message="benchmark churn"))
             for i in range(churn):  # ... and as many arrive
                 await core.md.CreateJob(metadata_pb2.CreateJobRequest(spec=_spec(100_000 * (r + 1) + i)))
-            await asyncio.gather(*(core.md.Heartbeat(metadata_pb2.HeartbeatRequest(node=f"bench-node-{n}"))
-                                   for n in range(nodes)))  # the nodes stay alive, as agents keep them
+            await heartbeat_nodes(core.md, nodes)  # the nodes stay alive, as agents keep them
             cpu_before = cpu_seconds(os.getpid()) + cpu_seconds(metadata_pid)
             started = time.perf_counter()
             await core.run_round("benchmark")
