@@ -233,9 +233,10 @@ def test_systemd_analyze_verify_accepts_every_unit(tmp_path: Path) -> None:
     assert done.returncode == 0 and not (done.stdout + done.stderr).strip(), done.stdout + done.stderr
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verify_reports_a_misspelt_key(tmp_path: Path) -> None:
     # Guards the test above against passing vacuously.
+    if shutil.which("systemd-analyze") is None:
+        missing("systemd-analyze is not installed")
     names = _units_for_verify(tmp_path)
     template = next(p for p in tmp_path.glob("*@.service"))
     template.write_text(template.read_text().replace("Restart=on-failure", "Restart=on-failure\nRestartt=always"))
