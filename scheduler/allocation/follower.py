@@ -141,8 +141,13 @@ class PlanFollower:
                 raise FeedOutOfStep(f"changes of plan {update.changes.base_version} offered, plan "
                                     f"{held.version if held is not None else 0} held")
             await self._take(_applied(held, plan, update.changes), "feed", new_jobs=update.changes.jobs)
+            for job_id in update.changes.removed_job_ids:  # ended: its spec is not needed again (a job
+                self.plans.specs.pop(job_id, None)  # that comes back comes with its spec)
             return
         await self._take(plan, "feed")
+        in_plan = {job.job_id for job in plan.jobs}
+        for job_id in [j for j in self.plans.specs if j not in in_plan]:  # kept only while in the plan
+            del self.plans.specs[job_id]
 
     def _absorb(self, update: allocation_pb2.PlanFeedUpdate) -> None:
         """What the plan's node parts need that the feed sent with it: the plan is then served

@@ -175,6 +175,13 @@ def test_a_plan_fed_with_its_specs_and_addresses_is_served_without_asking_the_st
             base_version=5, jobs=_plan(0, 0, "b").jobs), specs={"b": spec}, node_addresses=[moved]))
         part = await f.node_plan(f.latest, "n1")
         assert {t.job_id: t.master_addr for t in part.tasks} == {"a": "10.0.0.9", "b": "10.0.0.9"}
+        # A job that leaves the plan leaves no spec behind (a long-lived server would grow with
+        # every job ever run).
+        await f.offer(allocation_pb2.PlanFeedUpdate(epoch=1, plan=_plan(7, 1), changes=plan_pb2.PlanChanges(
+            base_version=6, removed_job_ids=["a"])))
+        assert set(f.plans.specs) == {"b"}
+        await f.offer(allocation_pb2.PlanFeedUpdate(epoch=1, plan=_plan(8, 1, "c"), specs={"c": spec}))
+        assert set(f.plans.specs) == {"c"}
 
     asyncio.run(run())
 
