@@ -27,6 +27,10 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the scratch database goes (default: the temp directory)")
     parser.add_argument("--writes", type=int, default=300)
     args = parser.parse_args()
+    if args.writes < 1:
+        parser.error(f"--writes: at least 1, not {args.writes}")
+    if args.dir is not None and not Path(args.dir).is_dir():
+        parser.error(f"--dir: {args.dir} is not a directory")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="silod-commit-") as scratch:
         url = f"sqlite:///{scratch}/metadata.db"
         upgrade(url)
@@ -42,7 +46,7 @@ def main() -> None:
             store.close()
     times.sort()
     print(f"{args.writes} writes: median {times[len(times) // 2] * 1e3:.1f} ms, "
-          f"p99 {times[int(len(times) * 0.99) - 1] * 1e3:.1f} ms")
+          f"p99 {times[max(int(len(times) * 0.99) - 1, 0)] * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":
