@@ -213,6 +213,18 @@ class Engine:
     def docker(self, *args: str, timeout: float = 300, check: bool = True, **kwargs) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
         return _run(self.cli, *args, timeout=timeout, check=check, env=self.env(), **kwargs)
 
+    def inspect_existing(self, *ids: str) -> list[dict]:  # type: ignore[type-arg]
+        """docker inspect of the containers of ``ids`` that still exist: one listed by docker ps
+        may be removed before it is inspected (a rank ending, an agent clearing its predecessor's),
+        and docker then prints the others and exits 1 naming each one gone."""
+        if not ids:
+            return []
+        done = self.docker("inspect", *ids, check=False)
+        gone = [line for line in done.stderr.splitlines() if line.strip()]
+        if done.returncode != 0 and not all(line.startswith("Error: No such object") for line in gone):
+            raise DockerUnavailable(f"docker inspect: exit {done.returncode}: {done.stderr.strip()[-800:]}")
+        return json.loads(done.stdout) if done.stdout.strip() else []
+
     def has_image(self, tag: str) -> bool:
         return self.docker("image", "inspect", "--format", "{{.Id}}", tag, check=False, timeout=30).returncode == 0
 

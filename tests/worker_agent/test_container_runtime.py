@@ -74,7 +74,7 @@ def _training(allocation, job: str, generation: int = 1) -> bool:  # type: ignor
 def _containers(engine: Engine, *labels: str) -> list[dict]:  # type: ignore[type-arg]
     """docker inspect of every container (running or not) with these labels."""
     ids = engine.docker("ps", "-aq", "--no-trunc", *(f"--filter=label={label}" for label in labels)).stdout.split()
-    return json.loads(engine.docker("inspect", *ids).stdout) if ids else []
+    return engine.inspect_existing(*ids)
 
 
 def _of(agent) -> list[str]:  # type: ignore[no-untyped-def]
