@@ -17,6 +17,7 @@ import grpc
 from scheduler.live import convert
 from services.runtime.batching import Coalescer
 from scheduler.live.clients import PLACED_STATES, Clients
+from scheduler.live.entries import EntryChanges
 from scheduler.live.gpu_health import Placement
 from scheduler.live.jobs import KnownJobs
 from scheduler.live.plans import PlanStore
@@ -48,20 +49,29 @@ class Committer:
     async def commit(self, proto: plan_pb2.AllocationPlan, base: plan_pb2.AllocationPlan | None,
                      jobs: Mapping[str, common_pb2.Job], reason: str, *,
                      placements: Mapping[str, Placement] | None = None,
+                     changes: EntryChanges | None = None,
                      ) -> plan_pb2.AllocationPlan | None:
         """Commit ``proto``, built on ``base`` (the plan in force), and carry it out; None when it
         changes nothing or another commit won the race (a retry round is triggered).
-        ``placements``: each job's placement in ``proto``, where the caller has them."""
+        ``placements``: each job's placement in ``proto``, where the caller has them;
+        ``changes``: what ``proto`` changes of ``base``, where the caller knows it (the planner
+        does, scheduler.live.entries), else it is found by comparing every entry."""
         latest = base
         self.last_outcome = "unchanged"
-        entries = {entry.job_id: entry.SerializeToString(deterministic=True) for entry in proto.jobs}
-        changes = changes_between(self._entries_of(latest), entries) if latest is not None else None
+        entries: dict[str, bytes] | None = None
+        if latest is None:
+            changes = None
+        elif changes is None:
+            entries = {entry.job_id: entry.SerializeToString(deterministic=True) for entry in proto.jobs}
+            found = changes_between(self._entries_of(latest), entries)
+            changes = EntryChanges(
+                upserts={e.job_id: e for e in proto.jobs if e.job_id in found.upserts}, removals=found.removals,
+                previous={e.job_id: e for e in latest.jobs if e.job_id in found.upserts or e.job_id in found.removals})
         if changes is not None and not changes and latest is not None and latest.epoch == proto.epoch:
             return None  # nothing changed: no new version (a new leader's first plan is committed anyway:
             # every node then learns its epoch at once and refuses the deposed leader's plans)
-        old = {a.job_id: a for a in (latest.jobs if latest is not None else [])}
         try:
-            committed = await self._send(proto, changes)
+            committed = await self._send(proto, changes.as_plan_changes() if changes is not None else None)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.ABORTED:
                 _log.warning("plan commit lost a race; retrying next round", extra={"version": proto.version})
@@ -70,17 +80,22 @@ class Committer:
                 self._trigger("retry")
                 return None
             raise
-        self._entries = (committed.version, entries)  # the committed plan's entries are the proto's
+        # The committed plan's entries are the proto's (kept serialized only where they were
+        # serialized to find the changes).
+        self._entries = (committed.version, entries) if entries is not None else (-1, {})
         # Its placements, worked out once (by the planner, for its own proto) rather than by the
         # release record below and again when it becomes the plan in force.
-        convert.remember_placements(committed, placements if committed is proto else None)
+        own = committed is proto
+        convert.remember_placements(committed, placements if own else None)
+        if not own:  # a store that answered the whole plan: its entries are other objects
+            changes = None
         # GPUs taken from a job are pending release until the node acknowledges them.
         if latest is not None:
-            self.releases.record(latest, committed)
-        await self.plans.set_latest(committed)
+            self.releases.record(latest, committed, changes)
+        await self.plans.set_latest(committed, base=latest, changes=changes)
         self.restarts.placed(committed)
-        await self._transitions(committed, old, jobs)
-        _log_commit(committed, old, reason)
+        await self._transitions(committed, latest, jobs, placements if own else None, changes)
+        _log_commit(committed, latest, reason, placements if own else None, changes)
         self.last_outcome = "committed"
         return committed
 
@@ -120,23 +135,34 @@ class Committer:
         proto.created_at.CopyFrom(reply.created_at)
         return proto
 
-    async def _transitions(self, plan: plan_pb2.AllocationPlan, old: dict, jobs: Mapping[str, common_pb2.Job]) -> None:
+    async def _transitions(self, plan: plan_pb2.AllocationPlan, base: plan_pb2.AllocationPlan | None,
+                           jobs: Mapping[str, common_pb2.Job], placements: Mapping[str, Placement] | None,
+                           changes: EntryChanges | None) -> None:
         # Each job moves independently (a compare-and-set of its own); they go out in one
         # TransitionJobs call per MAX_MOVES, since per-call overhead dominated a big round.
+        if placements is None or changes is None:
+            placements = {entry.job_id: convert.placement_of(entry) for entry in plan.jobs}
+            old = {a.job_id: a for a in (base.jobs if base is not None else [])}
+            resized = {e.job_id for e in plan.jobs if e.job_id in old and e.generation != old[e.job_id].generation}
+        else:  # only an entry the plan changed can have a new generation
+            resized = {job_id for job_id, e in changes.upserts.items()
+                       if job_id in changes.previous and e.generation != changes.previous[job_id].generation}
+        generations = _Generations(plan, changes)
         moves: list[metadata_pb2.TransitionJobRequest] = []
-        for entry in plan.jobs:
-            job = jobs.get(entry.job_id)
-            if job is None:
-                continue
-            placed = bool(convert.ranks_of(entry))
-            if placed and job.state == common_pb2.JOB_STATE_PENDING:
+        pending, running = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING
+        # A pass over the jobs that reads no entry: a job's state against whether the plan places it.
+        for job_id, job in jobs.items():
+            placement = placements.get(job_id)
+            if placement is None:
+                continue  # not in the plan
+            state = job.state
+            if placement and state == pending:
                 moves.append(_move(job, common_pb2.JOB_STATE_SCHEDULED,
-                                   f"placed by plan {plan.version} (generation {entry.generation})"))
-            elif placed and job.state == common_pb2.JOB_STATE_RUNNING and entry.job_id in old \
-                    and entry.generation != old[entry.job_id].generation:
+                                   f"placed by plan {plan.version} (generation {generations[job_id]})"))
+            elif placement and state == running and job_id in resized:
                 moves.append(_move(job, common_pb2.JOB_STATE_RESIZING,
-                                   f"resized by plan {plan.version} (generation {entry.generation})"))
-            elif not placed and job.state in PLACED_STATES:
+                                   f"resized by plan {plan.version} (generation {generations[job_id]})"))
+            elif not placement and state in PLACED_STATES:
                 moves.append(_move(job, common_pb2.JOB_STATE_PENDING, f"preempted by plan {plan.version}; requeued"))
         # The batches at once: the metadata service parses one while it writes another, and this
         # process takes in one reply while the next is being built (a round that places 3,200 jobs
@@ -173,18 +199,46 @@ class Committer:
         return list(reply.results)
 
 
-def _log_commit(plan: plan_pb2.AllocationPlan, old: dict[str, plan_pb2.JobAllocation], reason: str) -> None:
+def _log_commit(plan: plan_pb2.AllocationPlan, base: plan_pb2.AllocationPlan | None, reason: str,
+                placements: Mapping[str, Placement] | None, changes: EntryChanges | None) -> None:
     """One line per plan: what an operator asks first when a job moved (which plan, why)."""
     if not _log.isEnabledFor(logging.INFO):
-        return  # a pass over every job's ranks, three times: a tenth of a second at 5,000 jobs
-    placed = [e for e in plan.jobs if convert.ranks_of(e)]
-    changed = [e for e in placed if e.job_id not in old or e.generation != old[e.job_id].generation]
-    stopped = sum(1 for e in plan.jobs if not convert.ranks_of(e) and e.job_id in old
-                  and convert.ranks_of(old[e.job_id]))
+        return
+    if placements is None or changes is None:
+        placements = {entry.job_id: convert.placement_of(entry) for entry in plan.jobs}
+        old = {a.job_id: a for a in (base.jobs if base is not None else [])}
+        upserts = {e.job_id: e for e in plan.jobs if e.job_id not in old or e != old[e.job_id]}
+    else:
+        old, upserts = changes.previous, changes.upserts
+    # Counts over every job (cheap: placements at hand), names of the changed ones only.
+    placed = [p for p in placements.values() if p]
+    changed = [job_id for job_id, e in upserts.items() if placements.get(job_id)
+               and (job_id not in old or e.generation != old[job_id].generation)]
+    stopped = sum(1 for job_id in upserts if not placements.get(job_id) and job_id in old
+                  and convert.placement_of(old[job_id]))
     _log.info("plan committed", extra={
         "version": plan.version, "reason": reason, "jobs_placed": len(placed),
-        "gpus": sum(len(convert.ranks_of(e)) for e in placed), "jobs_started_or_resized": len(changed),
-        "jobs_stopped": stopped, "changed": [e.job_id for e in changed[:20]]})
+        "gpus": sum(len(idx) for p in placed for _, idx in p), "jobs_started_or_resized": len(changed),
+        "jobs_stopped": stopped, "changed": changed[:20]})
+
+
+class _Generations:
+    """Each job's generation in ``plan``, for the messages of its moves: a changed entry's at
+    hand, the others' read off the plan once, when a move needs one (rare: a job placed by an
+    entry the plan did not change had a move refused before)."""
+
+    def __init__(self, plan: plan_pb2.AllocationPlan, changes: EntryChanges | None) -> None:
+        self._plan = plan
+        self._changed = changes.upserts if changes is not None else {}
+        self._all: dict[str, int] | None = None
+
+    def __getitem__(self, job_id: str) -> int:
+        entry = self._changed.get(job_id)
+        if entry is not None:
+            return entry.generation
+        if self._all is None:
+            self._all = {e.job_id: e.generation for e in self._plan.jobs}
+        return self._all.get(job_id, 0)
 
 
 def _move(job: common_pb2.Job, new_state: int, message: str) -> metadata_pb2.TransitionJobRequest:

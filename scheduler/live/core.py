@@ -24,6 +24,7 @@ from scheduler.live import metrics
 from scheduler.live.clients import Clients
 from scheduler.live.commit import Committer
 from scheduler.live.data import CachedBytesProbe
+from scheduler.live.entries import EntryChanges
 from scheduler.live.feedback import EstimatorFeedback
 from scheduler.live.inference import LiveInference
 from scheduler.live.leadership import Leadership
@@ -114,7 +115,8 @@ class SchedulerCore:
             try:
                 committed = await timer.timed(
                     "commit", self.committer.commit(proto, base, {j.id: j for j in jobs}, reason,
-                                                    placements=self.planner.placements))
+                                                    placements=self.planner.placements,
+                                                    changes=self.planner.changes))
             except grpc.aio.AioRpcError as exc:
                 if self.leadership.enabled and exc.code() == grpc.StatusCode.FAILED_PRECONDITION \
                         and "epoch" in (exc.details() or ""):
@@ -127,9 +129,12 @@ class SchedulerCore:
             raise
         metrics.jobs_seen(jobs, time.time())
         if committed is not None:
-            metrics.plan_committed(committed, {a.job_id: a for a in (base.jobs if base is not None else [])},
-                                   {node.name: node.pool for node in snap.nodes})
-        metrics.plan_in_force(self.plans.latest, snap, self.snapshots.usable.faulted)
+            changes = self.plans.changes_from(base)
+            metrics.plan_committed(committed, changes.previous if changes is not None else
+                                   {a.job_id: a for a in (base.jobs if base is not None else [])},
+                                   {node.name: node.pool for node in snap.nodes},
+                                   changes)
+        metrics.plan_in_force(self.plans.latest, snap, self.snapshots.usable.faulted, self.plans.changes_from)
         timer.done(self.committer.last_outcome)
         # One line a round: which one ran slow, and in which phase, beside the histogram.
         _log.info("round", extra={"reason": reason, "outcome": self.committer.last_outcome, "jobs": len(jobs),
@@ -222,6 +227,11 @@ class SchedulerCore:
 
     def job_moved(self, job: common_pb2.Job) -> None:
         self.jobs.saw(job)
+
+    def changes_from(self, plan: plan_pb2.AllocationPlan | None) -> EntryChanges | None:
+        """What the plan in force changes of ``plan`` when ``plan`` is the one it replaced and this
+        scheduler committed it (else None: compare the plans)."""
+        return self.plans.changes_from(plan)
 
     async def refresh_latest(self, max_age_s: float = 0.0) -> plan_pb2.AllocationPlan | None:
         return await self.plans.refresh(max_age_s)

@@ -91,11 +91,17 @@ class PlanFeedService(allocation_pb2_grpc.PlanFeedServiceServicer):
         key = (sent.version, plan.version)
         cached = self._changes.get(key)
         if cached is None:
-            before = {j.job_id: j for j in sent.jobs}
-            diff = changes_between(before, {j.job_id: j for j in plan.jobs})
-            changes = plan_pb2.PlanChanges(base_version=sent.version, jobs=list(diff.upserts.values()),
-                                           removed_job_ids=list(diff.removals))
-            arrived = self._specs_of(j for j in diff.upserts.values() if j.job_id not in before)
+            # This scheduler's own commits say what they changed; any other pair of plans is compared whole.
+            known = self.core.changes_from(sent) if hasattr(self.core, "changes_from") else None
+            if known is not None:
+                upserts, removals, had = known.upserts, known.removals, known.previous
+            else:
+                had = {j.job_id: j for j in sent.jobs}
+                diff = changes_between(had, {j.job_id: j for j in plan.jobs})
+                upserts, removals = diff.upserts, diff.removals
+            changes = plan_pb2.PlanChanges(base_version=sent.version, jobs=list(upserts.values()),
+                                           removed_job_ids=list(removals))
+            arrived = self._specs_of(j for j in upserts.values() if j.job_id not in had)
             if len(self._changes) >= 8:
                 self._changes.pop(next(iter(self._changes)))
             cached = self._changes[key] = (changes, arrived)

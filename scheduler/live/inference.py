@@ -132,6 +132,8 @@ class LiveInference:
                                       task_id=serving.get(view.replica_id, ""), reuse_count=replica.reuses)
             if view.state is ReplicaState.PROTECT and replica.next_change_s() < float("inf"):
                 entry.protect_until.CopyFrom(_timestamp(replica.next_change_s()))
+        if not inference_nodes:
+            return  # nothing to lend: no pass over every job's entry
         inference_jobs = set(self.task_replica)
         for job in plan.jobs:
             if job.job_id in inference_jobs:

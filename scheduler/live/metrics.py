@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from prometheus_client import Counter, Gauge, Histogram
 
 from scheduler.live import convert
+from scheduler.live.entries import EntryChanges
 from scheduler.policy import ClusterSnapshot
 from silod.v1 import common_pb2, plan_pb2
 
@@ -102,57 +103,76 @@ def jobs_seen(jobs: Iterable[common_pb2.Job], now_s: float) -> None:
     OLDEST_PENDING.set(max(oldest, 0.0))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _PlanGpus:
     """What plan_in_force reads off a plan: worked out once per plan in force, which every round
-    reports and only a commit changes (25,000 GPUs at 1,000 nodes)."""
+    reports and only a commit changes, and carried from one plan to the next by its changes."""
 
-    training: dict[str, frozenset[int]]  # node -> GPU indices ranks hold
+    training: dict[str, dict[int, int]]  # node -> GPU index -> how many ranks hold it (one, in a sound plan)
     inference: dict[str, frozenset[int]]  # node -> GPU indices of serving (RUNNING, PROTECT) replicas
     cache_bytes: int
     io_bytes_per_s: int
 
     @classmethod
     def of(cls, plan: plan_pb2.AllocationPlan | None) -> _PlanGpus:
-        if plan is None:
-            return cls({}, {}, 0, 0)
-        training: dict[str, set[int]] = {}
-        for entry in plan.jobs:
+        gpus = cls({}, {}, 0, 0)
+        if plan is not None:
+            gpus._add(plan.jobs, 1)
+            gpus._replicas(plan)
+        return gpus
+
+    def follow(self, plan: plan_pb2.AllocationPlan, changes: EntryChanges) -> _PlanGpus:
+        """This (the plan before ``plan``'s) turned into ``plan``'s by what ``plan`` changed."""
+        self._add(changes.previous.values(), -1)
+        self._add(changes.upserts.values(), 1)
+        self._replicas(plan)
+        return self
+
+    def _add(self, entries: Iterable[plan_pb2.JobAllocation], sign: int) -> None:
+        training = self.training
+        for entry in entries:
             for node, indices in convert.placement_of(entry):  # known for a committed plan's entries
-                training.setdefault(node, set()).update(indices)
+                held = training.setdefault(node, {})
+                for i in indices:
+                    count = held.get(i, 0) + sign
+                    if count:
+                        held[i] = count
+                    else:
+                        del held[i]
+            for g in entry.cache_grants:
+                self.cache_bytes += sign * g.cache_quota_bytes
+                self.io_bytes_per_s += sign * g.remote_io_bytes_per_s
+
+    def _replicas(self, plan: plan_pb2.AllocationPlan) -> None:
         inference: dict[str, set[int]] = {}
         for r in plan.replicas:
             if r.state in (plan_pb2.REPLICA_STATE_RUNNING, plan_pb2.REPLICA_STATE_PROTECT):
                 inference.setdefault(r.node, set()).add(r.gpu_index)
-        grants = [g for e in plan.jobs for g in e.cache_grants]
-        return cls({n: frozenset(i) for n, i in training.items()}, {n: frozenset(i) for n, i in inference.items()},
-                   sum(g.cache_quota_bytes for g in grants), sum(g.remote_io_bytes_per_s for g in grants))
+        self.inference = {n: frozenset(i) for n, i in inference.items()}
 
 
 _in_force: tuple[plan_pb2.AllocationPlan | None, _PlanGpus] = (None, _PlanGpus.of(None))
+# (plan, nodes, faulted GPUs) -> GPUs by (state, type, pool): most rounds change none of them
+_counted: tuple[object, object, dict[str, frozenset[int]], dict[tuple[str, str, str], int]] = (None, None, {}, {})
 
 
 def plan_in_force(plan: plan_pb2.AllocationPlan | None, snap: ClusterSnapshot,
-                  faulted: Mapping[str, frozenset[int]]) -> None:
-    """GPUs by state, grants and version under ``plan``, on the nodes of ``snap`` (live ones)."""
-    global _in_force
+                  faulted: Mapping[str, frozenset[int]],
+                  changes_from: Callable[[plan_pb2.AllocationPlan | None], EntryChanges | None] = lambda _: None,
+                  ) -> None:
+    """GPUs by state, grants and version under ``plan``, on the nodes of ``snap`` (live ones).
+    ``changes_from(p)``: what ``plan`` changed of ``p``, where known (scheduler.live.plans)."""
+    global _in_force, _counted
     if _in_force[0] is not plan:
-        _in_force = (plan, _PlanGpus.of(plan))
+        changes = changes_from(_in_force[0]) if plan is not None and _in_force[0] is not None else None
+        _in_force = (plan, _in_force[1].follow(plan, changes) if changes is not None else _PlanGpus.of(plan))
+        _counted = (None, None, {}, {})
     gpus = _in_force[1]
-    none: frozenset[int] = frozenset()
-    counts: dict[tuple[str, str, str], int] = {}
-    for node in snap.nodes:
-        # Every GPU of the node, each in one state, the first that holds of: faulted, held by a
-        # rank (lent on an inference node), serving inference, idle.
-        present = range(node.gpus)
-        bad = {i for i in faulted.get(node.name, none) if i in present}
-        held = {i for i in gpus.training.get(node.name, none) if i in present} - bad
-        serving = {i for i in gpus.inference.get(node.name, none) if i in present} - bad - held
-        for state, count in (("faulted", len(bad)), ("lent" if node.pool == "inference" else "allocated", len(held)),
-                             ("inference", len(serving)), ("idle", node.gpus - len(bad) - len(held) - len(serving))):
-            if count:
-                key = (state, node.gpu_type, node.pool)
-                counts[key] = counts.get(key, 0) + count
+    if _counted[0] is plan and _counted[1] is snap.nodes and _counted[2] == faulted:
+        counts = _counted[3]
+    else:
+        counts = _count(gpus, snap, faulted)
+        _counted = (plan, snap.nodes, dict(faulted), counts)
     GPUS.clear()
     for (state, gpu_type, pool), count in counts.items():
         GPUS.labels(state, gpu_type, pool).set(count)
@@ -161,14 +181,40 @@ def plan_in_force(plan: plan_pb2.AllocationPlan | None, snap: ClusterSnapshot,
     PLAN_VERSION.set(plan.version if plan is not None else 0)
 
 
+def _count(gpus: _PlanGpus, snap: ClusterSnapshot, faulted: Mapping[str, frozenset[int]]) -> dict[tuple[str, str, str], int]:
+    none: frozenset[int] = frozenset()
+    counts: dict[tuple[str, str, str], int] = {}
+    for node in snap.nodes:
+        # Every GPU of the node, each in one state, the first that holds of: faulted, held by a
+        # rank (lent on an inference node), serving inference, idle.
+        present = range(node.gpus)
+        bad = {i for i in faulted.get(node.name, none) if i in present}
+        held = {i for i in gpus.training.get(node.name, {}) if i in present} - bad
+        serving = {i for i in gpus.inference.get(node.name, none) if i in present} - bad - held
+        for state, count in (("faulted", len(bad)), ("lent" if node.pool == "inference" else "allocated", len(held)),
+                             ("inference", len(serving)), ("idle", node.gpus - len(bad) - len(held) - len(serving))):
+            if count:
+                key = (state, node.gpu_type, node.pool)
+                counts[key] = counts.get(key, 0) + count
+    return counts
+
+
 def plan_committed(new: plan_pb2.AllocationPlan, old: Mapping[str, plan_pb2.JobAllocation],
-                   pools: Mapping[str, str]) -> None:
-    """Count what ``new`` did to each job against ``old`` (the plan it replaced)."""
+                   pools: Mapping[str, str], changes: EntryChanges | None = None) -> None:
+    """Count what ``new`` did to each job against ``old`` (the plan it replaced: its entries by
+    job, at least those of the jobs ``changes`` names). ``changes``: what ``new`` changed, where
+    known; only those entries are read (an entry not in it is unchanged)."""
     lending = "inference" in pools.values()  # no inference pool: no GPU to lend, no pass for it
-    lent_before = {(n, i) for e in old.values() for n, i in convert.ranks_of(e) if pools.get(n) == "inference"} \
+    if changes is not None:
+        entries: Iterable[plan_pb2.JobAllocation] = changes.upserts.values()
+        # Unchanged entries lend the same GPUs before and after: only the changed ones count.
+        before: Iterable[plan_pb2.JobAllocation] = [old[j] for j in changes.previous if j in old]
+    else:
+        entries, before = new.jobs, old.values()
+    lent_before = {(n, i) for e in before for n, i in convert.ranks_of(e) if pools.get(n) == "inference"} \
         if lending else set()
     lent_now = set()
-    for entry in new.jobs:
+    for entry in entries:
         previous = old.get(entry.job_id)
         ranks = convert.ranks_of(entry)
         if lending:
@@ -176,10 +222,10 @@ def plan_committed(new: plan_pb2.AllocationPlan, old: Mapping[str, plan_pb2.JobA
         if previous is not None and entry.generation == previous.generation \
                 and convert.placement_of(entry) == convert.placement_of(previous):
             continue  # unchanged: nothing to count (most of 5,000 entries, most rounds)
-        before = convert.ranks_of(previous) if previous is not None else ()
-        if ranks and not before:
+        before_ranks = convert.ranks_of(previous) if previous is not None else ()
+        if ranks and not before_ranks:
             JOB_CHANGES.labels("started").inc()
-        elif before and not ranks:
+        elif before_ranks and not ranks:
             JOB_CHANGES.labels("preempted").inc()
         elif ranks and previous is not None and entry.generation != previous.generation:
             JOB_CHANGES.labels("resized_in_place" if entry.fast_resize else "resized_by_restart").inc()

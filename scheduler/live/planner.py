@@ -15,13 +15,13 @@ from collections.abc import Collection, Mapping, Sequence
 
 from scheduler.codesign import is_active as co_active
 from scheduler.invariants import check_plan
-from scheduler.live import convert, data
+from scheduler.live import data
 from scheduler.live.gpu_health import Placement, UsableGpus
 from scheduler.live.inference import LiveInference, is_inference_job
+from scheduler.live.entries import EntryBuilder, EntryChanges
 from scheduler.live.releases import Gpu, hold_releases
-from scheduler.live.resizes import set_generation
 from scheduler.placement import node_types, placement_type
-from scheduler.policy import ClusterSnapshot, Plan
+from scheduler.policy import Allocation, ClusterSnapshot, Plan
 from scheduler.quotas import QuotaBounded
 from scheduler.registry import get_policy
 from silod.v1 import common_pb2, plan_pb2
@@ -48,10 +48,19 @@ class RoundPlanner:
     policy_co_designs: bool
     cache_mode: str
     inference: LiveInference
-    # Each job's placement in the last plan built, as convert.placement_of gives it: the caller
-    # hands them to convert.remember_placements (from its own thread) rather than have them read
-    # off the 5,000 entries again.
-    placements: dict[str, Placement] = dataclasses.field(default_factory=dict)
+    # The entries of each plan, built from the plan in force (scheduler.live.entries): what the
+    # last plan changed, and each job's placement in it as convert.placement_of gives it, which
+    # the caller hands on rather than have them read off 20,000 entries again.
+    entries: EntryBuilder = dataclasses.field(default_factory=EntryBuilder)
+
+    @property
+    def placements(self) -> dict[str, Placement]:
+        return self.entries.placements
+
+    @property
+    def changes(self) -> EntryChanges | None:
+        """What the last plan built changes of its base (None: it had none)."""
+        return self.entries.changes
 
     def plan(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], usable: UsableGpus, *,
              base: plan_pb2.AllocationPlan | None, busy: Mapping[Gpu, str], restarting: Collection[str],
@@ -85,7 +94,6 @@ class RoundPlanner:
     def _proto(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], plan: Plan, training_ids: set[str], *,
                base: plan_pb2.AllocationPlan | None, restarting: Collection[str], reason: str) -> plan_pb2.AllocationPlan:
         managed = self.cache_mode != "silod" or co_active(snap)
-        old = {a.job_id: a for a in (base.jobs if base is not None else [])}
         proto = plan_pb2.AllocationPlan(
             version=(base.version if base is not None else 0) + 1, policy=self.policy_name,
             cache_mode=self.cache_mode, reason=reason,
@@ -94,13 +102,9 @@ class RoundPlanner:
             proto.storage_bandwidth_budget_bytes_per_s = int(snap.storage_bandwidth_bytes_per_s)
         proto.created_at.GetCurrentTime()
         kinds = node_types(snap)
-        policy_afe = bool(getattr(self.policy, "afe", False))
-        self.placements = {}
-        for job in jobs:
-            alloc = plan.get(job.id)
-            entry = proto.jobs.add(job_id=job.id)
-            placement = convert.normalized(alloc.placement) if alloc is not None else ()
-            self.placements[job.id] = placement
+
+        def fill(entry: plan_pb2.JobAllocation, job: common_pb2.Job, alloc: Allocation | None,
+                 placement: Placement) -> None:
             if alloc is not None:
                 for node, idx in alloc.placement:
                     entry.placements.add(node=node, gpu_indices=list(idx))
@@ -115,8 +119,10 @@ class RoundPlanner:
                     data.add_grants(entry, alloc, self.cache_mode, job.spec.dataset, managed)
             else:
                 entry.batch_size = job.spec.batch_size
-            set_generation(entry, job, old.get(job.id), restarting=job.id in restarting, policy_afe=policy_afe,
-                           placement=placement)
-        convert.assign_master_ports(proto, old, self.placements)
+
+        # What every entry depends on beyond its job and allocation: a change rebuilds them all.
+        context = (kinds, managed)
+        self.entries.build(proto, jobs, plan, base=base, restarting=restarting, context=context,
+                           policy_afe=bool(getattr(self.policy, "afe", False)), fill=fill)
         self.inference.describe(proto, {n.name for n in snap.nodes if n.pool == "inference"})
         return proto

@@ -13,6 +13,7 @@ import grpc
 
 from scheduler.live import convert
 from scheduler.live.clients import Clients
+from scheduler.live.entries import EntryChanges
 from silod.v1 import common_pb2, metadata_pb2, plan_pb2
 
 T = TypeVar("T")
@@ -38,6 +39,8 @@ class PlanStore:
         self._reading: asyncio.Future[plan_pb2.AllocationPlan | None] | None = None
         self._index: dict[str, plan_pb2.JobAllocation] = {}  # job -> its entry in the plan of _index_version
         self._index_version = -1
+        # (plan before the one in force, the plan in force, what it changed): see changes_from
+        self._changes: tuple[plan_pb2.AllocationPlan | None, plan_pb2.AllocationPlan, EntryChanges | None] | None = None
 
     async def refresh(self, max_age_s: float = 0.0) -> plan_pb2.AllocationPlan | None:
         """Read the plan in force from the metadata store. ``max_age_s`` > 0 (the watchers'
@@ -68,9 +71,15 @@ class PlanStore:
             await self.set_latest(plan)
         return self.latest
 
-    async def set_latest(self, plan: plan_pb2.AllocationPlan) -> None:
+    async def set_latest(self, plan: plan_pb2.AllocationPlan, *, base: plan_pb2.AllocationPlan | None = None,
+                         changes: EntryChanges | None = None) -> None:
+        """``plan`` is in force; ``changes``: what it changes of ``base``, the plan in force before
+        it, where known (this scheduler's own commits), so that what follows the plan in force
+        can follow it by its changes (``changes_from``)."""
         if self.latest is None or plan.version > self.latest.version:
             convert.remember_placements(plan)
+            known = changes is not None and base is not None and base is self.latest
+            self._changes = (base, plan, changes) if known else None
             self.latest = plan
             waiters, self._waiters = self._waiters, set()
             for waiter in waiters:
@@ -89,6 +98,14 @@ class PlanStore:
         finally:
             timer.cancel()
             self._waiters.discard(waiter)
+
+    def changes_from(self, plan: plan_pb2.AllocationPlan | None) -> EntryChanges | None:
+        """What the plan in force changes of ``plan``, when ``plan`` is the one it replaced and
+        the change is known; else None (work it out from the whole plan)."""
+        known = self._changes
+        if known is None or plan is None or known[0] is not plan or known[1] is not self.latest:
+            return None
+        return known[2]
 
     @property
     def latest_version(self) -> int:

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 import grpc
 
 from scheduler.live import convert
+from scheduler.live.entries import EntryChanges
 from scheduler.policy import Allocation, ClusterSnapshot, Plan
 from scheduler.rank_requests import NodeRoom
 from silod.v1 import metadata_pb2, plan_pb2
@@ -30,16 +31,40 @@ class ReleaseTracker:
         self.pending: dict[Gpu, tuple[str, int]] = {}  # (node, gpu) -> (job, releasing version)
         self._held: tuple[plan_pb2.AllocationPlan | None, dict[Gpu, str]] = (None, {})  # see _held_under
 
-    def record(self, previous: plan_pb2.AllocationPlan, new: plan_pb2.AllocationPlan) -> None:
-        entries = {e.job_id: e for e in new.jobs}
-        for entry in previous.jobs:
-            now = entries.get(entry.job_id)
+    def record(self, previous: plan_pb2.AllocationPlan, new: plan_pb2.AllocationPlan,
+               changes: EntryChanges | None = None) -> None:
+        """The GPUs ``new`` takes from jobs that held them under ``previous``. ``changes``: what
+        ``new`` changes of ``previous``, where known: only those entries are compared."""
+        if changes is not None:
+            pairs: Iterable[tuple[plan_pb2.JobAllocation, plan_pb2.JobAllocation | None]] = (
+                (entry, changes.upserts.get(job_id)) for job_id, entry in changes.previous.items())
+        else:
+            entries = {e.job_id: e for e in new.jobs}
+            pairs = ((entry, entries.get(entry.job_id)) for entry in previous.jobs)
+        for entry, now in pairs:
             if now is not None and convert.placement_of(now) == convert.placement_of(entry):
                 continue  # the usual case: most of 5,000 jobs keep what they hold
             kept = set(convert.ranks_of(now)) if now is not None else set()
             for gpu in convert.ranks_of(entry):
                 if gpu not in kept:
                     self.pending[gpu] = (entry.job_id, new.version)
+        self._follow(previous, new, changes)
+
+    def _follow(self, previous: plan_pb2.AllocationPlan, new: plan_pb2.AllocationPlan,
+                changes: EntryChanges | None) -> None:
+        """Carry the GPUs held under ``previous`` over to ``new`` by its changes, where the holders
+        of ``previous`` are known and so are the changes (else they are worked out when asked)."""
+        if changes is None or self._held[0] is not previous:
+            return
+        held = self._held[1]
+        for job_id, entry in changes.previous.items():
+            for gpu in convert.ranks_of(entry):
+                if held.get(gpu) == job_id:
+                    del held[gpu]
+        for job_id, entry in changes.upserts.items():
+            for gpu in convert.ranks_of(entry):
+                held[gpu] = job_id
+        self._held = (new, held)
 
     async def recover(self, md, latest: plan_pb2.AllocationPlan | None) -> None:  # type: ignore[no-untyped-def]
         """After a restart: GPUs the latest plan took from a job are pending release again

@@ -45,16 +45,19 @@ class CrashRestarts:
 
 def set_generation(entry: plan_pb2.JobAllocation, job: common_pb2.Job, previous: plan_pb2.JobAllocation | None,
                    *, restarting: bool, policy_afe: bool,
-                   placement: Placement | None = None) -> None:
+                   placement: Placement | None = None, previous_placement: Placement | None = None) -> None:
     """``entry.generation`` (and ``fast_resize`` where the ranks re-form in place) from the
-    job's previous entry. ``placement``: the entry's, as convert.placement_of would give it,
-    where the caller has it (a round builds 5,000 entries from placements it holds)."""
+    job's previous entry. ``placement`` and ``previous_placement``: the entries', as
+    convert.placement_of would give them, where the caller has them (a round builds 5,000
+    entries from placements it holds)."""
     if placement is None:
         placement = convert.placement_of(entry)
+    if previous_placement is None:
+        previous_placement = convert.placement_of(previous) if previous is not None else ()
     generation = previous.generation if previous is not None else 0
     if restarting and placement:
         generation += 1  # every rank again, from the checkpoint: no survivors to keep
-    elif placement != (convert.placement_of(previous) if previous is not None else ()):
+    elif placement != previous_placement:
         generation += 1
         entry.fast_resize = fast_resize(job, previous, entry, policy_afe)
     elif job.spec.resize_in_place and previous is not None and placement \

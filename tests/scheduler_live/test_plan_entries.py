@@ -1,0 +1,205 @@
+"""A round's plan built from the plan in force (scheduler.live.entries) is the plan built whole.
+
+Rounds of real policies over a changing cluster (jobs end and arrive, messages change, restarts,
+GPU types change, a policy that resizes in place): every plan the incremental builder makes
+must equal, entry for entry, the plan a fresh planner builds from the same inputs, and what it
+says it changed must be exactly what differs from the plan in force.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from estimator.job_model import JobModel
+from scheduler.live import convert, entries
+from scheduler.live.gpu_health import UsableGpus
+from scheduler.live.inference import LiveInference
+from scheduler.live.planner import RoundPlanner, configured_policy
+from scheduler.plan_changes import changes_between
+from scheduler.policy import ClusterSnapshot, JobInfo, NodeInfo
+from silod.v1 import common_pb2, plan_pb2
+
+MODEL = JobModel.from_profile("cifar10")
+
+
+class Cluster:
+    """Nodes, jobs (their messages and JobInfos) and the plan in force, changed at random."""
+
+    def __init__(self, rng: random.Random, nodes: int, jobs: int) -> None:
+        self.rng = rng
+        self.types = ["v100"] * nodes
+        self.messages: dict[str, common_pb2.Job] = {}
+        self.infos: dict[str, JobInfo] = {}
+        self.nodes = nodes
+        self.arrived = 0
+        for _ in range(jobs):
+            self.arrive()
+
+    def arrive(self) -> None:
+        self.arrived += 1
+        job_id = f"job-{self.arrived:04d}"
+        low = self.rng.randint(1, 3)
+        high = low + self.rng.choice([0, 0, 2, 5])
+        message = common_pb2.Job(id=job_id, state=common_pb2.JOB_STATE_PENDING)
+        message.spec.min_gpus, message.spec.max_gpus = low, high
+        message.spec.batch_size = self.rng.choice([0, 64])
+        message.spec.max_batch_size = 256 if message.spec.batch_size else 0
+        message.spec.resize_in_place = self.rng.random() < 0.5
+        self.messages[job_id] = message
+        self.infos[job_id] = JobInfo(job_id=job_id, model=MODEL, submit_time_s=float(self.arrived), min_gpus=low,
+                                     max_gpus=high, target_samples=1e7, samples_done=self.rng.uniform(0, 1e6),
+                                     attained_gpu_s=self.rng.uniform(0, 1e4), batch_size=message.spec.batch_size)
+
+    def leave(self, job_id: str) -> None:
+        del self.messages[job_id], self.infos[job_id]
+
+    def touch(self, job_id: str) -> None:
+        """A new message for the job (KnownJobs hands out a new one on any change)."""
+        message = common_pb2.Job()
+        message.CopyFrom(self.messages[job_id])
+        if self.rng.random() < 0.5:
+            message.spec.batch_size = self.rng.choice([0, 32, 64])
+        self.messages[job_id] = message
+
+    def snapshot(self, base: plan_pb2.AllocationPlan | None, time_s: float) -> ClusterSnapshot:
+        nodes = tuple(NodeInfo(name=f"node-{k:03d}", gpus=4, gpu_type=self.types[k]) for k in range(self.nodes))
+        return ClusterSnapshot(time_s=time_s, nodes=nodes, jobs=tuple(self.infos.values()),
+                               current=convert.plan_from_proto(base))
+
+    def node_messages(self) -> list[common_pb2.Node]:
+        return [common_pb2.Node(spec=common_pb2.NodeSpec(name=f"node-{k:03d}", gpus=4, gpu_type=self.types[k]))
+                for k in range(self.nodes)]
+
+
+def _planner(policy_name: str) -> RoundPlanner:
+    policy, co_designs = configured_policy(policy_name, "lru")
+    return RoundPlanner(policy, policy_name, co_designs, "lru", LiveInference(policy))
+
+
+def _by_job(plan: plan_pb2.AllocationPlan) -> dict[str, bytes]:
+    return {e.job_id: e.SerializeToString(deterministic=True) for e in plan.jobs}
+
+
+@pytest.mark.parametrize("policy_name", ["fifo", "tiresias", "deepboot"])
+def test_incremental_plans_equal_whole_plans_round_after_round(policy_name: str) -> None:
+    rng = random.Random(7)
+    cluster = Cluster(rng, nodes=30, jobs=90)
+    incremental = _planner(policy_name)
+    base: plan_pb2.AllocationPlan | None = None
+    patched = []
+    for round_number in range(1, 25):
+        snap = cluster.snapshot(base, time_s=1000.0 * round_number)
+        jobs = list(cluster.messages.values())
+        usable = UsableGpus(cluster.node_messages())
+        busy = {gpu: e.job_id for e in base.jobs for gpu in convert.ranks_of(e)} if base is not None else {}
+        restarting = frozenset(rng.sample(sorted(cluster.messages), 2)) if round_number % 6 == 0 else frozenset()
+        built = incremental.plan(snap, jobs, usable, base=base, busy=busy, restarting=restarting, reason="test")
+        whole = _planner(policy_name).plan(snap, jobs, usable, base=base, busy=busy, restarting=restarting,
+                                           reason="test")
+        assert _by_job(built) == _by_job(whole), f"round {round_number}"
+        assert incremental.placements == {e.job_id: convert.placement_of(e) for e in whole.jobs}
+        if base is not None:
+            expected = changes_between(_by_job(base), _by_job(whole))
+            changes = incremental.changes
+            assert changes is not None
+            assert set(changes.upserts) == set(expected.upserts)
+            assert set(changes.removals) == set(expected.removals)
+            assert {j: e.SerializeToString(deterministic=True) for j, e in changes.upserts.items()} == \
+                {j: _by_job(whole)[j] for j in expected.upserts}
+            old = _by_job(base)
+            assert {j: e.SerializeToString(deterministic=True) for j, e in changes.previous.items()} == \
+                {j: old[j] for j in (*expected.upserts, *expected.removals) if j in old}
+            patched.append(incremental.entries.patched)
+        # Committed as built (the metadata store keeps the scheduler's objects), then the cluster moves on.
+        built.version = round_number
+        convert.remember_placements(built, incremental.placements)
+        base = built
+        placed = [e.job_id for e in base.jobs if e.placements]
+        for job_id in rng.sample(placed, min(3, len(placed))):
+            cluster.leave(job_id)
+        for _ in range(rng.randint(0, 4)):
+            cluster.arrive()
+        for job_id in rng.sample(sorted(cluster.messages), 3):
+            cluster.touch(job_id)
+        if round_number % 8 == 0:  # a node changes type: every entry's context changes
+            k = rng.randrange(cluster.nodes)
+            cluster.types[k] = "p100" if cluster.types[k] == "v100" else "v100"
+    # Built from the plan in force every round but those after a node changed type.
+    assert [n for n, p in enumerate(patched, start=2) if not p] == [9, 17]
+
+
+def test_a_plan_not_built_here_is_built_whole() -> None:
+    """Reuse holds only for the plan the builder made (or its unchanged base): a plan in force
+    read from the store, here a copy of the built one, gets every entry rebuilt, and the same plan."""
+    rng = random.Random(3)
+    cluster = Cluster(rng, nodes=10, jobs=30)
+    planner = _planner("fifo")
+    usable = UsableGpus(cluster.node_messages())
+    first = planner.plan(cluster.snapshot(None, 1.0), list(cluster.messages.values()), usable, base=None, busy={},
+                         restarting=frozenset(), reason="test")
+    first.version = 1
+    from_store = plan_pb2.AllocationPlan()
+    from_store.CopyFrom(first)
+    cluster.leave(next(e.job_id for e in first.jobs if e.placements))
+    snap = cluster.snapshot(from_store, 2.0)
+    jobs = list(cluster.messages.values())
+    second = planner.plan(snap, jobs, usable, base=from_store, busy={}, restarting=frozenset(), reason="test")
+    assert not planner.entries.patched
+    whole = _planner("fifo").plan(snap, jobs, usable, base=from_store, busy={}, restarting=frozenset(), reason="test")
+    assert _by_job(second) == _by_job(whole)
+    assert len(planner.changes.removals) == 1
+
+
+def test_many_changes_build_every_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the share of changed jobs a patch is worth, the builder builds the plan whole."""
+    monkeypatch.setattr(entries, "PATCH_ALWAYS_UP_TO", 0)
+    rng = random.Random(5)
+    cluster = Cluster(rng, nodes=10, jobs=30)
+    planner = _planner("fifo")
+    usable = UsableGpus(cluster.node_messages())
+    first = planner.plan(cluster.snapshot(None, 1.0), list(cluster.messages.values()), usable, base=None, busy={},
+                         restarting=frozenset(), reason="test")
+    first.version = 1
+    convert.remember_placements(first, planner.placements)
+    for job_id in list(cluster.messages)[:20]:
+        cluster.touch(job_id)
+    calls = []
+    full = planner.entries._full
+    monkeypatch.setattr(planner.entries, "_full", lambda *a, **k: (calls.append(1), full(*a, **k)))
+    second = planner.plan(cluster.snapshot(first, 2.0), list(cluster.messages.values()), usable, base=first,
+                          busy={}, restarting=frozenset(), reason="test")
+    assert calls == [1]
+    assert {e.job_id for e in second.jobs} == set(cluster.messages)
+
+
+def test_a_resized_entry_is_rebuilt_once_more_without_its_fast_resize() -> None:
+    """The plan that resizes a job in place marks its entry fast_resize; the next plan carries
+    the entry without the mark and in the same generation, as a whole build would: one upsert
+    more, then none."""
+    from scheduler.live.entries import EntryBuilder
+    from scheduler.policy import Allocation, Plan
+
+    job = common_pb2.Job(id="job-1", state=common_pb2.JOB_STATE_RUNNING)
+    job.spec.min_gpus, job.spec.max_gpus, job.spec.resize_in_place = 1, 4, True
+    two = Plan({"job-1": Allocation(placement=(("node-a", (0, 1)),))})
+    four = Plan({"job-1": Allocation(placement=(("node-a", (0, 1, 2, 3)),))})
+    builder = EntryBuilder()
+    base = None
+    seen = []
+    for version, plan in enumerate([two, four, four, four], start=1):
+        proto = plan_pb2.AllocationPlan(version=version)
+
+        def fill(entry, job, alloc, placement):  # type: ignore[no-untyped-def]
+            for node, idx in (alloc.placement if alloc is not None else ()):
+                entry.placements.add(node=node, gpu_indices=list(idx))
+
+        builder.build(proto, [job], plan, base=base, restarting=frozenset(), context=(), policy_afe=False, fill=fill)
+        convert.remember_placements(proto, builder.placements)
+        entry = proto.jobs[0]
+        seen.append((entry.generation, entry.fast_resize, sorted(builder.changes.upserts) if builder.changes is not None else None))
+        base = proto
+    assert seen == [(1, False, None), (2, True, ["job-1"]), (2, False, ["job-1"]), (2, False, [])]
+    assert builder.patched
