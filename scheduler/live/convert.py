@@ -76,16 +76,21 @@ def plan_from_proto(plan: plan_pb2.AllocationPlan | None) -> Plan:
         return Plan()
     allocations: dict[str, Allocation] = {}
     for job in plan.jobs:
-        placement = placement_of(job)
-        if not placement:
-            continue
-        grants = {g.node: float(g.cache_quota_bytes) for g in job.cache_grants if g.cache_quota_bytes > 0}
-        io = sum(g.remote_io_bytes_per_s for g in job.cache_grants)
-        allocations[job.job_id] = Allocation(
-            placement=placement, batch_size=job.batch_size, cache_bytes=grants,
-            remote_io_bytes_per_s=float(io) if io > 0 else math.inf, gpu_type=job.gpu_type,
-        )
+        allocation = allocation_of(job)
+        if allocation is not None:
+            allocations[job.job_id] = allocation
     return Plan(allocations)
+
+
+def allocation_of(job: plan_pb2.JobAllocation) -> Allocation | None:
+    """What the entry gives its job, as the policy's value object; None when it places it nowhere."""
+    placement = placement_of(job)
+    if not placement:
+        return None
+    grants = {g.node: float(g.cache_quota_bytes) for g in job.cache_grants if g.cache_quota_bytes > 0}
+    io = sum(g.remote_io_bytes_per_s for g in job.cache_grants)
+    return Allocation(placement=placement, batch_size=job.batch_size, cache_bytes=grants,
+                      remote_io_bytes_per_s=float(io) if io > 0 else math.inf, gpu_type=job.gpu_type)
 
 
 def master_port(job_id: str, generation: int, taken: set[int] | frozenset[int] = frozenset()) -> int:

@@ -19,7 +19,7 @@ built whole.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from scheduler.live import convert
 from scheduler.live.gpu_health import Placement
@@ -43,6 +43,9 @@ class EntryChanges:
     upserts: dict[str, plan_pb2.JobAllocation]  # job -> its entry in the built plan, new or different
     removals: tuple[str, ...]  # jobs of the base the built plan drops
     previous: dict[str, plan_pb2.JobAllocation]  # job -> its entry in the base, for the jobs above that had one
+    # The built plan's entries are the base's in their order, changed ones in place, removed ones
+    # dropped, new ones last (as PlanChanges.apply gives them); False: in an order of their own.
+    in_place: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.upserts) or bool(self.removals)
@@ -60,7 +63,8 @@ class _Built:
 
     plan: plan_pb2.AllocationPlan
     base: plan_pb2.AllocationPlan | None  # the plan it was built on, when it changed nothing of it
-    context: tuple[object, ...]  # round-wide inputs of every entry (node types, managed grants)
+    context: tuple[object, ...]  # round-wide inputs of every entry (whether grants are managed)
+    node_types: Mapping[str, str]  # node -> GPU type, which an entry placed there is labelled with
     # job -> (message, allocation) its entry was built from, for the jobs whose entry a rebuild
     # from the same inputs gives back unchanged
     inputs: dict[str, tuple[common_pb2.Job, Allocation | None]]
@@ -80,22 +84,25 @@ class EntryBuilder:
 
     def build(self, proto: plan_pb2.AllocationPlan, jobs: Sequence[common_pb2.Job], plan: Plan, *,
               base: plan_pb2.AllocationPlan | None, restarting: Collection[str], context: tuple[object, ...],
-              policy_afe: bool, fill: FillEntry) -> None:
+              node_types: Mapping[str, str], policy_afe: bool, fill: FillEntry) -> None:
         """Add to ``proto`` an entry per job of ``jobs`` for ``plan`` (the allocations after every
         step of the round), following ``base``. ``fill(entry, job, allocation, placement)`` writes
-        what an entry holds besides its generation and port."""
+        what an entry holds besides its generation and port; it reads ``node_types`` and
+        ``context`` besides its arguments."""
         last = self._last
         if base is not None and last is not None and (base is last.plan or base is last.base) \
-                and last.context == context and self._patch(proto, jobs, plan, base, restarting, policy_afe, fill, last):
+                and last.context == context and _types_kept(last.node_types, node_types) \
+                and self._patch(proto, jobs, plan, base, restarting, policy_afe, fill, last):
+            last.node_types = node_types
             self.patched = True
             return
         self.patched = False
-        self._full(proto, jobs, plan, base, restarting, context, policy_afe, fill)
+        self._full(proto, jobs, plan, base, restarting, context, node_types, policy_afe, fill)
 
     # ---- every entry --------------------------------------------------------------------------
     def _full(self, proto: plan_pb2.AllocationPlan, jobs: Sequence[common_pb2.Job], plan: Plan,
               base: plan_pb2.AllocationPlan | None, restarting: Collection[str], context: tuple[object, ...],
-              policy_afe: bool, fill: FillEntry) -> None:
+              node_types: Mapping[str, str], policy_afe: bool, fill: FillEntry) -> None:
         old = {a.job_id: a for a in (base.jobs if base is not None else [])}
         self.placements = placements = {}
         inputs: dict[str, tuple[common_pb2.Job, Allocation | None]] = {}
@@ -118,7 +125,7 @@ class EntryBuilder:
             upserts = {e.job_id: e for e in proto.jobs if old.get(e.job_id) != e}
             removals = tuple(job_id for job_id in old if job_id not in placements)
             self.changes = EntryChanges(upserts, removals, {j: old[j] for j in (*upserts, *removals) if j in old})
-        self._last = _Built(proto, base if base is not None and not self.changes else None, context, inputs,
+        self._last = _Built(proto, base if base is not None and not self.changes else None, context, node_types, inputs,
                             {job_id: k for k, job_id in enumerate(order)}, order, rank0)
 
     # ---- the changed entries only ---------------------------------------------------------------
@@ -225,6 +232,17 @@ class EntryBuilder:
                 index[job_id] = len(last.order)
                 last.order.append(job_id)
                 upserts[job_id] = proto.jobs[index[job_id]]
-        self.changes = EntryChanges(upserts, removals, previous_entries)
+        self.changes = EntryChanges(upserts, removals, previous_entries, in_place=True)
         last.plan, last.base = proto, (base if not self.changes else None)
         return True
+
+
+def _types_kept(before: Mapping[str, str], now: Mapping[str, str]) -> bool:
+    """Does every node of both keep its GPU type? Nodes that came or went change no entry that
+    is reused: no entry was on a new node, and one on a lost node has a new allocation."""
+    if before is now:
+        return True
+    for node, gpu_type in now.items():
+        if before.get(node, gpu_type) != gpu_type:
+            return False
+    return True

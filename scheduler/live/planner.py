@@ -120,9 +120,9 @@ class RoundPlanner:
             else:
                 entry.batch_size = job.spec.batch_size
 
-        # What every entry depends on beyond its job and allocation: a change rebuilds them all.
-        context = (kinds, managed)
-        self.entries.build(proto, jobs, plan, base=base, restarting=restarting, context=context,
+        # What every entry depends on beyond its job and allocation: a change rebuilds them all
+        # (a node's GPU type: those on that node).
+        self.entries.build(proto, jobs, plan, base=base, restarting=restarting, context=(managed,), node_types=kinds,
                            policy_afe=bool(getattr(self.policy, "afe", False)), fill=fill)
         self.inference.describe(proto, {n.name for n in snap.nodes if n.pool == "inference"})
         return proto

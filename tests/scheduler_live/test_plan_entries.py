@@ -19,7 +19,7 @@ from scheduler.live.gpu_health import UsableGpus
 from scheduler.live.inference import LiveInference
 from scheduler.live.planner import RoundPlanner, configured_policy
 from scheduler.plan_changes import changes_between
-from scheduler.policy import ClusterSnapshot, JobInfo, NodeInfo
+from scheduler.policy import ClusterSnapshot, JobInfo, NodeInfo, Plan
 from silod.v1 import common_pb2, plan_pb2
 
 MODEL = JobModel.from_profile("cifar10")
@@ -196,10 +196,62 @@ def test_a_resized_entry_is_rebuilt_once_more_without_its_fast_resize() -> None:
             for node, idx in (alloc.placement if alloc is not None else ()):
                 entry.placements.add(node=node, gpu_indices=list(idx))
 
-        builder.build(proto, [job], plan, base=base, restarting=frozenset(), context=(), policy_afe=False, fill=fill)
+        builder.build(proto, [job], plan, base=base, restarting=frozenset(), context=(), node_types={},
+                      policy_afe=False, fill=fill)
         convert.remember_placements(proto, builder.placements)
         entry = proto.jobs[0]
         seen.append((entry.generation, entry.fast_resize, sorted(builder.changes.upserts) if builder.changes is not None else None))
         base = proto
     assert seen == [(1, False, None), (2, True, ["job-1"]), (2, False, ["job-1"]), (2, False, [])]
     assert builder.patched
+
+
+def test_what_jobs_hold_follows_each_plan_by_its_changes() -> None:
+    """The snapshot's current plan, carried from plan to plan by their changes (scheduler.live.holdings),
+    is the one converted from the whole plan in force: same allocations in the same order, also
+    after nodes are lost and GPUs fault."""
+    from scheduler.live.holdings import Holdings
+
+    rng = random.Random(13)
+    cluster = Cluster(rng, nodes=20, jobs=60)
+    planner = _planner("tiresias")
+    committed: list[tuple[plan_pb2.AllocationPlan | None, plan_pb2.AllocationPlan, object]] = []
+
+    followed = []
+
+    def changes_from(plan):  # type: ignore[no-untyped-def]  # as PlanStore.changes_from
+        base, latest, changes = committed[-1]
+        known = changes if plan is base and plan is not None else None
+        followed.append(known is not None and known.in_place)
+        return known
+
+    holdings = Holdings(changes_from)
+    base = None
+    for version in range(1, 16):
+        jobs = list(cluster.messages.values())
+        node_messages = cluster.node_messages()
+        if version % 5 == 0:  # a node lost, and a GPU faulted on another
+            node_messages = node_messages[1:]
+            node_messages[0].gpu_faults.add(index=1)
+        usable = UsableGpus(node_messages)
+        alive = {n.spec.name: convert.node_info(n) for n in node_messages}
+        min_gpus = {j.id: j.spec.min_gpus for j in jobs}
+        held = holdings.current(base, min_gpus, alive, usable)
+        fresh = Holdings(lambda _: None).current(base, min_gpus, alive, usable)
+        assert list(held.items()) == list(fresh.items()), f"version {version}"
+        snap = dataclasses.replace(cluster.snapshot(None, 100.0 * version), nodes=tuple(alive.values()),
+                                   current=Plan(held))
+        plan = planner.plan(snap, jobs, usable, base=base, busy={}, restarting=frozenset(), reason="test")
+        whole = _planner("tiresias").plan(snap, jobs, usable, base=base, busy={}, restarting=frozenset(), reason="test")
+        assert _by_job(plan) == _by_job(whole), f"version {version}"
+        plan.version = version
+        convert.remember_placements(plan, planner.placements)
+        committed.append((base, plan, planner.changes))
+        base = plan
+        placed = [e.job_id for e in plan.jobs if e.placements]
+        for job_id in rng.sample(placed, min(2, len(placed))):
+            cluster.leave(job_id)
+        for _ in range(rng.randint(1, 3)):
+            cluster.arrive()
+    # Plans 2-14 each followed by its changes, those after a node was lost and came back included.
+    assert followed == [True] * 13
