@@ -38,7 +38,7 @@ class EstimatorFeedback:
         self._observed: dict[str, tuple] = {}  # job -> key of the last observation sent
 
     def forget_finished(self, active: set[str]) -> None:
-        for job_id in [j for j in self._observed if j not in active]:
+        for job_id in self._observed.keys() - active:
             del self._observed[job_id]
 
     def observe(self, job: common_pb2.Job, entry: plan_pb2.JobAllocation, report: allocation_pb2.TaskReport) -> None:
@@ -124,4 +124,4 @@ class EstimatorFeedback:
             self._observe_failing = False
             _log.info("estimator Observe works again", extra={"job_id": request.job_id})
         # The refitted model is in the answer: the next round uses it without asking again.
-        self.models.fitted[request.job_id] = (dict(response.model.params), time.monotonic())
+        self.models.set_fitted(request.job_id, dict(response.model.params), time.monotonic())
