@@ -27,6 +27,8 @@ class Holdings:
         self._allocations: dict[str, Allocation | None] = {}
         self._nodes: tuple[object, ...] = ()  # the live nodes' sizes and faulted GPUs _kept holds for
         self._kept: dict[str, Allocation | None] = {}  # job -> what it keeps of its allocation on them
+        self._alive: Mapping[str, NodeInfo] | None = None  # the objects _nodes was read off
+        self._usable: UsableGpus | None = None
 
     def current(self, latest: plan_pb2.AllocationPlan | None, min_gpus: Mapping[str, int],
                 alive: Mapping[str, NodeInfo], usable: UsableGpus) -> dict[str, Allocation]:
@@ -35,9 +37,11 @@ class Holdings:
         self._follow(latest)
         # What a job keeps depends on its allocation, the live nodes' sizes and the faulted GPUs
         # only: while those are as last round, last round's answer per job stands (most rounds).
-        nodes = (tuple((name, info.gpus) for name, info in alive.items()), tuple(sorted(usable.faulted.items())))
-        if nodes != self._nodes:
-            self._nodes, self._kept = nodes, {}
+        if alive is not self._alive or usable is not self._usable:  # the snapshot keeps both while no node changed
+            nodes = (tuple((name, info.gpus) for name, info in alive.items()), tuple(sorted(usable.faulted.items())))
+            if nodes != self._nodes:
+                self._nodes, self._kept = nodes, {}
+            self._alive, self._usable = alive, usable
         kept = self._kept
         current: dict[str, Allocation] = {}
         for job_id, alloc in self._allocations.items():

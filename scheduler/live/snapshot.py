@@ -25,6 +25,7 @@ from estimator.per_type import is_reference
 from scheduler.live import convert, data
 from scheduler.live.clients import Clients
 from scheduler.live.gpu_health import UsableGpus, faulted_gpus
+from scheduler.live.holdings import Holdings
 from scheduler.live.inference import LiveInference, is_inference_job
 from scheduler.live.jobs import KnownJobs
 from scheduler.live.liveness import NodeLiveness
@@ -32,7 +33,7 @@ from scheduler.live.models import JobModels, application_of
 from scheduler.live.plans import PlanStore
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, NodeInfo, Plan
 from scheduler.quotas_proto import quotas_of
-from silod.v1 import access_pb2, common_pb2, metadata_pb2, plan_pb2
+from silod.v1 import access_pb2, common_pb2, metadata_pb2
 
 
 class SnapshotBuilder:
@@ -54,9 +55,8 @@ class SnapshotBuilder:
         self.node_types: dict[str, str] = {}  # node -> GPU type, as of the last snapshot
         self._epoch_starts = data.EpochStarts()  # snapshot.fresh_bytes from what the probe saw, round by round
         self._inference_restored = False
-        self._in_force: tuple[plan_pb2.AllocationPlan | None, Plan] = (None, Plan())
-        # (plan in force, live nodes' sizes and faulted GPUs, job -> what it keeps): see _current
-        self._kept: tuple[plan_pb2.AllocationPlan | None, tuple, dict[str, Allocation | None]] = (None, (), {})
+        # What jobs hold under the plan in force, followed from plan to plan by their changes.
+        self._holdings = Holdings(plans.changes_from)
         self._nodes = LiveNodes()
         self._rank_room: frozenset[tuple[float, int]] | None = None  # of the nodes of the last listing
         self._job_infos = JobInfos(models)
@@ -118,35 +118,7 @@ class SnapshotBuilder:
     def _current(self, training: list[common_pb2.Job], alive: dict) -> dict[str, Allocation]:
         """What each training job holds under the plan in force and can still run on."""
         min_gpus = {j.id: j.spec.min_gpus for j in training}  # inference tasks: LiveInference keeps them
-        current: dict[str, Allocation] = {}
-        latest = self.plans.latest
-        if self._in_force[0] is not latest:  # the plan in force as value objects, once per plan
-            self._in_force = (latest, convert.plan_from_proto(latest))
-        # What a job keeps depends on the plan, the live nodes' sizes and the faulted GPUs only:
-        # while those are as last round, last round's answer per job stands (most rounds).
-        nodes = (tuple((name, info.gpus) for name, info in alive.items()), tuple(sorted(self.usable.faulted.items())))
-        if self._kept[0] is not latest or self._kept[1] != nodes:
-            self._kept = (latest, nodes, {})
-        kept = self._kept[2]
-        for job_id, alloc in self._in_force[1].allocations.items():
-            if job_id not in min_gpus:
-                continue  # finished or cancelled: holds nothing any more
-            if job_id not in kept:
-                kept[job_id] = self._surviving(alloc, alive, min_gpus[job_id])
-            if kept[job_id] is not None:
-                current[job_id] = kept[job_id]
-        return current
-
-    def _surviving(self, alloc: Allocation, alive: dict, min_gpus: int) -> Allocation | None:
-        """``alloc`` without its placements on lost nodes and faulted GPUs, if the job can still run
-        on what is left."""
-        survivors = self.usable.without_faulted(tuple(
-            (node, idx) for node, idx in alloc.placement if node in alive and all(i < alive[node].gpus for i in idx)))
-        if sum(len(idx) for _, idx in survivors) < max(1, min_gpus):
-            return None
-        return Allocation(placement=survivors, batch_size=alloc.batch_size,
-                          cache_bytes={n: b for n, b in alloc.cache_bytes.items() if n in alive},
-                          remote_io_bytes_per_s=alloc.remote_io_bytes_per_s, gpu_type=alloc.gpu_type)
+        return self._holdings.current(self.plans.latest, min_gpus, alive, self.usable)
 
 
 class LiveNodes:
