@@ -155,11 +155,12 @@ async def heartbeat_nodes(md: metadata_pb2_grpc.MetadataServiceStub, nodes: int,
 
 
 async def time_round(metadata_addr: str, policy: str, nodes: int, metadata_pid: int,
-                     steady_rounds: int = 3, churn: int = 50) -> tuple[float, float, int, list[tuple[float, float]]]:
+                     steady_rounds: int = 3, churn: int = 50,
+                     ) -> tuple[float, float, int, list[tuple[float, float, dict[str, float]]]]:
     """Seconds for one in-process round, CPU seconds it took (this process and the metadata
     service), how many jobs the committed plan places; then ``steady_rounds`` rounds after
-    ``churn`` placed jobs end and as many new ones arrive, each (seconds, CPU seconds): the
-    rounds of a running cluster, where few jobs change."""
+    ``churn`` placed jobs end and as many new ones arrive, each (seconds, CPU seconds, seconds
+    by phase): the rounds of a running cluster, where few jobs change."""
     settings = scheduler_service.Settings(metadata_address=metadata_addr, policy=policy, interval_s=3600,
                                           log_level="warning")
     definition = scheduler_service.definition(settings)
@@ -200,7 +201,8 @@ async def time_round(metadata_addr: str, policy: str, nodes: int, metadata_pid: 
             started = time.perf_counter()
             await core.run_round("benchmark")
             steady.append((time.perf_counter() - started,
-                           cpu_seconds(os.getpid()) + cpu_seconds(metadata_pid) - cpu_before))
+                           cpu_seconds(os.getpid()) + cpu_seconds(metadata_pid) - cpu_before,
+                           dict(getattr(core, "last_round_seconds", {}))))
             still = sum(1 for job in core.latest.jobs if job.placements)
             # The ended jobs' GPUs stay held until a node acks their release, and no agent runs
             # here: a steady round places the survivors.
@@ -247,12 +249,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round: {args.jobs} pending jobs on {args.nodes} nodes x 8 GPUs, {args.policy}: {seconds:.2f} s, "
                   f"{placed} jobs placed  [target < 1 s: {'ok' if seconds < 1 else 'MISSED'}]; CPU {cpu:.2f} s "
                   "(scheduler and metadata)")
-            wall, cpus = sorted(w for w, _ in steady), sorted(c for _, c in steady)
+            wall, cpus = sorted(w for w, _, _ in steady), sorted(c for _, c, _ in steady)
             target = 1.0 if args.policy in ("fifo", "sjf", "tiresias") else 2.0
             print(f"steady round ({args.churn} placed jobs end and {args.churn} arrive before each; median of "
                   f"{len(steady)}): {wall[len(wall) // 2]:.2f} s  [target <= {target:g} s: "
                   f"{'ok' if wall[len(wall) // 2] <= target else 'MISSED'}]; CPU {cpus[len(cpus) // 2]:.2f} s "
                   "(scheduler and metadata)")
+            for n, (_, _, phases) in enumerate(steady, start=1):
+                if phases:
+                    print(f"  steady round {n} by phase: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
     print(f"load average over the last minute: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     return 0
 

@@ -73,6 +73,7 @@ class SchedulerCore:
         self.releases = ReleaseTracker()
         self.restarts = CrashRestarts()
         self.models = JobModels(self.clients)
+        self.last_round_seconds: dict[str, float] = {}  # phase -> seconds, of the last round that finished
         self.rounds: RoundPacer[plan_pb2.AllocationPlan | None] = RoundPacer(
             self._round, interval_s=interval_s, uncounted_s=lambda: self.models.warm_up_s)
         self.liveness = NodeLiveness(self.clients, node_timeout_s=node_timeout_s, node_poll_s=node_poll_s,
@@ -136,6 +137,7 @@ class SchedulerCore:
                                    changes)
         metrics.plan_in_force(self.plans.latest, snap, self.snapshots.usable.faulted, self.plans.changes_from)
         timer.done(self.committer.last_outcome)
+        self.last_round_seconds = dict(timer.seconds)
         # One line a round: which one ran slow, and in which phase, beside the histogram.
         _log.info("round", extra={"reason": reason, "outcome": self.committer.last_outcome, "jobs": len(jobs),
                                   "seconds": {k: round(v, 3) for k, v in timer.seconds.items()}})

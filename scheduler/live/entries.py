@@ -3,9 +3,10 @@
 A round at 20,000 jobs used to build every job's entry anew (placements, grants, generation,
 rendezvous port) and then serialize all of them to find the few that differ from the plan in
 force. Here the new plan starts as a copy of the plan in force (one C-level copy), and only the
-jobs whose inputs changed are rebuilt: their message (KnownJobs hands out a new one on any
-change), their allocation under the policy's plan, a pending restart, or the round-wide context
-(node types, whether data grants are managed). What changed is known without comparing the
+jobs whose inputs changed are rebuilt: their spec (all an entry reads of a job's message; the
+message itself is new whenever the job moves or reports progress), their allocation under the
+policy's plan, a pending restart, or the round-wide context (a node's GPU type, whether data
+grants are managed). What changed is known without comparing the
 rest, and handed on: the commit sends it, and the release records, metrics and snapshot follow it.
 
 An entry is reused only when rebuilding it would give it back unchanged: a rebuilt entry keeps
@@ -66,7 +67,7 @@ class _Built:
     context: tuple[object, ...]  # round-wide inputs of every entry (whether grants are managed)
     node_types: Mapping[str, str]  # node -> GPU type, which an entry placed there is labelled with
     # job -> (message, allocation) its entry was built from, for the jobs whose entry a rebuild
-    # from the same inputs gives back unchanged
+    # from the same inputs gives back unchanged; of the message only its spec counts
     inputs: dict[str, tuple[common_pb2.Job, Allocation | None]]
     index: dict[str, int]  # job -> position of its entry in plan.jobs
     order: list[str]  # job ids in plan.jobs' order
@@ -140,13 +141,18 @@ class EntryBuilder:
             job_id = job.id
             present.add(job_id)
             kept = inputs.get(job_id)
-            if kept is None or kept[0] is not job or job_id in restarting:
+            if kept is None or job_id in restarting:
                 candidates.append(job)
                 continue
             alloc = allocations.get(job_id)
             held = kept[1]
             if alloc is not held and alloc != held:
                 candidates.append(job)
+            elif kept[0] is not job:
+                if kept[0].spec != job.spec:
+                    candidates.append(job)
+                else:  # moved or reported progress: the same entry; identity is the quicker look next round
+                    inputs[job_id] = (job, held)
         removals = tuple(job_id for job_id in last.order if job_id not in present)
         if len(candidates) + len(removals) > max(PATCH_ALWAYS_UP_TO, PATCH_AT_MOST * len(index)):
             return False

@@ -19,7 +19,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from scheduler.live import convert
 from scheduler.live.entries import EntryChanges
-from scheduler.policy import ClusterSnapshot
+from scheduler.policy import ClusterSnapshot, NodeInfo
 from silod.v1 import common_pb2, plan_pb2
 
 T = TypeVar("T")
@@ -87,14 +87,29 @@ class RoundTimer:
 _STATE_NAMES = {number: name.removeprefix("JOB_STATE_") for name, number in common_pb2.JobState.items()}
 
 
+# job -> (the message last seen, its (state, tenant) series, its submission time if pending else
+# None): a round's 20,000 jobs are mostly the messages of the round before.
+_seen: dict[str, tuple[common_pb2.Job, tuple[str, str], float | None]] = {}
+
+
 def jobs_seen(jobs: Iterable[common_pb2.Job], now_s: float) -> None:
+    global _seen
     counts: dict[tuple[str, str], int] = {}
     oldest = 0.0
+    before, _seen = _seen, {}
+    pending = common_pb2.JOB_STATE_PENDING
     for job in jobs:
-        key = (_STATE_NAMES.get(job.state, str(job.state)), job.spec.tenant)
+        job_id = job.id
+        known = before.get(job_id)
+        if known is None or known[0] is not job:
+            state = job.state
+            submitted = job.created_at.ToSeconds() if state == pending and job.created_at.seconds else None
+            known = (job, (_STATE_NAMES.get(state, str(state)), job.spec.tenant), submitted)
+        _seen[job_id] = known
+        key = known[1]
         counts[key] = counts.get(key, 0) + 1
-        if job.state == common_pb2.JOB_STATE_PENDING and job.created_at.seconds:
-            oldest = max(oldest, now_s - job.created_at.ToSeconds())
+        if known[2] is not None:
+            oldest = max(oldest, now_s - known[2])
     JOBS.clear()  # a tenant with no active job left has no series
     for state in _STATES:
         JOBS.labels(state, "").set(0)  # every state has a series, so a sum over them is never empty
@@ -121,17 +136,23 @@ class _PlanGpus:
             gpus._replicas(plan)
         return gpus
 
-    def follow(self, plan: plan_pb2.AllocationPlan, changes: EntryChanges) -> _PlanGpus:
-        """This (the plan before ``plan``'s) turned into ``plan``'s by what ``plan`` changed."""
-        self._add(changes.previous.values(), -1)
-        self._add(changes.upserts.values(), 1)
+    def follow(self, plan: plan_pb2.AllocationPlan, changes: EntryChanges) -> set[str]:
+        """Turn this (the plan before ``plan``'s) into ``plan``'s by what ``plan`` changed; the
+        nodes whose GPUs may have changed state."""
+        touched: set[str] = set()
+        self._add(changes.previous.values(), -1, touched)
+        self._add(changes.upserts.values(), 1, touched)
+        serving = self.inference
         self._replicas(plan)
-        return self
+        touched.update(n for n in serving.keys() | self.inference.keys() if serving.get(n) != self.inference.get(n))
+        return touched
 
-    def _add(self, entries: Iterable[plan_pb2.JobAllocation], sign: int) -> None:
+    def _add(self, entries: Iterable[plan_pb2.JobAllocation], sign: int, touched: set[str] | None = None) -> None:
         training = self.training
         for entry in entries:
             for node, indices in convert.placement_of(entry):  # known for a committed plan's entries
+                if touched is not None:
+                    touched.add(node)
                 held = training.setdefault(node, {})
                 for i in indices:
                     count = held.get(i, 0) + sign
@@ -152,8 +173,32 @@ class _PlanGpus:
 
 
 _in_force: tuple[plan_pb2.AllocationPlan | None, _PlanGpus] = (None, _PlanGpus.of(None))
-# (plan, nodes, faulted GPUs) -> GPUs by (state, type, pool): most rounds change none of them
-_counted: tuple[object, object, dict[str, frozenset[int]], dict[tuple[str, str, str], int]] = (None, None, {}, {})
+
+
+@dataclasses.dataclass
+class _Counted:
+    """GPUs by (state, type, pool) under a plan on a snapshot's nodes, with each node's share, so
+    that a plan that changes a few nodes recounts those only (5,000 nodes a commit otherwise)."""
+
+    plan: plan_pb2.AllocationPlan | None = None
+    nodes: tuple = ()
+    faulted: dict[str, frozenset[int]] = dataclasses.field(default_factory=dict)
+    by_node: dict[str, list[tuple[tuple[str, str, str], int]]] = dataclasses.field(default_factory=dict)
+    counts: dict[tuple[str, str, str], int] = dataclasses.field(default_factory=dict)
+
+    def recount(self, gpus: _PlanGpus, nodes: Iterable[NodeInfo], faulted: Mapping[str, frozenset[int]]) -> None:
+        counts = self.counts
+        for node in nodes:
+            for key, count in self.by_node.get(node.name, ()):
+                counts[key] -= count
+                if not counts[key]:
+                    del counts[key]
+            share = self.by_node[node.name] = _node_share(gpus, node, faulted)
+            for key, count in share:
+                counts[key] = counts.get(key, 0) + count
+
+
+_counted = _Counted()
 
 
 def plan_in_force(plan: plan_pb2.AllocationPlan | None, snap: ClusterSnapshot,
@@ -163,40 +208,44 @@ def plan_in_force(plan: plan_pb2.AllocationPlan | None, snap: ClusterSnapshot,
     """GPUs by state, grants and version under ``plan``, on the nodes of ``snap`` (live ones).
     ``changes_from(p)``: what ``plan`` changed of ``p``, where known (scheduler.live.plans)."""
     global _in_force, _counted
+    touched: set[str] | None = None  # the nodes to recount; None: every node
     if _in_force[0] is not plan:
         changes = changes_from(_in_force[0]) if plan is not None and _in_force[0] is not None else None
-        _in_force = (plan, _in_force[1].follow(plan, changes) if changes is not None else _PlanGpus.of(plan))
-        _counted = (None, None, {}, {})
+        if changes is not None:
+            followed = _in_force[1].follow(plan, changes)
+            touched = followed if _counted.plan is _in_force[0] else None
+            _in_force = (plan, _in_force[1])
+        else:
+            _in_force = (plan, _PlanGpus.of(plan))
+    elif _counted.plan is plan:
+        touched = set()
     gpus = _in_force[1]
-    if _counted[0] is plan and _counted[1] is snap.nodes and _counted[2] == faulted:
-        counts = _counted[3]
-    else:
-        counts = _count(gpus, snap, faulted)
-        _counted = (plan, snap.nodes, dict(faulted), counts)
+    if touched is None or _counted.nodes is not snap.nodes or _counted.faulted != faulted:
+        _counted = _Counted(plan, snap.nodes, dict(faulted))
+        _counted.recount(gpus, snap.nodes, faulted)
+    elif touched:
+        _counted.recount(gpus, (n for n in snap.nodes if n.name in touched), faulted)
+        _counted.plan = plan
     GPUS.clear()
-    for (state, gpu_type, pool), count in counts.items():
+    for (state, gpu_type, pool), count in _counted.counts.items():
         GPUS.labels(state, gpu_type, pool).set(count)
     CACHE_GRANTED.set(gpus.cache_bytes)
     IO_GRANTED.set(gpus.io_bytes_per_s)
     PLAN_VERSION.set(plan.version if plan is not None else 0)
 
 
-def _count(gpus: _PlanGpus, snap: ClusterSnapshot, faulted: Mapping[str, frozenset[int]]) -> dict[tuple[str, str, str], int]:
+def _node_share(gpus: _PlanGpus, node: NodeInfo, faulted: Mapping[str, frozenset[int]]) -> list[tuple[tuple[str, str, str], int]]:
+    """Every GPU of the node, each in one state, the first that holds of: faulted, held by a rank
+    (lent on an inference node), serving inference, idle."""
     none: frozenset[int] = frozenset()
-    counts: dict[tuple[str, str, str], int] = {}
-    for node in snap.nodes:
-        # Every GPU of the node, each in one state, the first that holds of: faulted, held by a
-        # rank (lent on an inference node), serving inference, idle.
-        present = range(node.gpus)
-        bad = {i for i in faulted.get(node.name, none) if i in present}
-        held = {i for i in gpus.training.get(node.name, {}) if i in present} - bad
-        serving = {i for i in gpus.inference.get(node.name, none) if i in present} - bad - held
-        for state, count in (("faulted", len(bad)), ("lent" if node.pool == "inference" else "allocated", len(held)),
-                             ("inference", len(serving)), ("idle", node.gpus - len(bad) - len(held) - len(serving))):
-            if count:
-                key = (state, node.gpu_type, node.pool)
-                counts[key] = counts.get(key, 0) + count
-    return counts
+    present = range(node.gpus)
+    bad = {i for i in faulted.get(node.name, none) if i in present}
+    held = {i for i in gpus.training.get(node.name, {}) if i in present} - bad
+    serving = {i for i in gpus.inference.get(node.name, none) if i in present} - bad - held
+    return [((state, node.gpu_type, node.pool), count)
+            for state, count in (("faulted", len(bad)), ("lent" if node.pool == "inference" else "allocated", len(held)),
+                                 ("inference", len(serving)), ("idle", node.gpus - len(bad) - len(held) - len(serving)))
+            if count]
 
 
 def plan_committed(new: plan_pb2.AllocationPlan, old: Mapping[str, plan_pb2.JobAllocation],

@@ -57,9 +57,11 @@ class Cluster:
         del self.messages[job_id], self.infos[job_id]
 
     def touch(self, job_id: str) -> None:
-        """A new message for the job (KnownJobs hands out a new one on any change)."""
+        """A new message for the job (KnownJobs hands out a new one on any change): its state or
+        progress moved, or (half the time) its spec changed."""
         message = common_pb2.Job()
         message.CopyFrom(self.messages[job_id])
+        message.progress.samples_done += 100
         if self.rng.random() < 0.5:
             message.spec.batch_size = self.rng.choice([0, 32, 64])
         self.messages[job_id] = message
@@ -164,8 +166,11 @@ def test_many_changes_build_every_entry(monkeypatch: pytest.MonkeyPatch) -> None
                          restarting=frozenset(), reason="test")
     first.version = 1
     convert.remember_placements(first, planner.placements)
-    for job_id in list(cluster.messages)[:20]:
-        cluster.touch(job_id)
+    for job_id in list(cluster.messages)[:20]:  # a new spec each (a new message with the same spec reuses the entry)
+        message = common_pb2.Job()
+        message.CopyFrom(cluster.messages[job_id])
+        message.spec.batch_size += 8
+        cluster.messages[job_id] = message
     calls = []
     full = planner.entries._full
     monkeypatch.setattr(planner.entries, "_full", lambda *a, **k: (calls.append(1), full(*a, **k)))
@@ -255,3 +260,47 @@ def test_what_jobs_hold_follows_each_plan_by_its_changes() -> None:
             cluster.arrive()
     # Plans 2-14 each followed by its changes, those after a node was lost and came back included.
     assert followed == [True] * 13
+
+
+def test_gpu_metrics_follow_each_plan_by_its_changes() -> None:
+    """The GPUs-by-state figures, recounted only on the nodes a plan's changes touch, equal a
+    count of the whole plan, plan after plan (also when a node's GPU faults)."""
+    from scheduler.live import metrics
+
+    rng = random.Random(17)
+    cluster = Cluster(rng, nodes=15, jobs=50)
+    planner = _planner("fifo")
+    usable = UsableGpus(cluster.node_messages())
+    history: list[tuple[plan_pb2.AllocationPlan | None, plan_pb2.AllocationPlan, object]] = []
+
+    def changes_from(plan):  # type: ignore[no-untyped-def]  # as PlanStore.changes_from
+        return history[-1][2] if history and plan is history[-1][0] and plan is not None else None
+
+    base = None
+    nodes = cluster.snapshot(None, 0.0).nodes  # the same tuple every round, as the snapshot keeps it
+    recounted_whole = []
+    for version in range(1, 12):
+        snap = dataclasses.replace(cluster.snapshot(base, 10.0 * version), nodes=nodes)
+        counted_before = metrics._counted
+        plan = planner.plan(snap, list(cluster.messages.values()), usable, base=base, busy={},
+                            restarting=frozenset(), reason="test")
+        plan.version = version
+        convert.remember_placements(plan, planner.placements)
+        history.append((base, plan, planner.changes))
+        faulted = {"node-003": frozenset({1})} if version >= 8 else {}
+        metrics.plan_in_force(plan, snap, faulted, changes_from)
+        if metrics._counted is not counted_before:
+            recounted_whole.append(version)
+        whole = metrics._Counted(plan, snap.nodes, dict(faulted))
+        whole.recount(metrics._PlanGpus.of(plan), snap.nodes, faulted)
+        assert metrics._counted.counts == whole.counts, f"version {version}"
+        expected = metrics._PlanGpus.of(plan)
+        followed = metrics._in_force[1]
+        assert (followed.cache_bytes, followed.io_bytes_per_s) == (expected.cache_bytes, expected.io_bytes_per_s)
+        assert {n: set(i) for n, i in followed.training.items() if i} == {n: set(i) for n, i in expected.training.items() if i}
+        base = plan
+        for job_id in rng.sample([e.job_id for e in plan.jobs if e.placements], 2):
+            cluster.leave(job_id)
+        cluster.arrive()
+    # Every node counted for the first plan and when the faulted GPUs changed; else only the touched ones.
+    assert recounted_whole == [1, 8]
