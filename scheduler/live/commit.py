@@ -86,9 +86,12 @@ class Committer:
         # Its placements, worked out once (by the planner, for its own proto) rather than by the
         # release record below and again when it becomes the plan in force.
         own = committed is proto
-        convert.remember_placements(committed, placements if own else None)
         if not own:  # a store that answered the whole plan: its entries are other objects
             changes = None
+        # A plan built in place from the one in force is read by its changes from now on (releases,
+        # metrics, the snapshot's holdings, the feed): only the changed entries' are kept.
+        convert.remember_placements(committed, placements if own else None,
+                                    only=changes.upserts.values() if changes is not None and changes.in_place else None)
         # GPUs taken from a job are pending release until the node acknowledges them.
         if latest is not None:
             self.releases.record(latest, committed, changes)

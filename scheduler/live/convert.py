@@ -50,22 +50,27 @@ def normalized(placement: Iterable[tuple[str, Iterable[int]]]) -> Placement:
 # CPU. Keyed by the entry object, held here so that its id stays its own. Used from the event
 # loop's thread only.
 _COMMITTED: dict[int, tuple[plan_pb2.JobAllocation, Placement]] = {}
-_COMMITTED_PLANS: list[plan_pb2.AllocationPlan] = []
+_COMMITTED_PLANS: list[tuple[plan_pb2.AllocationPlan, list[plan_pb2.JobAllocation]]] = []  # with the entries kept
 KEEP_COMMITTED_PLANS = 4
 
 
 def remember_placements(plan: plan_pb2.AllocationPlan,
-                        known: Mapping[str, Placement] | None = None) -> None:
+                        known: Mapping[str, Placement] | None = None,
+                        only: Iterable[plan_pb2.JobAllocation] | None = None) -> None:
     """``plan``'s entries will not change: their placements are kept, taken from ``known`` (job
-    -> placement as placement_of gives it) where the caller has them, else worked out."""
-    if any(p is plan for p in _COMMITTED_PLANS):
+    -> placement as placement_of gives it) where the caller has them, else worked out.
+    ``only``: keep those entries' only (a plan that changed a few entries of one whose
+    placements were read round after round: the others are read by passes over the whole plan,
+    which a plan that follows its predecessor by its changes no longer makes)."""
+    if any(p is plan for p, _ in _COMMITTED_PLANS):
         return
-    _COMMITTED_PLANS.append(plan)
-    for entry in plan.jobs:
+    entries = list(plan.jobs if only is None else only)
+    _COMMITTED_PLANS.append((plan, entries))
+    for entry in entries:
         placement = known.get(entry.job_id) if known is not None else None
         _COMMITTED[id(entry)] = (entry, placement if placement is not None else _placement(entry))
     while len(_COMMITTED_PLANS) > KEEP_COMMITTED_PLANS:
-        for entry in _COMMITTED_PLANS.pop(0).jobs:
+        for entry in _COMMITTED_PLANS.pop(0)[1]:
             kept = _COMMITTED.get(id(entry))
             if kept is not None and kept[0] is entry:
                 del _COMMITTED[id(entry)]
