@@ -74,6 +74,7 @@ class FreeGpus:
             _EMPTY[key] = (snapshot.nodes, empty)  # the entry holds the tuple: its id stays its own
 
     def _copy_from(self, other: "FreeGpus") -> None:
+        self._gpus = getattr(other, "_gpus", None)  # node -> its GPUs, built by release when first needed
         self._mask, self._size, self._type = dict(other._mask), dict(other._size), other._type  # types never change
         self._total, self._total_by_type = other._total, dict(other._total_by_type)
         self._by_size = {key: set(names) for key, names in other._by_size.items()}
@@ -82,6 +83,7 @@ class FreeGpus:
 
     def _build(self, nodes, pools: tuple[Pool, ...]) -> None:
         allowed = set(pools)
+        self._gpus = None
         self._mask = {n.name: (1 << n.gpus) - 1 for n in nodes if n.pool in allowed}
         self._size = {n.name: n.gpus for n in nodes if n.pool in allowed}
         self._type = {n.name: n.gpu_type for n in nodes if n.pool in allowed}
@@ -200,6 +202,40 @@ class FreeGpus:
                 _LOWEST[key] = found
         self._take(node, mask, found[1], len(found[0]))
         return found[0]
+
+    def release(self, node: str, indices: tuple[int, ...]) -> bool:
+        """Give GPUs ``indices`` of ``node`` back (a view carried from round to round, whose job
+        left); False, and nothing changed, if one of them is not taken or the node is not here."""
+        mask = self._mask.get(node)
+        bits = _bits(indices)
+        if mask is None or bits is None or mask & bits or bits >> self._capacity(node):
+            return False
+        before = self._size[node]
+        after = self._size[node] = before + len(indices)
+        self._mask[node] = mask | bits
+        gpu_type = self._type[node]
+        self._total += len(indices)
+        self._total_by_type[gpu_type] += len(indices)
+        if before:
+            self._by_size[(gpu_type, before)].discard(node)
+        key = (gpu_type, after)
+        self._by_size.setdefault(key, set()).add(node)
+        heapq.heappush(self._smallest.setdefault(key, []), node)
+        self._widest = max(self._widest, after)
+        return True
+
+    def _capacity(self, node: str) -> int:
+        """The node's GPUs (its free set's width when all are free)."""
+        if self._gpus is None:
+            self._gpus = {n.name: n.gpus for n in self._nodes}
+        return self._gpus.get(node, 0)
+
+    def copy(self) -> "FreeGpus":
+        """An independent view of the same free GPUs."""
+        other = object.__new__(FreeGpus)
+        other._copy_from(self)
+        other._nodes, other._room = self._nodes, None
+        return other
 
     def _take(self, node: str, mask: int, bits: int, count: int) -> None:
         """Book-keeping for taking the GPUs ``bits`` (``count`` of them) of ``node``, whose free set was ``mask``."""

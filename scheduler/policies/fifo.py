@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler import codesign as co
-from scheduler.placement import TypeRoom, plan_from_placements, type_preferences
+from scheduler.placement import TypeRoom, type_preferences
 from scheduler.policies.estimates import place_admitted
+from scheduler.policies.fifo_queue import FifoQueue
 from scheduler.policy import ClusterSnapshot, Plan
 from scheduler.registry import register
 from scheduler.steady import FOREVER, FOREVER_DEPARTURES, NO_PROMISE, Steadiness, everyone_placed, unchanged
@@ -29,11 +30,15 @@ class FifoPolicy:
     backfill: bool = True  # let later jobs use GPUs the head of the queue cannot
     codesign: bool = False  # SiloD: grant cache and IO with the GPUs (scheduler.codesign)
 
+    def __post_init__(self) -> None:
+        # What the last call worked out, used where it gives the same plan as a whole pass
+        # (scheduler.policies.fifo_queue). Not an option (no field): a copy starts without it.
+        object.__setattr__(self, "queue", FifoQueue())
+
     def schedule(self, snapshot: ClusterSnapshot) -> Plan:
         if self.codesign and co.is_active(snapshot):
             return co.without_starved(snapshot, lambda excluded: self._admit(snapshot, excluded))
-        placements, _ = self._admit(snapshot, frozenset())
-        return plan_from_placements(placements, snapshot=snapshot)
+        return self.queue.schedule(snapshot, self.backfill, lambda s: dict(self._admit(s, frozenset())[0]))
 
     def stable_until(self, snapshot: ClusterSnapshot, plan: Plan) -> Steadiness:
         """FIFO reads no clock and no progress: its own plan shown back to it is kept until a job

@@ -1,0 +1,228 @@
+"""FIFO's queue kept between calls: a round over 20,000 jobs with a handful of changes looks at
+the changes, not at every job.
+
+:class:`~scheduler.policies.fifo.FifoPolicy` is a pure function of the snapshot, and this keeps
+it one: what is kept is only what the last call worked out, and a call uses it only where the
+answer is provably the one a whole pass gives. A whole pass over a snapshot whose running jobs
+all keep what they hold (each within its bounds, on GPUs that exist and nobody else holds, of
+a type it allows) amounts to: every running job keeps its GPUs, then the waiting jobs, in
+arrival order, take the first free GPUs their count fits (tightest node first). So kept here:
+
+- the free GPUs once the running jobs took theirs (a :class:`~scheduler.placement.FreeGpus`
+  carried from call to call: a job that stops running gives its GPUs back, one that starts
+  takes them), and the running jobs' allocations as the plan states them;
+- the waiting jobs in arrival order (a sorted list: arrivals are inserted, starters removed).
+
+A call compares the snapshot with the last one it saw by identity (the live scheduler and the
+simulator hand the same JobInfo and Allocation objects for what did not change), updates the
+two from the differences, and places waiting jobs until no free GPU is left. Anything it does
+not follow (a job's bounds or types, GPU types, ranks' cores and memory, cached datasets, new
+nodes) makes it do the whole pass, as before, and start afresh from its outcome.
+tests/scheduler/test_fifo_queue.py checks the two against each other call after call.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping
+
+from scheduler.placement import FreeGpus, Placement, fresh_placement, gpu_allocation, node_types
+from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
+
+WholePass = Callable[[ClusterSnapshot], dict[str, Placement]]
+
+
+@dataclasses.dataclass
+class _Queue:
+    nodes: tuple  # the snapshot's node tuple it was built for (identity)
+    gpu_type: str  # the training pool's one GPU type
+    jobs: dict[str, JobInfo]  # the snapshot's jobs by id, as last seen
+    running: dict[str, Allocation]  # job -> what it holds (the snapshot's current allocation), running jobs
+    kept: dict[str, Allocation]  # job -> its allocation in the plan, running jobs (gpu_allocation of the above)
+    free: FreeGpus  # every training GPU but the running jobs'
+    waiting: list[tuple[float, str]]  # (arrival, job) of the jobs not running, in arrival order
+    smallest_wait: int  # no waiting job asks for fewer GPUs (a lower bound: kept, not recomputed)
+
+
+class FifoQueue:
+    """The memo of one FifoPolicy object (one round at a time: a lock guards it anyway)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: _Queue | None = None
+        self._last_nodes: tuple | None = None  # node tuple of the last call, kept only by identity
+        self.last_call = "whole"  # "queue" or "whole": how the last call was answered (tests, benchmarks)
+
+    def __getstate__(self) -> dict:
+        return {}  # a copy (a policy sent to a worker process) starts afresh: it is only a memo
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def schedule(self, snapshot: ClusterSnapshot, backfill: bool, whole_pass: WholePass) -> Plan:
+        with self._lock:
+            queue = self._queue
+            if queue is not None and queue.nodes is snapshot.nodes:
+                plan = self._follow(queue, snapshot, backfill)
+                if plan is not None:
+                    self.last_call = "queue"
+                    return plan
+            self.last_call = "whole"
+            self._queue = None
+            placements = whole_pass(snapshot)
+            plan = _plan(placements, snapshot)
+            # Kept only for a cluster seen twice in a row: a policy run on a tenant's slice of
+            # the nodes (scheduler.quotas) sees a new node tuple every call.
+            if self._last_nodes is snapshot.nodes:
+                self._queue = _build(snapshot)
+            self._last_nodes = snapshot.nodes
+            return plan
+
+    # ---- from the last call's queue -----------------------------------------------------------
+    def _follow(self, queue: _Queue, snapshot: ClusterSnapshot, backfill: bool) -> Plan | None:
+        """The plan by the queue, after updating it to ``snapshot``; None where a whole pass is
+        needed (the caller then drops the queue, which may be half updated)."""
+        if snapshot.cached_bytes:  # fresh placements would prefer the dataset's nodes
+            return None
+        jobs, seen = queue.jobs, {}
+        for job in snapshot.jobs:
+            job_id = job.job_id
+            seen[job_id] = job
+            before = jobs.get(job_id)
+            if before is job:
+                continue
+            if before is None:
+                if job.has_requests or not job.allows(queue.gpu_type):
+                    return None
+            elif not _same_to_fifo(before, job):
+                return None
+        # Jobs that left, started, stopped or moved: the free GPUs and the waiting list follow.
+        if len(seen) != len(jobs) or any(j not in seen for j in jobs):
+            for job_id in [j for j in jobs if j not in seen]:
+                if not _stop(queue, job_id, jobs[job_id]):
+                    return None
+        current = snapshot.current.allocations
+        running = queue.running
+        for job_id, job in seen.items():
+            held = current.get(job_id)
+            if held is not None and not held.gpus:
+                held = None
+            was = running.get(job_id)
+            if held is was:
+                if held is None and job_id not in jobs:
+                    _wait(queue, job)  # arrived, waits
+                continue
+            if held is not None and was is not None and held == was:
+                running[job_id] = held
+                continue
+            if job_id in jobs and not _stop(queue, job_id, jobs[job_id]):
+                return None
+            if held is None:
+                _wait(queue, job)
+            elif not _run(queue, job, held):
+                return None
+        queue.jobs = seen
+        return _admit(queue, snapshot, backfill)
+
+
+def _admit(queue: _Queue, snapshot: ClusterSnapshot, backfill: bool) -> Plan:
+    """Running jobs keep their GPUs; waiting jobs in arrival order claim their count while it
+    fits what is free (a claim holds even where no node's holes take it, as in the whole pass,
+    whose claims come before its placements), and are placed in that order."""
+    allocations = dict(queue.kept)
+    free, room = None, queue.free.total
+    if room >= queue.smallest_wait:
+        jobs, gpu_type = queue.jobs, queue.gpu_type
+        for _, job_id in queue.waiting:
+            job = jobs[job_id]
+            count = job.requested
+            if count > room:
+                if not backfill:
+                    break
+                continue
+            room -= count
+            if count > 0:
+                if free is None:
+                    free = queue.free.copy()
+                placement = fresh_placement(job, count, free, {}, gpu_type)
+                if placement is not None:
+                    allocations[job_id] = gpu_allocation(None, placement, 0, _type_of(placement, snapshot))
+            if room < queue.smallest_wait:
+                break  # no waiting job asks for this little
+    return Plan(allocations)
+
+
+def _same_to_fifo(before: JobInfo, now: JobInfo) -> bool:
+    """Is ``now`` the same job to FIFO as ``before`` (it reads no progress, model or tenant)?"""
+    return (before.submit_time_s == now.submit_time_s and before.min_gpus == now.min_gpus
+            and before.max_gpus == now.max_gpus and before.requested_gpus == now.requested_gpus
+            and before.gpu_types == now.gpu_types and before.has_requests == now.has_requests)
+
+
+def _type_of(placement: Placement, snapshot: ClusterSnapshot) -> str:
+    return node_types(snapshot).get(placement[0][0], "") if placement else ""
+
+
+def _stop(queue: _Queue, job_id: str, job: JobInfo) -> bool:
+    """``job_id`` no longer runs nor waits as it did: its GPUs back, out of the waiting list."""
+    held = queue.running.pop(job_id, None)
+    queue.kept.pop(job_id, None)
+    if held is not None:
+        for node, indices in held.placement:
+            if not queue.free.release(node, indices):
+                return False
+        return True
+    key = (job.submit_time_s, job_id)
+    at = bisect.bisect_left(queue.waiting, key)
+    if at < len(queue.waiting) and queue.waiting[at] == key:
+        del queue.waiting[at]
+    return True
+
+
+def _wait(queue: _Queue, job: JobInfo) -> None:
+    bisect.insort(queue.waiting, (job.submit_time_s, job.job_id))
+    queue.smallest_wait = min(queue.smallest_wait, job.requested)
+
+
+def _run(queue: _Queue, job: JobInfo, held: Allocation) -> bool:
+    """``job`` runs on ``held``: its GPUs taken (False: one is not free, or not a training GPU)."""
+    if not job.min_gpus <= held.gpus <= job.max_gpus:
+        return False
+    for node, indices in held.placement:
+        if queue.free.type_of(node) != queue.gpu_type or queue.free.take(node, indices) is None:
+            return False
+    queue.running[job.job_id] = held
+    placement = tuple(sorted((node, tuple(sorted(indices))) for node, indices in held.placement))
+    queue.kept[job.job_id] = gpu_allocation(held, placement, 0, queue.gpu_type)
+    return True
+
+
+def _build(snapshot: ClusterSnapshot) -> _Queue | None:
+    """A queue for ``snapshot`` (None where it would not be followed: see the module docstring)."""
+    types = snapshot.gpu_types()
+    if len(types) != 1 or snapshot.cached_bytes:
+        return None
+    gpu_type = types[0]
+    queue = _Queue(snapshot.nodes, gpu_type, {}, {}, {}, FreeGpus(snapshot), [], 1 << 30)
+    current = snapshot.current.allocations
+    for job in snapshot.jobs:
+        if job.has_requests or not job.allows(gpu_type):
+            return None
+        queue.jobs[job.job_id] = job
+        held = current.get(job.job_id)
+        if held is not None and held.gpus:
+            if not _run(queue, job, held):
+                return None
+        else:
+            queue.waiting.append((job.submit_time_s, job.job_id))
+            queue.smallest_wait = min(queue.smallest_wait, job.requested)
+    queue.waiting.sort()
+    return queue
+
+
+def _plan(placements: Mapping[str, Placement], snapshot: ClusterSnapshot) -> Plan:
+    from scheduler.placement import plan_from_placements
+
+    return plan_from_placements(placements, snapshot=snapshot)
