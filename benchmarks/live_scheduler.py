@@ -200,9 +200,12 @@ async def time_round(metadata_addr: str, policy: str, nodes: int, metadata_pid: 
             cpu_before = cpu_seconds(os.getpid()) + cpu_seconds(metadata_pid)
             started = time.perf_counter()
             await core.run_round("benchmark")
+            phases = dict(getattr(core, "last_round_seconds", {}))
+            queue = getattr(core.policy, "queue", None)  # fifo's kept queue: did the round use it?
+            if queue is not None:
+                phases["policy from its queue" if queue.last_call == "queue" else f"whole pass ({queue.why_whole})"] = -1
             steady.append((time.perf_counter() - started,
-                           cpu_seconds(os.getpid()) + cpu_seconds(metadata_pid) - cpu_before,
-                           dict(getattr(core, "last_round_seconds", {}))))
+                           cpu_seconds(os.getpid()) + cpu_seconds(metadata_pid) - cpu_before, phases))
             still = sum(1 for job in core.latest.jobs if job.placements)
             # The ended jobs' GPUs stay held until a node acks their release, and no agent runs
             # here: a steady round places the survivors.
@@ -257,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                   "(scheduler and metadata)")
             for n, (_, _, phases) in enumerate(steady, start=1):
                 if phases:
-                    print(f"  steady round {n} by phase: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
+                    print(f"  steady round {n} by phase: " + ", ".join(f"{k} {v:.2f} s" if v >= 0 else k
+                                                                         for k, v in phases.items()))
     print(f"load average over the last minute: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     return 0
 

@@ -54,6 +54,7 @@ class FifoQueue:
         self._queue: _Queue | None = None
         self._last_nodes: tuple | None = None  # node tuple of the last call, kept only by identity
         self.last_call = "whole"  # "queue" or "whole": how the last call was answered (tests, benchmarks)
+        self.why_whole = "no queue yet"  # why the last whole pass was needed
 
     def __getstate__(self) -> dict:
         return {}  # a copy (a policy sent to a worker process) starts afresh: it is only a memo
@@ -69,6 +70,8 @@ class FifoQueue:
                 if plan is not None:
                     self.last_call = "queue"
                     return plan
+            if queue is None or queue.nodes is not snapshot.nodes:
+                self.why_whole = "no queue for these nodes"
             self.last_call = "whole"
             self._queue = None
             placements = whole_pass(snapshot)
@@ -81,11 +84,15 @@ class FifoQueue:
             return plan
 
     # ---- from the last call's queue -----------------------------------------------------------
+    def _whole_because(self, why: str) -> None:
+        self.why_whole = why
+        return None
+
     def _follow(self, queue: _Queue, snapshot: ClusterSnapshot, backfill: bool) -> Plan | None:
         """The plan by the queue, after updating it to ``snapshot``; None where a whole pass is
         needed (the caller then drops the queue, which may be half updated)."""
         if snapshot.cached_bytes:  # fresh placements would prefer the dataset's nodes
-            return None
+            return self._whole_because("datasets cached")
         jobs, seen = queue.jobs, {}
         for job in snapshot.jobs:
             job_id = job.job_id
@@ -95,16 +102,17 @@ class FifoQueue:
                 continue
             if before is None:
                 if job.has_requests or not job.allows(queue.gpu_type):
-                    return None
+                    return self._whole_because(f"{job_id} requests cores or memory, or not the nodes' GPU type")
             elif not _same_to_fifo(before, job):
-                return None
+                return self._whole_because(f"{job_id} changed its arrival, bounds or types")
         # Jobs that left, started, stopped or moved: the free GPUs and the waiting list follow.
         if len(seen) != len(jobs) or any(j not in seen for j in jobs):
             for job_id in [j for j in jobs if j not in seen]:
                 if not _stop(queue, job_id, jobs[job_id]):
-                    return None
+                    return self._whole_because(f"{job_id} held GPUs not taken")
         current = snapshot.current.allocations
         running = queue.running
+        starts: list[tuple[JobInfo, Allocation]] = []
         for job_id, job in seen.items():
             held = current.get(job_id)
             if held is not None and not held.gpus:
@@ -118,11 +126,15 @@ class FifoQueue:
                 running[job_id] = held
                 continue
             if job_id in jobs and not _stop(queue, job_id, jobs[job_id]):
-                return None
+                return self._whole_because(f"{job_id} held GPUs not taken")
             if held is None:
                 _wait(queue, job)
-            elif not _run(queue, job, held):
-                return None
+            else:
+                starts.append((job, held))
+        # Every GPU given back before any is taken: a job may start on GPUs another left this round.
+        for job, held in starts:
+            if not _run(queue, job, held):
+                return self._whole_because(f"{job.job_id} holds GPUs that are not free, or out of its bounds")
         queue.jobs = seen
         return _admit(queue, snapshot, backfill)
 

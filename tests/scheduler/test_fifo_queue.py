@@ -55,6 +55,17 @@ def test_the_queue_gives_the_whole_pass_plan_call_after_call(backfill: bool, see
             jobs[job.job_id] = job
         for job_id in rng.sample(sorted(current.allocations), min(2, len(current.allocations))):
             jobs[job_id] = dataclasses.replace(jobs[job_id], samples_done=jobs[job_id].samples_done + 10.0)
+        if step % 5 == 2:  # a running job stops (still active) and a waiting one starts on its GPUs
+            order = list(jobs)  # the taker comes first in the snapshot: its GPUs are given back after it asks
+            waiting = [j for j in jobs.values() if j.job_id not in current.allocations]
+            for running_id, allocation in sorted(current.allocations.items(), key=lambda item: -order.index(item[0])):
+                taker = next((j for j in waiting if j.min_gpus <= allocation.gpus <= j.max_gpus
+                              and order.index(j.job_id) < order.index(running_id)), None)
+                if taker is not None:
+                    allocations = dict(current.allocations)
+                    allocations[taker.job_id] = allocations.pop(running_id)
+                    current = Plan(allocations)
+                    break
         if step % 7 == 3 and current.allocations:  # a running job's allocation comes back as an equal, new object
             job_id = rng.choice(sorted(current.allocations))
             allocations = dict(current.allocations)
