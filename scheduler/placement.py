@@ -232,6 +232,12 @@ class FreeGpus:
 
     def copy(self) -> "FreeGpus":
         """An independent view of the same free GPUs."""
+        # A view carried from round to round (takes and releases) piles up names that left a
+        # size in its heaps, which every copy would skip again: drop them first, now and then.
+        by_size = self._by_size
+        for key, heap in self._smallest.items():
+            if len(heap) > 2 * len(by_size.get(key, ())) + 8:
+                self._smallest[key] = sorted(by_size.get(key, ()))  # a sorted list is a heap
         other = object.__new__(FreeGpus)
         other._copy_from(self)
         other._nodes, other._room = self._nodes, None

@@ -126,3 +126,21 @@ def test_a_policy_with_a_queue_pickles_and_its_copy_starts_afresh() -> None:
     for clone in (pickle.loads(pickle.dumps(policy)), copy.deepcopy(policy)):
         assert clone == policy and clone.queue._queue is None
         assert clone.schedule(snapshot).allocations == policy.schedule(snapshot).allocations
+
+
+def test_a_carried_view_of_free_gpus_stays_compact_over_many_rounds() -> None:
+    """The queue's FreeGpus lives across calls: GPUs taken and given back round after round must
+    not pile up stale names that each copy (one per call that places a job) walks again."""
+    from scheduler.placement import FreeGpus
+
+    snapshot = ClusterSnapshot(time_s=0.0, nodes=tuple(NodeInfo(name=f"n{k}", gpus=8) for k in range(4)), jobs=())
+    free = FreeGpus(snapshot)
+    for round_number in range(2000):
+        node = f"n{round_number % 4}"
+        taken = free.reserve_any(node, 3)
+        assert free.release(node, taken)
+        copy = free.copy()
+    assert sum(len(heap) for heap in copy._smallest.values()) <= 2 * 4 + 8 * len(copy._smallest)
+    assert copy.tightest(3) == "n0" and copy.total == 32
+    assert not free.release("n0", (0,))  # not taken: refused, nothing changed
+    assert not free.release("n0", (8,)) and free.total == 32  # no such GPU
