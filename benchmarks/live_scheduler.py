@@ -202,7 +202,7 @@ async def time_round(metadata_addr: str, policy: str, nodes: int, metadata_pid: 
             await core.run_round("benchmark")
             phases = dict(getattr(core, "last_round_seconds", {}))
             queue = getattr(core.policy, "queue", None)  # fifo's kept queue: did the round use it?
-            if queue is not None:
+            if hasattr(queue, "why_whole"):
                 phases["policy from its queue" if queue.last_call == "queue" else f"whole pass ({queue.why_whole})"] = -1
             steady.append((time.perf_counter() - started,
                            cpu_seconds(os.getpid()) + cpu_seconds(metadata_pid) - cpu_before, phases))

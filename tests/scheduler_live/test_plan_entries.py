@@ -19,6 +19,7 @@ from scheduler.live.gpu_health import UsableGpus
 from scheduler.live.inference import LiveInference
 from scheduler.live.planner import RoundPlanner, configured_policy
 from scheduler.plan_changes import changes_between
+from scheduler.policies.fifo_queue import FifoQueue
 from scheduler.policy import ClusterSnapshot, JobInfo, NodeInfo, Plan
 from silod.v1 import common_pb2, plan_pb2
 
@@ -67,7 +68,11 @@ class Cluster:
         self.messages[job_id] = message
 
     def snapshot(self, base: plan_pb2.AllocationPlan | None, time_s: float) -> ClusterSnapshot:
+        # The same tuple while no node changes, as the live snapshot keeps it (fifo's queue holds to it).
         nodes = tuple(NodeInfo(name=f"node-{k:03d}", gpus=4, gpu_type=self.types[k]) for k in range(self.nodes))
+        if nodes != getattr(self, "_nodes", None):
+            self._nodes = nodes
+        nodes = self._nodes
         return ClusterSnapshot(time_s=time_s, nodes=nodes, jobs=tuple(self.infos.values()),
                                current=convert.plan_from_proto(base))
 
@@ -92,6 +97,7 @@ def test_incremental_plans_equal_whole_plans_round_after_round(policy_name: str)
     incremental = _planner(policy_name)
     base: plan_pb2.AllocationPlan | None = None
     patched = []
+    answered: list[str] = []  # fifo: from its kept queue, or a whole pass
     for round_number in range(1, 25):
         snap = cluster.snapshot(base, time_s=1000.0 * round_number)
         jobs = list(cluster.messages.values())
@@ -102,6 +108,9 @@ def test_incremental_plans_equal_whole_plans_round_after_round(policy_name: str)
         whole = _planner(policy_name).plan(snap, jobs, usable, base=base, busy=busy, restarting=restarting,
                                            reason="test")
         assert _by_job(built) == _by_job(whole), f"round {round_number}"
+        queue = getattr(incremental.policy, "queue", None)
+        if isinstance(queue, FifoQueue):
+            answered.append(queue.last_call if queue.last_call == "queue" else queue.why_whole)
         assert incremental.placements == {e.job_id: convert.placement_of(e) for e in whole.jobs}
         if base is not None:
             expected = changes_between(_by_job(base), _by_job(whole))
@@ -131,6 +140,8 @@ def test_incremental_plans_equal_whole_plans_round_after_round(policy_name: str)
             cluster.types[k] = "p100" if cluster.types[k] == "v100" else "v100"
     # Built from the plan in force every round but those after a node changed type.
     assert [n for n, p in enumerate(patched, start=2) if not p] == [9, 17]
+    if policy_name == "fifo":  # its queue answered every round from the third until the cluster got two GPU types
+        assert answered[:8] == ["no queue for these nodes"] * 2 + ["queue"] * 6, answered[:8]
 
 
 def test_a_plan_not_built_here_is_built_whole() -> None:
