@@ -84,9 +84,22 @@ def grant(mode: str, snapshot: ClusterSnapshot, plan: Plan, policy_plan: Plan, t
             allocations[j] = Allocation(placement=a.placement, batch_size=a.batch_size, cache_bytes=share)
         return Plan(allocations)
     # lru, none: no quotas, IO not managed
+    global _BARE
+    bare_before, bare = _BARE, {}
     for j, a in placed.items():
-        allocations[j] = Allocation(placement=a.placement, batch_size=a.batch_size)
+        # The same allocation in gives the same object out, round after round: what follows a
+        # plan by what changed (scheduler.plan_check, the live plan entries) compares by identity.
+        kept = bare_before.get(id(a))
+        out = kept[1] if kept is not None and kept[0] is a else Allocation(placement=a.placement, batch_size=a.batch_size)
+        bare[id(a)] = (a, out)
+        allocations[j] = out
+    _BARE = bare
     return Plan(allocations)
+
+
+# id of an allocation given a bare grant in the last call -> (it, its bare copy); holding the
+# allocation keeps its id its own.
+_BARE: dict[int, tuple[Allocation, Allocation]] = {}
 
 
 def _regrant(snapshot: ClusterSnapshot, placed: dict[str, Allocation], order: list[str]) -> dict[str, Allocation]:

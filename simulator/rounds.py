@@ -28,7 +28,8 @@ import numpy as np
 
 from scheduler import data_grants
 from scheduler import quotas as quota_rule
-from scheduler.invariants import PlanViolation, plan_problems
+from scheduler.invariants import PlanViolation
+from scheduler.plan_check import PlanCheck
 from scheduler.placement import placement_type
 from scheduler.plan_changes import changes_between
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
@@ -47,6 +48,7 @@ class RoundsMixin:
         self._promise_busy: dict | None = None  # the inference GPUs busy when it was made
         self.rounds_computed = 0
         self._verify_known = verify
+        self._plan_check = PlanCheck()  # the invariants, checked by what changed since the last round's plan
         self._promises = (skip or verify) and hasattr(self.policy, "stable_until") and not self.quotas \
             and self.cache_mode != "silod" and self.on_round is None and getattr(self.rate_model, "stateless", False)
 
@@ -144,7 +146,7 @@ class RoundsMixin:
             plan = data_grants.grant("silod", snapshot, plan, plan, {job.job_id for job in infos}, policy_co_designs=True)
         if self.check_invariants:
             self.plans_checked += 1
-            problems = plan_problems(snapshot, plan)
+            problems = self._plan_check.problems(snapshot, plan)
             if problems:
                 raise PlanViolation(f"policy {self.policy_name} at t={t:.0f}s: " + "; ".join(problems))
         if self.on_round is not None:

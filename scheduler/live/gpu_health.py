@@ -21,7 +21,7 @@ GPUs changes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from scheduler.invariants import check_plan
 from scheduler.policy import Allocation, ClusterSnapshot, Plan, Policy
@@ -89,9 +89,11 @@ class UsableGpus:
         physical = {node: dict(enumerate(usable)) for node, usable in self._physical.items()}
         return self._map_plan(plan, physical)
 
-    def schedule(self, policy: Policy, snapshot: ClusterSnapshot) -> Plan:
-        """The policy's plan for ``snapshot`` on its usable GPUs, with real indices."""
+    def schedule(self, policy: Policy, snapshot: ClusterSnapshot,
+                 check: Callable[[ClusterSnapshot, Plan], None] = check_plan) -> Plan:
+        """The policy's plan for ``snapshot`` on its usable GPUs, with real indices, passed
+        through ``check`` (the plan invariants) on the policy's view."""
         view = self.policy_view(snapshot)
         plan = policy.schedule(view)
-        check_plan(view, plan)
+        check(view, plan)
         return self.to_physical(plan)

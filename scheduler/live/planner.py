@@ -4,7 +4,8 @@ the plan proto with each job's generation and rendezvous port. No I/O: what it r
 caller may plan from any snapshot (and commit elsewhere).
 
 The data step after the policy is the simulator's too (scheduler.data_grants.grant, as in
-simulator/engine.py), and so are the invariants (scheduler.invariants.check_plan).
+simulator/engine.py), and so are the invariants (scheduler.invariants, checked by what changed
+since the last plan: scheduler.plan_check).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 
 from scheduler.codesign import is_active as co_active
-from scheduler.invariants import check_plan
+from scheduler.plan_check import PlanCheck
 from scheduler.live import data
 from scheduler.live.gpu_health import Placement, UsableGpus
 from scheduler.live.inference import LiveInference, is_inference_job
@@ -52,6 +53,10 @@ class RoundPlanner:
     # last plan changed, and each job's placement in it as convert.placement_of gives it, which
     # the caller hands on rather than have them read off 20,000 entries again.
     entries: EntryBuilder = dataclasses.field(default_factory=EntryBuilder)
+    # The invariants of the policy's plans and of the plans that go out, each checked by what
+    # changed since the last one (scheduler.plan_check; the whole check where anything is wrong).
+    policy_check: PlanCheck = dataclasses.field(default_factory=PlanCheck)
+    plan_check: PlanCheck = dataclasses.field(default_factory=PlanCheck)
 
     @property
     def placements(self) -> dict[str, Placement]:
@@ -75,7 +80,7 @@ class RoundPlanner:
                   busy: Mapping[Gpu, str]) -> tuple[Plan, set[str]]:
         # On the usable GPUs only, within the tenants' quotas (the simulator's rule, scheduler.quotas).
         # Checked on the policy's view by usable.schedule, and below as the plan that goes out.
-        policy_plan = usable.schedule(QuotaBounded(self.policy), snap)
+        policy_plan = usable.schedule(QuotaBounded(self.policy), snap, self.policy_check.check)
         inference_jobs = [j for j in jobs if is_inference_job(j)]
         plan = self.inference.place(snap, policy_plan, inference_jobs, unusable=usable.faulted)
         plan = hold_releases(plan, snap.current, busy, snap)
@@ -85,7 +90,7 @@ class RoundPlanner:
         training_ids = {j.id for j in jobs} - inference_ids
         plan = data.grant(self.cache_mode, snap, plan, policy_plan, training_ids, self.policy_co_designs)
         training_plan = Plan({k: a for k, a in plan.allocations.items() if k not in inference_ids})
-        check_plan(snap, training_plan)
+        self.plan_check.check(snap, training_plan)
         broken = data.problems(snap, training_plan)
         if broken:  # a bug, not a condition to live with: the cache servers would refuse the plan
             raise AssertionError("data grants exceed the cluster: " + "; ".join(broken))
