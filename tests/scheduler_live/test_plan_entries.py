@@ -144,16 +144,21 @@ def test_incremental_plans_equal_whole_plans_round_after_round(policy_name: str)
         assert answered[:8] == ["no queue for these nodes"] * 2 + ["queue"] * 6, answered[:8]
 
 
-def test_a_plan_not_built_here_is_built_whole() -> None:
-    """Reuse holds only for the plan the builder made (or its unchanged base): a plan in force
-    read from the store, here a copy of the built one, gets every entry rebuilt, and the same plan."""
-    rng = random.Random(3)
-    cluster = Cluster(rng, nodes=10, jobs=30)
+def _first_plan(seed: int) -> tuple[Cluster, RoundPlanner, UsableGpus, plan_pb2.AllocationPlan]:
+    """A small cluster, a fifo planner and its first plan (version 1)."""
+    cluster = Cluster(random.Random(seed), nodes=10, jobs=30)
     planner = _planner("fifo")
     usable = UsableGpus(cluster.node_messages())
     first = planner.plan(cluster.snapshot(None, 1.0), list(cluster.messages.values()), usable, base=None, busy={},
                          restarting=frozenset(), reason="test")
     first.version = 1
+    return cluster, planner, usable, first
+
+
+def test_a_plan_not_built_here_is_built_whole() -> None:
+    """Reuse holds only for the plan the builder made (or its unchanged base): a plan in force
+    read from the store, here a copy of the built one, gets every entry rebuilt, and the same plan."""
+    cluster, planner, usable, first = _first_plan(seed=3)
     from_store = plan_pb2.AllocationPlan()
     from_store.CopyFrom(first)
     cluster.leave(next(e.job_id for e in first.jobs if e.placements))
@@ -169,13 +174,7 @@ def test_a_plan_not_built_here_is_built_whole() -> None:
 def test_many_changes_build_every_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the share of changed jobs a patch is worth, the builder builds the plan whole."""
     monkeypatch.setattr(entries, "PATCH_ALWAYS_UP_TO", 0)
-    rng = random.Random(5)
-    cluster = Cluster(rng, nodes=10, jobs=30)
-    planner = _planner("fifo")
-    usable = UsableGpus(cluster.node_messages())
-    first = planner.plan(cluster.snapshot(None, 1.0), list(cluster.messages.values()), usable, base=None, busy={},
-                         restarting=frozenset(), reason="test")
-    first.version = 1
+    cluster, planner, usable, first = _first_plan(seed=5)
     convert.remember_placements(first, planner.placements)
     for job_id in list(cluster.messages)[:20]:  # a new spec each (a new message with the same spec reuses the entry)
         message = common_pb2.Job()
