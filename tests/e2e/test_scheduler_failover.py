@@ -30,8 +30,14 @@ class TwoSchedulers(Cluster):
         self.addresses = [self.scheduler_address, f"127.0.0.1:{free_port()}"]
         self.metrics_ports = [self.metrics_port, free_port()]
         self.schedulers = [self._start(0)]
-        wait_until(lambda: self.leader() == self.addresses[0], timeout=30, what="the first scheduler leads")
-        self.schedulers.append(self._start(1))
+        try:
+            wait_until(lambda: self.leader() == self.addresses[0], timeout=30, what="the first scheduler leads")
+            self.schedulers.append(self._start(1))
+        except BaseException:
+            # The harness may try again on other ports (LaunchError: address in use): the first
+            # scheduler must not stay behind holding the lease the next one waits for.
+            self.schedulers[0].close()
+            raise
         self.scheduler = self.schedulers[0]
 
     def _start(self, i: int):  # type: ignore[no-untyped-def]
