@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
@@ -17,6 +18,7 @@ from services.metadata.database import Database
 from services.metadata.models import Plan
 from services.metadata.store.leadership import epoch_now
 from services.metadata.validation.common import check_int
+from services.metadata.validation.plan_holders import JobHolders
 from services.metadata.validation.plans import check_plan, check_plan_changes
 from services.runtime.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
 
@@ -43,6 +45,10 @@ class PlanStore:
         # never changed once committed, so the key read from the table tells whether it is current.
         self._latest: tuple[int, datetime, plan_pb2.AllocationPlan] | None = None
         self._latest_header: tuple[plan_pb2.AllocationPlan, plan_pb2.AllocationPlan] | None = None  # see _header
+        # What the jobs of the latest plan committed here hold, so that a commit of changes
+        # checks what they change (validation.plan_holders); one committer at a time moves it.
+        self._holders: JobHolders | None = None
+        self._holders_lock = threading.Lock()
 
     def _remember(self, version: int, created_at: datetime, plan: plan_pb2.AllocationPlan) -> None:
         # Last writer wins: a stale entry is only a cache miss, since readers check the key.
@@ -89,9 +95,7 @@ class PlanStore:
                 else:
                     base = self._whole(session, changes.base_version)
                     stored = apply_changes(base, header, changes.jobs, changes.removed_job_ids)
-                    # Every entry's fields are checked: the base's when it was committed, the
-                    # changed ones by check_plan_changes above; what is left is the whole plan's.
-                    check_plan(stored, checked=_EVERY_JOB)
+                    holders, changed = self._check_changes(base, header, changes, stored)
                     if plan.version % CHECKPOINT_EVERY and 2 * (len(changes.jobs) + len(changes.removed_job_ids)) < len(stored.jobs):
                         row_json, base_version = changes_to_json(header, changes), changes.base_version
                     else:  # a whole plan now and then, so that reading any version applies few changes
@@ -104,7 +108,31 @@ class PlanStore:
             # primary key decides, in any process and on either database.
             raise _stale(plan.version, plan.version) from None
         self._remember(plan.version, created_at, stored)
+        if changes is not None:
+            self._follow_holders(holders, changed, plan.version)
         return header if header_only else self._copy(stored)
+
+    def _check_changes(self, base: plan_pb2.AllocationPlan, header: plan_pb2.AllocationPlan,
+                       changes: plan_pb2.PlanChanges, stored: plan_pb2.AllocationPlan) -> tuple[JobHolders, Any]:
+        """Refuse ``stored`` (``changes`` applied to ``base``) as the whole check would. Every
+        entry's fields are checked by now: the base's when it was committed, the changed ones by
+        check_plan_changes; what is left is the whole plan's invariants, checked by what the
+        changes touch where that is sure to agree with the whole check (plan_holders)."""
+        with self._holders_lock:
+            holders = self._holders
+            if holders is None or holders.version != base.version:
+                holders = self._holders = JobHolders.of(base)
+            changed = holders.after(header, changes)
+        if changed is None:
+            check_plan(stored, checked=_EVERY_JOB)  # refused with every problem, or sound after all
+        return holders, changed
+
+    def _follow_holders(self, holders: JobHolders, changed: Any, version: int) -> None:
+        with self._holders_lock:
+            if changed is not None and self._holders is holders and holders.version == version - 1:
+                holders.apply(changed, version)
+            else:  # made again from the plan when next needed
+                self._holders = None
 
     def _whole(self, session: Session, version: int) -> plan_pb2.AllocationPlan:
         """Plan ``version`` whole (the store's own message: copy before handing it out)."""

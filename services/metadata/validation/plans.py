@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Mapping
 
 from silod.v1 import plan_pb2
 
@@ -139,7 +139,12 @@ def _check_gpus_held_once(plan: plan_pb2.AllocationPlan, field: str) -> None:
                         field=f"{field}.jobs[{job_index}].placements[{placement_index}].gpu_indices",
                     )
                 holder[gpu] = job.job_id
+    check_loans_and_replicas(plan, holder, field)
 
+
+def check_loans_and_replicas(plan: plan_pb2.AllocationPlan, holder: Mapping[Gpu, str], field: str = "plan") -> None:
+    """The plan's loans and live replicas against each other and against ``holder``, the job on
+    each GPU the plan's jobs hold (the rule of _check_gpus_held_once)."""
     lent_to: dict[Gpu, str] = {}
     for index, loan in enumerate(plan.loans):
         gpu = (loan.node, loan.gpu_index)
