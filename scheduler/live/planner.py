@@ -83,7 +83,8 @@ class RoundPlanner:
         policy_plan = usable.schedule(QuotaBounded(self.policy), snap, self.policy_check.check)
         inference_jobs = [j for j in jobs if is_inference_job(j)]
         plan = self.inference.place(snap, policy_plan, inference_jobs, unusable=usable.faulted)
-        plan = hold_releases(plan, snap.current, busy, snap)
+        # Without inference tasks the plan is the policy's, which the check above held to one job a GPU.
+        plan = hold_releases(plan, snap.current, busy, snap, overlap_free=not inference_jobs)
         inference_ids = {j.id for j in inference_jobs}
         # Cache quotas and IO rates of the cache mode, on the placements that survived the
         # release holds and inference reclaims (inference tasks read no dataset).

@@ -33,7 +33,7 @@ from scheduler.live.models import JobModels, application_of
 from scheduler.live.plans import PlanStore
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, NodeInfo, Plan
 from scheduler.quotas_proto import quotas_of
-from silod.v1 import access_pb2, common_pb2, metadata_pb2
+from silod.v1 import access_pb2, common_pb2, metadata_pb2, plan_pb2
 
 
 class SnapshotBuilder:
@@ -60,6 +60,7 @@ class SnapshotBuilder:
         self._nodes = LiveNodes()
         self._rank_room: frozenset[tuple[float, int]] | None = None  # of the nodes of the last listing
         self._job_infos = JobInfos(models)
+        self.current_from: plan_pb2.AllocationPlan | None = None  # the plan the last snapshot's current was read off
 
     async def build(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
         nodes_resp = await self.clients.md.ListNodes(
@@ -118,7 +119,8 @@ class SnapshotBuilder:
     def _current(self, training: list[common_pb2.Job], alive: dict) -> dict[str, Allocation]:
         """What each training job holds under the plan in force and can still run on."""
         min_gpus = {j.id: j.spec.min_gpus for j in training}  # inference tasks: LiveInference keeps them
-        return self._holdings.current(self.plans.latest, min_gpus, alive, self.usable)
+        self.current_from = self.plans.latest
+        return self._holdings.current(self.current_from, min_gpus, alive, self.usable)
 
 
 class LiveNodes:
