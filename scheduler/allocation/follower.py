@@ -72,10 +72,12 @@ class FeedLeadership:
 class PlanFollower:
     """What ``scheduler.live.watch.watch_node`` calls as its core, and the feed's ``offer``."""
 
-    def __init__(self, plans: PlanStore, *, node_timeout_s: float = 15.0) -> None:
+    def __init__(self, plans: PlanStore) -> None:
         self.plans = plans
         self.leadership = FeedLeadership()
-        self.node_timeout_s = node_timeout_s  # the leader's, once a feed declared it
+        # The leader's, once a feed declared it. Until then a node's heartbeat is not checked
+        # against any: a default here refused nodes that the leader's own timeout admits.
+        self.node_timeout_s: float | None = None
         self.plan_epoch = 0  # the newest epoch of a plan taken in
         self._nodes_read_at = -math.inf  # monotonic time of the last ListNodes
         self._fed_addresses = False  # a feed sent the nodes' addresses: no ListNodes before a plan

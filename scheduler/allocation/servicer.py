@@ -34,7 +34,7 @@ class NodeAllocationService(allocation_pb2_grpc.AllocationServiceServicer):
         # part of every plan that changes it; a node heartbeating too seldom for the leader's
         # node timeout is refused.
         async for node_plan in watch_node(self.follower, request, refresh_s=WATCH_REFRESH_S,
-                                          node_timeout_s=self.follower.node_timeout_s):
+                                          node_timeout_s=lambda: self.follower.node_timeout_s):
             yield node_plan
 
     async def Ack(self, request, context):  # noqa: N802

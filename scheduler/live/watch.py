@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from scheduler.live import convert
@@ -52,13 +52,14 @@ def node_heartbeat_problem(node_heartbeat_s: float, node_timeout_s: float) -> st
     return ""
 
 
-def check_watch(request: allocation_pb2.WatchPlanRequest, node_timeout_s: float) -> float:
-    """Refuse what cannot be served; the heartbeat interval asked for (0 = none)."""
+def check_watch(request: allocation_pb2.WatchPlanRequest, node_timeout_s: float | None) -> float:
+    """Refuse what cannot be served; the heartbeat interval asked for (0 = none).
+    ``node_timeout_s``: the leader's; None while it is not known here (not checked then)."""
     if not request.node:
         raise InvalidArgument("required", field="node")
     if request.heartbeat_s < 0 or request.node_heartbeat_s < 0:
         raise InvalidArgument("must be >= 0", field="heartbeat_s" if request.heartbeat_s < 0 else "node_heartbeat_s")
-    problem = node_heartbeat_problem(request.node_heartbeat_s, node_timeout_s)
+    problem = node_heartbeat_problem(request.node_heartbeat_s, node_timeout_s) if node_timeout_s is not None else ""
     if problem:
         raise InvalidArgument(problem, field="node_heartbeat_s")
     return max(request.heartbeat_s, MIN_HEARTBEAT_S) if request.heartbeat_s > 0 else 0.0
@@ -70,9 +71,13 @@ def _heartbeat(core: Any, node: str) -> plan_pb2.NodePlan:
 
 
 async def watch_node(core: Any, request: allocation_pb2.WatchPlanRequest, *, refresh_s: float,
-                     node_timeout_s: float) -> AsyncIterator[plan_pb2.NodePlan]:
-    """The stream of one node's Watch (see the module's docstring)."""
-    beat_s = check_watch(request, node_timeout_s)
+                     node_timeout_s: float | Callable[[], float | None]) -> AsyncIterator[plan_pb2.NodePlan]:
+    """The stream of one node's Watch (see the module's docstring). ``node_timeout_s``: the
+    leader's, or how to read it where it may not be known yet (an allocation server before a
+    scheduler fed it): the node's heartbeat is checked against it once it is known."""
+    timeout_now = node_timeout_s if callable(node_timeout_s) else (lambda: node_timeout_s)
+    known_timeout = timeout_now()
+    beat_s = check_watch(request, known_timeout)
     leadership = getattr(core, "leadership", None)
     if request.wait_for_leadership and leadership is not None:
         await leadership.until_leading()  # a standby: held until it wins the lease
@@ -102,6 +107,8 @@ async def watch_node(core: Any, request: allocation_pb2.WatchPlanRequest, *, ref
         now = loop.time()
         await core.wait_newer(sent, max(0.0, min(refresh_at, beat_at) - now) if beat_s else refresh_s)
         require_leader(core)  # deposed: the watcher moves to the new leader
+        if known_timeout is None and (known_timeout := timeout_now()) is not None:
+            check_watch(request, known_timeout)  # declared since the node connected: refused now if too slow
         now = loop.time()
         if core.latest is not None and core.latest.version > sent:
             continue

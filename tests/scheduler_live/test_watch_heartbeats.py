@@ -181,3 +181,32 @@ def test_a_node_heartbeating_too_seldom_for_the_node_timeout_is_refused() -> Non
     assert node_heartbeat_problem(0, 1) == ""  # a node that does not say (older agents, cache servers)
     with pytest.raises(InvalidArgument, match="node"):
         asyncio.run(first(allocation_pb2.WatchPlanRequest()))
+
+
+def test_a_node_is_checked_against_the_leaders_node_timeout_once_it_is_known() -> None:
+    """An allocation server knows the leader's node timeout only once a scheduler's feed declared
+    it: a node that connects before is served, and refused at its next wake-up if the declared
+    timeout is too short for its heartbeat (a default in its place refused nodes the leader admits)."""
+    async def scenario(declared: float) -> list[plan_pb2.NodePlan]:
+        core = FakeCore()
+        core.commit(1, "a")
+        timeout: list[float | None] = [None]
+        got: list[plan_pb2.NodePlan] = []
+        request = allocation_pb2.WatchPlanRequest(node=NODE, heartbeat_s=0.1, node_heartbeat_s=20)
+        stream = watch_node(core, request, refresh_s=5.0, node_timeout_s=lambda: timeout[0])
+        got.append(await stream.__anext__())
+        got.append(await stream.__anext__())
+        timeout[0] = declared
+        deadline = time.monotonic() + 0.5
+        async for message in stream:
+            got.append(message)
+            if time.monotonic() > deadline:
+                break
+        return got
+
+    admitted = asyncio.run(scenario(60.0))
+    assert admitted[0].heartbeat and admitted[1].version == 1 and len(admitted) >= 4
+    with pytest.raises(InvalidArgument) as refused:
+        asyncio.run(scenario(15.0))
+    assert refused.value.field == "node_heartbeat_s"
+    assert "node_timeout_s (15) must be at least 3x the node's heartbeat_s (20)" in refused.value.message
