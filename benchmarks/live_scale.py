@@ -69,6 +69,15 @@ def rss_mib(pid: int) -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
+def exited(pid: int) -> bool:
+    """Has process ``pid`` ended (gone, or a zombie its parent has not reaped)?"""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "VmRSS:" not in status
+
+
 def pin(pid: int, cpus: set[int]) -> None:
     """Run every thread of process ``pid`` on ``cpus`` (threads it starts later inherit it)."""
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -343,6 +352,10 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str
         result["rounds_steady"] = round_figures(mid.get(ROUNDS, {}), after.get(ROUNDS, {}))
         result["rounds_all"] = round_figures(before.get(ROUNDS, {}), after.get(ROUNDS, {}))
         result["cpu_cores"] = {k: round((cpu_seconds(p) - cpu0[k]) / span, 2) for k, p in pids.items()}
+        gone = [k for k, p in pids.items() if exited(p)]
+        if gone:  # its figures would be of a cluster without it
+            raise SystemExit(f"live_scale: the {' and the '.join(gone)} ended during the run; its log says why "
+                             f"(--keep DIR --log-level info keeps the logs: DIR/{policy}/)")
         result["rss_mib"] = {k: [round(v) for v in rss_mib(p)] for k, p in pids.items()}
         with open_channel(md.address, default_timeout_s=60) as channel:
             stub = metadata_pb2_grpc.MetadataServiceStub(channel)
