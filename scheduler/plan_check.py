@@ -88,7 +88,17 @@ def _follow(sums: _Sums, snapshot: ClusterSnapshot, plan: Plan) -> bool:
                 != (job.min_gpus, job.max_gpus, job.cpus_per_rank, job.memory_bytes_per_rank):
             rechecked.add(job_id)
     allocations, before = plan.allocations, sums.allocations
-    changed = [job_id for job_id, a in allocations.items() if before.get(job_id) is not a or job_id in rechecked]
+    changed = []
+    for job_id, a in allocations.items():
+        held = before.get(job_id)
+        if held is a and job_id not in rechecked:
+            continue
+        if held is not None and held == a and job_id not in rechecked:
+            # The same allocation made again (a whole pass, then fifo's queue): counted already;
+            # kept by identity, so the next plan that hands the same object on is passed at once.
+            before[job_id] = a
+            continue
+        changed.append(job_id)
     gone = [job_id for job_id in before if job_id not in allocations]
     if any(job_id not in jobs for job_id in changed):
         return False  # an allocation of a job that is not active
