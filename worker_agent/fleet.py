@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.runtime.structured_logging import TextFormatter
 from silod.rpc.channels import open_channel
 from silod.v1 import allocation_pb2, allocation_pb2_grpc, common_pb2, metadata_pb2, metadata_pb2_grpc, plan_pb2
 from worker_agent import node_protocol
@@ -405,7 +406,11 @@ def main(argv: list[str] | None = None) -> int:
                         f"({args.watch_heartbeat_s:g}), which must be set")
     if problems:
         p.error("; ".join(problems))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # The silod text format: it prints each line's fields (the error of a failed ack), which a
+    # plain format drops.
+    handler = logging.StreamHandler()
+    handler.setFormatter(TextFormatter())
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     settings = FleetSettings(
         nodes=args.nodes, gpus=args.gpus, metadata_address=args.metadata_address,
         scheduler_address=args.scheduler_address, prefix=args.prefix, gpu_type=args.gpu_type,
