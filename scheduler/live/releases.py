@@ -152,10 +152,10 @@ def hold_releases(plan: Plan, current: Plan, busy: Mapping[Gpu, str], snapshot: 
     once kept allocations took theirs (a job kept on its old GPUs holds its old nodes' share).
     ``overlap_free``: no GPU is in two of ``plan``'s allocations (a plan the invariants passed).
 
-    Cost: at 20,000 jobs most keep their allocation round after round. With ``busy`` a BusyGpus
-    whose holders ``current`` follows, those are passed by one comparison each; only the
-    allocations that changed, and those of jobs holding a GPU another job still has to release,
-    are looked at GPU by GPU."""
+    Cost: at 20,000 jobs most keep their GPUs round after round. With ``busy`` a BusyGpus whose
+    holders ``current`` follows, those are passed by one comparison of placements each; only the
+    allocations that moved, and those of jobs holding a GPU another job still has to release, are
+    looked at GPU by GPU."""
 
     def conflicts(job_id: str, alloc: Allocation | None) -> bool:
         if alloc is None:
@@ -174,7 +174,9 @@ def hold_releases(plan: Plan, current: Plan, busy: Mapping[Gpu, str], snapshot: 
             continue
         if suspects is not None and job_id not in suspects:
             now = currents.get(job_id)
-            if now is alloc or (now is not None and now == alloc):
+            # Only the GPUs matter here (the policy's batch size and the data grants differ
+            # from the plan in force's, which are made after this).
+            if now is not None and (now is alloc or now.placement == alloc.placement):
                 result[job_id] = alloc
                 continue
         if conflicts(job_id, alloc):

@@ -4,6 +4,7 @@ gives: the same allocations held, kept or dropped, in the same order."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from scheduler.live.releases import BusyGpus, hold_releases
@@ -42,9 +43,10 @@ def _round(rng: random.Random) -> tuple[Plan, Plan, dict, dict]:
         job = f"job-{j}"
         roll = rng.random()
         if job in current and roll < 0.6:
-            # The same object, or an equal one made again (the policies do both).
-            same = current[job] if rng.random() < 0.5 else _allocation(
-                [(node, i) for node, idx in current[job].placement for i in idx])
+            # The same object, or one made again on the same GPUs (the policies do both), its
+            # batch size the policy's own.
+            same = current[job] if rng.random() < 0.5 else dataclasses.replace(_allocation(
+                [(node, i) for node, idx in current[job].placement for i in idx]), batch_size=rng.choice((0, 32, 64)))
             if not taken & {(node, i) for node, idx in same.placement for i in idx}:
                 proposal[job] = same
                 taken.update((node, i) for node, idx in same.placement for i in idx)
