@@ -12,7 +12,8 @@ goes through a round and is cancelled (see warm_up).
 
 Part 2 registers ``--nodes`` nodes of 8 GPUs and times one scheduling round over the pending
 jobs in-process (snapshot from the metadata service, policy, invariant check, plan commit)
-— the same code the scheduler process runs. Target: under 1 s for 1,000 pending jobs on 64
+— the same code the scheduler process runs, with its garbage-collector setting
+(``gc_young_threshold``). Target: under 1 s for 1,000 pending jobs on 64
 nodes. Then three steady rounds, each after ``--churn`` placed jobs end and as many arrive (a
 running cluster, where a round changes few jobs): their median, against the live targets
 (1 s for fifo, sjf and tiresias; 2 s for the others).
@@ -37,6 +38,7 @@ import grpc
 
 from scheduler import service as scheduler_service
 from scheduler.live.jobs import OVERLAP_S
+from services.runtime import gc_pauses
 from silod.rpc.channels import open_channel
 from silod.launcher import start_service
 from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -165,6 +167,8 @@ async def time_round(metadata_addr: str, policy: str, nodes: int, metadata_pid: 
                                           log_level="warning")
     definition = scheduler_service.definition(settings)
     core = definition.core  # type: ignore[attr-defined]
+    if settings.gc_young_threshold:  # as the scheduler service does once started (services.runtime.server)
+        gc_pauses.tune(settings.gc_young_threshold)
     channel = open_channel(metadata_addr, aio=True, default_timeout_s=120)
     core.md = metadata_pb2_grpc.MetadataServiceStub(channel)
     try:
