@@ -43,12 +43,12 @@ def grant(mode: str, snapshot: ClusterSnapshot, plan: Plan, policy_plan: Plan, t
     reclaims leave it alone) and they fit the cluster; otherwise ``co_allocate`` grants again
     for the placements the plan has, in the policy's order.
     """
+    if mode == "silod" and not co.is_active(snapshot):
+        return plan  # nothing to manage: no cache anywhere, unlimited IO
     allocations = dict(plan.allocations)
     placed = {j: a for j, a in allocations.items() if j in training and a.gpus > 0}
     datasets = {job.job_id: job.dataset for job in snapshot.jobs}
     if mode == "silod":
-        if not co.is_active(snapshot):
-            return plan  # nothing to manage: no cache anywhere, unlimited IO
         unchanged = all(policy_plan.get(j) is a for j, a in placed.items())
         order = [j for j in policy_plan.allocations if j in placed] + [j for j in placed if j not in policy_plan.allocations]
         if not (policy_co_designs and unchanged and not problems(snapshot, Plan(placed))):

@@ -146,13 +146,19 @@ class EntryBuilder:
                 continue
             alloc = allocations.get(job_id)
             held = kept[1]
-            if alloc is not held and alloc != held:
-                candidates.append(job)
-            elif kept[0] is not job:
+            remade = alloc is not held
+            if remade:
+                if alloc != held:
+                    candidates.append(job)
+                    continue
+                held = alloc  # the same allocation made again (fifo's queue after a whole pass)
+            if kept[0] is not job:
                 if kept[0].spec != job.spec:
                     candidates.append(job)
-                else:  # moved or reported progress: the same entry; identity is the quicker look next round
-                    inputs[job_id] = (job, held)
+                    continue
+                remade = True  # moved or reported progress: the same entry
+            if remade:  # identity is the quicker look next round
+                inputs[job_id] = (job, held)
         removals = tuple(job_id for job_id in last.order if job_id not in present)
         if len(candidates) + len(removals) > max(PATCH_ALWAYS_UP_TO, PATCH_AT_MOST * len(index)):
             return False
