@@ -14,7 +14,7 @@ Part 2 registers ``--nodes`` nodes of 8 GPUs and times one scheduling round over
 jobs in-process (snapshot from the metadata service, policy, invariant check, plan commit)
 — the same code the scheduler process runs, with its garbage-collector setting
 (``gc_young_threshold``). Target: under 1 s for 1,000 pending jobs on 64
-nodes. Then three steady rounds, each after ``--churn`` placed jobs end and as many arrive (a
+nodes. Then ``--steady-rounds`` (3) steady rounds, each after ``--churn`` placed jobs end and as many arrive (a
 running cluster, where a round changes few jobs): their median, against the live targets
 (1 s for fifo, sjf and tiresias; 2 s for the others).
 
@@ -229,12 +229,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="how the submissions are kept in flight (see submit_jobs)")
     parser.add_argument("--policy", default="fifo")
     parser.add_argument("--churn", type=int, default=50, help="jobs that end and arrive before each steady round")
+    parser.add_argument("--steady-rounds", type=int, default=3,
+                        help="steady rounds to time after the first round (fifo answers the first of them with a "
+                             "whole pass that builds its queue)")
     args = parser.parse_args(argv)
     for flag in ("jobs", "nodes", "threads"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag}: must be >= 1, got {getattr(args, flag)}")
     if args.churn < 0:
         parser.error(f"--churn: must be >= 0, got {args.churn}")
+    if args.steady_rounds < 1:
+        parser.error(f"--steady-rounds: must be >= 1, got {args.steady_rounds}")
     print(f"$ python benchmarks/live_scheduler.py --jobs {args.jobs} --nodes {args.nodes} "
           f"--threads {args.threads} --policy {args.policy} --client {args.client}")
     with tempfile.TemporaryDirectory(prefix="silod-bench-") as tmp:
@@ -252,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{'ok' if rate >= 200 else 'MISSED'}]; CPU {sum(ms):.1f} ms per submission "
                       f"(client {ms[0]:.2f}, scheduler {ms[1]:.2f}, metadata {ms[2]:.2f})")
             seconds, cpu, placed, steady = asyncio.run(time_round(metadata.address, args.policy, args.nodes, metadata.pid,
-                                                                  churn=args.churn))
+                                                                  steady_rounds=args.steady_rounds, churn=args.churn))
             print(f"round: {args.jobs} pending jobs on {args.nodes} nodes x 8 GPUs, {args.policy}: {seconds:.2f} s, "
                   f"{placed} jobs placed  [target < 1 s: {'ok' if seconds < 1 else 'MISSED'}]; CPU {cpu:.2f} s "
                   "(scheduler and metadata)")
