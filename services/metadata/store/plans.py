@@ -18,6 +18,7 @@ from services.metadata.database import Database
 from services.metadata.models import Plan
 from services.metadata.store.leadership import epoch_now
 from services.metadata.validation.common import check_int
+from services.metadata.store.plan_order import EntryOrder
 from services.metadata.validation.plan_holders import JobHolders
 from services.metadata.validation.plans import check_plan, check_plan_changes
 from services.runtime.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
@@ -49,6 +50,9 @@ class PlanStore:
         # checks what they change (validation.plan_holders); one committer at a time moves it.
         self._holders: JobHolders | None = None
         self._holders_lock = threading.Lock()
+        # Where each entry of the latest plan committed here sits (plan_order): the next plan
+        # committed as changes is made from it.
+        self._order: EntryOrder | None = None
 
     def _remember(self, version: int, created_at: datetime, plan: plan_pb2.AllocationPlan) -> None:
         # Last writer wins: a stale entry is only a cache miss, since readers check the key.
@@ -94,7 +98,7 @@ class PlanStore:
                     stored, row_json, base_version = header, convert.to_json(header), None
                 else:
                     base = self._whole(session, changes.base_version)
-                    stored = apply_changes(base, header, changes.jobs, changes.removed_job_ids)
+                    stored, order = self._order_of(base).apply(base, header, changes.jobs, changes.removed_job_ids)
                     holders, changed = self._check_changes(base, header, changes, stored)
                     if plan.version % CHECKPOINT_EVERY and 2 * (len(changes.jobs) + len(changes.removed_job_ids)) < len(stored.jobs):
                         row_json, base_version = changes_to_json(header, changes), changes.base_version
@@ -110,7 +114,14 @@ class PlanStore:
         self._remember(plan.version, created_at, stored)
         if changes is not None:
             self._follow_holders(holders, changed, plan.version)
+            self._order = order
         return header if header_only else self._copy(stored)
+
+    def _order_of(self, base: plan_pb2.AllocationPlan) -> EntryOrder:
+        order = self._order  # read once: a concurrent commit may replace it
+        if order is None or order.version != base.version or len(order.order) != len(base.jobs):
+            order = EntryOrder.of(base)
+        return order
 
     def _check_changes(self, base: plan_pb2.AllocationPlan, header: plan_pb2.AllocationPlan,
                        changes: plan_pb2.PlanChanges, stored: plan_pb2.AllocationPlan) -> tuple[JobHolders, Any]:
