@@ -85,8 +85,10 @@ class AllocationServiceServicer:
         answers UNAVAILABLE, or with wait_for_leadership holds the watch until it leads. With
         heartbeat_s or wait_for_leadership set, a heartbeat (NodePlan.heartbeat, carrying the
         serving leader's epoch) comes first; with heartbeat_s, also whenever the stream was quiet
-        that long. INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
-        scheduler's node timeout (it would count as lost between two heartbeats).
+        that long. INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for the
+        leader's node timeout (it would count as lost between two heartbeats). An allocation server
+        knows that timeout once a scheduler's feed declared it: a watch opened before is served, and
+        ended with that error then if the node heartbeats too seldom.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

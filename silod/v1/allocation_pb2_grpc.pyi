@@ -44,8 +44,10 @@ class AllocationServiceStub:
     answers UNAVAILABLE, or with wait_for_leadership holds the watch until it leads. With
     heartbeat_s or wait_for_leadership set, a heartbeat (NodePlan.heartbeat, carrying the
     serving leader's epoch) comes first; with heartbeat_s, also whenever the stream was quiet
-    that long. INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
-    scheduler's node timeout (it would count as lost between two heartbeats).
+    that long. INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for the
+    leader's node timeout (it would count as lost between two heartbeats). An allocation server
+    knows that timeout once a scheduler's feed declared it: a watch opened before is served, and
+    ended with that error then if the node heartbeats too seldom.
     """
     Ack: _grpc.UnaryUnaryMultiCallable[_allocation_pb2.AckPlanRequest, _allocation_pb2.AckPlanResponse]
     ReportTasks: _grpc.UnaryUnaryMultiCallable[_allocation_pb2.ReportTasksRequest, _allocation_pb2.ReportTasksResponse]
@@ -66,8 +68,10 @@ class AllocationServiceAsyncStub(AllocationServiceStub):
     answers UNAVAILABLE, or with wait_for_leadership holds the watch until it leads. With
     heartbeat_s or wait_for_leadership set, a heartbeat (NodePlan.heartbeat, carrying the
     serving leader's epoch) comes first; with heartbeat_s, also whenever the stream was quiet
-    that long. INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
-    scheduler's node timeout (it would count as lost between two heartbeats).
+    that long. INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for the
+    leader's node timeout (it would count as lost between two heartbeats). An allocation server
+    knows that timeout once a scheduler's feed declared it: a watch opened before is served, and
+    ended with that error then if the node heartbeats too seldom.
     """
     Ack: _aio.UnaryUnaryMultiCallable[_allocation_pb2.AckPlanRequest, _allocation_pb2.AckPlanResponse]  # type: ignore[assignment]
     ReportTasks: _aio.UnaryUnaryMultiCallable[_allocation_pb2.ReportTasksRequest, _allocation_pb2.ReportTasksResponse]  # type: ignore[assignment]
@@ -103,8 +107,10 @@ class AllocationServiceServicer(metaclass=_abc_1.ABCMeta):
         answers UNAVAILABLE, or with wait_for_leadership holds the watch until it leads. With
         heartbeat_s or wait_for_leadership set, a heartbeat (NodePlan.heartbeat, carrying the
         serving leader's epoch) comes first; with heartbeat_s, also whenever the stream was quiet
-        that long. INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for this
-        scheduler's node timeout (it would count as lost between two heartbeats).
+        that long. INVALID_ARGUMENT naming node_heartbeat_s: the node heartbeats too seldom for the
+        leader's node timeout (it would count as lost between two heartbeats). An allocation server
+        knows that timeout once a scheduler's feed declared it: a watch opened before is served, and
+        ended with that error then if the node heartbeats too seldom.
         """
 
     @_abc_1.abstractmethod
