@@ -9,6 +9,7 @@ import pytest
 from silod.cli.jobs import JobFileError, parse_job_yaml, request_id_for
 from silod.cli.main import main as silod
 from silod.v1 import common_pb2
+from tests.support.procs import free_port
 
 
 def test_all_fields_map_to_the_job_spec() -> None:
@@ -57,8 +58,18 @@ def test_submit_exits_2_on_an_unknown_key_without_contacting_a_cluster(tmp_path:
     assert "unknown key 'num_gpus'" in capsys.readouterr().err
 
 
-def test_no_cluster_is_one_line_pointing_at_silod_up(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def _nothing_listens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No scheduler where the client looks: this machine's default port (127.0.0.1:7073) may
+    be another test's compose cluster meanwhile, so a client config naming a free port comes
+    before it."""
     monkeypatch.delenv("SILOD_SCHEDULER_ADDR", raising=False)
+    config = tmp_path / "client.yaml"
+    config.write_text(f"scheduler: 127.0.0.1:{free_port()}\n")
+    monkeypatch.setenv("SILOD_CLIENT_CONFIG", str(config))
+
+
+def test_no_cluster_is_one_line_pointing_at_silod_up(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _nothing_listens(tmp_path, monkeypatch)
     assert silod(["jobs", "--state-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "silod up" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -129,7 +140,7 @@ def test_jobs_show_prints_the_image_and_requests_when_set() -> None:
 
 
 def test_jobs_show_is_a_command(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SILOD_SCHEDULER_ADDR", raising=False)
+    _nothing_listens(tmp_path, monkeypatch)
     assert silod(["jobs", "show", "job-0123456789ab", "--state-dir", str(tmp_path)]) == 1
     assert "silod up" in capsys.readouterr().err  # it went looking for the scheduler
     with pytest.raises(SystemExit):

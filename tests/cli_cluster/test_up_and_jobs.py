@@ -18,7 +18,7 @@ import pytest
 
 from silod.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc
 from tests.dashboard import browser
-from tests.support.procs import start_service
+from tests.support.procs import free_port, start_service
 
 SMALL = "application: cifar10\nmin_gpus: 1\nmax_gpus: 2\nbatch_size: 16\nsample_budget: 480\nemulated_step_compute_s: 0.02\n"
 LONG = "name: long\napplication: cifar10\nmin_gpus: 1\nmax_gpus: 1\nbatch_size: 16\nsample_budget: 100000000\nemulated_step_compute_s: 0.05\n"
@@ -300,8 +300,13 @@ def test_up_submit_watch_logs_cancel_and_shutdown(up_cluster: tuple[subprocess.P
         assert up.wait(60) == 0, up.stdout.read() if up.stdout else ""
         assert not any(_alive(p) for p in children)
         assert not (state / "cluster.json").exists()
-        r = _silod(state, "jobs")
-        assert r.returncode == 1 and "silod up" in r.stderr
+        # With cluster.json gone the client looks further. The last place it looks is this
+        # machine's default ports (127.0.0.1:7073 for the scheduler), where another test's compose
+        # cluster may answer meanwhile; a client config naming free ports comes first.
+        config = tmp_path / "client.yaml"
+        config.write_text(f"metadata: 127.0.0.1:{free_port()}\nscheduler: 127.0.0.1:{free_port()}\n")
+        r = _silod(state, "jobs", SILOD_CLIENT_CONFIG=str(config))
+        assert r.returncode == 1 and "silod up" in r.stderr, r.stdout + r.stderr
     finally:
         _cleanup(up, children)
 
