@@ -110,7 +110,8 @@ class SchedulerCore:
             # is this round's own (the snapshot, copies of the release and restart sets); only
             # rounds touch the planner and the inference state, one round at a time.
             proto = await timer.timed("policy", asyncio.to_thread(
-                self.planner.plan, snap, jobs, self.snapshots.usable, base=base, busy=self.releases.busy(base, self.snapshots.current_from),
+                self.planner.plan, snap, jobs, self.snapshots.usable, base=base,
+                busy=self.releases.busy(base, self.snapshots.current_from),
                 restarting=frozenset(self.restarts.waiting), reason=reason))
             proto.epoch = self.leadership.epoch
             try:
