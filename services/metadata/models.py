@@ -153,6 +153,20 @@ class Node(Base):
     # The GPUs' latest NVML figures, their latched faults and accepted ECC counts
     # (services/metadata/store/gpu_health.py); NULL for a node that never sent any.
     gpu_health: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True, default=None)
+    # The node_changes count when the node last registered, changed its spec or got or lost a GPU
+    # fault (never by heartbeats alone): ListNodes answers changes after a cursor by it.
+    changed_seq: Mapped[int] = mapped_column(BigInteger, index=True, default=0)
+
+
+class ChangeCount(Base):
+    """A count bumped by each change of its kind, in the changing transaction: the row lock orders
+    the changes' commits as their counts, so a reader that saw count N has seen every change up to
+    N (store/nodes.py; a database sequence is not transactional and would not)."""
+
+    __tablename__ = "change_counts"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger)
 
 
 class Plan(Base):

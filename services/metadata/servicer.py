@@ -245,15 +245,17 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         return await self._run(request, self._store.nodes.get, request.node)
 
     async def ListNodes(self, request: metadata_pb2.ListNodesRequest, context: Context) -> metadata_pb2.ListNodesResponse:
-        nodes = await self._run(
+        listing = await self._run(
             request,
-            self._store.nodes.list,
+            self._store.nodes.listing,
             pool=request.pool,
             alive_only=request.alive_only,
             liveness_window_s=request.liveness_window_s,
             gpu_type=request.gpu_type,
+            changed_after=request.changed_after,
         )
-        return metadata_pb2.ListNodesResponse(nodes=nodes)
+        return metadata_pb2.ListNodesResponse(nodes=listing.nodes, cursor=listing.cursor,
+                                              not_alive=listing.not_alive, whole=listing.whole)
 
     # -- plans ---------------------------------------------------------------------------
 

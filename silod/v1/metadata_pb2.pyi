@@ -892,6 +892,7 @@ class ListNodesRequest(_message.Message):
     ALIVE_ONLY_FIELD_NUMBER: _builtins.int
     LIVENESS_WINDOW_S_FIELD_NUMBER: _builtins.int
     GPU_TYPE_FIELD_NUMBER: _builtins.int
+    CHANGED_AFTER_FIELD_NUMBER: _builtins.int
     pool: _common_pb2.NodePool.ValueType
     """filter; UNSPECIFIED = all pools"""
     alive_only: _builtins.bool
@@ -900,6 +901,15 @@ class ListNodesRequest(_message.Message):
     """seconds since last heartbeat to count as alive; 0 = server default"""
     gpu_type: _builtins.str
     """filter: only nodes of this GPU type; empty = all types"""
+    changed_after: _builtins.int
+    """Set: answer what changed since the listing whose `cursor` this is: the nodes that registered
+    (again), changed their spec or got or lost a GPU fault since, in full, and the names of every
+    node not alive now (`not_alive`). Heartbeats alone change nothing here: a node's liveness is
+    in `not_alive`, its other figures (telemetry, last_heartbeat, applied_plan_version) only in
+    whole listings. Follow from a whole listing without filters or alive_only (a node dead then
+    may come back by heartbeats alone); with pool, gpu_type or alive_only: INVALID_ARGUMENT.
+    0 = the whole listing.
+    """
     def __init__(
         self,
         *,
@@ -907,10 +917,11 @@ class ListNodesRequest(_message.Message):
         alive_only: _builtins.bool = ...,
         liveness_window_s: _builtins.float = ...,
         gpu_type: _builtins.str = ...,
+        changed_after: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive_only", b"alive_only", "gpu_type", b"gpu_type", "liveness_window_s", b"liveness_window_s", "pool", b"pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive_only", b"alive_only", "changed_after", b"changed_after", "gpu_type", b"gpu_type", "liveness_window_s", b"liveness_window_s", "pool", b"pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -921,16 +932,34 @@ class ListNodesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NODES_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    NOT_ALIVE_FIELD_NUMBER: _builtins.int
+    WHOLE_FIELD_NUMBER: _builtins.int
+    cursor: _builtins.int
+    """Where this answer's changes end: the changed_after of the next request. Always set."""
+    whole: _builtins.bool
+    """True: `nodes` is the whole listing, not changes: changed_after was 0, or the store's changes
+    do not reach back to it (a database restored from a backup); replace what was kept.
+    """
     @_builtins.property
-    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Node]: ...
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Node]:
+        """by name: the listing, or with changed_after the nodes changed since"""
+
+    @_builtins.property
+    def not_alive(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """With changed_after: the names of every node not alive within the liveness window."""
+
     def __init__(
         self,
         *,
         nodes: _abc.Iterable[_common_pb2.Node] | None = ...,
+        cursor: _builtins.int = ...,
+        not_alive: _abc.Iterable[_builtins.str] | None = ...,
+        whole: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["nodes", b"nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "nodes", b"nodes", "not_alive", b"not_alive", "whole", b"whole"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -305,6 +305,13 @@ CASES = [
         INVALID,
         "liveness_window_s",
     ),
+    ("list node changes alive only", lambda w: w.stub.ListNodes(m.ListNodesRequest(changed_after=1, alive_only=True)),
+     INVALID, "alive_only"),
+    ("list node changes of a pool", lambda w: w.stub.ListNodes(m.ListNodesRequest(changed_after=1, pool=1)), INVALID, "pool"),
+    ("list node changes of a type", lambda w: w.stub.ListNodes(m.ListNodesRequest(changed_after=1, gpu_type="a100")),
+     INVALID, "gpu_type"),
+    ("list node changes after 2^63", lambda w: w.stub.ListNodes(m.ListNodesRequest(changed_after=2**63)),
+     INVALID, "changed_after"),
     # -- plans ---------------------------------------------------------------------------
     ("plan version zero", lambda w: commit(w, version=0), INVALID, "plan.version"),
     ("plan version negative", lambda w: commit(w, version=-3), INVALID, "plan.version"),

@@ -11,12 +11,13 @@ tests/tenancy/test_tenancy_processes.py an upgraded cluster's named teams; this 
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import grpc
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import column, insert, table
 from silod.v1 import access_pb2 as a, common_pb2, metadata_pb2 as m, metadata_pb2_grpc, plan_pb2
 
 from services.metadata import convert
@@ -39,14 +40,20 @@ def _old_cluster(url: str) -> dict[str, object]:
     upgrade(url, PRE_TENANT_SCHEMA)
     store = MetadataStore.open(url)
     try:
+        created = datetime(2026, 11, 1, tzinfo=timezone.utc)
         jobs = [store.jobs.create(training_spec(name=f"job-{i}", tenant=t)) for i, t in enumerate(("", "vision", ""))]
         store.jobs.transition(jobs[1].id, common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED, "placed")
         store.jobs.append_event(jobs[0].id, "note", "written before the upgrade")
-        store.nodes.upsert(node_spec("n1"))
+        spec = node_spec("n1")
+        old_nodes = table("nodes", *(column(name) for name in (
+            "name", "pool", "gpu_type", "spec", "registered_at", "last_heartbeat", "applied_plan_version")))
+        with store.db.write() as session:  # the columns of 0003 (0011 adds nodes.changed_seq)
+            session.execute(insert(old_nodes).values(
+                name=spec.name, pool=spec.pool, gpu_type=spec.gpu_type, spec=json.dumps(convert.to_json(spec)),
+                registered_at=created, last_heartbeat=created, applied_plan_version=0))
         # Written with SQL, as the old store did (today's writes the tenant columns of 0008): the
         # datasets are read back tenant `default`'s and shared with every tenant.
         datasets = {name: write_old_dataset(store.db.engine, name, count) for name, count in (("imgs", 30), ("text", 5))}
-        created = datetime(2026, 11, 1, tzinfo=timezone.utc)
         plans = []
         with store.db.write() as session:  # the columns of 0003 (0009 adds plans.base_version)
             for version in (1, 2):

@@ -62,6 +62,11 @@ def after_heartbeat(health: dict[str, Any] | None, telemetry: Sequence[common_pb
     return new
 
 
+def faults_changed(before: dict[str, Any] | None, after: dict[str, Any] | None) -> bool:
+    """Whether a GPU got or lost a fault between the two (not whether its figures changed)."""
+    return (before or {}).get("faults", {}) != (after or {}).get("faults", {})
+
+
 def after_clear(health: dict[str, Any] | None, index: int) -> dict[str, Any] | None:
     """``health`` without GPU ``index``'s fault (None when it has none), its ECC count accepted."""
     if not health or str(index) not in health.get("faults", {}):

@@ -2,27 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Dialect, Select, Text, bindparam, cast, select, type_coerce, update
+from sqlalchemy import Dialect, Select, Text, bindparam, cast, insert, select, type_coerce, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session
 from sqlalchemy.types import NullType
 from silod.v1 import common_pb2
 
 from services.metadata import convert
 from services.metadata.clock import as_utc, utc_now
 from services.metadata.database import Database
-from services.metadata.models import Node
+from services.metadata.models import ChangeCount, Node
 from services.metadata.store import gpu_health
 from services.metadata.validation.nodes import (
     check_clear_gpu_fault,
     check_gpu_indices,
     check_heartbeat,
     check_list_nodes,
+    check_node_changes,
     check_node_name,
     normalized_node_spec,
 )
@@ -30,6 +33,16 @@ from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFoun
 
 
 _log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeListing:
+    """A ListNodes answer (see ListNodesResponse)."""
+
+    nodes: list[common_pb2.Node]
+    cursor: int  # the change count the answer is as of: the next listing's changed_after
+    not_alive: list[str]  # with changed_after: every node not alive now, by name
+    whole: bool  # nodes is the whole listing, not changes
 
 
 class NodeStore:
@@ -58,6 +71,9 @@ class NodeStore:
             row.gpu_type = spec.gpu_type
             row.spec = convert.to_json(spec)
             row.last_heartbeat = now
+            # Every registration is a change, the same spec again too: an agent that registers
+            # again may have come back on another host (its address is part of the spec).
+            row.changed_seq = _bump_nodes(session)
             session.flush()
             return self._to_proto(row)
 
@@ -134,7 +150,10 @@ class NodeStore:
                 raise NotFound(f"no node {node!r}; register it with UpsertNode first", field="node")
             # Recorded even when the version is refused below: faults must not wait for a plan.
             check_gpu_indices(node, int(row.spec.get("gpus", 0)), gpu_telemetry, gpu_faults)
-            row.gpu_health = gpu_health.after_heartbeat(row.gpu_health, gpu_telemetry, gpu_faults, utc_now())
+            before = row.gpu_health
+            row.gpu_health = gpu_health.after_heartbeat(before, gpu_telemetry, gpu_faults, utc_now())
+            if gpu_health.faults_changed(before, row.gpu_health):  # not by the figures, which change every beat
+                row.changed_seq = _bump_nodes(session)
             if updated.rowcount == 1:
                 session.flush()
                 # Read back as ListNodes reads it, so that the message built here (parsing the
@@ -159,6 +178,7 @@ class NodeStore:
             if cleared is None:
                 raise FailedPrecondition(f"GPU {gpu_index} of node {node} has no fault to clear", field="gpu_index")
             row.gpu_health = cleared
+            row.changed_seq = _bump_nodes(session)
             session.flush()
             return self._to_proto(row)
 
@@ -172,17 +192,36 @@ class NodeStore:
 
     def list(self, *, pool: int = 0, alive_only: bool = False, liveness_window_s: float = 0.0,
              gpu_type: str = "") -> list[common_pb2.Node]:
+        """The whole listing (ListNodes without changed_after)."""
+        return self.listing(pool=pool, alive_only=alive_only, liveness_window_s=liveness_window_s,
+                            gpu_type=gpu_type).nodes
+
+    def listing(self, *, pool: int = 0, alive_only: bool = False, liveness_window_s: float = 0.0,
+                gpu_type: str = "", changed_after: int = 0) -> NodeListing:
+        """ListNodes: the whole listing as :meth:`list` answers it, or with ``changed_after`` the
+        nodes changed since that cursor and the names of those not alive (ListNodesRequest)."""
         check_list_nodes(pool, liveness_window_s, gpu_type)
+        check_node_changes(changed_after, pool=pool, alive_only=alive_only, gpu_type=gpu_type)
         window = timedelta(seconds=liveness_window_s) if liveness_window_s else self._window
         alive_since = utc_now() - window
+        params = {"l_pool": pool, "l_gpu_type": gpu_type, "l_alive_since": alive_since,
+                  "l_changed_after": changed_after}
         # Plain rows rather than ORM objects, the JSON columns as their text (see
-        # convert.node_row_to_proto): the scheduler lists every node every second.
-        query = _list_statement(bool(pool), bool(gpu_type), alive_only)
+        # convert.node_row_to_proto): the scheduler listed every node every second.
         with self._db.read() as session:
-            rows = session.connection().execute(query, {"l_pool": pool, "l_gpu_type": gpu_type,
-                                                        "l_alive_since": alive_since}).all()
+            connection = session.connection()
+            # One snapshot for the count and the rows (Database.read). The count's row lock makes
+            # changes commit in the order of their counts, so every change counted up to this
+            # count is in the snapshot: none is skipped by the next listing, which starts after it.
+            cursor = connection.execute(_NODES_COUNT).scalar_one_or_none() or 0
+            whole = not changed_after or changed_after > cursor
+            query = (_list_statement(bool(pool), bool(gpu_type), alive_only) if whole
+                     else _CHANGED_AFTER)
+            rows = connection.execute(query, params).all()
+            not_alive = (list(connection.execute(_NOT_ALIVE, params).scalars()) if changed_after else [])
         to_datetime = self._to_datetime
-        return [convert.node_row_to_proto(row, alive_since=alive_since, to_datetime=to_datetime) for row in rows]
+        nodes = [convert.node_row_to_proto(row, alive_since=alive_since, to_datetime=to_datetime) for row in rows]
+        return NodeListing(nodes=nodes, cursor=cursor, not_alive=not_alive, whole=whole)
 
     def _row_to_proto(self, row: Any) -> common_pb2.Node:
         """The Node of a row read as ``_ROW_COLUMNS``, alive as of now."""
@@ -226,6 +265,23 @@ _ORM_HEARTBEAT = (update(Node).where(Node.name == _NAME, Node.applied_plan_versi
 _ORM_LOCKED_NODE = (select(Node).where(Node.name == _NAME).execution_options(populate_existing=True)
                     .with_for_update())
 _GET = select(*_ROW_COLUMNS).where(_NODES.c.name == bindparam("g_name", type_=_NODES.c.name.type))
+_COUNTS = ChangeCount.__table__
+_BUMP_NODES = (update(_COUNTS).where(_COUNTS.c.name == "nodes").values(value=_COUNTS.c.value + 1)
+               .returning(_COUNTS.c.value))
+_NODES_COUNT = select(_COUNTS.c.value).where(_COUNTS.c.name == "nodes")
+_CHANGED_AFTER = (select(*_ROW_COLUMNS).order_by(_NODES.c.name)
+                  .where(_NODES.c.changed_seq > bindparam("l_changed_after", type_=_NODES.c.changed_seq.type)))
+_NOT_ALIVE = (select(_NODES.c.name).order_by(_NODES.c.name)
+              .where(_NODES.c.last_heartbeat < bindparam("l_alive_since", type_=_NODES.c.last_heartbeat.type)))
+
+
+def _bump_nodes(session: Session) -> int:
+    """The next node change count, taken in ``session``'s transaction (its row stays locked to the commit)."""
+    value = session.execute(_BUMP_NODES).scalar_one_or_none()
+    if value is None:  # migration 0011 made the row; a database emptied since has none
+        session.execute(insert(_COUNTS).values(name="nodes", value=1))
+        value = 1
+    return int(value)
 
 
 def _datetime_reader(dialect: Dialect) -> Callable[[Any], datetime]:

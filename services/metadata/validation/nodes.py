@@ -116,6 +116,21 @@ def check_clear_gpu_fault(node: str, gpu_index: int) -> None:
     problems.raise_if_any()
 
 
+def check_node_changes(changed_after: int, *, pool: int, alive_only: bool, gpu_type: str) -> None:
+    """A listing of changes answers every changed node, alive or not and of any pool or type: a
+    follower that never saw a node (filtered out, or dead when it changed) would not know it when
+    it comes back by heartbeats alone."""
+    if not changed_after:
+        return
+    problems = Problems()
+    problems.check(check_int, changed_after, "changed_after", minimum=0, maximum=2**63 - 1)
+    for field, set_ in (("pool", bool(pool)), ("alive_only", alive_only), ("gpu_type", bool(gpu_type))):
+        if set_:
+            problems.add(field, "cannot be combined with changed_after: a listing of changes answers "
+                                "every changed node, and not_alive names the nodes not alive")
+    problems.raise_if_any()
+
+
 def check_list_nodes(pool: int, liveness_window_s: float, gpu_type: str = "") -> None:
     check_enum(pool, common_pb2.NodePool.DESCRIPTOR, "pool")
     check_float(liveness_window_s, "liveness_window_s", minimum=0.0, maximum=MAX_LIVENESS_WINDOW_S)
