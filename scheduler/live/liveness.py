@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 import grpc
 
 from scheduler.live.clients import Clients
+from scheduler.live.followed_nodes import FollowedNodes
 from scheduler.live.gpu_health import faulted_gpus
 from silod.v1 import common_pb2, metadata_pb2
 
@@ -90,21 +91,25 @@ class NodeLiveness:
 
     async def watch(self) -> None:
         """Trigger a round when the set of live nodes changes (arrival, or loss by heartbeat timeout)."""
+        listed = FollowedNodes()  # its own: it lists at its own times, beside the rounds
         while True:
             await asyncio.sleep(self.node_poll_s)
+            request = listed.request(self.window_s())
             try:
-                nodes = await self.clients.md.ListNodes(
-                    metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self.window_s()))
+                answer = await self.clients.md.ListNodes(request)
             except grpc.aio.AioRpcError:
                 continue
             self.metadata_seen()
-            self.saw_nodes(nodes.nodes)
-            names = frozenset(n.spec.name for n in nodes.nodes)
+            if not listed.take(request, answer):
+                continue  # no node came, went or changed since the last poll
+            nodes = listed.alive
+            self.saw_nodes(nodes)
+            names = frozenset(n.spec.name for n in nodes)
             if self._known_nodes is not None and names != self._known_nodes:
                 self.node_set_version += 1
                 self._trigger("node-lost" if self._known_nodes - names else "node-joined")
             self._known_nodes = names
-            faults = faulted_gpus(nodes.nodes)
+            faults = faulted_gpus(nodes)
             if faults != self._known_faults:
                 self._trigger("gpu-health")  # a GPU faulted (its job moves now) or was cleared
             self._known_faults = faults

@@ -2,7 +2,7 @@
 GPUs, active jobs with their models, what each job holds under the plan in force (minus lost
 nodes and faulted GPUs), and what the cache servers hold.
 
-Cost: one ListNodes, one ListJobs of the jobs whose state changed since the last round (every active
+Cost: one ListNodes of the nodes changed since the last round (scheduler.live.followed_nodes), one ListJobs of the jobs whose state changed since the last round (every active
 job every 30 s, scheduler.live.jobs), one ListTenants (tenant quotas), the job models' calls
 (scheduler.live.models), and one Stats per cache server every few seconds (--cache silod).
 
@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from estimator.per_type import is_reference
 from scheduler.live import convert, data
 from scheduler.live.clients import Clients
+from scheduler.live.followed_nodes import FollowedNodes
 from scheduler.live.gpu_health import UsableGpus, faulted_gpus
 from scheduler.live.holdings import Holdings
 from scheduler.live.inference import LiveInference, is_inference_job
@@ -33,7 +34,7 @@ from scheduler.live.models import JobModels, application_of
 from scheduler.live.plans import PlanStore
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, NodeInfo, Plan
 from scheduler.quotas_proto import quotas_of
-from silod.v1 import access_pb2, common_pb2, metadata_pb2, plan_pb2
+from silod.v1 import access_pb2, common_pb2, plan_pb2
 
 
 class SnapshotBuilder:
@@ -57,18 +58,18 @@ class SnapshotBuilder:
         self._inference_restored = False
         # What jobs hold under the plan in force, followed from plan to plan by their changes.
         self._holdings = Holdings(plans.changes_from)
+        self._listed = FollowedNodes()  # every node, by the changes since the last round's listing
         self._nodes = LiveNodes()
         self._rank_room: frozenset[tuple[float, int]] | None = None  # of the nodes of the last listing
         self._job_infos = JobInfos(models)
         self.current_from: plan_pb2.AllocationPlan | None = None  # the plan the last snapshot's current was read off
 
     async def build(self) -> tuple[ClusterSnapshot, list[common_pb2.Job]]:
-        nodes_resp = await self.clients.md.ListNodes(
-            metadata_pb2.ListNodesRequest(alive_only=True, liveness_window_s=self.liveness.window_s())
-        )
+        request = self._listed.request(self.liveness.window_s())
+        listed_changed = self._listed.take(request, await self.clients.md.ListNodes(request))
         self.liveness.metadata_seen()
         nodes = self._nodes
-        if nodes.update(nodes_resp.nodes):  # a node came, went or changed its spec
+        if listed_changed and nodes.update(self._listed.alive):  # a node came, went or changed its spec
             self.liveness.saw_nodes(nodes.listed)
             self.plans.remember_nodes(nodes.changed_with_gpus)
             self._rank_room = self.liveness.rank_room

@@ -66,8 +66,9 @@ class FakeStore:
     # -- the metadata service --
     async def ListNodes(self, request):  # noqa: N802
         answer = metadata_pb2.ListNodesResponse(nodes=list(self.nodes.values()))
-        for node in answer.nodes:
+        for node in answer.nodes:  # a whole listing each time, as a store from before changed_after answers
             node.last_heartbeat.FromSeconds(self.now)  # heartbeats move on every listing
+            node.alive = True
         return metadata_pb2.ListNodesResponse.FromString(answer.SerializeToString())
 
     async def ListJobs(self, request):  # noqa: N802
