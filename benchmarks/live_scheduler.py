@@ -163,8 +163,11 @@ async def time_round(metadata_addr: str, policy: str, nodes: int, metadata_pid: 
     service), how many jobs the committed plan places; then ``steady_rounds`` rounds after
     ``churn`` placed jobs end and as many new ones arrive, each (seconds, CPU seconds, seconds
     by phase): the rounds of a running cluster, where few jobs change."""
+    # A 60-s node timeout, as live_scale.py's: registering 5,000 nodes takes 11 to 16 s here, and
+    # under the default 15 s the first nodes aged out before the first round (12,272 jobs placed
+    # of 16,000 in one run, and the next round a whole pass when they came back).
     settings = scheduler_service.Settings(metadata_address=metadata_addr, policy=policy, interval_s=3600,
-                                          log_level="warning")
+                                          node_timeout_s=60, log_level="warning")
     definition = scheduler_service.definition(settings)
     core = definition.core  # type: ignore[attr-defined]
     if settings.gc_young_threshold:  # as the scheduler service does once started (services.runtime.server)
@@ -174,8 +177,8 @@ async def time_round(metadata_addr: str, policy: str, nodes: int, metadata_pid: 
     try:
         # Profiles are fitted once per application, the first time a round meets one: not timed.
         await core.warm_up()
-        # Registered just before the round: on a loaded machine the warm-up may outlast the
-        # liveness window of nodes registered earlier, and the round would see fewer GPUs.
+        # Registered just before the round: on a loaded machine the warm-up may outlast even that
+        # window for nodes registered earlier, and the round would see fewer GPUs.
         await register_nodes(core.md, nodes)
         cpu_before = cpu_seconds(os.getpid()) + cpu_seconds(metadata_pid)
         started = time.perf_counter()

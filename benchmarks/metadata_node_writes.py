@@ -1,6 +1,6 @@
 """CPU cost of the metadata store's per-node work: a heartbeat (the write every node makes every
 ``heartbeat_s``, and the scheduler makes for it after plan acks) and a ListNodes of every node
-(the scheduler's node watch, every second, and each round's snapshot).
+(what the scheduler's node watch and each round's snapshot asked before they followed changes).
 
     .venv/bin/python benchmarks/metadata_node_writes.py [--nodes 1000] [--db sqlite:///F | postgresql://...]
     .venv/bin/python benchmarks/metadata_node_writes.py --scratch-postgres postgresql://postgres@127.0.0.1:5432/postgres
@@ -10,7 +10,9 @@ on that server and drops it afterwards.
 
 Figures: ``heartbeat_cpu_ms``, a heartbeat without GPU figures (an emulated node, or the
 scheduler forwarding a plan ack); ``list_nodes_cpu_ms``, a ListNodes of every node after such
-heartbeats; ``heartbeat_gpus_cpu_ms``, a heartbeat carrying 8 GPUs' NVML figures (the path that
+heartbeats; ``list_node_changes_cpu_ms``, what the scheduler asks instead (the
+changes since its last listing: none after heartbeats alone, and the names of the nodes not
+alive); ``heartbeat_gpus_cpu_ms``, a heartbeat carrying 8 GPUs' NVML figures (the path that
 reads and rewrites the node's gpu_health); ``list_nodes_after_gpu_heartbeats_cpu_ms``, the first
 ListNodes after every node sent such a heartbeat (each row has changed since the last listing).
 
@@ -91,6 +93,15 @@ def run(url: str, nodes: int) -> dict[str, object]:
         listed = store.nodes.list(alive_only=True, liveness_window_s=60)
     list_ms = (time.process_time() - started) * 1000 / 5
     assert len(listed) == nodes
+    # What the scheduler asks instead, each round and each watch poll: what changed since its last
+    # listing (nothing, after heartbeats alone), and the names of the nodes not alive (none).
+    cursor = store.nodes.listing().cursor
+    gc.collect()
+    started = time.process_time()
+    for _ in range(5):
+        changes = store.nodes.listing(changed_after=cursor, liveness_window_s=60)
+    changes_ms = (time.process_time() - started) * 1000 / 5
+    assert changes.nodes == [] and changes.not_alive == [] and not changes.whole
     telemetry = [common_pb2.GpuTelemetry(index=g, utilization_ratio=0.5, memory_used_bytes=2**30,
                                          memory_total_bytes=16 * 2**30, temperature_celsius=40.0,
                                          ecc_uncorrectable_errors=0) for g in range(GPUS)]
@@ -107,6 +118,7 @@ def run(url: str, nodes: int) -> dict[str, object]:
     store.close()
     return {"nodes": nodes, "database": url.split(":", 1)[0].split("+", 1)[0],
             "heartbeat_cpu_ms": round(heartbeat_ms, 2), "list_nodes_cpu_ms": round(list_ms, 1),
+            "list_node_changes_cpu_ms": round(changes_ms, 2),
             "heartbeat_gpus_cpu_ms": round(heartbeat_gpus_ms, 2),
             "list_nodes_after_gpu_heartbeats_cpu_ms": round(list_after_gpus_ms, 1)}
 
