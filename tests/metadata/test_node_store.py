@@ -4,6 +4,7 @@ messages the store hands out are the caller's own (the store remembers what it b
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -146,3 +147,31 @@ def test_a_heartbeat_batch_the_database_refuses_is_stored_one_by_one(store: Meta
     monkeypatch.setattr(store.nodes, "heartbeat", heartbeat)
     results = store.nodes.heartbeat_many([("c1", 5)])
     assert one_by_one == ["c1"] and results[0].applied_plan_version == 5
+
+
+def test_registering_a_name_again_keeps_its_first_registration_and_racing_registrations_all_succeed(
+        store: MetadataStore) -> None:
+    first = store.nodes.upsert(node_spec("r1", gpus=4))
+    store.nodes.heartbeat("r1", 5, gpu_faults=[xid(1)])
+    again = store.nodes.upsert(node_spec("r1", gpus=8))
+    assert again.spec.gpus == 8 and again.registered_at == first.registered_at
+    assert again.applied_plan_version == 5 and [f.index for f in again.gpu_faults] == [1]  # kept
+    assert again.last_heartbeat.ToNanoseconds() >= first.last_heartbeat.ToNanoseconds()
+
+    errors: list[BaseException] = []
+
+    def register(worker: int) -> None:
+        try:
+            for i in range(20):
+                store.nodes.upsert(node_spec(f"race-{i}", gpus=1 + worker))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=register, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    raced = [n for n in store.nodes.list() if n.spec.name.startswith("race-")]
+    assert len(raced) == 20 and all(1 <= n.spec.gpus <= 4 for n in raced)
