@@ -116,7 +116,7 @@ class SchedulerCore:
             proto.epoch = self.leadership.epoch
             try:
                 committed = await timer.timed(
-                    "commit", self.committer.commit(proto, base, {j.id: j for j in jobs}, reason,
+                    "commit", self.committer.commit(proto, base, self.jobs.last_active, reason,
                                                     placements=self.planner.placements,
                                                     changes=self.planner.changes))
             except grpc.aio.AioRpcError as exc:
@@ -129,7 +129,8 @@ class SchedulerCore:
         except Exception:
             timer.done("failed")
             raise
-        metrics.jobs_seen(jobs, time.time())
+        metrics.jobs_seen(jobs, time.time(), changes=self.jobs.changes, active=self.jobs.last_active,
+                          refresh=self.jobs.refreshes)
         if committed is not None:
             changes = self.plans.changes_from(base)
             metrics.plan_committed(committed, changes.previous if changes is not None else

@@ -48,6 +48,15 @@ class KnownJobs:
         # The periodic whole read in flight, and the jobs this scheduler learnt of meanwhile.
         self._whole: asyncio.Future[tuple[list[common_pb2.Job], timestamp_pb2.Timestamp | None]] | None = None
         self._touched: set[str] = set()
+        # The jobs whose entry among the active changed (set, replaced or dropped) since the last
+        # refresh returned; None: any may have (a whole read was merged).
+        self._changed: set[str] | None = None
+        # What the last refresh returned, for the parts that follow the active jobs by their
+        # changes rather than passing over 20,000 each round: the active jobs by id (a copy) and
+        # the ids whose entry changed since the refresh before (None: take them all).
+        self.last_active: dict[str, common_pb2.Job] = {}
+        self.changes: frozenset[str] | None = None
+        self.refreshes = 0  # refreshes returned: a part that missed one cannot follow changes
         self.full_reads = 0
         self.incremental_reads = 0
 
@@ -102,7 +111,16 @@ class KnownJobs:
         self._drop_whole()
 
     async def refresh(self) -> list[common_pb2.Job]:
-        """The active jobs now, in submission order."""
+        """The active jobs now, in submission order; :attr:`last_active` and :attr:`changes` say
+        the same, and what changed since the last refresh."""
+        await self._refresh()
+        self.last_active = dict(self._active)
+        self.changes = frozenset(self._changed) if self._changed is not None else None
+        self._changed = set()
+        self.refreshes += 1
+        return list(self.last_active.values())
+
+    async def _refresh(self) -> None:
         if self._since is None:  # the first read, after an election, or no read times: whole, now
             self._drop_whole()
             started = time.monotonic()
@@ -110,7 +128,7 @@ class KnownJobs:
             self._merge_whole(jobs, touched=set())
             self._full_at = started
             self._advance(read_at)
-            return list(self._active.values())
+            return
         if self._whole is not None and self._whole.done():
             whole, self._whole = self._whole, None
             if whole.exception() is None:  # a failed one is tried again when next due
@@ -137,7 +155,6 @@ class KnownJobs:
                 self._active.pop(job.id, None)
         self.incremental_reads += 1
         self._advance(read_at)
-        return list(self._active.values())
 
     async def _changed_since(self, since: timestamp_pb2.Timestamp
                              ) -> tuple[list[common_pb2.Job], timestamp_pb2.Timestamp | None]:
@@ -183,6 +200,7 @@ class KnownJobs:
                 fresh[job_id] = self._active[job_id]
         self._active = fresh
         self._others.clear()
+        self._changed = None
         self.full_reads += 1
 
     def _advance(self, read_at: timestamp_pb2.Timestamp | None) -> None:
@@ -192,8 +210,11 @@ class KnownJobs:
             self._since = _less(read_at, self.overlap_s)
 
     def _touch(self, job_id: str) -> None:
+        """Called before every change of ``job_id``'s entry among the active jobs."""
         if self._whole is not None:
             self._touched.add(job_id)
+        if self._changed is not None:
+            self._changed.add(job_id)
 
     def _drop_whole(self) -> None:
         if self._whole is not None:

@@ -87,33 +87,82 @@ class RoundTimer:
 _STATE_NAMES = {number: name.removeprefix("JOB_STATE_") for name, number in common_pb2.JobState.items()}
 
 
-# job -> (the message last seen, its (state, tenant) series, its submission time if pending else
-# None): a round's 20,000 jobs are mostly the messages of the round before.
-_seen: dict[str, tuple[common_pb2.Job, tuple[str, str], float | None]] = {}
+class _JobCounts:
+    """The active jobs per (state, tenant) and the pending jobs' submission times, kept from round
+    to round: passed over whole when KnownJobs says any job may have changed (a whole read,
+    every 30 s), else followed by the jobs it says changed."""
+
+    def __init__(self) -> None:
+        # job -> (the message last seen, its (state, tenant) series, its submission time if pending)
+        self.seen: dict[str, tuple[common_pb2.Job, tuple[str, str], float | None]] = {}
+        self.counts: dict[tuple[str, str], int] = {}
+        self.pending: dict[str, float] = {}  # pending job -> its submission time (s)
+        self.refresh: int | None = None  # KnownJobs.refreshes of the jobs last taken in
+
+    def whole(self, jobs: Iterable[common_pb2.Job], now_s: float) -> float:
+        """Every active job; the oldest pending job's age (s)."""
+        before, self.seen, self.counts, self.pending = self.seen, {}, {}, {}
+        counts, oldest = self.counts, 0.0
+        for job in jobs:
+            job_id = job.id
+            known = before.get(job_id)
+            if known is None or known[0] is not job:
+                known = _entry(job)
+            self.seen[job_id] = known
+            counts[known[1]] = counts.get(known[1], 0) + 1
+            if known[2] is not None:
+                self.pending[job_id] = known[2]
+                oldest = max(oldest, now_s - known[2])
+        return oldest
+
+    def follow(self, changes: Iterable[str], active: Mapping[str, common_pb2.Job], now_s: float) -> float:
+        """The jobs of ``changes`` as ``active`` now has them (absent: no longer active)."""
+        seen, counts, pending = self.seen, self.counts, self.pending
+        for job_id in changes:
+            old = seen.pop(job_id, None)
+            if old is not None:
+                left = counts[old[1]] - 1
+                if left:
+                    counts[old[1]] = left
+                else:
+                    del counts[old[1]]  # a tenant with no active job left has no series
+                pending.pop(job_id, None)
+            job = active.get(job_id)
+            if job is not None:
+                known = old if old is not None and old[0] is job else _entry(job)
+                seen[job_id] = known
+                counts[known[1]] = counts.get(known[1], 0) + 1
+                if known[2] is not None:
+                    pending[job_id] = known[2]
+        return max(now_s - min(pending.values()), 0.0) if pending else 0.0
 
 
-def jobs_seen(jobs: Iterable[common_pb2.Job], now_s: float) -> None:
-    global _seen
-    counts: dict[tuple[str, str], int] = {}
-    oldest = 0.0
-    before, _seen = _seen, {}
-    pending = common_pb2.JOB_STATE_PENDING
-    for job in jobs:
-        job_id = job.id
-        known = before.get(job_id)
-        if known is None or known[0] is not job:
-            state = job.state
-            submitted = job.created_at.ToSeconds() if state == pending and job.created_at.seconds else None
-            known = (job, (_STATE_NAMES.get(state, str(state)), job.spec.tenant), submitted)
-        _seen[job_id] = known
-        key = known[1]
-        counts[key] = counts.get(key, 0) + 1
-        if known[2] is not None:
-            oldest = max(oldest, now_s - known[2])
-    JOBS.clear()  # a tenant with no active job left has no series
+def _entry(job: common_pb2.Job) -> tuple[common_pb2.Job, tuple[str, str], float | None]:
+    state = job.state
+    submitted = job.created_at.ToSeconds() if state == common_pb2.JOB_STATE_PENDING and job.created_at.seconds else None
+    return job, (_STATE_NAMES.get(state, str(state)), job.spec.tenant), submitted
+
+
+_counts = _JobCounts()
+
+
+def jobs_seen(jobs: Iterable[common_pb2.Job], now_s: float, *, changes: Iterable[str] | None = None,
+              active: Mapping[str, common_pb2.Job] | None = None, refresh: int | None = None) -> None:
+    """The job gauges for a round's active ``jobs``. Given KnownJobs' ``changes`` since its
+    refresh before, ``active`` (``jobs`` by id) and the number of the ``refresh`` they came from,
+    only the changed jobs are looked at, if the last call took in the refresh before (a round
+    that failed after its snapshot skipped this call, and its changes with it)."""
+    follows = changes is not None and active is not None and refresh is not None \
+        and _counts.refresh is not None and refresh == _counts.refresh + 1
+    _counts.refresh = refresh
+    if follows:
+        oldest = _counts.follow(changes, active, now_s)  # type: ignore[arg-type]
+    else:
+        oldest = _counts.whole(jobs, now_s)
+    JOBS.clear()
     for state in _STATES:
         JOBS.labels(state, "").set(0)  # every state has a series, so a sum over them is never empty
-    for (state, tenant), count in counts.items():
+    for (state, tenant), count in _counts.counts.items():
         JOBS.labels(state, tenant).set(count)
     OLDEST_PENDING.set(max(oldest, 0.0))
 

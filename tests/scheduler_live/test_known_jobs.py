@@ -5,9 +5,12 @@ again every full_every_s, after an election, or from a metadata service that giv
 from __future__ import annotations
 
 import asyncio
+import random
 
 from google.protobuf import timestamp_pb2
+from prometheus_client import REGISTRY
 
+from scheduler.live import metrics
 from scheduler.live.clients import ACTIVE_STATES, Clients
 from scheduler.live.jobs import KnownJobs
 from silod.v1 import common_pb2, metadata_pb2
@@ -206,3 +209,66 @@ def test_a_move_answered_state_only_keeps_the_spec_and_the_newest_progress_known
     # An answer older than what is known (a later move already seen) changes nothing.
     known.moved(common_pb2.Job(id="job-1", state=PENDING, state_version=1), before)
     assert known.get("job-1").state == SCHEDULED
+
+
+def test_changes_name_every_job_whose_entry_changed_since_the_last_refresh() -> None:
+    """A part that follows the active jobs by ``changes`` alone (the job gauges) holds what a
+    pass over every job would, through random moves, reports, submissions, store changes and
+    periodic whole reads (after which ``changes`` is None: take them all)."""
+    def gauges() -> dict[str, float]:
+        return {f"{s.name}/{s.labels.get('state')}/{s.labels.get('tenant')}": s.value for m in REGISTRY.collect()
+                if m.name in ("silod_scheduler_jobs", "silod_scheduler_oldest_pending_job_age_seconds")
+                for s in m.samples}
+
+    async def scenario() -> None:
+        rng = random.Random(45)
+        md = FakeMetadata()
+        def put(job_id: str, state: int, version: int) -> None:  # with a submission time, for the oldest pending
+            md.put(job_id, state, version)
+            md.jobs[job_id][0].created_at.FromSeconds(1000 + int(job_id.split("-")[1]))
+
+        for i in range(20):
+            put(f"job-{i}", rng.choice((PENDING, RUNNING)), 1)
+        known = KnownJobs(Clients(md=md), full_every_s=0.05, overlap_s=0)
+        mirror: dict[str, common_pb2.Job] = {}
+        followed = 0
+        for step in range(300):
+            action = rng.random()
+            job_id = f"job-{rng.randrange(30)}"
+            held = known.get(job_id)
+            version = (held.state_version if held is not None else 1) + 1
+            if action < 0.25:
+                known.saw(common_pb2.Job(id=job_id, state=rng.choice((SCHEDULED, RUNNING, SUCCEEDED)),
+                                         state_version=version))
+            elif action < 0.45:
+                known.reported(job_id, common_pb2.JobProgress(samples_done=rng.randrange(10_000)))
+            elif action < 0.7:
+                put(job_id, rng.choice((PENDING, RUNNING, SUCCEEDED)), version)
+            elif action < 0.75:
+                md.now += 1
+            else:
+                jobs = await known.refresh()
+                assert known.last_active == {j.id: j for j in jobs}
+                if known.changes is None:
+                    mirror = dict(known.last_active)
+                else:
+                    followed += 1
+                    for changed in known.changes:
+                        if changed in known.last_active:
+                            mirror[changed] = known.last_active[changed]
+                        else:
+                            mirror.pop(changed, None)
+                # The same messages, not only equal ones: a part may follow by identity.
+                assert mirror.keys() == known.last_active.keys(), f"step {step}"
+                assert all(mirror[j] is known.last_active[j] for j in mirror), f"step {step}"
+                metrics.jobs_seen(jobs, 2000.0, changes=known.changes, active=known.last_active,
+                                  refresh=known.refreshes)
+                followed_gauges = gauges()
+                metrics.jobs_seen(jobs, 2000.0)  # the whole pass, for comparison
+                assert followed_gauges == gauges(), f"step {step}"
+                # and on, following again from here (the whole pass took this refresh in as well)
+                metrics._counts.refresh = known.refreshes
+            await asyncio.sleep(0 if rng.random() < 0.8 else 0.03)
+        assert followed > 20  # most refreshes were followed by their changes
+
+    asyncio.run(scenario())
