@@ -96,3 +96,21 @@ def test_a_whole_answer_from_a_store_before_changed_after_replaces_everything() 
     assert followed.request(WINDOW_S).changed_after == 0  # such a store gives no cursor: whole again
     gone = followed.take(followed.request(WINDOW_S), metadata_pb2.ListNodesResponse(nodes=[dead]))
     assert gone and followed.alive == []
+
+
+def test_a_whole_listing_is_asked_for_every_interval() -> None:
+    now = [0.0]
+    followed = FollowedNodes(whole_every_s=60.0, clock=lambda: now[0])
+    first = followed.request(WINDOW_S)
+    assert first.changed_after == 0
+    answer = metadata_pb2.ListNodesResponse(nodes=[common_pb2.Node(spec=node_spec("x"), alive=True)], cursor=7, whole=True)
+    assert followed.take(first, answer)
+    now[0] = 59.0
+    assert followed.request(WINDOW_S).changed_after == 7
+    now[0] = 60.0
+    again = followed.request(WINDOW_S)
+    assert again.changed_after == 0
+    # a whole answer replaces what was kept: a node the store no longer has is gone
+    assert followed.take(again, metadata_pb2.ListNodesResponse(
+        nodes=[common_pb2.Node(spec=node_spec("y"), alive=True)], cursor=3, whole=True))
+    assert [n.spec.name for n in followed.alive] == ["y"] and followed.request(WINDOW_S).changed_after == 3
