@@ -109,7 +109,7 @@ class Committer:
         return self._entries[1]
 
     async def _send(self, proto: plan_pb2.AllocationPlan,
-                    changes: PlanChanges[bytes] | None) -> plan_pb2.AllocationPlan:
+                    changes: PlanChanges[plan_pb2.JobAllocation] | None) -> plan_pb2.AllocationPlan:
         """Commit ``proto`` as its changes of the plan in force when there is one (the whole plan to a
         metadata service without CommitPlanChanges); the whole plan committed."""
         md = self.clients.md
@@ -118,9 +118,9 @@ class Committer:
         header = plan_pb2.AllocationPlan()
         header.CopyFrom(proto)
         del header.jobs[:]
-        by_job = {entry.job_id: entry for entry in proto.jobs}
+        # The upserts are proto's own entries (EntryChanges): no lookup by job over all of them.
         request = metadata_pb2.CommitPlanChangesRequest(plan=header, header_only=True, changes=plan_pb2.PlanChanges(
-            base_version=proto.version - 1, jobs=[by_job[job] for job in changes.upserts],
+            base_version=proto.version - 1, jobs=list(changes.upserts.values()),
             removed_job_ids=list(changes.removals)))
         try:
             reply = await md.CommitPlanChanges(request)
