@@ -276,24 +276,27 @@ def _bump_nodes(session: Session | Connection) -> int:
     value = session.execute(_BUMP_NODES).scalar_one_or_none()
     if value is None:  # migration 0011 made the row; a database emptied since has none
         dialect = session.get_bind().dialect if isinstance(session, Session) else session.dialect
-        insert_for = postgresql_insert if dialect.name == "postgresql" else sqlite_insert
         # Writers racing to make it: one makes it, the others wait for that and find it.
-        session.execute(insert_for(_COUNTS).values(name="nodes", value=0).on_conflict_do_nothing())
+        session.execute(_insert_for(dialect.name)(_COUNTS).values(name="nodes", value=0).on_conflict_do_nothing())
         value = session.execute(_BUMP_NODES).scalar_one()
     return int(value)
+
+
+def _insert_for(dialect: str) -> Callable[..., Any]:
+    """The INSERT with ON CONFLICT of ``dialect`` (the two databases the store runs on)."""
+    return postgresql_insert if dialect == "postgresql" else sqlite_insert
 
 
 def _register_statement(dialect: str) -> Insert:
     """UpsertNode's write (bound: u_name, u_pool, u_gpu_type, u_spec, u_now): a new node is
     registered now with plan 0 applied; a known one keeps its registration time, applied plan and
     GPU health."""
-    insert_for = postgresql_insert if dialect == "postgresql" else sqlite_insert
     columns = _NODES.c
     fields = {"pool": bindparam("u_pool", type_=columns.pool.type),
               "gpu_type": bindparam("u_gpu_type", type_=columns.gpu_type.type),
               "spec": bindparam("u_spec", type_=columns.spec.type),
               "last_heartbeat": bindparam("u_now", type_=columns.last_heartbeat.type)}
-    statement = insert_for(_NODES).values(
+    statement = _insert_for(dialect)(_NODES).values(
         name=bindparam("u_name", type_=columns.name.type), registered_at=bindparam("u_now", type_=columns.registered_at.type),
         applied_plan_version=0, changed_seq=0, **fields)
     return statement.on_conflict_do_update(index_elements=[columns.name], set_=fields)
