@@ -19,6 +19,11 @@ from silod.v1 import common_pb2
 from tests.metadata.metadata_samples import node_spec
 
 
+# The followers' liveness window: far beyond a test's run however slow the machine, so that only
+# the nodes a test ages are dead.
+WINDOW_S = 600.0
+
+
 def xid(index: int) -> common_pb2.GpuFault:
     return common_pb2.GpuFault(index=index, reason="Xid 79")
 
@@ -120,7 +125,7 @@ class Follower:
         self.cursor = 0
         self.dead: set[str] = set()
 
-    def follow(self, window_s: float = 30) -> None:
+    def follow(self, window_s: float = WINDOW_S) -> None:
         listing = self.store.nodes.listing(changed_after=self.cursor, liveness_window_s=window_s)
         if listing.whole:
             self.nodes = {}
@@ -134,7 +139,7 @@ class Follower:
         return {name: (n.spec, [f.index for f in n.gpu_faults], name not in self.dead) for name, n in self.nodes.items()}
 
 
-def whole_view(store: MetadataStore, window_s: float = 30) -> dict[str, tuple[common_pb2.NodeSpec, list[int], bool]]:
+def whole_view(store: MetadataStore, window_s: float = WINDOW_S) -> dict[str, tuple[common_pb2.NodeSpec, list[int], bool]]:
     return {n.spec.name: (n.spec, [f.index for f in n.gpu_faults], n.alive)
             for n in store.nodes.list(liveness_window_s=window_s)}
 
@@ -165,7 +170,7 @@ def test_a_follower_of_changes_sees_what_whole_listings_show(store: MetadataStor
             if faulted:
                 store.nodes.clear_gpu_fault(name, rng.choice(faulted))
         elif action < 0.9:
-            age(store, name, 60)
+            age(store, name, 2 * WINDOW_S)
         if rng.random() < 0.5:
             follower.follow()
             assert follower.view() == whole_view(store), f"step {step}"

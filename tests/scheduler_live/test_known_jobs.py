@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import types
 
 from google.protobuf import timestamp_pb2
 from prometheus_client import REGISTRY
 
+from scheduler.live import jobs as jobs_module
 from scheduler.live import metrics
 from scheduler.live.clients import ACTIVE_STATES, Clients
 from scheduler.live.jobs import KnownJobs
@@ -211,7 +213,7 @@ def test_a_move_answered_state_only_keeps_the_spec_and_the_newest_progress_known
     assert known.get("job-1").state == SCHEDULED
 
 
-def test_changes_name_every_job_whose_entry_changed_since_the_last_refresh() -> None:
+def test_changes_name_every_job_whose_entry_changed_since_the_last_refresh(monkeypatch) -> None:
     """A part that follows the active jobs by ``changes`` alone (the job gauges) holds what a
     pass over every job would, through random moves, reports, submissions, store changes and
     periodic whole reads (after which ``changes`` is None: take them all)."""
@@ -229,7 +231,11 @@ def test_changes_name_every_job_whose_entry_changed_since_the_last_refresh() -> 
 
         for i in range(20):
             put(f"job-{i}", rng.choice((PENDING, RUNNING)), 1)
-        known = KnownJobs(Clients(md=md), full_every_s=0.05, overlap_s=0)
+        # The periodic whole reads on a clock the test moves: how busy the machine is must not
+        # decide how many refreshes merge one.
+        clock = [0.0]
+        monkeypatch.setattr(jobs_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+        known = KnownJobs(Clients(md=md), full_every_s=30, overlap_s=0)
         mirror: dict[str, common_pb2.Job] = {}
         followed = 0
         for step in range(300):
@@ -268,7 +274,9 @@ def test_changes_name_every_job_whose_entry_changed_since_the_last_refresh() -> 
                 assert followed_gauges == gauges(), f"step {step}"
                 # and on, following again from here (the whole pass took this refresh in as well)
                 metrics._counts.refresh = known.refreshes
-            await asyncio.sleep(0 if rng.random() < 0.8 else 0.03)
+            if rng.random() < 0.05:
+                clock[0] += 30  # a whole read is due: it starts at the next refresh, merged at one after
+            await asyncio.sleep(0)
         assert followed > 20  # most refreshes were followed by their changes
 
     asyncio.run(scenario())
