@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from scheduler import codesign as co
 from scheduler.policy import Allocation, ClusterSnapshot, Plan
@@ -34,7 +34,7 @@ CACHE_MODES = ("silod", "lru", "static", "none")
 CACHE_POLICY = {"silod": "uniform", "static": "uniform", "lru": "lru", "none": "none"}
 
 
-def grant(mode: str, snapshot: ClusterSnapshot, plan: Plan, policy_plan: Plan, training: set[str],
+def grant(mode: str, snapshot: ClusterSnapshot, plan: Plan, policy_plan: Plan, training: Collection[str],
           policy_co_designs: bool) -> Plan:
     """``plan`` with the data grants of ``mode`` on the training jobs in ``training``.
 

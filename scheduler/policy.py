@@ -22,12 +22,34 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Protocol
+from typing import ClassVar, Generic, Literal, Protocol, TypeVar
 
 from estimator.job_model import JobModel
 
 Pool = Literal["training", "inference"]
 UNLIMITED = math.inf
+V = TypeVar("V")
+
+
+@dataclass(frozen=True, eq=False)
+class ChangedSince(Generic[V]):
+    """Which entries of a container differ from an earlier container's: a hint for the parts that
+    keep state from call to call, so that a round over 20,000 jobs with a handful of changes looks
+    at the handful instead of comparing 20,000 entries.
+
+    ``after`` is ``before`` but for the keys in ``entries``, each with its value in ``after`` (None
+    where ``after`` lacks it); any other key has the very same object in both. Both containers are
+    named by identity, and a part may take the hint only when ``before`` is the container it saw
+    last and ``after`` the one it is handed now (:meth:`follows`). A snapshot or plan remade from
+    another (``dataclasses.replace`` with other jobs) keeps a hint about the old container, which
+    then fails that test: the part compares, as it would without a hint."""
+
+    before: object
+    after: object
+    entries: Mapping[str, V | None]
+
+    def follows(self, seen: object, now: object) -> bool:
+        return self.before is seen and self.after is now
 
 
 @dataclass(frozen=True)
@@ -183,6 +205,10 @@ class ClusterSnapshot:
     # Tenant -> its quota (scheduler.quotas). Policies do not read it: scheduler.quotas.schedule
     # runs them on each tenant's share. Empty = no quotas, every tenant shares the whole cluster.
     quotas: Mapping[str, TenantQuota] = field(default_factory=dict)
+    # How ``jobs`` differs from the last snapshot's of the same maker, by job id (ChangedSince):
+    # a hint, never needed. Policies that keep a memo between calls (fifo's queue, the plan
+    # checks) follow it instead of comparing every job.
+    jobs_changed: ChangedSince[JobInfo] | None = field(default=None, compare=False, repr=False)
 
     @property
     def total_gpus(self) -> int:

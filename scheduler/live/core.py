@@ -112,7 +112,8 @@ class SchedulerCore:
             proto = await timer.timed("policy", asyncio.to_thread(
                 self.planner.plan, snap, jobs, self.snapshots.usable, base=base,
                 busy=self.releases.busy(base, self.snapshots.current_from),
-                restarting=frozenset(self.restarts.waiting), reason=reason))
+                restarting=frozenset(self.restarts.waiting), reason=reason,
+                inference_jobs=self.snapshots.inference_jobs, training_ids=self.snapshots.training_ids))
             proto.epoch = self.leadership.epoch
             try:
                 committed = await timer.timed(

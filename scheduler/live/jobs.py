@@ -24,6 +24,7 @@ the metadata service's work; a round changes the state of a few dozen.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 from google.protobuf import timestamp_pb2
@@ -51,11 +52,15 @@ class KnownJobs:
         # The jobs whose entry among the active changed (set, replaced or dropped) since the last
         # refresh returned; None: any may have (a whole read was merged).
         self._changed: set[str] | None = None
+        self._appended: set[str] = set()  # of those, the ones added to the active jobs as new entries (last)
         # What the last refresh returned, for the parts that follow the active jobs by their
         # changes rather than passing over 20,000 each round: the active jobs by id (a copy) and
         # the ids whose entry changed since the refresh before (None: take them all).
         self.last_active: dict[str, common_pb2.Job] = {}
         self.changes: frozenset[str] | None = None
+        # Of the changes, those that are new entries of last_active, in its order: they are its
+        # last ones (an entry set again keeps its place, a new one goes last). None with changes.
+        self.appended: tuple[str, ...] | None = None
         self.refreshes = 0  # refreshes returned: a part that missed one cannot follow changes
         self.full_reads = 0
         self.incremental_reads = 0
@@ -71,7 +76,7 @@ class KnownJobs:
         self._touch(job.id)
         if job.state in ACTIVE_STATES:
             self._others.pop(job.id, None)
-            self._active[job.id] = job  # a new one last: submissions come in order
+            self._set_active(job)  # a new one last: submissions come in order
         else:
             self._active.pop(job.id, None)
             self._others[job.id] = job
@@ -116,9 +121,19 @@ class KnownJobs:
         await self._refresh()
         self.last_active = dict(self._active)
         self.changes = frozenset(self._changed) if self._changed is not None else None
-        self._changed = set()
+        self.appended = self._new_last() if self.changes is not None else None
+        if self.appended is None:
+            self.changes = None
+        self._changed, self._appended = set(), set()
         self.refreshes += 1
         return list(self.last_active.values())
+
+    def _new_last(self) -> tuple[str, ...] | None:
+        """The entries new among the active jobs since the last refresh, as last_active's last
+        ones; None if they are not (then nothing is followed: a whole pass is always right)."""
+        new = {job_id for job_id in self._appended if job_id in self.last_active}
+        last = tuple(itertools.islice(reversed(self.last_active), len(new)))[::-1]
+        return last if new == set(last) else None
 
     async def _refresh(self) -> None:
         if self._since is None:  # the first read, after an election, or no read times: whole, now
@@ -150,7 +165,7 @@ class KnownJobs:
             if job.state in ACTIVE_STATES:
                 if known is not None and known.state_version == job.state_version:
                     job.progress.CopyFrom(known.progress)  # the reported progress is as new
-                self._active[job.id] = job
+                self._set_active(job)
             else:
                 self._active.pop(job.id, None)
         self.incremental_reads += 1
@@ -208,6 +223,11 @@ class KnownJobs:
             self._since = None
         else:
             self._since = _less(read_at, self.overlap_s)
+
+    def _set_active(self, job: common_pb2.Job) -> None:
+        if job.id not in self._active:
+            self._appended.add(job.id)
+        self._active[job.id] = job
 
     def _touch(self, job_id: str) -> None:
         """Called before every change of ``job_id``'s entry among the active jobs."""

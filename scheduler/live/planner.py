@@ -69,35 +69,40 @@ class RoundPlanner:
 
     def plan(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], usable: UsableGpus, *,
              base: plan_pb2.AllocationPlan | None, busy: Mapping[Gpu, str], restarting: Collection[str],
-             reason: str) -> plan_pb2.AllocationPlan:
+             reason: str, inference_jobs: Sequence[common_pb2.Job] | None = None,
+             training_ids: Collection[str] | None = None) -> plan_pb2.AllocationPlan:
         """The plan that follows ``base`` (the plan in force) for ``snap`` and its ``jobs``.
         ``busy``: GPUs not yet released, by owner (ReleaseTracker.busy); ``restarting``: jobs
-        that start every rank anew from their checkpoint (CrashRestarts.waiting)."""
-        plan, training_ids = self._allocate(snap, jobs, usable, busy)
+        that start every rank anew from their checkpoint (CrashRestarts.waiting).
+        ``inference_jobs`` and ``training_ids``: ``jobs`` split by kind, where the caller has them
+        (SnapshotBuilder keeps them), rather than found again by a pass over every job."""
+        if inference_jobs is None or training_ids is None:
+            inference_jobs = [j for j in jobs if is_inference_job(j)]
+            training_ids = {j.id for j in jobs} - {j.id for j in inference_jobs}
+        plan = self._allocate(snap, inference_jobs, training_ids, usable, busy)
         return self._proto(snap, jobs, plan, training_ids, base=base, restarting=restarting, reason=reason)
 
-    def _allocate(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], usable: UsableGpus,
-                  busy: Mapping[Gpu, str]) -> tuple[Plan, set[str]]:
+    def _allocate(self, snap: ClusterSnapshot, inference_jobs: Sequence[common_pb2.Job], training_ids: Collection[str],
+                  usable: UsableGpus, busy: Mapping[Gpu, str]) -> Plan:
         # On the usable GPUs only, within the tenants' quotas (the simulator's rule, scheduler.quotas).
         # Checked on the policy's view by usable.schedule, and below as the plan that goes out.
         policy_plan = usable.schedule(QuotaBounded(self.policy), snap, self.policy_check.check)
-        inference_jobs = [j for j in jobs if is_inference_job(j)]
-        plan = self.inference.place(snap, policy_plan, inference_jobs, unusable=usable.faulted)
+        plan = self.inference.place(snap, policy_plan, list(inference_jobs), unusable=usable.faulted)
         # Without inference tasks the plan is the policy's, which the check above held to one job a GPU.
         plan = hold_releases(plan, snap.current, busy, snap, overlap_free=not inference_jobs)
         inference_ids = {j.id for j in inference_jobs}
         # Cache quotas and IO rates of the cache mode, on the placements that survived the
         # release holds and inference reclaims (inference tasks read no dataset).
-        training_ids = {j.id for j in jobs} - inference_ids
         plan = data.grant(self.cache_mode, snap, plan, policy_plan, training_ids, self.policy_co_designs)
-        training_plan = Plan({k: a for k, a in plan.allocations.items() if k not in inference_ids})
+        training_plan = Plan({k: a for k, a in plan.allocations.items() if k not in inference_ids}) \
+            if inference_ids else plan
         self.plan_check.check(snap, training_plan)
         broken = data.problems(snap, training_plan)
         if broken:  # a bug, not a condition to live with: the cache servers would refuse the plan
             raise AssertionError("data grants exceed the cluster: " + "; ".join(broken))
-        return plan, training_ids
+        return plan
 
-    def _proto(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], plan: Plan, training_ids: set[str], *,
+    def _proto(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], plan: Plan, training_ids: Collection[str], *,
                base: plan_pb2.AllocationPlan | None, restarting: Collection[str], reason: str) -> plan_pb2.AllocationPlan:
         managed = self.cache_mode != "silod" or co_active(snap)
         proto = plan_pb2.AllocationPlan(
