@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 
 from scheduler.invariants import _TOLERANCE, PlanViolation, plan_problems
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, NodeInfo, Plan
@@ -37,6 +38,11 @@ class _Sums:
     nic: dict[str, float] = dataclasses.field(default_factory=dict)
     io_total: float = 0.0
     checks: int = 0
+    # The containers last checked, by identity: the snapshot's jobs and the plan's allocations,
+    # which a new snapshot's and plan's hints (ClusterSnapshot.jobs_changed, Plan.changed) may follow.
+    seen_jobs: tuple = ()
+    seen_allocations: object = None
+    hints_followed: tuple[bool, bool] = (False, False)  # (jobs, plan) by the last follow (tests)
 
 
 class PlanCheck:
@@ -61,6 +67,7 @@ class PlanCheck:
                 self._sums = _summed(snapshot, plan)
             return problems
         self.last_check = "changes"
+        sums.hints_followed = (False, False)
         if not _follow(sums, snapshot, plan):
             return plan_problems(snapshot, plan)  # the whole check names the problems (or finds none)
         sums.checks += 1
@@ -70,7 +77,8 @@ class PlanCheck:
 
 def _summed(snapshot: ClusterSnapshot, plan: Plan) -> _Sums:
     sums = _Sums(snapshot.nodes, {n.name: n for n in snapshot.nodes}, snapshot.storage_bandwidth_bytes_per_s,
-                 {j.job_id: j for j in snapshot.jobs}, dict(plan.allocations))
+                 {j.job_id: j for j in snapshot.jobs}, dict(plan.allocations),
+                 seen_jobs=snapshot.jobs, seen_allocations=plan.allocations)
     for job_id, allocation in plan.allocations.items():
         _add(sums, job_id, sums.jobs[job_id], allocation, set())
     return sums
@@ -78,18 +86,44 @@ def _summed(snapshot: ClusterSnapshot, plan: Plan) -> _Sums:
 
 def _follow(sums: _Sums, snapshot: ClusterSnapshot, plan: Plan) -> bool:
     """Bring ``sums`` to ``plan``; False at the first sign of a problem (sums then unusable)."""
-    before_jobs, jobs = sums.jobs, {}
+    before_jobs = sums.jobs
     rechecked: set[str] = set()  # jobs whose allocation must be checked again: their bounds or requests changed
-    for job in snapshot.jobs:
-        job_id = job.job_id
-        jobs[job_id] = job
+    # The jobs and allocations to compare: those the hints name, where they follow the last
+    # check's; else every one.
+    job_hint = snapshot.jobs_changed
+    followed_jobs = job_hint is not None and job_hint.follows(sums.seen_jobs, snapshot.jobs)
+    if followed_jobs:
+        assert job_hint is not None
+        jobs = dict(before_jobs)
+        for job_id, job in job_hint.entries.items():
+            if job is None:
+                jobs.pop(job_id, None)
+            else:
+                jobs[job_id] = job
+        compared = ((job_id, job) for job_id, job in job_hint.entries.items() if job is not None)
+        left: Iterable[str] = [job_id for job_id, job in job_hint.entries.items() if job is None and job_id in before_jobs]
+    else:
+        jobs = {job.job_id: job for job in snapshot.jobs}
+        compared = iter(jobs.items())
+        left = before_jobs.keys() - jobs.keys()
+    for job_id, job in compared:
         old = before_jobs.get(job_id)
         if old is not job and old is not None and (old.min_gpus, old.max_gpus, old.cpus_per_rank, old.memory_bytes_per_rank) \
                 != (job.min_gpus, job.max_gpus, job.cpus_per_rank, job.memory_bytes_per_rank):
             rechecked.add(job_id)
     allocations, before = plan.allocations, sums.allocations
-    changed = []
-    for job_id, a in allocations.items():
+    plan_hint = plan.changed
+    sums.hints_followed = (followed_jobs, plan_hint is not None and plan_hint.follows(sums.seen_allocations, allocations))
+    if sums.hints_followed[1]:
+        assert plan_hint is not None
+        looked = [(job_id, a) for job_id, a in plan_hint.entries.items() if a is not None]
+        looked += [(job_id, allocations[job_id]) for job_id in rechecked if job_id in allocations]
+        gone = [job_id for job_id, a in plan_hint.entries.items() if a is None and job_id in before]
+    else:
+        looked = allocations.items()  # type: ignore[assignment]
+        gone = [job_id for job_id in before if job_id not in allocations]
+    changed: dict[str, None] = {}  # in the order looked at, once each
+    for job_id, a in looked:
         held = before.get(job_id)
         if held is a and job_id not in rechecked:
             continue
@@ -98,11 +132,9 @@ def _follow(sums: _Sums, snapshot: ClusterSnapshot, plan: Plan) -> bool:
             # kept by identity, so the next plan that hands the same object on is passed at once.
             before[job_id] = a
             continue
-        changed.append(job_id)
-    gone = [job_id for job_id in before if job_id not in allocations]
+        changed[job_id] = None
     if any(job_id not in jobs for job_id in changed):
         return False  # an allocation of a job that is not active
-    left = before_jobs.keys() - jobs.keys()
     if left and any(job_id in allocations for job_id in left):
         return False  # kept for a job that is no longer active
     touched: set[str] = set()
@@ -117,6 +149,7 @@ def _follow(sums: _Sums, snapshot: ClusterSnapshot, plan: Plan) -> bool:
     for name in touched:
         if not _node_fits(sums, name):
             return False
+    sums.seen_jobs, sums.seen_allocations = snapshot.jobs, allocations
     budget = sums.budget
     return not (math.isfinite(budget) and sums.io_total > budget * (1 + _TOLERANCE) + _TOLERANCE)
 

@@ -38,7 +38,8 @@ class ChangedSince(Generic[V]):
     at the handful instead of comparing 20,000 entries.
 
     ``after`` is ``before`` but for the keys in ``entries``, each with its value in ``after`` (None
-    where ``after`` lacks it); any other key has the very same object in both. Both containers are
+    where ``after`` lacks it); any other key has the very same object in both (a listed key may
+    have it too: a maker may list more than changed, never less). Both containers are
     named by identity, and a part may take the hint only when ``before`` is the container it saw
     last and ``after`` the one it is handed now (:meth:`follows`). A snapshot or plan remade from
     another (``dataclasses.replace`` with other jobs) keeps a hint about the old container, which
@@ -156,6 +157,8 @@ class Plan:
     """Every job's allocation; a job absent from ``allocations`` holds nothing."""
 
     allocations: Mapping[str, Allocation] = field(default_factory=dict)
+    # How ``allocations`` differs from an earlier plan's of the same maker (ChangedSince): a hint.
+    changed: ChangedSince[Allocation] | None = field(default=None, compare=False, repr=False)
 
     def get(self, job_id: str) -> Allocation | None:
         return self.allocations.get(job_id)

@@ -14,8 +14,11 @@ from collections.abc import Callable, Mapping
 from scheduler.live import convert
 from scheduler.live.entries import EntryChanges
 from scheduler.live.gpu_health import UsableGpus
-from scheduler.policy import Allocation, NodeInfo
+from scheduler.policy import Allocation, ChangedSince, NodeInfo, Plan
 from silod.v1 import plan_pb2
+
+
+_UNSEEN = object()
 
 
 class Holdings:
@@ -29,11 +32,16 @@ class Holdings:
         self._kept: dict[str, Allocation | None] = {}  # job -> what it keeps of its allocation on them
         self._alive: Mapping[str, NodeInfo] | None = None  # the objects _nodes was read off
         self._usable: UsableGpus | None = None
+        self._current: dict[str, Allocation] | None = None  # the last answer (the hint's before)
 
     def current(self, latest: plan_pb2.AllocationPlan | None, min_gpus: Mapping[str, int],
-                alive: Mapping[str, NodeInfo], usable: UsableGpus) -> dict[str, Allocation]:
+                alive: Mapping[str, NodeInfo], usable: UsableGpus) -> Plan:
         """What each job of ``min_gpus`` (the active training jobs) holds under ``latest`` on the
-        ``alive`` nodes' ``usable`` GPUs, if that is at least its min_gpus (else it holds nothing)."""
+        ``alive`` nodes' ``usable`` GPUs, if that is at least its min_gpus (else it holds nothing),
+        with the jobs whose allocation is not the last answer's object (Plan.changed).
+
+        Still a pass over the plan's entries, in their order (the policies see the order a whole
+        conversion gives), but each a lookup; only what changed is converted and checked."""
         self._follow(latest)
         # What a job keeps depends on its allocation, the live nodes' sizes and the faulted GPUs
         # only: while those are as last round, last round's answer per job stands (most rounds).
@@ -44,15 +52,24 @@ class Holdings:
             self._alive, self._usable = alive, usable
         kept = self._kept
         current: dict[str, Allocation] = {}
+        made: list[str] = []
         for job_id, alloc in self._allocations.items():
             if alloc is None or job_id not in min_gpus:
                 continue  # placed nowhere, or finished or cancelled: holds nothing any more
-            if job_id not in kept:
-                kept[job_id] = _surviving(alloc, alive, usable, min_gpus[job_id])
-            survivor = kept[job_id]
+            survivor = kept.get(job_id, _UNSEEN)
+            if survivor is _UNSEEN:
+                survivor = kept[job_id] = _surviving(alloc, alive, usable, min_gpus[job_id])
+                made.append(job_id)
             if survivor is not None:
-                current[job_id] = survivor
-        return current
+                current[job_id] = survivor  # type: ignore[assignment]
+        before = self._current
+        self._current = current
+        if before is None:
+            return Plan(current)
+        # An answer not made now is last answer's object, unless the job came or went from it.
+        entries = {job_id: current.get(job_id) for job_id in made}
+        entries.update((job_id, current.get(job_id)) for job_id in before.keys() ^ current.keys())
+        return Plan(current, changed=ChangedSince(before, current, entries))
 
     def _follow(self, latest: plan_pb2.AllocationPlan | None) -> None:
         if latest is self._plan:

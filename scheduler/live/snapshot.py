@@ -32,7 +32,7 @@ from scheduler.live.jobs import KnownJobs
 from scheduler.live.liveness import NodeLiveness
 from scheduler.live.models import JobModels, application_of
 from scheduler.live.plans import PlanStore
-from scheduler.policy import ClusterSnapshot, NodeInfo, Plan
+from scheduler.policy import ClusterSnapshot, NodeInfo
 from scheduler.quotas_proto import quotas_of
 from silod.v1 import access_pb2, common_pb2, plan_pb2
 
@@ -112,10 +112,10 @@ class SnapshotBuilder:
         # What each running job's nodes cached since its epoch began: no hits for it yet (the
         # same rule as the simulator's, scheduler.data_grants.EpochStarts).
         fresh = self._epoch_starts.fresh(cached, (
-            (j.id, j.spec.dataset, j.progress.epochs_done, [n for n, _ in current[j.id].placement] if j.id in current else [])
-            for j in matched.training_jobs())) if silod and probe is not None else {}
+            (j.id, j.spec.dataset, j.progress.epochs_done, [n for n, _ in held[j.id].placement] if j.id in held else [])
+            for j in matched.training_jobs())) if silod and probe is not None and (held := current.allocations) is not None else {}
         snap = ClusterSnapshot(
-            time_s=time.time(), nodes=infos, jobs=job_infos, current=Plan(current),
+            time_s=time.time(), nodes=infos, jobs=job_infos, current=current,
             restart_cost_s=self.restart_cost_s, interval_s=self.interval_s,
             inference_busy=self.inference.busy(self.inference_jobs),
             storage_bandwidth_bytes_per_s=self.storage_bandwidth_bytes_per_s if silod else math.inf,

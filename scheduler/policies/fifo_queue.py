@@ -15,7 +15,11 @@ arrival order, take the first free GPUs their count fits (tightest node first). 
 
 A call compares the snapshot with the last one it saw by identity (the live scheduler and the
 simulator hand the same JobInfo and Allocation objects for what did not change), updates the
-two from the differences, and places waiting jobs until no free GPU is left. Anything it does
+two from the differences, and places waiting jobs until no free GPU is left. Where the snapshot
+says which jobs and which current allocations changed since the one this queue saw last
+(ClusterSnapshot.jobs_changed, Plan.changed), only those are compared; the plan it returns says
+in turn which allocations are not the last plan's objects (the running jobs that stopped or
+started, and the waiting jobs placed, last call and this one). Anything it does
 not follow (a job's bounds or types, GPU types, ranks' cores and memory, cached datasets, new
 nodes) makes it do the whole pass, as before, and start afresh from its outcome.
 tests/scheduler/test_fifo_queue.py checks the two against each other call after call.
@@ -29,7 +33,7 @@ import threading
 from collections.abc import Callable, Mapping
 
 from scheduler.placement import FreeGpus, Placement, fresh_placement, gpu_allocation, node_types
-from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
+from scheduler.policy import Allocation, ChangedSince, ClusterSnapshot, JobInfo, Plan
 
 WholePass = Callable[[ClusterSnapshot], dict[str, Placement]]
 
@@ -44,6 +48,13 @@ class _Queue:
     free: FreeGpus  # every training GPU but the running jobs'
     waiting: list[tuple[float, str]]  # (arrival, job) of the jobs not running, in arrival order
     smallest_wait: int  # no waiting job asks for fewer GPUs (a lower bound: kept, not recomputed)
+    # What the last call saw and answered, by identity, to follow the snapshot's hints
+    # (ClusterSnapshot.jobs_changed, Plan.changed) and give one with the plan.
+    seen_jobs: tuple = ()
+    seen_current: object = None
+    answered: dict[str, Allocation] | None = None  # the allocations of the last plan
+    admitted: tuple[str, ...] = ()  # the waiting jobs that plan placed (new objects every call)
+    touched: set[str] = dataclasses.field(default_factory=set)  # running jobs stopped or started this call
 
 
 class FifoQueue:
@@ -55,6 +66,7 @@ class FifoQueue:
         self._last_nodes: tuple | None = None  # node tuple of the last call, kept only by identity
         self.last_call = "whole"  # "queue" or "whole": how the last call was answered (tests, benchmarks)
         self.why_whole = "no queue yet"  # why the last whole pass was needed
+        self.last_looked = 0  # jobs the last call from the queue compared (tests, benchmarks)
 
     def __getstate__(self) -> dict:
         return {}  # a copy (a policy sent to a worker process) starts afresh: it is only a memo
@@ -93,10 +105,28 @@ class FifoQueue:
         needed (the caller then drops the queue, which may be half updated)."""
         if snapshot.cached_bytes:  # fresh placements would prefer the dataset's nodes
             return self._whole_because("datasets cached")
-        jobs, seen = queue.jobs, {}
-        for job in snapshot.jobs:
-            job_id = job.job_id
-            seen[job_id] = job
+        jobs = queue.jobs
+        queue.touched = set()
+        # Which jobs to look at: those the snapshot's hints name, where they follow what this
+        # queue saw last; else every job, each compared with what it was.
+        hint = snapshot.jobs_changed
+        changed_jobs = hint.entries if hint is not None and hint.follows(queue.seen_jobs, snapshot.jobs) else None
+        current = snapshot.current.allocations
+        held_hint = snapshot.current.changed
+        changed_held = held_hint.entries if held_hint is not None and held_hint.follows(queue.seen_current, current) \
+            else None
+        if changed_jobs is not None:
+            seen = dict(jobs)
+            for job_id, job in changed_jobs.items():
+                if job is None:
+                    seen.pop(job_id, None)
+                else:
+                    seen[job_id] = job
+            arrivals = ((job_id, job) for job_id, job in changed_jobs.items() if job is not None)
+        else:
+            seen = {job.job_id: job for job in snapshot.jobs}
+            arrivals = ((job_id, job) for job_id, job in seen.items() if jobs.get(job_id) is not job)
+        for job_id, job in arrivals:
             before = jobs.get(job_id)
             if before is job:
                 continue
@@ -106,14 +136,22 @@ class FifoQueue:
             elif not _same_to_fifo(before, job):
                 return self._whole_because(f"{job_id} changed its arrival, bounds or types")
         # Jobs that left, started, stopped or moved: the free GPUs and the waiting list follow.
-        if len(seen) != len(jobs) or any(j not in seen for j in jobs):
-            for job_id in [j for j in jobs if j not in seen]:
-                if not _stop(queue, job_id, jobs[job_id]):
-                    return self._whole_because(f"{job_id} held GPUs not taken")
-        current = snapshot.current.allocations
+        if changed_jobs is not None:
+            left = [job_id for job_id, job in changed_jobs.items() if job is None and job_id in jobs]
+        else:
+            left = [j for j in jobs if j not in seen] if len(seen) != len(jobs) or any(j not in seen for j in jobs) else []
+        for job_id in left:
+            if not _stop(queue, job_id, jobs[job_id]):
+                return self._whole_because(f"{job_id} held GPUs not taken")
         running = queue.running
+        if changed_jobs is not None and changed_held is not None:
+            # Any other job is as it was, and so is what it holds: it runs or waits as it did.
+            looked = [(job_id, seen[job_id]) for job_id in sorted({*changed_jobs, *changed_held}) if job_id in seen]
+        else:
+            looked = list(seen.items())
+        self.last_looked = len(looked)
         starts: list[tuple[JobInfo, Allocation]] = []
-        for job_id, job in seen.items():
+        for job_id, job in looked:
             held = current.get(job_id)
             if held is not None and not held.gpus:
                 held = None
@@ -135,7 +173,7 @@ class FifoQueue:
         for job, held in starts:
             if not _run(queue, job, held):
                 return self._whole_because(f"{job.job_id} holds GPUs that are not free, or out of its bounds")
-        queue.jobs = seen
+        queue.jobs, queue.seen_jobs, queue.seen_current = seen, snapshot.jobs, current
         return _admit(queue, snapshot, backfill)
 
 
@@ -144,6 +182,7 @@ def _admit(queue: _Queue, snapshot: ClusterSnapshot, backfill: bool) -> Plan:
     fits what is free (a claim holds even where no node's holes take it, as in the whole pass,
     whose claims come before its placements), and are placed in that order."""
     allocations = dict(queue.kept)
+    admitted: list[str] = []
     free, room = None, queue.free.total
     if room >= queue.smallest_wait:
         jobs, gpu_type = queue.jobs, queue.gpu_type
@@ -161,9 +200,18 @@ def _admit(queue: _Queue, snapshot: ClusterSnapshot, backfill: bool) -> Plan:
                 placement = fresh_placement(job, count, free, {}, gpu_type)
                 if placement is not None:
                     allocations[job_id] = gpu_allocation(None, placement, 0, _type_of(placement, snapshot))
+                    admitted.append(job_id)
             if room < queue.smallest_wait:
                 break  # no waiting job asks for this little
-    return Plan(allocations)
+    answered, queue.answered = queue.answered, allocations
+    if answered is None:
+        queue.admitted = tuple(admitted)
+        return Plan(allocations)
+    # Only a running job that stopped or started changed its kept allocation; the placed waiting
+    # jobs' are made anew every call, last call's and this one's.
+    entries = {job_id: allocations.get(job_id) for job_id in (*queue.touched, *queue.admitted, *admitted)}
+    queue.admitted = tuple(admitted)
+    return Plan(allocations, changed=ChangedSince(answered, allocations, entries))
 
 
 def _same_to_fifo(before: JobInfo, now: JobInfo) -> bool:
@@ -180,7 +228,8 @@ def _type_of(placement: Placement, snapshot: ClusterSnapshot) -> str:
 def _stop(queue: _Queue, job_id: str, job: JobInfo) -> bool:
     """``job_id`` no longer runs nor waits as it did: its GPUs back, out of the waiting list."""
     held = queue.running.pop(job_id, None)
-    queue.kept.pop(job_id, None)
+    if queue.kept.pop(job_id, None) is not None:
+        queue.touched.add(job_id)
     if held is not None:
         for node, indices in held.placement:
             if not queue.free.release(node, indices):
@@ -208,6 +257,7 @@ def _run(queue: _Queue, job: JobInfo, held: Allocation) -> bool:
     queue.running[job.job_id] = held
     placement = tuple(sorted((node, tuple(sorted(indices))) for node, indices in held.placement))
     queue.kept[job.job_id] = gpu_allocation(held, placement, 0, queue.gpu_type)
+    queue.touched.add(job.job_id)
     return True
 
 
@@ -231,6 +281,7 @@ def _build(snapshot: ClusterSnapshot) -> _Queue | None:
             queue.waiting.append((job.submit_time_s, job.job_id))
             queue.smallest_wait = min(queue.smallest_wait, job.requested)
     queue.waiting.sort()
+    queue.seen_jobs, queue.seen_current = snapshot.jobs, current
     return queue
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from estimator.job_model import JobModel
 from scheduler.policies.fifo import FifoPolicy
-from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, NodeInfo, Plan
+from scheduler.policy import Allocation, ChangedSince, ClusterSnapshot, JobInfo, NodeInfo, Plan
 
 MODEL = JobModel.from_profile("cifar10")
 
@@ -26,9 +26,44 @@ def _job(rng: random.Random, number: int, time_s: float) -> JobInfo:
                    requested_gpus=rng.choice([0, low]))
 
 
+def _diff(before: dict, after: dict, rng: random.Random) -> dict:
+    """A ChangedSince's entries from ``before`` to ``after``: every key whose object differs, and
+    (as a maker may) a few that do not."""
+    entries = {k: after.get(k) for k in before.keys() | after.keys() if before.get(k) is not after.get(k)}
+    entries.update((k, after[k]) for k in rng.sample(sorted(after), min(3, len(after))))
+    return entries
+
+
+def _hinted(last: ClusterSnapshot | None, snapshot: ClusterSnapshot, rng: random.Random) -> ClusterSnapshot:
+    """``snapshot`` with the hints the live scheduler gives (ClusterSnapshot.jobs_changed, Plan.changed)."""
+    if last is None:
+        return snapshot
+    jobs_before = {j.job_id: j for j in last.jobs}
+    jobs_after = {j.job_id: j for j in snapshot.jobs}
+    current = snapshot.current.allocations
+    return dataclasses.replace(
+        snapshot, jobs_changed=ChangedSince(last.jobs, snapshot.jobs, _diff(jobs_before, jobs_after, rng)),
+        current=Plan(current, changed=ChangedSince(last.current.allocations, current,
+                                                   _diff(dict(last.current.allocations), dict(current), rng))))
+
+
+def _check_plan_hint(last: Plan | None, plan: Plan) -> None:
+    if last is None or plan.changed is None:
+        return
+    assert plan.changed.follows(last.allocations, plan.allocations)
+    for job_id in last.allocations.keys() | plan.allocations.keys():
+        if job_id in plan.changed.entries:
+            assert plan.changed.entries[job_id] is plan.allocations.get(job_id)
+        else:
+            assert last.allocations.get(job_id) is plan.allocations.get(job_id), job_id
+
+
+@pytest.mark.parametrize("hints", [False, True])
 @pytest.mark.parametrize("backfill", [True, False])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_the_queue_gives_the_whole_pass_plan_call_after_call(backfill: bool, seed: int) -> None:
+def test_the_queue_gives_the_whole_pass_plan_call_after_call(backfill: bool, seed: int, hints: bool) -> None:
+    """With ``hints``, each snapshot says which jobs and current allocations changed (as the live
+    scheduler's do), and the queue follows those alone."""
     rng = random.Random(seed)
     nodes = tuple(NodeInfo(name=f"n{k:02d}", gpus=rng.choice([4, 8])) for k in range(12))
     jobs = {j.job_id: j for j in (_job(rng, k, float(k)) for k in range(60))}
@@ -36,11 +71,21 @@ def test_the_queue_gives_the_whole_pass_plan_call_after_call(backfill: bool, see
     current = Plan()
     used = []
     arrived = len(jobs)
+    last_snapshot, last_plan, hinted_plans, fewer = None, None, 0, 0
     for step in range(40):
         snapshot = ClusterSnapshot(time_s=100.0 + step, nodes=nodes, jobs=tuple(jobs.values()), current=current)
+        if hints:
+            snapshot = _hinted(last_snapshot, snapshot, rng)
         plan = policy.schedule(snapshot)
         assert plan.allocations == _whole(snapshot, backfill).allocations, f"step {step}"
         used.append(policy.queue.last_call)
+        _check_plan_hint(last_plan, plan)
+        hinted_plans += plan.changed is not None
+        if hints and step >= 2:  # the hints followed: only the jobs they name compared, not every job
+            named = len(snapshot.jobs_changed.entries) + len(snapshot.current.changed.entries)
+            assert policy.queue.last_looked <= min(named, len(snapshot.jobs)), f"step {step}"
+            fewer += named < len(snapshot.jobs)
+        last_snapshot, last_plan = snapshot, plan
         # Carried out, mostly as planned: a job the plan starts may be held back a round (GPUs
         # not yet released), running jobs end, progress changes a running job's JobInfo.
         held_back = set(rng.sample(sorted(plan.allocations), min(2, len(plan.allocations)))) if step % 4 == 1 else set()
@@ -73,6 +118,8 @@ def test_the_queue_gives_the_whole_pass_plan_call_after_call(backfill: bool, see
             current = Plan(allocations)
     # The first call and the second (a cluster is kept once seen twice) are whole passes; the rest by the queue.
     assert used[:2] == ["whole", "whole"] and used[2:] == ["queue"] * 38
+    assert hinted_plans == 37, "each plan of the queue but its first says what changed"
+    assert not hints or fewer >= 20, "the hints named fewer jobs than the snapshot had"
 
 
 def test_what_the_queue_does_not_follow_makes_a_whole_pass() -> None:

@@ -12,7 +12,7 @@ import pytest
 from estimator.job_model import JobModel
 from scheduler.invariants import PlanViolation, plan_problems
 from scheduler.plan_check import PlanCheck
-from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, NodeInfo, Plan
+from scheduler.policy import Allocation, ChangedSince, ClusterSnapshot, JobInfo, NodeInfo, Plan
 
 MODEL = JobModel.from_profile("cifar10")
 
@@ -70,13 +70,22 @@ def _broken(rng: random.Random, allocations: dict[str, Allocation], jobs: dict[s
     return kind, broken
 
 
+def _diff(before: dict, after: dict) -> dict:
+    return {k: after.get(k) for k in before.keys() | after.keys() if before.get(k) is not after.get(k)}
+
+
+@pytest.mark.parametrize("hints", [False, True])
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
-def test_checked_by_changes_finds_what_the_whole_check_finds(seed: int) -> None:
+def test_checked_by_changes_finds_what_the_whole_check_finds(seed: int, hints: bool) -> None:
+    """With ``hints``, each snapshot and plan says which jobs and allocations changed since the
+    last (ClusterSnapshot.jobs_changed, Plan.changed), as the live scheduler's and fifo's do."""
     rng = random.Random(seed)
     nodes, jobs = _cluster(rng)
     check = PlanCheck()
     allocations: dict[str, Allocation] = {}
     how = []
+    last: tuple[ClusterSnapshot, Plan] | None = None
+    followed = 0
     for step in range(120):
         # Jobs stop and start (each start on free GPUs): a valid plan, changed a little.
         for job_id in rng.sample(sorted(allocations), min(2, len(allocations))):
@@ -90,16 +99,28 @@ def test_checked_by_changes_finds_what_the_whole_check_finds(seed: int) -> None:
                 allocations[job_id] = fresh
         if step % 7 == 3:  # the same allocations made again (a whole pass after a kept queue): equal, not identical
             allocations = {job_id: dataclasses.replace(a) for job_id, a in allocations.items()}
+        if step % 6 == 5:  # a job's info made again: equal, or with other bounds
+            job = jobs[rng.choice(sorted(jobs))]
+            jobs[job.job_id] = dataclasses.replace(job, max_gpus=max(job.min_gpus, job.max_gpus + rng.choice([-1, 0, 1])))
         plan_jobs = dict(jobs)
-        plan = Plan(allocations)
+        if step % 9 == 8:  # a job gone from the snapshot (a problem where the plan keeps it)
+            del plan_jobs[rng.choice(sorted(plan_jobs))]
+        plan = Plan(dict(allocations))
         kind = "valid"
         if step % 5 == 4:
             kind, broken = _broken(rng, allocations, plan_jobs)
             plan = Plan(broken)
         snapshot = ClusterSnapshot(time_s=float(step), nodes=nodes, jobs=tuple(plan_jobs.values()),
                                    storage_bandwidth_bytes_per_s=1500.0)
+        if hints and last is not None:
+            snapshot = dataclasses.replace(snapshot, jobs_changed=ChangedSince(
+                last[0].jobs, snapshot.jobs, _diff({j.job_id: j for j in last[0].jobs}, plan_jobs)))
+            plan = Plan(plan.allocations, changed=ChangedSince(
+                last[1].allocations, plan.allocations, _diff(dict(last[1].allocations), dict(plan.allocations))))
+        last = snapshot, plan
         expected = plan_problems(snapshot, plan)
         assert check.problems(snapshot, plan) == expected, (step, kind)
+        followed += check.last_check == "changes" and check._sums is not None and check._sums.hints_followed == (True, True)
         if kind != "valid":
             assert expected, kind  # every injected break is a real problem
         how.append((bool(expected), check.last_check))
@@ -108,7 +129,8 @@ def test_checked_by_changes_finds_what_the_whole_check_finds(seed: int) -> None:
     for step, ((refused, way), (refused_before, _)) in enumerate(zip(how[1:], how), start=1):
         if not refused:
             assert way == ("whole" if refused_before else "changes"), step
-    assert sum(way == "changes" for _, way in how) > 60
+    assert sum(way == "changes" for _, way in how) > 30
+    assert (followed > 20) if hints else (followed == 0), followed
 
 
 def test_check_raises_the_whole_checks_message_and_a_new_node_tuple_checks_whole() -> None:

@@ -195,7 +195,7 @@ def test_a_resized_entry_is_rebuilt_once_more_without_its_fast_resize() -> None:
     the entry without the mark and in the same generation, as a whole build would: one upsert
     more, then none."""
     from scheduler.live.entries import EntryBuilder
-    from scheduler.policy import Allocation, Plan
+    from scheduler.policy import Allocation
 
     job = common_pb2.Job(id="job-1", state=common_pb2.JOB_STATE_RUNNING)
     job.spec.min_gpus, job.spec.max_gpus, job.spec.resize_in_place = 1, 4, True
@@ -242,6 +242,7 @@ def test_what_jobs_hold_follows_each_plan_by_its_changes() -> None:
 
     holdings = Holdings(changes_from)
     base = None
+    previous = None
     for version in range(1, 16):
         jobs = list(cluster.messages.values())
         node_messages = cluster.node_messages()
@@ -253,9 +254,20 @@ def test_what_jobs_hold_follows_each_plan_by_its_changes() -> None:
         min_gpus = {j.id: j.spec.min_gpus for j in jobs}
         held = holdings.current(base, min_gpus, alive, usable)
         fresh = Holdings(lambda _: None).current(base, min_gpus, alive, usable)
-        assert list(held.items()) == list(fresh.items()), f"version {version}"
+        assert list(held.allocations.items()) == list(fresh.allocations.items()), f"version {version}"
+        if previous is None:
+            assert held.changed is None
+        else:  # the hint names every job whose allocation is not the last answer's object
+            assert held.changed is not None and held.changed.follows(previous.allocations, held.allocations)
+            for job_id in previous.allocations.keys() | held.allocations.keys():
+                now = held.allocations.get(job_id)
+                if job_id in held.changed.entries:
+                    assert held.changed.entries[job_id] is now
+                else:
+                    assert previous.allocations.get(job_id) is now, f"version {version}: {job_id}"
+        previous = held
         snap = dataclasses.replace(cluster.snapshot(None, 100.0 * version), nodes=tuple(alive.values()),
-                                   current=Plan(held))
+                                   current=held)
         plan = planner.plan(snap, jobs, usable, base=base, busy={}, restarting=frozenset(), reason="test")
         whole = _planner("tiresias").plan(snap, jobs, usable, base=base, busy={}, restarting=frozenset(), reason="test")
         assert _by_job(plan) == _by_job(whole), f"version {version}"
