@@ -85,6 +85,8 @@ class LiveInference:
         placed anew, and no task goes to one."""
         now = self.clock()
         self.pool.end_lent(training, now)
+        if not inference_jobs and not self.task_replica:
+            return training  # nothing to add: the training plan as it is (its change hint too)
         allocations = dict(training.allocations)
         for job_id, replica_id in list(self.task_replica.items()):
             replica = self.pool.replica(replica_id)

@@ -20,7 +20,7 @@ from scheduler.live import data
 from scheduler.live.gpu_health import Placement, UsableGpus
 from scheduler.live.inference import LiveInference, is_inference_job
 from scheduler.live.entries import EntryBuilder, EntryChanges
-from scheduler.live.releases import Gpu, hold_releases
+from scheduler.live.releases import Gpu, ReleaseHolds
 from scheduler.placement import node_types, placement_type
 from scheduler.policy import Allocation, ClusterSnapshot, Plan
 from scheduler.quotas import QuotaBounded
@@ -57,6 +57,7 @@ class RoundPlanner:
     # changed since the last one (scheduler.plan_check; the whole check where anything is wrong).
     policy_check: PlanCheck = dataclasses.field(default_factory=PlanCheck)
     plan_check: PlanCheck = dataclasses.field(default_factory=PlanCheck)
+    holds: ReleaseHolds = dataclasses.field(default_factory=ReleaseHolds)  # scheduler.live.releases
 
     @property
     def placements(self) -> dict[str, Placement]:
@@ -89,7 +90,7 @@ class RoundPlanner:
         policy_plan = usable.schedule(QuotaBounded(self.policy), snap, self.policy_check.check)
         plan = self.inference.place(snap, policy_plan, list(inference_jobs), unusable=usable.faulted)
         # Without inference tasks the plan is the policy's, which the check above held to one job a GPU.
-        plan = hold_releases(plan, snap.current, busy, snap, overlap_free=not inference_jobs)
+        plan = self.holds.hold(plan, snap.current, busy, snap, overlap_free=not inference_jobs)
         inference_ids = {j.id for j in inference_jobs}
         # Cache quotas and IO rates of the cache mode, on the placements that survived the
         # release holds and inference reclaims (inference tasks read no dataset).

@@ -13,13 +13,14 @@ new ones on their node).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
 
 import grpc
 
 from scheduler.live import convert
 from scheduler.live.entries import EntryChanges
-from scheduler.policy import Allocation, ClusterSnapshot, Plan
+from scheduler.policy import Allocation, ChangedSince, ClusterSnapshot, Plan
 from scheduler.rank_requests import NodeRoom
 from silod.v1 import metadata_pb2, plan_pb2
 
@@ -155,22 +156,35 @@ def hold_releases(plan: Plan, current: Plan, busy: Mapping[Gpu, str], snapshot: 
     Cost: at 20,000 jobs most keep their GPUs round after round. With ``busy`` a BusyGpus whose
     holders ``current`` follows, those are passed by one comparison of placements each; only the
     allocations that moved, and those of jobs holding a GPU another job still has to release, are
-    looked at GPU by GPU."""
+    looked at GPU by GPU. :class:`ReleaseHolds` also skips the comparisons, round after round."""
+    return _held(plan, current, busy, snapshot, overlap_free).plan
 
-    def conflicts(job_id: str, alloc: Allocation | None) -> bool:
-        if alloc is None:
-            return False
-        return any(busy.get((node, i), job_id) != job_id for node, idx in alloc.placement for i in idx)
 
+@dataclasses.dataclass
+class _Held:
+    plan: Plan
+    suspects: set[str] | None  # jobs holding a GPU another job has yet to release (None: no fast path)
+    slow: set[str]  # jobs whose allocation was looked at GPU by GPU (or kept back)
+    first_pass: bool  # the plan is the first pass's own: no old allocation kept, no overlap to settle
+
+
+def _held(plan: Plan, current: Plan, busy: Mapping[Gpu, str], snapshot: ClusterSnapshot | None,
+          overlap_free: bool, looked: Iterable[tuple[str, Allocation | None]] | None = None,
+          result: dict[str, Allocation] | None = None) -> _Held:
+    """hold_releases' work; with ``looked`` (job -> its allocation in ``plan``, None where it has
+    none), only those jobs are decided again, into ``result`` (the last round's, copied)."""
     # A job that keeps its current allocation holds each of its GPUs under the plan in force, so
     # only a pending release of one of them by another job can stand in its way.
     suspects = busy.holders_of_released() \
         if isinstance(busy, BusyGpus) and busy.current_follows_held else None
     currents = current.allocations
-    result: dict[str, Allocation] = {}
+    if result is None:
+        result = {}
     kept_old: set[str] = set()
-    for job_id, alloc in plan.allocations.items():
-        if not alloc.gpus:
+    slow: set[str] = set()
+    for job_id, alloc in (plan.allocations.items() if looked is None else looked):
+        result.pop(job_id, None)
+        if alloc is None or not alloc.gpus:
             continue
         if suspects is not None and job_id not in suspects:
             now = currents.get(job_id)
@@ -179,15 +193,16 @@ def hold_releases(plan: Plan, current: Plan, busy: Mapping[Gpu, str], snapshot: 
             if now is not None and (now is alloc or now.placement == alloc.placement):
                 result[job_id] = alloc
                 continue
-        if conflicts(job_id, alloc):
+        slow.add(job_id)
+        if _conflicts(busy, job_id, alloc):
             old = current.get(job_id)
-            if old is not None and old.gpus and not conflicts(job_id, old):
+            if old is not None and old.gpus and not _conflicts(busy, job_id, old):
                 result[job_id] = old
                 kept_old.add(job_id)
             continue
         result[job_id] = alloc
     if overlap_free and not kept_old:
-        return Plan(result)  # every allocation kept is the plan's own: none shares a GPU
+        return _Held(Plan(result), suspects, slow, True)  # every allocation kept is the plan's own: none shares a GPU
     # A kept (running) allocation wins over a new one of another job on the same GPU.
     used: set[Gpu] = set()
     jobs = {job.job_id: job for job in snapshot.jobs if job.has_requests} if snapshot is not None and kept_old else {}
@@ -195,10 +210,57 @@ def hold_releases(plan: Plan, current: Plan, busy: Mapping[Gpu, str], snapshot: 
     for job_id in sorted(result, key=lambda j: j not in kept_old):
         gpus = {(node, i) for node, idx in result[job_id].placement for i in idx}
         job = jobs.get(job_id)
-        if gpus & used or (job is not None and not room.fits(job, result[job_id].placement)):
+        if gpus & used or (job is not None and not room.fits(job, result[job_id].placement)):  # type: ignore[union-attr]
             del result[job_id]
             continue
         used |= gpus
         if job is not None:
-            room.take(job, result[job_id].placement)
-    return Plan(result)
+            room.take(job, result[job_id].placement)  # type: ignore[union-attr]
+    return _Held(Plan(result), suspects, slow, False)
+
+
+def _conflicts(busy: Mapping[Gpu, str], job_id: str, alloc: Allocation | None) -> bool:
+    if alloc is None:
+        return False
+    return any(busy.get((node, i), job_id) != job_id for node, idx in alloc.placement for i in idx)
+
+
+class ReleaseHolds:
+    """hold_releases round after round, deciding again only the jobs that may come out otherwise:
+    those the plan's and the current plan's hints name (Plan.changed), those holding a GPU
+    another job has yet to release, and those last round looked at GPU by GPU.
+    Any other job keeps its GPUs under the plan in force, as last round, and comes out as last
+    round. Where a hint does not follow the last round's plans, or either round had to settle
+    overlaps (an old allocation kept back, inference tasks), every job is decided again.
+
+    The plan it gives says what changed of the last one (Plan.changed). Its allocations are the
+    same as hold_releases gives, though not always in the same order: a job decided again goes last."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Mapping[str, Allocation], Mapping[str, Allocation], _Held] | None = None
+        self.last_looked: int | None = None  # jobs decided again by the last call (None: all; tests)
+
+    def hold(self, plan: Plan, current: Plan, busy: Mapping[Gpu, str], snapshot: ClusterSnapshot | None = None, *,
+             overlap_free: bool = False) -> Plan:
+        last, self._last = self._last, None
+        plan_hint, current_hint = plan.changed, current.changed
+        if last is not None and overlap_free and last[2].first_pass and last[2].suspects is not None \
+                and isinstance(busy, BusyGpus) and busy.current_follows_held \
+                and plan_hint is not None and plan_hint.follows(last[0], plan.allocations) \
+                and current_hint is not None and current_hint.follows(last[1], current.allocations):
+            before = last[2].plan.allocations
+            # Last round's suspects were looked at GPU by GPU: they are among its slow ones.
+            ids = {*plan_hint.entries, *current_hint.entries, *busy.holders_of_released(), *last[2].slow}
+            allocations = plan.allocations
+            looked = [(job_id, allocations.get(job_id)) for job_id in sorted(ids)]
+            held = _held(plan, current, busy, snapshot, overlap_free, looked, dict(before))
+            if held.first_pass:
+                self.last_looked = len(looked)
+                held.plan = Plan(held.plan.allocations, changed=ChangedSince(
+                    before, held.plan.allocations, {job_id: held.plan.allocations.get(job_id) for job_id in ids}))
+                self._last = (plan.allocations, current.allocations, held)
+                return held.plan
+        self.last_looked = None
+        held = _held(plan, current, busy, snapshot, overlap_free)
+        self._last = (plan.allocations, current.allocations, held)
+        return held.plan

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from scheduler.live.releases import BusyGpus, hold_releases
-from scheduler.policy import Allocation, Plan
+from scheduler.live.releases import BusyGpus, ReleaseHolds, hold_releases
+from scheduler.policy import Allocation, ChangedSince, Plan
 
 NODES = [f"n{i}" for i in range(6)]
 GPUS = [(node, index) for node in NODES for index in range(4)]
@@ -79,3 +79,51 @@ def test_busy_gpus_read_as_the_pending_owner_first() -> None:
     assert busy.get(("n9", 0)) is None
     # b holds n0:1 under the plan in force, and c still has to release it.
     assert busy.holders_of_released() == {"b"}
+
+
+def _diff(before: dict, after: dict) -> dict:
+    return {k: after.get(k) for k in before.keys() | after.keys() if before.get(k) is not after.get(k)}
+
+
+def _same_objects(last: Plan, now: dict) -> dict:
+    """``now`` with last round's object for each allocation equal to it (as the policies hand on)."""
+    return {job: last.allocations[job] if last.allocations.get(job) == a else a for job, a in now.items()}
+
+
+def test_release_holds_follow_the_hints_to_the_plan_hold_releases_gives() -> None:
+    """ReleaseHolds decides again only the jobs the hints and the pending releases name, and gets
+    what hold_releases gets looking at every job; its plan's hint is right by identity."""
+    rng = random.Random(7)
+    holds = ReleaseHolds()
+    last = None
+    last_held: Plan | None = None
+    followed = 0
+    for step in range(2000):
+        if last is None or rng.random() < 0.3:
+            proposal, current, held, pending = _round(rng)
+        else:  # the next round of a running cluster: a release acked or added, a job leaves the plan
+            proposal, current, held, pending = last
+            proposed, pending = dict(proposal.allocations), dict(pending)
+            roll = rng.random()
+            if roll < 0.3 and pending:
+                del pending[rng.choice(sorted(pending))]
+            elif roll < 0.6:
+                pending[rng.choice(GPUS)] = (f"job-{rng.randrange(10)}", 3)
+            elif roll < 0.8 and proposed:
+                del proposed[rng.choice(sorted(proposed))]
+            proposal, current = Plan(proposed), Plan(dict(current.allocations))
+        if last is not None:
+            proposed, currently = _same_objects(last[0], dict(proposal.allocations)), _same_objects(last[1], dict(current.allocations))
+            proposal = Plan(proposed, changed=ChangedSince(last[0].allocations, proposed, _diff(dict(last[0].allocations), proposed)))
+            current = Plan(currently, changed=ChangedSince(last[1].allocations, currently, _diff(dict(last[1].allocations), currently)))
+        busy = BusyGpus(held, pending, current_follows_held=True)
+        got = holds.hold(proposal, current, busy, overlap_free=True)
+        assert dict(got.allocations) == dict(hold_releases(proposal, current, dict(busy.items())).allocations), step
+        if holds.last_looked is not None:
+            followed += 1
+            assert last_held is not None and got.changed is not None and got.changed.follows(last_held.allocations, got.allocations)
+            for job in last_held.allocations.keys() | got.allocations.keys():
+                if job not in got.changed.entries:
+                    assert last_held.allocations.get(job) is got.allocations.get(job), (step, job)
+        last, last_held = (proposal, current, held, pending), got
+    assert followed > 600, followed
