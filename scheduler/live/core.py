@@ -113,7 +113,8 @@ class SchedulerCore:
                 self.planner.plan, snap, jobs, self.snapshots.usable, base=base,
                 busy=self.releases.busy(base, self.snapshots.current_from),
                 restarting=frozenset(self.restarts.waiting), reason=reason,
-                inference_jobs=self.snapshots.inference_jobs, training_ids=self.snapshots.training_ids))
+                inference_jobs=self.snapshots.inference_jobs, training_ids=self.snapshots.training_ids,
+                job_changes=self.jobs.changed_since))
             proto.epoch = self.leadership.epoch
             try:
                 committed = await timer.timed(

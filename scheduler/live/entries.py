@@ -20,13 +20,13 @@ built whole.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from scheduler.live import convert
 from scheduler.live.gpu_health import Placement
 from scheduler.live.resizes import set_generation
 from scheduler.plan_changes import PlanChanges
-from scheduler.policy import Allocation, Plan
+from scheduler.policy import Allocation, ChangedSince, Plan
 from silod.v1 import common_pb2, plan_pb2
 
 # Past this share of the plan's jobs changed (and this many), a round builds every entry:
@@ -72,6 +72,12 @@ class _Built:
     index: dict[str, int]  # job -> position of its entry in plan.jobs
     order: list[str]  # job ids in plan.jobs' order
     rank0: dict[str, tuple[str, int]]  # job -> (node of its rank 0, rendezvous port), placed jobs
+    # The jobs without inputs (restarting, or a fast resize): rebuilt every round while so.
+    rebuild: set[str] = dataclasses.field(default_factory=set)
+    # What the entries were built from, by identity, for the next round's hints to follow: the
+    # active jobs (KnownJobs.last_active, None where not told) and the plan's allocations.
+    jobs_seen: object = None
+    allocations_seen: object = None
 
 
 class EntryBuilder:
@@ -82,23 +88,32 @@ class EntryBuilder:
         self.changes: EntryChanges | None = None  # of the last plan built, against its base (None: no base)
         self.placements: dict[str, Placement] = {}  # job -> its placement in the last plan built
         self.patched = False  # whether the last plan was built from its base's entries (else whole)
+        self.last_looked: int | None = None  # jobs the last patch looked at by the hints (None: every job)
 
     def build(self, proto: plan_pb2.AllocationPlan, jobs: Sequence[common_pb2.Job], plan: Plan, *,
               base: plan_pb2.AllocationPlan | None, restarting: Collection[str], context: tuple[object, ...],
-              node_types: Mapping[str, str], policy_afe: bool, fill: FillEntry) -> None:
+              node_types: Mapping[str, str], policy_afe: bool, fill: FillEntry,
+              job_changes: ChangedSince[common_pb2.Job] | None = None) -> None:
         """Add to ``proto`` an entry per job of ``jobs`` for ``plan`` (the allocations after every
         step of the round), following ``base``. ``fill(entry, job, allocation, placement)`` writes
         what an entry holds besides its generation and port; it reads ``node_types`` and
-        ``context`` besides its arguments."""
+        ``context`` besides its arguments. ``job_changes``: which jobs' messages changed
+        (KnownJobs.changed_since, whose ``after`` ``jobs`` are the values of); with the plan's
+        own hint (Plan.changed), only the jobs they name are looked at."""
         last = self._last
         if base is not None and last is not None and (base is last.plan or base is last.base) \
                 and last.context == context and _types_kept(last.node_types, node_types) \
-                and self._patch(proto, jobs, plan, base, restarting, policy_afe, fill, last):
+                and self._patch(proto, jobs, plan, base, restarting, policy_afe, fill, last, job_changes):
             last.node_types = node_types
+            last.jobs_seen = job_changes.after if job_changes is not None else None
+            last.allocations_seen = plan.allocations
             self.patched = True
             return
         self.patched = False
         self._full(proto, jobs, plan, base, restarting, context, node_types, policy_afe, fill)
+        assert self._last is not None
+        self._last.jobs_seen = job_changes.after if job_changes is not None else None
+        self._last.allocations_seen = plan.allocations
 
     # ---- every entry --------------------------------------------------------------------------
     def _full(self, proto: plan_pb2.AllocationPlan, jobs: Sequence[common_pb2.Job], plan: Plan,
@@ -127,19 +142,36 @@ class EntryBuilder:
             removals = tuple(job_id for job_id in old if job_id not in placements)
             self.changes = EntryChanges(upserts, removals, {j: old[j] for j in (*upserts, *removals) if j in old})
         self._last = _Built(proto, base if base is not None and not self.changes else None, context, node_types, inputs,
-                            {job_id: k for k, job_id in enumerate(order)}, order, rank0)
+                            {job_id: k for k, job_id in enumerate(order)}, order, rank0,
+                            rebuild={job_id for job_id in order if job_id not in inputs})
 
     # ---- the changed entries only ---------------------------------------------------------------
     def _patch(self, proto: plan_pb2.AllocationPlan, jobs: Sequence[common_pb2.Job], plan: Plan,
                base: plan_pb2.AllocationPlan, restarting: Collection[str], policy_afe: bool, fill: FillEntry,
-               last: _Built) -> bool:
+               last: _Built, job_changes: ChangedSince[common_pb2.Job] | None) -> bool:
         inputs, index = last.inputs, last.index
-        present: set[str] = set()
         candidates: list[common_pb2.Job] = []
         allocations = plan.allocations
-        for job in jobs:
+        plan_hint = plan.changed
+        if job_changes is not None and job_changes.before is last.jobs_seen and last.jobs_seen is not None \
+                and plan_hint is not None and plan_hint.follows(last.allocations_seen, allocations):
+            # Any other job has the message and allocation its entry was built from.
+            active: Mapping[str, common_pb2.Job] = job_changes.after  # type: ignore[assignment]
+            named = {*job_changes.entries, *plan_hint.entries, *restarting, *last.rebuild}
+            # In the plan's order, new jobs last in KnownJobs' (its changes list them so): the
+            # order a pass over every job gives them, which fresh rendezvous ports are probed in.
+            arrival = {job_id: k for k, job_id in enumerate(job_changes.entries)}
+            looked: Iterable[common_pb2.Job] = [active[job_id] for job_id in sorted(
+                (job_id for job_id in named if job_id in active),
+                key=lambda job_id: (index[job_id], 0) if job_id in index else (len(index), arrival.get(job_id, 0)))]
+            removals = tuple(job_id for job_id, job in job_changes.entries.items() if job is None and job_id in index)
+            self.last_looked = len(looked)  # type: ignore[arg-type]
+        else:
+            self.last_looked = None
+            looked, present = jobs, {job.id for job in jobs}
+            removals = tuple(job_id for job_id in last.order if job_id not in present)
+        for job in looked:
             job_id = job.id
-            present.add(job_id)
             kept = inputs.get(job_id)
             if kept is None or job_id in restarting:
                 candidates.append(job)
@@ -159,7 +191,6 @@ class EntryBuilder:
                 remade = True  # moved or reported progress: the same entry
             if remade:  # identity is the quicker look next round
                 inputs[job_id] = (job, held)
-        removals = tuple(job_id for job_id in last.order if job_id not in present)
         if len(candidates) + len(removals) > max(PATCH_ALWAYS_UP_TO, PATCH_AT_MOST * len(index)):
             return False
 
@@ -211,8 +242,10 @@ class EntryBuilder:
             placements[job.id] = placement
             if not entry.fast_resize and job.id not in restarting:
                 inputs[job.id] = (job, allocations.get(job.id))
+                last.rebuild.discard(job.id)
             else:
                 inputs.pop(job.id, None)
+                last.rebuild.add(job.id)
             if previous is not None and previous == entry:
                 continue
             if previous is not None:
@@ -222,8 +255,9 @@ class EntryBuilder:
             previous_entries[job_id] = base_entries[index[job_id]]
             placements.pop(job_id, None)
             inputs.pop(job_id, None)
+            last.rebuild.discard(job_id)
 
-        proto.jobs.MergeFrom(base_entries)
+        _copy_entries(proto, base)
         for job_id, entry, new in changed:
             if not new:
                 target = proto.jobs[index[job_id]]
@@ -247,6 +281,19 @@ class EntryBuilder:
         self.changes = EntryChanges(upserts, removals, previous_entries, in_place=True)
         last.plan, last.base = proto, (base if not self.changes else None)
         return True
+
+
+def _copy_entries(proto: plan_pb2.AllocationPlan, base: plan_pb2.AllocationPlan) -> None:
+    """``proto`` (a header, no entries yet) with ``base``'s entries: the whole plan copied and the
+    header put back, which upb does in a quarter of the time of copying the entries alone
+    (20,000 entries: 3.6 against 12 ms)."""
+    header = plan_pb2.AllocationPlan()
+    header.CopyFrom(proto)
+    proto.CopyFrom(base)
+    for field in plan_pb2.AllocationPlan.DESCRIPTOR.fields:
+        if field.name != "jobs":
+            proto.ClearField(field.name)
+    proto.MergeFrom(header)
 
 
 def _types_kept(before: Mapping[str, str], now: Mapping[str, str]) -> bool:

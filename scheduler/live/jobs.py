@@ -30,6 +30,7 @@ import time
 from google.protobuf import timestamp_pb2
 
 from scheduler.live.clients import ACTIVE_STATES, Clients
+from scheduler.policy import ChangedSince
 from silod.v1 import common_pb2, metadata_pb2
 
 FULL_EVERY_S = 30.0
@@ -61,6 +62,9 @@ class KnownJobs:
         # Of the changes, those that are new entries of last_active, in its order: they are its
         # last ones (an entry set again keeps its place, a new one goes last). None with changes.
         self.appended: tuple[str, ...] | None = None
+        # The same as a hint (scheduler.policy.ChangedSince): last_active against the refresh
+        # before's, each changed job's message (None: no longer active), the appended ones last.
+        self.changed_since: ChangedSince[common_pb2.Job] | None = None
         self.refreshes = 0  # refreshes returned: a part that missed one cannot follow changes
         self.full_reads = 0
         self.incremental_reads = 0
@@ -119,11 +123,16 @@ class KnownJobs:
         """The active jobs now, in submission order; :attr:`last_active` and :attr:`changes` say
         the same, and what changed since the last refresh."""
         await self._refresh()
-        self.last_active = dict(self._active)
+        before, self.last_active = self.last_active, dict(self._active)
         self.changes = frozenset(self._changed) if self._changed is not None else None
         self.appended = self._new_last() if self.changes is not None else None
         if self.appended is None:
-            self.changes = None
+            self.changes = self.changed_since = None
+        else:
+            appended = set(self.appended)
+            entries = {job_id: self.last_active.get(job_id) for job_id in self.changes if job_id not in appended}
+            entries.update((job_id, self.last_active[job_id]) for job_id in self.appended)
+            self.changed_since = ChangedSince(before, self.last_active, entries)
         self._changed, self._appended = set(), set()
         self.refreshes += 1
         return list(self.last_active.values())

@@ -22,7 +22,7 @@ from scheduler.live.inference import LiveInference, is_inference_job
 from scheduler.live.entries import EntryBuilder, EntryChanges
 from scheduler.live.releases import Gpu, ReleaseHolds
 from scheduler.placement import node_types, placement_type
-from scheduler.policy import Allocation, ClusterSnapshot, Plan
+from scheduler.policy import Allocation, ChangedSince, ClusterSnapshot, Plan
 from scheduler.quotas import QuotaBounded
 from scheduler.registry import get_policy
 from silod.v1 import common_pb2, plan_pb2
@@ -71,17 +71,21 @@ class RoundPlanner:
     def plan(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], usable: UsableGpus, *,
              base: plan_pb2.AllocationPlan | None, busy: Mapping[Gpu, str], restarting: Collection[str],
              reason: str, inference_jobs: Sequence[common_pb2.Job] | None = None,
-             training_ids: Collection[str] | None = None) -> plan_pb2.AllocationPlan:
+             training_ids: Collection[str] | None = None,
+             job_changes: ChangedSince[common_pb2.Job] | None = None) -> plan_pb2.AllocationPlan:
         """The plan that follows ``base`` (the plan in force) for ``snap`` and its ``jobs``.
         ``busy``: GPUs not yet released, by owner (ReleaseTracker.busy); ``restarting``: jobs
         that start every rank anew from their checkpoint (CrashRestarts.waiting).
         ``inference_jobs`` and ``training_ids``: ``jobs`` split by kind, where the caller has them
-        (SnapshotBuilder keeps them), rather than found again by a pass over every job."""
+        (SnapshotBuilder keeps them), rather than found again by a pass over every job;
+        ``job_changes``: which jobs' messages changed since the last round (KnownJobs.changed_since,
+        whose ``after`` ``jobs`` are the values of), for the entries to follow."""
         if inference_jobs is None or training_ids is None:
             inference_jobs = [j for j in jobs if is_inference_job(j)]
             training_ids = {j.id for j in jobs} - {j.id for j in inference_jobs}
         plan = self._allocate(snap, inference_jobs, training_ids, usable, busy)
-        return self._proto(snap, jobs, plan, training_ids, base=base, restarting=restarting, reason=reason)
+        return self._proto(snap, jobs, plan, training_ids, base=base, restarting=restarting, reason=reason,
+                           job_changes=job_changes)
 
     def _allocate(self, snap: ClusterSnapshot, inference_jobs: Sequence[common_pb2.Job], training_ids: Collection[str],
                   usable: UsableGpus, busy: Mapping[Gpu, str]) -> Plan:
@@ -104,7 +108,8 @@ class RoundPlanner:
         return plan
 
     def _proto(self, snap: ClusterSnapshot, jobs: Sequence[common_pb2.Job], plan: Plan, training_ids: Collection[str], *,
-               base: plan_pb2.AllocationPlan | None, restarting: Collection[str], reason: str) -> plan_pb2.AllocationPlan:
+               base: plan_pb2.AllocationPlan | None, restarting: Collection[str], reason: str,
+               job_changes: ChangedSince[common_pb2.Job] | None) -> plan_pb2.AllocationPlan:
         managed = self.cache_mode != "silod" or co_active(snap)
         proto = plan_pb2.AllocationPlan(
             version=(base.version if base is not None else 0) + 1, policy=self.policy_name,
@@ -135,6 +140,6 @@ class RoundPlanner:
         # What every entry depends on beyond its job and allocation: a change rebuilds them all
         # (a node's GPU type: those on that node).
         self.entries.build(proto, jobs, plan, base=base, restarting=restarting, context=(managed,), node_types=kinds,
-                           policy_afe=bool(getattr(self.policy, "afe", False)), fill=fill)
+                           policy_afe=bool(getattr(self.policy, "afe", False)), fill=fill, job_changes=job_changes)
         self.inference.describe(proto, {n.name for n in snap.nodes if n.pool == "inference"})
         return proto

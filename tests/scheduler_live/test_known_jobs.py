@@ -253,19 +253,27 @@ def test_changes_name_every_job_whose_entry_changed_since_the_last_refresh(monke
             elif action < 0.75:
                 md.now += 1
             else:
+                before = known.last_active
                 jobs = await known.refresh()
                 assert known.last_active == {j.id: j for j in jobs}
                 if known.changes is None:
+                    assert known.changed_since is None
                     mirror = dict(known.last_active)
                 else:
                     followed += 1
-                    for changed in known.changes:
-                        if changed in known.last_active:
-                            mirror[changed] = known.last_active[changed]
+                    hint = known.changed_since
+                    assert hint is not None and hint.follows(before, known.last_active)
+                    assert hint.entries.keys() == known.changes
+                    assert tuple(hint.entries)[len(hint.entries) - len(known.appended):] == known.appended
+                    for changed, job in hint.entries.items():
+                        if job is not None:
+                            mirror[changed] = job
                         else:
                             mirror.pop(changed, None)
-                # The same messages, not only equal ones: a part may follow by identity.
-                assert mirror.keys() == known.last_active.keys(), f"step {step}"
+                    for new in known.appended:  # new entries go last, in order
+                        mirror[new] = mirror.pop(new)
+                # The same messages in the same order, not only equal ones: a part may follow by identity.
+                assert list(mirror) == list(known.last_active), f"step {step}"
                 assert all(mirror[j] is known.last_active[j] for j in mirror), f"step {step}"
                 metrics.jobs_seen(jobs, 2000.0, changes=known.changes, active=known.last_active,
                                   refresh=known.refreshes)

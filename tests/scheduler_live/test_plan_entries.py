@@ -20,7 +20,7 @@ from scheduler.live.inference import LiveInference
 from scheduler.live.planner import RoundPlanner, configured_policy
 from scheduler.plan_changes import changes_between
 from scheduler.policies.fifo_queue import FifoQueue
-from scheduler.policy import ClusterSnapshot, JobInfo, NodeInfo, Plan
+from scheduler.policy import ChangedSince, ClusterSnapshot, JobInfo, NodeInfo, Plan
 from silod.v1 import common_pb2, plan_pb2
 
 MODEL = JobModel.from_profile("cifar10")
@@ -81,9 +81,9 @@ class Cluster:
                 for k in range(self.nodes)]
 
 
-def _planner(policy_name: str) -> RoundPlanner:
-    policy, co_designs = configured_policy(policy_name, "lru")
-    return RoundPlanner(policy, policy_name, co_designs, "lru", LiveInference(policy))
+def _planner(policy_name: str, cache_mode: str = "lru") -> RoundPlanner:
+    policy, co_designs = configured_policy(policy_name, cache_mode)
+    return RoundPlanner(policy, policy_name, co_designs, cache_mode, LiveInference(policy))
 
 
 def _by_job(plan: plan_pb2.AllocationPlan) -> dict[str, bytes]:
@@ -144,6 +144,80 @@ def test_incremental_plans_equal_whole_plans_round_after_round(policy_name: str)
         assert answered[:8] == ["no queue for these nodes"] * 2 + ["queue"] * 6, answered[:8]
 
 
+def _job_changes(before: dict[str, common_pb2.Job], after: dict[str, common_pb2.Job]) -> ChangedSince:
+    """KnownJobs.changed_since from one round's messages to the next's: new jobs last, in order."""
+    entries = {job_id: after.get(job_id) for job_id in before if before[job_id] is not after.get(job_id)}
+    entries.update((job_id, job) for job_id, job in after.items() if job_id not in before)
+    return ChangedSince(before, after, entries)
+
+
+@pytest.mark.parametrize("policy_name", ["fifo", "tiresias"])
+def test_plans_that_follow_the_hints_equal_whole_plans(policy_name: str) -> None:
+    """As the live scheduler runs it: the current plan from Holdings, the holders of the GPUs
+    from the plan in force, and the jobs' and policy's hints (fifo gives one, tiresias none). The
+    entries follow the hints where the whole chain gives them, and the plans are still the whole ones."""
+    from scheduler.live.holdings import Holdings
+    from scheduler.live.releases import BusyGpus
+
+    rng = random.Random(11)
+    cluster = Cluster(rng, nodes=30, jobs=90)
+    incremental = _planner(policy_name, "silod")  # the default: no cache and no IO budget here, nothing to grant
+    committed: list[tuple[plan_pb2.AllocationPlan | None, plan_pb2.AllocationPlan, object]] = []
+
+    def changes_from(plan):  # type: ignore[no-untyped-def]  # as PlanStore.changes_from
+        if not committed:
+            return None
+        base, _, changes = committed[-1]
+        return changes if plan is base and plan is not None else None
+
+    holdings = Holdings(changes_from)
+    base: plan_pb2.AllocationPlan | None = None
+    last_messages: dict[str, common_pb2.Job] | None = None
+    last_jobs: tuple | None = None
+    looked = []
+    for round_number in range(1, 25):
+        messages = dict(cluster.messages)
+        snap = cluster.snapshot(base, time_s=1000.0 * round_number)
+        alive = {info.name: info for info in snap.nodes}
+        usable = UsableGpus(cluster.node_messages())
+        current = holdings.current(base, {j: m.spec.min_gpus for j, m in messages.items()}, alive, usable)
+        snap = dataclasses.replace(snap, current=current)
+        if last_jobs is not None:
+            old = {info.job_id: info for info in last_jobs}
+            now = {info.job_id: info for info in snap.jobs}
+            snap = dataclasses.replace(snap, jobs_changed=ChangedSince(last_jobs, snap.jobs, {
+                j: now.get(j) for j in old.keys() | now.keys() if old.get(j) is not now.get(j)}))
+        job_changes = _job_changes(last_messages, messages) if last_messages is not None else None
+        held = {gpu: e.job_id for e in base.jobs for gpu in convert.ranks_of(e)} if base is not None else {}
+        busy = BusyGpus(held, {}, current_follows_held=True)
+        jobs = list(messages.values())
+        restarting = frozenset(rng.sample(sorted(messages), 2)) if round_number % 6 == 0 else frozenset()
+        built = incremental.plan(snap, jobs, usable, base=base, busy=busy, restarting=restarting, reason="test",
+                                 job_changes=job_changes)
+        whole = _planner(policy_name, "silod").plan(snap, jobs, usable, base=base, busy=busy, restarting=restarting,
+                                                    reason="test")
+        assert _by_job(built) == _by_job(whole), f"round {round_number}"
+        if base is not None:
+            assert set(incremental.changes.upserts) == set(changes_between(_by_job(base), _by_job(whole)).upserts)
+        looked.append(incremental.entries.last_looked)
+        built.version = round_number
+        convert.remember_placements(built, incremental.placements)
+        committed.append((base, built, incremental.changes))
+        base, last_messages, last_jobs = built, messages, snap.jobs
+        placed = [e.job_id for e in base.jobs if e.placements]
+        for job_id in rng.sample(placed, min(3, len(placed))):
+            cluster.leave(job_id)
+        for _ in range(rng.randint(0, 4)):
+            cluster.arrive()
+        for job_id in rng.sample(sorted(cluster.messages), 3):
+            cluster.touch(job_id)
+    followed = [n for n in looked if n is not None]
+    if policy_name == "fifo":  # from its queue on (the third round), the whole chain gives hints
+        assert len(followed) >= 18 and max(followed) < 40, looked
+    else:
+        assert not followed, looked
+
+
 def _first_plan(seed: int) -> tuple[Cluster, RoundPlanner, UsableGpus, plan_pb2.AllocationPlan]:
     """A small cluster, a fifo planner and its first plan (version 1)."""
     cluster = Cluster(random.Random(seed), nodes=10, jobs=30)
@@ -190,10 +264,12 @@ def test_many_changes_build_every_entry(monkeypatch: pytest.MonkeyPatch) -> None
     assert {e.job_id for e in second.jobs} == set(cluster.messages)
 
 
-def test_a_resized_entry_is_rebuilt_once_more_without_its_fast_resize() -> None:
+@pytest.mark.parametrize("hints", [False, True])
+def test_a_resized_entry_is_rebuilt_once_more_without_its_fast_resize(hints: bool) -> None:
     """The plan that resizes a job in place marks its entry fast_resize; the next plan carries
     the entry without the mark and in the same generation, as a whole build would: one upsert
-    more, then none."""
+    more, then none. A restart then gives it a new generation. With ``hints`` saying nothing
+    changed of the job or its allocation, the entry is rebuilt all the same."""
     from scheduler.live.entries import EntryBuilder
     from scheduler.policy import Allocation
 
@@ -201,23 +277,34 @@ def test_a_resized_entry_is_rebuilt_once_more_without_its_fast_resize() -> None:
     job.spec.min_gpus, job.spec.max_gpus, job.spec.resize_in_place = 1, 4, True
     two = Plan({"job-1": Allocation(placement=(("node-a", (0, 1)),))})
     four = Plan({"job-1": Allocation(placement=(("node-a", (0, 1, 2, 3)),))})
+    active = {"job-1": job}
     builder = EntryBuilder()
     base = None
+    last_plan = None
     seen = []
-    for version, plan in enumerate([two, four, four, four], start=1):
+    for version, plan in enumerate([two, four, four, four, four], start=1):
         proto = plan_pb2.AllocationPlan(version=version)
+        restarting = frozenset({"job-1"}) if version == 5 else frozenset()
 
         def fill(entry, job, alloc, placement):  # type: ignore[no-untyped-def]
             for node, idx in (alloc.placement if alloc is not None else ()):
                 entry.placements.add(node=node, gpu_indices=list(idx))
 
-        builder.build(proto, [job], plan, base=base, restarting=frozenset(), context=(), node_types={},
-                      policy_afe=False, fill=fill)
+        job_changes = None
+        if hints and last_plan is not None:
+            plan = Plan(plan.allocations, changed=ChangedSince(
+                last_plan.allocations, plan.allocations, {} if plan.allocations is last_plan.allocations else
+                dict(plan.allocations)))
+            job_changes = ChangedSince(active, active, {})
+        builder.build(proto, [job], plan, base=base, restarting=restarting, context=(), node_types={},
+                      policy_afe=False, fill=fill, job_changes=job_changes)
+        if hints and version > 2:
+            assert builder.last_looked is not None, "the hints were followed"
         convert.remember_placements(proto, builder.placements)
         entry = proto.jobs[0]
         seen.append((entry.generation, entry.fast_resize, sorted(builder.changes.upserts) if builder.changes is not None else None))
-        base = proto
-    assert seen == [(1, False, None), (2, True, ["job-1"]), (2, False, ["job-1"]), (2, False, [])]
+        base, last_plan = proto, plan
+    assert seen == [(1, False, None), (2, True, ["job-1"]), (2, False, ["job-1"]), (2, False, []), (3, False, ["job-1"])]
     assert builder.patched
 
 
