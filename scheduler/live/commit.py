@@ -45,6 +45,12 @@ class Committer:
         self._changes_supported = True  # False once the metadata service answered UNIMPLEMENTED
         self._moves: Coalescer[metadata_pb2.TransitionJobRequest, metadata_pb2.TransitionResult] = \
             Coalescer(self._send_moves, max_items=MAX_MOVES)
+        # The jobs whose state may disagree with the plan, gathered from KnownJobs' changes since the
+        # last state pass (None: pass over every job: the first, after a whole read of the jobs, a
+        # refresh not seen here, or a pass that failed), and the refresh they were gathered up to.
+        self._unmatched: set[str] | None = None
+        self._refresh_seen = -1
+        self.last_looked: int | None = None  # jobs the last state pass looked at (None: every job; tests)
 
     async def commit(self, proto: plan_pb2.AllocationPlan, base: plan_pb2.AllocationPlan | None,
                      jobs: Mapping[str, common_pb2.Job], reason: str, *,
@@ -58,6 +64,7 @@ class Committer:
         does, scheduler.live.entries), else it is found by comparing every entry."""
         latest = base
         self.last_outcome = "unchanged"
+        self._gather_job_changes()
         entries: dict[str, bytes] | None = None
         if latest is None:
             changes = None
@@ -97,7 +104,9 @@ class Committer:
             self.releases.record(latest, committed, changes)
         await self.plans.set_latest(committed, base=latest, changes=changes)
         self.restarts.placed(committed)
-        await self._transitions(committed, latest, jobs, placements if own else None, changes)
+        unmatched, self._unmatched = self._unmatched, None  # a pass that fails leaves the next one whole
+        await self._transitions(committed, latest, jobs, placements if own else None, changes, unmatched)
+        self._unmatched = set()
         _log_commit(committed, latest, reason, placements if own else None, changes)
         self.last_outcome = "committed"
         return committed
@@ -138,11 +147,30 @@ class Committer:
         proto.created_at.CopyFrom(reply.created_at)
         return proto
 
+    def _gather_job_changes(self) -> None:
+        """Take in KnownJobs' changes of the round's refresh, for the next state pass."""
+        refreshes, changes = self.jobs.refreshes, self.jobs.changes
+        if refreshes == self._refresh_seen:
+            return
+        if self._unmatched is not None and changes is not None and refreshes == self._refresh_seen + 1:
+            self._unmatched |= changes
+        else:
+            self._unmatched = None
+        self._refresh_seen = refreshes
+
     async def _transitions(self, plan: plan_pb2.AllocationPlan, base: plan_pb2.AllocationPlan | None,
                            jobs: Mapping[str, common_pb2.Job], placements: Mapping[str, Placement] | None,
-                           changes: EntryChanges | None) -> None:
+                           changes: EntryChanges | None, unmatched: set[str] | None = None) -> None:
+        """Move each job whose state disagrees with ``plan``. Only a job whose entry the plan changed,
+        or whose state changed since the last pass (``unmatched``), can: those are looked at where
+        both are known, else every job."""
         # Each job moves independently (a compare-and-set of its own); they go out in one
         # TransitionJobs call per MAX_MOVES, since per-call overhead dominated a big round.
+        looked: Mapping[str, common_pb2.Job] = jobs
+        self.last_looked = None
+        if placements is not None and changes is not None and unmatched is not None:
+            looked = {job_id: jobs[job_id] for job_id in sorted(unmatched.union(changes.upserts)) if job_id in jobs}
+            self.last_looked = len(looked)
         if placements is None or changes is None:
             placements = {entry.job_id: convert.placement_of(entry) for entry in plan.jobs}
             old = {a.job_id: a for a in (base.jobs if base is not None else [])}
@@ -154,7 +182,7 @@ class Committer:
         moves: list[metadata_pb2.TransitionJobRequest] = []
         pending, running = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING
         # A pass over the jobs that reads no entry: a job's state against whether the plan places it.
-        for job_id, job in jobs.items():
+        for job_id, job in looked.items():
             placement = placements.get(job_id)
             if placement is None:
                 continue  # not in the plan
