@@ -227,3 +227,79 @@ def problems(snapshot: ClusterSnapshot, plan: Plan) -> list[str]:
     if math.isfinite(snapshot.storage_bandwidth_bytes_per_s) and io > snapshot.storage_bandwidth_bytes_per_s * (1 + 1e-9):
         found.append(f"remote IO {io:.0f} > storage budget {snapshot.storage_bandwidth_bytes_per_s:.0f}")
     return found
+
+
+class GrantCheck:
+    """:func:`problems` plan after plan, following each plan's hint (Plan.changed): the cache
+    quotas per node and the remote IO are kept summed, and a plan moves them by the allocations
+    it changed; only the nodes those touch are looked at. Anything found, a plan without a hint
+    that follows the last one checked, other nodes, or every REBUILD_EVERY checks (float sums
+    drift), and :func:`problems` runs whole: the same list, message for message."""
+
+    REBUILD_EVERY = 256
+
+    def __init__(self) -> None:
+        # (allocations checked last, node tuple, node -> cache quotas, finite IO, infinite/NaN IO counts, checks)
+        self._sums: tuple | None = None
+        self.last_check = "whole"  # or "changes" (tests)
+
+    def problems(self, snapshot: ClusterSnapshot, plan: Plan) -> list[str]:
+        sums, self._sums = self._sums, None
+        hint = plan.changed
+        if sums is None or hint is None or not hint.follows(sums[0], plan.allocations) or sums[1] is not snapshot.nodes \
+                or sums[5] >= self.REBUILD_EVERY:
+            self.last_check = "whole"
+            found = problems(snapshot, plan)
+            if not found and type(snapshot.nodes) is tuple:  # kept for nodes that cannot change in place
+                self._sums = (plan.allocations, snapshot.nodes, *_summed(plan.allocations.values()), 0)
+            return found
+        self.last_check = "changes"
+        _, nodes, held, io, odd, checks = sums
+        touched: set[str] = set()
+        before: Mapping[str, Allocation] = sums[0]
+        for job_id, now in hint.entries.items():
+            for sign, allocation in ((-1.0, before.get(job_id)), (1.0, now)):
+                if allocation is None:
+                    continue
+                for node, quota in allocation.cache_bytes.items():
+                    held[node] = held.get(node, 0.0) + sign * quota
+                    touched.add(node)
+                rate = allocation.remote_io_bytes_per_s
+                if math.isfinite(rate):
+                    io += sign * rate
+                else:
+                    odd[math.isnan(rate)] += int(sign)
+        by_name = _nodes_by_name(nodes)
+        total = math.nan if odd[True] else math.inf if odd[False] else io
+        budget = snapshot.storage_bandwidth_bytes_per_s
+        if any(name not in by_name or held[name] > by_name[name].cache_capacity_bytes * (1 + 1e-9) for name in touched) \
+                or (math.isfinite(budget) and total > budget * (1 + 1e-9)):
+            return problems(snapshot, plan)  # the whole check names them (or finds none after all)
+        self._sums = (plan.allocations, nodes, held, io, odd, checks + 1)
+        return []
+
+
+def _summed(allocations: Iterable[Allocation]) -> tuple[dict[str, float], float, dict[bool, int]]:
+    held: dict[str, float] = {}
+    io, odd = 0.0, {False: 0, True: 0}  # rates infinite (False) or NaN (True)
+    for a in allocations:
+        for node, quota in a.cache_bytes.items():
+            held[node] = held.get(node, 0.0) + quota
+        rate = a.remote_io_bytes_per_s
+        if math.isfinite(rate):
+            io += rate
+        else:
+            odd[math.isnan(rate)] += 1
+    return held, io, odd
+
+
+_BY_NAME: tuple[tuple | None, dict] = (None, {})
+
+
+def _nodes_by_name(nodes: tuple) -> dict:
+    global _BY_NAME
+    seen, by_name = _BY_NAME
+    if seen is not nodes:
+        by_name = {n.name: n for n in nodes}
+        _BY_NAME = (nodes, by_name)
+    return by_name

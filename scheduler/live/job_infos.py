@@ -39,6 +39,7 @@ class Matched:
     """The active jobs of a round, matched against the last round's (JobInfos.match)."""
 
     training: dict[str, _Known]  # in KnownJobs' order; info None where it has to be made
+    infos: dict[str, JobInfo | None]  # the same jobs in the same order, their infos (the round's tuple in C)
     inference: dict[str, common_pb2.Job]
     fresh_training: list[tuple[common_pb2.Job, _Known | None]]  # new, or its message changed: (job, last round's)
     fresh_inference: list[common_pb2.Job]
@@ -63,24 +64,13 @@ class Matched:
         return set(self.training).union(self.inference)
 
 
-class MinGpus(Mapping[str, int]):
+class MinGpus(dict):
     """Each training job's min_gpus, read off the jobs as asked (Holdings.current asks for the
-    jobs it holds an allocation for): not a dict of 20,000 made each round."""
-
-    def __init__(self, training: Mapping[str, _Known]) -> None:
-        self._training = training
+    jobs it holds an allocation for): not a dict of 20,000 made each round. A dict of the jobs
+    underneath (a copy in C), so that asking whether a job is one costs no Python call."""
 
     def __getitem__(self, job_id: str) -> int:
-        return self._training[job_id].job.spec.min_gpus
-
-    def __contains__(self, job_id: object) -> bool:
-        return job_id in self._training
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._training)
-
-    def __len__(self) -> int:
-        return len(self._training)
+        return dict.__getitem__(self, job_id).job.spec.min_gpus
 
 
 class JobInfos:
@@ -88,6 +78,7 @@ class JobInfos:
         self.models = models
         self._model_changes = models.watch_changes()
         self._training: dict[str, _Known] = {}  # the last round's, every info made, in KnownJobs' order
+        self._infos: dict[str, JobInfo] = {}  # their infos, in the same order
         self._inference: dict[str, common_pb2.Job] = {}
         self._jobs: tuple[JobInfo, ...] = ()  # the last round's infos, as handed to its snapshot
         self._refreshes: int | None = None  # KnownJobs.refreshes of the jobs last matched (None: none yet)
@@ -108,14 +99,15 @@ class JobInfos:
 
     def _whole(self, jobs: list[common_pb2.Job], refreshes: int) -> Matched:
         before_training, before_inference = self._training, self._inference
-        matched = Matched({}, {}, [], [], left=set(), followed=False, refreshes=refreshes,
+        matched = Matched({}, {}, {}, [], [], left=set(), followed=False, refreshes=refreshes,
                           first=self._refreshes is None)
-        training, inference = matched.training, matched.inference
+        training, infos, inference = matched.training, matched.infos, matched.inference
         for job in jobs:
             job_id = job.id
             before = before_training.get(job_id)
             if before is not None and before.job is job:
                 training[job_id] = before
+                infos[job_id] = before.info
             elif before_inference.get(job_id) is job:
                 inference[job_id] = job
             elif is_inference_job(job):
@@ -123,6 +115,7 @@ class JobInfos:
                 matched.fresh_inference.append(job)
             else:
                 training[job_id] = _Known(job, None)
+                infos[job_id] = None
                 matched.fresh_training.append((job, before))
         matched.left = (before_training.keys() | before_inference.keys()) - training.keys() - inference.keys()
         return matched
@@ -131,15 +124,16 @@ class JobInfos:
                 appended: tuple[str, ...], refreshes: int) -> Matched | None:
         """The last round's jobs with ``changes`` applied; None where that cannot be done (a job
         became or stopped being an inference job: then a whole pass)."""
-        matched = Matched(dict(self._training), dict(self._inference), [], [], left=set(), followed=True,
-                          refreshes=refreshes)
-        training, inference, left = matched.training, matched.inference, matched.left
+        matched = Matched(dict(self._training), dict(self._infos), dict(self._inference), [], [], left=set(),
+                          followed=True, refreshes=refreshes)
+        training, infos, inference, left = matched.training, matched.infos, matched.inference, matched.left
         for job_id in changes:
             job = active.get(job_id)
             before = training.get(job_id)
             if job is None:  # ended, or cancelled
                 if before is not None or inference.pop(job_id, None) is not None:
                     training.pop(job_id, None)
+                    infos.pop(job_id, None)
                     left.add(job_id)
                 continue
             if is_inference_job(job):
@@ -152,9 +146,10 @@ class JobInfos:
                 return None
             elif before is None or before.job is not job:
                 training[job_id] = _Known(job, None)
+                infos[job_id] = None
                 matched.fresh_training.append((job, before))
         for job_id in appended:  # new entries go last, as in KnownJobs (see the module docstring)
-            for entries in (training, inference):
+            for entries in (training, infos, inference):
                 if job_id in entries:
                     entries[job_id] = entries.pop(job_id)  # type: ignore[assignment]
         return matched
@@ -169,7 +164,7 @@ class JobInfos:
         changed = set(self._model_changes)  # changes made while this runs are for the next round
         self._model_changes.difference_update(changed)
         retyped = gpu_types != self._gpu_types
-        training = matched.training
+        training, made = matched.training, matched.infos
         try:
             remake: dict[str, tuple[common_pb2.Job, _Known | None]] = {job.id: (job, before)
                                                                       for job, before in matched.fresh_training}
@@ -177,26 +172,27 @@ class JobInfos:
                 if job_id not in remake and job_id in training:
                     known = training[job_id]
                     remake[job_id] = (known.job, known)
-            infos: dict[str, JobInfo | None] = {}
+            differ: dict[str, JobInfo | None] = {}  # the hint's entries: not last round's info
             for job_id, (job, before) in remake.items():
                 info = self._made(job, before, retyped or job_id in changed, datasets, gpu_types)
                 training[job_id] = _Known(job, info)
+                made[job_id] = info
                 if before is None or before.info is not info:
-                    infos[job_id] = info
+                    differ[job_id] = info
                 if before is None or before.job is not job:
                     specs[job_id] = job.spec
             for job in matched.fresh_inference:
                 specs[job.id] = job.spec
-            jobs = tuple(known.info for known in training.values())  # type: ignore[misc]
+            jobs = tuple(made.values())  # type: ignore[arg-type]
         except BaseException:
             # Half done: the next round makes every info anew rather than trust these.
-            self._training, self._inference, self._gpu_types, self._refreshes = {}, {}, None, None
+            self._training, self._infos, self._inference, self._gpu_types, self._refreshes = {}, {}, {}, None, None
             raise
         # Gone from the training jobs: ended, or (a whole pass) became an inference job.
         for job_id in matched.left if matched.followed else self._training.keys() - training.keys():
-            infos[job_id] = None
-        hint = None if self._refreshes is None else ChangedSince(self._jobs, jobs, infos)
-        self._training, self._inference, self._jobs = training, matched.inference, jobs
+            differ[job_id] = None
+        hint = None if self._refreshes is None else ChangedSince(self._jobs, jobs, differ)
+        self._training, self._infos, self._inference, self._jobs = training, made, matched.inference, jobs  # type: ignore[assignment]
         self._gpu_types, self._refreshes = gpu_types, matched.refreshes
         return jobs, hint
 

@@ -15,6 +15,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 
 from scheduler.codesign import is_active as co_active
+from scheduler.data_grants import GrantCheck
 from scheduler.plan_check import PlanCheck
 from scheduler.live import data
 from scheduler.live.gpu_health import Placement, UsableGpus
@@ -58,6 +59,7 @@ class RoundPlanner:
     policy_check: PlanCheck = dataclasses.field(default_factory=PlanCheck)
     plan_check: PlanCheck = dataclasses.field(default_factory=PlanCheck)
     holds: ReleaseHolds = dataclasses.field(default_factory=ReleaseHolds)  # scheduler.live.releases
+    grant_check: GrantCheck = dataclasses.field(default_factory=GrantCheck)  # data grants within the cluster
 
     @property
     def placements(self) -> dict[str, Placement]:
@@ -102,7 +104,7 @@ class RoundPlanner:
         training_plan = Plan({k: a for k, a in plan.allocations.items() if k not in inference_ids}) \
             if inference_ids else plan
         self.plan_check.check(snap, training_plan)
-        broken = data.problems(snap, training_plan)
+        broken = self.grant_check.problems(snap, training_plan)
         if broken:  # a bug, not a condition to live with: the cache servers would refuse the plan
             raise AssertionError("data grants exceed the cluster: " + "; ".join(broken))
         return plan

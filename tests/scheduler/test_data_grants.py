@@ -39,3 +39,48 @@ def test_a_job_new_on_a_node_counts_from_the_last_round_and_is_forgotten_when_go
     assert starts.fresh({("n0", "ds"): 90.0}, [("a", "ds", 0, ["n0"])]) == {("a", "n0"): 20.0}
     # A job without a dataset reads nothing from a cache.
     assert starts.fresh({("n0", ""): 90.0}, [("b", "", 0, ["n0"])]) == {}
+
+
+def test_grant_check_follows_the_plans_hints_to_what_the_whole_check_finds():
+    """GrantCheck (the live planner's) sums cache quotas and remote IO plan after plan by the plans'
+    hints, and lists exactly what problems() lists: every grant beyond a node's cache or the
+    budget, quotas on unknown nodes, and nothing else."""
+    import dataclasses
+    import math
+    import random
+
+    from scheduler.data_grants import GrantCheck, problems
+    from scheduler.policy import Allocation, ChangedSince, ClusterSnapshot, NodeInfo, Plan
+
+    rng = random.Random(8)
+    nodes = tuple(NodeInfo(f"n{k}", 4, cache_capacity_bytes=1000.0) for k in range(6))
+    check = GrantCheck()
+    allocations: dict[str, Allocation] = {}
+    last: Plan | None = None
+    how = []
+    found = 0
+    for step in range(400):
+        for _ in range(rng.randint(1, 3)):
+            job = f"j{rng.randrange(25)}"
+            if rng.random() < 0.3:
+                allocations.pop(job, None)
+                continue
+            node = rng.choice([n.name for n in nodes] + (["gone"] if rng.random() < 0.03 else []))
+            odd = rng.random()
+            rate = math.inf if odd < 0.02 else math.nan if odd < 0.03 else rng.choice([10.0, 25.0, 40.0])
+            allocations[job] = Allocation(placement=((node, (0,)),), cache_bytes={node: rng.choice([0.0, 100.0, 180.0])},
+                                          remote_io_bytes_per_s=rate)
+        if step % 50 == 49:  # another node tuple (equal nodes): checked whole
+            nodes = tuple(dataclasses.replace(n) for n in nodes)
+        plan = Plan(dict(allocations))
+        if last is not None and rng.random() < 0.9:
+            entries = {j: plan.allocations.get(j) for j in last.allocations.keys() | plan.allocations.keys()
+                       if last.allocations.get(j) is not plan.allocations.get(j)}
+            plan = Plan(plan.allocations, changed=ChangedSince(last.allocations, plan.allocations, entries))
+        snapshot = ClusterSnapshot(time_s=0.0, nodes=nodes, jobs=(), storage_bandwidth_bytes_per_s=700.0)
+        expected = problems(snapshot, plan)
+        assert check.problems(snapshot, plan) == expected, step
+        how.append(check.last_check)
+        found += bool(expected)
+        last = plan
+    assert how.count("changes") > 100 and found > 20, (how.count("changes"), found)

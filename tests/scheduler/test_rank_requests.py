@@ -3,6 +3,7 @@ policy, DeepBoot's lending, tenant quotas, the co-design's spreading and the ela
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -251,3 +252,43 @@ def test_an_elastic_job_is_held_to_the_ranks_the_cluster_can_hold():
 def test_within_reach_leaves_a_snapshot_without_requests_alone():
     snap = make_snapshot((NodeInfo("n0", 8, cpus=0.0),), [make_job("p", gpus=2, min_gpus=1, max_gpus=8)])
     assert within_reach(snap) is snap
+
+
+def test_within_reach_follows_the_snapshots_hint_to_the_jobs_that_request():
+    """Whether any job requests cores or memory is followed from snapshot to snapshot by the
+    hint (ClusterSnapshot.jobs_changed), and comes out as a look at every job does."""
+    import random
+
+    from scheduler import rank_requests
+    from scheduler.policy import ChangedSince
+
+    rng = random.Random(3)
+    nodes = (NodeInfo("n0", 8, cpus=64.0, memory_bytes=64 * GiB),)
+    jobs = {f"j{i}": make_job(f"j{i}", gpus=1, min_gpus=1, max_gpus=8) for i in range(30)}
+    last = None
+    without = 0
+    for step in range(200):
+        job_id = f"j{rng.randrange(40)}"
+        roll = rng.random()
+        if roll < 0.3:
+            jobs.pop(job_id, None)
+        elif roll < 0.6:
+            jobs[job_id] = make_job(job_id, gpus=1, min_gpus=1, max_gpus=8,
+                                    cpus_per_rank=rng.choice((0.0, 0.0, 2.0)))
+        if step % 10 == 9:  # the jobs that request drop their requests, or end
+            for job in [j for j in jobs.values() if j.has_requests]:
+                if rng.random() < 0.5:
+                    del jobs[job.job_id]
+                else:
+                    jobs[job.job_id] = make_job(job.job_id, gpus=1, min_gpus=1, max_gpus=8)
+        snap = make_snapshot(nodes, list(jobs.values()))
+        if last is not None and rng.random() < 0.9:
+            before = {j.job_id: j for j in last.jobs}
+            snap = dataclasses.replace(snap, jobs_changed=ChangedSince(last.jobs, snap.jobs, {
+                j: jobs.get(j) for j in before.keys() | jobs.keys() if before.get(j) is not jobs.get(j)}))
+        assert rank_requests._any_requests(snap) == any(j.has_requests for j in jobs.values()), step
+        if not any(j.has_requests for j in jobs.values()):
+            assert within_reach(snap) is snap
+            without += 1
+        last = snap
+    assert without > 20, without
