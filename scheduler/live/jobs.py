@@ -51,7 +51,7 @@ class KnownJobs:
         self._whole: asyncio.Future[tuple[list[common_pb2.Job], timestamp_pb2.Timestamp | None]] | None = None
         self._touched: set[str] = set()
         # The jobs whose entry among the active changed (set, replaced or dropped) since the last
-        # refresh returned; None: any may have (a whole read was merged).
+        # refresh returned (a whole read merged counts those it changed); None before the first.
         self._changed: set[str] | None = None
         self._appended: set[str] = set()  # of those, the ones added to the active jobs as new entries (last)
         # What the last refresh returned, for the parts that follow the active jobs by their
@@ -210,21 +210,35 @@ class KnownJobs:
     def _merge_whole(self, jobs: list[common_pb2.Job], touched: set[str]) -> None:
         """A whole read: every active job as of its start. A job this scheduler learnt of since
         (``touched``) is as it knows it, active or ended; one it knows that the read lacks and it
-        did not touch ended or went away before the read."""
+        did not touch ended or went away before the read.
+
+        The jobs known here keep their order and, where the read has them as they are known
+        (same version, equal message), their message: what changed is then known by identity,
+        and followers take a whole read like any other refresh, not as 20,000 changes. The jobs
+        new to this scheduler go last, in the read's order."""
+        read = {job.id: job for job in jobs}
+        before = self._active
         fresh: dict[str, common_pb2.Job] = {}
-        for job in jobs:
-            known = self._active.get(job.id)
-            if job.id in touched:
-                if known is not None:
-                    fresh[job.id] = known
+        for job_id, known in before.items():
+            if job_id in touched:  # submitted, moved or reported while the read ran
+                fresh[job_id] = known
                 continue
-            fresh[job.id] = known if known is not None and known.state_version > job.state_version else job
-        for job_id in touched:  # submitted or started while the read ran
-            if job_id not in fresh and job_id in self._active:
-                fresh[job_id] = self._active[job_id]
+            job = read.get(job_id)
+            if job is None:
+                continue  # ended or went away before the read
+            if known.state_version > job.state_version or (known.state_version == job.state_version and known == job):
+                fresh[job_id] = known
+            else:
+                fresh[job_id] = job
+        for job_id, job in read.items():
+            if job_id not in fresh and job_id not in touched and job_id not in before:
+                fresh[job_id] = job
+                self._appended.add(job_id)
+        if self._changed is not None:
+            self._changed.update(job_id for job_id, job in fresh.items() if before.get(job_id) is not job)
+            self._changed.update(job_id for job_id in before if job_id not in fresh)
         self._active = fresh
         self._others.clear()
-        self._changed = None
         self.full_reads += 1
 
     def _advance(self, read_at: timestamp_pb2.Timestamp | None) -> None:

@@ -216,7 +216,8 @@ def test_a_move_answered_state_only_keeps_the_spec_and_the_newest_progress_known
 def test_changes_name_every_job_whose_entry_changed_since_the_last_refresh(monkeypatch) -> None:
     """A part that follows the active jobs by ``changes`` alone (the job gauges) holds what a
     pass over every job would, through random moves, reports, submissions, store changes and
-    periodic whole reads (after which ``changes`` is None: take them all)."""
+    periodic whole reads (which say what they changed too; ``changes`` is None after the first
+    read only), in the same order and by identity."""
     def gauges() -> dict[str, float]:
         return {f"{s.name}/{s.labels.get('state')}/{s.labels.get('tenant')}": s.value for m in REGISTRY.collect()
                 if m.name in ("silod_scheduler_jobs", "silod_scheduler_oldest_pending_job_age_seconds")
@@ -237,7 +238,7 @@ def test_changes_name_every_job_whose_entry_changed_since_the_last_refresh(monke
         monkeypatch.setattr(jobs_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
         known = KnownJobs(Clients(md=md), full_every_s=30, overlap_s=0)
         mirror: dict[str, common_pb2.Job] = {}
-        followed = 0
+        followed = merged = 0
         for step in range(300):
             action = rng.random()
             job_id = f"job-{rng.randrange(30)}"
@@ -253,7 +254,7 @@ def test_changes_name_every_job_whose_entry_changed_since_the_last_refresh(monke
             elif action < 0.75:
                 md.now += 1
             else:
-                before = known.last_active
+                before, reads = known.last_active, known.full_reads
                 jobs = await known.refresh()
                 assert known.last_active == {j.id: j for j in jobs}
                 if known.changes is None:
@@ -261,6 +262,7 @@ def test_changes_name_every_job_whose_entry_changed_since_the_last_refresh(monke
                     mirror = dict(known.last_active)
                 else:
                     followed += 1
+                    merged += known.full_reads > reads
                     hint = known.changed_since
                     assert hint is not None and hint.follows(before, known.last_active)
                     assert hint.entries.keys() == known.changes
@@ -286,5 +288,6 @@ def test_changes_name_every_job_whose_entry_changed_since_the_last_refresh(monke
                 clock[0] += 30  # a whole read is due: it starts at the next refresh, merged at one after
             await asyncio.sleep(0)
         assert followed > 20  # most refreshes were followed by their changes
+        assert merged >= 2, "whole reads merged were followed by their changes too"
 
     asyncio.run(scenario())
