@@ -76,6 +76,16 @@ class Cluster:
         return ClusterSnapshot(time_s=time_s, nodes=nodes, jobs=tuple(self.infos.values()),
                                current=convert.plan_from_proto(base))
 
+    def move_on(self, plan: plan_pb2.AllocationPlan) -> None:
+        """The round after ``plan``: a few placed jobs end, some arrive, some messages change."""
+        placed = [e.job_id for e in plan.jobs if e.placements]
+        for job_id in self.rng.sample(placed, min(3, len(placed))):
+            self.leave(job_id)
+        for _ in range(self.rng.randint(0, 4)):
+            self.arrive()
+        for job_id in self.rng.sample(sorted(self.messages), 3):
+            self.touch(job_id)
+
     def node_messages(self) -> list[common_pb2.Node]:
         return [common_pb2.Node(spec=common_pb2.NodeSpec(name=f"node-{k:03d}", gpus=4, gpu_type=self.types[k]))
                 for k in range(self.nodes)]
@@ -128,13 +138,7 @@ def test_incremental_plans_equal_whole_plans_round_after_round(policy_name: str)
         built.version = round_number
         convert.remember_placements(built, incremental.placements)
         base = built
-        placed = [e.job_id for e in base.jobs if e.placements]
-        for job_id in rng.sample(placed, min(3, len(placed))):
-            cluster.leave(job_id)
-        for _ in range(rng.randint(0, 4)):
-            cluster.arrive()
-        for job_id in rng.sample(sorted(cluster.messages), 3):
-            cluster.touch(job_id)
+        cluster.move_on(base)
         if round_number % 8 == 0:  # a node changes type: every entry's context changes
             k = rng.randrange(cluster.nodes)
             cluster.types[k] = "p100" if cluster.types[k] == "v100" else "v100"
@@ -204,13 +208,7 @@ def test_plans_that_follow_the_hints_equal_whole_plans(policy_name: str) -> None
         convert.remember_placements(built, incremental.placements)
         committed.append((base, built, incremental.changes))
         base, last_messages, last_jobs = built, messages, snap.jobs
-        placed = [e.job_id for e in base.jobs if e.placements]
-        for job_id in rng.sample(placed, min(3, len(placed))):
-            cluster.leave(job_id)
-        for _ in range(rng.randint(0, 4)):
-            cluster.arrive()
-        for job_id in rng.sample(sorted(cluster.messages), 3):
-            cluster.touch(job_id)
+        cluster.move_on(base)
     followed = [n for n in looked if n is not None]
     if policy_name == "fifo":  # from its queue on (the third round), the whole chain gives hints
         assert len(followed) >= 18 and max(followed) < 40, looked
