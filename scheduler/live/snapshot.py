@@ -111,9 +111,10 @@ class SnapshotBuilder:
             cached = await probe.cached_bytes(nodes.with_gpus)
         # What each running job's nodes cached since its epoch began: no hits for it yet (the
         # same rule as the simulator's, scheduler.data_grants.EpochStarts).
+        held = current.allocations
         fresh = self._epoch_starts.fresh(cached, (
             (j.id, j.spec.dataset, j.progress.epochs_done, [n for n, _ in held[j.id].placement] if j.id in held else [])
-            for j in matched.training_jobs())) if silod and probe is not None and (held := current.allocations) is not None else {}
+            for j in matched.training_jobs())) if silod and probe is not None else {}
         snap = ClusterSnapshot(
             time_s=time.time(), nodes=infos, jobs=job_infos, current=current,
             restart_cost_s=self.restart_cost_s, interval_s=self.interval_s,
