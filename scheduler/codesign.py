@@ -46,6 +46,7 @@ from typing import Literal
 import numpy as np
 
 from estimator.predict import ModelTable, predict
+from scheduler.node_memo import of_nodes
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan
 from scheduler.rank_requests import NodeRoom
 
@@ -57,22 +58,8 @@ REDRAWS = 3      # re-admissions without starved jobs per round
 
 def is_active(snapshot: ClusterSnapshot) -> bool:
     """Whether the snapshot has data resources to manage (cache somewhere or a finite IO budget)."""
-    return math.isfinite(snapshot.storage_bandwidth_bytes_per_s) or _any_cache(snapshot.nodes)
-
-
-# The last node tuple asked about and whether a node of it has cache: a live round asks three
-# times about the same 5,000 nodes, and the tuple stays the same object while no node changes.
-_CACHE_OF: tuple[tuple | None, bool] = (None, False)
-
-
-def _any_cache(nodes: tuple) -> bool:
-    global _CACHE_OF
-    seen, any_cache = _CACHE_OF
-    if seen is not nodes:
-        any_cache = any(n.cache_capacity_bytes > 0 for n in nodes)
-        if type(nodes) is tuple:  # kept for what cannot change in place
-            _CACHE_OF = (nodes, any_cache)
-    return any_cache
+    return math.isfinite(snapshot.storage_bandwidth_bytes_per_s) or of_nodes(
+        snapshot.nodes, "any_cache", lambda nodes: any(n.cache_capacity_bytes > 0 for n in nodes))
 
 
 def node_shares(placement: Placement) -> dict[str, float]:

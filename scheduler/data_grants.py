@@ -27,6 +27,7 @@ import math
 from collections.abc import Collection, Iterable, Mapping
 
 from scheduler import codesign as co
+from scheduler.node_memo import of_nodes
 from scheduler.policy import Allocation, ClusterSnapshot, Plan
 from scheduler.quotas import bound_data
 
@@ -269,7 +270,7 @@ class GrantCheck:
                     io += sign * rate
                 else:
                     odd[math.isnan(rate)] += int(sign)
-        by_name = _nodes_by_name(nodes)
+        by_name = of_nodes(nodes, "by_name", lambda nodes: {n.name: n for n in nodes})
         total = math.nan if odd[True] else math.inf if odd[False] else io
         budget = snapshot.storage_bandwidth_bytes_per_s
         if any(name not in by_name or held[name] > by_name[name].cache_capacity_bytes * (1 + 1e-9) for name in touched) \
@@ -291,15 +292,3 @@ def _summed(allocations: Iterable[Allocation]) -> tuple[dict[str, float], float,
         else:
             odd[math.isnan(rate)] += 1
     return held, io, odd
-
-
-_BY_NAME: tuple[tuple | None, dict] = (None, {})
-
-
-def _nodes_by_name(nodes: tuple) -> dict:
-    global _BY_NAME
-    seen, by_name = _BY_NAME
-    if seen is not nodes:
-        by_name = {n.name: n for n in nodes}
-        _BY_NAME = (nodes, by_name)
-    return by_name

@@ -11,19 +11,16 @@ Untyped nodes (``gpu_type`` "") form one type of their own.
 
 from __future__ import annotations
 
-import threading
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Pool
+from scheduler.node_memo import of_nodes
+from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, NodeInfo, Pool
 
 if TYPE_CHECKING:
     from scheduler.placement import Placement
 
-_LOCK = threading.Lock()
-_KINDS_KEPT = 16
-_BY_TYPE: dict[tuple[int, tuple], tuple[tuple, dict[str, int]]] = {}
 
 
 def type_preferences(
@@ -147,19 +144,15 @@ def gpus_by_type(snapshot: ClusterSnapshot, pools: Iterable[Pool] = ("training",
     """GPU type -> GPUs of the nodes of ``pools``, types in the order of their first node
     (read-only: one mapping per node tuple and pools, shared by the rounds that ask)."""
     pools = tuple(pools)
-    key = (id(snapshot.nodes), pools)
-    found = _BY_TYPE.get(key)
-    if found is not None and found[0] is snapshot.nodes:
-        return found[1]
-    by_type: dict[str, int] = {}
-    for node in snapshot.nodes:
-        if node.pool in pools:
-            by_type[node.gpu_type] = by_type.get(node.gpu_type, 0) + node.gpus
-    with _LOCK:
-        if len(_BY_TYPE) >= _KINDS_KEPT:
-            _BY_TYPE.pop(next(iter(_BY_TYPE)))
-        _BY_TYPE[key] = (snapshot.nodes, by_type)  # the entry holds the tuple: its id stays its own
-    return by_type
+
+    def by_type(nodes: tuple[NodeInfo, ...]) -> dict[str, int]:
+        gpus: dict[str, int] = {}
+        for node in nodes:
+            if node.pool in pools:
+                gpus[node.gpu_type] = gpus.get(node.gpu_type, 0) + node.gpus
+        return gpus
+
+    return of_nodes(snapshot.nodes, ("gpus_by_type", pools), by_type)
 
 
 def slowest_type(job: JobInfo, gpu_types: Iterable[str]) -> str:
@@ -181,15 +174,6 @@ def placement_type(placement: Placement, node_types: Mapping[str, str], job: Job
 
 def node_types(snapshot: ClusterSnapshot) -> Mapping[str, str]:
     """Node name -> GPU type (read-only: one mapping per node tuple, shared by the rounds that use it)."""
-    found = _KINDS.get(id(snapshot.nodes))
-    if found is not None and found[0] is snapshot.nodes:
-        return found[1]
-    kinds = {node.name: node.gpu_type for node in snapshot.nodes}
-    with _LOCK:
-        if len(_KINDS) >= _KINDS_KEPT:
-            _KINDS.pop(next(iter(_KINDS)))
-        _KINDS[id(snapshot.nodes)] = (snapshot.nodes, kinds)  # the entry holds the tuple: its id stays its own
-    return kinds
+    return of_nodes(snapshot.nodes, "node_types", lambda nodes: {node.name: node.gpu_type for node in nodes})
 
 
-_KINDS: dict[int, tuple[tuple, dict[str, str]]] = {}
