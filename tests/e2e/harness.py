@@ -213,7 +213,8 @@ class Cluster:
         try:
             return wait_until(done, timeout, "every job to finish", interval=0.2)
         except AssertionError:
-            states = {j.name: common_pb2.JobState.Name(j.state) for j in self.all_jobs()}
+            states = {j.spec.name: (common_pb2.JobState.Name(j.state), j.message, j.progress.samples_done)
+                      for j in self.all_jobs()}
             raise AssertionError(f"jobs not finished after {timeout:g}s: {states}") from None
 
     def resumes(self, job_id: str) -> list[tuple[int, int, float]]:
