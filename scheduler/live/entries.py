@@ -141,6 +141,13 @@ class EntryBuilder:
             upserts = {e.job_id: e for e in proto.jobs if old.get(e.job_id) != e}
             removals = tuple(job_id for job_id in old if job_id not in placements)
             self.changes = EntryChanges(upserts, removals, {j: old[j] for j in (*upserts, *removals) if j in old})
+            if not self.changes and order != [e.job_id for e in base.jobs]:
+                # Only the order differs (a plan read from the store is in the store's order):
+                # the plan built takes the base's, so that the next round's patch, on either of
+                # them, finds each job's entry at the position its index says.
+                del proto.jobs[:]
+                _copy_entries(proto, base)
+                order = [e.job_id for e in proto.jobs]
         self._last = _Built(proto, base if base is not None and not self.changes else None, context, node_types, inputs,
                             {job_id: k for k, job_id in enumerate(order)}, order, rank0,
                             rebuild={job_id for job_id in order if job_id not in inputs})

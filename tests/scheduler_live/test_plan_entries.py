@@ -243,6 +243,36 @@ def test_a_plan_not_built_here_is_built_whole() -> None:
     assert len(planner.changes.removals) == 1
 
 
+def test_a_plan_in_force_in_the_stores_order_is_followed_by_job_not_by_position() -> None:
+    """A restarted scheduler's plan in force is read from the store, its entries in the store's
+    order, not in the order of the jobs. A round that changes nothing leaves it in force; the next
+    round's entries built from it must find each job's entry where that plan has it (found in a
+    restart test: the entries of other jobs were overwritten and removed, so a running job's
+    entry vanished from the scheduler's plan and its end was never taken in)."""
+    cluster, _, usable, first = _first_plan(seed=3)
+    from_store = plan_pb2.AllocationPlan()
+    from_store.CopyFrom(first)
+    entries_in_store_order = [plan_pb2.JobAllocation.FromString(e.SerializeToString())
+                              for e in sorted(first.jobs, key=lambda e: e.job_id, reverse=True)]
+    del from_store.jobs[:]
+    from_store.jobs.extend(entries_in_store_order)
+    restarted = _planner("fifo")
+    jobs = list(cluster.messages.values())
+    restarted.plan(cluster.snapshot(from_store, 2.0), jobs, usable, base=from_store, busy={},
+                   restarting=frozenset(), reason="test")
+    assert not restarted.changes  # nothing to commit: the plan read stays in force
+    for job_id in [e.job_id for e in first.jobs if e.placements][:2]:
+        cluster.leave(job_id)
+    jobs = list(cluster.messages.values())
+    snap = cluster.snapshot(from_store, 3.0)
+    second = restarted.plan(snap, jobs, usable, base=from_store, busy={}, restarting=frozenset(), reason="test")
+    whole = _planner("fifo").plan(snap, jobs, usable, base=from_store, busy={}, restarting=frozenset(), reason="test")
+    assert _by_job(second) == _by_job(whole)
+    assert {j: e.SerializeToString(deterministic=True) for j, e in restarted.changes.upserts.items()} == \
+        {j: b for j, b in _by_job(whole).items() if _by_job(from_store).get(j) != b}
+    assert set(restarted.changes.removals) == set(_by_job(from_store)) - set(_by_job(whole))
+
+
 def test_many_changes_build_every_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the share of changed jobs a patch is worth, the builder builds the plan whole."""
     monkeypatch.setattr(entries, "PATCH_ALWAYS_UP_TO", 0)
