@@ -9,6 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -51,6 +52,11 @@ class TaskReports:
     async def report(self, request: allocation_pb2.ReportTasksRequest) -> list[str]:
         """Apply one node's report; the exits it acknowledges (``job/rank/generation``)."""
         node = request.node
+        if request.applied_plan_version > self.plans.latest_version:
+            # The node runs a plan this scheduler has not read (a commit of the leader before a
+            # restart, landed after this one's first read): its tasks' generations are that plan's.
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.plans.refresh()
         holders: dict[int, str] = {}
         live_held: set[tuple[str, int]] = set()
         for t in request.tasks:
@@ -65,37 +71,43 @@ class TaskReports:
         if self.releases.proven_by_report(node, request.applied_plan_version, live_held):
             self._trigger("release")
 
-        acknowledged: list[str] = []
         by_job: dict[str, list[allocation_pb2.TaskReport]] = {}
         for t in request.tasks:
             by_job.setdefault(t.job_id, []).append(t)
-        applying = []
+        applying: dict[str, Awaitable[_Applied]] = {}
+        generations: dict[str, int] = {}
         for job_id, mine in by_job.items():
             entry = self.plans.allocation(job_id)
-            generation = entry.generation if entry is not None else -1
-            current = [t for t in mine if t.generation == generation]
+            generations[job_id] = entry.generation if entry is not None else -1
+            current = [t for t in mine if t.generation == generations[job_id]]
             if current:
-                applying.append(self._apply(job_id, entry, current, node))
-            acknowledged.extend(f"{t.job_id}/{t.rank}/{t.generation}" for t in mine
-                                if t.phase == allocation_pb2.TASK_PHASE_EXITED)
+                applying[job_id] = self._apply(job_id, entry, current, node)
         # The node's jobs are independent of one another: applied together, their writes join
         # the same batches, and the report waits for one write rather than one per job.
-        if any(await asyncio.gather(*applying)):
+        applied = dict(zip(applying, await asyncio.gather(*applying.values())))
+        if any(outcome.moved for outcome in applied.values()):
             self._trigger("completion")
-        return acknowledged
+        # An exit is acknowledged (and so never reported again) once it is taken in: one of a
+        # generation no longer placed is of no use, one of the current generation is acknowledged
+        # only when its job was read and moved as the exit says. Otherwise the agent repeats it:
+        # acknowledged without its move, a finished job would stay RUNNING for good.
+        return [f"{t.job_id}/{t.rank}/{t.generation}" for job_id, mine in by_job.items() for t in mine
+                if t.phase == allocation_pb2.TASK_PHASE_EXITED
+                and (t.generation != generations[job_id] or applied[job_id].settled)]
 
-    async def _apply(self, job_id: str, entry: plan_pb2.JobAllocation, reports: list, node: str) -> bool:
-        """Apply the reports of the job's current generation; whether the job finished or restarts."""
+    async def _apply(self, job_id: str, entry: plan_pb2.JobAllocation, reports: list, node: str) -> _Applied:
+        """Apply the reports of the job's current generation."""
         md = self.clients.md
         job = self.jobs.get(job_id)
         if job is None:  # not in the last snapshot (this scheduler just started): read it once
             try:
                 job = await md.GetJob(metadata_pb2.GetJobRequest(job_id=job_id))
-            except grpc.aio.AioRpcError:
-                return False
+            except grpc.aio.AioRpcError as exc:
+                # NOT_FOUND: deleted, nothing left to move. Else its exits come back next report.
+                return _Applied(moved=False, settled=exc.code() == grpc.StatusCode.NOT_FOUND)
             self.jobs.saw(job)
         if job.state in TERMINAL_STATES:
-            return False
+            return _Applied(moved=False, settled=True)
         rank0 = next((t for t in reports if t.rank == 0), None)
         allocated_sent = False
         if rank0 is not None and (rank0.progress.ByteSize() or rank0.step_time_s):
@@ -132,15 +144,16 @@ class TaskReports:
                                                                                message=why))
             _log.warning("a rank ended for a restart; the job restarts from its checkpoint",
                          extra={"job_id": job_id, "rank": failed.rank, "node": node, "restart": count})
-            return True
+            return _Applied(moved=True, settled=True)
         if failed is not None and job_id in self.restarts.waiting:
-            return False  # the other ranks of the killed generation fail as their peer vanished
+            # The other ranks of the killed generation fail as their peer vanished.
+            return _Applied(moved=False, settled=True)
         if failed is not None:
             why = f": {failed.exit_reason}" if failed.exit_reason else ""
-            await self._transition(job_id, job.state, common_pb2.JOB_STATE_FAILED,
-                                   f"rank {failed.rank} (generation {failed.generation}) on {node} exited with code "
-                                   f"{failed.exit_code}{why}")
-            return True
+            return await self._moved(job_id, await self._transition(
+                job_id, job.state, common_pb2.JOB_STATE_FAILED,
+                f"rank {failed.rank} (generation {failed.generation}) on {node} exited with code "
+                f"{failed.exit_code}{why}"))
         world = len(convert.ranks_of(entry))
         seen = self.tasks.get((job_id, entry.generation), {})
         all_up = world > 0 and all(
@@ -153,15 +166,34 @@ class TaskReports:
         if state in (common_pb2.JOB_STATE_SCHEDULED, common_pb2.JOB_STATE_RESIZING) and (all_up or rank0_done):
             updated = await self._transition(job_id, state, common_pb2.JOB_STATE_RUNNING,
                                              f"all {world} ranks of generation {entry.generation} running")
-            state = updated.state if updated is not None else state
-            if updated is not None and not allocated_sent:  # a command without the SDK reports no progress
+            if updated is None:  # the copy here was stale: the exits wait for the job as it is
+                return await self._moved(job_id, None)
+            state = updated.state
+            if not allocated_sent:  # a command without the SDK reports no progress
                 await self.progress.write(metadata_pb2.UpdateJobProgressRequest(
                     job_id=job_id, allocated=common_pb2.ResourceVector(gpus=world)), [])
         if state == common_pb2.JOB_STATE_RUNNING and (all_done or rank0_done):
-            await self._transition(job_id, state, common_pb2.JOB_STATE_SUCCEEDED,
-                                   f"generation {entry.generation} finished")
-            return True
-        return False
+            return await self._moved(job_id, await self._transition(
+                job_id, state, common_pb2.JOB_STATE_SUCCEEDED, f"generation {entry.generation} finished"))
+        # Done, but in a state a finish cannot come from (PENDING: the plan's move not made yet):
+        # the exits come back until it can.
+        return _Applied(moved=False, settled=not (all_done or rank0_done))
+
+    async def _moved(self, job_id: str, updated: common_pb2.Job | None) -> _Applied:
+        """The outcome of a move an exit asked for. A refused move (the job was moved elsewhere
+        since the copy here: a cancel, another leader's report, an admin) leaves the exits
+        unacknowledged, and the job is read afresh, so that the agent's next report is applied
+        to it as it is."""
+        if updated is not None:
+            return _Applied(moved=True, settled=True)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            self.jobs.saw(await self.clients.md.GetJob(metadata_pb2.GetJobRequest(job_id=job_id)))
+        return _Applied(moved=False, settled=False)
+
+
+class _Applied(NamedTuple):
+    moved: bool  # the job finished, failed or restarts: a round is due
+    settled: bool  # its current generation's exits may be acknowledged
 
 
 def _now() -> timestamp_pb2.Timestamp:

@@ -213,9 +213,32 @@ class Cluster:
         try:
             return wait_until(done, timeout, "every job to finish", interval=0.2)
         except AssertionError:
+            jobs = self.all_jobs()
             states = {j.spec.name: (common_pb2.JobState.Name(j.state), j.message, j.progress.samples_done)
-                      for j in self.all_jobs()}
-            raise AssertionError(f"jobs not finished after {timeout:g}s: {states}") from None
+                      for j in jobs}
+            raise AssertionError(f"jobs not finished after {timeout:g}s: {states}\n"
+                                 + self._agents_view([j for j in jobs if j.id in ids and j.state not in TERMINAL])
+                                 ) from None
+
+    def _agents_view(self, jobs: list[common_pb2.Job]) -> str:
+        """What the agents hold and logged of ``jobs``: a stall is the scheduler's or the ranks'."""
+        lines = []
+        for job in jobs:
+            for name, agent in self.agents.items():
+                try:
+                    tasks = [t for t in agent.tasks() if t.job_id == job.id]
+                except grpc.RpcError as exc:
+                    lines.append(f"{job.spec.name} on {name}: agent unreachable ({exc.code().name})")
+                    continue
+                for t in tasks:
+                    lines.append(f"{job.spec.name} on {name}: rank {t.rank} generation {t.generation} {t.state}"
+                                 f" exit {t.exit_code} pid {t.pid}")
+                log = agent.log(job.id, 0).splitlines()
+                if log:
+                    lines.append(f"{job.spec.name} rank-0 log on {name}, last lines: {log[-3:]}")
+        if self.scheduler is not None:
+            lines.append(f"scheduler log, last lines: {self.scheduler.log().splitlines()[-5:]}")
+        return "\n".join(lines)
 
     def resumes(self, job_id: str) -> list[tuple[int, int, float]]:
         """(generation, samples resumed at, launch time) of every rank-0 process of the job, by launch

@@ -122,6 +122,91 @@ def test_report_tasks_drive_running_then_succeeded(cluster_any_db) -> None:
     assert cluster.state(job.id) == common_pb2.JOB_STATE_SUCCEEDED
 
 
+def test_an_exit_whose_move_is_refused_is_repeated_until_the_job_finishes(cluster) -> None:
+    # The job moved in the store behind this scheduler's copy (another leader's report, an admin):
+    # the finish the exit asks for is refused against the stale copy. Acknowledged anyway, the
+    # agent would never repeat it and the job would stay RUNNING for good.
+    from silod.v1 import metadata_pb2
+    cluster.add_node("n1", gpus=1)
+    job = cluster.submit("s")
+    plan = cluster.round()
+    gen = _entry(plan, job.id).generation
+    assert cluster.state(job.id) == common_pb2.JOB_STATE_SCHEDULED
+    cluster.md.TransitionJob(metadata_pb2.TransitionJobRequest(
+        job_id=job.id, expected_state=common_pb2.JOB_STATE_SCHEDULED, new_state=common_pb2.JOB_STATE_RUNNING,
+        message="moved elsewhere"))
+    exit_ = allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=gen, phase=EXITED, exit_code=0)
+    first = cluster.report("n1", plan.version, exit_)
+    assert list(first.acknowledged_exits) == []
+    assert cluster.state(job.id) == common_pb2.JOB_STATE_RUNNING
+    again = cluster.report("n1", plan.version, exit_)
+    assert list(again.acknowledged_exits) == [f"{job.id}/0/{gen}"]
+    assert cluster.state(job.id) == common_pb2.JOB_STATE_SUCCEEDED
+
+
+def test_a_report_from_a_plan_newer_than_the_schedulers_reads_that_plan_first(cluster) -> None:
+    # A restarted scheduler read the plan in force just before the killed one's last commit
+    # landed: nodes run that newer plan, and their exits are of its generations, not stale ones.
+    from silod.v1 import metadata_pb2
+    cluster.add_node("n1", gpus=1)
+    job = cluster.submit("g")
+    plan = cluster.round()
+    newer = plan_pb2.AllocationPlan()
+    newer.CopyFrom(plan)
+    newer.version = plan.version + 1
+    entry = _entry(newer, job.id)
+    entry.generation += 1
+    committed = cluster.md.CommitPlan(metadata_pb2.CommitPlanRequest(plan=newer))
+    assert committed.version == newer.version
+    done = cluster.report("n1", newer.version, allocation_pb2.TaskReport(
+        job_id=job.id, rank=0, generation=entry.generation, phase=EXITED, exit_code=0))
+    assert list(done.acknowledged_exits) == [f"{job.id}/0/{entry.generation}"]
+    assert cluster.state(job.id) == common_pb2.JOB_STATE_SUCCEEDED
+
+
+def test_an_exit_is_repeated_while_the_metadata_service_cannot_say_what_the_job_is(cluster) -> None:
+    # A report about a job this scheduler does not know reads it; that read failing must not
+    # acknowledge the exit it came with.
+    cluster.add_node("n1", gpus=1)
+    job = cluster.submit("u")
+    plan = cluster.round()
+    gen = _entry(plan, job.id).generation
+    exit_ = allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=gen, phase=EXITED, exit_code=0)
+    known = cluster.core.jobs
+    unknown = cluster.scheduler.submit(_forget_and_break_reads(known, cluster.core.clients, job.id))
+    try:
+        assert list(cluster.report("n1", plan.version, exit_).acknowledged_exits) == []
+    finally:
+        cluster.scheduler.submit(unknown())
+    assert list(cluster.report("n1", plan.version, exit_).acknowledged_exits) == [f"{job.id}/0/{gen}"]
+    assert cluster.state(job.id) == common_pb2.JOB_STATE_SUCCEEDED
+
+
+async def _forget_and_break_reads(known, clients, job_id: str):
+    """The scheduler's known jobs lack ``job_id`` (as after a restart) and GetJob fails
+    UNAVAILABLE; the function returned puts both back."""
+    known.get = lambda wanted: None if wanted == job_id else type(known).get(known, wanted)
+    real = clients.md
+
+    class Unavailable(grpc.aio.AioRpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down for a test")
+
+    class Breaking:
+        def __getattr__(self, name: str):
+            return getattr(real, name)
+
+        async def GetJob(self, request, **kwargs):  # noqa: N802
+            raise Unavailable()
+
+    clients.md = Breaking()
+
+    async def restore() -> None:
+        clients.md = real
+        del known.get
+    return restore
+
+
 def test_nonzero_exit_fails_the_job(cluster) -> None:
     cluster.add_node("n1", gpus=1)
     job = cluster.submit("f")
