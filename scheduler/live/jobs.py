@@ -237,6 +237,11 @@ class KnownJobs:
         if self._changed is not None:
             self._changed.update(job_id for job_id, job in fresh.items() if before.get(job_id) is not job)
             self._changed.update(job_id for job_id in before if job_id not in fresh)
+        else:
+            # The first read: nothing follows the order yet, and the jobs known before it were
+            # learnt from reports, in the order their nodes reported. The read's order is the
+            # submission order, which the active jobs keep.
+            fresh = {**{job.id: fresh[job.id] for job in jobs if job.id in fresh}, **fresh}
         self._active = fresh
         self._others.clear()
         self.full_reads += 1

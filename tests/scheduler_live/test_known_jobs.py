@@ -97,6 +97,22 @@ def test_whole_read_then_changes_only() -> None:
     asyncio.run(scenario())
 
 
+def test_jobs_learnt_from_reports_before_the_first_read_take_the_submission_order() -> None:
+    # A restarted scheduler reads the jobs its nodes report on before its first round's read.
+    async def scenario() -> None:
+        md = FakeMetadata()
+        for i in range(4):
+            md.put(f"job-{i}", RUNNING, 3)
+        known = KnownJobs(Clients(md=md), full_every_s=3600, overlap_s=0)
+        for job_id in ("job-2", "job-0"):  # as GetJob gave them to the reports
+            known.saw(md.jobs[job_id][0])
+        reported = known.get("job-2")
+        assert _ids(await known.refresh()) == ["job-0", "job-1", "job-2", "job-3"]
+        assert known.get("job-2") is reported  # the same copy, in its place
+
+    asyncio.run(scenario())
+
+
 def test_whole_reads_every_interval_and_from_a_service_without_read_times() -> None:
     async def scenario() -> None:
         md = FakeMetadata(read_time=False)
