@@ -200,9 +200,14 @@ class EntryBuilder:
                 inputs[job_id] = (job, held)
         if len(candidates) + len(removals) > max(PATCH_ALWAYS_UP_TO, PATCH_AT_MOST * len(index)):
             return False
+        base_entries = base.jobs
+        # Every entry is patched where the index says: the index must describe this base.
+        if len(base_entries) != len(index) or any(
+                base_entries[index[job_id]].job_id != job_id
+                for job_id in (*removals, *(job.id for job in candidates)) if job_id in index):
+            return False
 
         placements = self.placements
-        base_entries = base.jobs
         rank0 = last.rank0
         # Rebuild the candidates against their entries in the base (not yet in proto: the copy
         # below is made once they are known, so the base's entries are read, never the copy's).
