@@ -176,14 +176,15 @@ def remaining_time_s(
     jobs: Sequence[JobInfo],
     gpus: Sequence[int] | np.ndarray | None = None,
     *,
+    nodes: Sequence[int] | np.ndarray | None = None,
     pools: Iterable[Pool] = TRAINING,
     codesign: bool = False,
 ) -> np.ndarray:
     """Seconds each job still needs on ``gpus[k]`` GPUs (default: requested): ``remaining_samples / goodput``.
 
-    0 when nothing remains, ``inf`` when the goodput is 0.
+    0 when nothing remains, ``inf`` when the goodput is 0. ``nodes``: as :func:`goodput`'s.
     """
-    return remaining_time(jobs, goodput(snapshot, jobs, gpus, pools=pools, codesign=codesign))
+    return remaining_time(jobs, goodput(snapshot, jobs, gpus, nodes=nodes, pools=pools, codesign=codesign))
 
 
 def remaining_time(jobs: Sequence[JobInfo], rate: np.ndarray) -> np.ndarray:

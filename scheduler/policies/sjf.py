@@ -1,8 +1,10 @@
 """SJF: shortest estimated remaining time first (SRPT when preemptive), rigid and gang-scheduled.
 
-Each job is ranked by its estimated remaining time ``r`` on its requested GPUs
-(:func:`scheduler.policies.estimates.remaining_time_s`: remaining efficiency-weighted
-samples / predicted goodput, GPU-only). Jobs are then admitted in that order, each getting
+Each job is ranked by its estimated remaining time ``r`` on its requested GPUs, packed on as few
+nodes as they allow (:func:`scheduler.policies.estimates.remaining_time_s`: remaining
+efficiency-weighted samples / predicted goodput, GPU-only), whether it runs or waits: a waiting
+job can only be priced on its best placement, and a running job priced on the nodes it got would
+fall behind the waiting jobs it was placed before. Jobs are then admitted in that order, each getting
 ``job.requested`` GPUs or none (:func:`~scheduler.policies.estimates.admit_in_order`, so a
 job that does not fit is skipped and smaller ones behind it may backfill).
 
@@ -46,7 +48,11 @@ class SjfPolicy:
         jobs = snapshot.jobs
         if not jobs:
             return Plan()
-        remaining = remaining_time_s(snapshot, jobs, codesign=self.codesign)
+        # Every job priced packed, running or not: a waiting job's estimate can only assume its
+        # best placement, and a running job priced on the nodes it was spread over would rank
+        # below the waiting jobs it had ranked above, be preempted, rank above them again once
+        # waiting (packed), and so on round after round.
+        remaining = remaining_time_s(snapshot, jobs, nodes=np.zeros(len(jobs), dtype=np.int64), codesign=self.codesign)
         if self.preemptive:
             key = remaining + np.where(in_place(snapshot, jobs), 0.0, snapshot.restart_cost_s)
             return rigid_plan(snapshot, sorted_by(jobs, key), codesign=self.codesign)
