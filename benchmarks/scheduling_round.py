@@ -23,7 +23,11 @@ jobs refitted from their own steps are), so no two jobs are alike under either o
 Each policy is called once to warm up (profile loading, imports), then ``--runs`` timed
 calls; the table shows the median and the slowest call (wall time), the median CPU time of
 the process (what a call costs on an idle core; on a shared machine wall time is larger), how
-many jobs got GPUs and how many GPUs were handed out, then the load average. With gavel, a line
+many jobs got GPUs and how many GPUs were handed out, how many allocations the policy changes
+when asked again with its own plan in force and nothing else changed, and once more after that
+(0, 0: the plan stands until something changes; n, 0: it settles after one round, as policies
+that re-balance the plan they started from do; both above 0: jobs are moved, and restarted,
+round after round), then the load average. With gavel, a line
 gives its level (the lowest normalized rate the LP guarantees every job) and, from the price
 solver, an upper bound on the unpartitioned LP's level, so the gap to it (target: at most 1 %);
 ``--check-level`` solves the unpartitioned LP too (HiGHS; slow) and prints the measured gap.
@@ -38,6 +42,7 @@ reuses one); the benchmark forgets them before every timed call, so each call so
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import statistics
@@ -113,8 +118,11 @@ def build_snapshot(jobs: int, nodes: int, gpus_per_node: int, seed: int = 0, gpu
 
 
 def time_policy(name: str, snapshot: ClusterSnapshot, runs: int,
-                options: dict | None = None) -> tuple[float, float, float, int, int]:
-    """``(median wall s, slowest wall s, median CPU s, jobs placed, GPUs used)`` of ``runs`` rounds.
+                options: dict | None = None) -> tuple[float, float, float, int, int, tuple[int, int]]:
+    """``(median wall s, slowest wall s, median CPU s, jobs placed, GPUs used, changed again)`` of
+    ``runs`` rounds; the last: the allocations the policy changes when asked again with its own
+    plan in force and nothing else changed, and again after that (0, 0: the plan stands; n, 0: it
+    settles after one round; both above 0: it moves jobs round after round).
 
     CPU time is the process's (every thread): what the round costs on an idle core. On a
     machine shared with other work the wall time is that times the share of a core it gets.
@@ -131,7 +139,13 @@ def time_policy(name: str, snapshot: ClusterSnapshot, runs: int,
         cpu.append(time.process_time() - cpu_start)
     running = sum(1 for a in plan.allocations.values() if a.gpus)
     gpus = sum(a.gpus for a in plan.allocations.values())
-    return statistics.median(timings), max(timings), statistics.median(cpu), running, gpus
+    changed = []
+    for _ in range(2):
+        again = policy.schedule(dataclasses.replace(snapshot, current=plan))
+        changed.append(sum(1 for job_id in plan.allocations.keys() | again.allocations.keys()
+                           if plan.get(job_id) != again.get(job_id)))
+        plan = again
+    return statistics.median(timings), max(timings), statistics.median(cpu), running, gpus, (changed[0], changed[1])
 
 
 def compare_partitions(snapshot: ClusterSnapshot, counts: list[int], runs: int, options: dict | None = None) -> None:
@@ -236,10 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_partitions:
         compare_partitions(snapshot, [int(p) for p in args.compare_partitions.split(",")], args.runs, options)
         return 0
-    print(f"{'policy':<12} {'median s':>9} {'max s':>8} {'CPU s':>7} {'jobs placed':>12} {'GPUs used':>10}")
+    print(f"{'policy':<12} {'median s':>9} {'max s':>8} {'CPU s':>7} {'jobs placed':>12} {'GPUs used':>10} "
+          f"{'changed again':>14}")
     for name in names:
-        median, worst, cpu, running, gpus = time_policy(name, snapshot, args.runs, options)
-        print(f"{name:<12} {median:>9.3f} {worst:>8.3f} {cpu:>7.3f} {running:>12d} {gpus:>10d}")
+        median, worst, cpu, running, gpus, again = time_policy(name, snapshot, args.runs, options)
+        print(f"{name:<12} {median:>9.3f} {worst:>8.3f} {cpu:>7.3f} {running:>12d} {gpus:>10d} "
+              f"{f'{again[0]}, {again[1]}':>14}")
     if "gavel" in names:
         gavel_level(snapshot, options, args.check_level)
     print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
