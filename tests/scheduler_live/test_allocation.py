@@ -127,10 +127,7 @@ def test_an_exit_whose_move_is_refused_is_repeated_until_the_job_finishes(cluste
     # the finish the exit asks for is refused against the stale copy. Acknowledged anyway, the
     # agent would never repeat it and the job would stay RUNNING for good.
     from silod.v1 import metadata_pb2
-    cluster.add_node("n1", gpus=1)
-    job = cluster.submit("s")
-    plan = cluster.round()
-    gen = _entry(plan, job.id).generation
+    job, plan, gen = _one_job_placed(cluster, "s")
     assert cluster.state(job.id) == common_pb2.JOB_STATE_SCHEDULED
     cluster.md.TransitionJob(metadata_pb2.TransitionJobRequest(
         job_id=job.id, expected_state=common_pb2.JOB_STATE_SCHEDULED, new_state=common_pb2.JOB_STATE_RUNNING,
@@ -148,9 +145,7 @@ def test_a_report_from_a_plan_newer_than_the_schedulers_reads_that_plan_first(cl
     # A restarted scheduler read the plan in force just before the killed one's last commit
     # landed: nodes run that newer plan, and their exits are of its generations, not stale ones.
     from silod.v1 import metadata_pb2
-    cluster.add_node("n1", gpus=1)
-    job = cluster.submit("g")
-    plan = cluster.round()
+    job, plan, _ = _one_job_placed(cluster, "g")
     newer = plan_pb2.AllocationPlan()
     newer.CopyFrom(plan)
     newer.version = plan.version + 1
@@ -167,10 +162,7 @@ def test_a_report_from_a_plan_newer_than_the_schedulers_reads_that_plan_first(cl
 def test_an_exit_is_repeated_while_the_metadata_service_cannot_say_what_the_job_is(cluster) -> None:
     # A report about a job this scheduler does not know reads it; that read failing must not
     # acknowledge the exit it came with.
-    cluster.add_node("n1", gpus=1)
-    job = cluster.submit("u")
-    plan = cluster.round()
-    gen = _entry(plan, job.id).generation
+    job, plan, gen = _one_job_placed(cluster, "u")
     exit_ = allocation_pb2.TaskReport(job_id=job.id, rank=0, generation=gen, phase=EXITED, exit_code=0)
     known = cluster.core.jobs
     unknown = cluster.scheduler.submit(_forget_and_break_reads(known, cluster.core.clients, job.id))
@@ -180,6 +172,14 @@ def test_an_exit_is_repeated_while_the_metadata_service_cannot_say_what_the_job_
         cluster.scheduler.submit(unknown())
     assert list(cluster.report("n1", plan.version, exit_).acknowledged_exits) == [f"{job.id}/0/{gen}"]
     assert cluster.state(job.id) == common_pb2.JOB_STATE_SUCCEEDED
+
+
+def _one_job_placed(cluster, name: str) -> tuple[common_pb2.Job, plan_pb2.AllocationPlan, int]:
+    """A job placed on n1's one GPU by a round: the job, the plan and its generation there."""
+    cluster.add_node("n1", gpus=1)
+    job = cluster.submit(name)
+    plan = cluster.round()
+    return job, plan, _entry(plan, job.id).generation
 
 
 async def _forget_and_break_reads(known, clients, job_id: str):
