@@ -163,6 +163,7 @@ class SchedulerCore:
     def _forget_finished(self, active: set[str]) -> None:
         self.models.forget_finished(active)
         self.feedback.forget_finished(active)
+        self.reports.forget_finished(active)
 
     async def warm_up(self, applications: Iterable[str] | None = None) -> None:
         await self.models.warm_up(applications)

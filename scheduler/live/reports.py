@@ -49,6 +49,11 @@ class TaskReports:
         self._trigger = trigger
         self.tasks: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}  # (job, generation) -> rank -> (phase, exit)
 
+    def forget_finished(self, active: set[str]) -> None:
+        """Drop the rank phases of jobs no longer active (a long-lived scheduler sees millions)."""
+        for key in [key for key in self.tasks if key[0] not in active]:
+            del self.tasks[key]
+
     async def report(self, request: allocation_pb2.ReportTasksRequest) -> list[str]:
         """Apply one node's report; the exits it acknowledges (``job/rank/generation``)."""
         node = request.node

@@ -120,6 +120,10 @@ def test_report_tasks_drive_running_then_succeeded(cluster_any_db) -> None:
                           allocation_pb2.TaskReport(job_id=job.id, rank=1, generation=gen, phase=EXITED, exit_code=0))
     assert set(done.acknowledged_exits) == {f"{job.id}/0/{gen}", f"{job.id}/1/{gen}"}
     assert cluster.state(job.id) == common_pb2.JOB_STATE_SUCCEEDED
+    # The ranks' phases are kept while the job is active, and forgotten by the round after its end.
+    assert (job.id, gen) in cluster.core.reports.tasks
+    cluster.round()
+    assert not [key for key in list(cluster.core.reports.tasks) if key[0] == job.id]
 
 
 def test_an_exit_whose_move_is_refused_is_repeated_until_the_job_finishes(cluster) -> None:
