@@ -208,8 +208,10 @@ async def time_round(metadata_addr: str, policy: str, nodes: int, metadata_pid: 
             started = time.perf_counter()
             await core.run_round("benchmark")
             phases = dict(getattr(core, "last_round_seconds", {}))
-            queue = getattr(core.policy, "queue", None)  # fifo's kept queue: did the round use it?
-            if hasattr(queue, "why_whole"):
+            # fifo's kept queue, sjf's and tiresias' kept ranks: did the round use them?
+            queue = next((getattr(core.policy, name) for name in ("queue", "ranked")
+                          if hasattr(getattr(core.policy, name, None), "why_whole")), None)
+            if queue is not None:
                 phases["policy from its queue" if queue.last_call == "queue" else f"whole pass ({queue.why_whole})"] = -1
             steady.append((time.perf_counter() - started,
                            cpu_seconds(os.getpid()) + cpu_seconds(metadata_pid) - cpu_before, phases))

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 
 from scheduler.placement import FreeGpus, Placement, fresh_placement, gpu_allocation, node_types
 from scheduler.policy import Allocation, ChangedSince, ClusterSnapshot, JobInfo, Plan
+from scheduler.policies.snapshot_changes import changes_since
 
 WholePass = Callable[[ClusterSnapshot], dict[str, Placement]]
 
@@ -107,48 +108,21 @@ class FifoQueue:
             return self._whole_because("datasets cached")
         jobs = queue.jobs
         queue.touched = set()
-        # Which jobs to look at: those the snapshot's hints name, where they follow what this
-        # queue saw last; else every job, each compared with what it was.
-        hint = snapshot.jobs_changed
-        changed_jobs = hint.entries if hint is not None and hint.follows(queue.seen_jobs, snapshot.jobs) else None
+        changes = changes_since(jobs, queue.seen_jobs, queue.seen_current, snapshot)
         current = snapshot.current.allocations
-        held_hint = snapshot.current.changed
-        changed_held = held_hint.entries if held_hint is not None and held_hint.follows(queue.seen_current, current) \
-            else None
-        if changed_jobs is not None:
-            seen = dict(jobs)
-            for job_id, job in changed_jobs.items():
-                if job is None:
-                    seen.pop(job_id, None)
-                else:
-                    seen[job_id] = job
-            arrivals = ((job_id, job) for job_id, job in changed_jobs.items() if job is not None)
-        else:
-            seen = {job.job_id: job for job in snapshot.jobs}
-            arrivals = ((job_id, job) for job_id, job in seen.items() if jobs.get(job_id) is not job)
-        for job_id, job in arrivals:
+        for job_id, job in changes.changed:
             before = jobs.get(job_id)
-            if before is job:
-                continue
             if before is None:
                 if job.has_requests or not job.allows(queue.gpu_type):
                     return self._whole_because(f"{job_id} requests cores or memory, or not the nodes' GPU type")
             elif not _same_to_fifo(before, job):
                 return self._whole_because(f"{job_id} changed its arrival, bounds or types")
         # Jobs that left, started, stopped or moved: the free GPUs and the waiting list follow.
-        if changed_jobs is not None:
-            left = [job_id for job_id, job in changed_jobs.items() if job is None and job_id in jobs]
-        else:
-            left = [j for j in jobs if j not in seen] if len(seen) != len(jobs) or any(j not in seen for j in jobs) else []
-        for job_id in left:
+        for job_id in changes.left:
             if not _stop(queue, job_id, jobs[job_id]):
                 return self._whole_because(f"{job_id} held GPUs not taken")
         running = queue.running
-        if changed_jobs is not None and changed_held is not None:
-            # Any other job is as it was, and so is what it holds: it runs or waits as it did.
-            looked = [(job_id, seen[job_id]) for job_id in sorted({*changed_jobs, *changed_held}) if job_id in seen]
-        else:
-            looked = list(seen.items())
+        seen, looked = changes.jobs, changes.looked
         self.last_looked = len(looked)
         starts: list[tuple[JobInfo, Allocation]] = []
         for job_id, job in looked:

@@ -27,13 +27,15 @@ Ties: larger ``priority`` first, then arrival, then job id.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from scheduler import codesign as co
 from scheduler.policies.estimates import in_place, remaining_time_s, rigid_plan, sorted_by
-from scheduler.policy import ClusterSnapshot, Plan
+from scheduler.policies.ranked_queue import RankedQueue
+from scheduler.policy import ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
 from scheduler.steady import FOREVER, FOREVER_DEPARTURES, NO_PROMISE, Steadiness, everyone_holds_requested, unchanged
 
@@ -44,17 +46,23 @@ class SjfPolicy:
     preemptive: bool = True  # a shorter job may take a running job's GPUs (gain must beat the restart cost)
     codesign: bool = False  # SiloD: price jobs with T(g, c, b), grant cache and IO with the GPUs (scheduler.codesign)
 
+    def __post_init__(self) -> None:
+        # What the last call worked out, used where it gives the same plan as a whole pass
+        # (scheduler.policies.ranked_queue). Not an option (no field): a copy starts without it.
+        object.__setattr__(self, "ranked", RankedQueue())
+
     def schedule(self, snapshot: ClusterSnapshot) -> Plan:
-        jobs = snapshot.jobs
-        if not jobs:
+        if not snapshot.jobs:
             return Plan()
-        # Every job priced packed, running or not: a waiting job's estimate can only assume its
-        # best placement, and a running job priced on the nodes it was spread over would rank
-        # below the waiting jobs it had ranked above, be preempted, rank above them again once
-        # waiting (packed), and so on round after round.
-        remaining = remaining_time_s(snapshot, jobs, nodes=np.zeros(len(jobs), dtype=np.int64), codesign=self.codesign)
+        if self.preemptive and not (self.codesign and co.is_active(snapshot)):
+            return self.ranked.schedule(snapshot, _packed_remaining, _preemptive_keys, self._whole_pass)
+        return self._whole_pass(snapshot)
+
+    def _whole_pass(self, snapshot: ClusterSnapshot) -> Plan:
+        jobs = snapshot.jobs
+        remaining = _packed_remaining(snapshot, jobs, codesign=self.codesign)
         if self.preemptive:
-            key = remaining + np.where(in_place(snapshot, jobs), 0.0, snapshot.restart_cost_s)
+            key = _preemptive_keys(snapshot, remaining, in_place(snapshot, jobs))
             return rigid_plan(snapshot, sorted_by(jobs, key), codesign=self.codesign)
         # Running jobs first (in SJF order among themselves), then the waiting ones.
         order = sorted_by(jobs, remaining)
@@ -72,3 +80,16 @@ class SjfPolicy:
         if everyone_holds_requested(snapshot, plan):
             return FOREVER_DEPARTURES
         return FOREVER if unchanged(snapshot, plan) else NO_PROMISE
+
+
+def _packed_remaining(snapshot: ClusterSnapshot, jobs: Sequence[JobInfo], codesign: bool = False) -> np.ndarray:
+    """Every job priced packed, running or not: a waiting job's estimate can only assume its best
+    placement, and a running job priced on the nodes it was spread over would rank below the
+    waiting jobs it had ranked above, be preempted, rank above them again once waiting (packed),
+    and so on round after round."""
+    return remaining_time_s(snapshot, jobs, nodes=np.zeros(len(jobs), dtype=np.int64), codesign=codesign)
+
+
+def _preemptive_keys(snapshot: ClusterSnapshot, remaining: np.ndarray, runs_in_place: np.ndarray) -> np.ndarray:
+    """A job not running in place has to start, or restart, before it makes progress."""
+    return remaining + np.where(runs_in_place, 0.0, snapshot.restart_cost_s)

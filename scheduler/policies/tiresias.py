@@ -29,10 +29,14 @@ puts it in.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from scheduler import codesign as co
 from scheduler.policies.estimates import rigid_plan, sorted_by
+from scheduler.policies.ranked_queue import RankedQueue
 from scheduler.policy import ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
 from scheduler.steady import (FOREVER_DEPARTURES, NO_PROMISE, Steadiness, everyone_holds_requested, threshold_crossing,
@@ -55,6 +59,9 @@ class TiresiasPolicy:
         if not self.starvation_factor >= 0:
             raise ValueError(f"starvation_factor must be >= 0, got {self.starvation_factor}")
         object.__setattr__(self, "thresholds_gpu_s", thresholds)
+        # What the last call worked out, used where it gives the same plan as a whole pass
+        # (scheduler.policies.ranked_queue). Not an option (no field): a copy starts without it.
+        object.__setattr__(self, "ranked", RankedQueue())
 
     def queue(self, job: JobInfo, time_s: float) -> int:
         """The job's priority queue at ``time_s`` (0 = highest)."""
@@ -67,9 +74,17 @@ class TiresiasPolicy:
         return level
 
     def schedule(self, snapshot: ClusterSnapshot) -> Plan:
+        # Starvation promotion reads the clock, so every job's queue may move each call.
+        if snapshot.jobs and self.starvation_factor == 0 and not (self.codesign and co.is_active(snapshot)):
+            return self.ranked.schedule(snapshot, self._levels, _levels_rank, self._whole_pass)
+        return self._whole_pass(snapshot)
+
+    def _whole_pass(self, snapshot: ClusterSnapshot) -> Plan:
         jobs = snapshot.jobs
-        levels = [self.queue(job, snapshot.time_s) for job in jobs]
-        return rigid_plan(snapshot, sorted_by(jobs, levels), codesign=self.codesign)
+        return rigid_plan(snapshot, sorted_by(jobs, self._levels(snapshot, jobs)), codesign=self.codesign)
+
+    def _levels(self, snapshot: ClusterSnapshot, jobs: Sequence[JobInfo]) -> np.ndarray:
+        return np.array([self.queue(job, snapshot.time_s) for job in jobs], dtype=np.float64)
 
     def stable_until(self, snapshot: ClusterSnapshot, plan: Plan) -> Steadiness:
         """See scheduler.steady. While every job runs on its request nobody waits, and no order
@@ -83,3 +98,7 @@ class TiresiasPolicy:
         if self.starvation_factor > 0 or not unchanged(snapshot, plan):
             return NO_PROMISE
         return Steadiness(threshold_crossing(snapshot, plan, self.thresholds_gpu_s))
+
+
+def _levels_rank(snapshot: ClusterSnapshot, levels: np.ndarray, runs_in_place: np.ndarray) -> np.ndarray:
+    return levels  # running or not: a job's queue is all the order reads

@@ -10,7 +10,8 @@ import pytest
 
 from estimator.job_model import JobModel
 from scheduler.policies.fifo import FifoPolicy
-from scheduler.policy import Allocation, ChangedSince, ClusterSnapshot, JobInfo, NodeInfo, Plan
+from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, NodeInfo, Plan
+from tests.support.policy_hints import check_plan_hint, hinted
 
 MODEL = JobModel.from_profile("cifar10")
 
@@ -24,38 +25,6 @@ def _job(rng: random.Random, number: int, time_s: float) -> JobInfo:
     return JobInfo(job_id=f"job-{number:04d}", model=MODEL, submit_time_s=time_s + rng.random(),
                    min_gpus=low, max_gpus=low + rng.choice([0, 0, 4]), target_samples=1e6,
                    requested_gpus=rng.choice([0, low]))
-
-
-def _diff(before: dict, after: dict, rng: random.Random) -> dict:
-    """A ChangedSince's entries from ``before`` to ``after``: every key whose object differs, and
-    (as a maker may) a few that do not."""
-    entries = {k: after.get(k) for k in before.keys() | after.keys() if before.get(k) is not after.get(k)}
-    entries.update((k, after[k]) for k in rng.sample(sorted(after), min(3, len(after))))
-    return entries
-
-
-def _hinted(last: ClusterSnapshot | None, snapshot: ClusterSnapshot, rng: random.Random) -> ClusterSnapshot:
-    """``snapshot`` with the hints the live scheduler gives (ClusterSnapshot.jobs_changed, Plan.changed)."""
-    if last is None:
-        return snapshot
-    jobs_before = {j.job_id: j for j in last.jobs}
-    jobs_after = {j.job_id: j for j in snapshot.jobs}
-    current = snapshot.current.allocations
-    return dataclasses.replace(
-        snapshot, jobs_changed=ChangedSince(last.jobs, snapshot.jobs, _diff(jobs_before, jobs_after, rng)),
-        current=Plan(current, changed=ChangedSince(last.current.allocations, current,
-                                                   _diff(dict(last.current.allocations), dict(current), rng))))
-
-
-def _check_plan_hint(last: Plan | None, plan: Plan) -> None:
-    if last is None or plan.changed is None:
-        return
-    assert plan.changed.follows(last.allocations, plan.allocations)
-    for job_id in last.allocations.keys() | plan.allocations.keys():
-        if job_id in plan.changed.entries:
-            assert plan.changed.entries[job_id] is plan.allocations.get(job_id)
-        else:
-            assert last.allocations.get(job_id) is plan.allocations.get(job_id), job_id
 
 
 @pytest.mark.parametrize("hints", [False, True])
@@ -75,11 +44,11 @@ def test_the_queue_gives_the_whole_pass_plan_call_after_call(backfill: bool, see
     for step in range(40):
         snapshot = ClusterSnapshot(time_s=100.0 + step, nodes=nodes, jobs=tuple(jobs.values()), current=current)
         if hints:
-            snapshot = _hinted(last_snapshot, snapshot, rng)
+            snapshot = hinted(last_snapshot, snapshot, rng)
         plan = policy.schedule(snapshot)
         assert plan.allocations == _whole(snapshot, backfill).allocations, f"step {step}"
         used.append(policy.queue.last_call)
-        _check_plan_hint(last_plan, plan)
+        check_plan_hint(last_plan, plan)
         hinted_plans += plan.changed is not None
         if hints and step >= 2:  # the hints followed: only the jobs they name compared, not every job
             named = len(snapshot.jobs_changed.entries) + len(snapshot.current.changed.entries)
