@@ -75,6 +75,12 @@ class FifoQueue:
     def __setstate__(self, state: dict) -> None:
         self.__init__()  # type: ignore[misc]
 
+    def forget(self) -> None:
+        """Drop what is kept: the next calls are whole passes (benchmarks time those)."""
+        with self._lock:
+            self._queue = None
+            self._last_nodes = None
+
     def schedule(self, snapshot: ClusterSnapshot, backfill: bool, whole_pass: WholePass) -> Plan:
         with self._lock:
             queue = self._queue

@@ -139,6 +139,12 @@ class RankedQueue:
     def __setstate__(self, state: dict) -> None:
         self.__init__()  # type: ignore[misc]
 
+    def forget(self) -> None:
+        """Drop what is kept: the next calls are whole passes (benchmarks time those)."""
+        with self._lock:
+            self._state = None
+            self._last_nodes = None
+
     def schedule(self, snapshot: ClusterSnapshot, values_of: ValuesOf, keys_of: KeysOf, whole_pass: WholePass) -> Plan:
         with self._lock:
             state = self._state
