@@ -149,22 +149,34 @@ class FreeGpus:
     def tightest(self, count: int, gpu_type: str | None = None) -> str | None:
         """The node (of ``gpu_type`` if given) with the fewest free GPUs that still has ``count``
         (ties: smallest name), or None."""
-        types = self._types if gpu_type is None else (gpu_type,)
-        by_size = self._by_size
         # Sizes upwards: the first size any node of the types has is the tightest fit.
         for size in range(max(count, 1), self._widest + 1):
-            best: str | None = None
-            for kind in types:
-                names = by_size.get((kind, size))
-                if names:
-                    heap = self._smallest[(kind, size)]
-                    while heap[0] not in names:
-                        heapq.heappop(heap)
-                    if best is None or heap[0] < best:
-                        best = heap[0]
+            best = self._first_of_size(size, gpu_type)
             if best is not None:
                 return best
         return None
+
+    def widest(self, gpu_type: str | None = None) -> str | None:
+        """The node (of ``gpu_type`` if given) with the most free GPUs (ties: smallest name), or None."""
+        for size in range(self._widest, 0, -1):
+            best = self._first_of_size(size, gpu_type)
+            if best is not None:
+                return best
+        return None
+
+    def _first_of_size(self, size: int, gpu_type: str | None) -> str | None:
+        """The smallest name of the nodes (of ``gpu_type`` if given) with exactly ``size`` free GPUs."""
+        by_size = self._by_size
+        best: str | None = None
+        for kind in self._types if gpu_type is None else (gpu_type,):
+            names = by_size.get((kind, size))
+            if names:
+                heap = self._smallest[(kind, size)]
+                while heap[0] not in names:
+                    heapq.heappop(heap)
+                if best is None or heap[0] < best:
+                    best = heap[0]
+        return best
 
     def reserve(self, node: str, indices: Iterable[int]) -> tuple[int, ...]:
         """Take GPUs ``indices`` of ``node``; ValueError if one is not free (a double booking:
@@ -363,6 +375,8 @@ def fresh_placement(job: JobInfo, count: int, free: FreeGpus, cache: Mapping[str
     best = min(cached, key=lambda n: (-cache[n], free.count(n), n)) if cached else free.tightest(count, gpu_type)
     if best is not None:
         return ((best, free.reserve_any(best, count)),)
+    if not cache:
+        return _spread(count, free, gpu_type)
     sizes = free.counts(gpu_type)
     # Several nodes, as few as possible: fill the largest holes (cached nodes among equals)
     # until the rest fits on one node, then put the rest on the tightest node that holds it
@@ -439,6 +453,27 @@ def place(
         else:
             unplaced.append(job_id)
     return PlacementResult(placements, tuple(unplaced))
+
+
+def _spread(count: int, free: FreeGpus, gpu_type: str | None) -> Placement:
+    """:func:`fresh_placement` over several nodes with no cache to prefer: the largest holes
+    (smallest name among equals) until the rest fits on one node, then the tightest node that
+    holds the rest. Asked of the free view node by node, not by sorting every node with a free
+    GPU (thousands on a large, nearly full cluster) for each job."""
+    chosen: list[tuple[str, tuple[int, ...]]] = []
+    remaining = count
+    while remaining > 0:
+        node = free.widest(gpu_type)
+        if node is None:
+            break
+        size = free.count(node)
+        if size >= remaining:
+            last = free.tightest(remaining, gpu_type)
+            chosen.append((last, free.reserve_any(last, remaining)))
+            break
+        chosen.append((node, free.reserve_any(node, size)))
+        remaining -= size
+    return tuple(sorted(chosen))
 
 
 def plan_from_placements(placements: Mapping[str, Placement], batch_sizes: Mapping[str, int] | None = None,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from scheduler.placement import FreeGpus, place, plan_from_placements
@@ -177,3 +177,51 @@ def test_tightest_matches_a_brute_force_scan(sizes, takes, count):
     holding = [n.name for n in nodes if free.count(n.name) >= count]
     expected = min(holding, key=lambda n: (free.count(n), n)) if holding else None
     assert free.tightest(count) == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 8), min_size=1, max_size=8), st.lists(st.tuples(st.integers(0, 7), st.integers(1, 8)), max_size=12))
+def test_widest_matches_a_brute_force_scan(sizes, takes):
+    nodes = tuple(NodeInfo(f"n{k}", gpus) for k, gpus in enumerate(sizes))
+    free = FreeGpus(make_snapshot(nodes, []))
+    for node, n in takes:
+        name = f"n{node % len(sizes)}"
+        free.reserve_any(name, min(n, free.count(name)))
+    holding = [n.name for n in nodes if free.count(n.name)]
+    assert free.widest() == (min(holding, key=lambda n: (-free.count(n), n)) if holding else None)
+
+
+def _spread_by_sorting(count: int, free: FreeGpus) -> tuple:
+    """A multi-node fresh placement as a sort of every node with a free GPU lays it out: the
+    largest holes until the rest fits on one node, then the tightest node that holds the rest."""
+    sizes = free.counts()
+    ranked = sorted(sizes, key=lambda n: (-sizes[n], n))
+    chosen, remaining = [], count
+    for position, node in enumerate(ranked):
+        if sizes[node] >= remaining:
+            last = min((n for n in ranked[position:] if sizes[n] >= remaining), key=lambda n: (sizes[n], n))
+            chosen.append((last, free.reserve_any(last, remaining)))
+            break
+        chosen.append((node, free.reserve_any(node, sizes[node])))
+        remaining -= sizes[node]
+    return tuple(sorted(chosen))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 8), min_size=2, max_size=12), st.lists(st.tuples(st.integers(0, 11), st.integers(1, 8)), max_size=20),
+       st.integers(2, 24))
+def test_a_job_spread_over_nodes_gets_what_a_sort_of_every_node_gives(sizes, takes, count):
+    """fresh_placement asks the free view for the widest and tightest nodes instead of sorting
+    every node with a free GPU for each job; the placement is the same."""
+    from scheduler.placement import fresh_placement
+
+    nodes = tuple(NodeInfo(f"n{k:02d}", gpus) for k, gpus in enumerate(sizes))
+    free = FreeGpus(make_snapshot(nodes, []))
+    for node, n in takes:
+        name = f"n{node % len(sizes):02d}"
+        free.reserve_any(name, min(n, free.count(name)))
+    assume(free.total >= count and free.tightest(count) is None)  # spread: no one node holds it, all of them do
+    expected, reference = free.copy(), free.copy()
+    placement = fresh_placement(make_job("j", gpus=count), count, free, {})
+    assert placement == _spread_by_sorting(count, reference)
+    assert free.total == reference.total == expected.total - count
