@@ -23,6 +23,9 @@ Non-preemptive (``preemptive=False``): jobs holding GPUs keep running (on their 
 count) and waiting jobs fill the remaining GPUs in SJF order.
 
 Ties: larger ``priority`` first, then arrival, then job id.
+
+Preemptive sjf keeps its ranked jobs between calls (:mod:`scheduler.policies.ranked_queue`) and
+answers from them where that gives the plan of a whole pass, which is then the exception.
 """
 
 from __future__ import annotations

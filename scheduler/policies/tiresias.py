@@ -24,6 +24,10 @@ arrival - run time`` — rather than the reference implementation's counters sin
 promotion. A promoted job therefore stays on top only until it has run for
 ``waiting time / starvation_factor``, after which it drops back to the queue its service
 puts it in.
+
+Without starvation promotion, tiresias keeps its ranked jobs between calls
+(:mod:`scheduler.policies.ranked_queue`) and answers from them where that gives the plan of a
+whole pass.
 """
 
 from __future__ import annotations
