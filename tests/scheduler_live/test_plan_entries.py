@@ -100,7 +100,7 @@ def _by_job(plan: plan_pb2.AllocationPlan) -> dict[str, bytes]:
     return {e.job_id: e.SerializeToString(deterministic=True) for e in plan.jobs}
 
 
-@pytest.mark.parametrize("policy_name", ["fifo", "tiresias", "deepboot"])
+@pytest.mark.parametrize("policy_name", ["fifo", "sjf", "tiresias", "deepboot"])
 def test_incremental_plans_equal_whole_plans_round_after_round(policy_name: str) -> None:
     rng = random.Random(7)
     cluster = Cluster(rng, nodes=30, jobs=90)
@@ -155,10 +155,10 @@ def _job_changes(before: dict[str, common_pb2.Job], after: dict[str, common_pb2.
     return ChangedSince(before, after, entries)
 
 
-@pytest.mark.parametrize("policy_name", ["fifo", "tiresias", "themis"])
+@pytest.mark.parametrize("policy_name", ["fifo", "sjf", "tiresias", "themis"])
 def test_plans_that_follow_the_hints_equal_whole_plans(policy_name: str) -> None:
     """As the live scheduler runs it: the current plan from Holdings, the holders of the GPUs
-    from the plan in force, and the jobs' and policy's hints (fifo and tiresias give one, themis none). The
+    from the plan in force, and the jobs' and policy's hints (fifo, sjf and tiresias give one, themis none). The
     entries follow the hints where the whole chain gives them, and the plans are still the whole ones."""
     from scheduler.live.holdings import Holdings
     from scheduler.live.releases import BusyGpus
@@ -210,7 +210,7 @@ def test_plans_that_follow_the_hints_equal_whole_plans(policy_name: str) -> None
         base, last_messages, last_jobs = built, messages, snap.jobs
         cluster.move_on(base)
     followed = [n for n in looked if n is not None]
-    if policy_name in ("fifo", "tiresias"):  # from its memo on (the third round), the whole chain gives hints
+    if policy_name in ("fifo", "sjf", "tiresias"):  # from its memo on (the third round), the whole chain gives hints
         assert len(followed) >= 18 and max(followed) < 40, looked
     else:
         assert not followed, looked
