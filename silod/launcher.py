@@ -4,6 +4,12 @@ Each service is started with ``--listen HOST:0 --ready-file F``: the OS picks a 
 the service writes the address it bound once it is serving, so nothing guesses ports or
 sleeps. Extra ``args`` come after these flags and argparse keeps the last occurrence, so
 ``"--listen", "127.0.0.1:PORT"`` pins a port (to restart a service where clients expect it).
+
+A service started here stops, as on SIGTERM, once the process that started it is gone: a
+launcher killed with SIGKILL (a test run cut off, `silod up` killed) cannot stop what it started,
+and nothing else would. The service is told its launcher's process id in ``LAUNCHER_PID_ENV``
+and watches its parent (services.runtime.server); processes started some other way (systemd,
+compose, Kubernetes) are not told and do not watch.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+LAUNCHER_PID_ENV = "SILOD_LAUNCHER_PID"  # set for each service started here; read (and removed) by the service
 
 
 class LaunchError(RuntimeError):
@@ -99,7 +107,7 @@ def start_service(
     ready_file = wd / f"{stem}.ready"
     log_path = wd / f"{stem}.log"
     argv = [sys.executable, "-m", "silod.cli", command, "--listen", f"{host}:{port}", "--ready-file", str(ready_file), *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), LAUNCHER_PID_ENV: str(os.getpid())}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     service = ServiceProcess(command, proc, log_path, wd, own_workdir)

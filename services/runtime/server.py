@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from silod.launcher import LAUNCHER_PID_ENV
 from silod.rpc.limits import MESSAGE_SIZE_OPTIONS
 from silod.rpc.keepalive import SERVER_KEEPALIVE_OPTIONS
 from services.runtime import gc_pauses, loop_lag, metrics
@@ -280,6 +281,7 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    launcher_watch = _watch_launcher(stop_requested, received)
 
     gc_pauses.measure()
     lag_probe = asyncio.ensure_future(loop_lag.probe())
@@ -326,8 +328,29 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
             raise failures[0]
     finally:
         lag_probe.cancel()
+        if launcher_watch is not None:
+            launcher_watch.cancel()
         if metrics_server is not None:
             metrics_server.shutdown()
+
+
+def _watch_launcher(stop_requested: asyncio.Event, received: list[str]) -> asyncio.Future | None:
+    """Started by silod.launcher (``LAUNCHER_PID_ENV``): stop, as on SIGTERM, once that process is
+    no longer this one's parent (it died, and this process was handed to another). The variable
+    is removed here, so that what this service starts does not take the launcher for its own."""
+    raw = os.environ.pop(LAUNCHER_PID_ENV, "")
+    if not raw.isdigit():
+        return None
+    launcher = int(raw)
+
+    async def watch() -> None:
+        while os.getppid() == launcher:
+            await asyncio.sleep(0.5)
+        _log.warning("the process that launched this service is gone; stopping", extra={"launcher_pid": launcher})
+        received.append("launcher gone")
+        stop_requested.set()
+
+    return asyncio.ensure_future(watch())
 
 
 async def _start_unless_stopped(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -243,3 +245,56 @@ def test_sigterm_during_on_start_stops_without_serving(tmp_path) -> None:  # typ
     assert proc.returncode == 0
     assert "stopped before serving signal=SIGTERM" in stderr
     assert not ready.exists()
+
+
+_LAUNCHER = """
+import sys, time
+from silod.launcher import start_service
+service = start_service("estimator", "--log-format", "text", workdir=sys.argv[1])
+print(service.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie nobody reaped yet has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def test_a_service_stops_cleanly_when_its_launcher_is_killed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A launcher killed with SIGKILL (a test run cut off, `silod up` killed) cannot stop what it
+    started: the service notices it lost its launcher and shuts down as on SIGTERM."""
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path)], stdout=subprocess.PIPE, cwd=REPO_ROOT)
+    service_pid = 0
+    try:
+        service_pid = int(launcher.stdout.readline())  # type: ignore[union-attr]
+        assert _running(service_pid)
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 15
+        while _running(service_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(service_pid), "the service outlived its launcher"
+        log = next(tmp_path.glob("estimator-*.log")).read_text()
+        assert "launcher gone" in log and "shutdown complete" in log, log[-2000:]
+        assert "Traceback" not in log
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if service_pid and _running(service_pid):
+            os.kill(service_pid, signal.SIGKILL)
+
+
+def test_the_launcher_names_itself_whatever_its_own_environment_says() -> None:
+    """A launcher that inherited the variable (or was handed another value) still names itself:
+    the service would otherwise stop at once, its parent not being the process named."""
+    from silod.launcher import LAUNCHER_PID_ENV
+
+    with start_service("estimator", env={LAUNCHER_PID_ENV: "1"}) as proc:  # the launcher sets its own
+        time.sleep(1.5)  # three of the watch's looks
+        assert proc.running()
+        assert _predict(proc.address).code() == grpc.StatusCode.INVALID_ARGUMENT
