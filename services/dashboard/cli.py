@@ -52,7 +52,7 @@ async def _serve(settings: "Settings") -> int:  # type: ignore[name-defined]  # 
     from aiohttp import web
 
     from services.runtime.metrics import start_metrics_server
-    from services.runtime.server import remove_ready_file, write_ready_file
+    from services.runtime.server import remove_ready_file, watch_launcher, write_ready_file
     from services.runtime.settings import split_host_port
     from services.runtime.structured_logging import configure_logging
     from services.dashboard.app import build_app
@@ -62,6 +62,7 @@ async def _serve(settings: "Settings") -> int:  # type: ignore[name-defined]  # 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    launcher_watch = watch_launcher(stop.set)
     remove_ready_file(settings.ready_file)
     host, port = split_host_port(settings.listen)
     ssl_context = None
@@ -85,6 +86,8 @@ async def _serve(settings: "Settings") -> int:  # type: ignore[name-defined]  # 
         await stop.wait()
     finally:
         _log.info("shutting down")
+        if launcher_watch is not None:
+            launcher_watch.cancel()
         await runner.cleanup()
         remove_ready_file(settings.ready_file)
         if metrics_server is not None:

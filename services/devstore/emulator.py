@@ -476,7 +476,7 @@ class _Stop:
 
 async def serve(config: EmulatorConfig) -> None:
     """Serve until SIGTERM or SIGINT; write ``config.ready_file`` (``HOST:PORT``) once serving."""
-    from services.runtime.server import remove_ready_file, write_ready_file
+    from services.runtime.server import remove_ready_file, watch_launcher, write_ready_file
 
     stop = _Stop()
     loop = asyncio.get_running_loop()
@@ -487,6 +487,12 @@ async def serve(config: EmulatorConfig) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+
+    def on_launcher_gone() -> None:
+        stop.signal = "launcher gone"
+        stop.event.set()
+
+    launcher_watch = watch_launcher(on_launcher_gone)
     # A file left by a killed predecessor would announce an address nobody serves.
     remove_ready_file(config.ready_file)
     emulator = StoreEmulator(config)
@@ -501,6 +507,8 @@ async def serve(config: EmulatorConfig) -> None:
         await stop.event.wait()
         _log.info("shutting down", extra={"signal": stop.signal, "grace_s": config.shutdown_grace_s})
     finally:
+        if launcher_watch is not None:
+            launcher_watch.cancel()
         remove_ready_file(config.ready_file)
         await emulator.stop()
     _log.info("shutdown complete")

@@ -281,7 +281,12 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    launcher_watch = _watch_launcher(stop_requested, received)
+
+    def on_launcher_gone() -> None:
+        received.append("launcher gone")
+        stop_requested.set()
+
+    launcher_watch = watch_launcher(on_launcher_gone)
 
     gc_pauses.measure()
     lag_probe = asyncio.ensure_future(loop_lag.probe())
@@ -334,10 +339,11 @@ async def _serve(definition: ServiceDefinition, settings: ServiceSettings) -> No
             metrics_server.shutdown()
 
 
-def _watch_launcher(stop_requested: asyncio.Event, received: list[str]) -> asyncio.Future | None:
-    """Started by silod.launcher (``LAUNCHER_PID_ENV``): stop, as on SIGTERM, once that process is
-    no longer this one's parent (it died, and this process was handed to another). The variable
-    is removed here, so that what this service starts does not take the launcher for its own."""
+def watch_launcher(on_gone: Callable[[], None]) -> asyncio.Future | None:
+    """Started by silod.launcher (``LAUNCHER_PID_ENV``): call ``on_gone`` (stop, as on SIGTERM)
+    once that process is no longer this one's parent (it died, and this process was handed to
+    another). None for a process started some other way. The variable is removed here, so that
+    what this process starts does not take the launcher for its own."""
     raw = os.environ.pop(LAUNCHER_PID_ENV, "")
     if not raw.isdigit():
         return None
@@ -347,8 +353,7 @@ def _watch_launcher(stop_requested: asyncio.Event, received: list[str]) -> async
         while os.getppid() == launcher:
             await asyncio.sleep(0.5)
         _log.warning("the process that launched this service is gone; stopping", extra={"launcher_pid": launcher})
-        received.append("launcher gone")
-        stop_requested.set()
+        on_gone()
 
     return asyncio.ensure_future(watch())
 

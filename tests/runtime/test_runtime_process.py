@@ -250,7 +250,7 @@ def test_sigterm_during_on_start_stops_without_serving(tmp_path) -> None:  # typ
 _LAUNCHER = """
 import sys, time
 from silod.launcher import start_service
-service = start_service("estimator", "--log-format", "text", workdir=sys.argv[1])
+service = start_service(sys.argv[2], *sys.argv[3:], workdir=sys.argv[1])
 print(service.proc.pid, flush=True)
 time.sleep(600)
 """
@@ -265,10 +265,15 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_a_service_stops_cleanly_when_its_launcher_is_killed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("command", ["estimator", "dashboard", "store-emulator"])
+def test_a_service_stops_cleanly_when_its_launcher_is_killed(command: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A launcher killed with SIGKILL (a test run cut off, `silod up` killed) cannot stop what it
-    started: the service notices it lost its launcher and shuts down as on SIGTERM."""
-    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path)], stdout=subprocess.PIPE, cwd=REPO_ROOT)
+    started: the service notices it lost its launcher and shuts down as on SIGTERM. The gRPC
+    services share one runtime; the dashboard and the store emulator each have their own loop."""
+    args = {"estimator": ["--log-format", "text"], "dashboard": ["--metadata-address", f"127.0.0.1:{free_port()}"],
+            "store-emulator": ["--root", str(tmp_path)]}[command]
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path), command, *args],
+                                stdout=subprocess.PIPE, cwd=REPO_ROOT)
     service_pid = 0
     try:
         service_pid = int(launcher.stdout.readline())  # type: ignore[union-attr]
@@ -279,8 +284,8 @@ def test_a_service_stops_cleanly_when_its_launcher_is_killed(tmp_path) -> None: 
         while _running(service_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _running(service_pid), "the service outlived its launcher"
-        log = next(tmp_path.glob("estimator-*.log")).read_text()
-        assert "launcher gone" in log and "shutdown complete" in log, log[-2000:]
+        log = next(tmp_path.glob(f"{command}-*.log")).read_text()
+        assert "is gone; stopping" in log and "shutting down" in log, log[-2000:]
         assert "Traceback" not in log
     finally:
         if launcher.poll() is None:
