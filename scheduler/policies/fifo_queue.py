@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import threading
 from collections.abc import Callable, Mapping
 
 from scheduler.placement import FreeGpus, Placement, fresh_placement, gpu_allocation, node_types
 from scheduler.policy import Allocation, ChangedSince, ClusterSnapshot, JobInfo, Plan
+from scheduler.policies.memo import PolicyMemo, keep_running
 from scheduler.policies.snapshot_changes import changes_since
 
 WholePass = Callable[[ClusterSnapshot], dict[str, Placement]]
@@ -58,54 +58,20 @@ class _Queue:
     touched: set[str] = dataclasses.field(default_factory=set)  # running jobs stopped or started this call
 
 
-class FifoQueue:
-    """The memo of one FifoPolicy object (one round at a time: a lock guards it anyway)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._queue: _Queue | None = None
-        self._last_nodes: tuple | None = None  # node tuple of the last call, kept only by identity
-        self.last_call = "whole"  # "queue" or "whole": how the last call was answered (tests, benchmarks)
-        self.why_whole = "no queue yet"  # why the last whole pass was needed
-        self.last_looked = 0  # jobs the last call from the queue compared (tests, benchmarks)
-
-    def __getstate__(self) -> dict:
-        return {}  # a copy (a policy sent to a worker process) starts afresh: it is only a memo
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__()  # type: ignore[misc]
-
-    def forget(self) -> None:
-        """Drop what is kept: the next calls are whole passes (benchmarks time those)."""
-        with self._lock:
-            self._queue = None
-            self._last_nodes = None
+class FifoQueue(PolicyMemo[_Queue]):
+    """The memo of one FifoPolicy object."""
 
     def schedule(self, snapshot: ClusterSnapshot, backfill: bool, whole_pass: WholePass) -> Plan:
         with self._lock:
-            queue = self._queue
-            if queue is not None and queue.nodes is snapshot.nodes:
+            queue = self._kept_for(snapshot)
+            if queue is not None:
                 plan = self._follow(queue, snapshot, backfill)
                 if plan is not None:
                     self.last_call = "queue"
                     return plan
-            if queue is None or queue.nodes is not snapshot.nodes:
-                self.why_whole = "no queue for these nodes"
-            self.last_call = "whole"
-            self._queue = None
-            placements = whole_pass(snapshot)
-            plan = _plan(placements, snapshot)
-            # Kept only for a cluster seen twice in a row: a policy run on a tenant's slice of
-            # the nodes (scheduler.quotas) sees a new node tuple every call.
-            if self._last_nodes is snapshot.nodes:
-                self._queue = _build(snapshot)
-            self._last_nodes = snapshot.nodes
+            plan = _plan(whole_pass(snapshot), snapshot)
+            self._keep_after_whole_pass(snapshot, lambda: _build(snapshot))
             return plan
-
-    # ---- from the last call's queue -----------------------------------------------------------
-    def _whole_because(self, why: str) -> None:
-        self.why_whole = why
-        return None
 
     def _follow(self, queue: _Queue, snapshot: ClusterSnapshot, backfill: bool) -> Plan | None:
         """The plan by the queue, after updating it to ``snapshot``; None where a whole pass is
@@ -229,14 +195,10 @@ def _wait(queue: _Queue, job: JobInfo) -> None:
 
 def _run(queue: _Queue, job: JobInfo, held: Allocation) -> bool:
     """``job`` runs on ``held``: its GPUs taken (False: one is not free, or not a training GPU)."""
-    if not job.min_gpus <= held.gpus <= job.max_gpus:
+    kept = keep_running(held, queue.free, queue.gpu_type) if job.min_gpus <= held.gpus <= job.max_gpus else None
+    if kept is None:
         return False
-    for node, indices in held.placement:
-        if queue.free.type_of(node) != queue.gpu_type or queue.free.take(node, indices) is None:
-            return False
-    queue.running[job.job_id] = held
-    placement = tuple(sorted((node, tuple(sorted(indices))) for node, indices in held.placement))
-    queue.kept[job.job_id] = gpu_allocation(held, placement, 0, queue.gpu_type)
+    queue.running[job.job_id], queue.kept[job.job_id] = held, kept
     queue.touched.add(job.job_id)
     return True
 

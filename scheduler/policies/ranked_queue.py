@@ -26,12 +26,12 @@ checks the plan against the whole pass call after call.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from scheduler.placement import FreeGpus, fresh_placement, gpu_allocation
+from scheduler.policies.memo import PolicyMemo, keep_running
 from scheduler.policies.snapshot_changes import changes_since
 from scheduler.policy import Allocation, ChangedSince, ClusterSnapshot, JobInfo, Plan
 
@@ -99,14 +99,10 @@ class _Ranked:
 
     def start(self, job: JobInfo, held: Allocation) -> bool:
         """``job`` runs in place on ``held`` (False: not its requested count, or GPUs not free)."""
-        if held.gpus != job.requested:
+        kept = keep_running(held, self.free, self.gpu_type) if held.gpus == job.requested else None
+        if kept is None:
             return False
-        for node, indices in held.placement:
-            if self.free.type_of(node) != self.gpu_type or self.free.take(node, indices) is None:
-                return False
-        self.held[job.job_id] = held
-        placement = tuple(sorted((node, tuple(sorted(indices))) for node, indices in held.placement))
-        self.kept[job.job_id] = gpu_allocation(held, placement, 0, self.gpu_type)
+        self.held[job.job_id], self.kept[job.job_id] = held, kept
         self.running[self.slot[job.job_id]] = True
         self.touched.add(job.job_id)
         return True
@@ -121,52 +117,22 @@ class _Ranked:
         return held is None or all(self.free.release(node, indices) for node, indices in held.placement)
 
 
-class RankedQueue:
-    """The memo of one ranked policy object (one round at a time: a lock guards it anyway)."""
+class RankedQueue(PolicyMemo[_Ranked]):
+    """The memo of one ranked policy object."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._state: _Ranked | None = None
-        self._last_nodes: tuple | None = None  # node tuple of the last call, kept only by identity
-        self.last_call = "whole"  # "queue" or "whole": how the last call was answered (tests, benchmarks)
-        self.why_whole = "no queue yet"
-        self.last_looked = 0  # jobs the last call from the queue looked at (tests, benchmarks)
+        super().__init__()
         self.last_events = 0  # events the last call's walk stopped at (tests, benchmarks)
-
-    def __getstate__(self) -> dict:
-        return {}  # a copy (a policy sent to a worker process) starts afresh: it is only a memo
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__()  # type: ignore[misc]
-
-    def forget(self) -> None:
-        """Drop what is kept: the next calls are whole passes (benchmarks time those)."""
-        with self._lock:
-            self._state = None
-            self._last_nodes = None
 
     def schedule(self, snapshot: ClusterSnapshot, values_of: ValuesOf, keys_of: KeysOf, whole_pass: WholePass) -> Plan:
         with self._lock:
-            state = self._state
-            if state is not None and state.nodes is snapshot.nodes:
-                if self._follow(state, snapshot, values_of):
-                    self.last_call = "queue"
-                    return _admit(state, snapshot, keys_of, self)
-            elif state is not None:
-                self.why_whole = "no queue for these nodes"
-            self.last_call = "whole"
-            self._state = None
+            state = self._kept_for(snapshot)
+            if state is not None and self._follow(state, snapshot, values_of):
+                self.last_call = "queue"
+                return _admit(state, snapshot, keys_of, self)
             plan = whole_pass(snapshot)
-            # Kept only for a cluster seen twice in a row: a policy run on a tenant's slice of
-            # the nodes (scheduler.quotas) sees a new node tuple every call.
-            if self._last_nodes is snapshot.nodes:
-                self._state = self._build(snapshot, values_of)
-            self._last_nodes = snapshot.nodes
+            self._keep_after_whole_pass(snapshot, lambda: self._build(snapshot, values_of))
             return plan
-
-    def _whole_because(self, why: str) -> None:
-        self.why_whole = why
-        return None
 
     def _follow_failed(self, why: str) -> bool:
         self.why_whole = why

@@ -11,7 +11,7 @@ import pytest
 from estimator.job_model import JobModel
 from scheduler.policies.fifo import FifoPolicy
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, NodeInfo, Plan
-from tests.support.policy_hints import check_plan_hint, hinted
+from tests.support.policy_hints import check_plan_hint, hinted, settled
 
 MODEL = JobModel.from_profile("cifar10")
 
@@ -98,10 +98,7 @@ def test_what_the_queue_does_not_follow_makes_a_whole_pass() -> None:
     nodes = tuple(NodeInfo(name=f"n{k}", gpus=8) for k in range(4))
     jobs = {j.job_id: j for j in (_job(rng, k, float(k)) for k in range(10))}
     policy = FifoPolicy()
-    snapshot = ClusterSnapshot(time_s=1.0, nodes=nodes, jobs=tuple(jobs.values()))
-    for _ in range(3):
-        plan = policy.schedule(snapshot)
-        snapshot = dataclasses.replace(snapshot, current=plan)
+    snapshot = settled(policy, ClusterSnapshot(time_s=1.0, nodes=nodes, jobs=tuple(jobs.values())))
     assert policy.queue.last_call == "queue"
 
     def call(changed: ClusterSnapshot) -> str:
@@ -138,9 +135,9 @@ def test_a_policy_with_a_queue_pickles_and_its_copy_starts_afresh() -> None:
     snapshot = ClusterSnapshot(time_s=1.0, nodes=nodes, jobs=(_job(random.Random(1), 1, 0.0),))
     policy.schedule(snapshot)
     policy.schedule(snapshot)
-    assert policy.queue._queue is not None
+    assert policy.queue._state is not None
     for clone in (pickle.loads(pickle.dumps(policy)), copy.deepcopy(policy)):
-        assert clone == policy and clone.queue._queue is None
+        assert clone == policy and clone.queue._state is None
         assert clone.schedule(snapshot).allocations == policy.schedule(snapshot).allocations
 
 

@@ -13,7 +13,7 @@ from estimator.job_model import JobModel
 from scheduler.policies.sjf import SjfPolicy
 from scheduler.policies.tiresias import TiresiasPolicy
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, NodeInfo, Plan
-from tests.support.policy_hints import check_plan_hint, hinted
+from tests.support.policy_hints import check_plan_hint, hinted, settled
 
 MODELS = (JobModel.from_profile("cifar10"), JobModel.from_profile("ncf"))
 
@@ -121,10 +121,7 @@ def test_what_the_memo_does_not_follow_makes_a_whole_pass() -> None:
     nodes = tuple(NodeInfo(name=f"n{k}", gpus=8) for k in range(4))
     jobs = {j.job_id: j for j in (_job(rng, k, float(k)) for k in range(14))}
     policy = SjfPolicy()
-    snapshot = ClusterSnapshot(time_s=1.0, nodes=nodes, jobs=tuple(jobs.values()))
-    for _ in range(3):
-        plan = policy.schedule(snapshot)
-        snapshot = dataclasses.replace(snapshot, current=plan)
+    snapshot = settled(policy, ClusterSnapshot(time_s=1.0, nodes=nodes, jobs=tuple(jobs.values())))
     assert policy.ranked.last_call == "queue"
 
     def call(changed: ClusterSnapshot) -> str:

@@ -40,3 +40,11 @@ def check_plan_hint(last: Plan | None, plan: Plan) -> None:
             assert plan.changed.entries[job_id] is plan.allocations.get(job_id)
         else:
             assert last.allocations.get(job_id) is plan.allocations.get(job_id), job_id
+
+
+def settled(policy, snapshot: ClusterSnapshot, rounds: int = 3) -> ClusterSnapshot:  # type: ignore[no-untyped-def]
+    """``snapshot`` with ``policy``'s own plan in force after ``rounds`` calls (a policy's memo is
+    built on the second call on the same nodes and answers the third)."""
+    for _ in range(rounds):
+        snapshot = dataclasses.replace(snapshot, current=policy.schedule(snapshot))
+    return snapshot
