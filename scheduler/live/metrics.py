@@ -19,6 +19,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from scheduler.live import convert
 from scheduler.live.entries import EntryChanges
+from scheduler.policies.memo import PolicyMemo
 from scheduler.policy import ClusterSnapshot, NodeInfo
 from silod.v1 import common_pb2, plan_pb2
 
@@ -30,6 +31,9 @@ ROUND_SECONDS = Histogram(
     ["phase"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4, 8, 16, 32))
 ROUNDS = Counter("silod_scheduler_rounds_total", "Rounds by outcome: committed (a new plan version), unchanged "
                  "(the plan in force still holds), lost_race (another commit won; retried), failed", ["outcome"])
+POLICY_ANSWERS = Counter("silod_scheduler_policy_answers_total", "Rounds by how the policy answered: kept (from what it "
+                         "keeps between rounds: fifo's queue, sjf's and tiresias' ranked jobs) or whole (a pass over "
+                         "every job; always, for the policies that keep nothing)", ["answer"])
 JOBS = Gauge("silod_scheduler_jobs", "Active jobs by state and tenant, as the last round saw them (tenants are the "
              "ones an admin made, a bounded set; \"\" for jobs that name none)", ["state", "tenant"])
 OLDEST_PENDING = Gauge("silod_scheduler_oldest_pending_job_age_seconds",
@@ -82,6 +86,12 @@ class RoundTimer:
         self.seconds["total"] = time.monotonic() - self.started
         ROUND_SECONDS.labels("total").observe(self.seconds["total"])
         ROUNDS.labels(outcome).inc()
+
+
+def policy_answered(policy: object) -> None:
+    """Count how ``policy`` answered its last call (scheduler.policies.memo)."""
+    memo = next((kept for kept in getattr(policy, "__dict__", {}).values() if isinstance(kept, PolicyMemo)), None)
+    POLICY_ANSWERS.labels("kept" if memo is not None and memo.last_call == "queue" else "whole").inc()
 
 
 _STATE_NAMES = {number: name.removeprefix("JOB_STATE_") for name, number in common_pb2.JobState.items()}

@@ -17,7 +17,7 @@ from collections.abc import Collection, Mapping, Sequence
 from scheduler.codesign import is_active as co_active
 from scheduler.data_grants import GrantCheck
 from scheduler.plan_check import PlanCheck
-from scheduler.live import data
+from scheduler.live import data, metrics
 from scheduler.live.gpu_health import Placement, UsableGpus
 from scheduler.live.inference import LiveInference, is_inference_job
 from scheduler.live.entries import EntryBuilder, EntryChanges
@@ -94,6 +94,7 @@ class RoundPlanner:
         # On the usable GPUs only, within the tenants' quotas (the simulator's rule, scheduler.quotas).
         # Checked on the policy's view by usable.schedule, and below as the plan that goes out.
         policy_plan = usable.schedule(QuotaBounded(self.policy), snap, self.policy_check.check)
+        metrics.policy_answered(self.policy)
         plan = self.inference.place(snap, policy_plan, list(inference_jobs), unusable=usable.faulted)
         # Without inference tasks the plan is the policy's, which the check above held to one job a GPU.
         plan = self.holds.hold(plan, snap.current, busy, snap, overlap_free=not inference_jobs)

@@ -87,6 +87,7 @@ def _check(prom: Prometheus, up: subprocess.Popen[str], state: Path) -> None:
     # A round happens: the scheduler counts it and times its phases.
     prom.wait_for("sum(silod_scheduler_rounds_total)", lambda v: v >= 1, what="rounds")
     prom.wait_for('sum(silod_scheduler_round_duration_seconds_count{phase="policy"})', lambda v: v >= 1)
+    prom.wait_for("sum(silod_scheduler_policy_answers_total)", lambda v: v >= 1, what="policy answers")
     prom.wait_for('sum(silod_scheduler_gpus{state="idle"})', lambda v: v == 4, what="4 idle GPUs")
 
     # A job is submitted, runs and ends.

@@ -87,3 +87,28 @@ def test_jobs_by_state_and_tenant() -> None:
     metrics.jobs_seen([], now_s=2000.0)  # every job gone: the tenants' series go, each state reads 0
     assert REGISTRY.get_sample_value("silod_scheduler_jobs", {"state": "PENDING", "tenant": "team-a"}) is None
     assert REGISTRY.get_sample_value("silod_scheduler_jobs", {"state": "PENDING", "tenant": ""}) == 0
+
+
+def test_rounds_are_counted_by_how_the_policy_answered() -> None:
+    """kept: from what the policy keeps between rounds; whole: a pass over every job (a policy
+    that keeps nothing always)."""
+    import dataclasses
+
+    from estimator.job_model import JobModel
+    from scheduler.policies.gavel import GavelPolicy
+    from scheduler.policies.sjf import SjfPolicy
+    from scheduler.policy import JobInfo
+
+    model = JobModel.from_profile("cifar10")
+    snap = ClusterSnapshot(time_s=0.0, nodes=(NodeInfo("n0", 8),), jobs=tuple(
+        JobInfo(job_id=f"j{k}", model=model, submit_time_s=float(k), min_gpus=1, max_gpus=2, requested_gpus=2,
+                target_samples=1e6) for k in range(6)))
+    counts = []
+    for policy in (SjfPolicy(), GavelPolicy()):
+        for _ in range(3):  # a memo is built on the second call on the same nodes, used from the third
+            before = {a: _value("silod_scheduler_policy_answers_total", answer=a) for a in ("kept", "whole")}
+            snap = dataclasses.replace(snap, current=policy.schedule(snap))
+            metrics.policy_answered(policy)
+            counts.append(tuple(_value("silod_scheduler_policy_answers_total", answer=a) - before[a]
+                                for a in ("kept", "whole")))
+    assert counts == [(0, 1), (0, 1), (1, 0)] + [(0, 1)] * 3
