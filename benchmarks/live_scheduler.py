@@ -38,6 +38,7 @@ import grpc
 
 from scheduler import service as scheduler_service
 from scheduler.live.jobs import OVERLAP_S
+from scheduler.policies.memo import memo_of
 from services.runtime import gc_pauses
 from silod.rpc.channels import open_channel
 from silod.launcher import start_service
@@ -208,9 +209,7 @@ async def time_round(metadata_addr: str, policy: str, nodes: int, metadata_pid: 
             started = time.perf_counter()
             await core.run_round("benchmark")
             phases = dict(getattr(core, "last_round_seconds", {}))
-            # fifo's kept queue, sjf's and tiresias' kept ranks: did the round use them?
-            queue = next((getattr(core.policy, name) for name in ("queue", "ranked")
-                          if hasattr(getattr(core.policy, name, None), "why_whole")), None)
+            queue = memo_of(core.policy)  # fifo's queue, sjf's and tiresias' ranked jobs: did the round use them?
             if queue is not None:
                 phases["policy from its queue" if queue.last_call == "queue" else f"whole pass ({queue.why_whole})"] = -1
             steady.append((time.perf_counter() - started,

@@ -67,6 +67,7 @@ from estimator.gpu_types import on_type, typed_models  # noqa: E402
 from scheduler.placement import TypeRoom, place, plan_from_placements  # noqa: E402
 from scheduler.policy import ClusterSnapshot, JobInfo, NodeInfo  # noqa: E402
 from scheduler.policies.gavel import forget_lps  # noqa: E402
+from scheduler.policies.memo import memo_of  # noqa: E402
 from scheduler.registry import get_policy, policy_names  # noqa: E402
 
 
@@ -122,10 +123,9 @@ def build_snapshot(jobs: int, nodes: int, gpus_per_node: int, seed: int = 0, gpu
 
 
 def _forget_memos(policy) -> None:
-    for name in ("queue", "ranked"):  # fifo's queue, sjf's and tiresias' ranked jobs
-        memo = getattr(policy, name, None)
-        if hasattr(memo, "forget"):
-            memo.forget()
+    memo = memo_of(policy)  # fifo's queue, sjf's and tiresias' ranked jobs
+    if memo is not None:
+        memo.forget()
 
 
 def time_policy(name: str, snapshot: ClusterSnapshot, runs: int,

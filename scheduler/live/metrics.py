@@ -19,7 +19,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from scheduler.live import convert
 from scheduler.live.entries import EntryChanges
-from scheduler.policies.memo import PolicyMemo
+from scheduler.policies.memo import memo_of
 from scheduler.policy import ClusterSnapshot, NodeInfo
 from silod.v1 import common_pb2, plan_pb2
 
@@ -90,7 +90,7 @@ class RoundTimer:
 
 def policy_answered(policy: object) -> None:
     """Count how ``policy`` answered its last call (scheduler.policies.memo)."""
-    memo = next((kept for kept in getattr(policy, "__dict__", {}).values() if isinstance(kept, PolicyMemo)), None)
+    memo = memo_of(policy)
     POLICY_ANSWERS.labels("kept" if memo is not None and memo.last_call == "queue" else "whole").inc()
 
 

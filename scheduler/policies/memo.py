@@ -64,6 +64,11 @@ class PolicyMemo(Generic[S]):
         return None
 
 
+def memo_of(policy: object) -> PolicyMemo | None:
+    """The memo a policy object keeps (fifo's queue, sjf's and tiresias' ranked jobs), or None."""
+    return next((kept for kept in getattr(policy, "__dict__", {}).values() if isinstance(kept, PolicyMemo)), None)
+
+
 def keep_running(held: Allocation, free: FreeGpus, gpu_type: str) -> Allocation | None:
     """A running job's GPUs taken from ``free`` and its allocation as a whole pass's placement
     states it (the current one itself where they are equal); None, having taken what it could
