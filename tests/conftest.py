@@ -30,6 +30,15 @@ if str(ROOT) not in _paths:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *_paths])
 
 
+@pytest.fixture(autouse=True)
+def _sigpipe_stays_ignored():  # type: ignore[no-untyped-def]
+    """The test that made SIGPIPE fatal in this process fails, rather than a later one dying."""
+    yield
+    if self_signal_guard.sigpipe_made_fatal():
+        pytest.fail("SIGPIPE is no longer ignored in the test process: a write to a closed socket "
+                    "would kill it (tests/support/self_signal_guard.py)")
+
+
 @pytest.hookimpl(optionalhook=True)  # a venv without pytest-xdist runs the suite in one process
 def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
     """`make test` runs on pytest-xdist workers: whole test modules go to one worker (their tests

@@ -8,6 +8,8 @@ import signal
 
 import pytest
 
+from tests.support import self_signal_guard
+
 
 def test_signals_that_would_end_the_test_process_are_refused_and_others_pass() -> None:
     for call in (lambda: os.killpg(os.getpgrp(), signal.SIGKILL), lambda: os.killpg(0, signal.SIGTERM),
@@ -23,3 +25,10 @@ def test_signals_that_would_end_the_test_process_are_refused_and_others_pass() -
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert received == [True]
+
+
+def test_a_fatal_sigpipe_is_found_and_ignored_again() -> None:
+    assert not self_signal_guard.sigpipe_made_fatal()
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    assert self_signal_guard.sigpipe_made_fatal()
+    assert signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.runtime.settings import ConfigError, ServiceSettings, load_settings, split_host_port
-from silod.cli.main import build_parser
+from silod.cli.main import build_parser, main
 
 
 def test_defaults_apply_without_any_source(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,3 +125,25 @@ def test_client_against_unreachable_service_reports_unavailable() -> None:
     result = _silod("dataset", "list", "--metadata", "127.0.0.1:1")
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_client_command_piped_into_a_closed_reader_ends_quietly() -> None:
+    # `silod simulate list | head -0`: the reader is gone before the first line is written.
+    proc = subprocess.Popen([sys.executable, "-m", "silod.cli", "simulate", "list"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    stderr = proc.communicate(timeout=60)[1].decode()
+    assert proc.returncode == -signal.SIGPIPE, (proc.returncode, stderr)
+    assert stderr == ""
+
+
+def test_calling_main_from_python_leaves_the_callers_sigpipe_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    # A process that calls main() (a test, a notebook) must not die of its next write to a
+    # closed socket: only the program itself makes SIGPIPE fatal.
+    assert main(["dataset", "list", "--metadata", "127.0.0.1:1"]) == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN
+    left, right = socket.socketpair()
+    right.close()
+    with left, pytest.raises(BrokenPipeError):
+        left.send(b"x")

@@ -163,14 +163,19 @@ def _run_service(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``silod`` program (``argv`` None: its arguments are sys.argv), or one command of it
+    called from Python (``argv`` given)."""
+    called_as_program = argv is None
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "flags_unknown", False):
         parser.parse_args(argv)  # argparse's own error for what it does not know
-    if getattr(args, "service", None) is None and hasattr(signal, "SIGPIPE"):
+    if called_as_program and getattr(args, "service", None) is None and hasattr(signal, "SIGPIPE"):
         # Client commands piped into `head` should stop quietly, as Unix tools do. Services
-        # keep Python's default: a closed stdout must not kill a server.
+        # keep Python's default: a closed stdout must not kill a server. Only the program
+        # itself: a process that calls main() (a test, a notebook) would otherwise die of the
+        # next write to any closed socket or pipe, without a word.
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         return int(args.handler(args) or 0)
