@@ -35,7 +35,7 @@ is Pollux's goodput objective (its restart penalty priced with DeepBoot's per-mo
 times) run over the lendable GPUs: the "Pollux with lending" baseline of docs/evaluation.md.
 
 The search is exact: a group knapsack over GPU counts, dynamic programming over jobs x GPUs
-(the ``pollux`` policy's ``_solve_dp``, shared). Only when ``jobs x (GPUs + 1) x (largest
+(:func:`scheduler.policies.pollux_counts.solve_dp`, shared with ``pollux``). Only when ``jobs x (GPUs + 1) x (largest
 count + 1)`` exceeds ``dp_limit`` (thousands of jobs on thousands of GPUs) does ``solver="auto"``
 fall back to ``pollux``'s concave-hull greedy with local search. Placement keeps jobs where they run, then
 tries the training pool, and only then lent GPUs; busy inference GPUs are never used.
@@ -57,7 +57,9 @@ from scheduler.deepboot.costs import ResizeCosts, kept_share
 from scheduler.deepboot.lending import BOTH_POOLS, held_lendable, place_lending, training_capacity
 from scheduler.deepboot.state import ReplicaView
 from scheduler.placement import TypeRoom, blind_preferences, largest_type_gpus, node_types, placement_type
-from scheduler.policies.pollux import _current_type, base_goodput_ratio, remembered_speedups, solve_counts, with_model
+from scheduler.policies.pollux import _current_type, base_goodput_ratio
+from scheduler.policies.pollux_speedups import remembered_speedups, with_model
+from scheduler.policies.pollux_counts import solve_counts
 from scheduler.policies.typed_counts import assign_types, best_start
 from scheduler.policies.pollux_estimates import JobTable, best_batch_sizes, gpus_per_node, held_in_place
 from scheduler.policy import Allocation, ClusterSnapshot, JobInfo, Plan

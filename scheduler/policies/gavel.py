@@ -96,10 +96,7 @@ limit preemption churn when rounds are short compared with the restart cost; 0 i
 
 from __future__ import annotations
 
-import dataclasses
 import operator
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,51 +107,16 @@ from scheduler.placement import (TypeRoom, blind_preferences, gpu_allocation, la
                                  placement_type)
 from scheduler.policies import gavel_candidates as cand
 from scheduler.policies import gavel_max_min as lps
+from scheduler.policies.gavel_allocation import NOISE, GavelAllocation, forget_answers, ranked_choices, remembered
 from scheduler.policies.gavel_fits import best_fits, fits_after_departures
 from scheduler.policies.gavel_lp import solve_by_prices
+from scheduler.policies.gavel_round import batch_sizes, fill, pick
 from scheduler.policies.pollux_estimates import JobTable, gpus_per_node, held_in_place
 from scheduler.policy import ClusterSnapshot, JobInfo, Plan
 from scheduler.registry import register
 from scheduler.steady import FOREVER, FOREVER_DEPARTURES, NO_PROMISE, Steadiness
 
-# Time fractions below this are solver noise.
-_NOISE = 1e-9
 OBJECTIVES = ("max_min_fairness", "makespan")
-
-
-@dataclass(frozen=True)
-class GavelAllocation:
-    """The LP's answer: candidates (flattened) and the time fraction of each."""
-
-    jobs: tuple[JobInfo, ...]
-    job: np.ndarray               # job position of each candidate
-    gpus: np.ndarray              # GPU count of each candidate
-    throughput: np.ndarray        # rate of progress with the candidate (efficiency-weighted samples/s)
-    reference: np.ndarray         # per job: throughput under an equal share (the normalizer)
-    weight: np.ndarray            # per job: priority weight
-    fraction: np.ndarray          # per candidate: share of time (the LP's X)
-    level: float                  # the max-min normalized throughput t* (makespan: 1 / the makespan in s)
-    io: np.ndarray | None = None  # per candidate: remote bytes/s it uses while running (codesign only)
-    types: tuple[str, ...] = ("",)  # GPU types of the pool, sorted
-    gpu_type: np.ndarray | None = None  # per candidate: index into ``types`` (None = all untyped)
-    bound: float | None = None    # price solver only: an upper bound on the LP's level
-
-    def type_of(self, candidate: int) -> str:
-        return self.types[int(self.gpu_type[candidate])] if self.gpu_type is not None else self.types[0]
-
-    def time_fraction(self) -> np.ndarray:
-        """Per job: share of time it should run (sum over its candidates)."""
-        return np.bincount(self.job, weights=self.fraction, minlength=len(self.jobs))
-
-    def target_gpus(self) -> np.ndarray:
-        """Per job: GPUs it should hold on average."""
-        return np.bincount(self.job, weights=self.fraction * self.gpus, minlength=len(self.jobs))
-
-    def normalized_throughput(self) -> np.ndarray:
-        """Per job: ``sum_c X[j,c] thr[j,c] / ref[j]``."""
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rate = self.fraction * np.where(self.reference[self.job] > 0, self.throughput / self.reference[self.job], 0.0)
-        return np.bincount(self.job, weights=rate, minlength=len(self.jobs))
 
 
 @register("gavel")
@@ -188,89 +150,8 @@ class GavelPolicy:
 
     def candidate_counts(self, job: JobInfo, capacity: int) -> list[int]:
         """GPU counts the LP may give ``job`` (empty if not even its minimum fits the cluster)."""
-        counts = self._count_matrix(*cand.bounds_of([job]), capacity)
+        counts = cand.count_matrix(*cand.bounds_of([job]), capacity, self.elastic, self.max_gpus_per_job)
         return [int(g) for g in counts[0] if g > 0]
-
-    def _count_matrix(self, low: np.ndarray, top: np.ndarray, asked: np.ndarray, capacity: int) -> np.ndarray:
-        """Row ``k``: the candidate counts of the job with bounds ``low[k]..top[k]`` that asked for
-        ``asked[k]`` GPUs, on ``capacity`` GPUs, ascending, 0-padded.
-
-        A rigid job (or any job with ``elastic=False``) has its requested count; an elastic job
-        also its minimum, its maximum (capped by ``max_gpus_per_job`` and the capacity) and the
-        powers of two strictly between them. None if its minimum exceeds the capacity.
-        """
-        high = np.minimum(np.maximum(np.minimum(top, self.max_gpus_per_job), low), capacity)
-        requested = np.minimum(np.maximum(asked, low), high)
-        elastic = (low != top) & self.elastic
-        powers = 2 ** np.arange(max(int(high.max(initial=1)) - 1, 1).bit_length() + 1)
-        options = np.concatenate([requested[:, None], np.stack([low, high], axis=1),
-                                  np.broadcast_to(powers, (low.size, powers.size))], axis=1)
-        offered = np.ones(options.shape, dtype=bool)
-        offered[:, 1:] = elastic[:, None]
-        offered[:, 3:] &= (options[:, 3:] > low[:, None]) & (options[:, 3:] < high[:, None])
-        offered[low > capacity] = False
-        sentinel = np.iinfo(np.int64).max
-        options = np.sort(np.where(offered, options, sentinel), axis=1)
-        repeated = np.zeros(options.shape, dtype=bool)
-        repeated[:, 1:] = options[:, 1:] == options[:, :-1]
-        return np.where(repeated | (options == sentinel), 0, options)
-
-    def _candidates(self, jobs, types: tuple[str, ...], type_capacity: np.ndarray, widest: int):
-        """``(job, gpus, type)`` of every candidate, by job, then type, then count: a count must fit
-        its type's GPUs (type-blind: the largest type's, since a job still runs on one type) and
-        the job must allow the type."""
-        by_type = []
-        bounds = cand.bounds_of(jobs)
-        constrained = [k for k, job in enumerate(jobs) if job.gpu_types]  # most jobs allow every type
-        for t, gpu_type in enumerate(types):
-            counts = self._count_matrix(*bounds, min(int(type_capacity[t]), widest))
-            if gpu_type and constrained:
-                counts[[k for k in constrained if not jobs[k].allows(gpu_type)]] = 0
-            by_type.append(counts)
-        width = max(counts.shape[1] for counts in by_type)  # types of different sizes offer different powers of two
-        by_type = [np.pad(counts, ((0, 0), (0, width - counts.shape[1]))) for counts in by_type]
-        stacked = np.stack(by_type, axis=1)  # job x type x option
-        job, kind, _ = np.nonzero(stacked)
-        return job.astype(np.int64), stacked[stacked > 0].astype(np.int64), kind.astype(np.int64)
-
-    def _priced_candidates(self, jobs, types: tuple[str, ...], type_capacity: np.ndarray, widest: int, per_node: int):
-        """``(job, gpus, type, throughput)`` of every candidate (:meth:`_candidates`, each priced on
-        the fewest nodes, no cache, IO not limiting), and per job its kind (0, 1, ...). A job's
-        candidates and their prices depend on its bounds, batch, allowed types and models only,
-        which jobs of one kind share and keep for life: each kind is worked out once and remembered
-        (the same numbers, row for row)."""
-        context = (self.elastic, self.max_gpus_per_job, self.adapt_batch, types, type_capacity.tobytes(), widest, per_node)
-        keys = [(context, j.min_gpus, j.max_gpus, j.requested, j.initial_batch_size, j.gpu_types, id(j.model),
-                 id(j.type_models) if j.type_models else 0) for j in jobs]
-        missing = {key: k for k, key in zip(range(len(jobs) - 1, -1, -1), reversed(keys)) if key not in _KINDS}
-        if missing:
-            firsts = sorted(missing.values())
-            reps = [jobs[k] for k in firsts]
-            job, gpus, kind = self._candidates(reps, types, type_capacity, widest)
-            throughput = np.zeros(0)
-            if gpus.size:
-                batch = 0 if self.adapt_batch else np.array([j.initial_batch_size for j in reps], dtype=np.int64)[job]
-                pair, pair_of = np.unique(job * len(types) + kind, return_inverse=True)
-                table = JobTable([reps[p // len(types)] for p in pair], gpu_types=[types[p % len(types)] for p in pair])
-                throughput = table.predict(pair_of.ravel(), gpus, 0, per_node=per_node, batch_size=batch).goodput_samples_per_s
-            counts = np.bincount(job, minlength=len(reps))
-            ends = np.cumsum(counts)
-            if len(_KINDS) > _KINDS_KEPT:
-                _KINDS.clear()
-            for r, (k, end, count) in enumerate(zip(firsts, ends.tolist(), counts.tolist())):
-                begin = end - count
-                _KINDS[keys[k]] = (gpus[begin:end], kind[begin:end], throughput[begin:end], (reps[r].model, reps[r].type_models))
-        found, index = [], {}
-        shape = np.empty(len(jobs), dtype=np.int64)
-        for k, key in enumerate(keys):
-            found.append(_KINDS[key])
-            shape[k] = index.setdefault(key, len(index))
-        sizes = np.array([f[0].size for f in found], dtype=np.int64)
-        if not sizes.sum():
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty, np.zeros(0), shape
-        return (np.repeat(np.arange(len(jobs), dtype=np.int64), sizes), np.concatenate([f[0] for f in found]),
-                np.concatenate([f[1] for f in found]), np.concatenate([f[2] for f in found]), shape)
 
     def pool_types(self, snapshot: ClusterSnapshot) -> tuple[tuple[str, ...], np.ndarray]:
         """``(types, GPUs of each)`` the LP sees: the pool's types, or one pool when type-blind."""
@@ -303,7 +184,7 @@ class GavelPolicy:
             return self._solve(snapshot, jobs, types, type_capacity, per_node, widest)
         key = (self, types, type_capacity.tobytes(), per_node, widest, tuple(map(_FIELDS, jobs)),
                tuple(id(j.model) for j in jobs), tuple(id(j.type_models) for j in jobs))
-        return _remembered(key, jobs, lambda: self._solve(snapshot, jobs, types, type_capacity, per_node, widest))
+        return remembered(key, jobs, lambda: self._solve(snapshot, jobs, types, type_capacity, per_node, widest))
 
     def _solve(self, snapshot, jobs, types, type_capacity, per_node, widest) -> GavelAllocation:
         codesign = self.codesign and co.is_active(snapshot)
@@ -312,9 +193,11 @@ class GavelPolicy:
         # solver, and its shapes (what the price solver and the hulls of many jobs group by) are not needed.
         small = bool(self.partitions) or len(jobs) <= self.partition_jobs
         if codesign:
-            job, gpus, kind = self._candidates(jobs, types, type_capacity, widest)
+            job, gpus, kind = cand.candidates(jobs, types, type_capacity, widest, self.elastic, self.max_gpus_per_job)
         else:  # candidates and their throughputs, per kind of job, remembered across rounds
-            job, gpus, kind, throughput, priced = self._priced_candidates(jobs, types, type_capacity, widest, per_node)
+            job, gpus, kind, throughput, priced = cand.priced_candidates(jobs, types, type_capacity, widest, per_node,
+                                                                         self.elastic, self.max_gpus_per_job,
+                                                                         self.adapt_batch)
             if not small:
                 shape = cand.shapes(priced, job, gpus, kind, throughput, len(jobs))
         weight = np.array([self.priority_base ** job_.priority for job_ in jobs], dtype=np.float64)
@@ -415,7 +298,7 @@ class GavelPolicy:
              for job in allocation.jobs]
         )
         with np.errstate(divide="ignore", invalid="ignore"):
-            priority = np.where(received > 0, target / np.where(received > 0, received, 1.0), np.where(target > _NOISE, np.inf, 0.0))
+            priority = np.where(received > 0, target / np.where(received > 0, received, 1.0), np.where(target > NOISE, np.inf, 0.0))
         if self.running_bonus:
             running = held_in_place(snapshot, allocation.jobs) > 0
             priority = np.where(running, priority * (1.0 + self.running_bonus), priority)
@@ -429,7 +312,7 @@ class GavelPolicy:
         priority = self.round_priorities(snapshot, allocation)
         order = np.lexsort((np.array([job.job_id for job in jobs]), np.array([job.submit_time_s for job in jobs]),
                             -priority)).tolist()
-        choices = _choices(allocation)
+        choices = ranked_choices(allocation)
         blind = blind_preferences(snapshot, [job.job_id for job in jobs]) if not self.heterogeneity_aware else None
         # Per job, its candidates fastest first (sliced when a job needs them: few do).
         fastest = np.lexsort((-allocation.throughput, allocation.job))
@@ -453,11 +336,11 @@ class GavelPolicy:
                     if picked is not None:
                         counts[job.job_id], preferences[job.job_id] = picked
 
-            offer(lambda j, job: self._pick(job, allocation, choices[j], room, blind) if choices[j] else None)
+            offer(lambda j, job: pick(job, allocation, choices[j], room, blind, self.elastic) if choices[j] else None)
             # Work conservation: GPUs the LP's choices left over go to jobs still waiting, in
             # the same order, on any type they may use (fastest first) and any count they fit.
-            offer(lambda j, job: self._fill(job, allocation, fastest[fastest_start[j]:fastest_end[j]].tolist(), room,
-                                            blind))
+            offer(lambda j, job: fill(job, allocation, fastest[fastest_start[j]:fastest_end[j]].tolist(), room,
+                                      blind, self.elastic, self.max_gpus_per_job))
             # Still GPUs left: elastic jobs that start (or move) this round anyway grow into them
             # on their type; a job running in place is not restarted for a few more GPUs.
             for j in order:
@@ -476,7 +359,7 @@ class GavelPolicy:
         if allocation.io is not None:
             return co.without_starved(snapshot, admit)
         placements, _ = admit(frozenset())
-        batch = self._batch_sizes(snapshot, placements)
+        batch = batch_sizes(snapshot, placements) if self.adapt_batch else {}
         kinds = node_types(snapshot)
         # place() keeps every job on one type: a one-node placement's type is its node's.
         current = snapshot.current.allocations
@@ -501,7 +384,7 @@ class GavelPolicy:
             return NO_PROMISE
         allocation = self.solve(snapshot)
         held = plan.allocations
-        for j, candidates in enumerate(_choices(allocation)):
+        for j, candidates in enumerate(ranked_choices(allocation)):
             allocated = held.get(allocation.jobs[j].job_id)
             if allocated is None or not candidates:
                 return NO_PROMISE
@@ -513,57 +396,6 @@ class GavelPolicy:
             return FOREVER_DEPARTURES
         return FOREVER
 
-    def _pick(self, job: JobInfo, allocation: GavelAllocation, candidates: list[int], room: TypeRoom,
-              blind: dict[str, tuple[str, ...]] | None) -> tuple[int, tuple[str, ...]] | None:
-        """The job's first candidate whose type has room for its count, claimed: ``(count, (type,))``.
-
-        An elastic job whose candidates do not fit takes what is left of its preferred type,
-        down to its minimum. Type-blind, a candidate's count may go to any type, in the job's
-        speed-blind order (:func:`scheduler.placement.blind_preferences`).
-        """
-        def types_of(c: int) -> tuple[str, ...]:
-            return blind[job.job_id] if blind is not None else (allocation.type_of(c),)
-
-        for c in candidates:
-            want = int(allocation.gpus[c])
-            gpu_type = room.claim(want, tuple(t for t in types_of(c) if job.allows(t)))
-            if gpu_type is not None:
-                return want, (gpu_type,)
-        if self.elastic and not job.rigid:
-            first = candidates[0]
-            for gpu_type in (t for t in types_of(first) if job.allows(t)):
-                left = min(room.room.get(gpu_type, 0), room.left, int(allocation.gpus[first]))
-                if left >= job.min_gpus and room.claim(left, (gpu_type,)) is not None:
-                    return left, (gpu_type,)
-        return None
-
-    def _fill(self, job: JobInfo, allocation: GavelAllocation, fastest: list[int], room: TypeRoom,
-              blind: dict[str, tuple[str, ...]] | None) -> tuple[int, tuple[str, ...]] | None:
-        """Leftover GPUs for a job the round passed over: its candidates ``fastest`` first, each
-        on its type (any type in the blind order, type-blind), else (elastic) what a type has left."""
-        for c in fastest:
-            types = blind[job.job_id] if blind is not None else (allocation.type_of(c),)
-            gpu_type = room.claim(int(allocation.gpus[c]), tuple(t for t in types if job.allows(t)))
-            if gpu_type is not None:
-                return int(allocation.gpus[c]), (gpu_type,)
-        if self.elastic and not job.rigid:
-            for gpu_type in sorted(room.room, key=lambda t: -room.room[t]):
-                left = min(room.room[gpu_type], room.left, job.max_gpus, self.max_gpus_per_job)
-                if job.allows(gpu_type) and left >= job.min_gpus and room.claim(left, (gpu_type,)) is not None:
-                    return left, (gpu_type,)
-        return None
-
-    def _batch_sizes(self, snapshot: ClusterSnapshot, placements) -> dict[str, int]:
-        if not self.adapt_batch or not placements:
-            return {}
-        jobs = [job for job in snapshot.jobs if job.job_id in placements]
-        kinds = node_types(snapshot)
-        table = JobTable(jobs, gpu_types=[placement_type(placements[job.job_id], kinds, job) for job in jobs])
-        gpus = [sum(len(ix) for _, ix in placements[job.job_id]) for job in jobs]
-        nodes = [len(placements[job.job_id]) for job in jobs]
-        batch = table.predict(np.arange(len(jobs)), gpus, nodes, per_node=gpus_per_node(snapshot)).batch_size
-        return {job.job_id: int(b) for job, b in zip(jobs, batch)}
-
 
 def _time_unit(job: np.ndarray, normalized: np.ndarray, n_jobs: int) -> float:
     """Seconds: the median over jobs of 1 / the job's best normalized rate (with the makespan
@@ -574,32 +406,8 @@ def _time_unit(job: np.ndarray, normalized: np.ndarray, n_jobs: int) -> float:
     return float(np.median(1.0 / best)) if best.size else 1.0
 
 
-def _choices(allocation: GavelAllocation) -> list[list[int]]:
-    """Per job: its candidates with time in the LP, most-weighted first (the smaller count among
-    near-equal weights); a job the LP gives no time keeps its first one, for leftover GPUs.
-    (Remembered for the last allocation: a round and its promise both ask.)"""
-    last = _LAST_CHOICES
-    if last is not None and last[0] is allocation:
-        return last[1]
-    choices = _rank_choices(allocation)
-    globals()["_LAST_CHOICES"] = (allocation, choices)
-    return choices
-
-
-# A kind of job's candidates and their throughputs (GavelPolicy._priced_candidates): (gpus, types,
-# throughputs, the models the key names by id, kept so their ids stay their own).
-_KINDS: dict[tuple, tuple] = {}
-_KINDS_KEPT = 20_000
-# The last snapshot solved and the last allocation's choices (a round, then its promise, ask the same).
+# The last snapshot solved (a round, then its promise, ask the same).
 _LAST_SOLVED: tuple | None = None
-_LAST_CHOICES: tuple | None = None
-
-
-def _rank_choices(allocation: GavelAllocation) -> list[list[int]]:
-    ranked = np.lexsort((allocation.gpus, -np.round(allocation.fraction / 1e-6), allocation.job))
-    first = np.ones(ranked.size, dtype=bool)
-    first[1:] = allocation.job[ranked[1:]] != allocation.job[ranked[:-1]]
-    return cand.by_job(ranked[first | (allocation.fraction[ranked] > _NOISE)], allocation.job, len(allocation.jobs))
 
 
 # What GavelPolicy.solve reads of a job besides its models, which the key holds by identity (the
@@ -608,36 +416,11 @@ def _rank_choices(allocation: GavelAllocation) -> list[list[int]]:
 _FIELDS = operator.attrgetter("job_id", "min_gpus", "max_gpus", "requested_gpus", "batch_size", "priority", "gpu_types")
 
 
-_PREPARED: OrderedDict[tuple, tuple[list, GavelAllocation]] = OrderedDict()
-_PREPARED_LOCK = threading.Lock()
-_PREPARED_KEPT = 4
-
-
-def _remembered(key: tuple, jobs: tuple[JobInfo, ...], solve) -> GavelAllocation:
-    """``solve()`` for ``key``, or the answer remembered for it with this round's ``jobs``."""
-    with _PREPARED_LOCK:
-        found = _PREPARED.get(key)
-        if found is not None:
-            _PREPARED.move_to_end(key)
-            return dataclasses.replace(found[1], jobs=jobs)
-    allocation = solve()
-    for value in vars(allocation).values():
-        if isinstance(value, np.ndarray):
-            value.setflags(write=False)  # shared by the rounds that reuse it
-    models = [(job.model, job.type_models) for job in jobs]
-    with _PREPARED_LOCK:
-        _PREPARED[key] = (models, allocation)
-        while len(_PREPARED) > _PREPARED_KEPT:
-            _PREPARED.popitem(last=False)
-    return allocation
-
-
 def forget_lps() -> None:
     """Drop the remembered LPs and their inputs (a benchmark times a round that solves its LP)."""
-    global _LAST_SOLVED, _LAST_CHOICES
+    global _LAST_SOLVED
     lps.forget_solved()
-    with _PREPARED_LOCK:
-        _PREPARED.clear()
-        _LAST_SOLVED = _LAST_CHOICES = None
+    forget_answers()
+    _LAST_SOLVED = None
 
 

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from estimator.goodput import BatchBounds, GradParams, PerfParams
 from estimator.job_model import JobModel
 from estimator.predict import predict_one
-from scheduler.policies.pollux import PolluxPolicy, _local_search, _solve_dp, _solve_hull_greedy, power_mean, upper_hull_segments
+from scheduler.policies.pollux import PolluxPolicy, power_mean
+from scheduler.policies.pollux_counts import _solve_hull_greedy, local_search, solve_dp, upper_hull_segments
 from scheduler.registry import get_policy
 from tests.scheduler.conftest import APPLICATIONS, assert_sound, make_job, make_nodes, make_snapshot, snapshots
 
@@ -224,7 +225,7 @@ def test_dp_is_exact_on_small_tables():
             for c in itertools.product(range(width), repeat=jobs)
             if sum(c) <= capacity
         )
-        counts = _solve_dp(utility, capacity)
+        counts = solve_dp(utility, capacity)
         assert counts.sum() <= capacity
         assert utility[np.arange(jobs), counts].sum() == pytest.approx(best)
 
@@ -235,8 +236,8 @@ def test_greedy_search_is_close_to_the_exact_optimum(seed):
     snapshot = random_snapshot(rng, jobs=int(rng.integers(5, 80)), nodes=int(rng.integers(2, 12)), per_node=int(rng.choice([4, 8])))
     policy = PolluxPolicy()
     table = policy.speedup_table(snapshot)
-    exact = _solve_dp(table.utility, table.capacity)
-    greedy = _local_search(table.utility, table.capacity, _solve_hull_greedy(table.utility, table.capacity), 200)
+    exact = solve_dp(table.utility, table.capacity)
+    greedy = local_search(table.utility, table.capacity, _solve_hull_greedy(table.utility, table.capacity), 200)
     assert greedy.sum() <= table.capacity
     low = np.array([job.min_gpus for job in table.jobs])
     assert np.all((greedy == 0) | (greedy >= low))
@@ -332,7 +333,7 @@ def test_repacking_never_lowers_the_placed_fitness(seed):
 def test_count_solvers_reach_the_brute_force_optimum_on_small_tables():
     # The DP (strided windows, columns past each job's last improving count skipped) and the
     # "every best count fits" shortcut must both give the best sum over all count vectors.
-    from scheduler.policies.pollux import solve_counts
+    from scheduler.policies.pollux_counts import solve_counts
 
     rng = np.random.default_rng(7)
     for _ in range(60):
@@ -342,7 +343,7 @@ def test_count_solvers_reach_the_brute_force_optimum_on_small_tables():
         utility[:, 0] = 0.0
         best = max(sum(utility[j, g] for j, g in enumerate(counts))
                    for counts in itertools.product(range(width), repeat=n) if sum(counts) <= capacity)
-        for counts in (_solve_dp(utility, capacity), solve_counts(utility, capacity, "dp")):
+        for counts in (solve_dp(utility, capacity), solve_counts(utility, capacity, "dp")):
             assert counts.sum() <= capacity
             assert utility[np.arange(n), counts].sum() == pytest.approx(best)
 
@@ -368,7 +369,7 @@ def _reference_dp(utility, capacity):
 
 
 def test_sparse_and_dense_dps_return_the_reference_answer_ties_included():
-    from scheduler.policies.pollux import _lagrangian_candidates, _solve_dense_dp, _solve_sparse_dp
+    from scheduler.policies.pollux_counts import _lagrangian_candidates, _solve_dense_dp, _solve_sparse_dp
 
     rng = np.random.default_rng(11)
     pruned = 0
@@ -381,7 +382,7 @@ def test_sparse_and_dense_dps_return_the_reference_answer_ties_included():
         utility[:, 0] = np.round(rng.normal(size=n), 1) if trial % 2 else 0.0
         expected = _reference_dp(utility, capacity)
         assert np.array_equal(_solve_dense_dp(utility, capacity), expected)
-        assert np.array_equal(_solve_dp(utility, capacity), expected)
+        assert np.array_equal(solve_dp(utility, capacity), expected)
         candidates = _lagrangian_candidates(utility, capacity)
         if candidates is not None:
             job, count = candidates
@@ -393,7 +394,7 @@ def test_sparse_and_dense_dps_return_the_reference_answer_ties_included():
 
 
 def test_lagrangian_pruning_keeps_few_counts_on_a_policy_table():
-    from scheduler.policies.pollux import _lagrangian_candidates
+    from scheduler.policies.pollux_counts import _lagrangian_candidates
 
     rng = np.random.default_rng(21)
     snapshot = random_snapshot(rng, jobs=60, nodes=6, per_node=8)
@@ -403,7 +404,7 @@ def test_lagrangian_pruning_keeps_few_counts_on_a_policy_table():
     job, count = candidates
     finite = np.isfinite(table.utility).sum()
     assert job.size < finite / 3
-    assert np.array_equal(_solve_dp(table.utility, table.capacity), _reference_dp(table.utility, table.capacity))
+    assert np.array_equal(solve_dp(table.utility, table.capacity), _reference_dp(table.utility, table.capacity))
 
 
 def test_memoized_packed_goodput_matches_a_fresh_prediction():
