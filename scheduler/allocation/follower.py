@@ -25,6 +25,7 @@ from collections.abc import Iterable
 import grpc
 
 from scheduler.allocation import metrics
+from scheduler.live.entries import EntryChanges
 from scheduler.live.plans import PlanStore
 from scheduler.plan_changes import PlanChanges
 from silod.v1 import allocation_pb2, metadata_pb2, plan_pb2
@@ -142,7 +143,12 @@ class PlanFollower:
                 metrics.PLANS_REFUSED.labels("out_of_step").inc()
                 raise FeedOutOfStep(f"changes of plan {update.changes.base_version} offered, plan "
                                     f"{held.version if held is not None else 0} held")
-            await self._take(_applied(held, plan, update.changes), "feed", new_jobs=update.changes.jobs)
+            upserts = {job.job_id: job for job in update.changes.jobs}
+            removals = tuple(update.changes.removed_job_ids)
+            previous = {job_id: entry for job_id in (*upserts, *removals)
+                        if (entry := self.plans.allocation(job_id)) is not None}
+            await self._take(_applied(held, plan, update.changes), "feed", new_jobs=update.changes.jobs,
+                             base=held, changes=EntryChanges(upserts, removals, previous, in_place=True))
             for job_id in update.changes.removed_job_ids:  # ended: its spec is not needed again (a job
                 self.plans.specs.pop(job_id, None)  # that comes back comes with its spec)
             return
@@ -168,7 +174,8 @@ class PlanFollower:
         self._nodes_read_at = time.monotonic()
 
     async def _take(self, plan: plan_pb2.AllocationPlan, source: str,
-                    new_jobs: Iterable[plan_pb2.JobAllocation] | None = None) -> None:
+                    new_jobs: Iterable[plan_pb2.JobAllocation] | None = None,
+                    base: plan_pb2.AllocationPlan | None = None, changes: EntryChanges | None = None) -> None:
         # Whatever the feed did not send is read before the plan is served: the specs of jobs
         # new to this server (``new_jobs``: those of the plan's changes; None: all of them) and,
         # from a scheduler whose feed sends no addresses, the nodes' (a rank's MASTER_ADDR, a
@@ -185,7 +192,8 @@ class PlanFollower:
         if plan.version <= self.latest_version:
             return
         self.plan_epoch = max(self.plan_epoch, plan.epoch)
-        await self.plans.set_latest(plan)
+        # By its changes where they were fed (the nodes' parts are then cut again where they changed only).
+        await self.plans.set_latest(plan, base=base, changes=changes)
         metrics.PLAN_VERSION.set(plan.version)
         metrics.PLANS_TAKEN.labels(source).inc()
         self.leadership.serve()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set as AbstractSet
 
 from scheduler.live.gpu_health import Placement
 from scheduler.policy import Allocation, NodeInfo, Plan
@@ -181,7 +181,7 @@ def node_plan(
     cache_addresses: Mapping[str, str] | None = None,
 ) -> plan_pb2.NodePlan:
     """The part of ``plan`` that concerns ``node`` (see :func:`node_plans`)."""
-    views = node_plans(plan, specs, agent_addresses, cache_addresses, only=node)
+    views = node_plans(plan, specs, agent_addresses, cache_addresses, nodes={node})
     return views.get(node) or plan_pb2.NodePlan(version=plan.version, node=node, epoch=plan.epoch)
 
 
@@ -190,11 +190,13 @@ def node_plans(
     specs: Mapping[str, common_pb2.JobSpec],
     agent_addresses: Mapping[str, str],
     cache_addresses: Mapping[str, str] | None = None,
-    only: str | None = None,
+    nodes: AbstractSet[str] | None = None,
+    jobs: Iterable[plan_pb2.JobAllocation] | None = None,
 ) -> dict[str, plan_pb2.NodePlan]:
-    """Every node's part of ``plan``, cut in one pass over its jobs (or ``only`` that node's):
-    one TaskAssignment per rank placed there, its cache quotas, replicas and loans. A node the
-    plan gives nothing has no entry.
+    """Every node's part of ``plan``, cut in one pass over its jobs (or the parts of ``nodes``
+    only, from ``jobs``, the plan's entries that concern them, in the plan's order): one
+    TaskAssignment per rank placed there, its cache quotas, replicas and loans. A node the plan
+    gives nothing has no entry.
 
     A cache quota names the job's other nodes (GPUs or cache grants there) as its peers, with
     their cache servers' addresses from ``cache_addresses`` ("" if unknown: the cache server
@@ -206,10 +208,10 @@ def node_plans(
             views[node] = plan_pb2.NodePlan(version=plan.version, node=node, epoch=plan.epoch)
         return views[node]
 
-    for job in plan.jobs:
+    for job in plan.jobs if jobs is None else jobs:
         ranks = ranks_of(job)
         spec = specs.get(job.job_id)
-        if ranks and (only is None or any(n == only for n, _ in ranks)):
+        if ranks and (nodes is None or any(n in nodes for n, _ in ranks)):
             first = ranks[0][0]
             # The advertised host of rank 0's agent: the address the other nodes reach it at.
             master_addr = host_of(agent_addresses.get(first, "")) or first
@@ -220,7 +222,7 @@ def node_plans(
                 local[rank_node] = local.get(rank_node, 0) + 1
             seen: dict[str, int] = {}
             for rank, (rank_node, index) in enumerate(ranks):
-                if only is not None and rank_node != only:
+                if nodes is not None and rank_node not in nodes:
                     continue
                 task = view(rank_node).tasks.add(
                     job_id=job.job_id, rank=rank, world_size=len(ranks), gpu_indices=[index],
@@ -233,7 +235,7 @@ def node_plans(
                 if spec is not None:
                     task.spec.CopyFrom(spec)
         for grant in job.cache_grants:
-            if not grant.node or (only is not None and grant.node != only):
+            if not grant.node or (nodes is not None and grant.node not in nodes):
                 continue
             quota = view(grant.node).cache_quotas.add(
                 job_id=job.job_id, dataset=spec.dataset if spec is not None else "",
@@ -244,9 +246,9 @@ def node_plans(
                 if peer != grant.node:
                     quota.peers.add(node=peer, cache_address=(cache_addresses or {}).get(peer, ""))
     for replica in plan.replicas:
-        if only is None or replica.node == only:
+        if nodes is None or replica.node in nodes:
             view(replica.node).replicas.append(replica)
     for loan in plan.loans:
-        if only is None or loan.node == only:
+        if nodes is None or loan.node in nodes:
             view(loan.node).loans.append(loan)
     return views

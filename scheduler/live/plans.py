@@ -14,6 +14,7 @@ import grpc
 from scheduler.live import convert
 from scheduler.live.clients import Clients
 from scheduler.live.entries import EntryChanges
+from scheduler.live.node_views import Addresses, NodeViews
 from silod.v1 import common_pb2, metadata_pb2, plan_pb2
 
 T = TypeVar("T")
@@ -30,14 +31,16 @@ class PlanStore:
         # asyncio.shield and wait_for do when a wait ends, costs O(waiters) each.)
         self._waiters: set[asyncio.Future[None]] = set()
         self.specs: dict[str, common_pb2.JobSpec] = {}
-        self.agent_addresses: dict[str, str] = {}
-        self.cache_addresses: dict[str, str] = {}  # node -> its CacheService (peers of multi-node jobs)
+        self.agent_addresses = Addresses()
+        self.cache_addresses = Addresses()  # node -> its CacheService (peers of multi-node jobs)
+        self.node_views = NodeViews()
         self._views: dict[str, plan_pb2.NodePlan] = {}  # node -> its part of the plan of _views_version
         self._views_version = -1
         self._cuts: dict[int, asyncio.Future[dict[str, plan_pb2.NodePlan]]] = {}  # version -> its cut in flight
         self._read_at = -math.inf  # monotonic time the last GetLatestPlan answered
         self._reading: asyncio.Future[plan_pb2.AllocationPlan | None] | None = None
-        self._index: dict[str, plan_pb2.JobAllocation] = {}  # job -> its entry in the plan of _index_version
+        # job -> its position and entry in the plan of _index_version
+        self._index: dict[str, tuple[int, plan_pb2.JobAllocation]] = {}
         self._index_version = -1
         # (plan before the one in force, the plan in force, what it changed): see changes_from
         self._changes: tuple[plan_pb2.AllocationPlan | None, plan_pb2.AllocationPlan, EntryChanges | None] | None = None
@@ -77,8 +80,9 @@ class PlanStore:
         it, where known (this scheduler's own commits), so that what follows the plan in force
         can follow it by its changes (``changes_from``)."""
         if self.latest is None or plan.version > self.latest.version:
-            convert.remember_placements(plan)
             known = changes is not None and base is not None and base is self.latest
+            convert.remember_placements(plan, only=changes.upserts.values() if known and changes.in_place else None)
+            self.node_views.follow(plan, base if known else None, changes if known else None)
             self._changes = (base, plan, changes) if known else None
             self.latest = plan
             waiters, self._waiters = self._waiters, set()
@@ -112,12 +116,17 @@ class PlanStore:
         return self.latest.version if self.latest is not None else 0
 
     def allocation(self, job_id: str) -> plan_pb2.JobAllocation | None:
+        found = self._indexed().get(job_id)
+        return found[1] if found is not None else None
+
+    def _indexed(self) -> dict[str, tuple[int, plan_pb2.JobAllocation]]:
+        """The plan in force by job (every report asks, and each cut): indexed once per plan."""
         if self.latest is None:
-            return None
-        if self._index_version != self.latest.version:  # every report asks: index the plan once
-            self._index = {job.job_id: job for job in self.latest.jobs}
+            return {}
+        if self._index_version != self.latest.version:
+            self._index = {job.job_id: (position, job) for position, job in enumerate(self.latest.jobs)}
             self._index_version = self.latest.version
-        return self._index.get(job_id)
+        return self._index
 
     def remember_nodes(self, nodes: Iterable[common_pb2.Node]) -> None:
         for n in nodes:
@@ -151,15 +160,25 @@ class PlanStore:
         return await _outcome_of(cut)
 
     async def _cut(self, plan: plan_pb2.AllocationPlan) -> dict[str, plan_pb2.NodePlan]:
-        await self._learn(plan)
-        views = convert.node_plans(plan, self.specs, self.agent_addresses, self.cache_addresses)
+        entries = None
+        if plan is self.latest:
+            index = self._indexed()
+            entries = self.node_views.entries_to_cut(plan, index, self._addresses_changed(), self.specs)
+        await self._learn(plan, entries)
+        if entries is not None and (learned := self._addresses_changed()):  # nodes new to it, read just now
+            entries = self.node_views.entries_to_cut(plan, index, learned, self.specs)
+        views = self.node_views.cut(plan, entries, self.specs, self.agent_addresses, self.cache_addresses)
         if plan.version >= self._views_version:  # an older plan's cut that ends late is not kept
             self._views, self._views_version = views, plan.version
         return views
 
-    async def _learn(self, plan: plan_pb2.AllocationPlan) -> None:
-        """The specs and addresses a plan's views need that this scheduler has not seen yet."""
-        for job in plan.jobs:
+    def _addresses_changed(self) -> set[str]:
+        return self.agent_addresses.take_changed() | self.cache_addresses.take_changed()
+
+    async def _learn(self, plan: plan_pb2.AllocationPlan, entries: Iterable[plan_pb2.JobAllocation] | None) -> None:
+        """The specs and addresses the views of ``entries`` of ``plan`` (None: all of them) need
+        that this scheduler has not seen yet."""
+        for job in plan.jobs if entries is None else entries:
             await self.spec_of(job.job_id)
             for name in convert.job_nodes(job):
                 if name not in self.agent_addresses or name not in self.cache_addresses:

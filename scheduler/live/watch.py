@@ -65,6 +65,17 @@ def check_watch(request: allocation_pb2.WatchPlanRequest, node_timeout_s: float 
     return max(request.heartbeat_s, MIN_HEARTBEAT_S) if request.heartbeat_s > 0 else 0.0
 
 
+def as_of(node_plan: plan_pb2.NodePlan, plan: plan_pb2.AllocationPlan) -> plan_pb2.NodePlan:
+    """``node_plan`` sent as part of ``plan``: a part kept from the cut of an earlier plan is
+    copied with ``plan``'s version and epoch (the one kept is shared by its node's watchers)."""
+    if node_plan.version == plan.version and node_plan.epoch == plan.epoch:
+        return node_plan
+    sent = plan_pb2.NodePlan()
+    sent.CopyFrom(node_plan)
+    sent.version, sent.epoch = plan.version, plan.epoch
+    return sent
+
+
 def _heartbeat(core: Any, node: str) -> plan_pb2.NodePlan:
     leadership = getattr(core, "leadership", None)
     return plan_pb2.NodePlan(node=node, heartbeat=True, epoch=leadership.epoch if leadership is not None else 0)
@@ -98,10 +109,10 @@ async def watch_node(core: Any, request: allocation_pb2.WatchPlanRequest, *, ref
         plan = core.latest
         if plan is not None and plan.version > sent:
             node_plan = await core.node_plan(plan, request.node)
-            node_plan.epoch = plan.epoch
-            if shown is None or not convert.same_node_part(node_plan, shown):
-                yield node_plan
+            # A part no plan changed since an earlier one is the same object (scheduler.live.node_views).
+            if node_plan is not shown and (shown is None or not convert.same_node_part(node_plan, shown)):
                 shown = node_plan
+                yield as_of(node_plan, plan)
                 beat_at = loop.time() + beat_s
             sent = plan.version
         now = loop.time()

@@ -39,9 +39,9 @@ def _before_learning(store: PlanStore, monkeypatch, wait) -> None:  # type: igno
     scheduler (the cut then takes turns of the loop)."""
     real_learn = store._learn
 
-    async def learn(plan: plan_pb2.AllocationPlan) -> None:
+    async def learn(plan: plan_pb2.AllocationPlan, entries) -> None:  # type: ignore[no-untyped-def]
         await wait(plan)
-        await real_learn(plan)
+        await real_learn(plan, entries)
 
     monkeypatch.setattr(store, "_learn", learn)
 

@@ -1,0 +1,213 @@
+"""The nodes' parts of the plan in force, cut again only where plans changed them
+(scheduler.live.node_views, through scheduler.live.plans.PlanStore): after any sequence of plans
+known by their changes, every node's part says what a whole cut of the plan in force says, while
+only the first cut goes over every job; a node whose part no plan changed is not sent it again,
+and a node that connects is sent its part as of the plan in force."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from scheduler.allocation.follower import _applied
+from scheduler.live import convert
+from scheduler.live.clients import Clients
+from scheduler.live.entries import EntryChanges
+from scheduler.live.plans import PlanStore
+from scheduler.live.watch import as_of, watch_node
+from silod.v1 import allocation_pb2, common_pb2, plan_pb2
+
+NODES = 24
+GPUS = 4
+
+
+class _StoreWithoutSpecs:
+    """The metadata service, asked for a spec the scheduler lacks: unreachable (the part is cut
+    without it, and again once it is known)."""
+
+    async def GetJob(self, request, **kwargs):  # type: ignore[no-untyped-def]  # noqa: N802
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down")
+
+
+def _store(rng: random.Random) -> PlanStore:
+    store = PlanStore(Clients(md=_StoreWithoutSpecs()))  # type: ignore[arg-type]  # every address is known
+    for n in range(NODES):
+        store.agent_addresses[f"n{n}"] = f"10.0.0.{n}:7000"
+        store.cache_addresses[f"n{n}"] = f"10.0.0.{n}:7001"
+    return store
+
+
+def _said(view: plan_pb2.NodePlan) -> list:
+    return [(f.number, value) for f, value in view.ListFields() if f.name != "version"]
+
+
+def _entry(rng: random.Random, job_id: str, free: list[tuple[str, int]]) -> plan_pb2.JobAllocation | None:
+    """A job on 1-3 free GPUs (taken from ``free``), sometimes with a cache grant on another node."""
+    want = rng.randint(1, 3)
+    if len(free) < want:
+        return None
+    entry = plan_pb2.JobAllocation(job_id=job_id, generation=1, batch_size=32, master_port=29500 + rng.randrange(500))
+    picked = [free.pop(rng.randrange(len(free))) for _ in range(want)]
+    by_node: dict[str, list[int]] = {}
+    for node, gpu in picked:
+        by_node.setdefault(node, []).append(gpu)
+    for node, gpus in sorted(by_node.items()):
+        entry.placements.add(node=node, gpu_indices=sorted(gpus))
+    if rng.random() < 0.3:
+        entry.cache_grants.add(node=f"n{rng.randrange(NODES)}", cache_quota_bytes=1 << 20, remote_io_bytes_per_s=1_000_000)
+    return entry
+
+
+def _check(store: PlanStore, views: dict[str, plan_pb2.NodePlan], plan: plan_pb2.AllocationPlan) -> None:
+    whole = convert.node_plans(plan, store.specs, store.agent_addresses, store.cache_addresses)
+    assert set(views) == set(whole)
+    for node, view in whole.items():
+        assert _said(views[node]) == _said(view), node
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_parts_cut_by_changes_say_what_a_whole_cut_says(seed: int) -> None:
+    rng = random.Random(seed)
+
+    async def main() -> None:
+        store = _store(rng)
+        free = [(f"n{n}", g) for n in range(NODES) for g in range(GPUS)]
+        plan = plan_pb2.AllocationPlan(version=1, epoch=1)
+        for j in range(30):
+            entry = _entry(rng, f"j{j}", free)
+            if entry is not None:
+                plan.jobs.append(entry)
+                if rng.random() < 0.9:  # some specs arrive only later
+                    store.specs[entry.job_id] = common_pb2.JobSpec(name=entry.job_id, dataset="d")
+        plan.replicas.add(node="n0", application="svc", replica_id="r0")
+        await store.set_latest(plan)
+        _check(store, await store._views_of(plan), plan)
+        held, next_job = plan, 100
+        for version in range(2, 40):
+            changes = plan_pb2.PlanChanges(base_version=held.version)
+            for entry in rng.sample(list(held.jobs), min(len(held.jobs), rng.randint(0, 3))):
+                if rng.random() < 0.5:  # ended: its GPUs free
+                    changes.removed_job_ids.append(entry.job_id)
+                    free.extend((p.node, g) for p in entry.placements for g in p.gpu_indices)
+                else:  # restarted elsewhere, or the same GPUs at a new generation
+                    moved = changes.jobs.add()
+                    moved.CopyFrom(entry)
+                    moved.generation += 1
+            for _ in range(rng.randint(0, 3)):
+                entry = _entry(rng, f"j{next_job}", free)
+                next_job += 1
+                if entry is not None:
+                    changes.jobs.append(entry)
+                    store.specs[entry.job_id] = common_pb2.JobSpec(name=entry.job_id, dataset="d")
+            header = plan_pb2.AllocationPlan(version=version, epoch=1)
+            if rng.random() < 0.2:
+                header.loans.add(node=f"n{rng.randrange(NODES)}", job_id="borrower", gpu_index=0)
+            else:
+                header.loans.extend(held.loans)
+            header.replicas.extend(held.replicas)
+            if rng.random() < 0.15:  # an agent restarted at another address
+                store.agent_addresses[f"n{rng.randrange(NODES)}"] = f"10.1.0.{version}:7000"
+            if rng.random() < 0.15:  # a late spec arrives
+                missing = [e.job_id for e in held.jobs if e.job_id not in store.specs]
+                if missing:
+                    store.specs[missing[0]] = common_pb2.JobSpec(name=missing[0], dataset="late")
+            upserts = {e.job_id: e for e in changes.jobs}
+            removals = tuple(changes.removed_job_ids)
+            previous = {j: e for j in (*upserts, *removals) if (e := store.allocation(j)) is not None}
+            plan = _applied(held, header, changes)
+            await store.set_latest(plan, base=held, changes=EntryChanges(upserts, removals, previous, in_place=True))
+            if rng.random() < 0.7:  # watchers ask for most plans; those no one asked for are cut with the next
+                _check(store, await store._views_of(plan), plan)
+            held = plan
+        _check(store, await store._views_of(held), held)
+        assert store.node_views.whole_cuts == 1
+
+    asyncio.run(main())
+
+
+def test_a_plan_not_known_by_its_changes_or_of_a_new_epoch_is_cut_whole() -> None:
+    async def main() -> None:
+        store = _store(random.Random(0))
+        free = [(f"n{n}", g) for n in range(NODES) for g in range(GPUS)]
+        first = plan_pb2.AllocationPlan(version=1, epoch=1, jobs=[_entry(random.Random(1), "a", free)])
+        await store.set_latest(first)
+        await store._views_of(first)
+        read = plan_pb2.AllocationPlan(version=2, epoch=1, jobs=list(first.jobs))  # read whole from the store
+        await store.set_latest(read)
+        _check(store, await store._views_of(read), read)
+        assert store.node_views.whole_cuts == 2
+        changes = EntryChanges({}, (), {}, in_place=True)
+        new_epoch = plan_pb2.AllocationPlan(version=3, epoch=2, jobs=list(read.jobs))
+        await store.set_latest(new_epoch, base=read, changes=changes)
+        _check(store, await store._views_of(new_epoch), new_epoch)
+        assert store.node_views.whole_cuts == 3 and all(v.epoch == 2 for v in store._views.values())
+
+    asyncio.run(main())
+
+
+class _Core:
+    """What watch_node reads of a scheduler or an allocation server: the store's plan and parts."""
+
+    def __init__(self, store: PlanStore) -> None:
+        self.store = store
+
+    @property
+    def latest(self) -> plan_pb2.AllocationPlan | None:
+        return self.store.latest
+
+    async def refresh_latest(self, max_age_s: float = 0.0) -> plan_pb2.AllocationPlan | None:
+        return self.store.latest
+
+    async def node_plan(self, plan: plan_pb2.AllocationPlan, node: str) -> plan_pb2.NodePlan:
+        return await self.store.node_plan(plan, node)
+
+    async def wait_newer(self, version: int, timeout: float) -> None:
+        await self.store.wait_newer(version, timeout)
+
+
+def test_a_node_is_sent_its_part_when_it_changes_and_as_of_the_plan_in_force() -> None:
+    async def main() -> None:
+        store = _store(random.Random(0))
+        plan = plan_pb2.AllocationPlan(version=1, epoch=1)
+        plan.jobs.add(job_id="a", generation=1).placements.add(node="n1", gpu_indices=[0])
+        plan.jobs.add(job_id="b", generation=1).placements.add(node="n2", gpu_indices=[0])
+        await store.set_latest(plan)
+        got: list[plan_pb2.NodePlan] = []
+
+        async def watch(node: str) -> None:
+            request = allocation_pb2.WatchPlanRequest(node=node)
+            async for sent in watch_node(_Core(store), request, refresh_s=60.0, node_timeout_s=30.0):
+                got.append(sent)
+
+        first = asyncio.ensure_future(watch("n1"))
+        await asyncio.sleep(0.05)
+        held = plan
+        for version in (2, 3):  # b restarts on n2: n1's part stays as it was
+            plan = plan_pb2.AllocationPlan(version=version, epoch=1, jobs=list(held.jobs))
+            plan.jobs[1].generation = version
+            await store.set_latest(plan, base=held, changes=EntryChanges(
+                {"b": plan.jobs[1]}, (), {"b": held.jobs[1]}, in_place=True))
+            held = plan
+            await asyncio.sleep(0.05)
+        assert [(p.node, p.version) for p in got] == [("n1", 1)]  # nothing sent for plans 2 and 3
+        second = asyncio.ensure_future(watch("n1"))  # the node's agent reconnects
+        await asyncio.sleep(0.05)
+        assert [(p.node, p.version) for p in got] == [("n1", 1), ("n1", 3)]
+        assert store._views["n1"].version == 1  # the kept part is shared, not changed
+        for task in (first, second):
+            task.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_as_of_copies_only_a_part_cut_for_an_earlier_plan() -> None:
+    plan = plan_pb2.AllocationPlan(version=5, epoch=2)
+    current = plan_pb2.NodePlan(version=5, epoch=2, node="n")
+    assert as_of(current, plan) is current
+    kept = plan_pb2.NodePlan(version=3, epoch=2, node="n")
+    sent = as_of(kept, plan)
+    assert (sent.version, sent.epoch, sent.node) == (5, 2, "n") and kept.version == 3
