@@ -169,6 +169,13 @@ class _Core:
 
 
 def test_a_node_is_sent_its_part_when_it_changes_and_as_of_the_plan_in_force() -> None:
+    async def until(done, what: str) -> None:  # type: ignore[no-untyped-def]
+        for _ in range(1000):
+            if done():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"timed out waiting for {what}")
+
     async def main() -> None:
         store = _store(random.Random(0))
         plan = plan_pb2.AllocationPlan(version=1, epoch=1)
@@ -183,7 +190,7 @@ def test_a_node_is_sent_its_part_when_it_changes_and_as_of_the_plan_in_force() -
                 got.append(sent)
 
         first = asyncio.ensure_future(watch("n1"))
-        await asyncio.sleep(0.05)
+        await until(lambda: len(got) == 1 and len(store._waiters) == 1, "the first part, then a wait")
         held = plan
         for version in (2, 3):  # b restarts on n2: n1's part stays as it was
             plan = plan_pb2.AllocationPlan(version=version, epoch=1, jobs=list(held.jobs))
@@ -191,10 +198,10 @@ def test_a_node_is_sent_its_part_when_it_changes_and_as_of_the_plan_in_force() -
             await store.set_latest(plan, base=held, changes=EntryChanges(
                 {"b": plan.jobs[1]}, (), {"b": held.jobs[1]}, in_place=True))
             held = plan
-            await asyncio.sleep(0.05)
+            await until(lambda: len(store._waiters) == 1, f"the watcher to take plan {version} and wait again")
         assert [(p.node, p.version) for p in got] == [("n1", 1)]  # nothing sent for plans 2 and 3
         second = asyncio.ensure_future(watch("n1"))  # the node's agent reconnects
-        await asyncio.sleep(0.05)
+        await until(lambda: len(got) == 2, "the reconnected watch's first part")
         assert [(p.node, p.version) for p in got] == [("n1", 1), ("n1", 3)]
         assert store._views["n1"].version == 1  # the kept part is shared, not changed
         for task in (first, second):
