@@ -95,8 +95,8 @@ class PlanFollower:
     async def refresh_latest(self, max_age_s: float = 0.0) -> plan_pb2.AllocationPlan | None:
         return self.plans.latest  # the feed keeps it current; nothing to read
 
-    async def wait_newer(self, version: int, timeout: float) -> None:
-        await self.plans.wait_newer(version, timeout)
+    async def wait_newer(self, version: int, timeout: float, node: str | None = None) -> None:
+        await self.plans.wait_newer(version, timeout, node)
 
     async def node_plan(self, plan: plan_pb2.AllocationPlan, node: str) -> plan_pb2.NodePlan:
         return await self.plans.node_plan(plan, node)

@@ -243,8 +243,8 @@ class SchedulerCore:
     async def refresh_latest(self, max_age_s: float = 0.0) -> plan_pb2.AllocationPlan | None:
         return await self.plans.refresh(max_age_s)
 
-    async def wait_newer(self, version: int, timeout: float) -> None:
-        await self.plans.wait_newer(version, timeout)
+    async def wait_newer(self, version: int, timeout: float, node: str | None = None) -> None:
+        await self.plans.wait_newer(version, timeout, node)
 
     async def node_plan(self, plan: plan_pb2.AllocationPlan, node: str) -> plan_pb2.NodePlan:
         return await self.plans.node_plan(plan, node)

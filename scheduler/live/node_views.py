@@ -37,6 +37,10 @@ class Addresses(dict):
             self._changed.add(node)
         super().__setitem__(node, address)
 
+    def pending(self) -> bool:
+        """Whether an address changed that the node parts have not been cut again for."""
+        return bool(self._changed)
+
     def take_changed(self) -> set[str]:
         changed, self._changed = self._changed, set()
         return changed
@@ -55,27 +59,37 @@ class NodeViews:
         self.whole_cuts = 0  # (for tests and the curious) cuts that went over every job
 
     def follow(self, plan: plan_pb2.AllocationPlan, base: plan_pb2.AllocationPlan | None,
-               changes: EntryChanges | None) -> None:
-        """``plan`` is in force; ``changes``: what it changes of ``base``, where known."""
+               changes: EntryChanges | None) -> set[str] | None:
+        """``plan`` is in force; ``changes``: what it changes of ``base``, where known. Returns the
+        nodes whose part ``plan`` may change (None: any node's), before what an address or a
+        spec learnt since changes (:meth:`parts_wait_on_news`)."""
         jobs_on = self._jobs_on
         if (jobs_on is None or changes is None or base is None or base is not self.plan
                 or plan.epoch != base.epoch):
             self._jobs_on = None
             self.plan = plan
-            return
+            return None
+        marked: set[str] = set()
         for job_id in (*changes.removals, *changes.upserts):
             old = changes.previous.get(job_id)
             for node in convert.job_nodes(old) if old is not None else ():
                 jobs_on.get(node, set()).discard(job_id)
-                self._dirty.add(node)
+                marked.add(node)
         for job_id, entry in changes.upserts.items():
             for node in convert.job_nodes(entry):
                 jobs_on.setdefault(node, set()).add(job_id)
-                self._dirty.add(node)
+                marked.add(node)
         for old_list, new_list in ((base.replicas, plan.replicas), (base.loans, plan.loans)):
             if list(old_list) != list(new_list):
-                self._dirty.update(item.node for item in (*old_list, *new_list))
+                marked.update(item.node for item in (*old_list, *new_list))
+        self._without_spec.difference_update(changes.removals)  # ended: no part waits on its spec
+        self._dirty |= marked
         self.plan = plan
+        return marked
+
+    def parts_wait_on_news(self) -> bool:
+        """Whether some part was cut before a job's spec was known (the next cut redoes it)."""
+        return bool(self._without_spec)
 
     def entries_to_cut(self, plan: plan_pb2.AllocationPlan, index: Mapping[str, tuple[int, plan_pb2.JobAllocation]],
                        addresses_changed: Iterable[str], specs: Mapping[str, common_pb2.JobSpec]
@@ -89,7 +103,7 @@ class NodeViews:
             for job_id in jobs_on.get(node, ()):
                 if job_id in index:
                     self._dirty.update(convert.job_nodes(index[job_id][1]))
-        for job_id in [j for j in self._without_spec if j in specs]:
+        for job_id in [j for j in self._without_spec if j in specs or j not in index]:
             self._without_spec.discard(job_id)
             if job_id in index:
                 self._dirty.update(convert.job_nodes(index[job_id][1]))

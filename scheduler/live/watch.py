@@ -116,7 +116,7 @@ async def watch_node(core: Any, request: allocation_pb2.WatchPlanRequest, *, ref
                 beat_at = loop.time() + beat_s
             sent = plan.version
         now = loop.time()
-        await core.wait_newer(sent, max(0.0, min(refresh_at, beat_at) - now) if beat_s else refresh_s)
+        await core.wait_newer(sent, max(0.0, min(refresh_at, beat_at) - now) if beat_s else refresh_s, request.node)
         require_leader(core)  # deposed: the watcher moves to the new leader
         if known_timeout is None and (known_timeout := timeout_now()) is not None:
             check_watch(request, known_timeout)  # declared since the node connected: refused now if too slow

@@ -148,6 +148,10 @@ def test_a_plan_not_known_by_its_changes_or_of_a_new_epoch_is_cut_whole() -> Non
     asyncio.run(main())
 
 
+def _waiting(store: PlanStore, node: str) -> bool:
+    return bool(store._node_waiters.get(node))
+
+
 class _Core:
     """What watch_node reads of a scheduler or an allocation server: the store's plan and parts."""
 
@@ -164,8 +168,8 @@ class _Core:
     async def node_plan(self, plan: plan_pb2.AllocationPlan, node: str) -> plan_pb2.NodePlan:
         return await self.store.node_plan(plan, node)
 
-    async def wait_newer(self, version: int, timeout: float) -> None:
-        await self.store.wait_newer(version, timeout)
+    async def wait_newer(self, version: int, timeout: float, node: str | None = None) -> None:
+        await self.store.wait_newer(version, timeout, node)
 
 
 def test_a_node_is_sent_its_part_when_it_changes_and_as_of_the_plan_in_force() -> None:
@@ -190,7 +194,7 @@ def test_a_node_is_sent_its_part_when_it_changes_and_as_of_the_plan_in_force() -
                 got.append(sent)
 
         first = asyncio.ensure_future(watch("n1"))
-        await until(lambda: len(got) == 1 and len(store._waiters) == 1, "the first part, then a wait")
+        await until(lambda: len(got) == 1 and _waiting(store, "n1"), "the first part, then a wait")
         held = plan
         for version in (2, 3):  # b restarts on n2: n1's part stays as it was
             plan = plan_pb2.AllocationPlan(version=version, epoch=1, jobs=list(held.jobs))
@@ -198,7 +202,8 @@ def test_a_node_is_sent_its_part_when_it_changes_and_as_of_the_plan_in_force() -
             await store.set_latest(plan, base=held, changes=EntryChanges(
                 {"b": plan.jobs[1]}, (), {"b": held.jobs[1]}, in_place=True))
             held = plan
-            await until(lambda: len(store._waiters) == 1, f"the watcher to take plan {version} and wait again")
+            await until(lambda: _waiting(store, "n1") and store._views_version == version,
+                        f"plan {version} cut, and the watcher waiting")
         assert [(p.node, p.version) for p in got] == [("n1", 1)]  # nothing sent for plans 2 and 3
         second = asyncio.ensure_future(watch("n1"))  # the node's agent reconnects
         await until(lambda: len(got) == 2, "the reconnected watch's first part")
@@ -218,3 +223,55 @@ def test_as_of_copies_only_a_part_cut_for_an_earlier_plan() -> None:
     kept = plan_pb2.NodePlan(version=3, epoch=2, node="n")
     sent = as_of(kept, plan)
     assert (sent.version, sent.epoch, sent.node) == (5, 2, "n") and kept.version == 3
+
+
+def test_a_plan_known_by_its_changes_wakes_the_watchers_of_the_nodes_it_changes_only() -> None:
+    async def main() -> None:
+        store = _store(random.Random(0))
+        held = plan_pb2.AllocationPlan(version=1, epoch=1)
+        held.jobs.add(job_id="a", generation=1).placements.add(node="n1", gpu_indices=[0])
+        held.jobs.add(job_id="b", generation=1).placements.add(node="n2", gpu_indices=[0])
+        store.specs.update(a=common_pb2.JobSpec(name="a"), b=common_pb2.JobSpec(name="b"))
+        await store.set_latest(held)
+        await store._views_of(held)
+
+        async def restart_b(version: int) -> None:
+            nonlocal held
+            plan = plan_pb2.AllocationPlan(version=version, epoch=1, jobs=list(held.jobs))
+            plan.jobs[1].generation = version
+            await store.set_latest(plan, base=held, changes=EntryChanges(
+                {"b": plan.jobs[1]}, (), {"b": held.jobs[1]}, in_place=True))
+            held = plan
+
+        on_n1 = asyncio.ensure_future(store.wait_newer(1, 60, node="n1"))
+        on_n2 = asyncio.ensure_future(store.wait_newer(1, 60, node="n2"))
+        anyone = asyncio.ensure_future(store.wait_newer(1, 60))  # a feed, or a watcher that names no node
+        await asyncio.sleep(0)
+        await restart_b(2)
+        await asyncio.sleep(0)
+        assert on_n2.done() and anyone.done() and not on_n1.done()
+        store.agent_addresses["n7"] = "10.2.0.7:7000"  # not cut for yet: any part may read it
+        await restart_b(3)
+        await asyncio.sleep(0)
+        assert on_n1.done()
+        await store._views_of(held)  # cut for the new address
+        # A job whose spec is not known yet makes every plan wake everyone until its part is cut
+        # with it; once it ended, it no longer does.
+        plan = plan_pb2.AllocationPlan(version=4, epoch=1, jobs=list(held.jobs))
+        plan.jobs.add(job_id="c", generation=1).placements.add(node="n3", gpu_indices=[0])
+        await store.set_latest(plan, base=held, changes=EntryChanges({"c": plan.jobs[2]}, (), {}, in_place=True))
+        held = plan
+        await store._views_of(held)
+        plan = plan_pb2.AllocationPlan(version=5, epoch=1, jobs=list(held.jobs)[:2])
+        await store.set_latest(plan, base=held, changes=EntryChanges({}, ("c",), {"c": held.jobs[2]}, in_place=True))
+        held = plan  # not cut: no watcher asked
+        on_n1 = asyncio.ensure_future(store.wait_newer(5, 60, node="n1"))
+        await asyncio.sleep(0)
+        await restart_b(6)
+        await asyncio.sleep(0)
+        assert not on_n1.done()
+        await store.set_latest(plan_pb2.AllocationPlan(version=7, epoch=1, jobs=list(held.jobs)))  # read whole
+        await asyncio.sleep(0)
+        assert on_n1.done()
+
+    asyncio.run(main())

@@ -49,7 +49,7 @@ class FakeCore:
         return plan_pb2.NodePlan(version=plan.version, node=node, tasks=[
             plan_pb2.TaskAssignment(job_id=j.job_id) for j in plan.jobs])
 
-    async def wait_newer(self, version: int, timeout: float) -> None:
+    async def wait_newer(self, version: int, timeout: float, node: str | None = None) -> None:
         if self.latest is not None and self.latest.version > version:
             return
         self._newer.clear()
