@@ -180,7 +180,8 @@ class PlanStore:
             index = self._indexed()
             entries = self.node_views.entries_to_cut(plan, index, self._addresses_changed(), self.specs)
         await self._learn(plan, entries)
-        if entries is not None and (learned := self._addresses_changed()):  # nodes new to it, read just now
+        # Nodes new to it, read just now (left for the next cut if a newer plan came meanwhile).
+        if entries is not None and plan is self.latest and (learned := self._addresses_changed()):
             entries = self.node_views.entries_to_cut(plan, index, learned, self.specs)
         views = self.node_views.cut(plan, entries, self.specs, self.agent_addresses, self.cache_addresses)
         if plan.version >= self._views_version:  # an older plan's cut that ends late is not kept
