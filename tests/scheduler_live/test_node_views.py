@@ -275,3 +275,52 @@ def test_a_plan_known_by_its_changes_wakes_the_watchers_of_the_nodes_it_changes_
         assert on_n1.done()
 
     asyncio.run(main())
+
+
+def test_an_address_changed_during_a_cut_a_newer_plan_overtook_is_cut_for_by_the_next() -> None:
+    """A cut reads the addresses of nodes new to it (GetNode) and then takes every address changed
+    meanwhile. When a newer plan came during those reads, that cut is thrown away: the changes it
+    took must stay for the newer plan's cut, or the parts that read a changed address (here rank
+    1's, which names rank 0's agent as its master) keep the old one until their job changes."""
+
+    async def main() -> None:
+        store = _store(random.Random(0))
+        store.specs.update({name: common_pb2.JobSpec(name=name) for name in "abc"})
+        held = plan_pb2.AllocationPlan(version=1, epoch=1)
+        two_nodes = held.jobs.add(job_id="a", generation=1)
+        two_nodes.placements.add(node="n1", gpu_indices=[0])
+        two_nodes.placements.add(node="n2", gpu_indices=[0])
+        await store.set_latest(held)
+        assert (await store.node_plan(held, "n2")).tasks[0].master_addr == "10.0.0.1"
+
+        joining = plan_pb2.AllocationPlan(version=2, epoch=1, jobs=list(held.jobs))
+        joining.jobs.add(job_id="b", generation=1).placements.add(node="new", gpu_indices=[0])
+        newer = plan_pb2.AllocationPlan(version=3, epoch=1, jobs=list(joining.jobs))
+        newer.jobs.add(job_id="c", generation=1).placements.add(node="n5", gpu_indices=[0])
+
+        class _Store:
+            """Asked for the new node's address: meanwhile n1's agent comes back at another
+            address, and a newer plan is set in force."""
+
+            async def GetJob(self, request, **kwargs):  # type: ignore[no-untyped-def]  # noqa: N802
+                raise AssertionError("every spec is known")
+
+            async def GetNode(self, request, **kwargs):  # type: ignore[no-untyped-def]  # noqa: N802
+                assert request.node == "new"
+                store.remember_nodes([common_pb2.Node(spec=common_pb2.NodeSpec(
+                    name="n1", agent_address="10.9.0.1:7000", cache_address="10.9.0.1:7001"))])
+                await store.set_latest(newer, base=joining, changes=EntryChanges(
+                    {"c": newer.jobs[2]}, (), {}, in_place=True))
+                return common_pb2.Node(spec=common_pb2.NodeSpec(
+                    name="new", agent_address="10.0.1.1:7000", cache_address="10.0.1.1:7001"))
+
+        store.clients = Clients(md=_Store())  # type: ignore[arg-type]
+        await store.set_latest(joining, base=held, changes=EntryChanges({"b": joining.jobs[1]}, (), {}, in_place=True))
+        await store.node_plan(joining, "new")  # the cut overtaken while it reads the new node
+        assert store.latest is newer
+        views = await store._views_of(newer)
+        assert views["n2"].tasks[0].master_addr == "10.9.0.1"
+        _check(store, views, newer)
+        assert store.node_views.whole_cuts == 1
+
+    asyncio.run(main())
