@@ -183,3 +183,25 @@ def test_the_fanout_benchmark_runs_small_and_names_a_bad_flag(tmp_path) -> None:
     assert row["watchers"] == 20 and row["plan_store_s"] >= 0 and row["condition_s"] >= 0
     bad = subprocess.run([sys.executable, str(script), "--watchers", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--watchers" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_cut_benchmark_sends_the_same_parts_both_ways_and_names_a_bad_flag(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_cut.py"
+    out = tmp_path / "cut.json"
+    run = subprocess.run([sys.executable, str(script), "--nodes", "40", "--jobs", "120", "--changed", "4", "--plans", "2",
+                          "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    figures = json.loads(out.read_text())
+    # 4 restarts a plan, 2 of them on two nodes where there are such jobs: 4 to 6 nodes' parts sent.
+    assert figures["by_changes"]["parts_sent"] == figures["whole"]["parts_sent"]
+    assert 4 <= figures["by_changes"]["parts_sent"] <= 6
+    assert figures["by_changes"]["cpu_s"] > 0 and figures["whole"]["cpu_s"] > 0
+    for flags, named in ((["--nodes", "0"], "--nodes"), (["--nodes", "2", "--jobs", "9"], "--jobs"),
+                         (["--jobs", "3", "--changed", "4"], "--changed")):
+        bad = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and named in bad.stderr and "Traceback" not in bad.stderr, (flags, bad.stderr)
