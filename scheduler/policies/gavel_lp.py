@@ -48,6 +48,12 @@ _LEVEL_TOLERANCE = 1e-6  # the max-min level: within this of the LP's (relative)
 _FILL_TOLERANCE = 1e-4   # the water-filled total: within this of the water-filling LP's
 _LEVEL_SLACK = 1e-7   # as gavel's: the water-filling LP keeps every job at level * (1 - this)
 _USED = 1e-12         # combination weights below this are dropped
+# The water-filling master starts from the max-min allocation, which fills some capacity exactly;
+# rounding puts it up to about 1e-12 over, and HiGHS may then call that master infeasible (seen
+# on an AMD EPYC host: 6e-13 over, "Infeasible" from every HiGHS method, feasible with 1e-12 less).
+# So the column is entered as using this much less of a capacity it fills: far more than rounding,
+# far less than any plan can tell.
+_FIRST_COLUMN_MARGIN = 1e-9
 
 
 @dataclass(frozen=True)
@@ -247,6 +253,17 @@ def _price_loop(oracle, s: Shapes, master: Master, capacity: np.ndarray, toleran
     return weights, lower, upper, evaluated, rounds, p
 
 
+def _within(use: np.ndarray, capacity: np.ndarray) -> np.ndarray:
+    """``use`` (block x resource) scaled, per resource it fills, to ``1 - _FIRST_COLUMN_MARGIN`` of
+    ``capacity``."""
+    total = use.sum(axis=0)
+    room = capacity * (1 - _FIRST_COLUMN_MARGIN)
+    full = total > room
+    scaled = use.copy()
+    scaled[:, full] *= room[full] / total[full]
+    return scaled
+
+
 def solve_by_prices(job, gpus, kind, rate, factor, weight, n_rows, type_capacity, water_fill, shape_of,
                     io=None, io_budget=np.inf, multiplicity=None, tolerance=_LEVEL_TOLERANCE,
                     fill_tolerance=_FILL_TOLERANCE) -> Solved:
@@ -279,7 +296,7 @@ def solve_by_prices(job, gpus, kind, rate, factor, weight, n_rows, type_capacity
     reached = np.sum(weights * np.array(master.values), axis=0)   # per block
     first = reached * np.bincount(s.block, weights=s.many * s.demand * s.factor, minlength=s.n_blocks)
     second = Master(capacity, s.n_blocks, levels=False, unit=float(first.sum()))
-    second.add(first, np.einsum("ib,ibr->br", weights, np.array(master.uses)))
+    second.add(first, _within(np.einsum("ib,ibr->br", weights, np.array(master.uses)), capacity))
     # A unit of level is worth sum(many * weight) of the water-filled total (every job at its floor):
     # the max-min prices so converted are where the water-filling ones start.
     start = prices * float(np.sum(s.many * s.factor * s.demand))

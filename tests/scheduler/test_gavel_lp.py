@@ -177,3 +177,28 @@ def test_the_price_solver_on_random_snapshots_reaches_the_lps_level_with_sound_p
     plan = policy.schedule(snapshot)
     check_plan(snapshot, plan)
     assert policy.schedule(snapshot) == plan
+
+
+def test_the_water_filling_master_starts_from_a_column_within_capacity():
+    """Recorded where it failed: the max-min allocation fills a capacity exactly, rounding put it
+    6e-13 over, and HiGHS called the water-filling master infeasible (any method). Entered through
+    _within, the column leaves room, and the master is solved, at the same total."""
+    import json
+    from pathlib import Path
+
+    from scheduler.policies.gavel_decomposition import Master
+    from scheduler.policies.gavel_lp import _FIRST_COLUMN_MARGIN, _within
+
+    data = json.loads((Path(__file__).parent / "data" / "gavel_water_filling_master_at_capacity.json").read_text())
+    capacity = np.array(data["capacity"])
+    first, second = (np.array(u) for u in data["uses"])
+    assert first.sum(axis=0)[0] > capacity[0]  # as recorded: over by rounding
+    entered = _within(first, capacity)
+    assert np.all(entered.sum(axis=0) <= capacity * (1 - _FIRST_COLUMN_MARGIN) * (1 + 1e-15))
+    assert np.allclose(entered, first, rtol=1e-8, atol=0)
+    master = Master(capacity, first.shape[0], levels=False, unit=data["unit"])
+    master.add(np.array(data["values"][0]), entered)
+    master.add(np.array(data["values"][1]), second)
+    weights, total, _, _ = master.solve()
+    assert np.allclose(weights.sum(axis=0), 1.0) and weights.min() >= -1e-9
+    assert total >= float(np.sum(data["values"][0])) * (1 - 1e-6)  # at least the max-min allocation's
