@@ -26,6 +26,7 @@ import grpc
 
 from scheduler.allocation import metrics
 from scheduler.live.entries import EntryChanges
+from scheduler.live.plan_index import applied_in_place
 from scheduler.live.plans import PlanStore
 from scheduler.plan_changes import PlanChanges
 from silod.v1 import allocation_pb2, metadata_pb2, plan_pb2
@@ -147,7 +148,10 @@ class PlanFollower:
             removals = tuple(update.changes.removed_job_ids)
             previous = {job_id: entry for job_id in (*upserts, *removals)
                         if (entry := self.plans.allocation(job_id)) is not None}
-            await self._take(_applied(held, plan, update.changes), "feed", new_jobs=update.changes.jobs,
+            built = applied_in_place(self.plans.indexed(), plan, update.changes.jobs, removals)
+            if built is None:  # many removals: rebuilt instead
+                built = _applied(held, plan, update.changes)
+            await self._take(built, "feed", new_jobs=update.changes.jobs,
                              base=held, changes=EntryChanges(upserts, removals, previous, in_place=True))
             for job_id in update.changes.removed_job_ids:  # ended: its spec is not needed again (a job
                 self.plans.specs.pop(job_id, None)  # that comes back comes with its spec)

@@ -15,6 +15,7 @@ from scheduler.live import convert
 from scheduler.live.clients import Clients
 from scheduler.live.entries import EntryChanges
 from scheduler.live.node_views import Addresses, NodeViews
+from scheduler.live.plan_index import PlanIndex
 from silod.v1 import common_pb2, metadata_pb2, plan_pb2
 
 T = TypeVar("T")
@@ -42,9 +43,7 @@ class PlanStore:
         self._cuts: dict[int, asyncio.Future[dict[str, plan_pb2.NodePlan]]] = {}  # version -> its cut in flight
         self._read_at = -math.inf  # monotonic time the last GetLatestPlan answered
         self._reading: asyncio.Future[plan_pb2.AllocationPlan | None] | None = None
-        # job -> its position and entry in the plan of _index_version
-        self._index: dict[str, tuple[int, plan_pb2.JobAllocation]] = {}
-        self._index_version = -1
+        self._index = PlanIndex()  # job -> its entry in the plan in force (and where it sits)
         # (plan before the one in force, the plan in force, what it changed): see changes_from
         self._changes: tuple[plan_pb2.AllocationPlan | None, plan_pb2.AllocationPlan, EntryChanges | None] | None = None
 
@@ -86,6 +85,8 @@ class PlanStore:
             known = changes is not None and base is not None and base is self.latest
             convert.remember_placements(plan, only=changes.upserts.values() if known and changes.in_place else None)
             changed = self.node_views.follow(plan, base if known else None, changes if known else None)
+            if known and self._index.plan is base:
+                self._index.follow(base, plan, changes)  # type: ignore[arg-type]  # known: not None
             self._changes = (base, plan, changes) if known else None
             self.latest = plan
             if (changed is not None and not self.agent_addresses.pending() and not self.cache_addresses.pending()
@@ -131,16 +132,15 @@ class PlanStore:
         return self.latest.version if self.latest is not None else 0
 
     def allocation(self, job_id: str) -> plan_pb2.JobAllocation | None:
-        found = self._indexed().get(job_id)
+        found = self.indexed().get(job_id)
         return found[1] if found is not None else None
 
-    def _indexed(self) -> dict[str, tuple[int, plan_pb2.JobAllocation]]:
-        """The plan in force by job (every report asks, and each cut): indexed once per plan."""
-        if self.latest is None:
-            return {}
-        if self._index_version != self.latest.version:
-            self._index = {job.job_id: (position, job) for position, job in enumerate(self.latest.jobs)}
-            self._index_version = self.latest.version
+    def indexed(self) -> PlanIndex:
+        """The plan in force by job (every report asks, each cut, and the allocation service's
+        patching of the next plan): followed by a plan's changes where they are known, else
+        indexed once per plan (scheduler.live.plan_index). Empty while no plan is in force."""
+        if self.latest is not None and self._index.plan is not self.latest:
+            self._index.index_whole(self.latest)
         return self._index
 
     def remember_nodes(self, nodes: Iterable[common_pb2.Node]) -> None:
@@ -177,7 +177,7 @@ class PlanStore:
     async def _cut(self, plan: plan_pb2.AllocationPlan) -> dict[str, plan_pb2.NodePlan]:
         entries = None
         if plan is self.latest:
-            index = self._indexed()
+            index = self.indexed()
             entries = self.node_views.entries_to_cut(plan, index, self._addresses_changed(), self.specs)
         await self._learn(plan, entries)
         # Nodes new to it, read just now (left for the next cut if a newer plan came meanwhile).
