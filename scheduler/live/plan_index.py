@@ -74,7 +74,12 @@ class PlanIndex(Mapping[str, tuple[int, plan_pb2.JobAllocation]]):
     def __getitem__(self, job_id: str) -> tuple[int, plan_pb2.JobAllocation]:
         key = self._keys[job_id]
         assert self.plan is not None
-        return key, self.plan.jobs[self._position(key)]
+        entry = self.plan.jobs[self._position(key)]
+        if entry.job_id != job_id:  # laid out otherwise than its changes said: never another job's entry
+            self.index_whole(self.plan)
+            key = self._keys[job_id]
+            entry = self.plan.jobs[key]
+        return key, entry
 
     def __contains__(self, job_id: object) -> bool:
         return job_id in self._keys

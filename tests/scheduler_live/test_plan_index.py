@@ -144,3 +144,23 @@ def test_the_plan_store_follows_its_plans_by_their_changes() -> None:
         assert store.allocation(read.jobs[0].job_id) == read.jobs[0] and store.indexed().whole_passes == 2
 
     asyncio.run(main())
+
+
+def test_a_plan_laid_out_otherwise_than_its_changes_said_never_answers_another_jobs_entry() -> None:
+    rng = random.Random(4)
+    held = _first(rng, jobs=10)
+    index = PlanIndex()
+    index.index_whole(held)
+    restarted = plan_pb2.AllocationPlan()
+    restarted.CopyFrom(held)
+    restarted.version = 2
+    restarted.jobs[3].generation = 2
+    swapped = plan_pb2.AllocationPlan()
+    swapped.CopyFrom(restarted)
+    swapped.jobs[0].CopyFrom(restarted.jobs[1])
+    swapped.jobs[1].CopyFrom(restarted.jobs[0])  # two entries swapped: same length, nothing appended
+    changes = EntryChanges({"j3": swapped.jobs[3]}, (), {"j3": held.jobs[3]}, in_place=True)
+    assert index.follow(held, swapped, changes)  # the cheap checks pass
+    assert index["j0"][1] == swapped.jobs[1] and index["j1"][1] == swapped.jobs[0]
+    assert index.whole_passes == 2
+    _says_what_a_fresh_index_says(index, swapped)
