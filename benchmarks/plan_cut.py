@@ -48,8 +48,9 @@ from silod.v1 import allocation_pb2, common_pb2, plan_pb2  # noqa: E402
 GPUS = 8
 
 
-class _Core:
-    """What watch_node reads of its server, counting the watchers waiting for a newer plan."""
+class StoreCore:
+    """What watch_node reads of its server (a scheduler, an allocation service), here a bare
+    PlanStore's plan and parts, counting the watchers waiting for a newer plan."""
 
     def __init__(self, store: PlanStore) -> None:
         self.store = store
@@ -128,7 +129,7 @@ async def run(plans: list[tuple[plan_pb2.AllocationPlan, EntryChanges | None]], 
     for plan, changes in plans:
         for entry in plan.jobs if changes is None else changes.upserts.values():
             store.specs[entry.job_id] = common_pb2.JobSpec(name=entry.job_id, min_gpus=1, max_gpus=2)
-    core = _Core(store)
+    core = StoreCore(store)
     sent: list[tuple[str, int]] = []
 
     async def watcher(node: str) -> None:

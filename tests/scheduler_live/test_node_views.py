@@ -12,6 +12,7 @@ import random
 import grpc
 import pytest
 
+from benchmarks.plan_cut import StoreCore  # watch_node's view of a bare PlanStore
 from scheduler.allocation.follower import _applied
 from scheduler.live import convert
 from scheduler.live.clients import Clients
@@ -152,26 +153,6 @@ def _waiting(store: PlanStore, node: str) -> bool:
     return bool(store._node_waiters.get(node))
 
 
-class _Core:
-    """What watch_node reads of a scheduler or an allocation server: the store's plan and parts."""
-
-    def __init__(self, store: PlanStore) -> None:
-        self.store = store
-
-    @property
-    def latest(self) -> plan_pb2.AllocationPlan | None:
-        return self.store.latest
-
-    async def refresh_latest(self, max_age_s: float = 0.0) -> plan_pb2.AllocationPlan | None:
-        return self.store.latest
-
-    async def node_plan(self, plan: plan_pb2.AllocationPlan, node: str) -> plan_pb2.NodePlan:
-        return await self.store.node_plan(plan, node)
-
-    async def wait_newer(self, version: int, timeout: float, node: str | None = None) -> None:
-        await self.store.wait_newer(version, timeout, node)
-
-
 def test_a_node_is_sent_its_part_when_it_changes_and_as_of_the_plan_in_force() -> None:
     async def until(done, what: str) -> None:  # type: ignore[no-untyped-def]
         for _ in range(1000):
@@ -190,7 +171,7 @@ def test_a_node_is_sent_its_part_when_it_changes_and_as_of_the_plan_in_force() -
 
         async def watch(node: str) -> None:
             request = allocation_pb2.WatchPlanRequest(node=node)
-            async for sent in watch_node(_Core(store), request, refresh_s=60.0, node_timeout_s=30.0):
+            async for sent in watch_node(StoreCore(store), request, refresh_s=60.0, node_timeout_s=30.0):
                 got.append(sent)
 
         first = asyncio.ensure_future(watch("n1"))
