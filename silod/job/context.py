@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import os
@@ -105,6 +106,8 @@ class JobContext:
                 previous(signum, frame)
 
         signal.signal(signal.SIGTERM, handler)
+        atexit.unregister(_ignore_sigterm_at_exit)  # registered once however many contexts a process makes
+        atexit.register(_ignore_sigterm_at_exit)
 
     @property
     def sigterm_received(self) -> bool:
@@ -280,6 +283,18 @@ class JobContext:
 
     def close(self) -> None:
         pass
+
+
+def _ignore_sigterm_at_exit() -> None:
+    """A rank that exits ignores SIGTERM from then on.
+
+    Python puts its signals back to their defaults as it finalizes, so a SIGTERM arriving then
+    would kill a rank that has already checkpointed and returned 0, and it would exit 143: the
+    agent's stop is such a SIGTERM when the rank saw the checkpoint directive first and the signal,
+    sent through the Docker Engine, lands as the rank exits. SIGKILL at the deadline still ends a
+    rank stuck in its exit."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class LocalContext(JobContext):

@@ -117,3 +117,26 @@ def test_rank_whose_agent_died_stops_checkpointing_and_is_asked_to_exit(tmp_path
     finally:
         agent.kill()
         agent.wait()
+
+
+def test_a_sigterm_arriving_as_the_rank_exits_does_not_turn_its_exit_0_into_143(tmp_path: Path) -> None:
+    # The agent's stop can land after the rank honoured the checkpoint directive and returned:
+    # Python has by then put SIGTERM back to its default, which kills. The object below sends the
+    # signal from the interpreter's teardown of __main__, the latest point Python code runs.
+    script = tmp_path / "late_sigterm.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "import silod.job\n"
+        "ctx = silod.job.init()\n"
+        "class Late:\n"
+        "    def __del__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(0.2)\n"
+        "        print('teardown outlived the signal', flush=True)\n"
+        "late = Late()\n"
+        "ctx.done()\n"
+        "print('returned', flush=True)\n")
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr)
+    assert run.stdout.splitlines()[-2:] == ["returned", "teardown outlived the signal"]
