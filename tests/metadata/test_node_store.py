@@ -130,12 +130,42 @@ def test_heartbeats_in_a_batch_answer_as_one_at_a_time_each_with_its_own_refusal
     assert store.nodes.get("b1").applied_plan_version == 4
 
 
+# SQLite stores each heartbeat of a batch with a statement of its own (no round trip to save).
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_heartbeat_batch_on_postgresql_is_one_update_whatever_its_size(store: MetadataStore) -> None:
+    from sqlalchemy import event
+
+    assert store.db.dialect == "postgresql" and store.nodes.grouped_heartbeats
+    for i in range(60):
+        store.nodes.upsert(node_spec(f"g{i:02}"))
+    store.nodes.heartbeat("g07", 9)
+    statements: list[str] = []
+
+    def seen(conn: object, cursor: object, statement: str, *args: object) -> None:
+        statements.append(statement)
+
+    event.listen(store.db.engine, "before_cursor_execute", seen)
+    try:
+        results = store.nodes.heartbeat_many([(f"g{i:02}", 3) for i in range(60)] + [("g03", 4), ("g03", 2)])
+    finally:
+        event.remove(store.db.engine, "before_cursor_execute", seen)
+    updates = [s for s in statements if s.lstrip().upper().startswith("UPDATE")]
+    # One for the batch; then one by one: g07's refusal (the conditional update, then its proof of
+    # life), g03's second beat, and its third, refused (two again).
+    assert len(updates) == 1 + 2 + 1 + 2, statements
+    assert [r.applied_plan_version for i, r in enumerate(results[:60]) if i != 7] == [3] * 59
+    assert isinstance(results[7], FailedPrecondition) and "already applied plan 9, got 3" in results[7].message
+    assert results[60].applied_plan_version == 4 and isinstance(results[61], FailedPrecondition)
+    assert store.nodes.get("g03").applied_plan_version == 4 and store.nodes.get("g07").applied_plan_version == 9
+
+
 def test_a_heartbeat_batch_the_database_refuses_is_stored_one_by_one(store: MetadataStore,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from sqlalchemy import text
 
     store.nodes.upsert(node_spec("c1"))
     monkeypatch.setattr(node_store, "_HEARTBEAT", text("SELECT no_such_column"))
+    monkeypatch.setattr(node_store, "_GROUPED_HEARTBEAT", text("SELECT no_such_column"))  # PostgreSQL's
     real_heartbeat = store.nodes.heartbeat
     one_by_one: list[str] = []
 
@@ -175,3 +205,20 @@ def test_registering_a_name_again_keeps_its_first_registration_and_racing_regist
     assert not errors, errors
     raced = [n for n in store.nodes.list() if n.spec.name.startswith("race-")]
     assert len(raced) == 20 and all(1 <= n.spec.gpus <= 4 for n in raced)
+
+
+def test_the_heartbeat_batch_benchmark_measures_both_ways_and_leaves_the_stores_way(
+        store: MetadataStore, caplog: pytest.LogCaptureFixture) -> None:
+    from benchmarks.metadata_node_writes import _heartbeat_batches
+
+    for i in range(12):
+        store.nodes.upsert(node_spec(f"n{i}"))
+    way = store.nodes.grouped_heartbeats
+    figures = _heartbeat_batches(store, nodes=12, batch=5, first_version=4)
+    assert "batched heartbeats failed" not in caplog.text  # each way as the store can take it
+    assert store.nodes.grouped_heartbeats == way == (store.db.dialect == "postgresql")
+    assert figures["heartbeat_batch"] == 5
+    for name in ("heartbeat_in_batch", "heartbeat_in_batch_one_by_one"):
+        assert figures[f"{name}_wall_ms"] > 0 and figures[f"{name}_cpu_ms"] >= 0, figures
+    rounds = 5 * (2 if way else 1)  # five times each way the store has
+    assert store.nodes.get("n11").applied_plan_version == 4 + rounds - 1

@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Dialect, Insert, Select, Text, bindparam, cast, select, type_coerce, update
+from sqlalchemy import Connection, Dialect, Insert, Select, Text, bindparam, cast, column, func, select, type_coerce, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import SQLAlchemyError
@@ -54,6 +55,10 @@ class NodeStore:
         self._window = timedelta(seconds=liveness_window_s)
         self._to_datetime = _datetime_reader(db.engine.dialect)
         self._register = _register_statement(db.engine.dialect.name)
+        # A batch of heartbeats as one statement: PostgreSQL, where each statement is a round trip
+        # (SQLite's cost none, and it has no arrays). benchmarks/metadata_node_writes.py turns it
+        # off to measure both ways side by side.
+        self.grouped_heartbeats = db.dialect == "postgresql"
 
     def upsert(self, spec: common_pb2.NodeSpec) -> common_pb2.Node:
         """Register a node or replace its spec; registering also counts as a heartbeat."""
@@ -110,7 +115,10 @@ class NodeStore:
         try:
             with self._db.write_core() as connection:
                 now = utc_now()
-                for index in todo:
+                singles = todo
+                if self.grouped_heartbeats:
+                    singles = _heartbeats_grouped(connection, beats, todo, results, now)
+                for index in singles:
                     node, version = beats[index]
                     row = connection.execute(_HEARTBEAT, {"h_name": node, "h_version": version,
                                                           "h_now": now}).one_or_none()
@@ -269,6 +277,36 @@ _CHANGED_AFTER = (select(*_ROW_COLUMNS).order_by(_NODES.c.name)
                   .where(_NODES.c.changed_seq > bindparam("l_changed_after", type_=_NODES.c.changed_seq.type)))
 _NOT_ALIVE = (select(_NODES.c.name).order_by(_NODES.c.name)
               .where(_NODES.c.last_heartbeat < bindparam("l_alive_since", type_=_NODES.c.last_heartbeat.type)))
+
+
+# PostgreSQL: heartbeats as arrays (one statement for any number; psycopg2 sends lists as arrays).
+_BEATS = (func.unnest(bindparam("h_names", type_=ARRAY(_NODES.c.name.type)),
+                      bindparam("h_versions", type_=ARRAY(_NODES.c.applied_plan_version.type)))
+          .table_valued(column("name", _NODES.c.name.type), column("version", _NODES.c.applied_plan_version.type))
+          .render_derived(name="beats"))
+_GROUPED_HEARTBEAT = (update(_NODES).where(_NODES.c.name == _BEATS.c.name, _NODES.c.applied_plan_version <= _BEATS.c.version)
+                      .values(last_heartbeat=_NOW, applied_plan_version=_BEATS.c.version).returning(*_ROW_COLUMNS))
+_LOCK_NODES = (select(_NODES.c.name).where(_NODES.c.name == func.any(bindparam("h_names", type_=ARRAY(_NODES.c.name.type))))
+               .order_by(_NODES.c.name).with_for_update())
+
+
+def _heartbeats_grouped(connection: Connection, beats: Sequence[tuple[str, int]], todo: Sequence[int],
+                        results: list[Any], now: datetime) -> list[int]:
+    """PostgreSQL: the first heartbeat of each node in ``todo`` as one UPDATE ... FROM unnest(...),
+    after locking their rows in name order (so that two such batches wait for each other rather
+    than deadlock). One statement per heartbeat cost a round trip each, most of the per-node work
+    of a thousand nodes' heartbeats. Fills ``results`` of the heartbeats stored; returns, in order,
+    those left to the one-by-one path: refused (an older version, no such node: it says why), and
+    a node's later heartbeats in the batch."""
+    first: dict[str, int] = {}
+    for index in todo:
+        first.setdefault(beats[index][0], index)
+    names = sorted(first)
+    connection.execute(_LOCK_NODES, {"h_names": names}).all()
+    for row in connection.execute(_GROUPED_HEARTBEAT, {"h_names": names, "h_versions": [beats[first[n]][1] for n in names],
+                                                        "h_now": now}):
+        results[first[row.name]] = row
+    return [index for index in todo if results[index] is None]
 
 
 def _bump_nodes(session: Session | Connection) -> int:
