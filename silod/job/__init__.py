@@ -13,7 +13,8 @@
 On the cluster (``SILOD_JOB_ID`` set by the worker agent) progress goes to the node's agent
 (``SILOD_AGENT_ADDR``) at most once a second, ``should_checkpoint()`` polls the agent's
 directive at most once a second and is also true once SIGTERM was received, and checkpoints
-live in ``SILOD_CHECKPOINT_DIR``. If the agent dies (its node counts as lost and the job is
+live in ``SILOD_CHECKPOINT_DIR``. Once the interpreter exits, SIGTERM is ignored: a stop that
+lands as the rank exits (it saw the directive first) cannot turn its exit 0 into 143. If the agent dies (its node counts as lost and the job is
 requeued), ``should_checkpoint()`` turns true and ``save_checkpoint()`` stops writing, so a
 rank that outlived its agent exits without overwriting its successor's checkpoints. Off the cluster, :func:`init` returns a twin with the same
 API: rank 0 of 1, checkpoints in ``./checkpoints``, progress logged to stderr.
