@@ -28,6 +28,7 @@ from services.runtime.principals import CLUSTER_ADMIN
 from services.runtime.principals import current_principal
 
 MAX_HEARTBEATS = 1000  # heartbeats written in one transaction
+MAX_REGISTRATIONS = 1000  # node registrations (UpsertNode) written in one transaction
 MAX_TRANSITIONS = 1000  # moves per TransitionJobs call: one round's worth, bounded like every list
 MAX_CREATIONS = 1000  # jobs per CreateJobs call
 MAX_PROGRESS_UPDATES = 1000  # jobs per UpdateJobsProgress call
@@ -44,6 +45,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         # together: one thread hop and one transaction for many (a thousand nodes beat every few
         # seconds, and on its own each one cost more than its UPDATE).
         self._heartbeats: Coalescer[tuple[str, int], common_pb2.Node] = Coalescer(self._heartbeat_batch, MAX_HEARTBEATS)
+        self._registrations: Coalescer[common_pb2.NodeSpec, common_pb2.Node] = \
+            Coalescer(self._registration_batch, MAX_REGISTRATIONS)
 
     async def _run(self, request: Message | None, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if request is not None:
@@ -226,7 +229,12 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     # -- nodes ---------------------------------------------------------------------------
 
     async def UpsertNode(self, request: metadata_pb2.UpsertNodeRequest, context: Context) -> common_pb2.Node:
-        return await self._run(request, self._store.nodes.upsert, request.spec)
+        # The nodes of a fleet start together: their registrations go in together (one transaction).
+        reject_nul_characters(request)
+        return await self._registrations.submit(request.spec)
+
+    async def _registration_batch(self, specs: Sequence[common_pb2.NodeSpec]) -> list[common_pb2.Node | ServiceError]:
+        return await self._run(None, self._store.nodes.upsert_many, specs)
 
     async def Heartbeat(self, request: metadata_pb2.HeartbeatRequest, context: Context) -> common_pb2.Node:
         if request.gpu_telemetry or request.gpu_faults:

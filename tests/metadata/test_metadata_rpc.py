@@ -232,6 +232,27 @@ def test_upsert_heartbeat_get_and_list_nodes(stub):
     assert [n.spec.name for n in stub.ListNodes(m.ListNodesRequest(pool=common_pb2.NODE_POOL_TRAINING)).nodes] == ["a0", "n1"]
 
 
+def test_registrations_that_arrive_together_each_get_their_own_answer_or_error(stub):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def register(i: int):
+        name = f"c{i:02}" if i % 10 else f"bad {i}"  # every tenth refused, on its own
+        try:
+            return stub.UpsertNode(m.UpsertNodeRequest(spec=node_spec(name, gpus=1 + i % 8)))
+        except grpc.RpcError as exc:
+            return exc
+
+    with ThreadPoolExecutor(16) as pool:  # many in flight: they are written in batches
+        answers = list(pool.map(register, range(60)))
+    for i, answer in enumerate(answers):
+        if i % 10:
+            assert answer.spec.name == f"c{i:02}" and answer.spec.gpus == 1 + i % 8 and answer.alive
+        else:
+            assert answer.code() == grpc.StatusCode.INVALID_ARGUMENT and "spec.name" in answer.details()
+    assert sorted(n.spec.name for n in stub.ListNodes(m.ListNodesRequest()).nodes) == \
+        sorted(f"c{i:02}" for i in range(60) if i % 10)
+
+
 def test_transition_jobs_moves_each_independently_and_reports_refusals(stub):
     a, b, c = (create_job(stub) for _ in range(3))
     reply = stub.TransitionJobs(m.TransitionJobsRequest(transitions=[

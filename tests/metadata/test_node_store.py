@@ -179,6 +179,43 @@ def test_a_heartbeat_batch_the_database_refuses_is_stored_one_by_one(store: Meta
     assert one_by_one == ["c1"] and results[0].applied_plan_version == 5
 
 
+def test_registrations_in_a_batch_answer_as_one_at_a_time_in_one_transaction(store: MetadataStore) -> None:
+    first = store.nodes.upsert(node_spec("r2", gpus=4))
+    store.nodes.heartbeat("r2", 6)
+    before = store.nodes.listing()
+    specs = [node_spec("r3"), node_spec("r2", gpus=8), node_spec(""), node_spec("r1", labels={"rack": "r9"}),
+             node_spec("r3", gpus=2)]
+    results = store.nodes.upsert_many(specs)
+    assert isinstance(results[2], InvalidArgument) and results[2].field == "spec.name", results[2]
+    assert results[0].spec.name == "r3" and results[0].spec.gpus == 4  # a node twice: each answer its own, in order
+    assert results[4].spec.gpus == 2 and store.nodes.get("r3").spec.gpus == 2
+    again = results[1]  # registered again: its first registration and applied plan kept, the new spec
+    assert again.spec.gpus == 8 and again.registered_at == first.registered_at and again.applied_plan_version == 6
+    assert results[3] == store.nodes.get("r1") and results[3].spec.labels["rack"] == "r9"
+    # Every registration is a change, as each upsert would have made it: four of them.
+    changed = store.nodes.listing(changed_after=before.cursor)
+    assert sorted(n.spec.name for n in changed.nodes) == ["r1", "r2", "r3"] and changed.cursor == before.cursor + 4
+
+
+def test_a_registration_batch_the_database_refuses_is_stored_one_by_one(store: MetadataStore,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from sqlalchemy import text
+
+    real_statement, real_upsert = node_store._SET_CHANGED, store.nodes.upsert
+    monkeypatch.setattr(node_store, "_SET_CHANGED", text("SELECT no_such_column"))
+    one_by_one: list[str] = []
+
+    def upsert(spec: common_pb2.NodeSpec) -> common_pb2.Node:
+        one_by_one.append(spec.name)
+        monkeypatch.setattr(node_store, "_SET_CHANGED", real_statement)  # the lone path runs with the real one
+        return real_upsert(spec)
+
+    monkeypatch.setattr(store.nodes, "upsert", upsert)
+    results = store.nodes.upsert_many([node_spec("u2"), node_spec("u1", gpus=2)])
+    assert one_by_one == ["u2", "u1"] and [r.spec.gpus for r in results] == [4, 2]
+    assert store.nodes.get("u1").spec.gpus == 2
+
+
 def test_registering_a_name_again_keeps_its_first_registration_and_racing_registrations_all_succeed(
         store: MetadataStore) -> None:
     first = store.nodes.upsert(node_spec("r1", gpus=4))

@@ -65,16 +65,65 @@ class NodeStore:
         spec = normalized_node_spec(spec)
         # Prebuilt Core statements, as heartbeats: 5,000 nodes joining at once each register.
         # INSERT ... ON CONFLICT settles a race to register one name in the database.
-        values = {"u_name": spec.name, "u_pool": spec.pool, "u_gpu_type": spec.gpu_type,
-                  "u_spec": convert.to_json(spec), "u_now": utc_now()}
         with self._db.write_core() as connection:
-            connection.execute(self._register, values)
+            connection.execute(self._register, self._register_values(spec, utc_now()))
             # Every registration is a change, the same spec again too: an agent that registers
             # again may have come back on another host (its address is part of the spec). The
             # node's row first, then the count, in every path (no two writers wait on each other).
             seq = _bump_nodes(connection)
             row = connection.execute(_SET_CHANGED, {"c_name": spec.name, "c_seq": seq}).one()
         return self._row_to_proto(row)
+
+    @staticmethod
+    def _register_values(spec: common_pb2.NodeSpec, now: datetime) -> dict[str, Any]:
+        return {"u_name": spec.name, "u_pool": spec.pool, "u_gpu_type": spec.gpu_type, "u_spec": convert.to_json(spec),
+                "u_now": now}
+
+    def upsert_many(self, specs: Sequence[common_pb2.NodeSpec]) -> list[common_pb2.Node | ServiceError]:
+        """Each spec as :meth:`upsert` would store it, in one transaction: the nodes of a fleet
+        that start together register together, one commit and one change count taken for the lot
+        rather than one each (a registration held the count's row through its own commit, so on
+        PostgreSQL registrations went one commit at a time). Results in order: the node, or the
+        error of that spec alone. A database error leaves every spec to :meth:`upsert`."""
+        results: list[common_pb2.Node | ServiceError | None] = [None] * len(specs)
+        todo: list[tuple[int, common_pb2.NodeSpec]] = []
+        for index, spec in enumerate(specs):
+            try:
+                todo.append((index, normalized_node_spec(spec)))
+            except ServiceError as exc:
+                results[index] = exc
+        # Each node's first spec: the rows in name order, then the count, as upsert takes them (so
+        # that no two writers wait on each other). A node's later specs after, each as upsert.
+        first: dict[str, tuple[int, common_pb2.NodeSpec]] = {}
+        again: list[tuple[int, common_pb2.NodeSpec]] = []
+        for index, spec in todo:
+            if spec.name in first:
+                again.append((index, spec))
+            else:
+                first[spec.name] = (index, spec)
+        grouped = [first[name] for name in sorted(first)]
+        try:
+            with self._db.write_core() as connection:
+                now = utc_now()
+                for _, spec in grouped:
+                    connection.execute(self._register, self._register_values(spec, now))
+                last = _bump_nodes(connection, len(grouped)) if grouped else 0
+                for offset, (index, spec) in enumerate(grouped):
+                    results[index] = connection.execute(_SET_CHANGED, {"c_name": spec.name,
+                                                                       "c_seq": last - len(grouped) + 1 + offset}).one()
+                for index, spec in again:
+                    connection.execute(self._register, self._register_values(spec, now))
+                    results[index] = connection.execute(_SET_CHANGED, {"c_name": spec.name,
+                                                                       "c_seq": _bump_nodes(connection)}).one()
+        except SQLAlchemyError:
+            _log.warning("batched registrations failed; storing each on its own", exc_info=True)
+            for index, spec in todo:
+                try:
+                    results[index] = self.upsert(spec)
+                except ServiceError as exc:
+                    results[index] = exc
+            return results  # type: ignore[return-value]  # every index was filled
+        return [r if isinstance(r, ServiceError) else self._row_to_proto(r) for r in results]  # type: ignore[misc]
 
     def heartbeat(self, node: str, applied_plan_version: int,
                   gpu_telemetry: Sequence[common_pb2.GpuTelemetry] = (),
@@ -270,7 +319,8 @@ _GET = select(*_ROW_COLUMNS).where(_NODES.c.name == bindparam("g_name", type_=_N
 _COUNTS = ChangeCount.__table__
 _SET_CHANGED = (update(_NODES).where(_NODES.c.name == bindparam("c_name", type_=_NODES.c.name.type))
                 .values(changed_seq=bindparam("c_seq", type_=_NODES.c.changed_seq.type)).returning(*_ROW_COLUMNS))
-_BUMP_NODES = (update(_COUNTS).where(_COUNTS.c.name == "nodes").values(value=_COUNTS.c.value + 1)
+_BUMP_NODES = (update(_COUNTS).where(_COUNTS.c.name == "nodes")
+               .values(value=_COUNTS.c.value + bindparam("c_by", type_=_COUNTS.c.value.type))
                .returning(_COUNTS.c.value))
 _NODES_COUNT = select(_COUNTS.c.value).where(_COUNTS.c.name == "nodes")
 _CHANGED_AFTER = (select(*_ROW_COLUMNS).order_by(_NODES.c.name)
@@ -309,14 +359,15 @@ def _heartbeats_grouped(connection: Connection, beats: Sequence[tuple[str, int]]
     return [index for index in todo if results[index] is None]
 
 
-def _bump_nodes(session: Session | Connection) -> int:
-    """The next node change count, taken in ``session``'s transaction (its row stays locked to the commit)."""
-    value = session.execute(_BUMP_NODES).scalar_one_or_none()
+def _bump_nodes(session: Session | Connection, by: int = 1) -> int:
+    """The node change count after ``by`` changes (the last of them), taken in ``session``'s
+    transaction (its row stays locked to the commit)."""
+    value = session.execute(_BUMP_NODES, {"c_by": by}).scalar_one_or_none()
     if value is None:  # migration 0011 made the row; a database emptied since has none
         dialect = session.get_bind().dialect if isinstance(session, Session) else session.dialect
         # Writers racing to make it: one makes it, the others wait for that and find it.
         session.execute(_insert_for(dialect.name)(_COUNTS).values(name="nodes", value=0).on_conflict_do_nothing())
-        value = session.execute(_BUMP_NODES).scalar_one()
+        value = session.execute(_BUMP_NODES, {"c_by": by}).scalar_one()
     return int(value)
 
 
