@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import select
 import signal
 import stat
 import sys
@@ -172,23 +173,45 @@ def _ignore(*_: object) -> None:
 HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+def _die_with(parent: int) -> None:
+    """Be killed when ``parent`` ends; exit now if it already has. It may have ended between the
+    fork and the prctl, before the death signal was set: the signal never comes then, and a process
+    left so would go on with no agent to stop it."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(137)
+
+
+def _die_with_launcher(launcher_alive: int) -> None:
+    """The init's :func:`_die_with`: its parent, the launcher, is outside its PID namespace, so
+    getppid() says 0 whether the launcher lives or not. ``launcher_alive`` is the read end of a
+    pipe whose write end only the launcher holds: at end of file, the launcher has ended (seen: an
+    init left so ran its rank on after its agent was stopped while launching it)."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    readable, _, _ = select.select([launcher_alive], [], [], 0)
+    if readable:  # nothing is ever written: readable means the write end is closed
+        os._exit(137)
+    os.close(launcher_alive)
+
+
 def contain(config: dict) -> None:
     """Returns in the rank, contained (see the module's docstring); the caller and the init it
     starts never return: they exit with the rank's status."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != int(config["agent_pid"]):  # the agent died before the death signal was set
-        os._exit(137)
+    _die_with(int(config["agent_pid"]))
     for cgroup in config.get("cgroups", ()):
         with open(os.path.join(cgroup, "cgroup.procs"), "w") as procs:
             procs.write(str(os.getpid()))
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC), "unshare")
     for sig in HANDLED:  # a handler, not SIG_IGN: the children must not inherit an ignored signal
         signal.signal(sig, _ignore)
+    launcher_alive, held_by_launcher = os.pipe()
     init = os.fork()
     if init:
-        os._exit(_reap_until(init))
+        os.close(launcher_alive)
+        os._exit(_reap_until(init))  # held_by_launcher stays open until this exit
     # The init: pid 1 of the new namespace.
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.close(held_by_launcher)
+    _die_with_launcher(launcher_alive)
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _build_root(config)
     _pivot(config["root"])
