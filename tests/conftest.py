@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import self_signal_guard
+from tests.support import leftovers, self_signal_guard
 
 ROOT = Path(__file__).resolve().parents[1]
 self_signal_guard.install()
@@ -51,3 +51,25 @@ def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
             return "tests/lab" if nodeid.startswith("tests/lab/") else nodeid.split("::", 1)[0]
 
     return ModuleScheduling(config, log)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The run fails if it leaves a process of this checkout running (tests/support/leftovers.py);
+    each is named and killed. Looked for once, by the process that started the run, after its
+    xdist workers have ended (each a worker's own processes stopped as it ended)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    left = leftovers.wait_for_none(ROOT, grace_s=20)
+    if not left:
+        return
+    leftovers.kill(left)
+    lines = "\n".join(f"  pid {leftover.pid}: {leftover.command[:300]}" for leftover in left)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = f"processes of this checkout still running as the run ended (killed now):\n{lines}"
+    if reporter is not None:
+        reporter.write("\n")
+        reporter.write_line(message, red=True)
+    else:
+        print(message)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
