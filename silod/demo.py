@@ -17,6 +17,7 @@ What it does, with real processes on loopback:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -89,13 +90,16 @@ def _capture(*argv: str) -> tuple[int, str]:
     return code, buf.getvalue()
 
 
-def _stop_with_parent() -> None:
-    """Linux: SIGTERM the child (a clean shutdown) if the demo dies, e.g. piped into `head`."""
+def _stop_with_parent(parent: int) -> None:
+    """Linux: SIGTERM the child (a clean shutdown) if the demo, ``parent``, dies, e.g. piped into
+    `head`; a child whose demo died before the signal was set ends at once."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(143)
 
 
 def _start_store(store: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -104,7 +108,7 @@ def _start_store(store: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], s
     argv = [sys.executable, "-m", "silod.cli", "store-emulator", "--root", str(store), "--listen", "127.0.0.1:0",
             "--bandwidth-mb-s", f"{STORE_MB_S:g}", "--latency-ms", "5", "--ready-file", str(ready)]
     print("    $ silod " + " ".join(argv[3:]), flush=True)
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_stop_with_parent)
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=functools.partial(_stop_with_parent, os.getpid()))
     deadline = time.monotonic() + 60
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -119,7 +123,7 @@ def _start_cluster(workdir: Path) -> tuple[subprocess.Popen[bytes], dict[str, An
             "--gpus-per-node", str(GPUS_PER_NODE), "--policy", "deepboot", "--cache", "silod",
             "--cache-disk-bytes", str(CACHE_BYTES), "--state-dir", str(workdir), "--interval-s", "1"]
     print("    $ silod " + " ".join(argv[3:]), flush=True)
-    up = subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_stop_with_parent)
+    up = subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=functools.partial(_stop_with_parent, os.getpid()))
     deadline = time.monotonic() + 180
     while not (cluster_file := workdir / "cluster.json").exists():
         if up.poll() is not None:

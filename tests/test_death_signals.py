@@ -1,5 +1,6 @@
-"""The contained runtime's sandbox: a process of it whose parent ended before it asked to die with
-that parent must not go on (an init so left ran its rank on with no agent: a leak seen in CI)."""
+"""Processes that ask to die with their parent (PR_SET_PDEATHSIG): one whose parent ended before
+it asked must not go on, since no signal will come (a contained rank's init so left ran its rank
+on with no agent: a leak seen in CI). The contained runtime's sandbox and the demo's children."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
+from silod import demo
 from worker_agent.runtimes import sandbox
 
 
@@ -69,11 +71,19 @@ def _die_with_launcher(parent: int, launcher_alive: int) -> None:
     sandbox._die_with_launcher(launcher_alive)
 
 
-@pytest.mark.parametrize("guard", [_die_with, _die_with_launcher], ids=["by-parent-pid", "by-launcher-pipe"])
+def _demo_child(parent: int, launcher_alive: int) -> None:
+    demo._stop_with_parent(parent)
+
+
+GUARDS = pytest.mark.parametrize("guard", [_die_with, _die_with_launcher, _demo_child],
+                                 ids=["sandbox-by-parent-pid", "sandbox-by-launcher-pipe", "demo-child"])
+
+
+@GUARDS
 def test_a_process_whose_parent_ended_before_it_set_its_death_signal_exits_at_once(guard) -> None:  # type: ignore[no-untyped-def]
     assert _grandchild_says(guard, parent_ends_first=True) == b"ready;"
 
 
-@pytest.mark.parametrize("guard", [_die_with, _die_with_launcher], ids=["by-parent-pid", "by-launcher-pipe"])
+@GUARDS
 def test_a_process_whose_parent_lives_goes_on_and_is_killed_as_the_parent_ends(guard) -> None:  # type: ignore[no-untyped-def]
     assert _grandchild_says(guard, parent_ends_first=False) == b"ready;went on;"
