@@ -53,20 +53,32 @@ def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
     return ModuleScheduling(config, log)
 
 
+_NETWORK_BEFORE: list[leftovers.HostNetwork] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):
+        _NETWORK_BEFORE.append(leftovers.host_network())
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The run fails if it leaves a process of this checkout running (tests/support/leftovers.py);
-    each is named and killed. Looked for once, by the process that started the run, after its
-    xdist workers have ended (each a worker's own processes stopped as it ended)."""
+    """The run fails if it leaves a process of this checkout running (tests/support/leftovers.py),
+    each named and killed, or the host's network changed (a namespace left, iptables' FORWARD
+    policy not put back), each named. Looked for once, by the process that started the run, after
+    its xdist workers have ended (each a worker's own processes stopped as it ended)."""
     if hasattr(session.config, "workerinput"):
         return
     left = leftovers.wait_for_none(ROOT, grace_s=20)
-    if not left:
-        return
     leftovers.kill(left)
-    lines = "\n".join(f"  pid {leftover.pid}: {leftover.command[:300]}" for leftover in left)
+    problems = [f"process of this checkout still running (killed now): pid {leftover.pid}: {leftover.command[:300]}"
+                for leftover in left]
+    if _NETWORK_BEFORE:
+        problems += leftovers.network_changes(_NETWORK_BEFORE[0], leftovers.host_network())
+    if not problems:
+        return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    message = f"processes of this checkout still running as the run ended (killed now):\n{lines}"
+    message = "the run did not stop what it started:\n" + "\n".join(f"  {problem}" for problem in problems)
     if reporter is not None:
         reporter.write("\n")
         reporter.write_line(message, red=True)

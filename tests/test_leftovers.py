@@ -44,3 +44,20 @@ def test_processes_started_before_the_run_are_not_counted() -> None:
     finally:
         earlier.kill()
         earlier.wait(timeout=10)
+
+
+def test_a_namespace_left_and_a_forward_policy_not_put_back_are_named() -> None:
+    before = leftovers.HostNetwork(frozenset({"theirs"}), "ACCEPT")
+    assert leftovers.network_changes(before, before) == []
+    after = leftovers.HostNetwork(frozenset({"theirs", "lab-h1"}), "DROP")
+    changes = leftovers.network_changes(before, after)
+    assert changes[0] == "network namespace 'lab-h1' left behind"
+    assert "FORWARD policy is DROP, was ACCEPT" in changes[1]
+    # a namespace someone else removed meanwhile, or a policy that cannot be read, is no change of the run's
+    assert leftovers.network_changes(before, leftovers.HostNetwork(frozenset(), None)) == []
+
+
+def test_the_host_network_is_read() -> None:
+    network = leftovers.host_network()
+    assert isinstance(network.namespaces, frozenset)
+    assert network.forward_policy in (None, "ACCEPT", "DROP")

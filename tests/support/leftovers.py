@@ -82,3 +82,40 @@ def kill(leftovers: list[Leftover]) -> None:
             os.kill(leftover.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+# ---- the host's network, as the lab and the tests' Docker daemon change it ------------------
+@dataclass(frozen=True)
+class HostNetwork:
+    namespaces: frozenset[str]  # named network namespaces (ip netns)
+    forward_policy: str | None  # iptables' FORWARD policy; None where it cannot be read
+
+
+def host_network() -> HostNetwork:
+    try:
+        namespaces = frozenset(entry.name for entry in Path("/var/run/netns").iterdir())
+    except OSError:
+        namespaces = frozenset()
+    return HostNetwork(namespaces, _forward_policy())
+
+
+def _forward_policy() -> str | None:
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("iptables") is None:
+        return None
+    try:
+        rules = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((line.split()[2] for line in rules.splitlines() if line.startswith("-P FORWARD ")), None)
+
+
+def network_changes(before: HostNetwork, after: HostNetwork) -> list[str]:
+    """What a run left changed of the host's network, in words (empty: nothing)."""
+    changes = [f"network namespace {name!r} left behind" for name in sorted(after.namespaces - before.namespaces)]
+    if before.forward_policy and after.forward_policy and before.forward_policy != after.forward_policy:
+        changes.append(f"iptables' FORWARD policy is {after.forward_policy}, was {before.forward_policy} "
+                       "(a Docker daemon's DROP cuts the lab's hosts off)")
+    return changes
