@@ -56,8 +56,19 @@ def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
 _NETWORK_BEFORE: list[leftovers.HostNetwork] = []
 
 
+def _outermost_run(session: pytest.Session) -> bool:
+    """The process that started the run, not an xdist worker nor a pytest run by a test (which
+    would count the outer run's processes as its own leftovers)."""
+    return not hasattr(session.config, "workerinput") and os.environ.get(_RUN_OWNER) == str(os.getpid())
+
+
+_RUN_OWNER = "SILOD_TEST_RUN_PID"
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not hasattr(session.config, "workerinput"):
+        os.environ.setdefault(_RUN_OWNER, str(os.getpid()))  # inherited: a nested run sees the outer's
+    if _outermost_run(session):
         _NETWORK_BEFORE.append(leftovers.host_network())
 
 
@@ -67,7 +78,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     each named and killed, or the host's network changed (a namespace left, iptables' FORWARD
     policy not put back), each named. Looked for once, by the process that started the run, after
     its xdist workers have ended (each a worker's own processes stopped as it ended)."""
-    if hasattr(session.config, "workerinput"):
+    if not _outermost_run(session):
         return
     left = leftovers.wait_for_none(ROOT, grace_s=20)
     leftovers.kill(left)
