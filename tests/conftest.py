@@ -54,15 +54,13 @@ def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
 
 
 _NETWORK_BEFORE: list[leftovers.HostNetwork] = []
+_RUN_OWNER = "SILOD_TEST_RUN_PID"
 
 
 def _outermost_run(session: pytest.Session) -> bool:
     """The process that started the run, not an xdist worker nor a pytest run by a test (which
     would count the outer run's processes as its own leftovers)."""
     return not hasattr(session.config, "workerinput") and os.environ.get(_RUN_OWNER) == str(os.getpid())
-
-
-_RUN_OWNER = "SILOD_TEST_RUN_PID"
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

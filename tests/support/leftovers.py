@@ -42,11 +42,11 @@ def _ancestors(pid: int) -> set[int]:
     return seen
 
 
-def find(root: Path, since_pid: int | None = None) -> list[Leftover]:
-    """Processes whose command line names ``root`` and that started after ``since_pid`` (this
-    process by default) did, other than it and its ancestors."""
+def find(root: Path) -> list[Leftover]:
+    """Processes whose command line names ``root`` and that started after this process did, other
+    than it and its ancestors."""
     me = os.getpid()
-    since = _start_ticks(since_pid or me)
+    since = _start_ticks(me)
     if since is None or not Path("/proc").is_dir():
         return []
     mine = _ancestors(me)
@@ -103,13 +103,14 @@ def _forward_policy() -> str | None:
     import shutil
     import subprocess
 
+    from tests.support import docker_engine  # it reads the policy to put it back after its daemon
+
     if os.geteuid() != 0 or shutil.which("iptables") is None:
         return None
     try:
-        rules = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
+        return docker_engine.forward_policy()
+    except (docker_engine.DockerUnavailable, OSError, subprocess.SubprocessError):
         return None
-    return next((line.split()[2] for line in rules.splitlines() if line.startswith("-P FORWARD ")), None)
 
 
 def network_changes(before: HostNetwork, after: HostNetwork) -> list[str]:
