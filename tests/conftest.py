@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import leftovers, self_signal_guard
+import subprocess
+
+from tests.support import leftovers, prebuild, self_signal_guard
 
 ROOT = Path(__file__).resolve().parents[1]
 self_signal_guard.install()
@@ -54,6 +56,7 @@ def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
 
 
 _NETWORK_BEFORE: list[leftovers.HostNetwork] = []
+_PREBUILD: list[subprocess.Popen[bytes]] = []
 _RUN_OWNER = "SILOD_TEST_RUN_PID"
 
 
@@ -68,6 +71,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         os.environ.setdefault(_RUN_OWNER, str(os.getpid()))  # inherited: a nested run sees the outer's
     if _outermost_run(session):
         _NETWORK_BEFORE.append(leftovers.host_network())
+        # A whole-suite run builds the Docker images meanwhile (tests/support/prebuild.py).
+        if prebuild.wanted(whole_suite=session.config.args_source == pytest.Config.ArgsSource.TESTPATHS):
+            _PREBUILD.extend(filter(None, [prebuild.start()]))
 
 
 @pytest.hookimpl(trylast=True)
@@ -78,6 +84,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     its xdist workers have ended (each a worker's own processes stopped as it ended)."""
     if not _outermost_run(session):
         return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for proc in _PREBUILD:
+        line = prebuild.finish(proc)
+        if reporter is not None:
+            reporter.write_line(line)
     left = leftovers.wait_for_none(ROOT, grace_s=20)
     leftovers.kill(left)
     problems = [f"process of this checkout still running (killed now): pid {leftover.pid}: {leftover.command[:300]}"
@@ -86,7 +97,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         problems += leftovers.network_changes(_NETWORK_BEFORE[0], leftovers.host_network())
     if not problems:
         return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     message = "the run did not stop what it started:\n" + "\n".join(f"  {problem}" for problem in problems)
     if reporter is not None:
         reporter.write("\n")

@@ -120,7 +120,8 @@ def _build_in_parallel(deployment: Deployment, steps: list[str]) -> None:
 
     def build(step: str) -> None:
         try:
-            deployment.run(step, timeout=1200)
+            with engines.image_lock(step):  # tests/support/prebuild.py may be building it
+                deployment.run(step, timeout=1200)
         except BaseException as exc:  # noqa: BLE001 - reported below, with the others
             failures.append(exc)
 
@@ -191,7 +192,8 @@ def deployment(docker_engine: Engine, tmp_path_factory: pytest.TempPathFactory) 
             try:
                 with engines.locked(engines.CACHE / "build.lock"):
                     deployment.docker("tag", engines.build_job_image(docker_engine), TORCH)
-                deployment.run("build-digits-job", timeout=1200)
+                with engines.image_lock("build-digits-job"):
+                    deployment.run("build-digits-job", timeout=1200)
             except BaseException as exc:  # noqa: BLE001 - raised after `up`
                 job_images.append(exc)
 

@@ -96,6 +96,13 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def image_lock(step: str) -> contextlib.AbstractContextManager[None]:
+    """Held while one of the operator guide's images (tests/deploy/compose_guide.py BUILDS) is built,
+    by the compose fixture or tests/support/prebuild.py: one build of an image at a time, so the
+    second is a cache hit rather than the same work twice."""
+    return locked(CACHE / f"{step}.lock")
+
+
 def _run(*argv: str, timeout: float = 120, check: bool = True, **kwargs) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)
     if check and done.returncode != 0:
