@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,27 @@ def _empty_part(node: str, plan: plan_pb2.AllocationPlan) -> plan_pb2.NodePlan:
     return plan_pb2.NodePlan(version=plan.version, node=node, epoch=plan.epoch)
 
 
+def _consecutive_plans(md: Any, oldest: int) -> Iterator[tuple[plan_pb2.AllocationPlan, plan_pb2.AllocationPlan]]:
+    """(plan v-1, plan v) for every v whose plan and predecessor the store still holds, from the
+    newest down to v-1 = ``oldest``: ListPlans rebuilds a page of plans in one pass over the stored
+    changes, where a GetPlan per version rebuilt each from the nearest whole plan (a fifth of the
+    metadata service's time at 1,000 nodes). A page at a time, so a long run's plans are never all
+    held at once."""
+    newer: plan_pb2.AllocationPlan | None = None
+    token = ""
+    while True:
+        page = md.ListPlans(metadata_pb2.ListPlansRequest(page_size=10, page_token=token))
+        for plan in page.plans:  # newest first
+            if newer is not None and plan.version == newer.version - 1:
+                yield plan, newer
+            if plan.version <= oldest:
+                return
+            newer = plan
+        token = page.next_page_token
+        if not token:
+            return
+
+
 def ack_figures(metadata_addr: str, plans: dict[str, Any]) -> dict[str, Any]:
     """Seconds from a plan's creation (set by the scheduler just before it commits it) until each
     node whose part it changed acked it or a newer plan (a node busy applying one plan applies
@@ -171,21 +193,17 @@ def ack_figures(metadata_addr: str, plans: dict[str, Any]) -> dict[str, Any]:
     with open_channel(metadata_addr, default_timeout_s=30) as channel:
         md = metadata_pb2_grpc.MetadataServiceStub(channel)
         versions = sorted(acked_at)
-        previous: dict[str, plan_pb2.NodePlan] | None = None
-        for version in range(versions[0] - 1, versions[-1] + 1) if versions else ():
-            try:
-                plan = md.GetPlan(metadata_pb2.GetPlanRequest(version=version))
-            except grpc.RpcError:  # version 0, or removed by retention
-                previous = None
-                continue
-            views = convert.node_plans(plan, {}, {})
-            if previous is None:
-                previous = views
+        last: tuple[int, dict[str, plan_pb2.NodePlan]] | None = None  # the older plan of the pair before
+        for older, plan in _consecutive_plans(md, versions[0] - 1) if versions else ():
+            version = plan.version
+            views = last[1] if last and last[0] == version else convert.node_plans(plan, {}, {})
+            previous = convert.node_plans(older, {}, {})
+            last = (older.version, previous)
+            if version > versions[-1]:
                 continue
             due = [n for n in set(views) | set(previous)
                    if not convert.same_node_part(views.get(n) or _empty_part(n, plan),
                                                  previous.get(n) or _empty_part(n, plan))]
-            previous = views
             if not due:
                 continue
             acks = [first_at(acked_at, version, n) for n in due]
@@ -201,6 +219,8 @@ def ack_figures(metadata_addr: str, plans: dict[str, Any]) -> dict[str, Any]:
             receipts = [first_at(received_at, version, n) for n in due]
             if all(t is not None for t in receipts):
                 received_by_all.append(max(t for t in receipts if t is not None) - created)
+
+    unacked.sort(key=lambda plan: plan["version"])  # listed newest first
 
     def pct(values: list[float], q: float) -> float | None:
         return round(sorted(values)[min(len(values) - 1, int(q * len(values)))], 3) if values else None
