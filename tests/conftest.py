@@ -72,7 +72,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if _outermost_run(session):
         _NETWORK_BEFORE.append(leftovers.host_network())
         # A whole-suite run builds the Docker images meanwhile (tests/support/prebuild.py).
-        if prebuild.wanted(whole_suite=session.config.args_source == pytest.Config.ArgsSource.TESTPATHS):
+        if prebuild.wanted(session.config):
             _PREBUILD.extend(filter(None, [prebuild.start()]))
 
 

@@ -13,6 +13,8 @@ only logged; the fixture that needs the image tries again and reports it.
     .venv/bin/python -m tests.support.prebuild      # by hand: the log goes to stdout
 
 ``SILOD_TEST_PREBUILD=0`` keeps a whole-suite run from starting it, ``=1`` starts it for any run.
+A run that ends before it does stops it (SIGTERM), once it has installed Debian's packages and
+made the base image (an install or a debootstrap cut short would leave the machine in a mess).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from tests.deploy.compose_guide import BASE, BUILDS, TORCH
 from tests.support import docker_engine as engines
@@ -65,6 +67,11 @@ def build_all() -> int:
     """Every image the suite builds; 0 if all were built (or found), 1 if any failed."""
     started = time.monotonic()
     failures: list[str] = []
+    # A SIGTERM while apt-get installs would leave dpkg half done ("dpkg was interrupted"), and
+    # one while debootstrap runs its root's /proc mounted: those and the daemon's start finish
+    # first, then the stop is honoured (docker builds may be cut short).
+    stop_asked: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop_asked.append(signum))
     try:
         engine = engines.acquire_engine()  # installs Debian's packages and starts dockerd if needed
     except (engines.DockerUnavailable, OSError, subprocess.TimeoutExpired) as exc:
@@ -77,6 +84,10 @@ def build_all() -> int:
                 engine.docker("tag", engines.base_image(engine), BASE)
 
         _timed("base image", base, failures)
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        if stop_asked:
+            _log("stopped after the base image: the run ended first")
+            return 1
         if failures:
             return 1
 
@@ -101,7 +112,11 @@ def build_all() -> int:
 
 
 # ---- started by the run's controller ----------------------------------------------------------
-def wanted(whole_suite: bool) -> bool:
+def wanted(config: Any) -> bool:
+    """A run of the whole suite (no paths, no -k, -m, --lf or --sw) unless the switch says otherwise."""
+    option = config.option
+    whole_suite = (config.args_source == config.ArgsSource.TESTPATHS and not option.keyword and not option.markexpr
+                   and not option.lf and not option.stepwise)
     return {"0": False, "1": True}.get(os.environ.get(SWITCH, ""), whole_suite)
 
 
@@ -126,7 +141,7 @@ def finish(proc: subprocess.Popen[bytes]) -> str:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=600)  # an install of Debian's packages goes on to its end
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -140,5 +155,4 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sys.exit(build_all())
