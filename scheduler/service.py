@@ -3,6 +3,9 @@ plus the scheduling rounds that run the configured policy (see scheduler/live/).
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import grpc
 from pydantic import Field, field_validator, model_validator
 
@@ -10,6 +13,12 @@ from silod.rpc.channels import open_channel
 from services.runtime.server import ServiceDefinition
 from services.runtime.settings import ServiceSettings, at_least, refuse
 from silod.v1 import allocation_pb2_grpc, estimator_pb2_grpc, metadata_pb2_grpc, scheduler_pb2_grpc
+
+_log = logging.getLogger("silod.scheduler")
+# What a metadata service that is not up yet answers: waited for at start, as the agents, cache
+# servers and allocation servers wait for it, rather than exiting (any other refusal still does).
+_NOT_UP_YET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+START_RETRY_MAX_S = 5.0
 
 
 class Settings(ServiceSettings):
@@ -123,7 +132,7 @@ def definition(settings: Settings) -> ServiceDefinition:
                                      default_timeout_s=settings.metadata_timeout_s)
             channels.append(estimator)
             core.estimator = estimator_pb2_grpc.EstimatorServiceStub(estimator)
-        await core.start()
+        await _start_once_metadata_answers(core, settings.metadata_address)
 
     async def on_stop() -> None:
         await core.stop()
@@ -139,3 +148,22 @@ def definition(settings: Settings) -> ServiceDefinition:
     )
     service.core = core  # type: ignore[attr-defined]  # for in-process tests
     return service
+
+
+async def _start_once_metadata_answers(core, metadata_address: str) -> None:  # type: ignore[no-untyped-def]
+    """core.start(), again after a pause while the metadata service is not up yet (started at the
+    same time, restarting, or a wrong address: each try is logged with the address and the error).
+    The port opens only once it has started, so health checks fail meanwhile. core.start() only
+    reads until it succeeds, so a try cut short is harmless; SIGTERM meanwhile stops the process."""
+    pause = 0.5
+    while True:
+        try:
+            await core.start()
+            return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _NOT_UP_YET:
+                raise
+            _log.warning("metadata service not answering; trying again", extra={
+                "metadata": metadata_address, "code": exc.code().name, "details": exc.details(), "retry_in_s": pause})
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, START_RETRY_MAX_S)

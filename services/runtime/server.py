@@ -219,6 +219,8 @@ async def start_server(definition: ServiceDefinition, settings: ServiceSettings)
             raise
         except Exception as exc:
             _log.debug("on_start failed", exc_info=True)
+            if isinstance(exc, grpc.aio.AioRpcError):  # its str() is a multi-line dump of gRPC internals
+                raise StartupError(f"on_start failed: a call was refused: {exc.code().name}: {exc.details()}") from exc
             raise StartupError(f"on_start failed: {type(exc).__name__}: {exc}") from exc
 
     try:
