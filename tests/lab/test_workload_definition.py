@@ -41,5 +41,5 @@ def test_more_inference_nodes_are_copies_of_infer_0_with_their_own_names_and_vol
     assert flags["--advertise-address"] == "agent-infer-1:7074"
     assert second.volumes[flags["--work-dir"]] == "agent-work-infer-1"
     assert second.volumes[flags["--checkpoint-root"]] == "checkpoints"   # shared by every agent
-    assert second.depends_on["cache-infer-1"] == "service_healthy"
+    assert second.depends_on["cache-infer-1"] == services["agent-infer-0"].depends_on["cache-infer-0"]  # its own cache server
     assert "agent-infer-0" not in compose.load(nodes=1, inference_nodes=0)
