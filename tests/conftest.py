@@ -10,11 +10,10 @@ because SILOD_RANK_ENV_PASSTHROUGH names it).
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
-
-import subprocess
 
 from tests.support import leftovers, prebuild, self_signal_guard
 
