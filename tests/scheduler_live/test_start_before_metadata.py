@@ -8,9 +8,9 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from tests.e2e.harness import wait_until
 from tests.support.procs import free_port, start_service
 
 
@@ -23,28 +23,18 @@ def _scheduler(tmp_path: Path, metadata_address: str, *args: str) -> tuple[subpr
     return proc, ready, log
 
 
-def _wait_for(what, timeout_s: float, describe: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout_s:g} s: {describe}")
-
-
 def test_the_scheduler_waits_for_its_metadata_service_and_then_serves(tmp_path: Path) -> None:
     port = free_port()
     proc, ready, log = _scheduler(tmp_path, f"127.0.0.1:{port}")
     metadata = None
     try:
-        _wait_for(lambda: log.read_text().count("metadata service not answering") >= 2, 60,
+        wait_until(lambda: log.read_text().count("metadata service not answering") >= 2, 60,
                   "the scheduler saying twice that it waits")
         assert proc.poll() is None and not ready.exists(), log.read_text()
         assert f'"metadata": "127.0.0.1:{port}"' in log.read_text()
         metadata = start_service("metadata", "--db", f"sqlite:///{tmp_path / 'md.db'}", "--log-level", "warning",
                                  workdir=tmp_path / "metadata", port=port)
-        address = _wait_for(lambda: ready.exists() and ready.read_text().strip(), 30, "the scheduler serving")
+        address = wait_until(lambda: ready.exists() and ready.read_text().strip(), 30, "the scheduler serving")
         health = subprocess.run([sys.executable, "-m", "silod.cli", "health", address], capture_output=True,
                                 text=True, timeout=60)
         assert health.returncode == 0, health.stdout + health.stderr
@@ -58,7 +48,7 @@ def test_the_scheduler_waits_for_its_metadata_service_and_then_serves(tmp_path: 
 
 def test_sigterm_while_it_waits_stops_it_cleanly(tmp_path: Path) -> None:
     proc, ready, log = _scheduler(tmp_path, f"127.0.0.1:{free_port()}")
-    _wait_for(lambda: "metadata service not answering" in log.read_text(), 60, "the scheduler waiting")
+    wait_until(lambda: "metadata service not answering" in log.read_text(), 60, "the scheduler waiting")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0, log.read_text()
     assert "stopped before serving" in log.read_text() and not ready.exists()
